@@ -1,0 +1,29 @@
+"""fsdpfn: functional fully sharded data parallelism (FSDP / ZeRO / HSDP) and Muon for PyTorch.
+
+Example:
+  >>> plan = fsdpfn.plan(model, mesh, strategy="zero3")  # doctest: +SKIP
+  >>> params = fsdpfn.shard(model, plan)  # doctest: +SKIP
+  >>> full = fsdpfn.unshard(params, plan)  # differentiable; VJP == fsdpfn.reduce  # doctest: +SKIP
+"""
+
+from fsdpfn._cost import PlanCost as PlanCost
+from fsdpfn._plan import MixedPrecision as MixedPrecision
+from fsdpfn._plan import Plan as Plan
+from fsdpfn._plan import plan as plan
+from fsdpfn.transforms import count_collectives as count_collectives
+from fsdpfn.transforms import reduce as reduce
+from fsdpfn.transforms import shard as shard
+from fsdpfn.transforms import unshard as unshard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MixedPrecision",
+    "Plan",
+    "PlanCost",
+    "count_collectives",
+    "plan",
+    "reduce",
+    "shard",
+    "unshard",
+]

@@ -1,0 +1,98 @@
+"""The plan's cost model: bytes per collective kind per step, and memory per rank.
+
+It mirrors what :mod:`fsdpfn.transforms` issue, call for call, so a test can compare it with a
+:func:`fsdpfn.transforms.count_collectives` record of a real step. ``wire_bytes`` follows
+:class:`fsdpfn.transforms.CollectiveCall`: ``(W-1)/W`` of the full buffer for all-gather and
+reduce-scatter, ``2 (W-1)/W`` for all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdpfn._plan import Plan, _human
+
+__all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    calls: int = 0
+    nbytes: int = 0
+    wire_bytes: float = 0.0
+
+    def __add__(self, other: "CollectiveCost") -> "CollectiveCost":
+        return CollectiveCost(self.calls + other.calls, self.nbytes + other.nbytes, self.wire_bytes + other.wire_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    """Per rank, per training step.
+
+    Attributes:
+      collectives: ``{kind: CollectiveCost}`` for ``all_gather``, ``reduce_scatter``,
+        ``all_reduce``.
+      memory: bytes per rank: ``params`` (sharded masters, largest rank), ``grads`` (sharded
+        for zero2/zero3, full for zero1/replicate), ``optimizer_state_per_slot`` (one fp32-like
+        slot shaped like the sharded masters, e.g. Adam needs two), ``unsharded_peak`` (full
+        parameters alive at once in the gather dtype: one unit at a time for zero3 plus every
+        other unit, whose full parameters live from forward to backward).
+    """
+
+    collectives: dict
+    memory: dict
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(c.wire_bytes for c in self.collectives.values())
+
+    def __str__(self) -> str:
+        lines = ["collective        calls   buffer bytes   sent per rank"]
+        for kind, c in self.collectives.items():
+            lines.append(f"{kind:<16} {c.calls:>6}   {_human(c.nbytes):>12}   {_human(c.wire_bytes):>13}")
+        lines.append("memory per rank: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
+        return "\n".join(lines)
+
+
+def _cc(group_size: int, nbytes: int, factor: float = 1.0, calls: int = 1) -> CollectiveCost:
+    return CollectiveCost(calls, calls * nbytes, calls * factor * (group_size - 1) / group_size * nbytes)
+
+
+def plan_cost(plan: Plan, reshard_after_forward: bool | None = None) -> PlanCost:
+    w, r = plan.shard_size, plan.replicate_size
+    kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    mem = {"params": 0, "grads": 0, "optimizer_state_per_slot": 0, "unsharded_peak": 0}
+    largest_zero3 = 0
+    for unit in plan.units:
+        g_item = plan.gather_dtype(unit).itemsize
+        r_item = plan.reduce_dtype(unit).itemsize
+        master = sum(p.numel * p.dtype.itemsize for p in unit.params)
+        full_gathered = unit.numel * g_item
+        if not unit.sharded:
+            if unit.numel:
+                kinds["all_reduce"] += _cc(w, unit.numel * r_item, 2.0)
+                if plan.hsdp:
+                    kinds["all_reduce"] += _cc(r, unit.numel * r_item, 2.0)
+            mem["params"] += master
+            mem["grads"] += master
+            mem["optimizer_state_per_slot"] += master
+            mem["unsharded_peak"] += full_gathered  # unshard's cast copy
+            continue
+        gathers = 2 if (unit.strategy == "zero3" and reshard_after_forward is not False) else 1
+        if unit.shard_numel:
+            kinds["all_gather"] += _cc(w, w * unit.shard_numel * g_item, calls=gathers)
+        if unit.reduce_numel:
+            kinds["reduce_scatter"] += _cc(w, w * unit.reduce_numel * r_item)
+            if plan.hsdp:
+                kinds["all_reduce"] += _cc(r, unit.reduce_numel * r_item, 2.0)
+        item = unit.params[0].dtype.itemsize
+        sharded_master = unit.reduce_numel * item
+        mem["params"] += sharded_master
+        mem["optimizer_state_per_slot"] += sharded_master
+        mem["grads"] += master if unit.strategy == "zero1" else sharded_master
+        if unit.strategy == "zero3":
+            largest_zero3 = max(largest_zero3, full_gathered)
+        else:
+            mem["unsharded_peak"] += full_gathered
+    mem["unsharded_peak"] += largest_zero3
+    return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem)

@@ -1,0 +1,71 @@
+"""A small GPT-style decoder: the model our examples, tests and benchmarks shard.
+
+Pre-norm blocks (causal self-attention + GELU MLP) in an ``nn.ModuleList``, so fsdpfn's default
+unit policy makes each block a unit and leaves the embeddings, final norm and head in the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    width: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: int = 4
+    tie_embeddings: bool = False
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.norm1 = nn.LayerNorm(cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.norm2 = nn.LayerNorm(cfg.width)
+        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``depth`` blocks, final norm, linear head.
+
+    Example:
+      >>> model = GPT(GPTConfig(vocab_size=64, width=32, depth=2))
+      >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+      torch.Size([2, 8, 64])
+    """
+
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

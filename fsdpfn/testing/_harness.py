@@ -1,0 +1,233 @@
+"""Run a function on N gloo ranks, with process groups started once per world size.
+
+[Note: persistent worker pools]
+Starting a process and a gloo group costs about two seconds (mostly ``import torch``). A test
+suite that starts one per test spends its time there. So each world size gets one pool of worker
+processes, started on first use and kept until the interpreter exits (or
+:func:`shutdown_pools`). Every call sends the same picklable function to each worker of the
+pool, which runs ``fn(rank, world_size, *args)`` inside the already-initialised default process
+group and sends back the result or its traceback.
+
+A pool is trusted again only if every rank answered: if a rank raised while the others sat in a
+collective waiting for it, or a call timed out, the pool is killed and the next call starts a
+fresh one, so one broken test never poisons the next.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh"]
+
+DEFAULT_TIMEOUT = float(os.environ.get("FSDPFN_TEST_TIMEOUT", "180"))
+# After one rank fails, how long the others get to finish before we declare them stuck.
+_GRACE_AFTER_ERROR = 10.0
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised, or did not answer in time. The message holds every failing
+    rank's traceback."""
+
+
+@dataclasses.dataclass
+class _Pool:
+    world_size: int
+    procs: list
+    tasks: list
+    results: Any
+    next_id: int = 0
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            out = ("ok", fn(rank, world_size, *args, **kwargs))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+            out = ("error", traceback.format_exc())
+        try:
+            results.put((task_id, rank, out))
+        except Exception:  # the result did not pickle
+            results.put((task_id, rank, ("error", traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
+    ctx = mp.get_context("spawn")
+    init_file = os.path.join(tempfile.mkdtemp(prefix="fsdpfn_gloo_"), f"store_{world_size}")
+    results = ctx.Queue()
+    tasks = [ctx.Queue() for _ in range(world_size)]
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(
+            target=_worker,
+            args=(rank, world_size, init_file, tasks[rank], results, pg_timeout_s),
+            daemon=True,
+            name=f"fsdpfn-rank{rank}-of-{world_size}",
+        )
+        p.start()
+        procs.append(p)
+    return _Pool(world_size, procs, tasks, results)
+
+
+def _kill_pool(world_size: int) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is None:
+        return
+    for p in pool.procs:
+        if p.is_alive():
+            p.kill()
+    for p in pool.procs:
+        p.join(timeout=5)
+
+
+def shutdown_pools() -> None:
+    """Stops every worker pool (the pytest plugin calls this at the end of the session)."""
+    for world_size in list(_POOLS):
+        pool = _POOLS[world_size]
+        for q in pool.tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in pool.procs:
+            p.join(timeout=5)
+        _kill_pool(world_size)
+
+
+atexit.register(shutdown_pools)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    The default process group is already initialised in each worker (gloo, CPU, one thread per
+    rank). ``fn`` must be picklable: a module-level function, or a ``functools.partial`` of one.
+    Results come back in rank order.
+
+    Args:
+      fn: the function to run on every rank.
+      world_size: number of ranks, >= 1.
+      *args, **kwargs: passed to ``fn`` after ``rank`` and ``world_size``.
+      timeout: seconds before a hang is declared (default 180, or ``$FSDPFN_TEST_TIMEOUT``).
+
+    Returns:
+      ``[fn(0, W, ...), fn(1, W, ...), ...]``.
+
+    Raises:
+      RankError: some rank raised (its traceback is in the message) or did not answer in time.
+
+    Example:
+      >>> def total(rank, world_size):  # doctest: +SKIP
+      ...     t = torch.tensor([float(rank)])
+      ...     torch.distributed.all_reduce(t)
+      ...     return t.item()
+      >>> run_on_ranks(total, world_size=3)  # doctest: +SKIP
+      [3.0, 3.0, 3.0]
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        _kill_pool(world_size)
+        pool = _POOLS[world_size] = _start_pool(world_size, pg_timeout_s=max(timeout, 30.0))
+    pool.next_id += 1
+    task_id = pool.next_id
+    for q in pool.tasks:
+        q.put((task_id, fn, args, kwargs))
+
+    answers: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(answers) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            got_id, rank, out = pool.results.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            if not all(p.is_alive() for p in pool.procs):
+                dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
+                for r in dead:
+                    answers.setdefault(r, ("error", f"rank {r} died (exit code {pool.procs[r].exitcode})"))
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
+            continue
+        if got_id != task_id:  # a stale answer from a call that timed out
+            continue
+        answers[rank] = out
+        if out[0] == "error":
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
+
+    missing = [r for r in range(world_size) if r not in answers]
+    if missing:
+        _kill_pool(world_size)
+    errors = {r: a[1] for r, a in answers.items() if a[0] == "error"}
+    if errors or missing:
+        name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
+        parts = [f"{name} failed on {world_size} rank(s):"]
+        for r in sorted(errors):
+            parts.append(f"--- rank {r} raised:\n{errors[r]}")
+        if missing:
+            why = "after another rank failed" if errors else f"within {timeout:.0f} s (hang?)"
+            parts.append(f"--- rank(s) {missing} did not finish {why}; their pool was restarted")
+        raise RankError("\n".join(parts))
+    return [answers[r][1] for r in range(world_size)]
+
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def mesh(shape: tuple[int, ...] | int | None = None, dim_names: tuple[str, ...] | None = None):
+    """A CPU ``DeviceMesh`` over the current ranks, cached per (shape, names) in this process.
+
+    Inside :func:`run_on_ranks` workers, creating a 2-D mesh creates process groups; caching it
+    makes the second test that asks for the same mesh free.
+
+    Example:
+      >>> m = mesh((2, 2), ("replicate", "shard"))  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape is None:
+        shape = (dist.get_world_size(),)
+    if isinstance(shape, int):
+        shape = (shape,)
+    key = (tuple(shape), tuple(dim_names) if dim_names else None)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", tuple(shape), mesh_dim_names=key[1])
+    return _MESHES[key]

@@ -1,0 +1,393 @@
+"""shard, unshard, reduce: pure functions over parameter dicts, scheduled by a plan.
+
+``unshard`` is one ``torch.autograd.Function`` per unit whose backward is ``reduce``: the
+all-gather's transpose is the reduce-scatter. So ``torch.func.grad`` (or ``loss.backward()``) of a
+loss written over unsharded parameters returns sharded, already-reduced gradients.
+
+[Note: unshard under torch.func]
+Inside ``torch.func`` transforms the inputs seen by Python code are functorch wrappers without
+DTensor metadata, and DTensor's own ``from_local``/``to_local`` are autograd Functions without
+``setup_context`` that fail there. So: the Function defines ``setup_context``; every piece of
+metadata (mesh, placements, shapes) comes from the plan, never from the input; the collectives
+and the unwrapping run inside ``torch._C._DisableFuncTorch()``, where the inputs are plain
+DTensors again; and gradients are built with the ``DTensor(local, spec, requires_grad=False)``
+constructor. This is what makes one implementation serve both ``loss.backward()`` and
+``torch.func.grad``/``vjp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from fsdpfn._plan import Plan, Unit
+from fsdpfn.transforms import _collectives as C
+
+__all__ = ["shard", "unshard", "reduce", "placements", "shard_rank", "shard_group", "replicate_group"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh and DTensor metadata, all read from the plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _mesh(plan: Plan):
+    if plan.mesh is None:
+        raise ValueError("this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) or Plan.from_json(s, mesh)")
+    return plan.mesh
+
+
+def shard_group(plan: Plan):
+    """The process group of the plan's shard axis."""
+    mesh = _mesh(plan)
+    return mesh.get_group("shard") if plan.hsdp else mesh.get_group()
+
+
+def replicate_group(plan: Plan):
+    """The process group of the plan's replicate axis (HSDP only)."""
+    return _mesh(plan).get_group("replicate")
+
+
+def shard_rank(plan: Plan) -> int:
+    """This process's index on the shard axis."""
+    mesh = _mesh(plan)
+    return mesh.get_local_rank("shard") if plan.hsdp else mesh.get_local_rank()
+
+
+def placements(plan: Plan, name: str) -> tuple:
+    """DTensor placements of parameter ``name``: ``Shard(0)`` on the shard axis if the parameter
+    is sharded, ``Replicate()`` elsewhere."""
+    unit = plan.unit_of(name)
+    sharded = unit.slots[name].sharded
+    inner = Shard(0) if sharded else Replicate()
+    return (Replicate(), inner) if plan.hsdp else (inner,)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def _spec(plan: Plan, name: str, dtype: torch.dtype) -> DTensorSpec:
+    shape = plan.param(name).shape
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
+    return DTensorSpec(_mesh(plan), placements(plan, name), tensor_meta=meta)
+
+
+def _dtensor(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
+    return DTensor(local, _spec(plan, name, local.dtype), requires_grad=requires_grad)
+
+
+def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...]:
+    start, stop = unit.local_rows(name, rank)
+    shape = plan.param(name).shape
+    return (stop - start, *shape[1:]) if shape else ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks: name what is wrong and how to fix it
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_keys(tree: Mapping[str, Any], plan: Plan, what: str) -> None:
+    if not isinstance(tree, Mapping):
+        raise ValueError(f"{what} must be a dict {{parameter name: tensor}}, got {type(tree).__name__}")
+    expected = set(plan.param_names)
+    missing = [n for n in plan.param_names if n not in tree]
+    extra = sorted(k for k in tree if k not in expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"not in the plan {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise ValueError(
+            f"{what} does not match the plan ({'; '.join(parts)}). Pass exactly the plan's parameters: "
+            "the dict fsdpfn.shard(model, plan) returned, or a plan built for this model."
+        )
+    for name in plan.param_names:
+        value = tree[name]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{what}[{name!r}] must be a tensor, got {type(value).__name__}")
+        expected_shape = plan.param(name).shape
+        if tuple(value.shape) != expected_shape:
+            raise ValueError(
+                f"{what}[{name!r}] has shape {tuple(value.shape)}, but the plan says {expected_shape}; "
+                "was the plan built for another model?"
+            )
+
+
+def _local(x: torch.Tensor, plan: Plan, name: str) -> torch.Tensor:
+    if not isinstance(x, DTensor):
+        raise ValueError(
+            f"params[{name!r}] is a plain {type(x).__name__}; unshard takes the DTensor shards from "
+            "fsdpfn.shard(model, plan), not full parameters"
+        )
+    if tuple(x.placements) != placements(plan, name):
+        raise ValueError(f"params[{name!r}] has placements {x.placements}, but the plan says {placements(plan, name)}")
+    return x._local_tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# shard
+# ---------------------------------------------------------------------------------------------
+
+
+def shard(model_or_params, plan: Plan, *, requires_grad: bool = False) -> dict[str, DTensor]:
+    """This rank's shards of every parameter, as DTensors placed as the plan says.
+
+    No communication: every rank is expected to hold the same full parameters (same seed), and
+    keeps its own ``torch.chunk`` slice along dim 0. 0-d parameters and ``replicate`` units are
+    kept whole. Shards are copies: the full model can be freed afterwards.
+
+    Args:
+      model_or_params: an ``nn.Module`` or a dict ``{name: full tensor}``.
+      plan: the plan.
+      requires_grad: mark the shards as leaves requiring grad (for ``loss.backward()`` loops).
+
+    Returns:
+      ``{name: DTensor}`` in the plan's order.
+
+    Example:
+      >>> params = fsdpfn.shard(model, plan)  # doctest: +SKIP
+      >>> params["layers.0.mlp.weight"].to_local().shape  # this rank's rows  # doctest: +SKIP
+    """
+    if isinstance(model_or_params, torch.nn.Module):
+        full = dict(model_or_params.named_parameters())
+    else:
+        full = model_or_params
+    _check_keys(full, plan, "shard(model_or_params)")
+    rank = shard_rank(plan)
+    out: dict[str, DTensor] = {}
+    with torch.no_grad():
+        for unit in plan.units:
+            for p in unit.params:
+                value = full[p.name]
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                start, stop = unit.local_rows(p.name, rank)
+                local = value.detach()[start:stop] if p.shape else value.detach()
+                out[p.name] = _dtensor(plan, p.name, local.clone().contiguous(), requires_grad)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-unit kernels: gather one unit, reduce one unit
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op: bool = False):
+    """Starts the all-gather of ``unit`` from this rank's local shards.
+
+    Returns ``(pending, finish)``: ``finish(pending.wait())`` gives the full parameters, in
+    ``unit.params`` order and in the gather dtype. Split so the runtime can overlap the wait.
+    """
+    dtype = plan.gather_dtype(unit)
+    w = plan.shard_size
+    slots = unit.slots
+    if unit.sharded and unit.shard_numel:
+        buf = torch.empty(unit.shard_numel, dtype=dtype)
+        for p, local in zip(unit.params, locals_):
+            slot = slots[p.name]
+            if slot.sharded:
+                n = local.numel()
+                buf[slot.offset : slot.offset + n].copy_(local.reshape(-1))
+                buf[slot.offset + n : slot.offset + slot.size].zero_()
+        out = torch.empty(w * unit.shard_numel, dtype=dtype)
+        pending = C.all_gather(out, buf, shard_group(plan), async_op=async_op, tag=unit.name)
+    else:
+        pending = C.Pending(torch.empty(0, dtype=dtype))
+
+    def finish(gathered: torch.Tensor) -> list[torch.Tensor]:
+        stacked = gathered.view(w, unit.shard_numel) if gathered.numel() else None
+        fulls = []
+        for p, local in zip(unit.params, locals_):
+            slot = slots[p.name]
+            if not slot.sharded:
+                fulls.append(local.to(dtype, copy=True))
+                continue
+            padded = torch.empty(w * slot.size, dtype=dtype)
+            if slot.size:
+                padded.view(w, slot.size).copy_(stacked[:, slot.offset : slot.offset + slot.size])
+            fulls.append(padded[: p.numel].view(p.shape))
+        return fulls
+
+    return pending, finish
+
+
+def reduce_unit(
+    plan: Plan,
+    unit: Unit,
+    grads: list[torch.Tensor | None],
+    *,
+    op: str = "mean",
+    scale: float | None = None,
+    async_op: bool = False,
+):
+    """Starts the reduction of ``unit``'s full gradients (one reduce-scatter, plus an all-reduce
+    over the replicate axis under HSDP; one all-reduce for ``replicate`` units).
+
+    Returns ``(pending, finish)``: ``finish()`` (after the wait) gives this rank's local gradient
+    shards in ``unit.params`` order, in each parameter's master dtype. ``None`` gradients count
+    as zeros.
+    """
+    rdtype = plan.reduce_dtype(unit)
+    w = plan.shard_size
+    rank = shard_rank(plan)
+    slots = unit.slots
+    factor = (1.0 / plan.world_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
+    if unit.sharded:
+        buf = torch.zeros(w, unit.reduce_numel, dtype=rdtype)
+        for p, g in zip(unit.params, grads):
+            if g is None:
+                continue
+            slot = slots[p.name]
+            dst = buf[:, slot.offset : slot.offset + slot.size]
+            if not slot.sharded:
+                dst.copy_(g.reshape(1, -1).expand(w, -1))
+            elif slot.size:
+                rows = g.reshape(p.rows, p.row_numel)
+                if p.rows != w * slot.chunk_rows:
+                    rows = torch.cat([rows, rows.new_zeros(w * slot.chunk_rows - p.rows, p.row_numel)])
+                dst.view(w, slot.chunk_rows, p.row_numel).copy_(rows.view(w, slot.chunk_rows, p.row_numel))
+        out = torch.empty(unit.reduce_numel, dtype=rdtype)
+        if unit.reduce_numel:
+            first = C.reduce_scatter(out, buf.view(-1), shard_group(plan), async_op=async_op, tag=unit.name)
+        else:
+            first = C.Pending(out)
+    else:
+        parts = [
+            (g if g is not None else torch.zeros(p.shape)).reshape(-1).to(rdtype) for p, g in zip(unit.params, grads)
+        ]
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype)
+        first = C.all_reduce(out, shard_group(plan), async_op=async_op, tag=unit.name) if out.numel() else C.Pending(out)
+
+    def finish() -> list[torch.Tensor]:
+        reduced = first.wait()
+        if plan.hsdp and reduced.numel():
+            C.all_reduce(reduced, replicate_group(plan), tag=unit.name)
+        shards = []
+        for p in unit.params:
+            slot = slots[p.name]
+            shape = _local_shape(plan, unit, p.name, rank)
+            n = 1
+            for d in shape:
+                n *= d
+            local = reduced[slot.offset : slot.offset + n].view(shape).to(p.dtype)
+            shards.append(local * factor if factor != 1.0 else local.clone())
+        return shards
+
+    return first, finish
+
+
+# ---------------------------------------------------------------------------------------------
+# unshard, differentiable; its VJP is reduce
+# ---------------------------------------------------------------------------------------------
+
+
+class _UnshardUnit(torch.autograd.Function):
+    """All-gathers one unit. Backward: reduce the unit (see [Note: unshard under torch.func])."""
+
+    @staticmethod
+    def forward(info, *shards):
+        plan, unit, _, _ = info
+        with torch._C._DisableFuncTorch():
+            locals_ = [_local(x, plan, p.name) for x, p in zip(shards, unit.params)]
+            pending, finish = gather_unit(plan, unit, locals_)
+            return tuple(finish(pending.wait()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.info = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan, unit, op, scale = ctx.info
+        with torch._C._DisableFuncTorch():
+            _, finish = reduce_unit(plan, unit, list(grads), op=op, scale=scale)
+            shards = finish()
+            return (None, *(_dtensor(plan, p.name, g) for p, g in zip(unit.params, shards)))
+
+
+def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "mean", grad_scale: float | None = None) -> dict[str, torch.Tensor]:
+    """Full parameters from their shards: one all-gather per unit, cast to ``mp.param_dtype``.
+
+    Differentiable under ``loss.backward()`` and under ``torch.func.grad``/``vjp``; the gradient
+    that flows back to the shards is :func:`reduce` of the full gradients (mean over the
+    data-parallel ranks, or as ``grad_op``/``grad_scale`` say), so ``grad`` of a loss written
+    over unsharded parameters is sharded and already reduced.
+
+    Args:
+      params: ``{name: DTensor}`` as returned by :func:`shard` (or an optimizer update of it).
+      plan: the plan.
+      grad_op, grad_scale: the reduction applied in backward, as in :func:`reduce`.
+
+    Returns:
+      ``{name: Tensor}``: full parameters in the plan's order.
+
+    Example:
+      >>> def loss_fn(params, x, y):  # doctest: +SKIP
+      ...     out = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+      ...     return torch.nn.functional.cross_entropy(out, y)
+      >>> grads = torch.func.grad(loss_fn)(params, x, y)  # sharded DTensors  # doctest: +SKIP
+    """
+    _check_keys(params, plan, "unshard(params)")
+    _check_op(grad_op)
+    out: dict[str, torch.Tensor] = {}
+    for unit in plan.units:
+        fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))
+        out.update(zip((p.name for p in unit.params), fulls))
+    return out
+
+
+def _check_op(op: str) -> None:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+
+
+def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str = "mean", scale: float | None = None) -> dict[str, DTensor]:
+    """Sharded gradients from every rank's full gradients: one reduce-scatter per unit.
+
+    Gradients are reduced in ``mp.reduce_dtype`` and returned in the parameters' master dtype.
+    HSDP: reduce-scatter over ``shard``, then all-reduce over ``replicate``. ``replicate`` units:
+    one all-reduce. This is the transpose (VJP) of :func:`unshard`.
+
+    Args:
+      full_grads: ``{name: full gradient}``; ``None`` counts as zeros.
+      plan: the plan.
+      op: ``"mean"`` (default: divide by the data-parallel world size) or ``"sum"``.
+      scale: an extra factor applied after ``op`` (e.g. ``1 / tokens`` with ``op="sum"``).
+
+    Returns:
+      ``{name: DTensor}`` placed like :func:`shard`'s output.
+
+    Example:
+      >>> loss.backward()  # on a model holding full parameters  # doctest: +SKIP
+      >>> gshards = fsdpfn.reduce({n: p.grad for n, p in model.named_parameters()}, plan)  # doctest: +SKIP
+    """
+    _check_op(op)
+    if not isinstance(full_grads, Mapping):
+        raise ValueError(f"reduce(full_grads) must be a dict {{parameter name: tensor}}, got {type(full_grads).__name__}")
+    present = {k: v for k, v in full_grads.items() if v is not None}
+    missing = [n for n in plan.param_names if n not in full_grads]
+    extra = sorted(k for k in full_grads if k not in set(plan.param_names))
+    if missing or extra:
+        _check_keys(full_grads, plan, "reduce(full_grads)")
+    for name, g in present.items():
+        if tuple(g.shape) != plan.param(name).shape:
+            raise ValueError(f"reduce(full_grads)[{name!r}] has shape {tuple(g.shape)}, but the plan says {plan.param(name).shape}")
+    out: dict[str, DTensor] = {}
+    with torch.no_grad():
+        for unit in plan.units:
+            grads = [full_grads[p.name] for p in unit.params]
+            grads = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+            _, finish = reduce_unit(plan, unit, grads, op=op, scale=scale)
+            for p, g in zip(unit.params, finish()):
+                out[p.name] = _dtensor(plan, p.name, g)
+    return out
