@@ -433,6 +433,21 @@ def _check_mesh_shape(shape: tuple[int, ...], dim_names: tuple[str, ...] | None)
     raise NotImplementedError(f"meshes with {len(shape)} dims (TP/EP) are not supported yet; pass a 1-D or 2-D HSDP mesh")
 
 
+def _mesh_shape_and_names(mesh) -> tuple[tuple[int, ...], tuple[str, ...] | None, Any]:
+    """``(shape, dim_names, live mesh or None)`` from a DeviceMesh or an abstract shape."""
+    if isinstance(mesh, int):
+        mesh = (mesh,)
+    if isinstance(mesh, (tuple, list)):
+        if not mesh or not all(isinstance(d, int) and d >= 1 for d in mesh):
+            raise ValueError(f"an abstract mesh is a tuple of positive ints like (W,) or (R, W), got {mesh!r}")
+        shape = tuple(mesh)
+        return shape, (HSDP_DIM_NAMES if len(shape) == 2 else None), None
+    if not hasattr(mesh, "mesh") or not hasattr(mesh, "mesh_dim_names"):
+        raise ValueError(f"mesh must be a torch DeviceMesh or a shape tuple like (W,), got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    return tuple(mesh.mesh.shape), names, mesh
+
+
 UnitsArg = Union[None, Sequence[str], Callable[[str, nn.Module], bool]]
 StrategyArg = Union[str, Mapping[str, str]]
 
@@ -506,7 +521,9 @@ def plan(
     Args:
       model: the module to shard. Only its parameters' names, shapes and dtypes are read.
       mesh: a ``DeviceMesh``. 1-D: shard over it. 2-D with dim names ``("replicate", "shard")``:
-        HSDP (reduce-scatter on ``shard``, all-reduce on ``replicate``).
+        HSDP (reduce-scatter on ``shard``, all-reduce on ``replicate``). A shape tuple such as
+        ``(1024,)`` or ``(16, 64)`` gives an unbound plan that can be printed, saved and costed
+        (e.g. projected to thousands of ranks) but not executed; ``plan.bind(mesh)`` binds it.
       units: ``None`` (every child of every ``nn.ModuleList`` is a unit, the rest is the root
         unit), a list of module FQNs, or ``callable(module_name, module) -> bool``. A parameter
         belongs to the deepest unit that contains it; the root unit takes the rest.
@@ -532,8 +549,7 @@ def plan(
     mp = MixedPrecision() if mp is None else mp
     if not isinstance(mp, MixedPrecision):
         raise ValueError(f"mp must be fsdpfn.MixedPrecision(...), got {type(mp).__name__}")
-    shape = tuple(mesh.mesh.shape)
-    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    shape, names, mesh = _mesh_shape_and_names(mesh)
     _check_mesh_shape(shape, names)
 
     unit_names = _select_units(model, units)
