@@ -1,0 +1,60 @@
+"""Optax-style optimizers over (sharded) parameter pytrees: AdamW, SGD, Muon, combinators.
+
+Example:
+  >>> opt = fsdpfn.optim.muon(lr=0.02)  # doctest: +SKIP
+  >>> state = opt.init(params)  # doctest: +SKIP
+  >>> updates, state = opt.update(grads, state, params)  # doctest: +SKIP
+  >>> params = fsdpfn.optim.apply_updates(params, updates)  # doctest: +SKIP
+"""
+
+from fsdpfn.optim._base import EmptyState as EmptyState
+from fsdpfn.optim._base import GradientTransformation as GradientTransformation
+from fsdpfn.optim._base import PartitionState as PartitionState
+from fsdpfn.optim._base import apply_updates as apply_updates
+from fsdpfn.optim._base import chain as chain
+from fsdpfn.optim._base import identity as identity
+from fsdpfn.optim._base import partition as partition
+from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
+from fsdpfn.optim._clip import global_norm as global_norm
+from fsdpfn.optim._distributed_ns import orthogonalize as orthogonalize
+from fsdpfn.optim._muon import MuonLRState as MuonLRState
+from fsdpfn.optim._muon import ScaleByMuonState as ScaleByMuonState
+from fsdpfn.optim._muon import muon as muon
+from fsdpfn.optim._muon import muon_labels as muon_labels
+from fsdpfn.optim._muon import scale_by_muon as scale_by_muon
+from fsdpfn.optim._muon import scale_by_muon_lr as scale_by_muon_lr
+from fsdpfn.optim._newton_schulz import newton_schulz as newton_schulz
+from fsdpfn.optim._newton_schulz import newton_schulz_flops as newton_schulz_flops
+from fsdpfn.optim._schedules import constant_schedule as constant_schedule
+from fsdpfn.optim._schedules import warmup_cosine_schedule as warmup_cosine_schedule
+from fsdpfn.optim._sgd_adamw import AdamWState as AdamWState
+from fsdpfn.optim._sgd_adamw import SGDState as SGDState
+from fsdpfn.optim._sgd_adamw import adamw as adamw
+from fsdpfn.optim._sgd_adamw import sgd as sgd
+
+__all__ = [
+    "AdamWState",
+    "EmptyState",
+    "GradientTransformation",
+    "MuonLRState",
+    "PartitionState",
+    "SGDState",
+    "ScaleByMuonState",
+    "adamw",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "global_norm",
+    "identity",
+    "muon",
+    "muon_labels",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "orthogonalize",
+    "partition",
+    "scale_by_muon",
+    "scale_by_muon_lr",
+    "sgd",
+    "warmup_cosine_schedule",
+]
