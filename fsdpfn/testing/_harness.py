@@ -31,7 +31,7 @@ __all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("FSDPFN_TEST_TIMEOUT", "180"))
 # After one rank fails, how long the others get to finish before we declare them stuck.
-_GRACE_AFTER_ERROR = 10.0
+_GRACE_AFTER_ERROR = 5.0
 
 
 class RankError(RuntimeError):
