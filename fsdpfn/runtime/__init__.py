@@ -1,0 +1,28 @@
+"""The runtime: executes a plan with an explicit per-unit schedule (prefetch, reshard after
+forward, asynchronous reduce-scatter, gradient accumulation) with the pure path's numbers."""
+
+from fsdpfn.runtime._comm import CpuComm as CpuComm
+from fsdpfn.runtime._comm import CudaComm as CudaComm
+from fsdpfn.runtime._executor import RuntimeScheduleError as RuntimeScheduleError
+from fsdpfn.runtime._executor import StepRecord as StepRecord
+from fsdpfn.runtime._memory import MemoryTracker as MemoryTracker
+from fsdpfn.runtime._runtime import Runtime as Runtime
+from fsdpfn.runtime._schedule import Op as Op
+from fsdpfn.runtime._schedule import Schedule as Schedule
+from fsdpfn.runtime._schedule import ScheduleError as ScheduleError
+from fsdpfn.runtime._schedule import schedule as schedule
+from fsdpfn.runtime._schedule import validate as validate
+
+__all__ = [
+    "CpuComm",
+    "CudaComm",
+    "MemoryTracker",
+    "Op",
+    "Runtime",
+    "RuntimeScheduleError",
+    "Schedule",
+    "ScheduleError",
+    "StepRecord",
+    "schedule",
+    "validate",
+]

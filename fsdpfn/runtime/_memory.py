@@ -1,0 +1,44 @@
+"""Accounting of live unsharded parameter bytes: what FSDP exists to bound."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["MemoryTracker"]
+
+
+@dataclasses.dataclass
+class MemoryTracker:
+    """Bytes of unsharded (full) parameters alive now, per unit, and the high-water mark.
+
+    A unit counts from the moment its gather is started (its full parameters are allocated
+    then) until it is freed. Flat communication buffers are transient and not counted.
+
+    Attributes:
+      live: ``{unit: bytes}`` of units currently unsharded or being gathered.
+      high_water: the largest ``sum(live.values())`` seen since the last :meth:`reset`.
+      high_water_units: the units alive at that moment.
+    """
+
+    live: dict[str, int] = dataclasses.field(default_factory=dict)
+    high_water: int = 0
+    high_water_units: tuple[str, ...] = ()
+
+    @property
+    def current(self) -> int:
+        return sum(self.live.values())
+
+    def allocate(self, unit: str, nbytes: int) -> None:
+        assert unit not in self.live, f"unit {unit!r} allocated twice"
+        self.live[unit] = nbytes
+        if self.current > self.high_water:
+            self.high_water = self.current
+            self.high_water_units = tuple(self.live)
+
+    def release(self, unit: str) -> None:
+        self.live.pop(unit, None)
+
+    def reset(self) -> None:
+        """Starts a new high-water measurement from what is alive now."""
+        self.high_water = self.current
+        self.high_water_units = tuple(self.live)

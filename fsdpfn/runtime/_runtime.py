@@ -1,0 +1,233 @@
+"""The public runtime: a plan and a schedule bound to a model."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Mapping
+
+import optree
+import torch
+from torch import nn
+
+from fsdpfn._plan import Plan
+from fsdpfn.runtime._comm import comm_for
+from fsdpfn.runtime._executor import Executor, UnitCall, _RootExit, _RootGather, _StepBoundary, _UnitFn
+from fsdpfn.runtime._schedule import ROOT, Schedule, schedule, validate
+
+__all__ = ["Runtime"]
+
+ACCUMULATE = ("reduce", "local")
+
+
+class Runtime:
+    """Runs a model's training steps under a plan with an explicit schedule.
+
+    Only a few units are unsharded at once (under ``zero3`` with reshard-after-forward: at most
+    ``1 + prefetch`` units plus the root), gathers are prefetched, each unit's reduce-scatter
+    starts as soon as its gradients are complete, and the numbers are those of the pure path
+    (:func:`fsdpfn.unshard` + ``torch.func.grad``). See [Note: one autograd node per unit].
+
+    Args:
+      model: the module the plan was made for. The runtime never reads its parameters (they
+        come from the shards you pass), so you may free them (``model.to("meta")``) after
+        :func:`fsdpfn.shard`; buffers are used as they are.
+      plan: the plan (bound to a mesh).
+      schedule: a :class:`Schedule` to execute (default: :func:`fsdpfn.runtime.schedule` of the
+        plan with ``prefetch`` and ``reshard_after_forward``). Validated before anything runs.
+      prefetch, reshard_after_forward: passed to :func:`fsdpfn.runtime.schedule` when no
+        schedule is given.
+      accumulate: gradient accumulation over micro-batches run inside :meth:`accumulating`.
+        ``"reduce"`` (default): every micro-batch reduces its gradients into the sharded result
+        (communication per micro-batch, sharded memory). ``"local"``: micro-batches inside
+        :meth:`accumulating` keep summed full gradients locally and do not communicate; the next
+        micro-batch outside it reduces the total (one reduce per step, full-gradient memory).
+
+    Example (``torch.func`` style):
+      >>> rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)  # doctest: +SKIP
+      >>> def loss_fn(params, x, y):  # doctest: +SKIP
+      ...     return F.cross_entropy(rt.apply(params, x).flatten(0, 1), y.flatten())
+      >>> grads, loss = rt.value_and_grad(loss_fn)(params, x, y)  # sharded DTensors  # doctest: +SKIP
+
+    Example (``loss.backward()`` style; ``params`` from ``fsdpfn.shard(..., requires_grad=True)``):
+      >>> with rt.bind(params):  # doctest: +SKIP
+      ...     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+      >>> grads = rt.grads(params)  # the params' .grad, sharded and reduced  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        schedule: Schedule | None = None,
+        *,
+        prefetch: int = 1,
+        reshard_after_forward: bool | None = None,
+        accumulate: str = "reduce",
+        device: str | torch.device | None = "cpu",
+    ):
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
+        if plan.mesh is None:
+            raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a Runtime")
+        if accumulate not in ACCUMULATE:
+            raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+        sched = _schedule_fn(plan, prefetch, reshard_after_forward) if schedule is None else schedule
+        if not isinstance(sched, Schedule):
+            raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(sched).__name__}")
+        validate(sched, plan)
+        self.model = model
+        self.plan = plan
+        self.schedule = sched
+        modules = dict(model.named_modules())
+        for u in plan.units:
+            if u.name not in modules:
+                raise ValueError(f"unit {u.name!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?")
+        self._modules = {u.name: modules[u.name] for u in plan.units if u.name != ROOT}
+        self._ex = Executor(plan, sched, comm_for(device), accumulate)
+        self._local_only = False
+
+    # ---- inspection ----------------------------------------------------------------------
+
+    @property
+    def memory(self):
+        """The :class:`~fsdpfn.runtime.MemoryTracker`: ``high_water`` bytes of live unsharded
+        parameters, ``reset()`` to start a new measurement."""
+        return self._ex.memory
+
+    @property
+    def last_step(self):
+        """The :class:`~fsdpfn.runtime.StepRecord` of the last step (events, in-flight ops)."""
+        return self._ex.record
+
+    # ---- running -------------------------------------------------------------------------
+
+    def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any):
+        """``model(*args, **kwargs)`` with the sharded ``params``, executed by the schedule.
+
+        Differentiable with ``loss.backward()`` (gradients land in ``params[name].grad``) and
+        with ``torch.func.grad``/``grad_and_value`` over ``params``; either way the gradients are
+        sharded and reduced (mean over data-parallel ranks), like :func:`fsdpfn.unshard`'s.
+        """
+        _check_params(params, self.plan)
+        ex = self._ex
+        grad = torch.is_grad_enabled()
+        step = ex.begin(sync=not self._local_only, grad=grad)
+        names = self.plan.param_names
+        shards = _StepBoundary.apply((ex, step), *(params[n] for n in names))
+        by_name = dict(zip(names, shards))
+        ex.event("forward", ROOT)
+        root = self.plan.unit(ROOT) if any(u.name == ROOT for u in self.plan.units) else None
+        root_full = {}
+        if root is not None:
+            fulls = _RootGather.apply((ex, step), *(by_name[p.name] for p in root.params))
+            root_full = {p.name: t for p, t in zip(root.params, fulls)}
+        with self._routed(by_name, step, grad):
+            out = torch.func.functional_call(self.model, root_full, args, kwargs, strict=False)
+        flat, tree = optree.tree_flatten(out)
+        tensors = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
+        if grad:
+            exits = _RootExit.apply((ex, step), *(flat[i] for i in tensors))
+            for i, o in zip(tensors, exits):
+                flat[i] = o
+        ex.event("forward_done", ROOT)
+        if not grad:
+            ex.forward_only_done()
+        return optree.tree_unflatten(tree, flat)
+
+    def value_and_grad(self, loss_fn: Callable[..., torch.Tensor], has_aux: bool = False):
+        """``torch.func.grad_and_value`` of ``loss_fn(params, *args)`` (which calls
+        :meth:`apply`), returning ``(grads, loss)`` (``((grads, aux), loss)`` with ``has_aux``).
+
+        ``grads`` are sharded DTensors, reduced. Inside :meth:`accumulating` with
+        ``accumulate="local"`` they are zeros: the total arrives with the micro-batch that ends the
+        accumulation, so summing every call's grads gives the step's gradient in either mode.
+        """
+        inner = torch.func.grad_and_value(loss_fn, has_aux=has_aux)
+
+        @functools.wraps(loss_fn)
+        def run(params, *args, **kwargs):
+            grads, value = inner(params, *args, **kwargs)
+            return grads, value
+
+        return run
+
+    @contextlib.contextmanager
+    def bind(self, params: Mapping[str, torch.Tensor]):
+        """Inside the block, ``model(...)`` runs as :meth:`apply` with ``params`` (for
+        ``loss.backward()`` loops written against the module)."""
+        runtime = self
+        original = self.model.__dict__.get("forward")
+        owner = type(self.model)
+
+        def forward(*args, **kwargs):
+            if runtime._ex.inside is not None or getattr(runtime, "_in_apply", False):
+                return owner.forward(runtime.model, *args, **kwargs)
+            runtime._in_apply = True
+            try:
+                return runtime.apply(params, *args, **kwargs)
+            finally:
+                runtime._in_apply = False
+
+        self.model.forward = forward
+        try:
+            yield self
+        finally:
+            if original is None:
+                del self.model.forward
+            else:
+                self.model.forward = original
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Micro-batches run inside are not the last of their step (see ``accumulate``)."""
+        prev, self._local_only = self._local_only, True
+        try:
+            yield
+        finally:
+            self._local_only = prev
+
+    @staticmethod
+    def grads(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """``{name: params[name].grad}``: the sharded gradients an eager backward left."""
+        return {n: p.grad for n, p in params.items()}
+
+    # ---- routing unit modules through _UnitFn --------------------------------------------
+
+    @contextlib.contextmanager
+    def _routed(self, shards: dict[str, torch.Tensor], step: int, grad: bool):
+        ex = self._ex
+        installed = []
+        for name, module in self._modules.items():
+            unit = self.plan.unit(name)
+            unit_shards = [shards[p.name] for p in unit.params]
+            original = type(module).forward.__get__(module)
+
+            def forward(*args, _name=name, _module=module, _unit=unit, _shards=unit_shards, _orig=original, **kwargs):
+                if ex.inside == _name:
+                    return _orig(*args, **kwargs)
+                leaves, in_tree = optree.tree_flatten((list(args), kwargs), none_is_leaf=True)
+                idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+                call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad)
+                outs = _UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
+                return optree.tree_unflatten(call.out_tree, list(outs))
+
+            module.forward = forward
+            installed.append(module)
+        try:
+            yield
+        finally:
+            for module in installed:
+                del module.forward
+
+
+def _schedule_fn(plan, prefetch, reshard_after_forward):
+    return schedule(plan, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+
+
+def _check_params(params, plan: Plan) -> None:
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be the dict fsdpfn.shard(model, plan) returned, got {type(params).__name__}")
+    missing = [n for n in plan.param_names if n not in params]
+    if missing:
+        raise ValueError(f"params is missing {missing[:5]}; pass every parameter of the plan (fsdpfn.shard(model, plan))")
