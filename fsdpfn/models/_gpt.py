@@ -22,18 +22,22 @@ class GPTConfig:
     heads: int = 4
     mlp_ratio: int = 4
     tie_embeddings: bool = False
+    # Biases in Linear and LayerNorm layers. Without them training is as good and parity checks
+    # are sharper: the key part of a qkv bias has an exactly-zero true gradient (softmax ignores
+    # a per-query constant), so Adam turns its rounding noise into full-size steps.
+    bias: bool = True
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads = cfg.heads
-        self.norm1 = nn.LayerNorm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
-        self.norm2 = nn.LayerNorm(cfg.width)
-        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
-        self.out = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
+        self.norm1 = nn.LayerNorm(cfg.width, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.width, cfg.width, bias=cfg.bias)
+        self.norm2 = nn.LayerNorm(cfg.width, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width, bias=cfg.bias)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -58,7 +62,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos = nn.Embedding(cfg.seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.width)
+        self.norm = nn.LayerNorm(cfg.width, bias=cfg.bias)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight

@@ -1,0 +1,21 @@
+# The two commands of the README. Each installs what it needs first (idempotent), so they work
+# on a fresh machine: `make demo` runs the demo training job, `make test` runs the test suite.
+PYTHON ?= python3
+# The CPU build of torch. A bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test bench
+
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet "$(TORCH)"
+	@$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[test,demo]"
+
+demo: setup
+	$(PYTHON) examples/train_gpt.py
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+bench: setup
+	$(PYTHON) benchmarks/vs_fsdp2.py
+	$(PYTHON) benchmarks/muon.py
