@@ -13,3 +13,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("fsdpfn")
+
+# pytest turns warnings into errors here (pyproject); the gloo worker ranks do the same.
+os.environ.setdefault("FSDPFN_WORKER_WARNINGS", "error")
