@@ -1,0 +1,386 @@
+"""fsdpfn.optim on one process: the conformance table every transform passes (plain tensors and
+world-size-1 DTensors), and parity with torch.optim.AdamW, torch.optim.SGD, torch.optim.Muon,
+torch.nn.utils.clip_grad_norm_ and an fp32 Newton–Schulz reference."""
+
+import math
+
+import optree
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdpfn import optim, testing
+from fsdpfn.optim._distributed_ns import assign_owners, owner_plan
+
+# ---------------------------------------------------------------------------------------------
+# Conformance table
+# ---------------------------------------------------------------------------------------------
+
+MIXED = {"blocks.0.fc.weight": (6, 4), "blocks.0.fc.bias": (6,), "embed.weight": (5, 4), "experts": (2, 3, 5), "gain": ()}
+MATRICES = {"a": (6, 4), "b": (3, 8), "c": (2, 3, 5)}
+
+TRANSFORMS = {
+    "sgd": (lambda: optim.sgd(0.1), MIXED),
+    "sgd_nesterov_wd": (lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01), MIXED),
+    "adamw": (lambda: optim.adamw(1e-2), MIXED),
+    "adamw_schedule": (lambda: optim.adamw(optim.warmup_cosine_schedule(1e-2, 2, 10)), MIXED),
+    "clip": (lambda: optim.clip_by_global_norm(0.5), MIXED),
+    "chain_clip_adamw": (lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), MIXED),
+    "scale_by_muon": (lambda: optim.scale_by_muon(), MATRICES),
+    "muon": (lambda: optim.muon(lr=0.02), MIXED),
+    "muon_fp32_gather": (lambda: optim.muon(lr=0.02, ns_dtype=torch.float32, layout="gather", adjust_lr_fn="match_rms_adamw"), MIXED),
+    "partition": (
+        lambda: optim.partition({"x": optim.sgd(0.1), "y": optim.adamw(1e-3)}, lambda ps: {n: "x" if "weight" in n else "y" for n in ps}),
+        MIXED,
+    ),
+}
+
+
+def _tree(shapes, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen).to(dtype) for n, s in shapes.items()}
+
+
+def _as_dtensors(tree):
+    mesh = testing.mesh((1,))
+    return {n: DTensor.from_local(t, mesh, (Shard(0) if t.dim() else Replicate(),), run_check=False) for n, t in tree.items()}
+
+
+def _signature(tree):
+    """Structure plus, per tensor leaf: type, dtype, shape, placements."""
+    leaves, spec = optree.tree_flatten(tree)
+    sig = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append((type(x).__name__, x.dtype, tuple(x.shape), tuple(getattr(x, "placements", ()))))
+        else:
+            sig.append(type(x).__name__)
+    return spec, sig
+
+
+def _conformance(name, dtype, use_dtensor):
+    make, shapes = TRANSFORMS[name]
+    opt = make()
+    params = _tree(shapes, 0, dtype)
+    if use_dtensor:
+        params = _as_dtensors(params)
+    state = opt.init(params)
+    first = _signature(state)
+    for step in range(3):
+        grads = _tree(shapes, 10 + step, dtype)
+        if use_dtensor:
+            grads = _as_dtensors(grads)
+        before = {n: (g.clone(), params[n].clone()) for n, g in grads.items()}
+        updates, state = opt.update(grads, state, params)
+        for n in grads:  # pure: inputs untouched
+            assert torch.equal(grads[n], before[n][0]) and torch.equal(params[n], before[n][1]), n
+        assert optree.tree_structure(updates) == optree.tree_structure(params)
+        for n, u in updates.items():
+            assert type(u) is type(params[n]), n
+            assert u.dtype == grads[n].dtype and u.shape == params[n].shape, n
+            assert getattr(u, "placements", None) == getattr(params[n], "placements", None), n
+            assert torch.isfinite(u.to_local() if use_dtensor else u).all(), n
+        assert _signature(state) == first, f"state of {name} changed structure, dtype or placement at step {step}"
+        new = optim.apply_updates(params, updates)
+        assert all(new[n].dtype == params[n].dtype and type(new[n]) is type(params[n]) for n in params)
+        params = new
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_conformance_plain_tensors(name, dtype):
+    assert _conformance(name, dtype, use_dtensor=False)
+
+
+def _conformance_all(rank, world):
+    return [_conformance(name, torch.float32, use_dtensor=True) for name in sorted(TRANSFORMS)]
+
+
+def test_conformance_dtensors_world_size_1(run_on_ranks):
+    assert run_on_ranks(_conformance_all, 1) == [[True] * len(TRANSFORMS)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with torch.optim
+# ---------------------------------------------------------------------------------------------
+
+SHAPES = {"w": (8, 5), "v": (3, 7), "b": (7,), "s": ()}
+
+
+def _torch_run(make_opt, shapes, steps, seed=0):
+    params = {n: torch.nn.Parameter(t) for n, t in _tree(shapes, seed, torch.float32).items()}
+    opt = make_opt(list(params.values()))
+    for step in range(steps):
+        for n, p in params.items():
+            p.grad = _tree(shapes, 100 + step, torch.float32)[n]
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}, opt
+
+
+def _our_run(opt, shapes, steps, seed=0):
+    params = _tree(shapes, seed, torch.float32)
+    state = opt.init(params)
+    for step in range(steps):
+        updates, state = opt.update(_tree(shapes, 100 + step, torch.float32), state, params)
+        params = optim.apply_updates(params, updates)
+    return params, state
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adamw_equals_torch_adamw(weight_decay):
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    want, topt = _torch_run(lambda ps: torch.optim.AdamW(ps, foreach=False, **kw), SHAPES, 6)
+    got, state = _our_run(optim.adamw(1e-2, 0.9, 0.99, 1e-8, weight_decay), SHAPES, 6)
+    for i, n in enumerate(SHAPES):
+        tstate = topt.state[topt.param_groups[0]["params"][i]]
+        # Moments use torch's operations in torch's order: bitwise.
+        assert torch.equal(state.mu[n], tstate["exp_avg"]) and torch.equal(state.nu[n], tstate["exp_avg_sq"]), n
+        # The parameter step differs by torch's fused multiply-add: about one ulp per step.
+        torch.testing.assert_close(got[n], want[n], rtol=2e-6, atol=1e-7)
+    assert state.count == 6
+
+
+@pytest.mark.parametrize("nesterov,weight_decay", [(False, 0.0), (True, 0.01)])
+def test_sgd_equals_torch_sgd(nesterov, weight_decay):
+    kw = dict(lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
+    want, topt = _torch_run(lambda ps: torch.optim.SGD(ps, foreach=False, **kw), SHAPES, 5)
+    got, state = _our_run(optim.sgd(**kw), SHAPES, 5)
+    for i, n in enumerate(SHAPES):
+        assert torch.equal(state.momentum_buffer[n], topt.state[topt.param_groups[0]["params"][i]]["momentum_buffer"]), n
+        torch.testing.assert_close(got[n], want[n], rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (7, 5), (32, 32), (1, 9)])
+def test_newton_schulz_bf16_is_bitwise_torch(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    want = torch_muon._zeropower_via_newtonschulz(x, optim._newton_schulz.DEFAULT_NS_COEFFS, 5, 1e-7)
+    assert torch.equal(optim.newton_schulz(x), want)
+    # Batched over a leading dimension, each matrix alone: same bits in bf16.
+    xs = torch.stack([x, 2 * x, -x])
+    assert torch.equal(optim.newton_schulz(xs), torch.stack([optim.newton_schulz(m) for m in xs]))
+
+
+def _fp32_reference_ns(grad, steps=5, eps=1e-7):
+    """torch.optim.Muon's Newton–Schulz with bfloat16() replaced by float32, written out."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = grad.float().clone()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        g = x @ x.T
+        x = a * x + (b * g + c * g @ g) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (7, 5), (2, 16, 24)])
+def test_newton_schulz_fp32_matches_fp32_reference(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    got = optim.newton_schulz(x, dtype=torch.float32)
+    want = torch.stack([_fp32_reference_ns(m) for m in x.reshape(-1, *shape[-2:])]).reshape(shape)
+    assert got.dtype == torch.float32
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_newton_schulz_is_pure_and_orthogonalises():
+    x = torch.randn(3, 16, 32, dtype=torch.bfloat16)
+    copy = x.clone()
+    o = optim.newton_schulz(x, dtype=None)
+    assert torch.equal(x, copy) and o.dtype == torch.bfloat16
+    s = torch.linalg.svdvals(o.float())
+    assert ((s > 0.5) & (s < 1.5)).all()
+    with pytest.raises(ValueError, match="matrix"):
+        optim.newton_schulz(torch.ones(3))
+
+
+MUON_SHAPES = {"a": (16, 24), "b": (24, 16), "c": (20, 20)}
+
+
+def _muon_both(lr, weight_decay, adjust_lr_fn, nesterov, steps=4):
+    kw = dict(lr=lr, weight_decay=weight_decay, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    want, topt = _torch_run(lambda ps: torch.optim.Muon(ps, **kw), MUON_SHAPES, steps)
+    opt = optim.muon(**kw, labels=lambda name, p: "muon")
+    got, state = _our_run(opt, MUON_SHAPES, steps)
+    bufs = {n: topt.state[topt.param_groups[0]["params"][i]]["momentum_buffer"] for i, n in enumerate(MUON_SHAPES)}
+    return got, want, state.inner_states["muon"][0].momentum_buffer, bufs
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_equals_torch_muon(adjust_lr_fn, nesterov):
+    got, want, buf, torch_buf = _muon_both(0.02, 0.1, adjust_lr_fn, nesterov)
+    for n in MUON_SHAPES:
+        assert torch.equal(buf[n], torch_buf[n]), n  # momentum: same ops, bitwise
+        # Newton–Schulz output is bitwise torch's (test above); the step adds -lr*wd*p - alr*O
+        # where torch multiplies then uses a fused multiply-add: about one ulp per step.
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)
+
+
+def test_muon_is_bitwise_torch_muon_when_the_step_is_exact():
+    # lr a power of two, no weight decay, lr ratio 1 (wide and square matrices): -lr * O is exact
+    # in fp32, so our add equals torch's fused multiply-add bit for bit.
+    shapes = {"a": (16, 24), "c": (20, 20)}
+    kw = dict(lr=2.0**-6, weight_decay=0.0, momentum=0.95, nesterov=True)
+    want, _ = _torch_run(lambda ps: torch.optim.Muon(ps, **kw), shapes, 4)
+    got, _ = _our_run(optim.muon(**kw, labels=lambda name, p: "muon"), shapes, 4)
+    for n in shapes:
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_muon_fp32_newton_schulz_matches_fp32_reference():
+    g = _tree(MUON_SHAPES, 9, torch.float32)
+    opt = optim.scale_by_muon(momentum=0.0, nesterov=False, ns_dtype=torch.float32)
+    o, _ = opt.update(g, opt.init(g))
+    for n, x in g.items():
+        want = _fp32_reference_ns(x)
+        assert ((o[n] - want).norm() / want.norm()).item() < 1e-5, n
+
+
+def test_muon_lr_adjustments():
+    o = {"tall": torch.ones(9, 4), "wide": torch.ones(4, 9)}
+    for fn, ratio in [("original", {"tall": 1.5, "wide": 1.0}), ("match_rms_adamw", {"tall": 0.6, "wide": 0.6})]:
+        opt = optim.scale_by_muon_lr(0.1, adjust_lr_fn=fn)
+        u, _ = opt.update(o, opt.init(o))
+        for n in o:
+            torch.testing.assert_close(u[n], torch.full_like(o[n], -0.1 * ratio[n]))
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        optim.scale_by_muon_lr(0.1, adjust_lr_fn="bogus")
+
+
+def test_muon_on_3d_leaf_orthogonalises_each_leading_index():
+    g = {"experts": torch.randn(3, 8, 12)}
+    opt = optim.scale_by_muon(momentum=0.0, nesterov=False)
+    o, _ = opt.update(g, opt.init(g))
+    for e in range(3):
+        assert torch.equal(o["experts"][e], optim.newton_schulz(g["experts"][e]).float())
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels, partition, errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_default_muon_labels_on_gpt():
+    from fsdpfn.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=32, width=16, depth=1, heads=2))
+    labels = {n: optim.muon_labels(n, p) for n, p in model.named_parameters()}
+    assert {n for n, lab in labels.items() if lab == "muon"} == {
+        "blocks.0.qkv.weight",
+        "blocks.0.proj.weight",
+        "blocks.0.fc.weight",
+        "blocks.0.out.weight",
+    }
+    for n in ["embed.weight", "pos.weight", "head.weight", "norm.weight", "blocks.0.fc.bias", "blocks.0.norm1.weight"]:
+        assert labels[n] == "adamw", n
+    assert optim.muon_labels("lm_head.weight", torch.zeros(3, 3)) == "adamw"
+    assert optim.muon_labels("model.wte.weight", torch.zeros(3, 3)) == "adamw"
+
+
+def test_muon_user_labels():
+    params = {"x": torch.randn(4, 4), "y": torch.randn(4, 4)}
+    opt = optim.muon(labels={"x": "muon", "y": "adamw"})
+    state = opt.init(params)
+    assert state.inner_states["muon"][0].momentum_buffer["y"] is None
+    assert state.inner_states["adamw"].mu["x"] is None
+    with pytest.raises(ValueError, match="'y' has no entry"):
+        optim.muon(labels={"x": "muon"}).init(params)
+    with pytest.raises(ValueError, match="'y' has label 'sgd'"):
+        optim.muon(labels={"x": "muon", "y": "sgd"}).init(params)
+
+
+def test_partition_routes_and_names_errors():
+    opt = optim.partition({"a": optim.sgd(1.0), "b": optim.sgd(0.5)}, {"p": "a", "q": "b"})
+    params = {"p": torch.ones(2), "q": torch.ones(2)}
+    u, _ = opt.update({"p": torch.ones(2), "q": torch.ones(2)}, opt.init(params), params)
+    assert torch.equal(u["p"], torch.full((2,), -1.0)) and torch.equal(u["q"], torch.full((2,), -0.5))
+    with pytest.raises(ValueError, match="structure of the parameters"):
+        optim.partition({"a": optim.sgd(1.0)}, {"p": "a"}).init(params)
+
+
+def test_scale_by_muon_rejects_vectors_by_name():
+    opt = optim.scale_by_muon()
+    g = {"norm.weight": torch.ones(4)}
+    with pytest.raises(ValueError, match="'norm.weight'.*AdamW"):
+        opt.update(g, opt.init(g))
+
+
+def test_weight_decay_needs_params():
+    opt = optim.adamw(weight_decay=0.1)
+    g = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match="needs the parameters"):
+        opt.update(g, opt.init(g))
+
+
+def test_chain_and_identity_and_apply_updates_keep_dtype():
+    opt = optim.chain(optim.identity(), optim.sgd(0.5))
+    p = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    u, s = opt.update({"w": torch.ones(3, dtype=torch.bfloat16)}, opt.init(p), p)
+    assert len(s) == 2 and u["w"].dtype == torch.bfloat16
+    assert optim.apply_updates(p, {"w": None})["w"] is p["w"]
+    assert torch.equal(optim.apply_updates(p, u)["w"], torch.full((3,), 0.5, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Clipping, schedules, owner balance
+# ---------------------------------------------------------------------------------------------
+
+
+def test_clip_by_global_norm_equals_torch():
+    grads = _tree(SHAPES, 5, torch.float32)
+    holders = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for h, g in zip(holders, grads.values()):
+        h.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(holders, 1.0)
+    tensors = [h.grad for h in holders]
+    assert optim.global_norm(grads).item() == pytest.approx(norm.item(), rel=1e-6)
+    opt = optim.clip_by_global_norm(1.0)
+    clipped, _ = opt.update(grads, opt.init(grads))
+    for g, t in zip(clipped.values(), tensors):
+        torch.testing.assert_close(g, t, rtol=1e-6, atol=0)
+    small = {"w": torch.tensor([0.3, 0.4])}
+    assert torch.equal(opt.update(small, opt.init(small))[0]["w"], small["w"])
+
+
+def test_schedules():
+    assert optim.constant_schedule(0.3)(12345) == 0.3
+    s = optim.warmup_cosine_schedule(1.0, warmup_steps=4, decay_steps=14, end_value=0.1, init_value=0.0)
+    assert [s(i) for i in range(5)] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert s(9) == pytest.approx(0.55)
+    assert s(14) == pytest.approx(0.1) and s(100) == pytest.approx(0.1)
+    assert all(s(i) >= s(i + 1) for i in range(4, 20))
+    # A schedule drives the step: sgd's update at count t is -schedule(t) * g.
+    opt = optim.sgd(s)
+    p = {"w": torch.ones(1)}
+    state = opt.init(p)
+    for t in range(6):
+        u, state = opt.update({"w": torch.ones(1)}, state, p)
+        assert u["w"].item() == pytest.approx(-s(t))
+    with pytest.raises(ValueError):
+        optim.warmup_cosine_schedule(1.0, warmup_steps=5, decay_steps=3)
+
+
+@given(st.lists(st.integers(1, 10**6), max_size=30), st.integers(1, 8))
+def test_owner_assignment_is_balanced(flops, world):
+    owners = assign_owners(flops, world)
+    loads = [sum(f for f, o in zip(flops, owners) if o == r) for r in range(world)]
+    assert sum(loads) == sum(flops)
+    # Greedy largest-first: no rank exceeds the mean by more than the largest matrix.
+    assert max(loads) <= sum(flops) / world + max(flops, default=0)
+    assert owners == assign_owners(flops, world)
+
+
+def test_owner_plan_counts_local_experts_first():
+    owners, loads = owner_plan([(4, 8, 8), (8, 8)], world=2)
+    # Experts stay with the rank holding them (2 each), then the matrix goes to the least
+    # loaded rank, the lowest on a tie.
+    assert owners == [None, 0]
+    half, mat = optim.newton_schulz_flops((2, 8, 8)), optim.newton_schulz_flops((8, 8))
+    assert loads == [half + mat, half]
+    owners, loads = owner_plan([(5, 8, 8), (8, 8)], world=4)  # experts 2, 2, 1, 0
+    assert owners == [None, 3] and loads == [2 * mat, 2 * mat, mat, mat]
