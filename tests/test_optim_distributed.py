@@ -83,7 +83,10 @@ def _muon_parity(rank, world, layout, mesh_shape, ns_dtype):
     # Momentum is sharded like the parameters, never replicated.
     buf = {n: b for n, b in state.inner_states["muon"][0].momentum_buffer.items() if b is not None}
     assert sorted(buf) == sorted(n for n in SHAPES if optim.muon_labels(n, ref[n]) == "muon")
-    for n, b in buf.items():
+    adam = state.inner_states["adamw"]
+    moments = [(n, b) for n, b in buf.items()] + [(n, m) for tree in (adam.mu, adam.nu) for n, m in tree.items() if m is not None]
+    assert len(moments) == len(SHAPES) + sum(1 for n in SHAPES if n not in buf)
+    for n, b in moments:
         assert b.placements == params[n].placements, n
         assert b.to_local().shape == params[n].to_local().shape, n
     return dict(worst=max(worst), bitwise=bitwise, counts=counts, flops=flops, ref_flops=ref_flops)
