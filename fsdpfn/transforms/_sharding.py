@@ -17,6 +17,7 @@ constructor. This is what makes one implementation serve both ``loss.backward()`
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -95,7 +96,7 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_keys(tree: Mapping[str, Any], plan: Plan, what: str) -> None:
+def _check_keys(tree: Mapping[str, Any], plan: Plan, what: str, allow_none: bool = False) -> None:
     if not isinstance(tree, Mapping):
         raise ValueError(f"{what} must be a dict {{parameter name: tensor}}, got {type(tree).__name__}")
     expected = set(plan.param_names)
@@ -113,6 +114,8 @@ def _check_keys(tree: Mapping[str, Any], plan: Plan, what: str) -> None:
         )
     for name in plan.param_names:
         value = tree[name]
+        if value is None and allow_none:
+            continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{what}[{name!r}] must be a tensor, got {type(value).__name__}")
         expected_shape = plan.param(name).shape
@@ -263,7 +266,7 @@ def reduce_unit(
             first = C.Pending(out)
     else:
         parts = [
-            (g if g is not None else torch.zeros(p.shape)).reshape(-1).to(rdtype) for p, g in zip(unit.params, grads)
+            (g if g is not None else torch.zeros(p.shape, dtype=rdtype)).reshape(-1).to(rdtype) for p, g in zip(unit.params, grads)
         ]
         out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype)
         first = C.all_reduce(out, shard_group(plan), async_op=async_op, tag=unit.name) if out.numel() else C.Pending(out)
@@ -276,10 +279,7 @@ def reduce_unit(
         for p in unit.params:
             slot = slots[p.name]
             shape = _local_shape(plan, unit, p.name, rank)
-            n = 1
-            for d in shape:
-                n *= d
-            local = reduced[slot.offset : slot.offset + n].view(shape).to(p.dtype)
+            local = reduced[slot.offset : slot.offset + math.prod(shape)].view(shape).to(p.dtype)
             shards.append(local * factor if factor != 1.0 else local.clone())
         return shards
 
@@ -372,16 +372,7 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       >>> gshards = fsdpfn.reduce({n: p.grad for n, p in model.named_parameters()}, plan)  # doctest: +SKIP
     """
     _check_op(op)
-    if not isinstance(full_grads, Mapping):
-        raise ValueError(f"reduce(full_grads) must be a dict {{parameter name: tensor}}, got {type(full_grads).__name__}")
-    present = {k: v for k, v in full_grads.items() if v is not None}
-    missing = [n for n in plan.param_names if n not in full_grads]
-    extra = sorted(k for k in full_grads if k not in set(plan.param_names))
-    if missing or extra:
-        _check_keys(full_grads, plan, "reduce(full_grads)")
-    for name, g in present.items():
-        if tuple(g.shape) != plan.param(name).shape:
-            raise ValueError(f"reduce(full_grads)[{name!r}] has shape {tuple(g.shape)}, but the plan says {plan.param(name).shape}")
+    _check_keys(full_grads, plan, "reduce(full_grads)", allow_none=True)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:
