@@ -1,0 +1,407 @@
+"""The runtime against the pure path (``fsdpfn.unshard`` + ``torch.func.grad``) and one process:
+same parameters after 5 SGD steps for every strategy and both loop styles, with and without
+gradient accumulation; the unsharded-memory bound; collective counts against ``plan.cost()``;
+edited and invalid schedules; hooks that did not fire are errors."""
+
+import copy
+import dataclasses
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fsdpfn
+from fsdpfn import runtime, testing
+from fsdpfn.models import GPT, GPTConfig
+from fsdpfn.runtime import Op, Runtime, RuntimeScheduleError, Schedule, ScheduleError
+
+CFG = GPTConfig(vocab_size=29, seq_len=8, width=12, depth=3, heads=2)  # 29 rows: uneven shards
+STEPS, LR, PER_RANK = 5, 0.2, 2
+
+
+def _batch(world, step, micro=1):
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, CFG.vocab_size, (world * PER_RANK * micro, CFG.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _ce(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _mesh(shape):
+    return testing.mesh(shape, ("replicate", "shard") if len(shape) == 2 else None)
+
+
+def _micro_slices(rank, world, micro):
+    """This rank's rows of micro-batch ``m`` (the global batch is ``micro`` consecutive slabs)."""
+    slab = world * PER_RANK
+    return [slice(m * slab + rank * PER_RANK, m * slab + (rank + 1) * PER_RANK) for m in range(micro)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity: runtime vs pure path vs one process, 5 SGD steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _parity(rank, world, strategy, mesh_shape, style, accumulate, micro, mp=None):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    plan = fsdpfn.plan(model, _mesh(mesh_shape), strategy=strategy, mp=mp)
+    pure = fsdpfn.shard(model, plan)
+    mine = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
+    ref = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    rt = Runtime(model, plan, accumulate=accumulate)
+    vs_pure, vs_one = [], []
+    for step in range(STEPS):
+        x, y = _batch(world, step, micro)
+        slices = _micro_slices(rank, world, micro)
+        # Pure path: one torch.func.grad per micro-batch, summed.
+        pure_g = None
+        for s in slices:
+            g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]) / micro)(pure)
+            pure_g = g if pure_g is None else {n: pure_g[n] + g[n] for n in g}
+        # Runtime: micro-batches but the last inside rt.accumulating().
+        got = None
+        for m, s in enumerate(slices):
+            last = m == micro - 1
+            with (runtime_ctx := (rt.accumulating() if not last else _null())):
+                if style == "func":
+                    g, _ = rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x[s]), y[s]) / micro)(mine)
+                    got = g if got is None else {n: got[n] + g[n] for n in g}
+                else:
+                    with rt.bind(mine):
+                        (_ce(model(x[s]), y[s]) / micro).backward()
+            del runtime_ctx
+        if style == "eager":
+            got = rt.grads(mine)
+        with torch.no_grad():
+            for n in pure:
+                pure[n] = pure[n] - LR * pure_g[n]
+                mine[n]._local_tensor.sub_(LR * got[n]._local_tensor)
+                if style == "eager":
+                    mine[n].grad = None
+        ref_g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(reference, ps, (x,)), y))(ref)
+        ref = {n: p - LR * ref_g[n] for n, p in ref.items()}
+        vs_pure.append(max(_rel(mine[n]._local_tensor, pure[n]._local_tensor) for n in pure))
+        vs_one.append(max(_rel(mine[n].full_tensor().float(), ref[n]) for n in ref))
+    bitwise = all(torch.equal(mine[n]._local_tensor, pure[n]._local_tensor) for n in pure)
+    return bitwise, max(vs_pure), max(vs_one)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+CASES = [
+    ("replicate", (2,)),
+    ("zero1", (2,)),
+    ("zero2", (2,)),
+    ("zero3", (2,)),
+    ({"*": "zero3", "<root>": "zero2", "blocks.1": "replicate"}, (2,)),
+]
+CASE_IDS = ["replicate", "zero1", "zero2", "zero3", "mixed"]
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+@pytest.mark.parametrize("strategy,mesh_shape", CASES, ids=CASE_IDS)
+def test_runtime_matches_pure_path_bitwise_and_one_process(run_on_ranks, strategy, mesh_shape, style):
+    """Same reduction order as the pure path: bitwise equal after 5 steps; 1e-5 of one process."""
+    for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 2, strategy, mesh_shape, style, "reduce", 1):
+        assert bitwise, f"runtime differs from the pure path by {vs_pure:.3g} (relative)"
+        assert vs_one < 1e-5
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_runtime_hsdp_2x2_matches_pure_path(run_on_ranks, style):
+    for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 4, "zero3", (2, 2), style, "reduce", 1):
+        assert bitwise and vs_one < 1e-5
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_accumulate_reduce_per_microbatch_is_bitwise(run_on_ranks, strategy, style):
+    """accumulate="reduce": one reduce per micro-batch, summed like the pure path sums its grads."""
+    for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 2, strategy, (2,), style, "reduce", 3):
+        assert bitwise, vs_pure
+        assert vs_one < 1e-5
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_accumulate_local_matches_within_1e6(run_on_ranks, strategy, style):
+    """accumulate="local": full gradients summed before the one reduce: another summation order."""
+    for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 2, strategy, (2,), style, "local", 3):
+        assert vs_pure < 1e-6
+        assert vs_one < 1e-5
+
+
+def test_mixed_precision_bf16_params_fp32_reduce_is_bitwise(run_on_ranks):
+    mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 2, "zero3", (2,), "func", "reduce", 1, mp):
+        assert bitwise, vs_pure
+        assert vs_one < 5e-2  # bf16 compute vs an fp32 process: only a sanity bound
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory, collective counts, overlap
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_step(rank, world, strategy, prefetch, raf, micro=1, accumulate="reduce", style="func"):
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CFG, depth=4))
+    plan = fsdpfn.plan(model, _mesh((world,)), strategy=strategy)
+    params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
+    rt = Runtime(model, plan, prefetch=prefetch, reshard_after_forward=raf, accumulate=accumulate)
+    x, y = _batch(world, 0, micro)
+    with fsdpfn.count_collectives() as counter:
+        for m, s in enumerate(_micro_slices(rank, world, micro)):
+            with rt.accumulating() if m < micro - 1 else _null():
+                if style == "func":
+                    rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x[s]), y[s]))(params)
+                else:
+                    _ce(rt.apply(params, x[s]), y[s]).backward()
+    unit_bytes = {u.name: sum(p.numel for p in u.params) * plan.gather_dtype(u).itemsize for u in plan.units}
+    return {
+        "high_water": rt.memory.high_water,
+        "units": unit_bytes,
+        "counts": counter.counts(),
+        "nbytes": counter.nbytes(),
+        "in_flight": rt.last_step.in_flight,
+        "cost": {k: (c.calls, c.nbytes) for k, c in plan.cost(reshard_after_forward=raf).collectives.items()},
+        "cost_pure": {k: (c.calls, c.nbytes) for k, c in plan.cost(reshard_after_forward=False).collectives.items()},
+        "zero3_blocks": sum(1 for u in plan.units if u.name and u.strategy == "zero3"),
+        "block_gather_bytes": {u.name: world * u.shard_numel * 4 for u in plan.units},
+    }
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_unsharded_memory_within_prefetch_bound(run_on_ranks, prefetch, style):
+    r = run_on_ranks(_one_step, 2, "zero3", prefetch, None, 1, "reduce", style)[0]
+    units = dict(r["units"])
+    root = units.pop("")
+    bound = (1 + prefetch) * max(units.values()) + root
+    assert r["high_water"] <= bound
+    assert r["high_water"] < root + sum(units.values())  # never the whole model at once
+    if prefetch < 2:  # the bound is reached: the runtime does keep the prefetched units alive
+        assert r["high_water"] == bound
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "replicate"])
+def test_collective_counts_equal_plan_cost(run_on_ranks, strategy):
+    # reshard_after_forward=True: every zero3 unit, root included, is gathered twice: cost()'s model.
+    r = run_on_ranks(_one_step, 2, strategy, 1, True)[0]
+    assert {k: (r["counts"][k], r["nbytes"][k]) for k in r["counts"]} == r["cost"]
+
+
+def test_collective_counts_default_keeps_root_gathered(run_on_ranks):
+    # Default: the root is not resharded after forward (FSDP2 does the same): one gather fewer.
+    r = run_on_ranks(_one_step, 2, "zero3", 1, None)[0]
+    assert r["counts"]["all_gather"] == r["cost_pure"]["all_gather"][0] + r["zero3_blocks"]
+    assert r["counts"]["reduce_scatter"] == r["cost"]["reduce_scatter"][0]
+
+
+def test_accumulate_local_communicates_once(run_on_ranks):
+    r = run_on_ranks(_one_step, 2, "zero3", 1, True, 3, "local")[0]
+    assert r["counts"]["reduce_scatter"] == r["cost"]["reduce_scatter"][0]  # one reduce per unit per step
+    assert r["counts"]["all_gather"] == 3 * r["cost"]["all_gather"][0]  # parameters are gathered per micro-batch
+    r = run_on_ranks(_one_step, 2, "zero3", 1, True, 3, "reduce")[0]
+    assert r["counts"]["reduce_scatter"] == 3 * r["cost"]["reduce_scatter"][0]
+
+
+def test_prefetch_and_reduce_overlap_unit_compute(run_on_ranks):
+    r = run_on_ranks(_one_step, 2, "zero3", 1, None)[0]
+    flight = dict((e, (g, rs)) for e, g, rs in r["in_flight"])
+    assert flight["forward blocks.0"][0] == ("blocks.1",)  # next unit's gather in flight
+    assert flight["backward blocks.2"][0] == ("blocks.1",)
+    assert flight["backward blocks.1"][1] == ("blocks.3", "blocks.2")  # reduces overlap earlier units
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules: printed, parsed, edited, rejected
+# ---------------------------------------------------------------------------------------------
+
+
+def _offline_plan(strategy="zero3", depth=3):
+    """A plan built without a process group (a stand-in mesh of 2 ranks)."""
+    fake = types.SimpleNamespace(mesh=torch.zeros(2), mesh_dim_names=None)
+    model = GPT(dataclasses.replace(CFG, depth=depth))
+    return model, fsdpfn.plan(model, fake, strategy=strategy)
+
+
+def test_schedule_prints_and_parses_back():
+    _, plan = _offline_plan()
+    s = runtime.schedule(plan, prefetch=1)
+    text = str(s)
+    assert "forward blocks.0" in text and "wait_reduce <root>" in text
+    assert Schedule.from_str(text) == s
+    runtime.validate(s, plan)
+    assert s.reshard_after_forward("blocks.1") and not s.reshard_after_forward("")
+    assert runtime.schedule(plan, reshard_after_forward=True).reshard_after_forward("")
+    assert not runtime.schedule(plan, reshard_after_forward=False).reshard_after_forward("blocks.1")
+
+
+def _without(s, op):
+    ops = list(s.ops)
+    ops.remove(op)
+    return dataclasses.replace(s, ops=tuple(ops))
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda s: _without(s, Op("wait", "blocks.1")), "unit 'blocks.1' is used from op"),
+        (lambda s: _without(s, Op("gather", "blocks.1")), "'wait blocks.1' without a 'gather blocks.1'"),
+        (lambda s: _without(s, Op("reduce", "blocks.0")), "'wait_reduce blocks.0' without a 'reduce blocks.0'"),
+        (lambda s: _without(_without(s, Op("reduce", "blocks.0")), Op("wait_reduce", "blocks.0")), "the reduce of unit 'blocks.0' is missing"),
+        (lambda s: _without(s, Op("backward_done", "blocks.2")), "unit 'blocks.2' is freed while in use"),
+        (lambda s: _without(_without(s, Op("backward_done", "blocks.2")), Op("backward", "blocks.2")), "'reduce blocks.2' before its gradients are complete"),
+        (lambda s: _without(s, Op("free", "")), "unit '<root>' is still unsharded at the end"),
+        (lambda s: dataclasses.replace(s, plan_fingerprint="0" * 16), "was made for plan"),
+    ],
+    ids=["wait-missing", "gather-missing", "reduce-missing", "reduce-and-wait-missing", "done-missing", "events-missing", "free-missing", "other-plan"],
+)
+def test_invalid_schedule_rejected_before_anything_runs(edit, message):
+    model, plan = _offline_plan()
+    bad = edit(runtime.schedule(plan))
+    with fsdpfn.count_collectives() as counter:
+        with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            Runtime(model, plan, schedule=bad)
+    assert counter.calls == []
+
+
+def test_reduce_before_gradients_complete_is_rejected():
+    model, plan = _offline_plan()
+    s = runtime.schedule(plan)
+    ops = list(s.ops)
+    ops.remove(Op("reduce", "blocks.0"))
+    ops.insert(ops.index(Op("backward", "blocks.0")) + 1, Op("reduce", "blocks.0"))
+    with pytest.raises(ScheduleError, match="before its gradients are complete; move it after 'backward_done blocks.0'"):
+        runtime.validate(dataclasses.replace(s, ops=tuple(ops)), plan)
+
+
+def _edited_schedule_step(rank, world):
+    """Hand-edited as text: backward prefetches two units at the root instead of one per unit."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, _mesh((world,)), strategy="zero3")
+    lines = str(runtime.schedule(plan, prefetch=1)).splitlines()
+    body = [ln.split(maxsplit=1)[1] for ln in lines[1:]]
+    i = body.index("backward <root>")
+    body.pop(body.index("gather blocks.1", i))  # from 'backward blocks.2' ...
+    body.insert(i + 1, "gather blocks.1")  # ... to 'backward <root>': two units ahead
+    edited = Schedule.from_str(lines[0] + "\n" + "\n".join(body))
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(world, 0)
+    s = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    pure = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]))(params)
+    rt = Runtime(model, plan, schedule=edited)
+    grads, _ = rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x[s]), y[s]))(params)
+    flight = dict((e, g) for e, g, _ in rt.last_step.in_flight)
+    same = all(torch.equal(grads[n]._local_tensor, pure[n]._local_tensor) for n in pure)
+    return edited != runtime.schedule(plan), same, flight["backward <root>"]
+
+
+def test_edited_schedule_runs_and_matches(run_on_ranks):
+    for differs, same, root_flight in run_on_ranks(_edited_schedule_step, 2):
+        assert differs and same
+        assert set(root_flight) == {"blocks.2", "blocks.1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors instead of silent wrong gradients; evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+class _Reversed(GPT):
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class _Skips(GPT):
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.blocks[0](x)
+        return self.head(self.norm(x))
+
+
+def _misbehaving(rank, world, cls, detach):
+    torch.manual_seed(0)
+    model = cls(CFG)
+    plan = fsdpfn.plan(model, _mesh((world,)), strategy="zero3")
+    rt = Runtime(model, plan)
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(world, 0)
+    if detach:  # blocks.2 runs, but the loss never differentiates through it
+        def loss(ps):
+            out = rt.apply(ps, x)
+            return _ce(out, y) * 0 + sum(p.sum() for p in ps.values()) * 0
+        try:
+            rt.value_and_grad(loss)(params)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+    try:
+        rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params)
+    except RuntimeScheduleError as e:
+        return str(e)
+    return "no error"
+
+
+def test_units_in_another_order_are_an_error(run_on_ranks):
+    msg = run_on_ranks(_misbehaving, 2, _Reversed, False)[0]
+    assert "reached 'forward blocks.2' but the schedule expects 'forward blocks.0'" in msg
+
+
+def test_unit_skipped_is_an_error(run_on_ranks):
+    msg = run_on_ranks(_misbehaving, 2, _Skips, False)[0]
+    assert "reached 'forward_done <root>' but the schedule expects 'forward blocks.1'" in msg
+
+
+def _eval_and_abandon(rank, world):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    plan = fsdpfn.plan(model, _mesh((world,)), strategy="zero3")
+    rt = Runtime(model, plan)
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(world, 0)
+    with torch.no_grad():
+        out = rt.apply(params, x)
+    live_after_eval = dict(rt.memory.live)
+    rt.apply(params, x)  # a forward whose loss is never differentiated ...
+    grads, _ = rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params)  # ... is abandoned
+    pure = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+    return (
+        torch.equal(out, reference(x)),
+        live_after_eval,
+        all(torch.equal(grads[n]._local_tensor, pure[n]._local_tensor) for n in pure),
+    )
+
+
+def test_eval_forward_and_abandoned_step(run_on_ranks):
+    for same_out, live, same_grads in run_on_ranks(_eval_and_abandon, 2):
+        assert same_out and live == {} and same_grads
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_comm_orders_streams():
+    comm = runtime.CudaComm()
+    x = torch.ones(4, device="cuda")
+    h = comm.start("all_gather", lambda: (types.SimpleNamespace(wait=lambda: x * 2), None))
+    assert torch.equal(comm.wait(h), torch.full((4,), 2.0, device="cuda"))
