@@ -162,11 +162,14 @@ class Executor:
         got = Op(kind, unit)
         if self.cursor >= len(ops) or ops[self.cursor] != got:
             expected = ops[self.cursor] if self.cursor < len(ops) else "nothing (the step is over)"
-            raise RuntimeScheduleError(
-                f"the model reached '{got}' but the schedule expects '{expected}' (op #{self.cursor}). "
-                "Units ran in another order than the schedule's: build the plan with units in execution "
-                "order, or edit the schedule to match the model."
-            )
+            if kind in ("backward", "end") and isinstance(expected, Op) and expected.kind in ("backward", "backward_done"):
+                why = (f"The backward of unit {_label(expected.unit)!r} did not run: its output does not reach the "
+                       "loss (or was detached). Every unit the forward ran must take part in the backward; "
+                       "its gradients would otherwise be silently missing.")
+            else:
+                why = ("Units ran in another order than the schedule's: build the plan with units in execution "
+                       "order, or edit the schedule to match the model.")
+            raise RuntimeScheduleError(f"the model reached '{got}' but the schedule expects '{expected}' (op #{self.cursor}). {why}")
         self.record.events.append((self.cursor, str(got)))
         self.cursor += 1
         # Below functorch: buffers allocated here must be plain tensors whose storage we own.
