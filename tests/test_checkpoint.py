@@ -132,6 +132,61 @@ def _export(rank, world, path, tie):
     return {n: p.full_tensor() for n, p in params.items()}
 
 
+def _real_opt(name):
+    from fsdpfn import optim
+
+    if name == "muon":
+        return optim.muon(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+    return optim.adamw(3e-3)
+
+
+def _setup_real(world, strategy, opt_name, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy=strategy)
+    params = fsdpfn.shard(model, plan)
+    return model, plan, {"params": params, "opt_state": _real_opt(opt_name).init(params), "step": 0}
+
+
+def _train_real(model, plan, state, steps, rank, world, opt_name):
+    from fsdpfn import optim
+
+    opt = _real_opt(opt_name)
+
+    def loss_fn(params, x, y):
+        logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    for _ in range(steps):
+        x, y = _batch(state["step"], rank, world)
+        grads = torch.func.grad(loss_fn)(state["params"], x, y)
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        state = {"params": optim.apply_updates(state["params"], updates), "opt_state": opt_state, "step": state["step"] + 1}
+    return state
+
+
+def _real_resume_parity(rank, world, root, opt_name, n):
+    model, plan, state = _setup_real(world, "zero3", opt_name)
+    straight = _full(_train_real(model, plan, state, 2 * n, rank, world, opt_name))
+    checkpoint.save(root, _train_real(model, plan, state, n, rank, world, opt_name), plan)
+    _, plan2, template = _setup_real(world, "zero3", opt_name, seed=1)
+    after = _full(_train_real(model, plan2, checkpoint.load(root, template, plan2), n, rank, world, opt_name))
+    return sorted(p for p in straight if not (torch.equal(straight[p], after[p]) if isinstance(after[p], torch.Tensor)
+                                              else straight[p] == after[p]))
+
+
+def _real_save(rank, world, root, opt_name):
+    model, plan, state = _setup_real(world, "zero3", opt_name)
+    state = _train_real(model, plan, state, 2, rank, world, opt_name)
+    checkpoint.save(root, state, plan)
+    return _full(state)
+
+
+def _real_load(rank, world, root, opt_name, strategy):
+    _, plan, template = _setup_real(world, strategy, opt_name, seed=9)
+    return _full(checkpoint.load(root, template, plan))
+
+
 # ---- tests -----------------------------------------------------------------------------------
 
 
@@ -294,3 +349,25 @@ def test_killed_save_leaves_previous_checkpoint_loadable(run_on_ranks, tmp_path,
     assert all(run_on_ranks(_load_step1, 2, root))
     assert checkpoint.read_info(root)["values"]["step"] == 3
     assert not any(n.startswith(".partial-") for n in os.listdir(root))
+
+
+# ---- with fsdpfn.optim's real states ------------------------------------------------------------
+
+
+def test_resume_is_bitwise_with_fsdpfn_muon(run_on_ranks, tmp_path):
+    """fsdpfn.optim.muon (Muon + AdamW partition, owner-layout Newton–Schulz): 2N steps straight ==
+    N, save, load, N (2 ranks, zero3), every parameter and state leaf bitwise."""
+    assert run_on_ranks(_real_resume_parity, 2, str(tmp_path / "ckpt"), "muon", 2) == [[], []]
+
+
+def test_muon_and_adamw_state_reshard_2_to_3_and_1(run_on_ranks, tmp_path):
+    for opt_name in ["muon", "adamw"]:
+        root = str(tmp_path / opt_name)
+        saved = run_on_ranks(_real_save, 2, root, opt_name)[0]
+        assert any("momentum_buffer" in p for p in saved) if opt_name == "muon" else any("/mu/" in p for p in saved)
+        for world, strategy in [(3, "zero2"), (1, "zero3")]:
+            for loaded in run_on_ranks(_real_load, world, root, opt_name, strategy):
+                assert loaded.keys() == saved.keys()
+                for p in saved:
+                    same = torch.equal(loaded[p], saved[p]) if isinstance(saved[p], torch.Tensor) else loaded[p] == saved[p]
+                    assert same, (opt_name, world, p)
