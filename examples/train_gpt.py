@@ -259,6 +259,21 @@ def plot_loss(metrics_path: str, png_path: str) -> str | None:
     return png_path
 
 
+# Flags that must match the checkpoint's run (the plan, world size and schedule may change).
+RESUME_FLAGS = ("width", "depth", "heads", "seq_len", "optimizer", "data")
+
+
+def check_resumable(config_path: str, args) -> None:
+    if not os.path.exists(config_path):
+        return
+    with open(config_path) as f:
+        saved = json.load(f)["args"]
+    diff = [f"--{k.replace('_', '-')} {saved[k]}" for k in RESUME_FLAGS if k in saved and saved[k] != getattr(args, k)]
+    if diff:
+        sys.exit(f"--resume: the run in {os.path.dirname(config_path)} was trained with {' '.join(diff)}; "
+                 "pass the same to continue it (the world size, strategy, steps and learning rates may change)")
+
+
 # ---------------------------------------------------------------------------------------------
 # The training job (every rank)
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +392,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.device == "cuda" and not under_torchrun():
         sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
+    if args.resume:
+        check_resumable(os.path.join(args.out, "config.json"), args)
     launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo")
 
 

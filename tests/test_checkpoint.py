@@ -143,7 +143,8 @@ def _real_opt(name):
 def _setup_real(world, strategy, opt_name, seed=0):
     torch.manual_seed(seed)
     model = GPT(CFG)
-    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy=strategy)
+    mesh = testing.mesh((2, world // 2), ("replicate", "shard")) if strategy == "hsdp" else testing.mesh((world,))
+    plan = fsdpfn.plan(model, mesh, strategy="zero3" if strategy == "hsdp" else strategy)
     params = fsdpfn.shard(model, plan)
     return model, plan, {"params": params, "opt_state": _real_opt(opt_name).init(params), "step": 0}
 
@@ -361,11 +362,13 @@ def test_resume_is_bitwise_with_fsdpfn_muon(run_on_ranks, tmp_path):
 
 
 def test_muon_and_adamw_state_reshard_2_to_3_and_1(run_on_ranks, tmp_path):
+    """fsdpfn.optim states saved on 2 ranks zero3 load bitwise on 3 ranks zero2, on 1 rank, and
+    (AdamW) on 4 ranks as HSDP 2x2 (placements (Replicate(), Shard(0)))."""
     for opt_name in ["muon", "adamw"]:
         root = str(tmp_path / opt_name)
         saved = run_on_ranks(_real_save, 2, root, opt_name)[0]
         assert any("momentum_buffer" in p for p in saved) if opt_name == "muon" else any("/mu/" in p for p in saved)
-        for world, strategy in [(3, "zero2"), (1, "zero3")]:
+        for world, strategy in [(3, "zero2"), (1, "zero3")] + ([(4, "hsdp")] if opt_name == "adamw" else []):
             for loaded in run_on_ranks(_real_load, world, root, opt_name, strategy):
                 assert loaded.keys() == saved.keys()
                 for p in saved:

@@ -207,9 +207,11 @@ def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: 
         return
     parts = []
     if missing:
-        parts.append(f"template paths not in the checkpoint: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        more = f" ... ({len(missing)} of {len(entries)} template leaves)" if len(missing) > 8 else ""
+        parts.append(f"template paths not in the checkpoint: {', '.join(missing[:8])}{more}")
     if mismatched:
-        parts.append(f"shape mismatches: {'; '.join(mismatched[:8])}{' ...' if len(mismatched) > 8 else ''}")
+        more = f" ... ({len(mismatched)} of {len(entries)} template leaves)" if len(mismatched) > 8 else ""
+        parts.append(f"shape mismatches: {'; '.join(mismatched[:8])}{more}")
     saved = info.get("plan_fingerprint")
     hint = (
         f" The checkpoint was saved with plan {saved[:12] if saved else None} on {info.get('world_size')} rank(s); "
