@@ -93,15 +93,15 @@ def load_corpus(path: str):
         text = f.read()
     vocab = sorted(set(text))
     index = {ch: i for i, ch in enumerate(vocab)}
-    data = torch.tensor([index[ch] for ch in text], dtype=torch.long)
+    data = torch.tensor([index[ch] for ch in text], dtype=torch.long, device="cpu")
     split = int(0.95 * len(data))
     return vocab, data[:split], data[split:]
 
 
 def get_batch(data: torch.Tensor, step: int, rank: int, batch: int, seq_len: int, seed: int, device="cpu"):
     """Deterministic in (seed, step, rank): a resumed run sees exactly the batches it would have."""
-    g = torch.Generator().manual_seed(hash((seed, step, rank)) % (2**63))
-    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(hash((seed, step, rank)) % (2**63))
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g, device="cpu")
     rows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
     return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
