@@ -152,7 +152,7 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
         root are unsharded at once under reshard-after-forward.
       reshard_after_forward: ``None`` (default): ``zero3`` units other than the root are freed
         after their forward and gathered again in backward; the root, whose forward ends where
-        its backward starts, is kept (as FSDP2 does). ``True``: every ``zero3`` unit, the root
+        its backward starts, is kept (FSDP2 on torch 2.13 regathers it: one all-gather more). ``True``: every ``zero3`` unit, the root
         too. ``False``: none. ``replicate``/``zero1``/``zero2`` units are never freed between
         forward and backward.
 
