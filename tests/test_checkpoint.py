@@ -374,3 +374,50 @@ def test_muon_and_adamw_state_reshard_2_to_3_and_1(run_on_ranks, tmp_path):
                 for p in saved:
                     same = torch.equal(loaded[p], saved[p]) if isinstance(saved[p], torch.Tensor) else loaded[p] == saved[p]
                     assert same, (opt_name, world, p)
+
+
+# ---- the deadlock of seed 001: a save gated on rank 0 --------------------------------------------
+
+
+def _gated_worker(rank, world, init_file, root, report):
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    if rank == 0:  # the bug: only rank 0 saves
+        try:
+            checkpoint.save(root, {"w": torch.ones(2), "step": 1}, timeout=3)
+            msg = "no error"
+        except RuntimeError as e:
+            msg = str(e)
+        with open(report, "w") as f:
+            f.write(msg)
+    else:
+        time.sleep(8)  # busy elsewhere, never entering the save
+    os._exit(0)
+
+
+def test_save_gated_on_rank_0_fails_naming_the_missing_rank(tmp_path):
+    """Seed 001: `if rank == 0: save(...)` deadlocked. Here rank 0 gets an error within the
+    timeout that names rank 1 and says to call the save on every rank; nothing is published."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    init_file = os.path.join(tempfile.mkdtemp(prefix="fsdpfn_gated_"), "store")
+    report, root = str(tmp_path / "report.txt"), str(tmp_path / "ckpt")
+    procs = [ctx.Process(target=_gated_worker, args=(r, 2, init_file, root, report)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    with open(report) as f:
+        msg = f.read()
+    assert "every rank must call it" in msg and "Ranks 1 failed" in msg, msg
+    assert checkpoint.latest(root) is None

@@ -22,36 +22,21 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.checkpoint import _atomic
+from fsdpfn.checkpoint._collective import arrive, broadcast, dist_on, rank
 from fsdpfn.checkpoint._tree import flatten_state
 
 __all__ = ["save", "load", "read_info"]
 
 _FORMAT = 1
-# Test hook (see tests/test_checkpoint_kill.py): "<stage>:<rank>" makes that rank exit abruptly
+# Test hook (see tests/test_checkpoint.py, test_killed_save_*): "<stage>:<rank>" makes that rank exit abruptly
 # at that stage of a save, as if killed. Stages: "write" (after writing its DCP data, before the
 # metadata exists), "commit" (everything written, before the rename that publishes it).
 _DIE_AT_ENV = "FSDPFN_CHECKPOINT_TEST_DIE_AT"
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _broadcast(obj: Any) -> Any:
-    if not _dist_on():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _maybe_die(stage: str) -> None:
     spec = os.environ.get(_DIE_AT_ENV)
-    if spec and spec == f"{stage}:{_rank()}":
+    if spec and spec == f"{stage}:{rank()}":
         os._exit(137)
 
 
@@ -96,7 +81,15 @@ def _plan_summary(plan) -> str:
     return f"plan {plan.fingerprint[:12]} ({'/'.join(strategies)} on mesh {tuple(plan.mesh_shape)})"
 
 
-def save(path: str | os.PathLike, state: Any, plan=None, *, name: str | None = None, keep: int | None = None) -> str:
+def save(
+    path: str | os.PathLike,
+    state: Any,
+    plan=None,
+    *,
+    name: str | None = None,
+    keep: int | None = None,
+    timeout: float = 600.0,
+) -> str:
     """Saves ``state`` as a new checkpoint under the directory ``path``; every rank calls it.
 
     Tensor leaves (DTensors: each rank writes its own shard; plain tensors: must be equal on
@@ -113,6 +106,8 @@ def save(path: str | os.PathLike, state: Any, plan=None, *, name: str | None = N
       name: the checkpoint's directory name; default ``step_{state['step']:08d}`` if the state
         has an int ``step``, else ``ckpt_NNNNNN``.
       keep: if set, delete all but the ``keep`` newest checkpoints after this one is committed.
+      timeout: seconds to wait for every rank to enter the save (gloo: then a ``RuntimeError``
+        naming the missing ranks, e.g. when the call was gated on rank 0).
 
     Returns:
       The committed checkpoint directory, e.g. ``path/step_00000100``.
@@ -125,30 +120,37 @@ def save(path: str | os.PathLike, state: Any, plan=None, *, name: str | None = N
     entries, _ = flatten_state(state)
     tensors = {p: v.detach() for p, v in entries.items() if isinstance(v, torch.Tensor)}
     values = {p: v for p, v in entries.items() if not isinstance(v, torch.Tensor)}
-    rank = _rank()
+    me = rank()
+    arrive("save", timeout)
 
     decision = None
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _atomic.clean_partials(root)
-        decision = (name or _default_name(values, root), uuid.uuid4().hex[:8])
-    name, token = _broadcast(decision)
+    if me == 0:  # every rank learns the outcome, so an error here cannot leave the others waiting
+        try:
+            os.makedirs(root, exist_ok=True)
+            _atomic.clean_partials(root)
+            decision = (name or _default_name(values, root), uuid.uuid4().hex[:8])
+        except Exception as e:  # noqa: BLE001 - sent to every rank below
+            decision = f"{type(e).__name__}: {e}"
+    decision = broadcast(decision)
+    if isinstance(decision, str):
+        raise RuntimeError(f"preparing a checkpoint in {root!r} failed on rank 0: {decision}")
+    name, token = decision
     partial = _atomic.partial_dir(root, name, token)
 
     with _quiet_no_dist():
-        dcp.save(tensors, storage_writer=_Writer(partial), no_dist=not _dist_on())
+        dcp.save(tensors, storage_writer=_Writer(partial), no_dist=not dist_on())
 
     _maybe_die("commit")
-    if _dist_on():
+    if dist_on():
         dist.barrier()
     error = None
-    if rank == 0:
+    if me == 0:
         try:
             info = {
                 "format": _FORMAT,
                 "name": name,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "world_size": dist.get_world_size() if _dist_on() else 1,
+                "world_size": dist.get_world_size() if dist_on() else 1,
                 "plan": None if plan is None else json.loads(plan.to_json()),
                 "plan_fingerprint": None if plan is None else plan.fingerprint,
                 "values": values,
@@ -160,7 +162,7 @@ def save(path: str | os.PathLike, state: Any, plan=None, *, name: str | None = N
                 _atomic.prune(root, keep)
         except Exception as e:  # noqa: BLE001 - sent to every rank below
             error = f"{type(e).__name__}: {e}"
-    error = _broadcast(error)
+    error = broadcast(error)
     if error is not None:
         raise RuntimeError(f"committing checkpoint {name!r} in {root!r} failed on rank 0: {error}")
     return os.path.join(root, name)
@@ -221,7 +223,7 @@ def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: 
     raise ValueError(f"checkpoint {ckpt!r} does not fit the template: {'; '.join(parts)}.{hint}")
 
 
-def load(path: str | os.PathLike, template_state: Any, plan=None) -> Any:
+def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float = 600.0) -> Any:
     """Loads a checkpoint into the structure and placements of ``template_state``.
 
     Every rank calls it (it is collective when a process group is initialised; without one it
@@ -237,6 +239,7 @@ def load(path: str | os.PathLike, template_state: Any, plan=None) -> Any:
         and the wanted placements (e.g. fresh ``fsdpfn.shard(model, plan)`` and
         ``opt.init(params)``), and Python values where the saved state had them.
       plan: the :class:`fsdpfn.Plan` of the template (used in error messages).
+      timeout: seconds to wait for every rank to enter the load (gloo; see :func:`save`).
 
     Returns:
       A new state with the template's structure, filled from the checkpoint.
@@ -250,6 +253,7 @@ def load(path: str | os.PathLike, template_state: Any, plan=None) -> Any:
       >>> template = {"params": fsdpfn.shard(model, plan3), "opt_state": opt.init(...), "step": 0}  # doctest: +SKIP
       >>> state = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan3)  # doctest: +SKIP
     """
+    arrive("load", timeout)
     ckpt = _atomic.resolve(path)
     info = read_info(ckpt)
     entries, spec = flatten_state(template_state)
@@ -258,6 +262,6 @@ def load(path: str | os.PathLike, template_state: Any, plan=None) -> Any:
     _check_against(entries, meta, info, plan, ckpt)
     targets = {p: _empty_like(v) for p, v in entries.items() if isinstance(v, torch.Tensor)}
     with _quiet_no_dist():
-        dcp.load(targets, storage_reader=reader, no_dist=not _dist_on())
+        dcp.load(targets, storage_reader=reader, no_dist=not dist_on())
     leaves = [targets[p] if p in targets else info["values"][p] for p in entries]
     return optree.tree_unflatten(spec, leaves)

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fsdpfn.checkpoint._collective import arrive
+
 __all__ = ["export_full"]
 
 
@@ -34,6 +36,7 @@ def export_full(
     *,
     model: torch.nn.Module | None = None,
     dtype: torch.dtype | None = None,
+    timeout: float = 600.0,
 ) -> str | None:
     """Writes the full (unsharded) parameters as one ``torch.save`` file of plain tensors.
 
@@ -50,6 +53,7 @@ def export_full(
         ``model.state_dict()``'s keys: tied weights under each of their names, and the model's
         buffers. Without it, the keys are ``params``' names.
       dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``) on export.
+      timeout: seconds to wait for every rank to enter the call (gloo; see :func:`save`).
 
     Returns:
       ``path`` on rank 0, ``None`` on the other ranks.
@@ -64,6 +68,7 @@ def export_full(
         if missing or extra:
             raise ValueError(f"export_full: params do not match the plan (missing {missing[:5]}, not in the plan {extra[:5]})")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    arrive("export_full", timeout)
     with torch.no_grad():
         full = {n: _full(x) for n, x in params.items()}  # same order on every rank
     if dtype is not None:
