@@ -24,6 +24,7 @@ sharded, reduced gradients; ``fsdpfn.optim`` turns them into updates. See :func:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -279,17 +280,34 @@ def check_resumable(config_path: str, args) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def train(rank: int, world: int, args) -> None:
+@dataclasses.dataclass
+class Job:
+    """What every rank holds besides the training state."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    device: torch.device
+    paths: dict
+    vocab: list
+    train_data: torch.Tensor
+    val_data: torch.Tensor
+    cfg: GPTConfig
+    model: torch.nn.Module  # a skeleton on the meta device: the parameters live in the state
+    plan: fsdpfn.Plan
+    opt: optim.GradientTransformation
+
+
+OUTPUTS = dict(metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt")
+
+
+def setup(rank: int, world: int, args) -> tuple[Job, dict]:
+    """The job and a fresh state ``{"params", "opt_state", "step"}`` (same seed on every rank)."""
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         torch.set_default_device(f"cuda:{torch.cuda.current_device()}")  # fsdpfn allocates its buffers there
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    out = args.out
-    paths = {k: os.path.join(out, v) for k, v in
-             dict(metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt").items()}
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-
+    paths = {k: os.path.join(args.out, v) for k, v in OUTPUTS.items()}
     vocab, train_data, val_data = load_corpus(args.data)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads)
     torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
@@ -299,41 +317,53 @@ def train(rank: int, world: int, args) -> None:
     opt = make_optimizer(args)
     params = fsdpfn.shard(model, plan)
     state = {"params": params, "opt_state": opt.init(params), "step": 0}
-
-    if args.resume:
-        found = checkpoint.latest(paths["ckpt"])
-        if found is None:
-            if rank == 0:
-                print(f"--resume: no checkpoint in {paths['ckpt']}, starting from step 0")
-        else:
-            info = checkpoint.read_info(found)
-            state = checkpoint.load(found, state, plan)
-            if rank == 0:
-                print(f"resumed from {found} (step {state['step']}, saved on {info['world_size']} rank(s); "
-                      f"now {world} rank(s), {args.strategy})")
-    start = state["step"]
     if rank == 0:
-        if start == 0 and not args.resume:
-            open(paths["metrics"], "w").close()
-        else:
-            truncate_metrics(paths["metrics"], start)
-        with open(paths["config"], "w") as f:
-            json.dump({"model": cfg.__dict__, "vocab": "".join(vocab), "args": vars(args), "world_size": world}, f, indent=1)
+        os.makedirs(args.out, exist_ok=True)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(vocab)}, {len(train_data) / 1e3:.0f}k training characters; "
               f"{world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; {args.strategy}, {args.optimizer}")
     model = model.to("meta")  # the shards are copies: keep only a skeleton for functional_call
+    return Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt), state
 
-    loss_fn = make_loss(make_forward(model, plan, args))
-    step_fn = make_step(loss_fn, opt)
-    progress = Progress(args.steps, start, enabled=rank == 0 and not args.no_progress)
+
+def resume(job: Job, state: dict) -> dict:
+    """The state of the latest checkpoint, resharded to this job's plan and world size."""
+    found = checkpoint.latest(job.paths["ckpt"])
+    if found is None:
+        if job.rank == 0:
+            print(f"--resume: no checkpoint in {job.paths['ckpt']}, starting from step 0")
+        return state
+    info = checkpoint.read_info(found)
+    state = checkpoint.load(found, state, job.plan)
+    if job.rank == 0:
+        print(f"resumed from {found} (step {state['step']}, saved on {info['world_size']} rank(s); "
+              f"now {job.world} rank(s), {job.args.strategy})")
+    return state
+
+
+def start_logs(job: Job, start: int) -> None:
+    if job.rank != 0:
+        return
+    if start == 0 and not job.args.resume:
+        open(job.paths["metrics"], "w").close()
+    else:
+        truncate_metrics(job.paths["metrics"], start)
+    with open(job.paths["config"], "w") as f:
+        json.dump({"model": job.cfg.__dict__, "vocab": "".join(job.vocab), "args": vars(job.args), "world_size": job.world}, f, indent=1)
+
+
+def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
+    """Steps from ``state["step"]`` to ``--steps`` (or ``--stop-at``): logs, evaluates and saves
+    checkpoints on the way. Returns the state and the last logged loss."""
+    args, rank, world, device = job.args, job.rank, job.world, job.device
+    step_fn = make_step(loss_fn, job.opt)
+    progress = Progress(args.steps, state["step"], enabled=rank == 0 and not args.no_progress)
     tokens_per_step = world * args.batch_size * args.seq_len
-    t_start = time.perf_counter()
-    t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-    last_loss = float("nan")
+    t_start = t_window = time.perf_counter()
+    window_steps, loss_sum, last_loss = 0, torch.zeros((), device=device), float("nan")
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-    for step in range(start, stop):
-        x, y = get_batch(train_data, step, rank, args.batch_size, args.seq_len, args.seed, device)
+    for step in range(state["step"], stop):
+        x, y = get_batch(job.train_data, step, rank, args.batch_size, args.seq_len, args.seed, device)
         state, loss = step_fn(state, x, y)
         loss_sum += loss
         window_steps += 1
@@ -345,25 +375,28 @@ def train(rank: int, world: int, args) -> None:
             row = {"step": done, "loss": round(last_loss, 5), "tokens_per_s": round(tok_s, 1),
                    "elapsed_s": round(time.perf_counter() - t_start, 2)}
             if args.eval_every and done % args.eval_every == 0 or done == stop:
-                row["val_loss"] = round(evaluate(state, loss_fn, val_data, args, world, rank, device), 5)
+                row["val_loss"] = round(evaluate(state, loss_fn, job.val_data, args, world, rank, device), 5)
             if rank == 0:
-                with open(paths["metrics"], "a") as f:
+                with open(job.paths["metrics"], "a") as f:
                     f.write(json.dumps(row) + "\n")
                 progress.update(done, loss=f"{last_loss:.3f}", **{"tok/s": f"{tok_s:,.0f}"})
                 if args.no_progress:
                     print(f"step {done}/{args.steps} loss {last_loss:.3f} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         if done % args.ckpt_every == 0 or done == stop:
-            checkpoint.save(paths["ckpt"], state, plan, keep=args.keep)  # collective: every rank
+            checkpoint.save(job.paths["ckpt"], state, job.plan, keep=args.keep)  # collective: every rank
     progress.close()
-    wall = time.perf_counter() - t_start
+    return state, last_loss
 
-    # The end: a plain state dict, a sample, the plot, a summary.
-    checkpoint.export_full(paths["model"], state["params"], plan, model=model)
+
+def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> None:
+    """A plain state dict, a sample, the plot, a summary."""
+    args, paths = job.args, job.paths
+    checkpoint.export_full(paths["model"], state["params"], job.plan, model=job.model)  # collective
     with torch.no_grad():
-        full = fsdpfn.unshard(state["params"], plan)  # collective
-    if rank == 0:
-        text = sample(model, full, vocab, "Once upon a time", args.sample_chars, args.seq_len, device, args.seed)
+        full = fsdpfn.unshard(state["params"], job.plan)  # collective
+    if job.rank == 0:
+        text = sample(job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device, args.seed)
         with open(paths["sample"], "w") as f:
             f.write(text + "\n")
         png = plot_loss(paths["metrics"], paths["png"])
@@ -373,7 +406,7 @@ def train(rank: int, world: int, args) -> None:
         print("\n--- sample ---------------------------------------------------------------")
         print(text)
         print("--------------------------------------------------------------------------")
-        print(f"steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({world} rank(s), {args.strategy}, "
+        print(f"steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
               f"{args.optimizer}, {args.executor})")
         print(f"loss {first:.3f} (first logged) -> {last_loss:.3f} (final); validation {val:.3f}")
         print(f"metrics    {paths['metrics']}")
@@ -381,6 +414,19 @@ def train(rank: int, world: int, args) -> None:
         print(f"checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
         print(f"model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
     dist.barrier()
+
+
+def train(rank: int, world: int, args) -> None:
+    """The whole job, on every rank (started by :func:`fsdpfn.launch.launch`)."""
+    job, state = setup(rank, world, args)
+    if args.resume:
+        state = resume(job, state)
+    start = state["step"]
+    start_logs(job, start)
+    loss_fn = make_loss(make_forward(job.model, job.plan, args))
+    t0 = time.perf_counter()
+    state, last_loss = train_loop(job, state, loss_fn)
+    finish(job, state, start, last_loss, time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------------

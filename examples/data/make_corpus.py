@@ -4,7 +4,8 @@ The demo needs text that ships with the repository (no downloads), carries no li
 questions, and has enough structure for a small character-level GPT to learn visibly in a few
 minutes on a CPU: spelling, word order, punctuation, quotes, and names that recur within a story.
 Everything here is generated, deterministically (fixed seed), so the file can be re-created and
-checked: ``python examples/data/make_corpus.py && git diff --stat examples/data``.
+checked: ``python examples/data/make_corpus.py && git diff --stat examples/data``. The generated
+text is dedicated to the public domain (CC0).
 
 Usage:
   python examples/data/make_corpus.py [--kb 240] [--seed 0] [--out examples/data/tiny_tales.txt]
