@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fsdpfn
 from fsdpfn import checkpoint, testing
@@ -199,8 +199,9 @@ def test_resume_is_bitwise_same_world_size(run_on_ranks, tmp_path):
 
 
 def test_reshard_2_ranks_zero3_to_3_ranks_zero2_and_1_rank(run_on_ranks, tmp_path):
-    """Saved on 2 ranks zero3; loaded on 3 ranks zero2, on 1 rank zero3, and in one process with
-    no process group into plain tensors: every parameter and optimizer-state leaf identical."""
+    """Saved on 2 ranks zero3; loaded on 3 ranks zero2, on 1 rank zero3, on 2 ranks replicated,
+    and in one process with no process group into plain tensors: every parameter and
+    optimizer-state leaf identical."""
     root = str(tmp_path / "ckpt")
     (saved, path), _ = run_on_ranks(_save_trained, 2, root, "zero3", 2)
     assert os.path.basename(path) == "step_00000002" and checkpoint.latest(root) == path
@@ -210,7 +211,9 @@ def test_reshard_2_ranks_zero3_to_3_ranks_zero2_and_1_rank(run_on_ranks, tmp_pat
 
     three = run_on_ranks(_load_into, 3, root, "zero2")
     one = run_on_ranks(_load_into, 1, root, "zero3")
-    for loaded, placements in [*three, *one]:
+    replicated = run_on_ranks(_load_into, 2, root, "replicate")
+    assert replicated[1][1]["params/embed.weight"] == ((Replicate(),), (37, 20))
+    for loaded, placements in [*three, *one, *replicated]:
         assert loaded.keys() == saved.keys()
         for p in saved:
             if isinstance(saved[p], torch.Tensor):
