@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import checkpoint, optim
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("parallelism")
     g.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     g.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"])
+    g.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: replicate over this many groups, shard within each (mesh (replicas, world/replicas))")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, NCCL")
     g.add_argument("--executor", default="runtime", choices=["runtime", "pure"],
                    help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad")
@@ -312,7 +315,12 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads)
     torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
     model = GPT(cfg)
-    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    if world % args.replicas:
+        raise ValueError(f"--replicas {args.replicas} must divide the world size {world}")
+    if args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
+        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     plan = fsdpfn.plan(model, mesh, strategy=args.strategy)
     opt = make_optimizer(args)
     params = fsdpfn.shard(model, plan)
