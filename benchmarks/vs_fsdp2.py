@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-CONFIGS = [("zero2", "fp32"), ("zero3", "fp32"), ("zero2", "bf16"), ("zero3", "bf16")]
+ALL_CONFIGS = ["zero2:fp32", "zero3:fp32", "zero2:bf16", "zero3:bf16"]
+CONFIGS: list[tuple[str, str]] = []
 WORLD = 2
 
 
@@ -225,6 +226,7 @@ def _time_collectives(reps=10):
 
 
 def _timing_rank(rank, args, init_file, queue):
+    CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
     mesh = _init(rank, init_file)
     counter = _Fsdp2Counter()
     results = {"collectives": _time_collectives()}
@@ -246,6 +248,8 @@ def _timing_rank(rank, args, init_file, queue):
         counts = {s.name: s.count(x, y) for s in sides}
         hw = sides[0].rt.memory.high_water
         results[(strategy, precision)] = {"times": times, "counts": counts, "losses": losses, "high_water": hw}
+        if rank == 0:
+            print(f"  [{strategy} {precision}: done]", flush=True)
         del sides
     queue.put((rank, results))
     dist.destroy_process_group()
@@ -315,7 +319,9 @@ def main():
     ap.add_argument("--memory-steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma-separated strategy:precision")
     args = ap.parse_args()
+    CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
 
     print("command:", "OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
     print(f"model: GPT width {args.width}, {args.depth} blocks, vocab {args.vocab}, seq {args.seq}, "

@@ -42,6 +42,10 @@ class Runtime:
         (communication per micro-batch, sharded memory). ``"local"``: micro-batches inside
         :meth:`accumulating` keep summed full gradients locally and do not communicate; the next
         micro-batch outside it reduces the total (one reduce per step, full-gradient memory).
+      device: where collectives run: ``"cpu"`` (async gloo work handles, the default) or
+        ``"cuda"`` (one stream per collective kind, ordered with events; see
+        :class:`~fsdpfn.runtime.CudaComm`). Not yet exercised on a GPU: the transforms allocate
+        their buffers on the CPU.
 
     Example (``torch.func`` style):
       >>> rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)  # doctest: +SKIP

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable
-
 from fsdpfn._plan import Plan
 
 __all__ = ["ACTIONS", "EVENTS", "Op", "Schedule", "ScheduleError", "schedule", "validate"]
@@ -346,12 +344,3 @@ def validate(sched: Schedule, plan: Plan) -> None:
             raise ScheduleError(f"invalid schedule: 'wait_reduce {_label(name)}' is missing after op #{last}")
         if state[name] != "sharded":
             raise ScheduleError(f"invalid schedule: unit {_label(name)!r} is still unsharded at the end; add 'free {_label(name)}'")
-
-
-def ops_of(text: Iterable[str]) -> tuple[Op, ...]:
-    """``ops_of(["gather blocks.0", "end"])``: ops from short strings, for hand-written schedules."""
-    out = []
-    for s in text:
-        parts = s.split()
-        out.append(Op("end") if parts == ["end"] else Op(parts[0], "" if parts[1] == "<root>" else parts[1]))
-    return tuple(out)
