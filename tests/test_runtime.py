@@ -236,7 +236,8 @@ def test_prefetch_and_reduce_overlap_unit_compute(run_on_ranks):
     flight = dict((e, (g, rs)) for e, g, rs in r["in_flight"])
     assert flight["forward blocks.0"][0] == ("blocks.1",)  # next unit's gather in flight
     assert flight["backward blocks.2"][0] == ("blocks.1",)
-    assert flight["backward blocks.1"][1] == ("blocks.3", "blocks.2")  # reduces overlap earlier units
+    assert flight["backward blocks.1"][1] == ("blocks.2",)  # the previous unit's reduce overlaps this one
+    assert flight["backward blocks.0"][1] == ("blocks.1",)
 
 
 # ---------------------------------------------------------------------------------------------

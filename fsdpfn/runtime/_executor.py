@@ -29,8 +29,9 @@ model's outputs pass through :class:`_RootExit`, whose backward is the ``backwar
 through :class:`_StepBoundary`, an identity whose backward runs after every unit's: it is the
 ``end`` event, where every reduce is waited for and the sharded gradients are returned to
 autograd (``param.grad`` in eager, the result of ``torch.func.grad``). The unit Functions give
-``None`` to their shard inputs, so each reduce-scatter runs asynchronously from its unit's end to
-``end``, overlapping the backward of the units before it.
+``None`` to their shard inputs, so each reduce-scatter runs asynchronously from its unit's end
+to its ``wait_reduce`` (by default: the end of the next unit's backward), overlapping the backward
+of the unit before it.
 
 Every event checks it is the one the schedule expects next, and ``end`` checks that every unit's
 backward ran: a unit whose backward did not run is an error naming it, never silent wrong

@@ -142,7 +142,9 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     Units run in the plan's order (root first, wrapping the others) in forward and in reverse
     in backward. Each unit is waited for right before it computes, with the gathers of the next
     ``prefetch`` units started at that point; each unit's reduce starts as soon as its gradients
-    are complete and every reduce is waited for at ``end``.
+    are complete and is waited for when the next unit's gradients are (so one reduce is in flight
+    while a unit computes, as in FSDP2: a reduce holds full-size buffers); the root and the
+    last unit are waited for at ``end``.
 
     Args:
       plan: the plan.
@@ -223,10 +225,12 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
         ops.append(Op("backward_done", name))
         ops.append(Op("free", name))
         ops.append(Op("reduce", name))
+        if i > 0:  # one reduce in flight while a unit computes: its buffers are full-size
+            ops.append(Op("wait_reduce", back[i - 1]))
     ops.append(Op("end"))
     if root_present:
         ops.append(Op("reduce", ROOT))
-    ops += [Op("wait_reduce", name) for name in ([ROOT] if root_present else []) + back]
+    ops += [Op("wait_reduce", name) for name in ([ROOT] if root_present else []) + back[-1:]]
     if root_present:
         ops.append(Op("free", ROOT))
     return Schedule(tuple(ops), plan.fingerprint, prefetch)
