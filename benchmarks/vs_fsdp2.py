@@ -12,6 +12,10 @@ Usage:
   OMP_NUM_THREADS=1 python benchmarks/vs_fsdp2.py                # 25 measured steps each
   OMP_NUM_THREADS=1 python benchmarks/vs_fsdp2.py --steps 3 --warmup 1 --width 128   # smoke run
 
+bf16 on this kind of CPU (no native bf16 matmul) runs the full-size model at ~70 s per step on
+either side (fp32: ~2 s), so 25 interleaved bf16 steps at full size take about two hours; the
+README's bf16 rows come from ``--configs zero2:bf16,zero3:bf16 --width 128 --vocab 1024 --seq 64``.
+
 A step is forward, ``loss.backward()``, and a plain SGD update of the sharded parameters on both
 sides (fsdpfn: ``rt.apply`` + backward into the shards' ``.grad``; FSDP2: ``model(x)`` +
 backward + ``torch.optim.SGD``).
