@@ -15,15 +15,23 @@ from fsdpfn.transforms import reduce as reduce
 from fsdpfn.transforms import shard as shard
 from fsdpfn.transforms import unshard as unshard
 
+# Subpackages users reach as fsdpfn.optim, fsdpfn.runtime, fsdpfn.checkpoint.
+from fsdpfn import checkpoint as checkpoint
+from fsdpfn import optim as optim
+from fsdpfn import runtime as runtime
+
 __version__ = "0.1.0"
 
 __all__ = [
     "MixedPrecision",
     "Plan",
     "PlanCost",
+    "checkpoint",
     "count_collectives",
+    "optim",
     "plan",
     "reduce",
+    "runtime",
     "shard",
     "unshard",
 ]

@@ -35,8 +35,9 @@ class PlanCost:
       memory: bytes per rank: ``params`` (sharded masters, largest rank), ``grads`` (sharded
         for zero2/zero3, full for zero1/replicate), ``optimizer_state_per_slot`` (one fp32-like
         slot shaped like the sharded masters, e.g. Adam needs two), ``unsharded_peak`` (full
-        parameters alive at once in the gather dtype: one unit at a time for zero3 plus every
-        other unit, whose full parameters live from forward to backward).
+        parameters alive at once in the gather dtype: ``1 + prefetch`` of the largest units freed
+        after forward, plus every unit kept gathered from forward to backward; the runtime's
+        high-water mark stays within it).
     """
 
     collectives: dict
@@ -58,11 +59,11 @@ def _cc(group_size: int, nbytes: int, factor: float = 1.0, calls: int = 1) -> Co
     return CollectiveCost(calls, calls * nbytes, calls * factor * (group_size - 1) / group_size * nbytes)
 
 
-def plan_cost(plan: Plan, reshard_after_forward: bool | None = None) -> PlanCost:
+def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: int = 1) -> PlanCost:
     w, r = plan.shard_size, plan.replicate_size
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
     mem = {"params": 0, "grads": 0, "optimizer_state_per_slot": 0, "unsharded_peak": 0}
-    largest_zero3 = 0
+    freed = []  # gathered bytes of the units freed after forward
     for unit in plan.units:
         g_item = plan.gather_dtype(unit).itemsize
         r_item = plan.reduce_dtype(unit).itemsize
@@ -78,7 +79,10 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None) -> PlanCost
             mem["optimizer_state_per_slot"] += master
             mem["unsharded_peak"] += full_gathered  # unshard's cast copy
             continue
-        gathers = 2 if (unit.strategy == "zero3" and reshard_after_forward is not False) else 1
+        # The runtime's default frees zero3 units after forward except the root, whose backward
+        # starts right after its forward (FSDP2 makes the same exception).
+        resharded = reshard_after_forward is True or (reshard_after_forward is None and unit.name != "")
+        gathers = 2 if unit.strategy == "zero3" and resharded else 1
         if unit.shard_numel:
             kinds["all_gather"] += _cc(w, w * unit.shard_numel * g_item, calls=gathers)
         if unit.reduce_numel:
@@ -90,9 +94,10 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None) -> PlanCost
         mem["params"] += sharded_master
         mem["optimizer_state_per_slot"] += sharded_master
         mem["grads"] += master if unit.strategy == "zero1" else sharded_master
-        if unit.strategy == "zero3":
-            largest_zero3 = max(largest_zero3, full_gathered)
+        if gathers == 2:
+            freed.append(full_gathered)
         else:
             mem["unsharded_peak"] += full_gathered
-    mem["unsharded_peak"] += largest_zero3
+    # A freed unit is alive from its gather to its free; with prefetch, 1 + prefetch of them.
+    mem["unsharded_peak"] += min(sum(freed), (1 + prefetch) * max(freed, default=0))
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem)

@@ -370,20 +370,22 @@ class Plan:
 
     # ---- inspection ----------------------------------------------------------------------
 
-    def cost(self, reshard_after_forward: bool | None = None):
+    def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1):
         """Bytes each collective kind moves per rank per training step, and memory per rank.
 
         Args:
           reshard_after_forward: whether ``zero3`` units are gathered a second time in backward.
-            ``None`` (default) follows the strategy: yes for ``zero3``, as the runtime does. The
-            pure loop (``torch.func.grad`` over ``unshard``) gathers once: pass ``False``.
+            ``None`` (default): as the runtime's default schedule does, every ``zero3`` unit but
+            the root. ``True``: every ``zero3`` unit (the textbook 3x the parameter bytes).
+            ``False``: none, as in the pure loop (``torch.func.grad`` over ``unshard``).
+          prefetch: units gathered ahead by the runtime; bounds the unsharded memory.
 
         Returns:
           a :class:`fsdpfn.PlanCost`.
         """
         from fsdpfn._cost import plan_cost
 
-        return plan_cost(self, reshard_after_forward)
+        return plan_cost(self, reshard_after_forward, prefetch)
 
     def __str__(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))

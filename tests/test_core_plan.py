@@ -72,9 +72,13 @@ def test_cost_matches_theory(w):
     # bytes are exactly the textbook 3 Psi (W-1)/W for zero3, 2 Psi (W-1)/W otherwise.
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, width=32, depth=2, heads=2))
     psi = sum(p.numel() * 4 for p in model.parameters())
-    zero3 = fsdpfn.plan(model, (w,), strategy="zero3").cost()
+    zero3 = fsdpfn.plan(model, (w,), strategy="zero3").cost(reshard_after_forward=True)
     assert zero3.wire_bytes == pytest.approx(3 * psi * (w - 1) / w)
     assert zero3.collectives["all_gather"].calls == 2 * 3 and zero3.collectives["reduce_scatter"].calls == 3
+    runtime_default = fsdpfn.plan(model, (w,), strategy="zero3").cost()  # the root is gathered once
+    root_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert runtime_default.collectives["all_gather"].calls == 2 * 2 + 1
+    assert runtime_default.wire_bytes == pytest.approx((3 * psi - root_bytes) * (w - 1) / w)
     pure = fsdpfn.plan(model, (w,), strategy="zero3").cost(reshard_after_forward=False)
     assert pure.wire_bytes == pytest.approx(2 * psi * (w - 1) / w)
     for s in ("zero1", "zero2", "replicate"):
