@@ -350,3 +350,48 @@ def test_bad_input_is_a_clear_value_error(run_on_ranks):
 
 
 del functools, shard_group
+
+
+# ---- ranks must agree before the first collective ----------------------------------------------
+
+
+def _disagree(rank, world, what):
+    from fsdpfn.models import GPT, GPTConfig
+
+    torch.manual_seed(0 if (what != "seed" or rank != 2) else 1)
+    model = GPT(GPTConfig(vocab_size=31, seq_len=8, width=16, depth=2, heads=2))
+    strategy = "zero2" if (what == "plan" and rank == 1) else "zero3"
+    mesh = testing.mesh((2, 2), ("replicate", "shard")) if what == "hsdp-seed" else testing.mesh((world,))
+    if what == "hsdp-seed":
+        torch.manual_seed(rank // 2)  # the two replicate groups start from different models
+        model = GPT(GPTConfig(vocab_size=31, seq_len=8, width=16, depth=2, heads=2))
+    plan = fsdpfn.plan(model, mesh, strategy=strategy)
+    try:
+        fsdpfn.shard(model, plan)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what", ["plan", "seed", "hsdp-seed"])
+def test_shard_checks_that_ranks_agree(run_on_ranks, what):
+    messages = run_on_ranks(_disagree, 4, what)
+    assert all(m is not None for m in messages), messages  # every rank raises, none hangs
+    if what == "plan":
+        assert "built a different plan" in messages[0] and "[1]" in messages[0]
+    elif what == "seed":
+        assert "parameter 'embed.weight' differs between rank 0 and ranks [2]" in messages[0]
+        assert "torch.manual_seed" in messages[0]
+    else:
+        assert "differs between rank" in messages[0]
+
+
+def _agree(rank, world):
+    torch.manual_seed(0)
+    model = _module_with([(5, 3), ()], torch.float32, seed=3)
+    plan = fsdpfn.plan(model, testing.mesh((world,)))
+    return sorted(fsdpfn.shard(model, plan))
+
+
+def test_shard_check_passes_when_ranks_agree(run_on_ranks):
+    assert run_on_ranks(_agree, 3) == [["p0", "p1"]] * 3

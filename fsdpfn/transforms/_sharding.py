@@ -26,6 +26,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms import _collectives as C
+from fsdpfn.transforms._checks import check_ranks_agree
 
 __all__ = ["shard", "unshard", "reduce", "placements", "shard_rank", "shard_group", "replicate_group"]
 
@@ -142,17 +143,21 @@ def _local(x: torch.Tensor, plan: Plan, name: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def shard(model_or_params, plan: Plan, *, requires_grad: bool = False) -> dict[str, DTensor]:
+def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bool = True) -> dict[str, DTensor]:
     """This rank's shards of every parameter, as DTensors placed as the plan says.
 
-    No communication: every rank is expected to hold the same full parameters (same seed), and
-    keeps its own ``torch.chunk`` slice along dim 0. 0-d parameters and ``replicate`` units are
-    kept whole. Shards are copies: the full model can be freed afterwards.
+    Every rank is expected to hold the same full parameters (same seed, or the same checkpoint)
+    and keeps its own ``torch.chunk`` slice along dim 0; 0-d parameters and ``replicate`` units
+    are kept whole. Shards are copies: the full model can be freed afterwards. With ``check``
+    (the default) one small all-gather per mesh dim first verifies that all ranks built the same
+    plan and hold the same parameters, and raises ``ValueError`` naming the parameter and the
+    ranks otherwise: a forgotten ``torch.manual_seed`` would else shard a model no rank held.
 
     Args:
       model_or_params: an ``nn.Module`` or a dict ``{name: full tensor}``.
       plan: the plan.
       requires_grad: mark the shards as leaves requiring grad (for ``loss.backward()`` loops).
+      check: verify that ranks agree on the plan and the full parameters (one collective).
 
     Returns:
       ``{name: DTensor}`` in the plan's order.
@@ -167,13 +172,14 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False) -> dict[s
         full = model_or_params
     _check_keys(full, plan, "shard(model_or_params)")
     rank = shard_rank(plan)
+    full = {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in full.items()}
+    if check:
+        check_ranks_agree(plan, full)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:
             for p in unit.params:
                 value = full[p.name]
-                if isinstance(value, DTensor):
-                    value = value.full_tensor()
                 start, stop = unit.local_rows(p.name, rank)
                 local = value.detach()[start:stop] if p.shape else value.detach()
                 out[p.name] = _dtensor(plan, p.name, local.clone().contiguous(), requires_grad)
@@ -185,6 +191,11 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False) -> dict[s
 # ---------------------------------------------------------------------------------------------
 
 
+def _device_of(tensors) -> torch.device:
+    # Buffers live where the unit's tensors live (CPU with gloo, the current GPU with NCCL).
+    return next((t.device for t in tensors if t is not None), torch.device("cpu"))
+
+
 def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op: bool = False):
     """Starts the all-gather of ``unit`` from this rank's local shards.
 
@@ -192,20 +203,21 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
     ``unit.params`` order and in the gather dtype. Split so the runtime can overlap the wait.
     """
     dtype = plan.gather_dtype(unit)
+    device = _device_of(locals_)
     w = plan.shard_size
     slots = unit.slots
     if unit.sharded and unit.shard_numel:
-        buf = torch.empty(unit.shard_numel, dtype=dtype)
+        buf = torch.empty(unit.shard_numel, dtype=dtype, device=device)
         for p, local in zip(unit.params, locals_):
             slot = slots[p.name]
             if slot.sharded:
                 n = local.numel()
                 buf[slot.offset : slot.offset + n].copy_(local.reshape(-1))
                 buf[slot.offset + n : slot.offset + slot.size].zero_()
-        out = torch.empty(w * unit.shard_numel, dtype=dtype)
+        out = torch.empty(w * unit.shard_numel, dtype=dtype, device=device)
         pending = C.all_gather(out, buf, shard_group(plan), async_op=async_op, tag=unit.name)
     else:
-        pending = C.Pending(torch.empty(0, dtype=dtype))
+        pending = C.Pending(torch.empty(0, dtype=dtype, device=device))
 
     def finish(gathered: torch.Tensor) -> list[torch.Tensor]:
         stacked = gathered.view(w, unit.shard_numel) if gathered.numel() else None
@@ -215,7 +227,7 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
             if not slot.sharded:
                 fulls.append(local.to(dtype, copy=True))
                 continue
-            padded = torch.empty(w * slot.size, dtype=dtype)
+            padded = torch.empty(w * slot.size, dtype=dtype, device=device)
             if slot.size:
                 padded.view(w, slot.size).copy_(stacked[:, slot.offset : slot.offset + slot.size])
             fulls.append(padded[: p.numel].view(p.shape))
@@ -241,12 +253,13 @@ def reduce_unit(
     as zeros.
     """
     rdtype = plan.reduce_dtype(unit)
+    device = _device_of(grads)
     w = plan.shard_size
     rank = shard_rank(plan)
     slots = unit.slots
     factor = (1.0 / plan.world_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
     if unit.sharded:
-        buf = torch.zeros(w, unit.reduce_numel, dtype=rdtype)
+        buf = torch.zeros(w, unit.reduce_numel, dtype=rdtype, device=device)
         for p, g in zip(unit.params, grads):
             if g is None:
                 continue
@@ -259,16 +272,17 @@ def reduce_unit(
                 if p.rows != w * slot.chunk_rows:
                     rows = torch.cat([rows, rows.new_zeros(w * slot.chunk_rows - p.rows, p.row_numel)])
                 dst.view(w, slot.chunk_rows, p.row_numel).copy_(rows.view(w, slot.chunk_rows, p.row_numel))
-        out = torch.empty(unit.reduce_numel, dtype=rdtype)
+        out = torch.empty(unit.reduce_numel, dtype=rdtype, device=device)
         if unit.reduce_numel:
             first = C.reduce_scatter(out, buf.view(-1), shard_group(plan), async_op=async_op, tag=unit.name)
         else:
             first = C.Pending(out)
     else:
         parts = [
-            (g if g is not None else torch.zeros(p.shape, dtype=rdtype)).reshape(-1).to(rdtype) for p, g in zip(unit.params, grads)
+            (g if g is not None else torch.zeros(p.shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
+            for p, g in zip(unit.params, grads)
         ]
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype)
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype, device=device)
         first = C.all_reduce(out, shard_group(plan), async_op=async_op, tag=unit.name) if out.numel() else C.Pending(out)
 
     def finish() -> list[torch.Tensor]:
