@@ -403,7 +403,7 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head]
         for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+            lines.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip())
             if i == 0 or i == len(rows) - 2:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
