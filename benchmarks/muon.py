@@ -11,10 +11,25 @@ pairwise ratios, min-max spread; counts beside times):
 3. Optimizer step time, owner vs gather.
 4. The whole zero3 training step with ``muon`` / the same with ``adamw`` (goal <= 1.15x).
 
+``--vs-torch`` instead prints the optimizer step alone, fsdpfn ``muon`` (owner layout, bf16
+Newton–Schulz) against ``torch.optim.Muon``'s update (bf16 Newton–Schulz, hard-coded) on torch
+FSDP2 (``fully_shard``, zero3) parameters, the two ways a user can run it: the optimizer
+directly on the DTensor parameters (``_TorchMuonDTensor``), or torch's Newton–Schulz on
+``full_tensor()`` matrices, local rows kept (``_TorchMuonFull``). AdamW (torch's on the torch
+sides) takes the parameters ``muon_labels`` does not give to Muon. All sides start from the same
+parameters and get the same gradients (fsdpfn's, copied into ``p.grad``; FSDP2 and fsdpfn shard
+rows alike), so the first update is compared too. FLOPs are counted twice: FlopCounterMode, and
+the profiler's innermost matmul kernels (the local work, whatever DTensor does above it).
+
+``--tokens-sweep`` instead prints the whole-step muon/adamw ratio (owner, fp32 Newton–Schulz by
+default) at several batch sizes per rank, beside the FLOP-only prediction.
+
 Usage:
   python benchmarks/muon.py                       # width 512, 4 blocks, vocab 4096, seq 256, batch 4/rank
   python benchmarks/muon.py --width 128 --steps 5 # a quick look
   python benchmarks/muon.py --ns-dtype float32    # fp32 Newton-Schulz (CPUs without native bf16 matmul)
+  python benchmarks/muon.py --vs-torch --width 256 --vocab 2048 --seq 128 --steps 12
+  python benchmarks/muon.py --tokens-sweep --ns-dtype float32 --batches 4,8,16 --steps 6 --warmup 1
 """
 
 from __future__ import annotations
@@ -109,6 +124,250 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
     return dict(train_flops=train_flops, counts=counts, one_process_flops=one_process_flops, psi_m=psi_m, opt_times=opt_times, step_times=step_times, n_muon=len(muon_names))
 
 
+# ---------------------------------------------------------------------------------------------
+# --vs-torch: the optimizer step alone, fsdpfn muon vs torch.optim.Muon on FSDP2 parameters
+# ---------------------------------------------------------------------------------------------
+
+_HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)  # fsdpfn muon's defaults, lr 0.02
+
+
+def _fsdp2_model(cfg, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    named = dict(model.named_parameters())
+    muon_names = [n for n, p in named.items() if optim.muon_labels(n, p) == "muon"]
+    rest = [p for n, p in named.items() if n not in muon_names]
+    adamw = torch.optim.AdamW(rest, lr=_HP["lr"], betas=_HP["betas"], eps=_HP["eps"], weight_decay=_HP["weight_decay"])
+    return model, named, muon_names, adamw
+
+
+class _TorchMuonDTensor:
+    """``torch.optim.Muon`` as a user writes it on FSDP2: the hidden 2-D DTensor parameters go
+    straight in (``p.ndim == 2`` holds for DTensors), AdamW takes the rest. Its Newton–Schulz then
+    runs as DTensor ops on ``Shard(0)`` matrices and is correct (DTensor redistributes as each op
+    needs): square and wide matrices all-gather an operand per matmul and compute their local
+    rows; tall ones are transposed first (``Shard(1)``), so the Gram matrix is a partial sum
+    (all-reduce) and some products run replicated. Net: more than one-process FLOPs summed over
+    ranks, fewer than W times, and a few hundred small collectives per step."""
+
+    name = "torch.optim.Muon on DTensors"
+
+    def __init__(self, cfg, mesh):
+        self.model, self.named, muon_names, self.adamw = _fsdp2_model(cfg, mesh)
+        self.muon = torch.optim.Muon(
+            [self.named[n] for n in muon_names], lr=_HP["lr"], weight_decay=_HP["weight_decay"], momentum=_HP["momentum"], nesterov=True
+        )
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+
+class _TorchMuonFull:
+    """``torch.optim.Muon``'s update with the matrices made whole first, as a user who does not
+    trust DTensor's implicit redistribution does it: momentum on the local shard (elementwise,
+    ``torch.optim._muon._single_tensor_muon``'s lines), ``full_tensor()`` of the direction (one
+    all-gather per matrix), ``torch.optim._muon._zeropower_via_newtonschulz`` (bf16) on the full
+    matrix on every rank, keep the local rows, then torch's lr adjustment and weight decay."""
+
+    name = "torch NS on full_tensor()"
+
+    def __init__(self, cfg, mesh):
+        self.model, self.named, self.muon_names, self.adamw = _fsdp2_model(cfg, mesh)
+        self.bufs = {n: torch.zeros_like(self.named[n].to_local()) for n in self.muon_names}
+
+    @torch.no_grad()
+    def step(self):
+        from torch.distributed.tensor import DTensor
+        from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr, _zeropower_via_newtonschulz
+
+        lr, wd, mom = _HP["lr"], _HP["weight_decay"], _HP["momentum"]
+        for n in self.muon_names:
+            p = self.named[n]
+            g, buf = p.grad.to_local(), self.bufs[n]
+            buf.lerp_(g, 1 - mom)
+            d = g.lerp(buf, mom)  # nesterov
+            full = DTensor.from_local(d, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            o = _zeropower_via_newtonschulz(full, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7)
+            start, stop = _chunk(p.shape[0], dist.get_world_size(), dist.get_rank())
+            local = p.to_local()
+            local.mul_(1 - lr * wd)
+            local.add_(o[start:stop], alpha=-_adjust_lr(lr, None, p.shape))
+        self.adamw.step()
+
+
+_MM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _local_mm_flops(fn) -> int:
+    """Matmul FLOPs of the plain-tensor (local) kernels ``fn`` runs: the profiler's FLOPs of the
+    innermost ``mm``/``addmm``/``bmm``/``baddbmm`` events. FlopCounterMode cannot give this on
+    DTensors: it sees the DTensor op (global shapes), not the local kernels under it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+        fn()
+
+    def inner(e):
+        return not any(c.name in _MM or not inner(c) for c in e.cpu_children)
+
+    return int(sum(e.flops or 0 for e in prof.events() if e.name in _MM and inner(e)))
+
+
+def _chunk(rows, world, rank):
+    c = -(-rows // world)
+    return min(rank * c, rows), min((rank + 1) * c, rows)
+
+
+def _vs_torch(rank, world, cfg_kw, steps, warmup):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    cfg = GPTConfig(**cfg_kw)
+    mesh = testing.mesh((world,))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, mesh, strategy="zero3")
+    params = fsdpfn.shard(model, plan)
+    gen = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(ps):
+        logits = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    grads = torch.func.grad(loss_fn)(params)
+    opt = optim.muon(lr=_HP["lr"], momentum=_HP["momentum"], weight_decay=_HP["weight_decay"], ns_dtype=torch.bfloat16, layout="owner")
+    fs = {"params": params, "state": opt.init(params)}
+
+    def fsdpfn_step():
+        updates, fs["state"] = opt.update(grads, fs["state"], fs["params"])
+        fs["params"] = optim.apply_updates(fs["params"], updates)
+
+    sides = [_TorchMuonDTensor(cfg, mesh), _TorchMuonFull(cfg, mesh)]
+    for side in sides:  # the same gradients as fsdpfn's (FSDP2 shards rows like torch.chunk, as fsdpfn does)
+        for n, p in side.named.items():
+            assert p.to_local().shape == params[n].to_local().shape and torch.equal(p.to_local(), params[n].to_local()), n
+            p.grad = DTensor.from_local(grads[n].to_local().clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+    # First step, counted: FLOPs (FlopCounterMode), collectives, and the update vs fsdpfn's.
+    before = {n: p.to_local().clone() for n, p in params.items()}
+    with FlopCounterMode(display=False) as f, fsdpfn.count_collectives() as c:
+        local = _local_mm_flops(fsdpfn_step)
+    counts = {"fsdpfn": dict(flops=f.get_total_flops(), local=local, calls=c.counts())}
+    ref = {n: fs["params"][n].to_local() - before[n] for n in params}
+    for side in sides:
+        with FlopCounterMode(display=False) as f, CommDebugMode() as cm:
+            local = _local_mm_flops(side.step)
+        diff = max((side.named[n].to_local() - before[n] - ref[n]).abs().max().item() for n in params)
+        scale = max(ref[n].abs().max().item() for n in params)
+        calls = {str(k).split(".")[-1]: v for k, v in cm.get_comm_counts().items()}
+        counts[side.name] = dict(flops=f.get_total_flops(), local=local, calls=calls, rel_diff=diff / scale)
+
+    times = {"fsdpfn": [], **{s.name: [] for s in sides}}
+    for i in range(warmup + steps):
+        for k, fn in (("fsdpfn", fsdpfn_step), *((s.name, s.step) for s in sides)):
+            _, t = _timed(fn)
+            if i >= warmup:
+                times[k].append(t)
+    muon_names = [n for n, p in params.items() if optim.muon_labels(n, p) == "muon"]
+    one = sum(optim.newton_schulz_flops(tuple(params[n].shape)) for n in muon_names)
+    return dict(counts=counts, times=times, one=one, n_muon=len(muon_names))
+
+
+def _print_vs_torch(res, args, cfg_kw):
+    w, r0 = args.world, res[0]
+    one = r0["one"]
+    print(f"model: GPTConfig({cfg_kw}), {w} gloo ranks, zero3 (FSDP2 fully_shard per block + root), 1 thread/rank, torch {torch.__version__}")
+    print(f"optimizer step alone (no forward/backward), same gradients on all sides; lr 0.02, momentum 0.95 nesterov, wd 0.1, AdamW (0.9, 0.999) eps 1e-8 for non-Muon params")
+    print(f"Muon matrices: {r0['n_muon']}, one-process Newton-Schulz FLOPs = {one / 1e9:.2f} GFLOP/step (5 steps, bf16 on every side)\n")
+    print("| side | NS FLOPs/rank, max rank (FlopCounterMode) | summed over ranks / one process | local matmul FLOPs/rank, max rank (profiler) | summed / one process | collectives/rank/step | update vs fsdpfn (max abs diff / max abs update) |")
+    print("|---|---|---|---|---|---|---|")
+    for k in r0["counts"]:
+        flops = [r["counts"][k]["flops"] for r in res]
+        local = [r["counts"][k]["local"] for r in res]
+        rel = "-" if k == "fsdpfn" else f"{max(r['counts'][k]['rel_diff'] for r in res):.1e}"
+        print(
+            f"| {k} | {max(flops) / 1e9:.2f} GFLOP | {sum(flops) / one:.2f} | {max(local) / 1e9:.2f} GFLOP | {sum(local) / one:.2f} | "
+            f"{r0['counts'][k]['calls']} | {rel} |"
+        )
+    print(f"\n| optimizer step ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
+    print("|---|---|---|---|---|")
+    for k in list(r0["times"])[1:]:
+        print(_ratio_line(f"fsdpfn muon owner bf16 (A) vs {k} (B)", r0["times"]["fsdpfn"], r0["times"][k]))
+
+
+# ---------------------------------------------------------------------------------------------
+# --tokens-sweep: whole-step muon/adamw ratio against tokens per rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _sweep(rank, world, cfg_kw, batches, steps, warmup, ns_dtype):
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy="zero3")
+    params0 = fsdpfn.shard(model, plan)
+    opts = {"muon": optim.muon(lr=0.02, layout="owner", ns_dtype=getattr(torch, ns_dtype)), "adamw": optim.adamw(3e-4, weight_decay=0.1)}
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(1 + rank)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+
+        def loss_fn(ps, x=x, y=y):
+            logits = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,))
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+        grad_fn = torch.func.grad(loss_fn)
+        with FlopCounterMode(display=False) as f:
+            g = grad_fn(params0)
+        train = f.get_total_flops()
+        state = opts["muon"].init(params0)
+        with FlopCounterMode(display=False) as f:
+            opts["muon"].update(g, state, params0)
+        ns = f.get_total_flops()
+        run = {k: [params0, o, o.init(params0)] for k, o in opts.items()}
+        times = {"muon": [], "adamw": []}
+
+        def train_step(k):
+            params, opt, st = run[k]
+            updates, st = opt.update(grad_fn(params), st, params)
+            run[k][0], run[k][2] = optim.apply_updates(params, updates), st
+
+        for i in range(warmup + steps):
+            for k in ("muon", "adamw"):
+                _, t = _timed(lambda: train_step(k))
+                if i >= warmup:
+                    times[k].append(t)
+        rows.append(dict(batch=batch, train=_max_over_ranks(train), ns=_max_over_ranks(ns), times=times))
+    return rows
+
+
+def _print_sweep(res, args, cfg_kw):
+    print(f"model: GPTConfig({cfg_kw}), {args.world} gloo ranks, zero3, muon owner layout, {args.ns_dtype} Newton-Schulz, 1 thread/rank, torch {torch.__version__}")
+    print(f"{args.steps} interleaved measured pairs per row after {args.warmup} warm-up; times are max over ranks; FLOPs: busiest rank\n")
+    print("| batch/rank | tokens/rank | fwd+bwd GFLOP | NS GFLOP | adamw step | muon step | muon/adamw median of pairs | min-max | FLOP-only prediction (train+NS)/train |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in res[0]:
+        m, a = row["times"]["muon"], row["times"]["adamw"]
+        ratios = [p / q for p, q in zip(m, a)]
+        print(
+            f"| {row['batch']} | {row['batch'] * args.seq} | {row['train'] / 1e9:.1f} | {row['ns'] / 1e9:.2f} | {statistics.median(a):.2f} s | "
+            f"{statistics.median(m):.2f} s | {statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x | {(row['train'] + row['ns']) / row['train']:.2f}x |"
+        )
+    last = res[0][-1]
+    per_token = last["train"] / (last["batch"] * args.seq)
+    need = last["ns"] / 0.15 / per_token
+    print(f"\nFLOP-only: 1.15x needs fwd+bwd >= NS/0.15, i.e. about {need:.0f} tokens/rank (batch {need / args.seq:.1f} at seq {args.seq}; linear extrapolation from the last row)")
+
+
 def _ratio_line(name, a, b):
     ratios = [x / y for x, y in zip(a, b)]
     return (
@@ -129,9 +388,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Newton-Schulz dtype (torch.optim.Muon: bfloat16)")
+    ap.add_argument("--vs-torch", action="store_true", help="optimizer step alone: fsdpfn muon (owner, bf16 NS) vs torch.optim.Muon on FSDP2 params")
+    ap.add_argument("--tokens-sweep", action="store_true", help="whole-step muon/adamw ratio at each of --batches")
+    ap.add_argument("--batches", default="4,8,16", help="batch sizes per rank for --tokens-sweep")
     args = ap.parse_args()
     cfg_kw = dict(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads)
     w = args.world
+    if args.vs_torch or args.tokens_sweep:
+        print(f"command: python {' '.join(sys.argv)}")
+        if args.vs_torch:
+            res = testing.run_on_ranks(_vs_torch, w, cfg_kw, args.steps, args.warmup, timeout=7200)
+            _print_vs_torch(res, args, cfg_kw)
+        if args.tokens_sweep:
+            batches = [int(b) for b in args.batches.split(",")]
+            res = testing.run_on_ranks(_sweep, w, cfg_kw, batches, args.steps, args.warmup, args.ns_dtype, timeout=7200)
+            _print_sweep(res, args, cfg_kw)
+        return
     res = testing.run_on_ranks(_bench, w, cfg_kw, args.batch, args.steps, args.warmup, args.ns_dtype, timeout=7200)
     r0 = res[0]
     one, psi = r0["one_process_flops"], r0["psi_m"]
