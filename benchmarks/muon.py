@@ -285,7 +285,7 @@ def _print_vs_torch(res, args, cfg_kw):
     w, r0 = args.world, res[0]
     one = r0["one"]
     print(f"model: GPTConfig({cfg_kw}), {w} gloo ranks, zero3 (FSDP2 fully_shard per block + root), 1 thread/rank, torch {torch.__version__}")
-    print(f"optimizer step alone (no forward/backward), same gradients on all sides; lr 0.02, momentum 0.95 nesterov, wd 0.1, AdamW (0.9, 0.999) eps 1e-8 for non-Muon params")
+    print("optimizer step alone (no forward/backward), same gradients on all sides; lr 0.02, momentum 0.95 nesterov, wd 0.1, AdamW (0.9, 0.999) eps 1e-8 for non-Muon params")
     print(f"Muon matrices: {r0['n_muon']}, one-process Newton-Schulz FLOPs = {one / 1e9:.2f} GFLOP/step (5 steps, bf16 on every side)\n")
     print("| side | NS FLOPs/rank, max rank (FlopCounterMode) | summed over ranks / one process | local matmul FLOPs/rank, max rank (profiler) | summed / one process | collectives/rank/step | update vs fsdpfn (max abs diff / max abs update) |")
     print("|---|---|---|---|---|---|---|")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import os
 import resource

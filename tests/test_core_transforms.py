@@ -1,7 +1,5 @@
 """shard / unshard / reduce and the collectives on real gloo ranks, against one-process truth."""
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +11,6 @@ from torch.distributed.tensor import DTensor
 import fsdpfn
 from fsdpfn import testing
 from fsdpfn.transforms import _collectives as C
-from fsdpfn.transforms._sharding import shard_group
 
 # ---- helpers run on every rank --------------------------------------------------------------
 
@@ -348,8 +345,6 @@ def test_bad_input_is_a_clear_value_error(run_on_ranks):
         assert "'mean' or 'sum'" in messages["op"]
         assert "('replicate', 'shard')" in messages["wrong_mesh"] and "('dp', 'tp')" in messages["wrong_mesh"]
 
-
-del functools, shard_group
 
 
 # ---- ranks must agree before the first collective ----------------------------------------------

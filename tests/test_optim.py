@@ -2,8 +2,6 @@
 world-size-1 DTensors), and parity with torch.optim.AdamW, torch.optim.SGD, torch.optim.Muon,
 torch.nn.utils.clip_grad_norm_ and an fp32 Newton–Schulz reference."""
 
-import math
-
 import optree
 import pytest
 import torch

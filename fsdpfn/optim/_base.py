@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import optree
-import torch
 
 from fsdpfn.optim._tree import like, local, named_leaves
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from fsdpfn.optim._base import GradientTransformation
 from fsdpfn.optim._schedules import ScalarOrSchedule, resolve
-from fsdpfn.optim._tree import like, local, map_local, zeros_like_tree
+from fsdpfn.optim._tree import map_local, zeros_like_tree
 
 __all__ = ["AdamWState", "SGDState", "adamw", "sgd"]
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+import functools
 
 import optree
 import torch
@@ -51,9 +51,8 @@ from torch.distributed.tensor import DTensor
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.runtime._comm import CpuComm, Handle
 from fsdpfn.runtime._memory import MemoryTracker
-from fsdpfn.runtime._schedule import ROOT, Op, Schedule, ScheduleError, _label
-from fsdpfn.transforms import _collectives as C
-from fsdpfn.transforms._sharding import _dtensor, reduce_unit, shard_group
+from fsdpfn.runtime._schedule import ROOT, Op, Schedule, _label
+from fsdpfn.transforms._sharding import _dtensor, gather_unit, reduce_unit
 
 __all__ = ["Executor", "RuntimeScheduleError", "StepRecord"]
 
@@ -208,41 +207,16 @@ class Executor:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
         self.memory.allocate(name, sum(t.numel() * t.element_size() for t in self.full[name]))
         locals_ = self.locals[name]
-        plan = self.plan
-
-        def start():
-            if not (unit.sharded and unit.shard_numel):
-                return C.Pending(torch.empty(0, dtype=dtype)), None
-            buf = torch.empty(unit.shard_numel, dtype=dtype)
-            for p, local in zip(unit.params, locals_):
-                slot = unit.slots[p.name]
-                if slot.sharded:
-                    n = local.numel()
-                    buf[slot.offset : slot.offset + n].copy_(local.reshape(-1))
-                    buf[slot.offset + n : slot.offset + slot.size].zero_()
-            out = torch.empty(plan.shard_size * unit.shard_numel, dtype=dtype)
-            return C.all_gather(out, buf, shard_group(plan), async_op=True, tag=name), None
-
+        start = functools.partial(gather_unit, self.plan, unit, locals_, async_op=True)
         self.gathers[name] = self.comm.start("all_gather", start)
 
     def _wait(self, name: str) -> None:
-        unit = self.units[name]
-        gathered = self.comm.wait(self.gathers.pop(name))
-        w = self.plan.shard_size
-        stacked = gathered.view(w, unit.shard_numel) if gathered.numel() else None
-        with torch.no_grad():
-            for p, local, full in zip(unit.params, self.locals[name], self.full[name]):
-                slot = unit.slots[p.name]
-                with torch.autograd._unsafe_preserve_version_counter(full):
-                    if not slot.sharded:
-                        full.copy_(local)
-                        continue
-                    rows = full.view(p.rows, p.row_numel)
-                    for r in range(w):
-                        start, stop = unit.local_rows(p.name, r)
-                        if stop > start:
-                            n = (stop - start) * p.row_numel
-                            rows[start:stop].view(-1).copy_(stacked[r, slot.offset : slot.offset + n])
+        handle = self.gathers.pop(name)
+        gathered = self.comm.wait(handle)
+        full = self.full[name]
+        # Refill the storage autograd saved in forward without bumping its version (as FSDP2).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(full)):
+            handle.finish(gathered, out=full)
 
     def _free(self, name: str) -> None:
         for t in self.full.get(name, ()):

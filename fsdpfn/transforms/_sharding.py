@@ -196,11 +196,29 @@ def _device_of(tensors) -> torch.device:
     return next((t.device for t in tensors if t is not None), torch.device("cpu"))
 
 
+def _unpack_rows(dst: torch.Tensor, stacked: torch.Tensor | None, slot) -> None:
+    """Copies one parameter out of the gathered ``(W, shard_numel)`` buffer into ``dst`` (flat).
+
+    With ``torch.chunk`` rows, the first ranks hold full chunks, at most one holds a shorter
+    one and the rest none: two copies at most, whatever the world size.
+    """
+    if not slot.size or not dst.numel():
+        return
+    seg = stacked[:, slot.offset : slot.offset + slot.size]
+    full_ranks = dst.numel() // slot.size
+    if full_ranks:
+        dst[: full_ranks * slot.size].view(full_ranks, slot.size).copy_(seg[:full_ranks])
+    rest = dst.numel() - full_ranks * slot.size
+    if rest:
+        dst[full_ranks * slot.size :].copy_(seg[full_ranks, :rest])
+
+
 def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op: bool = False):
     """Starts the all-gather of ``unit`` from this rank's local shards.
 
     Returns ``(pending, finish)``: ``finish(pending.wait())`` gives the full parameters, in
-    ``unit.params`` order and in the gather dtype. Split so the runtime can overlap the wait.
+    ``unit.params`` order and in the gather dtype, written into ``out`` (a list of tensors shaped
+    like the parameters) if given. Split so the runtime can overlap the wait.
     """
     dtype = plan.gather_dtype(unit)
     device = _device_of(locals_)
@@ -219,18 +237,16 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
     else:
         pending = C.Pending(torch.empty(0, dtype=dtype, device=device))
 
-    def finish(gathered: torch.Tensor) -> list[torch.Tensor]:
+    def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         stacked = gathered.view(w, unit.shard_numel) if gathered.numel() else None
         fulls = []
-        for p, local in zip(unit.params, locals_):
-            slot = slots[p.name]
-            if not slot.sharded:
-                fulls.append(local.to(dtype, copy=True))
-                continue
-            padded = torch.empty(w * slot.size, dtype=dtype, device=device)
-            if slot.size:
-                padded.view(w, slot.size).copy_(stacked[:, slot.offset : slot.offset + slot.size])
-            fulls.append(padded[: p.numel].view(p.shape))
+        for i, (p, local) in enumerate(zip(unit.params, locals_)):
+            full = out[i] if out is not None else torch.empty(p.shape, dtype=dtype, device=device)
+            if slots[p.name].sharded:
+                _unpack_rows(full.view(-1), stacked, slots[p.name])
+            else:
+                full.copy_(local)
+            fulls.append(full)
         return fulls
 
     return pending, finish
