@@ -62,12 +62,8 @@ def _timed(fn):
     return out, _max_over_ranks(time.perf_counter() - t0)
 
 
-def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
-    torch.manual_seed(0)
-    cfg = GPTConfig(**cfg_kw)
-    model = GPT(cfg)
-    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy="zero3")
-    params0 = fsdpfn.shard(model, plan)
+def _grad_fn(model, plan, cfg, batch, rank):
+    """``torch.func.grad`` of the pure loop's loss on this rank's fixed batch."""
     gen = torch.Generator().manual_seed(1 + rank)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -76,7 +72,16 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
         logits = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,))
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    grad_fn = torch.func.grad(loss_fn)
+    return torch.func.grad(loss_fn)
+
+
+def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy="zero3")
+    params0 = fsdpfn.shard(model, plan)
+    grad_fn = _grad_fn(model, plan, cfg, batch, rank)
     with FlopCounterMode(display=False) as f:
         grads = grad_fn(params0)
     train_flops = f.get_total_flops()
@@ -234,15 +239,7 @@ def _vs_torch(rank, world, cfg_kw, steps, warmup):
     model = GPT(cfg)
     plan = fsdpfn.plan(model, mesh, strategy="zero3")
     params = fsdpfn.shard(model, plan)
-    gen = torch.Generator().manual_seed(1 + rank)
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-
-    def loss_fn(ps):
-        logits = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,))
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-    grads = torch.func.grad(loss_fn)(params)
+    grads = _grad_fn(model, plan, cfg, 4, rank)(params)
     opt = optim.muon(lr=_HP["lr"], momentum=_HP["momentum"], weight_decay=_HP["weight_decay"], ns_dtype=torch.bfloat16, layout="owner")
     fs = {"params": params, "state": opt.init(params)}
 
@@ -317,15 +314,7 @@ def _sweep(rank, world, cfg_kw, batches, steps, warmup, ns_dtype):
     opts = {"muon": optim.muon(lr=0.02, layout="owner", ns_dtype=getattr(torch, ns_dtype)), "adamw": optim.adamw(3e-4, weight_decay=0.1)}
     rows = []
     for batch in batches:
-        gen = torch.Generator().manual_seed(1 + rank)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-
-        def loss_fn(ps, x=x, y=y):
-            logits = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,))
-            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-        grad_fn = torch.func.grad(loss_fn)
+        grad_fn = _grad_fn(model, plan, cfg, batch, rank)
         with FlopCounterMode(display=False) as f:
             g = grad_fn(params0)
         train = f.get_total_flops()
