@@ -9,7 +9,9 @@ pairwise ratios, min-max spread; counts beside times):
    ``2 (W-1)/W^2 * Psi_M`` (owner) and ``(W-1)/W * Psi_M`` (gather), with Psi_M the Muon matrices'
    bytes in the Newton–Schulz dtype (bf16: that is what is sent).
 3. Optimizer step time, owner vs gather.
-4. The whole zero3 training step with ``muon`` / the same with ``adamw`` (goal <= 1.15x).
+4. The whole zero3 training step with ``muon`` / the same with ``adamw`` (goal <= 1.15x), for
+   the standard Newton–Schulz iteration and for ``ns_method="gram"`` (the same polynomial on the
+   Gram matrix, fewer FLOPs on wide matrices), interleaved in one launch.
 
 ``--vs-torch`` instead prints the optimizer step alone, fsdpfn ``muon`` (owner layout, bf16
 Newton–Schulz) against ``torch.optim.Muon``'s update (bf16 Newton–Schulz, hard-coded) on torch
@@ -30,6 +32,7 @@ Usage:
   python benchmarks/muon.py --ns-dtype float32    # fp32 Newton-Schulz (CPUs without native bf16 matmul)
   python benchmarks/muon.py --vs-torch --width 256 --vocab 2048 --seq 128 --steps 12
   python benchmarks/muon.py --tokens-sweep --ns-dtype float32 --batches 4,8,16 --steps 6 --warmup 1
+  python benchmarks/muon.py --tokens-sweep --ns-dtype float32 --ns-method gram --batches 4,8,16 --steps 6 --warmup 1
 """
 
 from __future__ import annotations
@@ -89,31 +92,36 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
     opts = {
         "owner": optim.muon(lr=0.02, layout="owner", ns_dtype=ns_dtype),
         "gather": optim.muon(lr=0.02, layout="gather", ns_dtype=ns_dtype),
+        "owner gram": optim.muon(lr=0.02, layout="owner", ns_dtype=ns_dtype, ns_method="gram"),
         "adamw": optim.adamw(3e-4, weight_decay=0.1),
     }
     states = {k: o.init(params0) for k, o in opts.items()}
 
     # 1-2: count FLOPs and bytes of one update per layout.
     counts = {}
-    for k in ("owner", "gather"):
+    for k in ("owner", "gather", "owner gram"):
         with fsdpfn.count_collectives() as c, FlopCounterMode(display=False) as f:
             opts[k].update(grads, states[k], params0)
         counts[k] = dict(flops=f.get_total_flops(), wire=sum(c.wire_bytes().values()), calls=c.counts())
     muon_names = [n for n, p in params0.items() if optim.muon_labels(n, p) == "muon"]
-    one_process_flops = sum(optim.newton_schulz_flops(tuple(params0[n].shape)) for n in muon_names)
+    one_process_flops = {
+        m: sum(optim.newton_schulz_flops(tuple(params0[n].shape), method=m) for n in muon_names) for m in ("standard", "gram")
+    }
     psi_m = sum(params0[n].numel() * ns_dtype.itemsize for n in muon_names)  # bytes as sent
 
-    # 3: optimizer step, owner vs gather, interleaved.
-    opt_times = {"owner": [], "gather": []}
+    # 3: optimizer step, owner vs gather vs owner with Gram Newton–Schulz, interleaved.
+    opt_times = {"owner": [], "gather": [], "owner gram": []}
     for i in range(warmup + steps):
-        for k in ("owner", "gather"):
+        for k in opt_times:
             _, t = _timed(lambda: opts[k].update(grads, states[k], params0))
             if i >= warmup:
                 opt_times[k].append(t)
 
-    # 4: whole training step, muon (owner) vs adamw, interleaved, each on its own trajectory.
-    run = {"muon": [params0, opts["owner"], states["owner"]], "adamw": [params0, opts["adamw"], states["adamw"]]}
-    step_times = {"muon": [], "adamw": []}
+    # 4: whole training step, muon (owner; standard and Gram) vs adamw, interleaved, each on its
+    # own trajectory.
+    run = {"muon": ["owner"], "muon gram": ["owner gram"], "adamw": ["adamw"]}
+    run = {k: [params0, opts[o], states[o]] for k, (o,) in run.items()}
+    step_times = {k: [] for k in run}
 
     def train_step(k):
         params, opt, state = run[k]
@@ -122,7 +130,7 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
         run[k][0], run[k][2] = optim.apply_updates(params, updates), state
 
     for i in range(warmup + steps):
-        for k in ("muon", "adamw"):
+        for k in step_times:
             _, t = _timed(lambda: train_step(k))
             if i >= warmup:
                 step_times[k].append(t)
@@ -305,13 +313,14 @@ def _print_vs_torch(res, args, cfg_kw):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sweep(rank, world, cfg_kw, batches, steps, warmup, ns_dtype):
+def _sweep(rank, world, cfg_kw, batches, steps, warmup, ns_dtype, ns_method):
     torch.manual_seed(0)
     cfg = GPTConfig(**cfg_kw)
     model = GPT(cfg)
     plan = fsdpfn.plan(model, testing.mesh((world,)), strategy="zero3")
     params0 = fsdpfn.shard(model, plan)
-    opts = {"muon": optim.muon(lr=0.02, layout="owner", ns_dtype=getattr(torch, ns_dtype)), "adamw": optim.adamw(3e-4, weight_decay=0.1)}
+    muon = optim.muon(lr=0.02, layout="owner", ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method)
+    opts = {"muon": muon, "adamw": optim.adamw(3e-4, weight_decay=0.1)}
     rows = []
     for batch in batches:
         grad_fn = _grad_fn(model, plan, cfg, batch, rank)
@@ -340,7 +349,10 @@ def _sweep(rank, world, cfg_kw, batches, steps, warmup, ns_dtype):
 
 
 def _print_sweep(res, args, cfg_kw):
-    print(f"model: GPTConfig({cfg_kw}), {args.world} gloo ranks, zero3, muon owner layout, {args.ns_dtype} Newton-Schulz, 1 thread/rank, torch {torch.__version__}")
+    print(
+        f"model: GPTConfig({cfg_kw}), {args.world} gloo ranks, zero3, muon owner layout, {args.ns_method} {args.ns_dtype} Newton-Schulz, "
+        f"1 thread/rank, torch {torch.__version__}"
+    )
     print(f"{args.steps} interleaved measured pairs per row after {args.warmup} warm-up; times are max over ranks; FLOPs: busiest rank\n")
     print("| batch/rank | tokens/rank | fwd+bwd GFLOP | NS GFLOP | adamw step | muon step | muon/adamw median of pairs | min-max | FLOP-only prediction (train+NS)/train |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -377,6 +389,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Newton-Schulz dtype (torch.optim.Muon: bfloat16)")
+    ap.add_argument("--ns-method", default="standard", choices=["standard", "gram"], help="Newton-Schulz method for --tokens-sweep")
     ap.add_argument("--vs-torch", action="store_true", help="optimizer step alone: fsdpfn muon (owner, bf16 NS) vs torch.optim.Muon on FSDP2 params")
     ap.add_argument("--tokens-sweep", action="store_true", help="whole-step muon/adamw ratio at each of --batches")
     ap.add_argument("--batches", default="4,8,16", help="batch sizes per rank for --tokens-sweep")
@@ -390,7 +403,7 @@ def main() -> None:
             _print_vs_torch(res, args, cfg_kw)
         if args.tokens_sweep:
             batches = [int(b) for b in args.batches.split(",")]
-            res = testing.run_on_ranks(_sweep, w, cfg_kw, batches, args.steps, args.warmup, args.ns_dtype, timeout=7200)
+            res = testing.run_on_ranks(_sweep, w, cfg_kw, batches, args.steps, args.warmup, args.ns_dtype, args.ns_method, timeout=7200)
             _print_sweep(res, args, cfg_kw)
         return
     res = testing.run_on_ranks(_bench, w, cfg_kw, args.batch, args.steps, args.warmup, args.ns_dtype, timeout=7200)
@@ -398,25 +411,31 @@ def main() -> None:
     one, psi = r0["one_process_flops"], r0["psi_m"]
     print(f"command: python {' '.join(sys.argv)}")
     print(f"model: GPTConfig({cfg_kw}), batch {args.batch}/rank, {w} gloo ranks, zero3, 1 thread/rank, torch {torch.__version__}")
-    owner_max = max(r["counts"]["owner"]["flops"] for r in res)
     train = max(r["train_flops"] for r in res)
-    print(f"Muon matrices: {r0['n_muon']}, Psi_M = {psi / 2**20:.2f} MiB ({args.ns_dtype}, as sent), one-process NS FLOPs = {one / 1e9:.2f} GFLOP/step")
-    print(f"forward+backward FLOPs per rank = {train / 1e9:.2f} GFLOP; owner NS FLOPs on the busiest rank = {owner_max / 1e9:.2f} GFLOP;")
-    print(f"FLOP-ideal muon/adamw whole-step ratio = (train + NS busiest rank) / train = {(train + owner_max) / train:.2f}x\n")
-    print("| layout | NS FLOPs summed over ranks / one process | max rank / mean | bytes/rank/step (mean over ranks) | theory | measured/theory | collectives |")
+    print(
+        f"Muon matrices: {r0['n_muon']}, Psi_M = {psi / 2**20:.2f} MiB ({args.ns_dtype}, as sent), one-process NS FLOPs = "
+        f"{one['standard'] / 1e9:.2f} GFLOP/step standard, {one['gram'] / 1e9:.2f} Gram"
+    )
+    print(f"forward+backward FLOPs per rank = {train / 1e9:.2f} GFLOP")
+    for k in ("owner", "owner gram"):
+        busiest = max(r["counts"][k]["flops"] for r in res)
+        print(f"{k}: NS FLOPs on the busiest rank = {busiest / 1e9:.2f} GFLOP; FLOP-ideal muon/adamw = (train + NS) / train = {(train + busiest) / train:.2f}x")
+    print("\n| layout | NS FLOPs summed over ranks / one process (same method) | max rank / mean | bytes/rank/step (mean over ranks) | theory | measured/theory | collectives |")
     print("|---|---|---|---|---|---|---|")
-    for k, theory in (("owner", 2 * (w - 1) / w**2 * psi), ("gather", (w - 1) / w * psi)):
+    for k, theory, method in (("owner", 2 * (w - 1) / w**2 * psi, "standard"), ("gather", (w - 1) / w * psi, "standard"), ("owner gram", 2 * (w - 1) / w**2 * psi, "gram")):
         flops = [r["counts"][k]["flops"] for r in res]
         wire = statistics.mean(r["counts"][k]["wire"] for r in res)
         print(
-            f"| {k} | {sum(flops) / one:.3f} | {max(flops) / statistics.mean(flops):.3f} | {wire / 2**20:.2f} MiB | "
+            f"| {k} | {sum(flops) / one[method]:.3f} | {max(flops) / statistics.mean(flops):.3f} | {wire / 2**20:.2f} MiB | "
             f"{theory / 2**20:.2f} MiB | {wire / theory:.3f} | {r0['counts'][k]['calls']} |"
         )
-    print(f"\n| timed ({args.steps} interleaved pairs, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
+    print(f"\n| timed ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
     print("|---|---|---|---|---|")
-    print(_ratio_line("optimizer step: owner (A) vs gather (B)", r0["opt_times"]["owner"], r0["opt_times"]["gather"]))
-    print(_ratio_line("training step: muon owner (A) vs adamw (B)", r0["step_times"]["muon"], r0["step_times"]["adamw"]))
-
+    ot, st = r0["opt_times"], r0["step_times"]
+    print(_ratio_line("optimizer step: owner (A) vs gather (B)", ot["owner"], ot["gather"]))
+    print(_ratio_line("optimizer step: owner gram (A) vs owner (B)", ot["owner gram"], ot["owner"]))
+    print(_ratio_line("training step: muon owner (A) vs adamw (B)", st["muon"], st["adamw"]))
+    print(_ratio_line("training step: muon owner gram (A) vs adamw (B)", st["muon gram"], st["adamw"]))
 
 if __name__ == "__main__":
     main()

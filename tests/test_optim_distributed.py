@@ -56,9 +56,9 @@ def _mesh(mesh_shape):
     return testing.mesh(mesh_shape, ("replicate", "shard") if len(mesh_shape) == 2 else None)
 
 
-def _muon_parity(rank, world, layout, mesh_shape, ns_dtype):
+def _muon_parity(rank, world, layout, mesh_shape, ns_dtype, ns_method="standard"):
     mesh = _mesh(mesh_shape)
-    make = lambda: optim.muon(lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, layout=layout, adamw_lr=0.01)
+    make = lambda: optim.muon(lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, layout=layout, adamw_lr=0.01, ns_method=ns_method)
     opt, ref_opt = make(), make()
     ref = _full(0)
     params = _shard(ref, mesh)
@@ -124,6 +124,19 @@ def test_distributed_muon_equals_one_process_fp32(run_on_ranks, layout, mesh_sha
     world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) == 2 else 1)
     for r in run_on_ranks(_muon_parity, world, layout, mesh_shape, torch.float32):
         assert r["worst"] < 1e-5
+
+
+@pytest.mark.parametrize("layout,mesh_shape", [CASES[0], CASES[4], CASES[5], CASES[7]])
+def test_distributed_gram_muon_equals_one_process_gram_muon(run_on_ranks, layout, mesh_shape):
+    # "gram" runs on the (3, 10) and tall (12, 6) matrices here, standard on the near-square ones.
+    world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) == 2 else 1)
+    shard_size = mesh_shape[-1]
+    for dtype in (torch.bfloat16, torch.float32):
+        results = run_on_ranks(_muon_parity, world, layout, mesh_shape, dtype, "gram")
+        for r in results:
+            assert r["bitwise"] if dtype == torch.bfloat16 else r["worst"] < 1e-5, r["worst"]
+        total = sum(r["flops"] for r in results) / (world // shard_size)
+        assert total == (results[0]["ref_flops"] if layout == "owner" else shard_size * results[0]["ref_flops"])
 
 
 def _norm_parity(rank, world, mesh_shape):

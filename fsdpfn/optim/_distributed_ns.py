@@ -28,12 +28,12 @@ casting before sending changes no bit and halves the bytes in bf16.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdpfn.optim._newton_schulz import newton_schulz, newton_schulz_flops
+from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, newton_schulz, newton_schulz_flops
 from fsdpfn.optim._tree import like
 from fsdpfn.transforms import _collectives as C
 
@@ -71,11 +71,16 @@ class _NS(NamedTuple):
     coeffs: tuple[float, float, float]
     eps: float
     dtype: torch.dtype | None
+    method: str = "standard"
+    gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             return x.to(self.dtype or x.dtype)
-        return newton_schulz(x, self.steps, self.coeffs, eps=self.eps, dtype=self.dtype)
+        return newton_schulz(x, self.steps, self.coeffs, eps=self.eps, dtype=self.dtype, method=self.method, gram_restarts=self.gram_restarts)
+
+    def flops(self, shape: tuple[int, ...]) -> int:
+        return newton_schulz_flops(shape, self.steps, self.method, self.gram_restarts)
 
     def send_dtype(self, x: torch.Tensor) -> torch.dtype:
         return self.dtype or x.dtype
@@ -110,6 +115,8 @@ def orthogonalize(
     coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
     eps: float = 1e-7,
     dtype: torch.dtype | None = torch.bfloat16,
+    method: str = "standard",
+    gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS,
 ) -> list[torch.Tensor]:
     """:func:`newton_schulz` of every leaf's full matrices, returned placed like the leaf.
 
@@ -117,7 +124,7 @@ def orthogonalize(
       leaves: tensors or DTensors with at least 2 dimensions (the last two are the matrix).
       names: one name per leaf, for error messages.
       layout: ``"gather"`` or ``"owner"`` (see [Note: the two layouts]).
-      steps, coeffs, eps, dtype: as :func:`newton_schulz`.
+      steps, coeffs, eps, dtype, method, gram_restarts: as :func:`newton_schulz`.
 
     Returns:
       One tensor per leaf in the compute dtype: DTensors with the input's placements, plain
@@ -125,7 +132,8 @@ def orthogonalize(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"Muon layout must be one of {LAYOUTS}, got {layout!r}")
-    ns = _NS(steps, tuple(coeffs), eps, dtype)
+    ns = _NS(steps, tuple(coeffs), eps, dtype, method, tuple(gram_restarts))
+    ns.flops((1, 1))  # a bad method or restart list fails here, on every rank, before any collective
     out: list[Any] = [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
     meshes: dict[tuple, tuple[Any, int]] = {}
@@ -187,21 +195,26 @@ def _gather(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> li
 # ---------------------------------------------------------------------------------------------
 
 
-def owner_plan(shapes: list[tuple[int, ...]], world: int, steps: int = 5) -> tuple[list[int | None], list[int]]:
+def owner_plan(
+    shapes: list[tuple[int, ...]], world: int, steps: int = 5, flops: Callable[[tuple[int, ...]], int] | None = None
+) -> tuple[list[int | None], list[int]]:
     """Owners of the 2-D leaves (``None`` for batched leaves, which stay local) and the
-    Newton–Schulz FLOPs each rank then runs."""
+    Newton–Schulz FLOPs each rank then runs (``flops(shape)``; standard Newton–Schulz with
+    ``steps`` iterations by default)."""
+    if flops is None:
+        flops = lambda shape: newton_schulz_flops(shape, steps)  # noqa: E731
     loads = [0] * world
     for shape in shapes:
         if len(shape) > 2:
             for q in range(world):
                 start, stop = chunk_rows(shape[0], world, q)
-                loads[q] += newton_schulz_flops((stop - start, *shape[1:]), steps)
+                loads[q] += flops((stop - start, *shape[1:]))
     mats = [i for i, s in enumerate(shapes) if len(s) == 2]
-    owners2 = assign_owners([newton_schulz_flops(shapes[i], steps) for i in mats], world, loads)
+    owners2 = assign_owners([flops(shapes[i]) for i in mats], world, loads)
     owners: list[int | None] = [None] * len(shapes)
     for i, o in zip(mats, owners2):
         owners[i] = o
-        loads[o] += newton_schulz_flops(shapes[i], steps)
+        loads[o] += flops(shapes[i])
     return owners, loads
 
 
@@ -212,7 +225,7 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def _owner(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> list[torch.Tensor]:
     world, rank, group = mesh.size(dim), mesh.get_local_rank(dim), mesh.get_group(dim)
     shapes = [tuple(x.shape) for x in xs]
-    owners, _ = owner_plan(shapes, world, ns.steps)
+    owners, _ = owner_plan(shapes, world, flops=ns.flops)
     results: list[Any] = [None] * len(xs)
     owned_by: list[list[int]] = [[] for _ in range(world)]
     for i, o in enumerate(owners):

@@ -13,7 +13,7 @@ import torch
 
 from fsdpfn.optim._base import GradientTransformation, chain, partition
 from fsdpfn.optim._distributed_ns import LAYOUTS, orthogonalize
-from fsdpfn.optim._newton_schulz import DEFAULT_NS_COEFFS
+from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, NS_METHODS, newton_schulz_flops
 from fsdpfn.optim._schedules import ScalarOrSchedule, resolve
 from fsdpfn.optim._sgd_adamw import adamw
 from fsdpfn.optim._tree import like, local, map_local, named_leaves, zeros_like_tree
@@ -42,6 +42,8 @@ def scale_by_muon(
     eps: float = 1e-7,
     ns_dtype: torch.dtype | None = torch.bfloat16,
     layout: str = "owner",
+    ns_method: str = "standard",
+    gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS,
 ) -> GradientTransformation:
     """Momentum, then Newton–Schulz orthogonalisation of every leaf's matrices.
 
@@ -60,6 +62,9 @@ def scale_by_muon(
         ``torch.float32``; ``None`` keeps the gradient's dtype.
       layout: ``"owner"`` (each matrix orthogonalised once, by one rank) or ``"gather"``
         (every rank orthogonalises every matrix).
+      ns_method, gram_restarts: ``"standard"`` (``torch.optim.Muon``'s iteration) or ``"gram"``
+        (the same polynomial computed on the Gram matrix: fewer FLOPs on matrices wider than
+        1.5:1, equal up to rounding); see :func:`newton_schulz`.
 
     Example:
       >>> opt = fsdpfn.optim.scale_by_muon()
@@ -76,6 +81,9 @@ def scale_by_muon(
         raise ValueError(f"scale_by_muon: momentum must be >= 0, got {momentum}")
     if layout not in LAYOUTS:
         raise ValueError(f"scale_by_muon: layout must be one of {LAYOUTS}, got {layout!r}")
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"scale_by_muon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+    newton_schulz_flops((1, 1), ns_steps, ns_method, gram_restarts)  # checks the restart iterations now, not at the first step
 
     def init(params):
         return ScaleByMuonState(zeros_like_tree(params))
@@ -84,7 +92,9 @@ def scale_by_muon(
         buf = map_local(lambda b, g: b.lerp(g, 1 - momentum), state.momentum_buffer, updates)
         direction = map_local(lambda g, b: g.lerp(b, momentum), updates, buf) if nesterov else buf
         names, leaves, spec = named_leaves(direction)
-        ortho = orthogonalize(leaves, names, layout=layout, steps=ns_steps, coeffs=ns_coeffs, eps=eps, dtype=ns_dtype)
+        ortho = orthogonalize(
+            leaves, names, layout=layout, steps=ns_steps, coeffs=ns_coeffs, eps=eps, dtype=ns_dtype, method=ns_method, gram_restarts=gram_restarts
+        )
         out = [like(x, local(o).to(local(x).dtype)) for x, o in zip(leaves, ortho)]
         return optree.tree_unflatten(spec, out), ScaleByMuonState(buf)
 
@@ -203,6 +213,7 @@ def muon(
     ns_dtype: torch.dtype | None = torch.bfloat16,
     adjust_lr_fn: str | None = "original",
     layout: str = "owner",
+    ns_method: str = "standard",
     labels: Union[None, LabelFn, Mapping[str, str]] = None,
     adamw_lr: ScalarOrSchedule | None = None,
     adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -222,6 +233,8 @@ def muon(
       ns_steps, ns_coeffs, eps, ns_dtype: Newton–Schulz settings (see :func:`newton_schulz`).
       adjust_lr_fn: ``"original"`` or ``"match_rms_adamw"`` (see :func:`scale_by_muon_lr`).
       layout: distributed Newton–Schulz, ``"owner"`` or ``"gather"``.
+      ns_method: ``"standard"`` or ``"gram"`` (see :func:`scale_by_muon`; ``"gram"`` is not
+        bitwise ``torch.optim.Muon``).
       labels: ``None`` (:func:`muon_labels`), a function ``(name, param) -> "muon" | "adamw"``,
         or a dict ``{name: label}`` covering every parameter. Names are the dotted tree paths
         (the keys of ``fsdpfn.shard``'s dict).
@@ -243,7 +256,7 @@ def muon(
       https://arxiv.org/abs/2502.16982
     """
     muon_part = chain(
-        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout),
+        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method),
         scale_by_muon_lr(lr, weight_decay, adjust_lr_fn),
     )
     adam_part = adamw(
