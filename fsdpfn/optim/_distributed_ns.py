@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, newton_schulz, newton_schulz_flops
+from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_method, newton_schulz, newton_schulz_flops
 from fsdpfn.optim._tree import like
 from fsdpfn.transforms import _collectives as C
 
@@ -133,7 +133,7 @@ def orthogonalize(
     if layout not in LAYOUTS:
         raise ValueError(f"Muon layout must be one of {LAYOUTS}, got {layout!r}")
     ns = _NS(steps, tuple(coeffs), eps, dtype, method, tuple(gram_restarts))
-    ns.flops((1, 1))  # a bad method or restart list fails here, on every rank, before any collective
+    check_method(method, steps, gram_restarts)  # fails on every rank, before any collective
     out: list[Any] = [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
     meshes: dict[tuple, tuple[Any, int]] = {}

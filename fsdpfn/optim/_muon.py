@@ -13,7 +13,7 @@ import torch
 
 from fsdpfn.optim._base import GradientTransformation, chain, partition
 from fsdpfn.optim._distributed_ns import LAYOUTS, orthogonalize
-from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, NS_METHODS, newton_schulz_flops
+from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, NS_METHODS, check_method
 from fsdpfn.optim._schedules import ScalarOrSchedule, resolve
 from fsdpfn.optim._sgd_adamw import adamw
 from fsdpfn.optim._tree import like, local, map_local, named_leaves, zeros_like_tree
@@ -83,7 +83,7 @@ def scale_by_muon(
         raise ValueError(f"scale_by_muon: layout must be one of {LAYOUTS}, got {layout!r}")
     if ns_method not in NS_METHODS:
         raise ValueError(f"scale_by_muon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-    newton_schulz_flops((1, 1), ns_steps, ns_method, gram_restarts)  # checks the restart iterations now, not at the first step
+    check_method(ns_method, ns_steps, gram_restarts)  # now, not at the first step
 
     def init(params):
         return ScaleByMuonState(zeros_like_tree(params))

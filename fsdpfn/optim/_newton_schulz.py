@@ -74,7 +74,7 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
     if steps < 0:
         raise ValueError(f"newton_schulz: steps must be >= 0, got {steps}")
-    restarts = _check_method(method, steps, gram_restarts)
+    restarts = check_method(method, steps, gram_restarts)
     a, b, c = coeffs
     X = x.to(dtype) if dtype is not None else x
     if X is x:
@@ -140,7 +140,8 @@ def _gram_iterations(X: torch.Tensor, steps: int, a: float, b: float, c: float, 
     return Q @ X
 
 
-def _check_method(method: str, steps: int, gram_restarts: tuple[int, ...]) -> frozenset[int]:
+def check_method(method: str, steps: int, gram_restarts: tuple[int, ...]) -> frozenset[int]:
+    """``gram_restarts`` as a set, once ``method`` and the restarts are known to fit ``steps``."""
     if method not in NS_METHODS:
         raise ValueError(f"newton_schulz: method must be one of {NS_METHODS}, got {method!r}")
     restarts = frozenset(int(i) for i in gram_restarts)
@@ -185,7 +186,7 @@ def newton_schulz_flops(
     count = 1
     for d in batch:
         count *= d
-    restarts = _check_method(method, steps, gram_restarts)
+    restarts = check_method(method, steps, gram_restarts)
     if method == "gram" and _gram_is_cheaper(m, n, steps, restarts):
         return count * _gram_flops(m, n, steps, restarts)
     return count * _standard_flops(m, n, steps)
