@@ -200,13 +200,15 @@ class Executor:
     def _gather(self, name: str) -> None:
         unit = self.units[name]
         dtype = self.plan.gather_dtype(unit)
-        if name not in self.full:
-            self.full[name] = [torch.empty(p.shape, dtype=dtype) for p in unit.params]
+        locals_ = self.locals[name]
+        device = locals_[0].device if locals_ else torch.device("cpu")  # the shards' device: CUDA on GPUs
+        full = self.full.get(name)
+        if full is None or (full and full[0].device != device):
+            self.full[name] = [torch.empty(p.shape, dtype=dtype, device=device) for p in unit.params]
         else:
-            for t in self.full[name]:
+            for t in full:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
         self.memory.allocate(name, sum(t.numel() * t.element_size() for t in self.full[name]))
-        locals_ = self.locals[name]
         start = functools.partial(gather_unit, self.plan, unit, locals_, async_op=True)
         self.gathers[name] = self.comm.start("all_gather", start)
 
