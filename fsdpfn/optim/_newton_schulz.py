@@ -82,11 +82,8 @@ def newton_schulz(
     tall = x.size(-2) > x.size(-1)
     if tall:
         X = X.mT
-    if method == "gram" and _gram_is_cheaper(X.size(-2), X.size(-1), steps, restarts):
-        batch = X.shape[:-2]
-        X = _normalise(X.reshape(-1, *X.shape[-2:]), eps)
-        X = _gram_iterations(X, steps, a, b, c, restarts).reshape(*batch, *X.shape[-2:])
-    elif X.dim() == 2:
+    gram = method == "gram" and _gram_is_cheaper(X.size(-2), X.size(-1), steps, restarts)
+    if X.dim() == 2 and not gram:
         X = X / X.norm().clamp(min=eps)
         for _ in range(steps):
             A = X @ X.T
@@ -95,10 +92,13 @@ def newton_schulz(
     else:
         batch = X.shape[:-2]
         X = _normalise(X.reshape(-1, *X.shape[-2:]), eps)
-        for _ in range(steps):
-            A = X @ X.mT
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a)
+        if gram:
+            X = _gram_iterations(X, steps, a, b, c, restarts)
+        else:
+            for _ in range(steps):
+                A = X @ X.mT
+                B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+                X = torch.baddbmm(X, B, X, beta=a)
         X = X.reshape(*batch, *X.shape[-2:])
     return X.mT if tall else X
 
