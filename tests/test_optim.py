@@ -288,6 +288,8 @@ def test_gram_newton_schulz_bad_settings_name_the_setting():
         optim.scale_by_muon(ns_method="gram", ns_steps=2, gram_restarts=(2,))
     with pytest.raises(ValueError, match="ns_method must be one of"):
         optim.muon(ns_method="polar")
+    with pytest.raises(ValueError, match=r"gram_restarts \[0\]"):
+        optim.muon(ns_method="gram", gram_restarts=(0,))
 
 
 def test_muon_gram_equals_muon_standard_up_to_rounding():

@@ -214,6 +214,7 @@ def muon(
     adjust_lr_fn: str | None = "original",
     layout: str = "owner",
     ns_method: str = "standard",
+    gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS,
     labels: Union[None, LabelFn, Mapping[str, str]] = None,
     adamw_lr: ScalarOrSchedule | None = None,
     adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -233,8 +234,8 @@ def muon(
       ns_steps, ns_coeffs, eps, ns_dtype: Newton–Schulz settings (see :func:`newton_schulz`).
       adjust_lr_fn: ``"original"`` or ``"match_rms_adamw"`` (see :func:`scale_by_muon_lr`).
       layout: distributed Newton–Schulz, ``"owner"`` or ``"gather"``.
-      ns_method: ``"standard"`` or ``"gram"`` (see :func:`scale_by_muon`; ``"gram"`` is not
-        bitwise ``torch.optim.Muon``).
+      ns_method, gram_restarts: ``"standard"`` or ``"gram"`` and the latter's restart
+        iterations (see :func:`newton_schulz`; ``"gram"`` is not bitwise ``torch.optim.Muon``).
       labels: ``None`` (:func:`muon_labels`), a function ``(name, param) -> "muon" | "adamw"``,
         or a dict ``{name: label}`` covering every parameter. Names are the dotted tree paths
         (the keys of ``fsdpfn.shard``'s dict).
@@ -256,7 +257,7 @@ def muon(
       https://arxiv.org/abs/2502.16982
     """
     muon_part = chain(
-        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method),
+        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts),
         scale_by_muon_lr(lr, weight_decay, adjust_lr_fn),
     )
     adam_part = adamw(
