@@ -119,8 +119,8 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
 
     # 4: whole training step, muon (owner; standard and Gram) vs adamw, interleaved, each on its
     # own trajectory.
-    run = {"muon": ["owner"], "muon gram": ["owner gram"], "adamw": ["adamw"]}
-    run = {k: [params0, opts[o], states[o]] for k, (o,) in run.items()}
+    sides = (("muon", "owner"), ("muon gram", "owner gram"), ("adamw", "adamw"))
+    run = {k: [params0, opts[o], states[o]] for k, o in sides}
     step_times = {k: [] for k in run}
 
     def train_step(k):

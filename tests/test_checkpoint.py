@@ -66,10 +66,18 @@ def _setup(world, strategy, seed=0):
     return model, plan, state
 
 
-def _train(model, plan, state, steps, rank, world):
+def _loss_fn(model, plan):
+    """The pure loop's loss over sharded parameters (both training helpers below use it)."""
+
     def loss_fn(params, x, y):
         logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    return loss_fn
+
+
+def _train(model, plan, state, steps, rank, world):
+    loss_fn = _loss_fn(model, plan)
 
     for _ in range(steps):
         x, y = _batch(state["step"], rank, world)
@@ -154,9 +162,7 @@ def _train_real(model, plan, state, steps, rank, world, opt_name):
 
     opt = _real_opt(opt_name)
 
-    def loss_fn(params, x, y):
-        logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss_fn = _loss_fn(model, plan)
 
     for _ in range(steps):
         x, y = _batch(state["step"], rank, world)
