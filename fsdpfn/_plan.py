@@ -34,7 +34,18 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "plan", "STRATEGIES"]
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "plan", "STRATEGIES", "ROOT", "ROOT_LABEL", "unit_label"]
+
+# The root unit (the model's own parameters, outside every other unit) has the empty name; it is
+# shown and accepted in strategy dicts as ROOT_LABEL.
+ROOT = ""
+ROOT_LABEL = "<root>"
+
+
+def unit_label(name: str) -> str:
+    """How a unit name is shown: its FQN, or ``"<root>"`` for the root unit."""
+    return name or ROOT_LABEL
+
 
 STRATEGIES = ("replicate", "zero1", "zero2", "zero3")
 HSDP_DIM_NAMES = ("replicate", "shard")
@@ -149,7 +160,7 @@ class Unit:
 
     @property
     def label(self) -> str:
-        return self.name or "<root>"
+        return unit_label(self.name)
 
     @property
     def sharded(self) -> bool:
@@ -496,7 +507,7 @@ def _strategy_for(strategy: StrategyArg, unit_names: list[str]) -> dict[str, str
     if not isinstance(strategy, Mapping):
         raise ValueError(f"strategy must be a str or a dict {{unit_name: strategy}}, got {type(strategy).__name__}")
     default = strategy.get("*", "zero3")
-    labels = {"<root>": ""}
+    labels = {ROOT_LABEL: ROOT}
     out = {u: default for u in unit_names}
     for key, value in strategy.items():
         if key == "*":
@@ -507,7 +518,7 @@ def _strategy_for(strategy: StrategyArg, unit_names: list[str]) -> dict[str, str
         out[unit] = value
     for unit, value in out.items():
         if value not in STRATEGIES:
-            raise ValueError(f"unknown strategy {value!r} for unit {unit or '<root>'!r}; choose one of {', '.join(STRATEGIES)}")
+            raise ValueError(f"unknown strategy {value!r} for unit {unit_label(unit)!r}; choose one of {', '.join(STRATEGIES)}")
     return out
 
 
@@ -566,7 +577,7 @@ def plan(
             if other_owner != owner:
                 raise ValueError(
                     f"parameter {name!r} is the same tensor as {other!r} (tied weights), but they fall in units "
-                    f"{owner or '<root>'!r} and {other_owner or '<root>'!r}; a parameter is claimed by two units. "
+                    f"{unit_label(owner)!r} and {unit_label(other_owner)!r}; a parameter is claimed by two units. "
                     "Put both modules in one unit (e.g. leave them in the root unit)."
                 )
             continue

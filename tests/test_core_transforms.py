@@ -146,7 +146,7 @@ def _global_gradcheck(rank, world):
                 elif owner == rank:
                     local[(row - unit.local_rows(name, rank)[0], *[int(i) for i in idx[1:]])] += sign * h
                 bumped = dict(params)
-                bumped[name] = fsdpfn.transforms._sharding._dtensor(plan, name, local)
+                bumped[name] = fsdpfn.transforms.from_local(plan, name, local)
                 values.append(global_objective(bumped))
             # A replicated 0-d parameter is bumped on every rank at once: one global variable.
             numeric = (values[0] - values[1]) / (2 * h)

@@ -52,7 +52,7 @@ from fsdpfn._plan import Plan, Unit
 from fsdpfn.runtime._comm import CpuComm, Handle
 from fsdpfn.runtime._memory import MemoryTracker
 from fsdpfn.runtime._schedule import ROOT, Op, Schedule, _label
-from fsdpfn.transforms._sharding import _dtensor, gather_unit, reduce_unit
+from fsdpfn.transforms import from_local, gather_unit, reduce_unit
 
 __all__ = ["Executor", "RuntimeScheduleError", "StepRecord"]
 
@@ -262,7 +262,7 @@ class Executor:
         for unit in self.plan.units:
             shards = self.results.get(unit.name)
             for i, p in enumerate(unit.params):
-                out.append(None if shards is None else _dtensor(self.plan, p.name, shards[i]))
+                out.append(None if shards is None else from_local(self.plan, p.name, shards[i]))
         return out
 
 

@@ -4,7 +4,13 @@ from fsdpfn.transforms._collectives import CollectiveCall as CollectiveCall
 from fsdpfn.transforms._collectives import CollectiveCounter as CollectiveCounter
 from fsdpfn.transforms._collectives import count_collectives as count_collectives
 from fsdpfn.transforms._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
+from fsdpfn.transforms._sharding import from_local as from_local
+from fsdpfn.transforms._sharding import gather_unit as gather_unit
 from fsdpfn.transforms._sharding import placements as placements
+from fsdpfn.transforms._sharding import reduce_unit as reduce_unit
+from fsdpfn.transforms._sharding import replicate_group as replicate_group
+from fsdpfn.transforms._sharding import shard_group as shard_group
+from fsdpfn.transforms._sharding import shard_rank as shard_rank
 from fsdpfn.transforms._sharding import reduce as reduce
 from fsdpfn.transforms._sharding import shard as shard
 from fsdpfn.transforms._sharding import unshard as unshard
@@ -13,7 +19,13 @@ __all__ = [
     "CollectiveCall",
     "CollectiveCounter",
     "count_collectives",
+    "from_local",
+    "gather_unit",
     "placements",
+    "reduce_unit",
+    "replicate_group",
+    "shard_group",
+    "shard_rank",
     "reduce",
     "set_reduce_scatter_impl",
     "shard",

@@ -28,7 +28,7 @@ from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms import _collectives as C
 from fsdpfn.transforms._checks import check_ranks_agree
 
-__all__ = ["shard", "unshard", "reduce", "placements", "shard_rank", "shard_group", "replicate_group"]
+__all__ = ["shard", "unshard", "reduce", "placements", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +82,15 @@ def _spec(plan: Plan, name: str, dtype: torch.dtype) -> DTensorSpec:
     return DTensorSpec(_mesh(plan), placements(plan, name), tensor_meta=meta)
 
 
-def _dtensor(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
+def from_local(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
+    """The DTensor of parameter ``name`` whose local part on this rank is ``local``, placed as the
+    plan says. Metadata comes from the plan, never from ``local`` (see [Note: unshard under
+    torch.func]), so this works inside ``torch.func`` transforms where ``DTensor.from_local``
+    does not.
+
+    Example:
+      >>> g = fsdpfn.transforms.from_local(plan, "blocks.0.mlp.weight", local_rows)  # doctest: +SKIP
+    """
     return DTensor(local, _spec(plan, name, local.dtype), requires_grad=requires_grad)
 
 
@@ -182,7 +190,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
                 value = full[p.name]
                 start, stop = unit.local_rows(p.name, rank)
                 local = value.detach()[start:stop] if p.shape else value.detach()
-                out[p.name] = _dtensor(plan, p.name, local.clone().contiguous(), requires_grad)
+                out[p.name] = from_local(plan, p.name, local.clone().contiguous(), requires_grad)
     return out
 
 
@@ -342,7 +350,7 @@ class _UnshardUnit(torch.autograd.Function):
         with torch._C._DisableFuncTorch():
             _, finish = reduce_unit(plan, unit, list(grads), op=op, scale=scale)
             shards = finish()
-            return (None, *(_dtensor(plan, p.name, g) for p, g in zip(unit.params, shards)))
+            return (None, *(from_local(plan, p.name, g) for p, g in zip(unit.params, shards)))
 
 
 def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "mean", grad_scale: float | None = None) -> dict[str, torch.Tensor]:
@@ -410,5 +418,5 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
             grads = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
             _, finish = reduce_unit(plan, unit, grads, op=op, scale=scale)
             for p, g in zip(unit.params, finish()):
-                out[p.name] = _dtensor(plan, p.name, g)
+                out[p.name] = from_local(plan, p.name, g)
     return out
