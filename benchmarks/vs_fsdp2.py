@@ -206,7 +206,7 @@ def _init(rank, init_file):
 
 def _time_collectives(reps=10):
     """gloo reduce-scatter: native (an all-reduce inside) vs all-to-all + local sum."""
-    from fsdpfn.transforms import _collectives as C
+    from fsdpfn import comm
 
     out = []
     for mib in (4, 16):
@@ -215,16 +215,14 @@ def _time_collectives(reps=10):
         res = torch.empty(n // WORLD)
         row = {"MiB": mib}
         for impl in ("native", "all_to_all"):
-            C.set_reduce_scatter_impl(impl)
             times = []
             for _ in range(reps):
                 dist.barrier()
                 t = time.perf_counter()
-                C.reduce_scatter(res, x)
+                comm.reduce_scatter(res, x, impl=impl)
                 times.append(time.perf_counter() - t)
             row[impl] = statistics.median(times)
         out.append(row)
-    C.set_reduce_scatter_impl("auto")
     return out
 
 

@@ -10,13 +10,14 @@ from fsdpfn._cost import PlanCost as PlanCost
 from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import Plan as Plan
 from fsdpfn._plan import plan as plan
-from fsdpfn.transforms import count_collectives as count_collectives
+from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.transforms import reduce as reduce
 from fsdpfn.transforms import shard as shard
 from fsdpfn.transforms import unshard as unshard
 
-# Subpackages users reach as fsdpfn.optim, fsdpfn.runtime, fsdpfn.checkpoint.
+# Subpackages users reach as fsdpfn.comm, fsdpfn.optim, fsdpfn.runtime, fsdpfn.checkpoint, ...
 from fsdpfn import checkpoint as checkpoint
+from fsdpfn import comm as comm
 from fsdpfn import optim as optim
 from fsdpfn import runtime as runtime
 
@@ -27,6 +28,7 @@ __all__ = [
     "Plan",
     "PlanCost",
     "checkpoint",
+    "comm",
     "count_collectives",
     "optim",
     "plan",

@@ -1,8 +1,8 @@
 """The plan's cost model: bytes per collective kind per step, and memory per rank.
 
 It mirrors what :mod:`fsdpfn.transforms` issue, call for call, so a test can compare it with a
-:func:`fsdpfn.transforms.count_collectives` record of a real step. ``wire_bytes`` follows
-:class:`fsdpfn.transforms.CollectiveCall`: ``(W-1)/W`` of the full buffer for all-gather and
+:func:`fsdpfn.comm.count_collectives` record of a real step. ``wire_bytes`` follows
+:class:`fsdpfn.comm.CollectiveCall`: ``(W-1)/W`` of the full buffer for all-gather and
 reduce-scatter, ``2 (W-1)/W`` for all-reduce.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdpfn._plan import Plan, _human
+from fsdpfn._plan import Plan, _human, register_cost_model
 
 __all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
 
@@ -101,3 +101,6 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: i
     # A freed unit is alive from its gather to its free; with prefetch, 1 + prefetch of them.
     mem["unsharded_peak"] += min(sum(freed), (1 + prefetch) * max(freed, default=0))
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem)
+
+
+register_cost_model(plan_cost)

@@ -394,9 +394,7 @@ class Plan:
         Returns:
           a :class:`fsdpfn.PlanCost`.
         """
-        from fsdpfn._cost import plan_cost
-
-        return plan_cost(self, reshard_after_forward, prefetch)
+        return _cost_model[0](self, reshard_after_forward, prefetch)
 
     def __str__(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
@@ -418,6 +416,16 @@ class Plan:
             if i == 0 or i == len(rows) - 2:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+# The cost model (``fsdpfn._cost``) reads plans; it registers itself here when fsdpfn is imported,
+# so that this module does not import it and dependencies point one way.
+_cost_model: list = []
+
+
+def register_cost_model(fn) -> None:
+    """Makes ``fn(plan, reshard_after_forward, prefetch)`` the function behind :meth:`Plan.cost`."""
+    _cost_model[:] = [fn]
 
 
 def _human(nbytes: float) -> str:

@@ -1,18 +1,43 @@
-"""Start a training function on N ranks: under ``torchrun`` as it is, else by spawning N local
-gloo processes. Examples use it so that one command works on a laptop and on a cluster."""
+"""Start a function on N ranks: under ``torchrun`` as it is, else by spawning N local gloo
+processes. The one place that spawns ranks and sets up their process group; the examples, the
+benchmarks and :func:`fsdpfn.testing.run_on_ranks` all start ranks through here.
+
+[Note: ranks die with their launcher]
+A rank must never outlive the process that started it: an orphaned rank keeps training and
+writing the run directory, and holds its peers in collectives. On Linux each rank asks the
+kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), which covers every way the
+launcher can die, SIGKILL included; elsewhere a watchdog thread polls the parent pid.
+"""
 
 from __future__ import annotations
 
-import datetime
+import ctypes
 import os
+import pickle
+import queue as queue_mod
+import signal
+import sys
 import tempfile
+import threading
+import time
+import traceback
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["launch", "under_torchrun"]
+from fsdpfn import comm
+
+__all__ = ["RankError", "check_picklable", "launch", "raise_rank_errors", "start_rank", "under_torchrun"]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised, died, or did not answer in time. The message holds every
+    failing rank's traceback; ``errors`` maps rank -> that text."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errors = errors or {}
 
 
 def under_torchrun() -> bool:
@@ -20,43 +45,166 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _entry(rank: int, world_size: int, init_file: str, backend: str, threads: int, main, args) -> None:
+def check_picklable(fn: Callable, *args: Any, what: str = "fn", **kwargs: Any) -> None:
+    """Raises ``ValueError`` at once, saying why, if spawned ranks could not receive ``fn`` and its
+    arguments (a lambda, a local function, a function defined in a ``__main__`` without a file).
+
+    Example:
+      >>> check_picklable(lambda r, w: r, what="run_on_ranks(fn)")
+      Traceback (most recent call last):
+      ...
+      ValueError: run_on_ranks(fn) must be picklable to reach the spawned ranks: ...
+    """
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(
+            f"{what} is {getattr(fn, '__qualname__', fn)!r}, defined in __main__ without a file (python -c, stdin or "
+            "a notebook): spawned ranks import functions by module, so they cannot find it. Define it in a .py module."
+        )
+    for label, value in [(what, fn), *((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - any pickling failure gets the same advice
+            hint = ("use a module-level function (or functools.partial of one), not a lambda or a local function"
+                    if label == what else "pass only picklable values (tensors, numbers, strings, dataclasses)")
+            raise ValueError(f"{what if label == what else f'{what}: {label}'} must be picklable to reach the "
+                             f"spawned ranks: {type(e).__name__}: {e}. {hint.capitalize()}.") from None
+
+
+def _die_with_parent() -> None:
+    """See [Note: ranks die with their launcher]."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        else:
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="fsdpfn-parent-watch").start()
+
+
+def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "gloo", threads: int = 1,
+               timeout_s: float | None = None) -> None:
+    """The start of every spawned rank: its thread count, the tie to its launcher, the collective
+    timeout and the default process group."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10)
-    )
+    _die_with_parent()
+    if timeout_s is not None:
+        comm.set_timeout(timeout_s)
+    comm.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
+def _entry(rank, world_size, init_method, backend, threads, timeout_s, main, args, results) -> None:
+    start_rank(rank, world_size, init_method, backend=backend, threads=threads, timeout_s=timeout_s)
     try:
-        main(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+        out = ("ok", main(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
+        out = ("error", traceback.format_exc())
+    try:
+        results.put((rank, out))
+    except Exception:  # noqa: BLE001 - the result did not pickle
+        results.put((rank, ("error", traceback.format_exc())))
+    comm.destroy_process_group()
 
 
-def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: str | None = None) -> None:
-    """Runs ``main(rank, world_size, *args)`` on every rank with the default process group set up.
+def _collect(procs, results, world_size: int, grace: float) -> dict[int, tuple[str, Any]]:
+    """Waits for every rank's answer. A rank that dies without answering counts as an error;
+    after the first error the others get ``grace`` seconds (their collectives fail within the
+    collective timeout and report where they were) before they are killed."""
+    answers: dict[int, tuple[str, Any]] = {}
+    deadline = None
+    while len(answers) < world_size and (deadline is None or time.monotonic() < deadline):
+        try:
+            rank, out = results.get(timeout=0.5)
+            answers[rank] = out
+        except queue_mod.Empty:
+            for r, p in enumerate(procs):
+                if r not in answers and not p.is_alive():
+                    code = p.exitcode
+                    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                    answers[r] = ("error", f"rank {r} (pid {p.pid}) {how} without reporting")
+        if deadline is None and any(a[0] == "error" for a in answers.values()):
+            deadline = time.monotonic() + grace
+    return answers
+
+
+def raise_rank_errors(answers: dict[int, tuple[str, Any]], world_size: int, what: str, waited: str) -> None:
+    """Raises :class:`RankError` if any rank's answer is ``("error", text)`` or missing."""
+    errors = {r: a[1] for r, a in answers.items() if a[0] == "error"}
+    missing = [r for r in range(world_size) if r not in answers]
+    if not errors and not missing:
+        return
+    parts = [f"{what} failed on {world_size} rank(s):"]
+    parts += [f"--- rank {r} raised:\n{errors[r]}" if errors[r].startswith("Traceback") else f"--- {errors[r]}"
+              for r in sorted(errors)]
+    if missing:
+        why = "after another rank failed" if errors else waited
+        parts.append(f"--- rank(s) {missing} did not finish {why}; they were stopped")
+        errors.update({r: f"did not finish {why}" for r in missing})
+    raise RankError("\n".join(parts), errors)
+
+
+def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: str | None = None,
+           timeout: float | None = None) -> list[Any]:
+    """Runs ``main(rank, world_size, *args)`` on every rank with the default process group set up,
+    and returns every rank's return value in rank order.
 
     Under ``torchrun`` this process is one rank: the group is initialised from the environment
-    (NCCL if CUDA is available, else gloo) and ``world_size`` is ignored. Otherwise
-    ``world_size`` local CPU processes are spawned with gloo, one thread each (the cores are
-    shared), and the call returns when all finished; a failing rank raises here.
+    (NCCL if CUDA is available, else gloo), ``world_size`` is ignored and the list holds this
+    rank's value. Otherwise ``world_size`` local processes are spawned (gloo, the cores split
+    between them); they die with this process however it dies. A failing rank raises
+    :class:`RankError` here with its traceback; a rank stuck in a collective fails within the
+    collective ``timeout`` (seconds; default :func:`fsdpfn.comm.timeout`) naming the rank that is
+    behind.
 
     Example:
       >>> def main(rank, world_size):  # doctest: +SKIP
-      ...     print(rank, torch.distributed.get_world_size())
+      ...     return rank * 10
       >>> launch(main, world_size=2)  # doctest: +SKIP
+      [0, 10]
     """
+    timeout_s = comm.timeout() if timeout is None else timeout
     if under_torchrun():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        comm.set_timeout(timeout_s)
+        comm.init_process_group(backend)
         try:
-            main(dist.get_rank(), dist.get_world_size(), *args)
+            return [main(comm.rank(), comm.world_size(), *args)]
         finally:
-            dist.destroy_process_group()
-        return
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+            comm.destroy_process_group()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_picklable(main, *args, what="launch(main)")
     threads = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fsdpfn_launch_") as tmp:
-        init_file = os.path.join(tmp, "store")
-        mp.spawn(_entry, args=(world_size, init_file, backend or "gloo", threads, main, args), nprocs=world_size, join=True)
+        init = f"file://{os.path.join(tmp, 'store')}"
+        procs = [
+            ctx.Process(target=_entry, name=f"fsdpfn-rank{r}-of-{world_size}",
+                        args=(r, world_size, init, backend or "gloo", threads, timeout_s, main, args, results))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            answers = _collect(procs, results, world_size, grace=timeout_s + 10.0)
+        finally:
+            for p in procs:
+                p.join(timeout=5.0)
+                if p.is_alive():
+                    p.kill()
+    raise_rank_errors(answers, world_size, getattr(main, "__qualname__", repr(main)), "")
+    return [answers[r][1] for r in range(world_size)]

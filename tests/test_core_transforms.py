@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdpfn
 from fsdpfn import testing
-from fsdpfn.transforms import _collectives as C
+from fsdpfn import comm as C
 
 # ---- helpers run on every rank --------------------------------------------------------------
 
@@ -67,8 +67,7 @@ def test_unshard_of_shard_is_identity(run_on_ranks, shapes, world, dtype, strate
 
 
 def _adjoint(rank, world, n, impl):
-    C.set_reduce_scatter_impl(impl)
-    try:
+    with C.reduce_scatter_impl(impl):
         gen = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(n, generator=gen, dtype=torch.float64)
         y = torch.randn(world * n, generator=gen, dtype=torch.float64)
@@ -95,8 +94,6 @@ def _adjoint(rank, world, n, impl):
         a2a = torch.stack([torch.dot(fwd, v), torch.dot(u, back)])
         dist.all_reduce(a2a)
         return lhs.item(), rhs.item(), a2a[0].item(), a2a[1].item()
-    finally:
-        C.set_reduce_scatter_impl("auto")
 
 
 @pytest.mark.parametrize("impl", ["native", "all_to_all"])

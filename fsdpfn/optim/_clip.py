@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsdpfn.optim._base import EmptyState, GradientTransformation
 from fsdpfn.optim._tree import map_local
-from fsdpfn.transforms import _collectives as C
+from fsdpfn import comm as C
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_method, newton_schulz, newton_schulz_flops
 from fsdpfn.optim._tree import like
-from fsdpfn.transforms import _collectives as C
+from fsdpfn import comm as C
 
 __all__ = ["LAYOUTS", "assign_owners", "chunk_rows", "orthogonalize"]
 

@@ -15,7 +15,7 @@ __all__ = ["CpuComm", "CudaComm", "comm_for"]
 
 
 class Handle:
-    """A started collective: ``pending`` (a :class:`fsdpfn.transforms._collectives.Pending`),
+    """A started collective: ``pending`` (a :class:`fsdpfn.comm.Pending`),
     the ``finish`` function of the kernel that started it, and an optional CUDA event."""
 
     __slots__ = ("pending", "finish", "event")

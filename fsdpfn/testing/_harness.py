@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
 import os
 import queue as queue_mod
 import tempfile
@@ -28,16 +27,14 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from fsdpfn import comm
+from fsdpfn.launch import RankError, check_picklable, raise_rank_errors, start_rank
+
 __all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("FSDPFN_TEST_TIMEOUT", "180"))
 # After one rank fails, how long the others get to finish before we declare them stuck.
 _GRACE_AFTER_ERROR = 5.0
-
-
-class RankError(RuntimeError):
-    """One or more ranks raised, or did not answer in time. The message holds every failing
-    rank's traceback."""
 
 
 @dataclasses.dataclass
@@ -53,22 +50,11 @@ _POOLS: dict[int, _Pool] = {}
 
 
 def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeout_s: float) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
     # Suites that run with warnings as errors can ask the same of their ranks.
     action = os.environ.get("FSDPFN_WORKER_WARNINGS")
     if action:
         warnings.simplefilter(action)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=pg_timeout_s),
-    )
+    start_rank(rank, world_size, f"file://{init_file}", timeout_s=pg_timeout_s)
     while True:
         task = tasks.get()
         if task is None:
@@ -82,7 +68,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
             results.put((task_id, rank, out))
         except Exception:  # the result did not pickle
             results.put((task_id, rank, ("error", traceback.format_exc())))
-    dist.destroy_process_group()
+    comm.destroy_process_group()
 
 
 def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
@@ -166,6 +152,7 @@ def run_on_ranks(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_picklable(fn, *args, what="run_on_ranks(fn)", **kwargs)
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     pool = _POOLS.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
@@ -197,19 +184,10 @@ def run_on_ranks(
         if out[0] == "error":
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
 
-    missing = [r for r in range(world_size) if r not in answers]
-    if missing:
-        _kill_pool(world_size)
-    errors = {r: a[1] for r, a in answers.items() if a[0] == "error"}
-    if errors or missing:
-        name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
-        parts = [f"{name} failed on {world_size} rank(s):"]
-        for r in sorted(errors):
-            parts.append(f"--- rank {r} raised:\n{errors[r]}")
-        if missing:
-            why = "after another rank failed" if errors else f"within {timeout:.0f} s (hang?)"
-            parts.append(f"--- rank(s) {missing} did not finish {why}; their pool was restarted")
-        raise RankError("\n".join(parts))
+    if len(answers) < world_size:
+        _kill_pool(world_size)  # the next call starts a fresh pool
+    name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
+    raise_rank_errors(answers, world_size, name, f"within {timeout:.0f} s (hang?)")
     return [answers[r][1] for r in range(world_size)]
 
 
@@ -225,11 +203,10 @@ def mesh(shape: tuple[int, ...] | int | None = None, dim_names: tuple[str, ...] 
     Example:
       >>> m = mesh((2, 2), ("replicate", "shard"))  # doctest: +SKIP
     """
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if shape is None:
-        shape = (dist.get_world_size(),)
+        shape = (comm.world_size(),)
     if isinstance(shape, int):
         shape = (shape,)
     key = (tuple(shape), tuple(dim_names) if dim_names else None)

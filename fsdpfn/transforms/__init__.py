@@ -1,9 +1,14 @@
-"""Pure transforms over parameter pytrees, and the collectives they are built from."""
+"""Pure transforms over parameter pytrees: shard, unshard (differentiable), reduce, and the
+per-unit kernels the runtime schedules.
 
-from fsdpfn.transforms._collectives import CollectiveCall as CollectiveCall
-from fsdpfn.transforms._collectives import CollectiveCounter as CollectiveCounter
-from fsdpfn.transforms._collectives import count_collectives as count_collectives
-from fsdpfn.transforms._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
+``count_collectives``, ``CollectiveCall``, ``CollectiveCounter`` and ``set_reduce_scatter_impl``
+live in :mod:`fsdpfn.comm` now; the names here are kept for code written before.
+"""
+
+from fsdpfn.comm import CollectiveCall as CollectiveCall
+from fsdpfn.comm import CollectiveCounter as CollectiveCounter
+from fsdpfn.comm import count_collectives as count_collectives
+from fsdpfn.comm import set_reduce_scatter_impl as set_reduce_scatter_impl
 from fsdpfn.transforms._sharding import from_local as from_local
 from fsdpfn.transforms._sharding import gather_unit as gather_unit
 from fsdpfn.transforms._sharding import placements as placements

@@ -11,8 +11,8 @@ naming the parameter and the ranks.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from fsdpfn import comm
 from fsdpfn._plan import Plan
 
 __all__ = ["check_ranks_agree"]
@@ -21,12 +21,6 @@ __all__ = ["check_ranks_agree"]
 def _groups(plan: Plan):
     mesh = plan.mesh
     return [mesh.get_group(d) for d in range(mesh.ndim)]
-
-
-def _gather(row: torch.Tensor, group) -> torch.Tensor:
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    return torch.stack(rows)
 
 
 def _fingerprint_value(plan: Plan) -> float:
@@ -40,20 +34,21 @@ def check_ranks_agree(plan: Plan, full: dict[str, torch.Tensor]) -> None:
     names = plan.param_names
     # The fingerprint goes first and alone: ranks with different plans may not even agree on
     # the length of the checksum row.
-    fingerprint = torch.tensor([_fingerprint_value(plan)], dtype=torch.float64)
+    device = full[names[0]].device if names else None  # the device the parameters' collectives use
+    fingerprint = torch.tensor([_fingerprint_value(plan)], dtype=torch.float64, device=device)
     sums = [full[n].detach().double().sum() for n in names]
     squares = [full[n].detach().double().square().sum() for n in names]
     checksums = torch.stack([*sums, *squares]) if names else torch.zeros(0, dtype=torch.float64)
     for group in _groups(plan):
-        ranks = dist.get_process_group_ranks(group)
-        seen = _gather(fingerprint, group)[:, 0]
+        ranks = comm.group_ranks(group)
+        seen = comm.all_gather_rows(fingerprint, group, tag="check_ranks_agree")[:, 0]
         differ = [ranks[i] for i in range(len(ranks)) if seen[i] != seen[0]]
         if differ:
             raise ValueError(
                 f"ranks {differ} built a different plan than rank {ranks[0]} (fingerprint {plan.fingerprint} on this rank); "
                 "every rank must call fsdpfn.plan with the same model, units, strategy, mp and mesh"
             )
-        table = _gather(checksums, group)
+        table = comm.all_gather_rows(checksums, group, tag="check_ranks_agree")
         close = torch.isclose(table, table[:1].expand_as(table), rtol=1e-12, atol=0.0, equal_nan=True)
         if not bool(close.all()):
             column = int((~close.all(dim=0)).nonzero()[0])

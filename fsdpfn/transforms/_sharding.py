@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdpfn._plan import Plan, Unit
-from fsdpfn.transforms import _collectives as C
+from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_ranks_agree
 
 __all__ = ["shard", "unshard", "reduce", "placements", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
@@ -180,7 +180,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
         full = model_or_params
     _check_keys(full, plan, "shard(model_or_params)")
     rank = shard_rank(plan)
-    full = {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in full.items()}
+    full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
         check_ranks_agree(plan, full)
     out: dict[str, DTensor] = {}
@@ -415,7 +415,7 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
     with torch.no_grad():
         for unit in plan.units:
             grads = [full_grads[p.name] for p in unit.params]
-            grads = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+            grads = [C.full_tensor(g) if g is not None else None for g in grads]
             _, finish = reduce_unit(plan, unit, grads, op=op, scale=scale)
             for p, g in zip(unit.params, finish()):
                 out[p.name] = from_local(plan, p.name, g)

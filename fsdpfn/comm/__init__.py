@@ -1,0 +1,81 @@
+"""The communication layer: every distributed call fsdpfn makes goes through here.
+
+Collectives on flat tensors, each beside its transpose (``all_gather`` / ``reduce_scatter``,
+``all_reduce``, ``all_to_all``, ``broadcast``), object and DTensor collectives built on them, one
+timeout for all of them, a counter (:func:`count_collectives`) and a flight recorder that names
+the ranks which are behind when a collective fails (:class:`CollectiveError`).
+
+Example:
+  >>> with fsdpfn.comm.count_collectives() as counter, fsdpfn.comm.timeout_scope(30):
+  ...     fsdpfn.comm.barrier()
+  >>> counter.counts()
+  {'barrier': 1}
+"""
+
+from fsdpfn.comm._collectives import CollectiveError as CollectiveError
+from fsdpfn.comm._collectives import Pending as Pending
+from fsdpfn.comm._collectives import all_gather as all_gather
+from fsdpfn.comm._collectives import all_reduce as all_reduce
+from fsdpfn.comm._collectives import all_to_all as all_to_all
+from fsdpfn.comm._collectives import barrier as barrier
+from fsdpfn.comm._collectives import broadcast as broadcast
+from fsdpfn.comm._collectives import reduce_scatter as reduce_scatter
+from fsdpfn.comm._collectives import reduce_scatter_impl as reduce_scatter_impl
+from fsdpfn.comm._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
+from fsdpfn.comm._groups import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from fsdpfn.comm._groups import backend as backend
+from fsdpfn.comm._groups import destroy_process_group as destroy_process_group
+from fsdpfn.comm._groups import group_ranks as group_ranks
+from fsdpfn.comm._groups import group_size as group_size
+from fsdpfn.comm._groups import init_process_group as init_process_group
+from fsdpfn.comm._groups import is_initialized as is_initialized
+from fsdpfn.comm._groups import rank as rank
+from fsdpfn.comm._groups import set_timeout as set_timeout
+from fsdpfn.comm._groups import timeout as timeout
+from fsdpfn.comm._groups import timeout_scope as timeout_scope
+from fsdpfn.comm._groups import world_size as world_size
+from fsdpfn.comm._objects import all_gather_object as all_gather_object
+from fsdpfn.comm._objects import all_gather_rows as all_gather_rows
+from fsdpfn.comm._objects import arrive as arrive
+from fsdpfn.comm._objects import broadcast_object as broadcast_object
+from fsdpfn.comm._objects import full_tensor as full_tensor
+from fsdpfn.comm._record import CollectiveCall as CollectiveCall
+from fsdpfn.comm._record import CollectiveCounter as CollectiveCounter
+from fsdpfn.comm._record import FlightRecord as FlightRecord
+from fsdpfn.comm._record import count_collectives as count_collectives
+from fsdpfn.comm._record import flight_records as flight_records
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CollectiveCall",
+    "CollectiveCounter",
+    "CollectiveError",
+    "FlightRecord",
+    "Pending",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_rows",
+    "all_reduce",
+    "all_to_all",
+    "arrive",
+    "backend",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "count_collectives",
+    "destroy_process_group",
+    "flight_records",
+    "full_tensor",
+    "group_ranks",
+    "group_size",
+    "init_process_group",
+    "is_initialized",
+    "rank",
+    "reduce_scatter",
+    "reduce_scatter_impl",
+    "set_reduce_scatter_impl",
+    "set_timeout",
+    "timeout",
+    "timeout_scope",
+    "world_size",
+]

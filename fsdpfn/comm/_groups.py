@@ -1,0 +1,148 @@
+"""Process groups and the one collective timeout.
+
+[Note: one timeout]
+Every collective fsdpfn starts waits at most :func:`timeout` seconds (launch, runtime,
+optimizers, checkpoints alike). gloo work accepts a timeout per ``wait``, so the value can change
+at run time; process groups are created with the same value so NCCL, whose host-side wait
+cannot be bounded that way, uses it too. The value comes from, in order: :func:`set_timeout` /
+:func:`timeout_scope`, the environment variable ``FSDPFN_TIMEOUT`` (seconds), the default of
+600 s (what torch uses for NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Iterator
+
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "backend",
+    "destroy_process_group",
+    "group_ranks",
+    "group_size",
+    "init_process_group",
+    "is_initialized",
+    "rank",
+    "set_timeout",
+    "timeout",
+    "timeout_scope",
+    "world_size",
+]
+
+DEFAULT_TIMEOUT = 600.0
+TIMEOUT_ENV = "FSDPFN_TIMEOUT"
+_timeout: list[float] = []
+
+
+def _check_timeout(seconds, where: str) -> float:
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{where} must be a positive number of seconds, got {seconds!r}")
+    return value
+
+
+def timeout() -> float:
+    """Seconds any collective may wait before it fails naming the ranks that are behind.
+
+    Example:
+      >>> with fsdpfn.comm.timeout_scope(5):
+      ...     fsdpfn.comm.timeout()
+      5.0
+    """
+    if _timeout:
+        return _timeout[-1]
+    env = os.environ.get(TIMEOUT_ENV)
+    return _check_timeout(env, f"the environment variable {TIMEOUT_ENV}") if env else DEFAULT_TIMEOUT
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Sets the collective timeout of this process (``None``: back to ``FSDPFN_TIMEOUT`` or 600 s).
+
+    Example:
+      >>> fsdpfn.comm.set_timeout(30)
+      >>> fsdpfn.comm.timeout()
+      30.0
+      >>> fsdpfn.comm.set_timeout(None)
+    """
+    _timeout.clear()
+    if seconds is not None:
+        _timeout.append(_check_timeout(seconds, "set_timeout(seconds)"))
+
+
+@contextlib.contextmanager
+def timeout_scope(seconds: float) -> Iterator[None]:
+    """The collective timeout inside the block (see :func:`timeout`)."""
+    _timeout.append(_check_timeout(seconds, "timeout_scope(seconds)"))
+    try:
+        yield
+    finally:
+        _timeout.pop()
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    """Processes in the default group (1 without a process group)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def group_ranks(group=None) -> list[int]:
+    """Global ranks of ``group`` (default: every rank), in group order."""
+    if not is_initialized():
+        return [0]
+    return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def backend(group=None) -> str:
+    return dist.get_backend(group) if is_initialized() else "none"
+
+
+def store():
+    """The default group's key-value store, or ``None`` (used by the flight recorder)."""
+    if not is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a group without a store still runs, unrecorded
+        return None
+
+
+def init_process_group(backend: str | None = None, *, init_method: str | None = None, rank: int | None = None,
+                       world_size: int | None = None, timeout_s: float | None = None) -> None:
+    """Creates the default process group with the collective timeout (see [Note: one timeout]).
+
+    ``backend`` defaults to NCCL when CUDA is available, else gloo; without ``init_method`` the
+    rendezvous comes from the environment (``torchrun``).
+    """
+    import torch
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    seconds = timeout() if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
+    kwargs = {"timeout": datetime.timedelta(seconds=seconds)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, **kwargs)
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
