@@ -34,12 +34,30 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "plan", "STRATEGIES", "ROOT", "ROOT_LABEL", "unit_label"]
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "plan", "STRATEGIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label"]
 
 # The root unit (the model's own parameters, outside every other unit) has the empty name; it is
 # shown and accepted in strategy dicts as ROOT_LABEL.
 ROOT = ""
 ROOT_LABEL = "<root>"
+
+
+def chunk_size(rows: int, world: int) -> int:
+    """Rows per rank when ``rows`` are split over ``world`` ranks like ``torch.chunk``: ``ceil(rows / world)``."""
+    return -(-rows // world) if rows else 0
+
+
+def chunk_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s rows under the ``torch.chunk`` split (the split of DTensor's
+    ``Shard(0)`` and FSDP2): 5 rows over 4 ranks give 2, 2, 1, 0. The one definition of the split.
+
+    Example:
+      >>> [chunk_bounds(5, 4, r) for r in range(4)]
+      [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
+    c = chunk_size(rows, world)
+    start = min(rank * c, rows)
+    return start, min(start + c, rows)
 
 
 def unit_label(name: str) -> str:
@@ -174,7 +192,7 @@ class Unit:
         offset = 0
         for p in self.params:
             if self.sharded and p.shape:
-                c = -(-p.rows // self.shard_size)
+                c = chunk_size(p.rows, self.shard_size)
                 out[p.name] = Slot(offset, c, c * p.row_numel, True)
                 offset += c * p.row_numel
         for p in self.params:
@@ -197,10 +215,7 @@ class Unit:
         """``(start, stop)`` rows of ``param`` held by shard rank ``rank``."""
         slot = self.slots[param]
         spec = self.param(param)
-        if not slot.sharded:
-            return 0, spec.rows
-        start = min(rank * slot.chunk_rows, spec.rows)
-        return start, min(start + slot.chunk_rows, spec.rows)
+        return chunk_bounds(spec.rows, self.shard_size, rank) if slot.sharded else (0, spec.rows)
 
     def padding(self, rank: int) -> int:
         """Zero elements shard rank ``rank`` adds to its all-gather segment."""
