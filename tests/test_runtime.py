@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import fsdpfn
 from fsdpfn import runtime, testing
 from fsdpfn.models import GPT, GPTConfig
-from fsdpfn.runtime import Op, Runtime, RuntimeScheduleError, Schedule, ScheduleError
+from fsdpfn.runtime import Op, OpKind, Runtime, RuntimeScheduleError, Schedule, ScheduleError
 
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=12, depth=3, heads=2)  # 29 rows: uneven shards
 STEPS, LR, PER_RANK = 5, 0.2, 2
@@ -266,9 +266,23 @@ def test_schedule_prints_and_parses_back():
     assert not runtime.schedule(plan, reshard_after_forward=False).reshard_after_forward("blocks.1")
 
 
+def test_op_kinds_accept_their_names():
+    assert Op("gather", "blocks.0") == Op(OpKind.GATHER, "blocks.0")
+    assert str(Op("wait_reduce")) == "wait_reduce <root>" and str(Op(OpKind.END)) == "end"
+    assert Op("backward_done", "blocks.0").is_event and not Op("free", "blocks.0").is_event
+    with pytest.raises(ScheduleError, match="unknown op kind 'gahter'"):
+        Op("gahter", "blocks.0")
+
+
 def _without(s, op):
     ops = list(s.ops)
     ops.remove(op)
+    return dataclasses.replace(s, ops=tuple(ops))
+
+
+def _with(s, op, after):
+    ops = list(s.ops)
+    ops.insert(ops.index(after) + 1, op)
     return dataclasses.replace(s, ops=tuple(ops))
 
 
@@ -283,8 +297,12 @@ def _without(s, op):
         (lambda s: _without(_without(s, Op("backward_done", "blocks.2")), Op("backward", "blocks.2")), "'reduce blocks.2' before its gradients are complete"),
         (lambda s: _without(s, Op("free", "")), "unit '<root>' is still unsharded at the end"),
         (lambda s: dataclasses.replace(s, plan_fingerprint="0" * 16), "was made for plan"),
+        (lambda s: _with(s, Op("gather", "blocks.1"), after=Op("gather", "blocks.1")), "unit 'blocks.1' is gathered twice"),
+        (lambda s: _with(s, Op("forward", "blocks.1"), after=Op("forward_done", "blocks.1")), "'forward blocks.1' appears twice"),
+        (lambda s: _with(s, Op("free", "blocks.9"), after=Op("end")), "unit 'blocks.9' is not in the plan"),
     ],
-    ids=["wait-missing", "gather-missing", "reduce-missing", "reduce-and-wait-missing", "done-missing", "events-missing", "free-missing", "other-plan"],
+    ids=["wait-missing", "gather-missing", "reduce-missing", "reduce-and-wait-missing", "done-missing", "events-missing",
+         "free-missing", "other-plan", "gathered-twice", "event-twice", "unknown-unit"],
 )
 def test_invalid_schedule_rejected_before_anything_runs(edit, message):
     model, plan = _offline_plan()

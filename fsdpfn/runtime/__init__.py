@@ -7,22 +7,28 @@ from fsdpfn.runtime._executor import RuntimeScheduleError as RuntimeScheduleErro
 from fsdpfn.runtime._executor import StepRecord as StepRecord
 from fsdpfn.runtime._memory import MemoryTracker as MemoryTracker
 from fsdpfn.runtime._runtime import Runtime as Runtime
+from fsdpfn.runtime._schedule import GradState as GradState
 from fsdpfn.runtime._schedule import Op as Op
+from fsdpfn.runtime._schedule import OpKind as OpKind
 from fsdpfn.runtime._schedule import Schedule as Schedule
 from fsdpfn.runtime._schedule import ScheduleError as ScheduleError
+from fsdpfn.runtime._schedule import UnitState as UnitState
 from fsdpfn.runtime._schedule import schedule as schedule
 from fsdpfn.runtime._schedule import validate as validate
 
 __all__ = [
     "CpuComm",
     "CudaComm",
+    "GradState",
     "MemoryTracker",
     "Op",
+    "OpKind",
     "Runtime",
     "RuntimeScheduleError",
     "Schedule",
     "ScheduleError",
     "StepRecord",
+    "UnitState",
     "schedule",
     "validate",
 ]

@@ -18,6 +18,12 @@ class MemoryTracker:
       live: ``{unit: bytes}`` of units currently unsharded or being gathered.
       high_water: the largest ``sum(live.values())`` seen since the last :meth:`reset`.
       high_water_units: the units alive at that moment.
+
+    Example:
+      >>> m = MemoryTracker()
+      >>> m.allocate("blocks.0", 1024); m.allocate("blocks.1", 512); m.release("blocks.0")
+      >>> m.current, m.high_water, m.high_water_units
+      (512, 1536, ('blocks.0', 'blocks.1'))
     """
 
     live: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -29,6 +35,7 @@ class MemoryTracker:
         return sum(self.live.values())
 
     def allocate(self, unit: str, nbytes: int) -> None:
+        """Counts ``nbytes`` for ``unit`` from now until :meth:`release`."""
         assert unit not in self.live, f"unit {unit!r} allocated twice"
         self.live[unit] = nbytes
         if self.current > self.high_water:

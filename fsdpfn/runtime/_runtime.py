@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Mapping
 
 import optree
 import torch
 from torch import nn
 
-from fsdpfn._plan import Plan
+from fsdpfn._plan import ROOT, Plan
+from fsdpfn.runtime._autograd import RootExit, RootGather, StepBoundary, UnitCall, UnitFn
 from fsdpfn.runtime._comm import comm_for
-from fsdpfn.runtime._executor import Executor, UnitCall, _RootExit, _RootGather, _StepBoundary, _UnitFn
-from fsdpfn.runtime._schedule import ROOT, Schedule, schedule, validate
+from fsdpfn.runtime._executor import Executor
+from fsdpfn.runtime._schedule import OpKind, Schedule, validate
+from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
 
 __all__ = ["Runtime"]
 
@@ -44,8 +45,9 @@ class Runtime:
         micro-batch outside it reduces the total (one reduce per step, full-gradient memory).
       device: where collectives run: ``"cpu"`` (async gloo work handles, the default) or
         ``"cuda"`` (one stream per collective kind, ordered with events; see
-        :class:`~fsdpfn.runtime.CudaComm`). Not yet exercised on a GPU: the transforms allocate
-        their buffers on the CPU.
+        :class:`~fsdpfn.runtime.CudaComm`). Every buffer is allocated on the device of the
+        tensors it serves (a unit's unsharded parameters on its shards' device), so this only
+        picks the streams.
 
     Example (``torch.func`` style):
       >>> rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)  # doctest: +SKIP
@@ -76,7 +78,7 @@ class Runtime:
             raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a Runtime")
         if accumulate not in ACCUMULATE:
             raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
-        sched = _schedule_fn(plan, prefetch, reshard_after_forward) if schedule is None else schedule
+        sched = default_schedule(plan, prefetch, reshard_after_forward) if schedule is None else schedule
         if not isinstance(sched, Schedule):
             raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(sched).__name__}")
         validate(sched, plan)
@@ -90,6 +92,7 @@ class Runtime:
         self._modules = {u.name: modules[u.name] for u in plan.units if u.name != ROOT}
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
         self._local_only = False
+        self._in_apply = False
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -112,29 +115,41 @@ class Runtime:
         Differentiable with ``loss.backward()`` (gradients land in ``params[name].grad``) and
         with ``torch.func.grad``/``grad_and_value`` over ``params``; either way the gradients are
         sharded and reduced (mean over data-parallel ranks), like :func:`fsdpfn.unshard`'s.
+
+        Args:
+          params: every parameter of the plan, sharded (:func:`fsdpfn.shard`'s dict).
+          *args, **kwargs: the model's inputs.
+
+        Returns:
+          the model's output.
+
+        Example:
+          >>> logits = rt.apply(params, tokens)  # doctest: +SKIP
+          >>> with torch.no_grad():  # evaluation: gathers, frees, no reduce  # doctest: +SKIP
+          ...     logits = rt.apply(params, tokens)
         """
         _check_params(params, self.plan)
         ex = self._ex
         grad = torch.is_grad_enabled()
-        step = ex.begin(sync=not self._local_only, grad=grad)
+        step = ex.begin(sync=not self._local_only)
         names = self.plan.param_names
-        shards = _StepBoundary.apply((ex, step), *(params[n] for n in names))
+        shards = StepBoundary.apply((ex, step), *(params[n] for n in names))
         by_name = dict(zip(names, shards))
-        ex.event("forward", ROOT)
+        ex.event(OpKind.FORWARD, ROOT)
         root = self.plan.unit(ROOT) if any(u.name == ROOT for u in self.plan.units) else None
         root_full = {}
         if root is not None:
-            fulls = _RootGather.apply((ex, step), *(by_name[p.name] for p in root.params))
+            fulls = RootGather.apply((ex, step), *(by_name[p.name] for p in root.params))
             root_full = {p.name: t for p, t in zip(root.params, fulls)}
         with self._routed(by_name, step, grad):
             out = torch.func.functional_call(self.model, root_full, args, kwargs, strict=False)
         flat, tree = optree.tree_flatten(out)
         tensors = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
         if grad:
-            exits = _RootExit.apply((ex, step), *(flat[i] for i in tensors))
+            exits = RootExit.apply((ex, step), *(flat[i] for i in tensors))
             for i, o in zip(tensors, exits):
                 flat[i] = o
-        ex.event("forward_done", ROOT)
+        ex.event(OpKind.FORWARD_DONE, ROOT)
         if not grad:
             ex.forward_only_done()
         return optree.tree_unflatten(tree, flat)
@@ -146,26 +161,28 @@ class Runtime:
         ``grads`` are sharded DTensors, reduced. Inside :meth:`accumulating` with
         ``accumulate="local"`` they are zeros: the total arrives with the micro-batch that ends the
         accumulation, so summing every call's grads gives the step's gradient in either mode.
+
+        Example:
+          >>> step = rt.value_and_grad(lambda ps, x, y: F.cross_entropy(rt.apply(ps, x), y))  # doctest: +SKIP
+          >>> grads, loss = step(params, x, y)  # doctest: +SKIP
         """
-        inner = torch.func.grad_and_value(loss_fn, has_aux=has_aux)
-
-        @functools.wraps(loss_fn)
-        def run(params, *args, **kwargs):
-            grads, value = inner(params, *args, **kwargs)
-            return grads, value
-
-        return run
+        return torch.func.grad_and_value(loss_fn, has_aux=has_aux)
 
     @contextlib.contextmanager
     def bind(self, params: Mapping[str, torch.Tensor]):
         """Inside the block, ``model(...)`` runs as :meth:`apply` with ``params`` (for
-        ``loss.backward()`` loops written against the module)."""
+        ``loss.backward()`` loops written against the module).
+
+        Example:
+          >>> with rt.bind(params):  # doctest: +SKIP
+          ...     F.cross_entropy(model(x), y).backward()
+        """
         runtime = self
         original = self.model.__dict__.get("forward")
         owner = type(self.model)
 
         def forward(*args, **kwargs):
-            if runtime._ex.inside is not None or getattr(runtime, "_in_apply", False):
+            if runtime._ex.inside is not None or runtime._in_apply:
                 return owner.forward(runtime.model, *args, **kwargs)
             runtime._in_apply = True
             try:
@@ -184,7 +201,14 @@ class Runtime:
 
     @contextlib.contextmanager
     def accumulating(self):
-        """Micro-batches run inside are not the last of their step (see ``accumulate``)."""
+        """Micro-batches run inside are not the last of their step (see ``accumulate``).
+
+        Example:
+          >>> for x, y in micro_batches[:-1]:  # doctest: +SKIP
+          ...     with rt.accumulating():
+          ...         g, _ = rt.value_and_grad(loss_fn)(params, x, y)
+          >>> g, _ = rt.value_and_grad(loss_fn)(params, *micro_batches[-1])  # reduces  # doctest: +SKIP
+        """
         prev, self._local_only = self._local_only, True
         try:
             yield
@@ -193,10 +217,15 @@ class Runtime:
 
     @staticmethod
     def grads(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-        """``{name: params[name].grad}``: the sharded gradients an eager backward left."""
+        """``{name: params[name].grad}``: the sharded gradients an eager backward left.
+
+        Example:
+          >>> Runtime.grads({"w": torch.ones(2, requires_grad=True)})
+          {'w': None}
+        """
         return {n: p.grad for n, p in params.items()}
 
-    # ---- routing unit modules through _UnitFn --------------------------------------------
+    # ---- routing unit modules through UnitFn ---------------------------------------------
 
     @contextlib.contextmanager
     def _routed(self, shards: dict[str, torch.Tensor], step: int, grad: bool):
@@ -213,7 +242,7 @@ class Runtime:
                 leaves, in_tree = optree.tree_flatten((list(args), kwargs), none_is_leaf=True)
                 idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
                 call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad)
-                outs = _UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
+                outs = UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
                 return optree.tree_unflatten(call.out_tree, list(outs))
 
             module.forward = forward
@@ -223,10 +252,6 @@ class Runtime:
         finally:
             for module in installed:
                 del module.forward
-
-
-def _schedule_fn(plan, prefetch, reshard_after_forward):
-    return schedule(plan, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
 
 
 def _check_params(params, plan: Plan) -> None:

@@ -36,41 +36,90 @@ layer, so its gradients are complete only at ``end``; reduce it there.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
-from fsdpfn._plan import Plan
 
-__all__ = ["ACTIONS", "EVENTS", "Op", "Schedule", "ScheduleError", "schedule", "validate"]
+from fsdpfn._plan import ROOT, ROOT_LABEL, Plan, unit_label
 
-ACTIONS = ("gather", "wait", "free", "reduce", "wait_reduce")
-EVENTS = ("forward", "forward_done", "backward", "backward_done", "end")
-ROOT = ""
+__all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "schedule", "validate"]
 
 
 class ScheduleError(ValueError):
     """An invalid schedule: the message names the op, its index and how to fix it."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Op:
-    """One step of a schedule: ``kind`` (an action or an event) on ``unit`` (``""``: the root)."""
+class OpKind(enum.Enum):
+    """What an op does: an action the executor performs or an event the model reaches.
 
-    kind: str
-    unit: str = ROOT
+    Example:
+      >>> OpKind("wait_reduce"), OpKind.END.is_event
+      (<OpKind.WAIT_REDUCE: 'wait_reduce'>, True)
+    """
 
-    def __post_init__(self):
-        if self.kind not in ACTIONS + EVENTS:
-            raise ScheduleError(f"unknown op kind {self.kind!r}; choose one of {', '.join(ACTIONS + EVENTS)}")
+    GATHER = "gather"
+    WAIT = "wait"
+    FREE = "free"
+    REDUCE = "reduce"
+    WAIT_REDUCE = "wait_reduce"
+    FORWARD = "forward"
+    FORWARD_DONE = "forward_done"
+    BACKWARD = "backward"
+    BACKWARD_DONE = "backward_done"
+    END = "end"
 
     @property
     def is_event(self) -> bool:
-        return self.kind in EVENTS
+        return self in _EVENTS
+
+
+_EVENTS = frozenset({OpKind.FORWARD, OpKind.FORWARD_DONE, OpKind.BACKWARD, OpKind.BACKWARD_DONE, OpKind.END})
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are: ``gather`` -> GATHERING, ``wait`` -> GATHERED, ``free`` -> SHARDED."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class GradState(enum.Enum):
+    """Where a unit's gradients are in a step: PENDING until its backward completes, then
+    COMPLETE, ``reduce`` -> REDUCING, ``wait_reduce`` -> REDUCED."""
+
+    PENDING = "pending"
+    COMPLETE = "complete"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One step of a schedule: ``kind`` (an :class:`OpKind` or its name) on ``unit`` (``""``: the root).
+
+    Example:
+      >>> op = Op("gather", "blocks.0")
+      >>> op.kind, str(op), op == Op(OpKind.GATHER, "blocks.0")
+      (<OpKind.GATHER: 'gather'>, 'gather blocks.0', True)
+    """
+
+    kind: OpKind
+    unit: str = ROOT
+
+    def __post_init__(self):
+        if not isinstance(self.kind, OpKind):
+            try:
+                object.__setattr__(self, "kind", OpKind(self.kind))
+            except ValueError:
+                choices = ", ".join(k.value for k in OpKind)
+                raise ScheduleError(f"unknown op kind {self.kind!r}; choose one of {choices}") from None
+
+    @property
+    def is_event(self) -> bool:
+        return self.kind.is_event
 
     def __str__(self) -> str:
-        return self.kind if self.kind == "end" else f"{self.kind} {_label(self.unit)}"
-
-
-def _label(unit: str) -> str:
-    return unit or "<root>"
+        return self.kind.value if self.kind is OpKind.END else f"{self.kind.value} {unit_label(self.unit)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +132,14 @@ class Schedule:
       prefetch: how many units ahead it gathers (informative; the ops are what runs).
 
     Example:
-      >>> s = schedule(plan, prefetch=1)  # doctest: +SKIP
-      >>> print(s)  # numbered ops  # doctest: +SKIP
-      >>> ops = list(s.ops); ops.insert(...); s2 = dataclasses.replace(s, ops=tuple(ops))  # doctest: +SKIP
+      >>> s = Schedule.from_str("Schedule for plan 0123 (prefetch=0):\\n forward <root>\\n gather <root>")
+      >>> s.ops
+      (Op(kind=<OpKind.FORWARD: 'forward'>, unit=''), Op(kind=<OpKind.GATHER: 'gather'>, unit=''))
+      >>> print(s)
+      Schedule for plan 0123 (prefetch=0):
+        0  forward <root>
+        1      gather <root>
+      >>> s2 = dataclasses.replace(s, ops=s.ops + (Op("wait"),))  # an edited copy
     """
 
     ops: tuple[Op, ...]
@@ -100,9 +154,9 @@ class Schedule:
 
     def reshard_after_forward(self, unit: str) -> bool:
         """Whether ``unit`` is freed between its forward and its backward."""
-        done = self.ops.index(Op("forward_done", unit))
-        back = self.ops.index(Op("backward", unit))
-        return Op("free", unit) in self.ops[done:back]
+        done = self.ops.index(Op(OpKind.FORWARD_DONE, unit))
+        back = self.ops.index(Op(OpKind.BACKWARD, unit))
+        return Op(OpKind.FREE, unit) in self.ops[done:back]
 
     def __str__(self) -> str:
         lines = [f"Schedule for plan {self.plan_fingerprint} (prefetch={self.prefetch}):"]
@@ -127,10 +181,10 @@ class Schedule:
             parts = ln.split()
             if parts[0].isdigit():
                 parts = parts[1:]
-            if len(parts) == 1 and parts[0] == "end":
-                ops.append(Op("end"))
+            if parts == [OpKind.END.value]:
+                ops.append(Op(OpKind.END))
             elif len(parts) == 2:
-                ops.append(Op(parts[0], "" if parts[1] == "<root>" else parts[1]))
+                ops.append(Op(parts[0], ROOT if parts[1] == ROOT_LABEL else parts[1]))
             else:
                 raise ScheduleError(f"cannot parse schedule line {ln!r}; expected '<kind> <unit>' or 'end'")
         return cls(tuple(ops), head.group(1), int(head.group(2)))
@@ -152,12 +206,18 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
         root are unsharded at once under reshard-after-forward.
       reshard_after_forward: ``None`` (default): ``zero3`` units other than the root are freed
         after their forward and gathered again in backward; the root, whose forward ends where
-        its backward starts, is kept (FSDP2 on torch 2.13 regathers it: one all-gather more). ``True``: every ``zero3`` unit, the root
-        too. ``False``: none. ``replicate``/``zero1``/``zero2`` units are never freed between
-        forward and backward.
+        its backward starts, is kept (FSDP2 on torch 2.13 regathers it: one all-gather more).
+        ``True``: every ``zero3`` unit, the root too. ``False``: none. ``replicate``/``zero1``/
+        ``zero2`` units are never freed between forward and backward.
 
     Returns:
       a :class:`Schedule`; :func:`validate` accepts it.
+
+    Example:
+      >>> s = schedule(plan, prefetch=2)  # doctest: +SKIP
+      >>> print(s)  # one numbered op a line, events outdented  # doctest: +SKIP
+      >>> s.reshard_after_forward("blocks.0")  # doctest: +SKIP
+      True
     """
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -175,31 +235,31 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     def prefetch_from(order: list[str], start: int, gathered: set[str]) -> None:
         for name in order[start : start + prefetch]:
             if name not in gathered:
-                ops.append(Op("gather", name))
+                ops.append(Op(OpKind.GATHER, name))
                 gathered.add(name)
 
     # Forward.
     gathered: set[str] = set()
     if root_present:
-        ops += [Op("forward", ROOT), Op("gather", ROOT)]
+        ops += [Op(OpKind.FORWARD, ROOT), Op(OpKind.GATHER, ROOT)]
         gathered.add(ROOT)
         prefetch_from(blocks, 0, gathered)
-        ops.append(Op("wait", ROOT))
+        ops.append(Op(OpKind.WAIT, ROOT))
     for i, name in enumerate(blocks):
-        ops.append(Op("forward", name))
+        ops.append(Op(OpKind.FORWARD, name))
         if name not in gathered:
-            ops.append(Op("gather", name))
+            ops.append(Op(OpKind.GATHER, name))
             gathered.add(name)
         prefetch_from(blocks, i + 1, gathered)
-        ops.append(Op("wait", name))
-        ops.append(Op("forward_done", name))
+        ops.append(Op(OpKind.WAIT, name))
+        ops.append(Op(OpKind.FORWARD_DONE, name))
         if reshards(name):
-            ops.append(Op("free", name))
+            ops.append(Op(OpKind.FREE, name))
             gathered.discard(name)
     if root_present:
-        ops.append(Op("forward_done", ROOT))
+        ops.append(Op(OpKind.FORWARD_DONE, ROOT))
         if reshards(ROOT):
-            ops.append(Op("free", ROOT))
+            ops.append(Op(OpKind.FREE, ROOT))
             gathered.discard(ROOT)
 
     # Backward.
@@ -207,144 +267,248 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     live = set(gathered)  # units still unsharded after forward
     gathered = set(live)
     if root_present:
-        ops.append(Op("backward", ROOT))
+        ops.append(Op(OpKind.BACKWARD, ROOT))
         if ROOT not in gathered:
-            ops.append(Op("gather", ROOT))
+            ops.append(Op(OpKind.GATHER, ROOT))
             gathered.add(ROOT)
         prefetch_from(back, 0, gathered)
         if ROOT not in live:
-            ops.append(Op("wait", ROOT))
+            ops.append(Op(OpKind.WAIT, ROOT))
     for i, name in enumerate(back):
-        ops.append(Op("backward", name))
+        ops.append(Op(OpKind.BACKWARD, name))
         if name not in gathered:
-            ops.append(Op("gather", name))
+            ops.append(Op(OpKind.GATHER, name))
             gathered.add(name)
         prefetch_from(back, i + 1, gathered)
         if name not in live:
-            ops.append(Op("wait", name))
-        ops.append(Op("backward_done", name))
-        ops.append(Op("free", name))
-        ops.append(Op("reduce", name))
+            ops.append(Op(OpKind.WAIT, name))
+        ops.append(Op(OpKind.BACKWARD_DONE, name))
+        ops.append(Op(OpKind.FREE, name))
+        ops.append(Op(OpKind.REDUCE, name))
         if i > 0:  # one reduce in flight while a unit computes: its buffers are full-size
-            ops.append(Op("wait_reduce", back[i - 1]))
-    ops.append(Op("end"))
+            ops.append(Op(OpKind.WAIT_REDUCE, back[i - 1]))
+    ops.append(Op(OpKind.END))
     if root_present:
-        ops.append(Op("reduce", ROOT))
-    ops += [Op("wait_reduce", name) for name in ([ROOT] if root_present else []) + back[-1:]]
+        ops.append(Op(OpKind.REDUCE, ROOT))
+    ops += [Op(OpKind.WAIT_REDUCE, name) for name in ([ROOT] if root_present else []) + back[-1:]]
     if root_present:
-        ops.append(Op("free", ROOT))
+        ops.append(Op(OpKind.FREE, ROOT))
     return Schedule(tuple(ops), plan.fingerprint, prefetch)
 
 
 def validate(sched: Schedule, plan: Plan) -> None:
-    """Checks that ``sched`` can run for ``plan``; raises :class:`ScheduleError` naming the first
-    offending op and how to fix it. Nothing runs; no communication.
+    """Checks that ``sched`` can run for ``plan``; nothing runs, nothing is communicated.
 
-    Checked: the schedule was made for this plan; every unit has each of its events once, in a
-    consistent order; a unit is gathered before it is waited for and waited for before it is
-    used (see [Note: schedule ops and events]); nothing is gathered twice without a free or freed
-    while in use; every unit's gradients are reduced after they are complete and waited for;
-    every unit is freed by the end.
+    Each rule is one function below (``_OP_RULES`` for every op in order, ``_FINAL_RULES`` once
+    after the last): the schedule was made for this plan; every unit has each of its events once,
+    in order; a unit is gathered and waited for before it is used (see [Note: schedule ops and
+    events]); nothing is gathered twice without a free or freed while in use; every unit's
+    gradients are reduced once complete and waited for; every unit is freed by the end.
+
+    Args:
+      sched: the schedule, e.g. :func:`schedule`'s, edited.
+      plan: the plan it should run.
+
+    Raises:
+      ScheduleError: naming the first offending op and how to fix it.
+
+    Example:
+      >>> s = schedule(plan)  # doctest: +SKIP
+      >>> validate(s, plan)  # passes  # doctest: +SKIP
+      >>> no_wait = [op for op in s.ops if op != Op("wait", "blocks.1")]  # doctest: +SKIP
+      >>> validate(dataclasses.replace(s, ops=no_wait), plan)  # doctest: +SKIP
+      Traceback (most recent call last):
+      ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
     """
-    if sched.plan_fingerprint != plan.fingerprint:
-        raise ScheduleError(
-            f"schedule was made for plan {sched.plan_fingerprint}, not this plan ({plan.fingerprint}); "
-            "derive it from this plan with fsdpfn.runtime.schedule(plan)"
-        )
-    names = [u.name for u in plan.units]
-    known = set(names)
-    state = {n: "sharded" for n in names}  # sharded -> gathering -> unsharded -> sharded
-    in_use: dict[str, int] = {}
-    seen: dict[tuple[str, str], int] = {}
-    grads_ready: set[str] = set()
-    reduced: dict[str, str] = {}
-    ended = False
-
-    def fail(i: int, msg: str) -> None:
-        raise ScheduleError(f"invalid schedule at op #{i} ({sched.ops[i]}): {msg}")
-
-    def check_in_use(i: int) -> None:
-        for name, since in in_use.items():
-            if state[name] != "unsharded":
-                what = "gathered" if state[name] == "sharded" else "waited for"
-                fail(i, f"unit {_label(name)!r} is used from op #{since} ({sched.ops[since]}) but is not {what} "
-                     f"by then; add 'wait {_label(name)}' (after a 'gather') between op #{since} and op #{i}")
-
+    _made_for_plan(sched, plan)
+    walk = _Walk(sched, tuple(u.name for u in plan.units))
     for i, op in enumerate(sched.ops):
-        if op.kind != "end" and op.unit not in known:
-            fail(i, f"unit {_label(op.unit)!r} is not in the plan; units: {', '.join(map(_label, names))}")
-        if ended and op.is_event:
-            fail(i, "no event may follow 'end'")
-        if op.is_event:
-            check_in_use(i)
-            key = (op.kind, op.unit)
-            if key in seen:
-                fail(i, f"'{op}' appears twice (first at op #{seen[key]}); each event happens once per step")
-            seen[key] = i
-        u = op.unit
-        if op.kind == "forward":
-            in_use[u] = i
-        elif op.kind == "forward_done":
-            if ("forward", u) not in seen:
-                fail(i, f"'forward_done {_label(u)}' before 'forward {_label(u)}'")
-            in_use.pop(u, None)
-        elif op.kind == "backward":
-            if ("forward_done", u) not in seen:
-                fail(i, f"'backward {_label(u)}' before its forward finished")
-            in_use[u] = i
-        elif op.kind == "backward_done":
-            if u == ROOT:
-                fail(i, "the root has no 'backward_done' event: its gradients are complete at 'end'")
-            if ("backward", u) not in seen:
-                fail(i, f"'backward_done {_label(u)}' before 'backward {_label(u)}'")
-            in_use.pop(u, None)
-            grads_ready.add(u)
-        elif op.kind == "end":
-            if ended:
-                fail(i, "'end' appears twice")
-            ended = True
-            in_use.pop(ROOT, None)
-            grads_ready.add(ROOT)
-        elif op.kind == "gather":
-            if state[u] != "sharded":
-                fail(i, f"unit {_label(u)!r} is gathered twice without a 'free' in between")
-            state[u] = "gathering"
-        elif op.kind == "wait":
-            if state[u] != "gathering":
-                fail(i, f"'wait {_label(u)}' without a 'gather {_label(u)}' before it")
-            state[u] = "unsharded"
-        elif op.kind == "free":
-            if state[u] != "unsharded":
-                fail(i, f"'free {_label(u)}' but the unit is not gathered and waited for")
-            if u in in_use:
-                fail(i, f"unit {_label(u)!r} is freed while in use (since op #{in_use[u]}); free it after its '*_done' event")
-            state[u] = "sharded"
-        elif op.kind == "reduce":
-            if u not in grads_ready:
-                fail(i, f"'reduce {_label(u)}' before its gradients are complete; move it after "
-                     f"'{'end' if u == ROOT else 'backward_done ' + _label(u)}'")
-            if u in reduced:
-                fail(i, f"unit {_label(u)!r} is reduced twice")
-            reduced[u] = "started"
-        elif op.kind == "wait_reduce":
-            if reduced.get(u) != "started":
-                fail(i, f"'wait_reduce {_label(u)}' without a 'reduce {_label(u)}' before it")
-            reduced[u] = "done"
+        walk.at = i
+        for rule in _OP_RULES:
+            rule(walk, op)
+        walk.advance(op)
+    for final_rule in _FINAL_RULES:
+        final_rule(walk)
 
-    last = len(sched.ops) - 1
-    for name in names:
-        wanted = ["forward", "forward_done", "backward"] + ([] if name == ROOT else ["backward_done"])
+
+# The state each op leaves its unit in; the rules below check the state it needs.
+_PARAMS_AFTER = {OpKind.GATHER: UnitState.GATHERING, OpKind.WAIT: UnitState.GATHERED, OpKind.FREE: UnitState.SHARDED}
+_GRADS_AFTER = {
+    OpKind.BACKWARD_DONE: GradState.COMPLETE,
+    OpKind.END: GradState.COMPLETE,  # the root's gradients (see the module's Note)
+    OpKind.REDUCE: GradState.REDUCING,
+    OpKind.WAIT_REDUCE: GradState.REDUCED,
+}
+# The event each event must follow, for the same unit.
+_EVENT_AFTER = {OpKind.FORWARD_DONE: OpKind.FORWARD, OpKind.BACKWARD: OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE: OpKind.BACKWARD}
+
+
+class _Walk:
+    """The validator's view of the step just before op number ``at``."""
+
+    def __init__(self, sched: Schedule, units: tuple[str, ...]):
+        self.sched, self.units, self.at = sched, units, 0
+        self.params = dict.fromkeys(units, UnitState.SHARDED)
+        self.grads = dict.fromkeys(units, GradState.PENDING)
+        self.in_use: dict[str, int] = {}  # unit -> the op its use began at
+        self.seen: dict[Op, int] = {}  # event -> its index
+
+    def fail(self, msg: str) -> None:
+        raise ScheduleError(f"invalid schedule at op #{self.at} ({self.sched.ops[self.at]}): {msg}")
+
+    def advance(self, op: Op) -> None:
+        kind, unit = op.kind, op.unit
+        if kind.is_event:
+            self.seen[op] = self.at
+        if kind in (OpKind.FORWARD, OpKind.BACKWARD):
+            self.in_use[unit] = self.at
+        elif kind in (OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE, OpKind.END):
+            self.in_use.pop(unit, None)
+        if unit not in self.params:  # 'end' in a plan without a root
+            return
+        if kind in _PARAMS_AFTER:
+            self.params[unit] = _PARAMS_AFTER[kind]
+        if kind in _GRADS_AFTER:
+            self.grads[unit] = _GRADS_AFTER[kind]
+
+
+def _quoted(unit: str) -> str:
+    return repr(unit_label(unit))
+
+
+def _made_for_plan(sched: Schedule, plan: Plan) -> None:
+    """The schedule was made for this plan."""
+    if sched.plan_fingerprint != plan.fingerprint:
+        raise ScheduleError(f"schedule was made for plan {sched.plan_fingerprint}, not this plan ({plan.fingerprint}); "
+                            "derive it from this plan with fsdpfn.runtime.schedule(plan)")
+
+
+def _unit_in_plan(w: _Walk, op: Op) -> None:
+    """Every op names a unit of the plan."""
+    if op.kind is not OpKind.END and op.unit not in w.units:
+        w.fail(f"unit {_quoted(op.unit)} is not in the plan; units: {', '.join(map(unit_label, w.units))}")
+
+
+def _no_event_after_end(w: _Walk, op: Op) -> None:
+    """No event follows 'end'."""
+    if op.is_event and Op(OpKind.END) in w.seen:
+        w.fail("no event may follow 'end'")
+
+
+def _used_units_are_gathered(w: _Walk, op: Op) -> None:
+    """A unit is gathered and waited for at every event while it is in use."""
+    if not op.is_event:
+        return
+    for unit, since in w.in_use.items():
+        if w.params[unit] is not UnitState.GATHERED:
+            what = "gathered" if w.params[unit] is UnitState.SHARDED else "waited for"
+            w.fail(f"unit {_quoted(unit)} is used from op #{since} ({w.sched.ops[since]}) but is not {what} by then; "
+                   f"add 'wait {unit_label(unit)}' (after a 'gather') between op #{since} and op #{w.at}")
+
+
+def _event_happens_once(w: _Walk, op: Op) -> None:
+    """Each event happens once per step."""
+    if op in w.seen:
+        w.fail(f"'{op}' appears twice (first at op #{w.seen[op]}); each event happens once per step")
+
+
+def _events_in_order(w: _Walk, op: Op) -> None:
+    """A unit's events come in order: forward, forward_done, backward, backward_done."""
+    before = _EVENT_AFTER.get(op.kind)
+    if before is not None and Op(before, op.unit) not in w.seen:
+        w.fail(f"'{op}' before '{Op(before, op.unit)}'")
+
+
+def _root_has_no_backward_done(w: _Walk, op: Op) -> None:
+    """The root's gradients are complete at 'end', not at a 'backward_done'."""
+    if op.kind is OpKind.BACKWARD_DONE and op.unit == ROOT:
+        w.fail("the root has no 'backward_done' event: its gradients are complete at 'end'")
+
+
+def _gathered_once(w: _Walk, op: Op) -> None:
+    """A unit is freed before it is gathered again."""
+    if op.kind is OpKind.GATHER and w.params[op.unit] is not UnitState.SHARDED:
+        w.fail(f"unit {_quoted(op.unit)} is gathered twice without a 'free' in between")
+
+
+def _waited_after_gather(w: _Walk, op: Op) -> None:
+    """A 'wait' follows its unit's 'gather'."""
+    if op.kind is OpKind.WAIT and w.params[op.unit] is not UnitState.GATHERING:
+        w.fail(f"'{op}' without a 'gather {unit_label(op.unit)}' before it")
+
+
+def _freed_when_gathered(w: _Walk, op: Op) -> None:
+    """Only a gathered and waited-for unit is freed."""
+    if op.kind is OpKind.FREE and w.params[op.unit] is not UnitState.GATHERED:
+        w.fail(f"'{op}' but the unit is not gathered and waited for")
+
+
+def _not_freed_in_use(w: _Walk, op: Op) -> None:
+    """A unit is not freed while in use."""
+    if op.kind is OpKind.FREE and op.unit in w.in_use:
+        w.fail(f"unit {_quoted(op.unit)} is freed while in use (since op #{w.in_use[op.unit]}); free it after its '*_done' event")
+
+
+def _reduced_once_complete(w: _Walk, op: Op) -> None:
+    """A unit is reduced once, after its gradients are complete."""
+    if op.kind is not OpKind.REDUCE:
+        return
+    state = w.grads[op.unit]
+    if state is GradState.PENDING:
+        complete = "end" if op.unit == ROOT else f"backward_done {unit_label(op.unit)}"
+        w.fail(f"'{op}' before its gradients are complete; move it after '{complete}'")
+    if state is not GradState.COMPLETE:
+        w.fail(f"unit {_quoted(op.unit)} is reduced twice")
+
+
+def _reduce_waited_after_reduce(w: _Walk, op: Op) -> None:
+    """A 'wait_reduce' follows its unit's 'reduce'."""
+    if op.kind is OpKind.WAIT_REDUCE and w.grads[op.unit] is not GradState.REDUCING:
+        w.fail(f"'{op}' without a 'reduce {unit_label(op.unit)}' before it")
+
+
+def _every_event_present(w: _Walk) -> None:
+    """Every unit has all its events, and the step has 'end'."""
+    for unit in w.units:
+        wanted = [OpKind.FORWARD, OpKind.FORWARD_DONE, OpKind.BACKWARD] + ([] if unit == ROOT else [OpKind.BACKWARD_DONE])
         for kind in wanted:
-            if (kind, name) not in seen:
-                raise ScheduleError(f"invalid schedule: event '{kind} {_label(name)}' is missing; every unit needs "
-                                    f"{', '.join(wanted)}")
-    if not ended:
+            if Op(kind, unit) not in w.seen:
+                raise ScheduleError(f"invalid schedule: event '{Op(kind, unit)}' is missing; every unit needs "
+                                    f"{', '.join(k.value for k in wanted)}")
+    if Op(OpKind.END) not in w.seen:
         raise ScheduleError("invalid schedule: the 'end' event is missing; put it after the last 'backward_done'")
-    for name in names:
-        if name not in reduced:
-            raise ScheduleError(f"invalid schedule: the reduce of unit {_label(name)!r} is missing; add "
-                                f"'reduce {_label(name)}' after its gradients are complete and 'wait_reduce {_label(name)}' after it")
-        if reduced[name] != "done":
-            raise ScheduleError(f"invalid schedule: 'wait_reduce {_label(name)}' is missing after op #{last}")
-        if state[name] != "sharded":
-            raise ScheduleError(f"invalid schedule: unit {_label(name)!r} is still unsharded at the end; add 'free {_label(name)}'")
+
+
+def _every_reduce_waited(w: _Walk) -> None:
+    """Every unit's gradients are reduced and waited for."""
+    for unit, state in w.grads.items():
+        label = unit_label(unit)
+        if state is GradState.COMPLETE:
+            raise ScheduleError(f"invalid schedule: the reduce of unit {_quoted(unit)} is missing; add 'reduce {label}' "
+                                f"after its gradients are complete and 'wait_reduce {label}' after it")
+        if state is GradState.REDUCING:
+            raise ScheduleError(f"invalid schedule: 'wait_reduce {label}' is missing after op #{len(w.sched.ops) - 1}")
+
+
+def _every_unit_freed(w: _Walk) -> None:
+    """Every unit is freed by the end."""
+    for unit, state in w.params.items():
+        if state is not UnitState.SHARDED:
+            raise ScheduleError(f"invalid schedule: unit {_quoted(unit)} is still unsharded at the end; add 'free {unit_label(unit)}'")
+
+
+_OP_RULES = (
+    _unit_in_plan,
+    _no_event_after_end,
+    _used_units_are_gathered,
+    _event_happens_once,
+    _root_has_no_backward_done,
+    _events_in_order,
+    _gathered_once,
+    _waited_after_gather,
+    _freed_when_gathered,
+    _not_freed_in_use,
+    _reduced_once_complete,
+    _reduce_waited_after_reduce,
+)
+_FINAL_RULES = (_every_event_present, _every_reduce_waited, _every_unit_freed)
