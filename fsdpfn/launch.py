@@ -200,7 +200,7 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
         for p in procs:
             p.start()
         try:
-            answers = _collect(procs, results, world_size, grace=timeout_s + 10.0)
+            answers = _collect(procs, results, world_size, grace=timeout_s + 2.0)
         finally:
             for p in procs:
                 p.join(timeout=5.0)

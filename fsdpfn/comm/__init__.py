@@ -19,6 +19,7 @@ from fsdpfn.comm._collectives import all_reduce as all_reduce
 from fsdpfn.comm._collectives import all_to_all as all_to_all
 from fsdpfn.comm._collectives import barrier as barrier
 from fsdpfn.comm._collectives import broadcast as broadcast
+from fsdpfn.comm._collectives import healthy as healthy
 from fsdpfn.comm._collectives import reduce_scatter as reduce_scatter
 from fsdpfn.comm._collectives import reduce_scatter_impl as reduce_scatter_impl
 from fsdpfn.comm._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
@@ -68,6 +69,7 @@ __all__ = [
     "full_tensor",
     "group_ranks",
     "group_size",
+    "healthy",
     "init_process_group",
     "is_initialized",
     "rank",

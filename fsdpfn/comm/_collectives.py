@@ -46,25 +46,52 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "healthy",
     "reduce_scatter",
     "reduce_scatter_impl",
     "set_reduce_scatter_impl",
 ]
 
-# torch 2.13 renamed the flat collectives and deprecated the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# torch 2.13 renamed the flat collectives and deprecated the old names. Looked up per call, so
+# that a wrapper installed around torch.distributed (tests, profilers) sees our calls too.
+def _all_gather_flat(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 _FLOAT8 = {d for n in dir(torch) if n.startswith("float8") for d in [getattr(torch, n)]}
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out. The message names the collective (kind, tag, bytes),
-    where every rank of its group last was, and which ranks are behind (``behind``)."""
+    where every rank of its group last was, and which ranks are behind (``behind``).
+
+    After one, this process's groups are out of step with their peers (gloo may still hold the
+    failed operation), so :func:`healthy` turns ``False`` and nothing should run on them again.
+    """
 
     def __init__(self, message: str, behind: list[int]):
         super().__init__(message)
         self.behind = behind
+        _health["ok"] = False
+
+
+_health = {"ok": True}
+
+
+def healthy() -> bool:
+    """``False`` once a collective of this process has failed (see :class:`CollectiveError`):
+    the process groups can no longer be trusted and the process should exit.
+
+    Example:
+      >>> fsdpfn.comm.healthy()
+      True
+    """
+    return _health["ok"]
 
 
 def _failure(rec: FlightRecord | None, kind: str, tag: str, cause: BaseException) -> CollectiveError:

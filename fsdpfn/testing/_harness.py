@@ -64,10 +64,15 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
             out = ("ok", fn(rank, world_size, *args, **kwargs))
         except BaseException:  # noqa: BLE001 - every failure goes back to the caller
             out = ("error", traceback.format_exc())
+        # A failed collective leaves the groups out of step with the peers: the caller restarts
+        # the pool rather than run the next test on them.
+        healthy = comm.healthy()
         try:
-            results.put((task_id, rank, out))
+            results.put((task_id, rank, out, healthy))
         except Exception:  # the result did not pickle
-            results.put((task_id, rank, ("error", traceback.format_exc())))
+            results.put((task_id, rank, ("error", traceback.format_exc()), healthy))
+        if not healthy:
+            break
     comm.destroy_process_group()
 
 
@@ -164,13 +169,14 @@ def run_on_ranks(
         q.put((task_id, fn, args, kwargs))
 
     answers: dict[int, tuple[str, Any]] = {}
+    healthy = True
     deadline = time.monotonic() + timeout
     while len(answers) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         try:
-            got_id, rank, out = pool.results.get(timeout=min(remaining, 1.0))
+            got_id, rank, out, ok = pool.results.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
             if not all(p.is_alive() for p in pool.procs):
                 dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
@@ -181,10 +187,11 @@ def run_on_ranks(
         if got_id != task_id:  # a stale answer from a call that timed out
             continue
         answers[rank] = out
+        healthy = healthy and ok
         if out[0] == "error":
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
 
-    if len(answers) < world_size:
+    if len(answers) < world_size or not healthy:
         _kill_pool(world_size)  # the next call starts a fresh pool
     name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
     raise_rank_errors(answers, world_size, name, f"within {timeout:.0f} s (hang?)")
