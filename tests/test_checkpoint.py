@@ -300,6 +300,33 @@ def test_export_full_loads_without_fsdpfn(run_on_ranks, tmp_path, tie):
 # ---- a save interrupted by a dying rank ------------------------------------------------------
 
 
+def _die_at(stage, rank):
+    """Makes this process exit abruptly (as if killed) at ``stage`` of the next save: "write"
+    (its shards written, before the ranks exchange metadata), "commit" (everything written,
+    at the rename that publishes the checkpoint). Test-only: patches this process alone."""
+    import torch.distributed.checkpoint as dcp
+
+    if stage == "write":
+        write_data = dcp.FileSystemWriter.write_data
+
+        def dying_write_data(self, plan, planner):
+            write_data(self, plan, planner).wait()
+            os._exit(137)
+
+        dcp.FileSystemWriter.write_data = dying_write_data
+    elif stage == "commit":
+        rename = os.rename
+
+        def dying_rename(src, dst, *args, **kwargs):
+            if os.path.basename(os.fspath(src)).startswith(".partial-"):
+                os._exit(137)
+            return rename(src, dst, *args, **kwargs)
+
+        os.rename = dying_rename
+    else:
+        raise ValueError(f"unknown stage {stage!r}")
+
+
 def _kill_worker(rank, world, init_file, root, die_at):
     import torch.distributed as dist
 
@@ -310,7 +337,9 @@ def _kill_worker(rank, world, init_file, root, die_at):
     state = {**state, "step": 1}
     checkpoint.save(root, state, plan)  # the previous, complete checkpoint
     state = {**state, "params": {n: p + 1 for n, p in state["params"].items()}, "step": 2}
-    os.environ["FSDPFN_CHECKPOINT_TEST_DIE_AT"] = die_at
+    stage, dying = die_at.split(":")
+    if rank == int(dying):
+        _die_at(stage, rank)
     checkpoint.save(root, state, plan)  # one rank dies in here
     os._exit(3)  # not reached by the dying rank; survivors should have raised before this
 

@@ -1,14 +1,26 @@
-"""save / load: training state <-> a DCP checkpoint directory, collectively, atomically.
+"""save / load: training state <-> a DCP checkpoint directory, collectively, atomically, verified.
 
-See [Note: checkpoints keyed by path] in ``_tree.py`` and [Note: atomic checkpoints] in
-``_atomic.py``.
+See [Note: checkpoints keyed by path] in ``_tree.py``, [Note: atomic checkpoints] and
+[Note: falling back] in ``_atomic.py``, [Note: collective-free DCP] in ``_shards.py``,
+[Note: verified checkpoints] in ``_manifest.py`` and [Note: one rank fails, every rank raises]
+in ``_agree.py``.
+
+Every collective of a save or load goes through :mod:`fsdpfn.comm` (counted, recorded, bounded
+by one timeout):
+
+* save: ``arrive`` (monitored barrier), ``broadcast_object`` of rank 0's choice of name,
+  ``all_gather_object`` of every rank's local metadata, files and error, ``broadcast_object``
+  of rank 0's commit outcome;
+* load: ``arrive``, one ``all_gather_object`` per checkpoint tried (each rank's verdict on it),
+  ``all_gather_object`` of every rank's read outcome.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import json
 import os
+import pickle
 import time
 import uuid
 import warnings
@@ -16,47 +28,18 @@ from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fsdpfn.checkpoint import _atomic
-from fsdpfn.checkpoint._collective import arrive, broadcast, dist_on, rank
+from fsdpfn import comm
+from fsdpfn.checkpoint import _atomic, _shards
+from fsdpfn.checkpoint._agree import agree, decide, portable, rebuild, timeout_scope
+from fsdpfn.checkpoint._manifest import INFO, METADATA, CheckpointError, describe_files, read_manifest, verify
 from fsdpfn.checkpoint._tree import flatten_state
 
 __all__ = ["save", "load", "read_info"]
 
-_FORMAT = 1
-# Test hook (see tests/test_checkpoint.py, test_killed_save_*): "<stage>:<rank>" makes that rank exit abruptly
-# at that stage of a save, as if killed. Stages: "write" (after writing its DCP data, before the
-# metadata exists), "commit" (everything written, before the rename that publishes it).
-_DIE_AT_ENV = "FSDPFN_CHECKPOINT_TEST_DIE_AT"
-
-
-def _maybe_die(stage: str) -> None:
-    spec = os.environ.get(_DIE_AT_ENV)
-    if spec and spec == f"{stage}:{rank()}":
-        os._exit(137)
-
-
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, plus the kill hook between writing data and the metadata gather."""
-
-    def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)
-        if os.environ.get(_DIE_AT_ENV):
-            fut.wait()
-            _maybe_die("write")
-        return fut
-
-
-@contextlib.contextmanager
-def _quiet_no_dist():
-    """DCP warns whenever it runs without a process group, even when asked to."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+_FORMAT = 2  # 2: per-rank shard directories, merged .metadata, files with checksums in the manifest
 
 
 def _tensor_info(x: torch.Tensor) -> dict:
@@ -81,6 +64,58 @@ def _plan_summary(plan) -> str:
     return f"plan {plan.fingerprint[:12]} ({'/'.join(strategies)} on mesh {tuple(plan.mesh_shape)})"
 
 
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepare(root: str, name: str | None, values: dict[str, Any]) -> tuple[str, str]:
+    os.makedirs(root, exist_ok=True)
+    _atomic.clean_partials(root)
+    return name or _default_name(values, root), uuid.uuid4().hex[:8]
+
+
+def _write_rank(partial: str, tensors: dict[str, torch.Tensor], rank: int) -> tuple[Metadata | None, dict]:
+    """This rank's shards into ``partial/rank_<r>/``: their local metadata and checksums."""
+    mine = {p: v for p, v in tensors.items() if _shards.owned(p, v, rank)}
+    sub = _shards.rank_dir(rank)
+    meta = _shards.write(mine, os.path.join(partial, sub))
+    if meta is None:
+        return None, {}
+    return meta, describe_files(partial, [f"{sub}/{n}" for n in os.listdir(os.path.join(partial, sub))])
+
+
+def _write_metadata(partial: str, meta: Metadata) -> None:
+    path = os.path.join(partial, METADATA)
+    with open(f"{path}.tmp", "wb") as f:
+        pickle.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp", path)
+
+
+def _publish(root, partial, name, token, reports, values, tensors, plan, keep) -> None:
+    """Rank 0, once every rank wrote its shards: merged metadata, manifest, rename, ``latest``."""
+    files = {rel: d for _, rank_files in reports for rel, d in rank_files.items()}
+    _write_metadata(partial, _shards.merge([m for m, _ in reports], token))
+    files.update(describe_files(partial, [METADATA]))
+    info = {
+        "format": _FORMAT,
+        "name": name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": comm.world_size(),
+        "plan": None if plan is None else json.loads(plan.to_json()),
+        "plan_fingerprint": None if plan is None else plan.fingerprint,
+        "values": values,
+        "tensors": {p: _tensor_info(v) for p, v in tensors.items()},
+        "files": files,
+    }
+    _atomic.write_text_atomic(os.path.join(partial, INFO), json.dumps(info, indent=1))
+    _atomic.commit(root, partial, name)
+    if keep is not None:
+        _atomic.prune(root, keep)
+
+
 def save(
     path: str | os.PathLike,
     state: Any,
@@ -88,16 +123,18 @@ def save(
     *,
     name: str | None = None,
     keep: int | None = None,
-    timeout: float = 600.0,
+    timeout: float | None = None,
 ) -> str:
     """Saves ``state`` as a new checkpoint under the directory ``path``; every rank calls it.
 
-    Tensor leaves (DTensors: each rank writes its own shard; plain tensors: must be equal on
-    every rank, one copy is written) go through ``torch.distributed.checkpoint``, keyed by their
-    path in the pytree; ``bool``/``int``/``float``/``str`` leaves and the plan's JSON go in
+    Tensor leaves (DTensors: each rank writes its own shard, a replicated shard once; plain
+    tensors: must be equal on every rank, rank 0 writes them) go through
+    ``torch.distributed.checkpoint``, keyed by their path in the pytree;
+    ``bool``/``int``/``float``/``str`` leaves, the plan's JSON and a SHA-256 of every file go in
     ``fsdpfn.json`` beside them. The checkpoint becomes visible (``path/latest`` names it) only
     once every rank has finished writing, so a save killed half-way leaves the previous one
-    loadable.
+    loadable. An error on any rank (a full disk, an unwritable directory) is raised on every
+    rank.
 
     Args:
       path: the checkpoint root directory (created if missing).
@@ -106,8 +143,9 @@ def save(
       name: the checkpoint's directory name; default ``step_{state['step']:08d}`` if the state
         has an int ``step``, else ``ckpt_NNNNNN``.
       keep: if set, delete all but the ``keep`` newest checkpoints after this one is committed.
-      timeout: seconds to wait for every rank to enter the save (gloo: then a ``RuntimeError``
-        naming the missing ranks, e.g. when the call was gated on rank 0).
+      timeout: seconds each collective of the save may wait, the entry check included (gloo:
+        a rank that never calls the save, e.g. because the call was gated on rank 0, is named
+        in a :class:`fsdpfn.comm.CollectiveError`); default ``None``: :func:`fsdpfn.comm.timeout`.
 
     Returns:
       The committed checkpoint directory, e.g. ``path/step_00000100``.
@@ -120,67 +158,46 @@ def save(
     entries, _ = flatten_state(state)
     tensors = {p: v.detach() for p, v in entries.items() if isinstance(v, torch.Tensor)}
     values = {p: v for p, v in entries.items() if not isinstance(v, torch.Tensor)}
-    me = rank()
-    arrive("save", timeout)
-
-    decision = None
-    if me == 0:  # every rank learns the outcome, so an error here cannot leave the others waiting
+    with timeout_scope(timeout):
+        comm.arrive("fsdpfn.checkpoint.save")
+        name, token = decide(lambda: _prepare(root, name, values), f"preparing a checkpoint in {root!r}")
+        partial = _atomic.partial_dir(root, name, token)
+        report, error = None, None
         try:
-            os.makedirs(root, exist_ok=True)
-            _atomic.clean_partials(root)
-            decision = (name or _default_name(values, root), uuid.uuid4().hex[:8])
-        except Exception as e:  # noqa: BLE001 - sent to every rank below
-            decision = f"{type(e).__name__}: {e}"
-    decision = broadcast(decision)
-    if isinstance(decision, str):
-        raise RuntimeError(f"preparing a checkpoint in {root!r} failed on rank 0: {decision}")
-    name, token = decision
-    partial = _atomic.partial_dir(root, name, token)
-
-    with _quiet_no_dist():
-        dcp.save(tensors, storage_writer=_Writer(partial), no_dist=not dist_on())
-
-    _maybe_die("commit")
-    if dist_on():
-        dist.barrier()
-    error = None
-    if me == 0:
-        try:
-            info = {
-                "format": _FORMAT,
-                "name": name,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "world_size": dist.get_world_size() if dist_on() else 1,
-                "plan": None if plan is None else json.loads(plan.to_json()),
-                "plan_fingerprint": None if plan is None else plan.fingerprint,
-                "values": values,
-                "tensors": {p: _tensor_info(v) for p, v in tensors.items()},
-            }
-            _atomic.write_text_atomic(os.path.join(partial, _atomic.INFO), json.dumps(info, indent=1))
-            _atomic.commit(root, partial, name)
-            if keep is not None:
-                _atomic.prune(root, keep)
-        except Exception as e:  # noqa: BLE001 - sent to every rank below
-            error = f"{type(e).__name__}: {e}"
-    error = broadcast(error)
-    if error is not None:
-        raise RuntimeError(f"committing checkpoint {name!r} in {root!r} failed on rank 0: {error}")
+            report = _write_rank(partial, tensors, comm.rank())
+        except Exception as e:  # noqa: BLE001 - sent to every rank by agree
+            error = e
+        reports = agree(error, f"writing checkpoint {name!r} into {partial!r}", report)
+        decide(lambda: _publish(root, partial, name, token, reports, values, tensors, plan, keep),
+               f"committing checkpoint {name!r} in {root!r}")
     return os.path.join(root, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# read_info, load
+# ---------------------------------------------------------------------------------------------
 
 
 def read_info(path: str | os.PathLike) -> dict:
     """The ``fsdpfn.json`` of the checkpoint at ``path`` (a root or one checkpoint directory):
     ``values`` (the non-tensor leaves, e.g. ``step``), ``tensors`` (path -> shape, dtype,
     placements at save time), ``plan`` (``Plan.from_json(json.dumps(info["plan"]))``),
-    ``world_size``, ``name``, ``dir``.
+    ``world_size``, ``name``, ``files`` (relative path -> bytes, sha256), ``dir``.
+
+    A root resolves like :func:`fsdpfn.checkpoint.latest` (falling back past an incomplete
+    checkpoint, with a warning); a checkpoint directory must be complete.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint under the root ``path``.
+      CheckpointError: the checkpoint directory ``path`` is incomplete or its ``fsdpfn.json``
+        does not parse (the message names the file).
 
     Example:
       >>> fsdpfn.checkpoint.read_info("runs/gpt/ckpt")["values"]["step"]  # doctest: +SKIP
       200
     """
     ckpt = _atomic.resolve(path)
-    with open(os.path.join(ckpt, _atomic.INFO)) as f:
-        info = json.load(f)
+    info = read_manifest(ckpt)
     info["dir"] = ckpt
     return info
 
@@ -223,7 +240,68 @@ def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: 
     raise ValueError(f"checkpoint {ckpt!r} does not fit the template: {'; '.join(parts)}.{hint}")
 
 
-def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float = 600.0) -> Any:
+def _read_metadata(ckpt: str) -> Metadata:
+    path = os.path.join(ckpt, METADATA)
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"{path!r} of checkpoint {ckpt!r} cannot be read ({type(e).__name__}: {e}); "
+                              "the checkpoint is damaged. Load an older one, or delete this directory.",
+                              ckpt, METADATA) from None
+
+
+def _examine(ckpt: str, entries: dict[str, Any], targets: dict[str, torch.Tensor], plan) -> dict:
+    """This rank's verdict on ``ckpt``: complete, fits the template, and the files this rank
+    will read are intact (see [Note: verified checkpoints]). Returns the manifest."""
+    info = _atomic.check_complete(ckpt)
+    verify(ckpt, info, [METADATA])
+    meta = _read_metadata(ckpt)
+    _check_against(entries, meta.state_dict_metadata, info, plan, ckpt)
+    verify(ckpt, info, _shards.files_read(meta, targets))
+    return info
+
+
+def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
+    """The checkpoint every rank loads: ``path`` itself if it is a checkpoint directory (raising
+    if any rank finds it damaged), else the first of :func:`_atomic.candidates` that every rank
+    finds intact, with a warning naming those skipped. One all-gather per checkpoint tried."""
+    explicit = _atomic.is_checkpoint_dir(path)
+    tries = [path] if explicit else _atomic.candidates(path)
+    skipped: list[tuple[str, str]] = []
+    for i in itertools.count():
+        ckpt = tries[i] if i < len(tries) else None
+        info, error = None, None
+        if ckpt is not None:
+            try:
+                info = _examine(ckpt, entries, targets, plan)
+            except Exception as e:  # noqa: BLE001 - every rank's verdict is gathered below
+                error = e
+        verdicts = comm.all_gather_object((ckpt, portable(error)), tag="fsdpfn.checkpoint.load")
+        if len({c for c, _ in verdicts}) > 1:
+            seen = ", ".join(f"rank {r}: {c!r}" for r, (c, _) in enumerate(verdicts))
+            raise CheckpointError(f"the ranks see different checkpoints under {path!r} ({seen}); they must share "
+                                  "one filesystem and load the same path", path)
+        if ckpt is None:
+            if skipped:
+                raise CheckpointError(_atomic.skipped_warning(f"no intact checkpoint under {path!r}", skipped, None), path)
+            raise _atomic.no_checkpoint(path)
+        failed = [(r, v) for r, (_, v) in enumerate(verdicts) if v is not None]
+        if not failed:
+            if skipped:
+                warnings.warn(_atomic.skipped_warning("fsdpfn.checkpoint.load", skipped, ckpt), stacklevel=3)
+            return ckpt, info
+        damaged = [(r, v) for r, v in failed if v[0] == CheckpointError.__name__]
+        if explicit or not damaged:  # a template that does not fit is the caller's to fix, not ours to skip
+            if error is not None:
+                raise error
+            raise rebuild(failed[0][1], failed[0][0], "fsdpfn.checkpoint.load")
+        reasons = dict.fromkeys(v[1] for _, v in damaged)  # ranks often find the same fault
+        skipped.append((ckpt, " / ".join(reasons)))
+    raise AssertionError("unreachable")
+
+
+def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float | None = None) -> Any:
     """Loads a checkpoint into the structure and placements of ``template_state``.
 
     Every rank calls it (it is collective when a process group is initialised; without one it
@@ -233,19 +311,28 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
     ignored, so ``{"params": template_params}`` loads only the parameters. The template is not
     modified.
 
+    Before reading, each rank checks the sizes of all the checkpoint's files and the SHA-256 of
+    the ones it reads, and the ranks agree on the verdict. Given a root, a checkpoint found
+    missing, incomplete or damaged is skipped with a warning naming it and why, and the newest
+    intact one before it is loaded (see [Note: falling back]); given a checkpoint directory, the
+    load raises instead. Any error is raised on every rank.
+
     Args:
       path: a checkpoint root (its ``latest`` is loaded) or one checkpoint directory.
       template_state: a pytree like the saved one: tensors/DTensors of the right global shapes
         and the wanted placements (e.g. fresh ``fsdpfn.shard(model, plan)`` and
         ``opt.init(params)``), and Python values where the saved state had them.
       plan: the :class:`fsdpfn.Plan` of the template (used in error messages).
-      timeout: seconds to wait for every rank to enter the load (gloo; see :func:`save`).
+      timeout: seconds each collective of the load may wait (see :func:`save`); default
+        ``None``: :func:`fsdpfn.comm.timeout`.
 
     Returns:
       A new state with the template's structure, filled from the checkpoint.
 
     Raises:
-      FileNotFoundError: no complete checkpoint at ``path``.
+      FileNotFoundError: no checkpoint at ``path``.
+      CheckpointError: the checkpoint directory ``path`` is missing a file or damaged, or no
+        checkpoint under the root ``path`` is intact (the message names each checkpoint and file).
       ValueError: a template path is missing from the checkpoint or has another shape (the
         message names the path and both shapes).
 
@@ -253,15 +340,17 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
       >>> template = {"params": fsdpfn.shard(model, plan3), "opt_state": opt.init(...), "step": 0}  # doctest: +SKIP
       >>> state = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan3)  # doctest: +SKIP
     """
-    arrive("load", timeout)
-    ckpt = _atomic.resolve(path)
-    info = read_info(ckpt)
+    path = os.fspath(path)
     entries, spec = flatten_state(template_state)
-    reader = dcp.FileSystemReader(ckpt)
-    meta = reader.read_metadata().state_dict_metadata
-    _check_against(entries, meta, info, plan, ckpt)
-    targets = {p: _empty_like(v) for p, v in entries.items() if isinstance(v, torch.Tensor)}
-    with _quiet_no_dist():
-        dcp.load(targets, storage_reader=reader, no_dist=not dist_on())
+    with timeout_scope(timeout):
+        comm.arrive("fsdpfn.checkpoint.load")
+        targets = {p: _empty_like(v) for p, v in entries.items() if isinstance(v, torch.Tensor)}
+        ckpt, info = _choose(path, entries, targets, plan)
+        error = None
+        try:
+            _shards.read(targets, ckpt)
+        except Exception as e:  # noqa: BLE001 - sent to every rank by agree
+            error = e
+        agree(error, f"loading checkpoint {ckpt!r}")
     leaves = [targets[p] if p in targets else info["values"][p] for p in entries]
     return optree.tree_unflatten(spec, leaves)

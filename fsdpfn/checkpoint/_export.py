@@ -6,19 +6,15 @@ import os
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from fsdpfn.checkpoint._collective import arrive
+from fsdpfn import comm
+from fsdpfn.checkpoint._agree import agree, decide, timeout_scope
 
 __all__ = ["export_full"]
 
 
 def _full(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach()
-    if isinstance(x, DTensor):
-        x = x.full_tensor()  # collective: every rank must call export_full
-    return x.clone().contiguous()
+    return comm.full_tensor(x.detach(), tag="export_full").clone().contiguous()
 
 
 def _state_dict_names(model: torch.nn.Module) -> dict[str, str | None]:
@@ -36,14 +32,15 @@ def export_full(
     *,
     model: torch.nn.Module | None = None,
     dtype: torch.dtype | None = None,
-    timeout: float = 600.0,
+    timeout: float | None = None,
 ) -> str | None:
     """Writes the full (unsharded) parameters as one ``torch.save`` file of plain tensors.
 
     Every rank calls it (the gathers are collective); rank 0 writes the file, atomically
     (a temporary file, then ``os.replace``). The file holds a ``dict[str, Tensor]`` of plain CPU
     tensors only, so ``model.load_state_dict(torch.load(path, weights_only=True))`` works in a
-    process without fsdpfn.
+    process without fsdpfn. An error on any rank (a parameter missing, a path rank 0 cannot
+    write) is raised on every rank.
 
     Args:
       path: the output file, e.g. ``runs/gpt/model.pt``.
@@ -53,44 +50,73 @@ def export_full(
         ``model.state_dict()``'s keys: tied weights under each of their names, and the model's
         buffers. Without it, the keys are ``params``' names.
       dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``) on export.
-      timeout: seconds to wait for every rank to enter the call (gloo; see :func:`save`).
+      timeout: seconds each collective of the call may wait, the entry check included
+        (see :func:`fsdpfn.checkpoint.save`); default ``None``: :func:`fsdpfn.comm.timeout`.
 
     Returns:
       ``path`` on rank 0, ``None`` on the other ranks.
+
+    Raises:
+      ValueError: ``params`` lack a parameter of the plan or the model (on every rank).
+      OSError: rank 0 could not write ``path`` (raised on every rank; the message names it).
 
     Example:
       >>> fsdpfn.checkpoint.export_full("model.pt", state["params"], plan, model=model)  # doctest: +SKIP
       >>> GPT(cfg).load_state_dict(torch.load("model.pt", weights_only=True))  # no fsdpfn needed  # doctest: +SKIP
     """
+    with timeout_scope(timeout):
+        comm.arrive("fsdpfn.checkpoint.export_full")
+        problem = None
+        try:
+            keys = _check_names(params, plan, model)
+        except ValueError as e:
+            problem = e
+        agree(problem, "fsdpfn.checkpoint.export_full")
+        with torch.no_grad():
+            full = {n: _full(x) for n, x in params.items()}  # same order on every rank
+        if dtype is not None:
+            full = {n: x.to(dtype) if x.is_floating_point() else x for n, x in full.items()}
+        full = {n: x.cpu() for n, x in full.items()}
+        path = os.fspath(path)
+        decide(lambda: _write(path, full, keys, model), f"fsdpfn.checkpoint.export_full({path!r})")
+    return path if comm.rank() == 0 else None
+
+
+def _check_names(params, plan, model) -> dict[str, str | None] | None:
+    """``{state_dict key: parameter name or None}`` (``None`` without a model), after checking
+    that ``params`` has the plan's and the model's parameters."""
     if plan is not None:
         missing = [n for n in plan.param_names if n not in params]
         extra = [n for n in params if n not in set(plan.param_names)]
         if missing or extra:
-            raise ValueError(f"export_full: params do not match the plan (missing {missing[:5]}, not in the plan {extra[:5]})")
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    arrive("export_full", timeout)
-    with torch.no_grad():
-        full = {n: _full(x) for n, x in params.items()}  # same order on every rank
-    if dtype is not None:
-        full = {n: x.to(dtype) if x.is_floating_point() else x for n, x in full.items()}
-    full = {n: x.cpu() for n, x in full.items()}
-    if rank == 0:
-        if model is None:
-            sd = full
-        else:
-            sd = {}
-            for key, name in _state_dict_names(model).items():
-                if name is None:
-                    sd[key] = model.state_dict()[key].detach().cpu().clone()
-                elif name not in full:
-                    raise ValueError(f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in params")
-                else:
-                    sd[key] = full[name]
-        path = os.fspath(path)
+            raise ValueError(f"export_full: params do not match the plan (missing {missing[:5]}, not in the plan "
+                             f"{extra[:5]}); pass the params sharded by this plan")
+    if model is None:
+        return None
+    keys = _state_dict_names(model)
+    absent = [(k, n) for k, n in keys.items() if n is not None and n not in params]
+    if absent:
+        key, name = absent[0]
+        raise ValueError(f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in params "
+                         f"({len(absent)} missing); pass every parameter of the model")
+    return keys
+
+
+def _write(path: str, full: dict[str, torch.Tensor], keys, model) -> None:
+    """Rank 0: the state dict, written atomically (a temporary file, then ``os.replace``)."""
+    if keys is None:
+        sd = full
+    else:
+        buffers = model.state_dict()
+        sd = {k: full[n] if n is not None else buffers[k].detach().cpu().clone() for k, n in keys.items()}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
         torch.save(sd, tmp)
         os.replace(tmp, path)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    return os.fspath(path) if rank == 0 else None
+    except (OSError, RuntimeError) as e:  # torch.save reports an unopenable file as RuntimeError
+        raise (type(e) if isinstance(e, OSError) else OSError)(f"export_full cannot write {path!r}: {e}. Pass a path whose directory can be created "
+                      "and written by rank 0.") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

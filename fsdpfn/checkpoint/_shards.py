@@ -1,0 +1,179 @@
+"""DCP without DCP's collectives: each rank writes and reads its shards alone.
+
+[Note: collective-free DCP]
+``torch.distributed.checkpoint`` coordinates a save with its own object collectives (it gathers
+every rank's plan, scatters the global plan, gathers the write results), which the
+:mod:`fsdpfn.comm` counter, timeout and flight recorder never see. So every rank runs DCP with
+``no_dist=True`` into its own subdirectory ``rank_<r>/`` and we do the coordination:
+
+* Save: a rank writes only the shards it owns (:func:`owned`): a DTensor's local shard if the
+  rank sits at coordinate 0 of every mesh dim the tensor is replicated over, a plain tensor on
+  rank 0 only, so replicas are written once, as DCP's own de-duplication would. Its local
+  ``Metadata`` (global shapes, the chunk each shard covers, where its bytes are) goes to rank 0
+  through one :func:`fsdpfn.comm.all_gather_object`, and rank 0 writes one :func:`merge`\\ d
+  ``.metadata`` at the checkpoint root whose storage entries point into ``rank_<r>/``.
+* Load: each rank reads that ``.metadata`` and runs DCP's planner for its own targets with
+  ``no_dist=True``: a DTensor target reads exactly the saved chunks that overlap its local shard,
+  whatever plan or world size wrote them. No collective at all.
+
+The result is an ordinary DCP checkpoint: ``FileSystemReader(ckpt)`` reads it without fsdpfn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from fsdpfn.checkpoint._manifest import METADATA, CheckpointError
+
+__all__ = ["files_read", "merge", "owned", "read", "write"]
+
+
+@contextlib.contextmanager
+def _quiet_no_dist():
+    """DCP warns whenever it runs without a process group, even when asked to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank_{rank}"
+
+
+def owned(path: str, x: torch.Tensor, rank: int) -> bool:
+    """Whether this rank writes ``x`` (see [Note: collective-free DCP])."""
+    if not isinstance(x, DTensor):
+        return rank == 0
+    coord = x.device_mesh.get_coordinate()
+    if coord is None:  # this rank is not in the tensor's mesh
+        return False
+    for i, p in enumerate(x.placements):
+        if p.is_partial():
+            raise ValueError(
+                f"state leaf {path!r} is a DTensor with a Partial placement {x.placements}: its local values are "
+                "summands, not the tensor. Reduce it first (x.redistribute(placements=[Replicate()]) or "
+                "fsdpfn.comm.full_tensor(x)).")
+        if not p.is_shard() and coord[i] != 0:
+            return False
+    return True
+
+
+def write(tensors: dict[str, torch.Tensor], directory: str) -> Metadata | None:
+    """Writes ``tensors`` with DCP alone into ``directory``; returns their local metadata (whose
+    storage entries name files relative to ``directory``), or ``None`` if there is nothing."""
+    if not tensors:
+        return None
+    with _quiet_no_dist():
+        meta = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+    # Superseded by the merged root .metadata; every file left is listed in the manifest.
+    os.remove(os.path.join(directory, METADATA))
+    return meta
+
+
+def _relocated(info, prefix: str):
+    return dataclasses.replace(info, relative_path=f"{prefix}/{info.relative_path}")
+
+
+def merge(metas: list[Metadata | None], save_id: str) -> Metadata:
+    """One global ``Metadata`` from every rank's local one (``metas[r]`` written under
+    ``rank_<r>/``): each tensor's chunks united, a chunk saved by several ranks kept once (the
+    lowest rank's), byte entries kept once.
+
+    Raises:
+      ValueError: ranks saved a path with different shapes or dtypes, or the chunks do not tile
+        the tensor exactly (names the path).
+    """
+    entries: dict = {}
+    storage: dict = {}
+    planner_data: dict = {}
+    first: dict[str, int] = {}
+    version = None
+    for r, md in enumerate(metas):
+        if md is None:
+            continue
+        version = version or md.version
+        planner_data.update(md.planner_data or {})
+        for fqn, item in md.state_dict_metadata.items():
+            if isinstance(item, BytesStorageMetadata):
+                if fqn not in entries:
+                    entries[fqn], first[fqn] = item, r
+                    storage[MetadataIndex(fqn)] = _relocated(md.storage_data[MetadataIndex(fqn)], rank_dir(r))
+                continue
+            mine = entries.get(fqn)
+            if mine is None:
+                mine = entries[fqn] = TensorStorageMetadata(item.properties, item.size, [])
+                first[fqn] = r
+            elif not isinstance(mine, TensorStorageMetadata) or (mine.size, mine.properties.dtype) != (item.size, item.properties.dtype):
+                raise ValueError(
+                    f"ranks saved {fqn!r} differently: rank {first[fqn]} as {_describe(mine)}, rank {r} as "
+                    f"{_describe(item)}. Every rank must save the same state structure.")
+            have = {(tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks}
+            for chunk in item.chunks:
+                if (tuple(chunk.offsets), tuple(chunk.sizes)) in have:
+                    continue  # a replica another rank already wrote
+                mine.chunks.append(chunk)
+                index = MetadataIndex(fqn, chunk.offsets)
+                storage[index] = _relocated(md.storage_data[index], rank_dir(r))
+    for fqn, item in entries.items():
+        if isinstance(item, TensorStorageMetadata):
+            covered = sum(math.prod(c.sizes) for c in item.chunks)
+            if covered != math.prod(item.size):
+                raise ValueError(
+                    f"the saved chunks of {fqn!r} cover {covered} of its {math.prod(item.size)} elements "
+                    f"(shape {tuple(item.size)}): ranks disagree on how it is sharded.")
+    return Metadata(entries, planner_data=planner_data, storage_data=storage,
+                    storage_meta=StorageMeta(save_id=save_id), version=version)
+
+
+def _describe(item) -> str:
+    if isinstance(item, TensorStorageMetadata):
+        return f"{str(item.properties.dtype).removeprefix('torch.')} {tuple(item.size)}"
+    return "bytes"
+
+
+def files_read(metadata: Metadata, targets: dict[str, torch.Tensor]) -> set[str]:
+    """The files (relative to the checkpoint) that loading ``targets`` reads on this rank: DCP's
+    own local read plan, without reading anything."""
+    if not targets:
+        return set()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(dict(targets), metadata, True)
+    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, remembering which file it is in, so that an error can name it."""
+
+    current: str | None = None
+
+    def _slice_file(self, file, sinfo):
+        self.current = sinfo.relative_path
+        return super()._slice_file(file, sinfo)
+
+
+def read(targets: dict[str, torch.Tensor], ckpt: str) -> None:
+    """Fills ``targets`` (tensors and DTensors, in place) from the checkpoint ``ckpt``, DCP alone.
+
+    Raises:
+      CheckpointError: DCP failed; the message names the file it was reading.
+    """
+    if not targets:
+        return
+    reader = _Reader(ckpt)
+    try:
+        with _quiet_no_dist():
+            dcp.load(targets, storage_reader=reader, no_dist=True)
+    except Exception as e:
+        where = f"{os.path.join(ckpt, reader.current)!r}" if reader.current else f"checkpoint {ckpt!r}"
+        raise CheckpointError(f"reading {where} failed: {type(e).__name__}: {str(e).strip()[:500]}",
+                              ckpt, reader.current) from e
