@@ -221,6 +221,22 @@ def _unpack_rows(dst: torch.Tensor, stacked: torch.Tensor | None, slot) -> None:
         dst[full_ranks * slot.size :].copy_(seg[full_ranks, :rest])
 
 
+def _check_local_rows(plan: Plan, unit: Unit, locals_: list[torch.Tensor], rank: int) -> None:
+    """Shards of the right global shape but another row split (``tensor_split`` instead of
+    ``torch.chunk``, another world size) would gather into silently wrong parameters; their local
+    shapes give them away for free."""
+    for p, local in zip(unit.params, locals_):
+        expected = _local_shape(plan, unit, p.name, rank)
+        if tuple(local.shape) != expected:
+            start, stop = unit.local_rows(p.name, rank)
+            raise ValueError(
+                f"params[{p.name!r}] on shard rank {rank} has local shape {tuple(local.shape)}, but the plan gives this rank "
+                f"rows [{start}, {stop}) of {p.rows} (local shape {expected}; torch.chunk split over {plan.shard_size} ranks). "
+                "Make shards with fsdpfn.shard(model, plan) (or DTensor Shard(0) / torch.chunk), not tensor_split or "
+                "another world size."
+            )
+
+
 def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op: bool = False):
     """Starts the all-gather of ``unit`` from this rank's local shards.
 
@@ -232,6 +248,7 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
     device = _device_of(locals_)
     w = plan.shard_size
     slots = unit.slots
+    _check_local_rows(plan, unit, locals_, shard_rank(plan))
     if unit.sharded and unit.shard_numel:
         buf = torch.empty(unit.shard_numel, dtype=dtype, device=device)
         for p, local in zip(unit.params, locals_):

@@ -1,0 +1,80 @@
+"""Reliability: no silent wrong numbers from the transforms, devices respected everywhere.
+
+(Timeouts and stuck ranks: tests/test_comm.py and tests/test_faults.py; optimizer settings and
+non-finite steps: tests/test_optim_reliability.py; checkpoints: tests/test_checkpoint_faults.py.)
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+import fsdpfn
+from fsdpfn import optim, testing
+from fsdpfn.models import GPT, GPTConfig
+
+
+class _Tall(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 10, bias=False)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def _wrong_split(rank, world):
+    torch.manual_seed(0)
+    model = _Tall()
+    mesh = testing.mesh((world,))
+    plan = fsdpfn.plan(model, mesh, strategy="zero3")
+    w = model.layers[0].weight.detach()
+    # Right global shape, wrong rows: tensor_split gives 4, 3, 3 where torch.chunk gives 4, 4, 2.
+    local = torch.tensor_split(w, world)[rank].clone()
+    params = {"layers.0.weight": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())}
+    try:
+        fsdpfn.unshard(params, plan)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_shards_cut_with_another_split_are_refused(run_on_ranks):
+    messages = run_on_ranks(_wrong_split, 3)
+    assert messages[0] is None or "rank 0" in messages[0]  # rank 0's 4 rows agree with torch.chunk
+    for rank in (1, 2):
+        m = messages[rank]
+        assert m is not None and "'layers.0.weight'" in m and f"shard rank {rank}" in m and "torch.chunk" in m, m
+
+
+def _default_device_is_not_used(rank, world):
+    """Every buffer lives on the device of the tensors it serves: with the default device set to
+    'meta', any buffer allocated on the default device would be a meta tensor and break the step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, width=16, depth=2, heads=2, seq_len=8, bias=False))
+    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy={"*": "zero3", "<root>": "zero2"})
+    params = fsdpfn.shard(model, plan)
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.muon(lr=0.02, layout="owner"))
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+    rt = fsdpfn.runtime.Runtime(model, plan)
+
+    def loss_fn(ps, pure):
+        out = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)) if pure else rt.apply(ps, x)
+        return F.cross_entropy(out.flatten(0, 1), x.flatten())
+
+    results = []
+    state = opt.init(params)
+    with torch.device("meta"):
+        for pure in (True, False):
+            grads = torch.func.grad(loss_fn)(params, pure)
+            updates, _ = opt.update(grads, state, params)
+            new = optim.apply_updates(params, updates)
+            results.append({n: (g.device.type, u.device.type, p.to_local().device.type) for (n, g), u, p in
+                            zip(grads.items(), updates.values(), new.values())})
+    return results
+
+
+def test_no_buffer_lands_on_the_default_device(run_on_ranks):
+    for per_path in run_on_ranks(_default_device_is_not_used, 2):
+        for devices in per_path:
+            assert set(devices.values()) == {("cpu", "cpu", "cpu")}, devices
