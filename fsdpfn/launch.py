@@ -108,7 +108,8 @@ def _entry(rank, world_size, init_method, backend, threads, timeout_s, main, arg
     start_rank(rank, world_size, init_method, backend=backend, threads=threads, timeout_s=timeout_s)
     try:
         out = ("ok", main(rank, world_size, *args))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
+        comm.announce_failure(e)
         out = ("error", traceback.format_exc())
     try:
         results.put((rank, out))
@@ -182,6 +183,9 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
         comm.init_process_group(backend)
         try:
             return [main(comm.rank(), comm.world_size(), *args)]
+        except BaseException as e:
+            comm.announce_failure(e)
+            raise
         finally:
             comm.destroy_process_group()
     if not isinstance(world_size, int) or world_size < 1:

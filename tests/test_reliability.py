@@ -4,6 +4,8 @@
 non-finite steps: tests/test_optim_reliability.py; checkpoints: tests/test_checkpoint_faults.py.)
 """
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdpfn
 from fsdpfn import optim, testing
+from fsdpfn.launch import RankError
 from fsdpfn.models import GPT, GPTConfig
 
 
@@ -32,19 +35,22 @@ def _wrong_split(rank, world):
     # Right global shape, wrong rows: tensor_split gives 4, 3, 3 where torch.chunk gives 4, 4, 2.
     local = torch.tensor_split(w, world)[rank].clone()
     params = {"layers.0.weight": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())}
-    try:
-        fsdpfn.unshard(params, plan)
-    except ValueError as e:
-        return str(e)
-    return None
+    fsdpfn.unshard(params, plan)
 
 
-def test_shards_cut_with_another_split_are_refused(run_on_ranks):
-    messages = run_on_ranks(_wrong_split, 3)
-    assert messages[0] is None or "rank 0" in messages[0]  # rank 0's 4 rows agree with torch.chunk
+def test_shards_cut_with_another_split_are_refused_on_every_rank(run_on_ranks):
+    # Ranks 1 and 2 see the wrong rows themselves; rank 0's 4 rows agree with torch.chunk, so it
+    # learns of the error from its peers while it waits in the all-gather, well within the timeout.
+    t = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_wrong_split, 3)
+    assert time.monotonic() - t < 30
+    errors = info.value.errors
+    assert sorted(errors) == [0, 1, 2]
     for rank in (1, 2):
-        m = messages[rank]
-        assert m is not None and "'layers.0.weight'" in m and f"shard rank {rank}" in m and "torch.chunk" in m, m
+        assert "'layers.0.weight'" in errors[rank] and f"shard rank {rank}" in errors[rank] and "torch.chunk" in errors[rank]
+    assert "CollectiveError" in errors[0] and "all_gather of 'layers.0'" in errors[0], errors[0]
+    assert "Rank 1 raised: ValueError" in errors[0] and "Rank 2 raised: ValueError" in errors[0], errors[0]
 
 
 def _default_device_is_not_used(rank, world):

@@ -17,6 +17,7 @@ from fsdpfn.comm._collectives import Pending as Pending
 from fsdpfn.comm._collectives import all_gather as all_gather
 from fsdpfn.comm._collectives import all_reduce as all_reduce
 from fsdpfn.comm._collectives import all_to_all as all_to_all
+from fsdpfn.comm._collectives import announce_failure as announce_failure
 from fsdpfn.comm._collectives import barrier as barrier
 from fsdpfn.comm._collectives import broadcast as broadcast
 from fsdpfn.comm._collectives import healthy as healthy
@@ -45,6 +46,7 @@ from fsdpfn.comm._record import CollectiveCounter as CollectiveCounter
 from fsdpfn.comm._record import FlightRecord as FlightRecord
 from fsdpfn.comm._record import count_collectives as count_collectives
 from fsdpfn.comm._record import flight_records as flight_records
+from fsdpfn.comm._record import set_job as set_job
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -58,6 +60,7 @@ __all__ = [
     "all_gather_rows",
     "all_reduce",
     "all_to_all",
+    "announce_failure",
     "arrive",
     "backend",
     "barrier",
@@ -76,6 +79,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_impl",
     "set_reduce_scatter_impl",
+    "set_job",
     "set_timeout",
     "timeout",
     "timeout_scope",

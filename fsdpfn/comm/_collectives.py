@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 import warnings
 from typing import Callable, Iterator
 
@@ -36,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from fsdpfn.comm import _groups
-from fsdpfn.comm._record import FlightRecord, peer_report, record
+from fsdpfn.comm import _record
+from fsdpfn.comm._record import FlightRecord, peer_failures, peer_report, record
 
 __all__ = [
     "CollectiveError",
     "Pending",
+    "announce_failure",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -94,7 +97,21 @@ def healthy() -> bool:
     return _health["ok"]
 
 
-def _failure(rec: FlightRecord | None, kind: str, tag: str, cause: BaseException) -> CollectiveError:
+def announce_failure(error: BaseException | str) -> None:
+    """Tells this rank's peers that it failed outside a collective: a peer waiting in a collective
+    then fails within a second with this error, instead of waiting out the timeout. The launchers
+    call it for every exception that escapes a rank's function.
+
+    Example:
+      >>> fsdpfn.comm.announce_failure(ValueError("bad batch"))   # no process group: nothing to tell
+    """
+    store = _groups.store()
+    if store is not None:
+        _record.announce_failure(store, _groups.rank(), error)
+
+
+def _failure(rec: FlightRecord | None, kind: str, tag: str, cause: BaseException | str,
+             failed: dict[int, str] | None = None) -> CollectiveError:
     me = _groups.rank()
     lines, behind = peer_report(_groups.store(), rec, me)
     what = rec.describe() if rec else f"{kind}" + (f" of {tag!r}" if tag else "")
@@ -102,6 +119,9 @@ def _failure(rec: FlightRecord | None, kind: str, tag: str, cause: BaseException
     head = f"collective {what}{size} failed on rank {me} (timeout {_groups.timeout():g} s): {str(cause).strip().splitlines()[0][:300]}"
     verdict = (f"\nRank(s) {behind} are behind: they never reached this collective (stopped, dead, or "
                "taking another code path).") if behind else ""
+    if failed:
+        behind = sorted(set(behind) | set(failed))
+        verdict += "".join(f"\nRank {r} raised: {err}" for r, err in sorted(failed.items()))
     hint = ("\nThe timeout is fsdpfn.comm.set_timeout(seconds), the FSDPFN_TIMEOUT environment variable "
             "or the demo's --timeout.")
     return CollectiveError(f"{head}\n{lines}{verdict}{hint}" if lines else f"{head}{hint}", behind)
@@ -138,14 +158,30 @@ class Pending:
         return self._done
 
 
+_SLICE = 1.0  # seconds between looks for a peer's announced failure
+
+
 def _wait(work, rec, kind: str, tag: str) -> None:
-    try:
-        if _groups.backend() == "gloo":
-            work.wait(timeout=datetime.timedelta(seconds=_groups.timeout()))
-        else:  # NCCL: the process group's own timeout (set from the same value) applies
+    """Waits at most the collective timeout, in slices, so that a peer's announced failure ends
+    the wait early (see [Note: failures reach the waiting ranks])."""
+    if _groups.backend() != "gloo":  # NCCL: the process group's own timeout (set from the same value)
+        try:
             work.wait()
-    except RuntimeError as e:
-        raise _failure(rec, kind, tag, e) from e
+        except RuntimeError as e:
+            raise _failure(rec, kind, tag, e) from e
+        return
+    deadline = time.monotonic() + _groups.timeout()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(min(left, _SLICE), 0.001)))
+            return
+        except RuntimeError as e:
+            if left <= _SLICE or "timed out" not in str(e).lower():
+                raise _failure(rec, kind, tag, e) from e
+            failed = peer_failures(_groups.store(), rec.ranks if rec else (), _groups.rank())
+            if failed:
+                raise _failure(rec, kind, tag, "a peer failed while this rank waited", failed) from e
 
 
 def _start(kind: str, group, nbytes: int, dtype: torch.dtype, tag: str, launch: Callable, output: torch.Tensor,

@@ -10,6 +10,15 @@ it starts, publishes ``seq kind tag`` with its pid and host to the process group
 rank's last record: a rank whose sequence number is lower than ours never reached this
 collective (it is behind, stopped or dead), and on one host ``/proc`` says which of those it is.
 The last records of this rank are kept in a ring buffer for the error message too.
+
+[Note: failures reach the waiting ranks]
+A rank that raises outside a collective (a ValueError in its own input checks, a bug) leaves
+its peers waiting in the next collective. The launchers (:func:`fsdpfn.launch.launch`,
+:func:`fsdpfn.testing.run_on_ranks`) therefore announce a rank's exception in the store
+(:func:`announce_failure`), and a rank waiting in a collective looks for announcements from its
+group once a second: it fails at once with the peer's error instead of waiting out the timeout.
+Announcements carry the current job label (:func:`set_job`) so a persistent worker pool never
+acts on one left over from an earlier job.
 """
 
 from __future__ import annotations
@@ -29,9 +38,12 @@ __all__ = [
     "CollectiveCall",
     "CollectiveCounter",
     "FlightRecord",
+    "announce_failure",
     "count_collectives",
     "flight_records",
+    "peer_failures",
     "record",
+    "set_job",
 ]
 
 
@@ -133,8 +145,41 @@ class FlightRecord(NamedTuple):
 
 
 _HISTORY = 32
-_flight = {"seq": 0, "records": collections.deque(maxlen=_HISTORY)}
+_flight = {"seq": 0, "records": collections.deque(maxlen=_HISTORY), "job": ""}
 _STORE_PREFIX = "fsdpfn/flight/"
+_FAILED_PREFIX = "fsdpfn/failed/"
+
+
+def set_job(label: str) -> None:
+    """Labels the work this process does from now on (see [Note: failures reach the waiting
+    ranks]); a worker pool calls it with a new label for every task."""
+    _flight["job"] = str(label)
+
+
+def announce_failure(store, rank: int, error: BaseException | str) -> None:
+    """Tells the peers that ``rank`` failed outside a collective, so their waits end at once."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    value = {"job": _flight["job"], "error": text.strip().splitlines()[-1][:400] if text.strip() else "", **_me()}
+    with contextlib.suppress(Exception):
+        store.set(f"{_FAILED_PREFIX}{rank}", json.dumps(value))
+
+
+def peer_failures(store, ranks, me: int) -> dict[int, str]:
+    """``{rank: error}`` for the peers among ``ranks`` that announced a failure in this job."""
+    out = {}
+    for r in ranks:
+        key = f"{_FAILED_PREFIX}{r}"
+        if r == me:
+            continue
+        try:
+            if not store.check([key]):
+                continue
+            value = json.loads(store.get(key))
+        except Exception:  # noqa: BLE001 - a store we cannot read announces nothing
+            continue
+        if value.get("job") == _flight["job"]:
+            out[r] = value.get("error", "")
+    return out
 
 
 def flight_records() -> list[FlightRecord]:

@@ -60,9 +60,11 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
         if task is None:
             break
         task_id, fn, args, kwargs = task
+        comm.set_job(f"task {task_id}")
         try:
             out = ("ok", fn(rank, world_size, *args, **kwargs))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            comm.announce_failure(e)
             out = ("error", traceback.format_exc())
         # A failed collective leaves the groups out of step with the peers: the caller restarts
         # the pool rather than run the next test on them.
