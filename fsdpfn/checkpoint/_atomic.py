@@ -30,6 +30,7 @@ import shutil
 import warnings
 
 from fsdpfn.checkpoint._manifest import INFO, METADATA, CheckpointError, check_present, read_manifest
+from fsdpfn.checkpoint._manifest import verify as verify_files
 
 __all__ = ["candidates", "check_complete", "commit", "latest", "partial_dir", "prune", "resolve"]
 
@@ -106,21 +107,24 @@ def candidates(root: str) -> list[str]:
 
 
 def skipped_warning(what: str, skipped: list[tuple[str, str]], used: str | None) -> str:
-    lines = "\n".join(f"  {path}: {reason}" for path, reason in skipped)
+    lines = "\n".join(f"  {os.path.basename(path)}: {reason}" for path, reason in skipped)
     tail = f"; using {used!r}" if used else "; no intact checkpoint is left"
     return f"{what}: skipped {len(skipped)} checkpoint(s) that are missing, incomplete or damaged{tail}:\n{lines}"
 
 
-def latest(root: str | os.PathLike) -> str | None:
+def latest(root: str | os.PathLike, *, verify: bool = False) -> str | None:
     """The newest complete checkpoint directory under ``root``, or ``None`` if there is none.
 
-    A checkpoint that ``root/latest`` names but that is missing or incomplete (a file gone,
-    truncated, or an unparsable ``fsdpfn.json``) is skipped with a warning naming it and why,
-    and the newest complete one before it is returned instead (see [Note: falling back]). This
-    checks sizes only; :func:`fsdpfn.checkpoint.load` also verifies checksums.
+    A checkpoint that ``root/latest`` names but that is missing or incomplete (a file gone or
+    truncated, an unparsable ``fsdpfn.json``) is skipped with a warning naming it and why, and
+    the newest complete one before it is returned instead (see [Note: falling back]).
 
-    ``root`` may also be a checkpoint directory itself, which is returned as is (a load of it
-    raises if it is damaged: an explicit directory never falls back).
+    Args:
+      root: a checkpoint root; or a checkpoint directory, which is returned as is (a load of it
+        raises if it is damaged: an explicit directory never falls back).
+      verify: also compare every file's SHA-256 with the manifest (reads the whole checkpoint;
+        by default only sizes are checked, and :func:`fsdpfn.checkpoint.load` verifies the
+        checksums of what it reads).
 
     Example:
       >>> latest("runs/gpt/ckpt")  # doctest: +SKIP
@@ -132,7 +136,9 @@ def latest(root: str | os.PathLike) -> str | None:
     skipped = []
     for ckpt in candidates(root):
         try:
-            check_complete(ckpt)
+            info = check_complete(ckpt)
+            if verify:
+                verify_files(ckpt, info, info.get("files") or ())
         except CheckpointError as e:
             skipped.append((ckpt, str(e)))
             continue

@@ -29,6 +29,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
@@ -44,6 +45,14 @@ def _quiet_no_dist():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _unwrapped(e: CheckpointException) -> BaseException:
+    """DCP wraps a failure in a ``CheckpointException``, a ``BaseException`` that ``except
+    Exception`` does not catch; the original (a full disk's ``OSError``) is more useful."""
+    for failure in getattr(e, "failures", {}).values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return RuntimeError(str(e))
 
 
 def rank_dir(rank: int) -> str:
@@ -73,8 +82,11 @@ def write(tensors: dict[str, torch.Tensor], directory: str) -> Metadata | None:
     storage entries name files relative to ``directory``), or ``None`` if there is nothing."""
     if not tensors:
         return None
-    with _quiet_no_dist():
-        meta = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+    try:
+        with _quiet_no_dist():
+            meta = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+    except CheckpointException as e:
+        raise _unwrapped(e) from None
     # Superseded by the merged root .metadata; every file left is listed in the manifest.
     os.remove(os.path.join(directory, METADATA))
     return meta
@@ -171,8 +183,11 @@ def read(targets: dict[str, torch.Tensor], ckpt: str) -> None:
         return
     reader = _Reader(ckpt)
     try:
-        with _quiet_no_dist():
-            dcp.load(targets, storage_reader=reader, no_dist=True)
+        try:
+            with _quiet_no_dist():
+                dcp.load(targets, storage_reader=reader, no_dist=True)
+        except CheckpointException as e:
+            raise _unwrapped(e) from None
     except Exception as e:
         where = f"{os.path.join(ckpt, reader.current)!r}" if reader.current else f"checkpoint {ckpt!r}"
         raise CheckpointError(f"reading {where} failed: {type(e).__name__}: {str(e).strip()[:500]}",
