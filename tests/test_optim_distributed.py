@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fsdpfn
 from fsdpfn import optim, testing
 from fsdpfn.models import GPT, GPTConfig
-from fsdpfn.optim._distributed_ns import chunk_rows
+from fsdpfn._plan import chunk_bounds
 
 # Row counts chosen for uneven and empty shards on 2, 3 and 4 ranks (5 over 4 -> 2, 2, 1, 0;
 # 3 over 4 -> 1, 1, 1, 0), tall and wide matrices, two of one shape (batched by the owner),
@@ -47,7 +47,7 @@ def _shard(full, mesh):
     world, rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
     out = {}
     for n, t in full.items():
-        local = t[slice(*chunk_rows(t.shape[0], world, rank))] if t.dim() else t
+        local = t[slice(*chunk_bounds(t.shape[0], world, rank))] if t.dim() else t
         out[n] = DTensor.from_local(local.clone(), mesh, _placements(mesh, t.dim()), run_check=False, shape=t.shape, stride=t.stride())
     return out
 

@@ -1,5 +1,9 @@
 """Optax-style optimizers over (sharded) parameter pytrees: AdamW, SGD, Muon, combinators.
 
+Every factory checks its settings when called (a ``ValueError`` naming the setting, on every
+rank before any collective); :func:`apply_if_finite` skips steps with NaN or inf gradients on
+every rank alike.
+
 Example:
   >>> opt = fsdpfn.optim.muon(lr=0.02)  # doctest: +SKIP
   >>> state = opt.init(params)  # doctest: +SKIP
@@ -17,6 +21,8 @@ from fsdpfn.optim._base import partition as partition
 from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
 from fsdpfn.optim._clip import global_norm as global_norm
 from fsdpfn.optim._distributed_ns import orthogonalize as orthogonalize
+from fsdpfn.optim._finite import ApplyIfFiniteState as ApplyIfFiniteState
+from fsdpfn.optim._finite import apply_if_finite as apply_if_finite
 from fsdpfn.optim._muon import MuonLRState as MuonLRState
 from fsdpfn.optim._muon import ScaleByMuonState as ScaleByMuonState
 from fsdpfn.optim._muon import muon as muon
@@ -34,6 +40,7 @@ from fsdpfn.optim._sgd_adamw import sgd as sgd
 
 __all__ = [
     "AdamWState",
+    "ApplyIfFiniteState",
     "EmptyState",
     "GradientTransformation",
     "MuonLRState",
@@ -41,6 +48,7 @@ __all__ = [
     "SGDState",
     "ScaleByMuonState",
     "adamw",
+    "apply_if_finite",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import optree
 
+from fsdpfn.optim._checks import check_transform
 from fsdpfn.optim._tree import like, local, named_leaves
 
 __all__ = [
@@ -83,12 +84,20 @@ def apply_updates(params: Any, updates: Any) -> Any:
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Runs ``transforms`` one after another; the state is the tuple of their states.
 
+    Raises:
+      ValueError: an argument is not a transform (e.g. a list of them: unpack it with
+        ``chain(*transforms)``), raised when built.
+
     Example:
       >>> opt = fsdpfn.optim.chain(fsdpfn.optim.clip_by_global_norm(1.0), fsdpfn.optim.sgd(0.1))
       >>> state = opt.init({"w": torch.zeros(2)})
       >>> len(state)
       2
     """
+    for i, t in enumerate(transforms):
+        if isinstance(t, (list, tuple)) and not hasattr(t, "init"):
+            raise ValueError(f"chain: argument {i} is a {type(t).__name__} of transforms; pass them as separate arguments, chain(*transforms)")
+        check_transform("chain", f"argument {i}", t)
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
@@ -158,7 +167,9 @@ def partition(transforms: Mapping[str, GradientTransformation], labels: Labels) 
       A transform whose state is :class:`PartitionState`.
 
     Raises:
-      ValueError: a leaf has no label or a label names no transform (the message names it).
+      ValueError: when built, ``transforms`` is not a non-empty mapping of transforms or
+        ``labels`` is ``None``; at ``init``/``update``, a leaf has no label or a label names no
+        transform (the message names it).
 
     Example:
       >>> opt = fsdpfn.optim.partition(
@@ -169,6 +180,12 @@ def partition(transforms: Mapping[str, GradientTransformation], labels: Labels) 
       >>> updates
       {'a': tensor([-1.]), 'b': tensor([-0.1000])}
     """
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise ValueError(f"partition: transforms must be a non-empty dict {{label: transform}}, got {transforms!r:.80}")
+    for k, t in transforms.items():
+        check_transform("partition", f"transforms[{k!r}]", t)
+    if labels is None:
+        raise ValueError("partition: labels=None is invalid: pass a tree of labels shaped like the parameters, or a function of the parameters returning one")
     transforms = dict(transforms)
 
     def init(params):

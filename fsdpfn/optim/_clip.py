@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsdpfn.optim._base import EmptyState, GradientTransformation
+from fsdpfn.optim._checks import check_real
 from fsdpfn.optim._tree import map_local
 from fsdpfn import comm as C
 
@@ -62,17 +63,48 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scales updates by ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``
     does, with ``norm`` the :func:`global_norm` over all leaves, shards and ranks.
 
+    A non-finite norm (a NaN or inf in any leaf on any rank, or finite values whose squares
+    overflow) makes every leaf of the result NaN, never a zero or partly zeroed step: see
+    [Note: clipping a non-finite norm]. The guard is :func:`apply_if_finite`, which skips such a
+    step on every rank. Around the whole chain,
+    ``apply_if_finite(chain(clip_by_global_norm(1.0), adamw(1e-3)), 5)``, it checks the
+    gradients before they are clipped; after the clip,
+    ``chain(clip_by_global_norm(1.0), apply_if_finite(adamw(1e-3), 5))``, it also catches finite
+    gradients whose norm overflows.
+
+    Args:
+      max_norm: the largest global norm let through, a finite number > 0.
+
+    Raises:
+      ValueError: ``max_norm`` is not a finite number > 0 (raised when built).
+
     Example:
       >>> opt = fsdpfn.optim.clip_by_global_norm(1.0)
       >>> updates, _ = opt.update({"w": torch.tensor([3.0, 4.0])}, opt.init(None))
       >>> updates["w"]
       tensor([0.6000, 0.8000])
+      >>> opt.update({"w": torch.tensor([3.0, float("inf")]), "b": torch.ones(1)}, opt.init(None))[0]["b"]
+      tensor([nan])
     """
-    if max_norm <= 0:
-        raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}")
+    max_norm = check_real(
+        "clip_by_global_norm", "max_norm", max_norm, lo=0.0, lo_open=True, fix="To not clip, leave clip_by_global_norm out of the chain."
+    )
 
     def update(updates, state, params=None):
-        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
+        norm = global_norm(updates)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.nan)  # [Note: clipping a non-finite norm]
         return map_local(lambda u: u * coef.to(u.dtype), updates), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
+
+
+# [Note: clipping a non-finite norm]
+# torch's clip_grad_norm_ (error_if_nonfinite=False) scales by max_norm / norm as it comes: a NaN
+# norm gives NaN everywhere, but an inf norm gives a factor of 0, which zeroes every finite leaf
+# and turns the inf entries into NaN; and finite gradients whose squares overflow fp32 give a
+# step of exact zeros, a silently lost step that nothing downstream can tell from a real one.
+# Here any non-finite norm gives a NaN factor, so a bad step is NaN on every leaf: it cannot pass
+# for a small or zero step, and apply_if_finite sees it wherever it sits in the chain. The
+# choice costs no host sync (raising, as error_if_nonfinite=True does, would need one per step);
+# finite norms are scaled exactly as torch scales them.

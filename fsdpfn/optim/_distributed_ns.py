@@ -2,9 +2,10 @@
 
 Muon leaves arrive as DTensors sharded ``Shard(0)`` over one mesh dimension (the shard group;
 under HSDP the other dimension is ``Replicate()`` and each replicate group computes the same
-thing) or replicated, or as plain tensors. Local rows follow ``torch.chunk``: ``R`` rows over
-``W`` ranks give rank ``r`` rows ``[min(r c, R), min((r+1) c, R))`` with ``c = ceil(R / W)``, so
-shards can be uneven or empty.
+thing) or replicated, or as plain tensors. Local rows follow ``torch.chunk``
+(:func:`fsdpfn._plan.chunk_bounds`, the one definition of the split): ``R`` rows over ``W`` ranks
+give rank ``r`` rows ``[min(r c, R), min((r+1) c, R))`` with ``c = ceil(R / W)``, so shards can
+be uneven or empty.
 
 [Note: the two layouts]
 ``"gather"`` (the simple baseline): one all-gather brings every full matrix to every rank (local
@@ -33,19 +34,15 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_method, newton_schulz, newton_schulz_flops
+from fsdpfn._plan import chunk_bounds, chunk_size
+from fsdpfn.optim._checks import check_choice
+from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops
 from fsdpfn.optim._tree import like
 from fsdpfn import comm as C
 
-__all__ = ["LAYOUTS", "assign_owners", "chunk_rows", "orthogonalize"]
+__all__ = ["LAYOUTS", "assign_owners", "orthogonalize"]
 
 LAYOUTS = ("gather", "owner")
-
-
-def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """``[start, stop)`` of ``rank``'s rows when ``rows`` are split like ``torch.chunk``."""
-    c = -(-rows // world) if rows else 0
-    return min(rank * c, rows), min((rank + 1) * c, rows)
 
 
 def assign_owners(flops: list[int], world: int, base_load: list[int] | None = None) -> list[int]:
@@ -129,11 +126,15 @@ def orthogonalize(
     Returns:
       One tensor per leaf in the compute dtype: DTensors with the input's placements, plain
       tensors for plain inputs. Equals :func:`newton_schulz` of the full tensor, row for row.
+
+    Raises:
+      ValueError: a setting is invalid (see :func:`check_settings`), on every rank before any
+        collective; or a leaf is not a matrix (every rank holds the same leaves, so every rank).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"Muon layout must be one of {LAYOUTS}, got {layout!r}")
+    # Host-side checks, the same verdict on every rank, before any rank communicates.
+    check_choice("orthogonalize", "layout", layout, LAYOUTS)
+    check_settings("orthogonalize", steps, coeffs, eps, dtype, method, gram_restarts)
     ns = _NS(steps, tuple(coeffs), eps, dtype, method, tuple(gram_restarts))
-    check_method(method, steps, gram_restarts)  # fails on every rank, before any collective
     out: list[Any] = [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
     meshes: dict[tuple, tuple[Any, int]] = {}
@@ -167,7 +168,7 @@ def _gather(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> li
     chunks = []
     for x in xs:
         rows = x.shape[0]
-        c = -(-rows // world) if rows else 0
+        c = chunk_size(rows, world)
         row_numel = math.prod(x.shape[1:])
         chunks.append((rows, c, row_numel))
     total = sum(c * rn for _, c, rn in chunks)
@@ -185,7 +186,7 @@ def _gather(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> li
     for x, (rows, c, rn) in zip(xs, chunks):
         full = stacked[:, off : off + c * rn].reshape(world * c, *x.shape[1:])[:rows]
         off += c * rn
-        start, stop = chunk_rows(rows, world, rank)
+        start, stop = chunk_bounds(rows, world, rank)
         results.append(ns(full)[start:stop].clone())
     return results
 
@@ -207,7 +208,7 @@ def owner_plan(
     for shape in shapes:
         if len(shape) > 2:
             for q in range(world):
-                start, stop = chunk_rows(shape[0], world, q)
+                start, stop = chunk_bounds(shape[0], world, q)
                 loads[q] += flops((stop - start, *shape[1:]))
     mats = [i for i, s in enumerate(shapes) if len(s) == 2]
     owners2 = assign_owners([flops(shapes[i]) for i in mats], world, loads)
@@ -237,7 +238,7 @@ def _owner(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> lis
         return results
 
     def numel(i: int, src: int) -> int:
-        start, stop = chunk_rows(shapes[i][0], world, src)
+        start, stop = chunk_bounds(shapes[i][0], world, src)
         return (stop - start) * shapes[i][1]
 
     # Out: my rows of every matrix, grouped by owner.
@@ -268,14 +269,14 @@ def _owner(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> lis
                 ortho[i] = o
 
     # Back: the transpose of the first all-to-all.
-    back = [ortho[i][slice(*chunk_rows(shapes[i][0], world, src))].reshape(-1) for src in range(world) for i in owned_by[rank]]
+    back = [ortho[i][slice(*chunk_bounds(shapes[i][0], world, src))].reshape(-1) for src in range(world) for i in owned_by[rank]]
     back_in = _cat(back, ns.dtype or send)
     back_out = torch.empty(sum(send_splits), dtype=back_in.dtype)
     C.all_to_all(back_out, back_in, group, output_splits=send_splits, input_splits=recv_splits, tag="muon_owner")
     off = 0
     for s in range(world):
         for i in owned_by[s]:
-            start, stop = chunk_rows(shapes[i][0], world, rank)
+            start, stop = chunk_bounds(shapes[i][0], world, rank)
             n = (stop - start) * shapes[i][1]
             results[i] = back_out[off : off + n].view(stop - start, shapes[i][1])
             off += n

@@ -12,15 +12,27 @@ import optree
 import torch
 
 from fsdpfn.optim._base import GradientTransformation, chain, partition
+from fsdpfn.optim._checks import check_choice, check_real, check_schedule
 from fsdpfn.optim._distributed_ns import LAYOUTS, orthogonalize
-from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, NS_METHODS, check_method
-from fsdpfn.optim._schedules import ScalarOrSchedule, resolve
+from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, check_settings
+from fsdpfn.optim._schedules import ScalarOrSchedule
 from fsdpfn.optim._sgd_adamw import adamw
 from fsdpfn.optim._tree import like, local, map_local, named_leaves, zeros_like_tree
 
 __all__ = ["MuonLRState", "ScaleByMuonState", "muon", "muon_labels", "scale_by_muon", "scale_by_muon_lr"]
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
+_MOMENTUM_FIX = "It is the old buffer's weight in lerp(b, g, 1 - momentum): at 1 the buffer never moves. 0.95 is the reference."
+
+
+def _check_muon(who: str, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts) -> float:
+    """Every setting of :func:`scale_by_muon`, named as ``who``'s caller wrote them."""
+    momentum = check_real(who, "momentum", momentum, lo=0.0, hi=1.0, hi_open=True, fix=_MOMENTUM_FIX)
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"{who}: nesterov={nesterov!r} is invalid: nesterov must be True or False.")
+    check_settings(who, ns_steps, ns_coeffs, eps, ns_dtype, ns_method, gram_restarts, prefix="ns_", min_steps=1)
+    check_choice(who, "layout", layout, LAYOUTS)
+    return momentum
 
 
 class ScaleByMuonState(NamedTuple):
@@ -66,6 +78,12 @@ def scale_by_muon(
         (the same polynomial computed on the Gram matrix: fewer FLOPs on matrices wider than
         1.5:1, equal up to rounding); see :func:`newton_schulz`.
 
+    Raises:
+      ValueError: when built, on every rank alike: ``momentum`` outside ``[0, 1)``, ``ns_steps``
+        not an int >= 1, ``ns_coeffs`` not three finite numbers, ``eps`` not > 0, ``ns_dtype``
+        not a floating dtype or ``None``, an unknown ``layout`` or ``ns_method``, restarts
+        outside ``1 .. ns_steps-1``. The message names the setting.
+
     Example:
       >>> opt = fsdpfn.optim.scale_by_muon()
       >>> g = {"w": torch.randn(8, 16)}
@@ -77,13 +95,8 @@ def scale_by_muon(
       Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
       https://kellerjordan.github.io/posts/muon/
     """
-    if momentum < 0:
-        raise ValueError(f"scale_by_muon: momentum must be >= 0, got {momentum}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"scale_by_muon: layout must be one of {LAYOUTS}, got {layout!r}")
-    if ns_method not in NS_METHODS:
-        raise ValueError(f"scale_by_muon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-    check_method(ns_method, ns_steps, gram_restarts)  # now, not at the first step
+    # Now, on every rank, not at the first step on the ranks that own a matrix.
+    momentum = _check_muon("scale_by_muon", momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts)
 
     def init(params):
         return ScaleByMuonState(zeros_like_tree(params))
@@ -123,6 +136,15 @@ def scale_by_muon_lr(lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_
     AdamW's so AdamW's learning rate and weight decay carry over), with rows and cols the last two
     dimensions of the global shape. Weight decay is decoupled and uses the unadjusted ``lr``.
 
+    Args:
+      lr: a number >= 0 or a schedule of the step count (called at step 0 when built, and its
+        value checked at every step).
+      weight_decay: decoupled weight decay, >= 0.
+      adjust_lr_fn: ``"original"``, ``"match_rms_adamw"``, or ``None`` for ``"original"``.
+
+    Raises:
+      ValueError: a setting is out of range (the message names it), raised when built.
+
     Example:
       >>> opt = fsdpfn.optim.scale_by_muon_lr(0.1, adjust_lr_fn="original")
       >>> u, _ = opt.update({"w": torch.ones(4, 1)}, opt.init(None))
@@ -133,10 +155,10 @@ def scale_by_muon_lr(lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_
       Jingyuan Liu et al., "Muon is Scalable for LLM Training" (Moonlight), 2025,
       https://arxiv.org/abs/2502.16982
     """
-    adjust_lr_fn = "original" if adjust_lr_fn is None else adjust_lr_fn
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} (or None for 'original'), got {adjust_lr_fn!r}")
-    schedule = resolve(lr)
+    who = "scale_by_muon_lr"
+    schedule = check_schedule(who, "lr", lr)
+    weight_decay = check_real(who, "weight_decay", weight_decay, lo=0.0)
+    adjust_lr_fn = check_choice(who, "adjust_lr_fn", adjust_lr_fn, (None, *ADJUST_LR_FNS)) or "original"
 
     def update(updates, state, params=None):
         step_lr = schedule(state.count)
@@ -243,6 +265,11 @@ def muon(
       adamw_betas, adamw_eps: AdamW settings.
       adamw_weight_decay: AdamW weight decay; ``None`` uses ``weight_decay``.
 
+    Raises:
+      ValueError: a setting is out of range (as in :func:`scale_by_muon`,
+        :func:`scale_by_muon_lr` and :func:`adamw`: the message names this function's argument,
+        e.g. ``adamw_betas``), raised when built, on every rank, before any collective.
+
     Example:
       >>> opt = fsdpfn.optim.muon(lr=0.02)
       >>> params = {"fc.weight": torch.randn(8, 16), "fc.bias": torch.zeros(8)}
@@ -256,6 +283,20 @@ def muon(
       Jingyuan Liu et al., "Muon is Scalable for LLM Training" (Moonlight), 2025,
       https://arxiv.org/abs/2502.16982
     """
+    # Checked under this function's names first, so that an error names the argument passed here
+    # (adamw_betas, not adamw's b1); the factories below check again and agree.
+    who = "muon"
+    check_schedule(who, "lr", lr)
+    _check_muon(who, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts)
+    check_real(who, "weight_decay", weight_decay, lo=0.0)
+    check_choice(who, "adjust_lr_fn", adjust_lr_fn, (None, *ADJUST_LR_FNS))
+    if adamw_lr is not None:
+        check_schedule(who, "adamw_lr", adamw_lr)
+    _check_betas(who, "adamw_betas", adamw_betas)
+    check_real(who, "adamw_eps", adamw_eps, lo=0.0)
+    if adamw_weight_decay is not None:
+        check_real(who, "adamw_weight_decay", adamw_weight_decay, lo=0.0)
+    labels_tree = _labels_tree(labels)
     muon_part = chain(
         scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts),
         scale_by_muon_lr(lr, weight_decay, adjust_lr_fn),
@@ -267,4 +308,15 @@ def muon(
         adamw_eps,
         weight_decay if adamw_weight_decay is None else adamw_weight_decay,
     )
-    return partition({"muon": muon_part, "adamw": adam_part}, _labels_tree(labels))
+    return partition({"muon": muon_part, "adamw": adam_part}, labels_tree)
+
+
+def _check_betas(who: str, name: str, betas: Any) -> None:
+    try:
+        pair = tuple(betas)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2:
+        raise ValueError(f"{who}: {name}={betas!r} is invalid: {name} must be a pair (b1, b2), e.g. (0.9, 0.999).")
+    for i, b in enumerate(pair):
+        check_real(who, f"{name}[{i}]", b, lo=0.0, hi=1.0, hi_open=True, fix="Decay rates are in [0, 1), e.g. (0.9, 0.999).")

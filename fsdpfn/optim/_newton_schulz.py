@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-__all__ = ["DEFAULT_GRAM_RESTARTS", "DEFAULT_NS_COEFFS", "NS_METHODS", "newton_schulz", "newton_schulz_flops"]
+from fsdpfn.optim._checks import check_choice, check_int, check_real
+
+__all__ = ["DEFAULT_GRAM_RESTARTS", "DEFAULT_NS_COEFFS", "NS_METHODS", "check_settings", "newton_schulz", "newton_schulz_flops"]
 
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 DEFAULT_GRAM_RESTARTS = (2,)
@@ -57,6 +61,9 @@ def newton_schulz(
     Returns:
       A tensor shaped like ``x``. ``x`` is not modified.
 
+    Raises:
+      ValueError: ``x`` is not a matrix, or a setting is invalid (see :func:`check_settings`).
+
     Example:
       >>> o = fsdpfn.optim.newton_schulz(torch.randn(3, 16, 32), dtype=torch.float32)
       >>> s = torch.linalg.svdvals(o)
@@ -72,9 +79,7 @@ def newton_schulz(
     """
     if x.dim() < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
-    if steps < 0:
-        raise ValueError(f"newton_schulz: steps must be >= 0, got {steps}")
-    restarts = check_method(method, steps, gram_restarts)
+    restarts = check_settings("newton_schulz", steps, coeffs, eps, dtype, method, gram_restarts)
     a, b, c = coeffs
     X = x.to(dtype) if dtype is not None else x
     if X is x:
@@ -140,18 +145,67 @@ def _gram_iterations(X: torch.Tensor, steps: int, a: float, b: float, c: float, 
     return Q @ X
 
 
-def check_method(method: str, steps: int, gram_restarts: tuple[int, ...]) -> frozenset[int]:
+def check_method(method: str, steps: int, gram_restarts: tuple[int, ...], *, who: str = "newton_schulz", prefix: str = "") -> frozenset[int]:
     """``gram_restarts`` as a set, once ``method`` and the restarts are known to fit ``steps``."""
-    if method not in NS_METHODS:
-        raise ValueError(f"newton_schulz: method must be one of {NS_METHODS}, got {method!r}")
-    restarts = frozenset(int(i) for i in gram_restarts)
+    check_choice(who, f"{prefix}method", method, NS_METHODS)
+    try:
+        restarts = frozenset(gram_restarts)
+    except TypeError:
+        raise ValueError(f"{who}: gram_restarts={gram_restarts!r} is invalid: pass a tuple of iteration numbers, e.g. (2,), or () for none.") from None
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in restarts):
+        raise ValueError(f"{who}: gram_restarts={gram_restarts!r} is invalid: every restart must be an int iteration number.")
     bad = sorted(i for i in restarts if not 1 <= i < steps)
     if method == "gram" and bad:
         raise ValueError(
-            f"newton_schulz: gram_restarts {bad} are not iterations 1 .. {steps - 1} of steps={steps}; "
+            f"{who}: gram_restarts {bad} are not iterations 1 .. {steps - 1} of {prefix}steps={steps}; "
             "pass restart iterations inside that range, or () for none"
         )
-    return restarts
+    return frozenset(int(i) for i in restarts)
+
+
+def check_settings(
+    who: str,
+    steps: int,
+    coeffs: tuple[float, float, float],
+    eps: float,
+    dtype: torch.dtype | None,
+    method: str,
+    gram_restarts: tuple[int, ...],
+    *,
+    prefix: str = "",
+    min_steps: int = 0,
+) -> frozenset[int]:
+    """Checks every Newton–Schulz setting (host-side only: see ``fsdpfn/optim/_checks.py``,
+    [Note: validate when built]) and returns the restarts as a set.
+
+    ``prefix`` is how the caller names them (``"ns_"`` in :func:`scale_by_muon`: ``ns_steps``,
+    ``ns_coeffs``, ``ns_dtype``, ``ns_method``). ``steps >= min_steps`` and an int; ``coeffs``
+    three finite numbers; ``eps > 0`` (it floors the normalising norm: at 0 a zero matrix, e.g.
+    the gradient of an unused layer, would divide 0 by 0); ``dtype`` a floating dtype or
+    ``None``; ``method`` and ``gram_restarts`` as :func:`newton_schulz` says.
+
+    Example:
+      >>> check_settings("muon", 5, DEFAULT_NS_COEFFS, 1e-7, torch.bfloat16, "gram", (2,))
+      frozenset({2})
+    """
+    fix = "5 is the Muon reference." if min_steps >= 1 else ""
+    steps = check_int(who, f"{prefix}steps", steps, lo=min_steps, fix=fix)
+    name = f"{prefix}coeffs"
+    try:
+        parts = tuple(coeffs)
+    except TypeError:
+        parts = ()
+    if len(parts) != 3:
+        raise ValueError(f"{who}: {name}={coeffs!r} is invalid: {name} must be three numbers (a, b, c), e.g. {DEFAULT_NS_COEFFS}.")
+    for i, c in enumerate(parts):
+        check_real(who, f"{name}[{i}]", c, fix=f"The default is {DEFAULT_NS_COEFFS}.")
+    check_real(who, "eps", eps, lo=0.0, lo_open=True, fix="It floors the norm Newton–Schulz divides by; 1e-7 is torch's.")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(
+            f"{who}: {prefix}dtype={dtype!r} is invalid: pass a floating torch.dtype (torch.bfloat16, torch.float32) "
+            "or None for the input's dtype."
+        )
+    return check_method(method, steps, gram_restarts, who=who, prefix=prefix)
 
 
 def _standard_flops(m: int, n: int, steps: int) -> int:
@@ -186,7 +240,8 @@ def newton_schulz_flops(
     count = 1
     for d in batch:
         count *= d
-    restarts = check_method(method, steps, gram_restarts)
+    steps = check_int("newton_schulz_flops", "steps", steps, lo=0)
+    restarts = check_method(method, steps, gram_restarts, who="newton_schulz_flops")
     if method == "gram" and _gram_is_cheaper(m, n, steps, restarts):
         return count * _gram_flops(m, n, steps, restarts)
     return count * _standard_flops(m, n, steps)

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fsdpfn.optim._base import GradientTransformation
-from fsdpfn.optim._schedules import ScalarOrSchedule, resolve
+from fsdpfn.optim._checks import check_real, check_schedule
+from fsdpfn.optim._schedules import ScalarOrSchedule
 from fsdpfn.optim._tree import map_local, zeros_like_tree
 
 __all__ = ["AdamWState", "SGDState", "adamw", "sgd"]
@@ -47,10 +48,15 @@ def sgd(
     ``g + momentum * b`` with nesterov, else ``b``; the update is ``-lr * step``.
 
     Args:
-      lr: a number or a schedule of the step count.
+      lr: a number >= 0 or a schedule of the step count (called at step 0 when built, and its
+        value checked at every step: see ``fsdpfn/optim/_checks.py``).
       momentum: momentum factor, >= 0.
       nesterov: Nesterov momentum (needs ``momentum > 0``).
-      weight_decay: L2 penalty added to the gradient.
+      weight_decay: L2 penalty added to the gradient, >= 0.
+
+    Raises:
+      ValueError: a setting is out of the range above (the message names it), raised here, when
+        the transform is built, never inside a collective.
 
     Example:
       >>> opt = fsdpfn.optim.sgd(0.1, momentum=0.9)
@@ -59,11 +65,13 @@ def sgd(
       >>> updates["w"]
       tensor([-0.1000, -0.1000])
     """
-    if momentum < 0:
-        raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
-    if nesterov and momentum <= 0:
-        raise ValueError("sgd: nesterov=True needs momentum > 0")
-    schedule = resolve(lr)
+    schedule = check_schedule("sgd", "lr", lr)
+    momentum = check_real("sgd", "momentum", momentum, lo=0.0, fix="Pass 0 for plain SGD.")
+    weight_decay = check_real("sgd", "weight_decay", weight_decay, lo=0.0)
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"sgd: nesterov={nesterov!r} is invalid: nesterov must be True or False.")
+    if nesterov and momentum == 0:
+        raise ValueError("sgd: nesterov=True needs momentum > 0 (as torch.optim.SGD), got momentum=0. Pass momentum=0.9, or nesterov=False.")
 
     def init(params):
         return SGDState(0, zeros_like_tree(params) if momentum else None)
@@ -116,10 +124,15 @@ def adamw(
     parameters agree to about one ulp per step, not bitwise.
 
     Args:
-      lr: a number or a schedule of the step count.
-      b1, b2: moment decay rates.
-      eps: added to the denominator.
-      weight_decay: decoupled weight decay (scaled by the learning rate, as torch does).
+      lr: a number >= 0 or a schedule of the step count (called at step 0 when built, and its
+        value checked at every step).
+      b1, b2: moment decay rates, in ``[0, 1)``.
+      eps: added to the denominator, >= 0.
+      weight_decay: decoupled weight decay (scaled by the learning rate, as torch does), >= 0.
+
+    Raises:
+      ValueError: a setting is out of the range above (the message names it), raised when the
+        transform is built.
 
     Example:
       >>> opt = fsdpfn.optim.adamw(1e-3, weight_decay=0.0)
@@ -131,7 +144,12 @@ def adamw(
     References:
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
-    schedule = resolve(lr)
+    schedule = check_schedule("adamw", "lr", lr)
+    beta_fix = "Decay rates are in [0, 1): torch.optim.AdamW's betas=(0.9, 0.999) are b1=0.9, b2=0.999."
+    b1 = check_real("adamw", "b1", b1, lo=0.0, hi=1.0, hi_open=True, fix=beta_fix)
+    b2 = check_real("adamw", "b2", b2, lo=0.0, hi=1.0, hi_open=True, fix=beta_fix)
+    eps = check_real("adamw", "eps", eps, lo=0.0, fix="Pass a small positive value such as 1e-8.")
+    weight_decay = check_real("adamw", "weight_decay", weight_decay, lo=0.0)
 
     def init(params):
         return AdamWState(0, zeros_like_tree(params), zeros_like_tree(params))
