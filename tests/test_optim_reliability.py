@@ -91,7 +91,6 @@ BAD = [
     ("lr_schedule", optim.adamw, dict(lr=lambda count: 1 / count), "lr", "ZeroDivisionError"),
     ("lr_schedule", optim.muon, dict(lr=sched(-1.0, 0, 10)), "lr(0)", "-1.0"),
     ("lr_schedule", optim.muon, dict(adamw_lr=lambda count: None), "adamw_lr(0)", "None"),
-    ("chain", optim.chain, dict(), None, None),  # placeholder replaced below (positional args)
     ("partition", optim.partition, dict(transforms={}, labels={}), "transforms", "{}"),
     ("partition", optim.partition, dict(transforms={"a": 42}, labels={}), "transforms['a']", "42"),
     ("partition", optim.partition, dict(transforms={"a": optim.sgd(0.1)}, labels=None), "labels", "None"),
@@ -103,7 +102,7 @@ BAD = [
     ("newton_schulz", optim.orthogonalize, dict(leaves=[], names=[], layout="everywhere"), "layout", "'everywhere'"),
     ("newton_schulz", optim.newton_schulz_flops, dict(shape=(4, 8), steps=-2), "steps", "-2"),
 ]
-BAD = [b for b in BAD if b[0] != "chain"]
+# chain takes its transforms positionally.
 CHAIN_BAD = [
     ((optim.sgd(0.1), 42), "argument 1", "int"),
     (([optim.sgd(0.1), optim.adamw()],), "chain(*transforms)", "list"),
