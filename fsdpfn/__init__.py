@@ -11,6 +11,9 @@ from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import Plan as Plan
 from fsdpfn._plan import plan as plan
 from fsdpfn.comm import count_collectives as count_collectives
+from fsdpfn.transforms import init_full as init_full
+from fsdpfn.transforms import init_shards as init_shards
+from fsdpfn.transforms import load_safetensors as load_safetensors
 from fsdpfn.transforms import reduce as reduce
 from fsdpfn.transforms import shard as shard
 from fsdpfn.transforms import unshard as unshard
@@ -30,6 +33,9 @@ __all__ = [
     "checkpoint",
     "comm",
     "count_collectives",
+    "init_full",
+    "init_shards",
+    "load_safetensors",
     "optim",
     "plan",
     "reduce",

@@ -9,6 +9,10 @@ from fsdpfn.comm import CollectiveCall as CollectiveCall
 from fsdpfn.comm import CollectiveCounter as CollectiveCounter
 from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.comm import set_reduce_scatter_impl as set_reduce_scatter_impl
+from fsdpfn.transforms._init import init_full as init_full
+from fsdpfn.transforms._init import init_shards as init_shards
+from fsdpfn.transforms._init import param_seed as param_seed
+from fsdpfn.transforms._safetensors import load_safetensors as load_safetensors
 from fsdpfn.transforms._sharding import from_local as from_local
 from fsdpfn.transforms._sharding import gather_unit as gather_unit
 from fsdpfn.transforms._sharding import placements as placements
@@ -26,6 +30,10 @@ __all__ = [
     "count_collectives",
     "from_local",
     "gather_unit",
+    "init_full",
+    "init_shards",
+    "load_safetensors",
+    "param_seed",
     "placements",
     "reduce_unit",
     "replicate_group",
