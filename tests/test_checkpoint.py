@@ -414,6 +414,31 @@ def test_muon_and_adamw_state_reshard_2_to_3_and_1(run_on_ranks, tmp_path):
                     assert same, (opt_name, world, p)
 
 
+def _real_save_as(rank, world, root, strategy):
+    model, plan, state = _setup_real(world, strategy, "adamw")
+    state = _train_real(model, plan, state, 1, rank, world, "adamw")
+    checkpoint.save(root, state, plan)
+    return _full(state)
+
+
+def test_replicated_chunks_are_written_once(run_on_ranks, tmp_path):
+    """Each rank writes only its own subdirectory, and a chunk held by several ranks is written
+    once: HSDP 2x2 saves from the first replica group (ranks 0 and 1) only, a replicated plan
+    from rank 0 only. Both load bitwise into 3 ranks zero2."""
+    for world, strategy, writers in [(4, "hsdp", ["rank_0", "rank_1"]), (2, "replicate", ["rank_0"])]:
+        root = str(tmp_path / strategy)
+        saved = run_on_ranks(_real_save_as, world, root, strategy)[0]
+        ckpt = checkpoint.latest(root)
+        assert sorted(n for n in os.listdir(ckpt) if n.startswith("rank_")) == writers, strategy
+        files = checkpoint.read_info(root)["files"]
+        assert sorted(files) == [".metadata"] + [f"{w}/__0_0.distcp" for w in writers], files
+        for loaded in run_on_ranks(_real_load, 3, root, "adamw", "zero2"):
+            assert loaded.keys() == saved.keys()
+            for p in saved:
+                same = torch.equal(loaded[p], saved[p]) if isinstance(saved[p], torch.Tensor) else loaded[p] == saved[p]
+                assert same, (strategy, p)
+
+
 # ---- the deadlock of seed 001: a save gated on rank 0 --------------------------------------------
 
 

@@ -52,7 +52,8 @@ def _load(rank, world, path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            state = checkpoint.load(path, _state(world, 99))
+            state, info = checkpoint.load(path, _state(world, 99), return_info=True)
+            assert info["dir"] == os.path.join(os.path.dirname(info["dir"]), f"step_{state['step']:08d}")
             out = ("ok", state["step"], _same(_full(state), _full(_state(world, state["step"]))))
         except Exception as e:  # noqa: BLE001 - returned to the test
             out = ("error", type(e).__name__, str(e), getattr(e, "file", None))
@@ -149,7 +150,8 @@ def test_truncated_shard_is_named_and_skipped(tmp_path):
     root, step2 = _two_steps(tmp_path)
     shard = os.path.join(step2, "rank_0", "__0_0.distcp")
     _truncate(shard)
-    with pytest.raises(CheckpointError, match=r"rank_0/__0_0\.distcp.* is truncated: \d+ bytes, fsdpfn.json recorded") as e:
+    truncated = r"rank_0/__0_0\.distcp.* is truncated: \d+ bytes, fsdpfn.json recorded"
+    with pytest.raises(CheckpointError, match=truncated) as e:
         checkpoint.load(step2, _state(1, 0))
     assert e.value.path == step2 and e.value.file == "rank_0/__0_0.distcp"
     with pytest.warns(UserWarning, match=r"(?s)using .*step_00000001.*step_00000002.*truncated"):
@@ -251,11 +253,12 @@ def test_export_full_error_on_rank_0_reaches_rank_1(run_on_ranks, tmp_path):
 
 # ---- the counter sees every torch.distributed call ----------------------------------------------
 
+# Every method of torch's ProcessGroup that moves data or synchronises ranks (torch 2.13).
 _PG_CALLS = ("allgather", "all_gather_single", "_allgather_base", "allgather_coalesced", "all_gather_single_coalesced",
              "allgather_into_tensor_coalesced", "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base",
              "all_to_all_single", "barrier", "broadcast", "gather", "monitored_barrier", "recv", "recv_anysource",
-             "reduce", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter_single_coalesced",
-             "reduce_scatter_tensor_coalesced", "scatter", "send")
+             "reduce", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
+             "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "scatter", "send")
 
 
 def _tensors(x):

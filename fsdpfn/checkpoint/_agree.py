@@ -6,9 +6,10 @@ collective, they would wait there until the timeout (the seed-001 hang, in anoth
 every step that can fail on some ranks only (a file one rank cannot write, a shard one rank
 finds damaged) ends in one collective that tells each rank every rank's outcome: :func:`agree`
 (an all-gather of each rank's error or ``None``) where any rank may fail, :func:`decide` (rank 0
-acts, broadcasts the outcome) where only rank 0 acts. Then every rank raises, the failing rank
-its own exception with its traceback, the others an exception of the same type (when it is one
-of the few below; else ``RuntimeError``) whose message names the rank and its error.
+acts, broadcasts the outcome) where only rank 0 acts. Then every rank raises an exception of
+the same type (when it is one of the few below; else ``RuntimeError``) whose message says what
+failed, on which rank, and why; on the failing rank it is chained to the original (``from``),
+so its traceback is kept.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
     """
     outcomes = comm.all_gather_object((portable(error), payload), tag=what)
     if error is not None:
-        raise error
+        raise rebuild(portable(error), comm.rank(), what) from error
     for r, (outcome, _) in enumerate(outcomes):
         if outcome is not None:
             raise rebuild(outcome, r, what)
@@ -68,7 +69,7 @@ def decide(action: Callable[[], Any], what: str) -> Any:
             error = e
     outcome = comm.broadcast_object(("error", portable(error)) if error is not None else ("ok", result), tag=what)
     if error is not None:
-        raise error
+        raise rebuild(portable(error), 0, what) from error
     if outcome[0] == "error":
         raise rebuild(outcome[1], 0, what)
     return outcome[1]

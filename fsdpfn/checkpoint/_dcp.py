@@ -284,7 +284,8 @@ def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
                                   "one filesystem and load the same path", path)
         if ckpt is None:
             if skipped:
-                raise CheckpointError(_atomic.skipped_warning(f"no intact checkpoint under {path!r}", skipped, None), path)
+                what = f"no intact checkpoint under {path!r}"
+                raise CheckpointError(_atomic.skipped_warning(what, skipped, None), path)
             raise _atomic.no_checkpoint(path)
         failed = [(r, v) for r, (_, v) in enumerate(verdicts) if v is not None]
         if not failed:
@@ -301,7 +302,8 @@ def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
     raise AssertionError("unreachable")
 
 
-def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float | None = None) -> Any:
+def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float | None = None,
+         return_info: bool = False) -> Any:
     """Loads a checkpoint into the structure and placements of ``template_state``.
 
     Every rank calls it (it is collective when a process group is initialised; without one it
@@ -325,9 +327,12 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
       plan: the :class:`fsdpfn.Plan` of the template (used in error messages).
       timeout: seconds each collective of the load may wait (see :func:`save`); default
         ``None``: :func:`fsdpfn.comm.timeout`.
+      return_info: also return the loaded checkpoint's :func:`read_info` dict (its ``dir`` says
+        which checkpoint a root resolved to, after any fallback).
 
     Returns:
-      A new state with the template's structure, filled from the checkpoint.
+      A new state with the template's structure, filled from the checkpoint; with
+      ``return_info``, the pair ``(state, info)``.
 
     Raises:
       FileNotFoundError: no checkpoint at ``path``.
@@ -339,6 +344,9 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
     Example:
       >>> template = {"params": fsdpfn.shard(model, plan3), "opt_state": opt.init(...), "step": 0}  # doctest: +SKIP
       >>> state = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan3)  # doctest: +SKIP
+      >>> state, info = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan3, return_info=True)  # doctest: +SKIP
+      >>> info["dir"], info["values"]["step"]  # doctest: +SKIP
+      ('runs/gpt/ckpt/step_00000200', 200)
     """
     path = os.fspath(path)
     entries, spec = flatten_state(template_state)
@@ -353,4 +361,5 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
             error = e
         agree(error, f"loading checkpoint {ckpt!r}")
     leaves = [targets[p] if p in targets else info["values"][p] for p in entries]
-    return optree.tree_unflatten(spec, leaves)
+    state = optree.tree_unflatten(spec, leaves)
+    return (state, {**info, "dir": ckpt}) if return_info else state

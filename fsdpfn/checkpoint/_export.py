@@ -115,8 +115,8 @@ def _write(path: str, full: dict[str, torch.Tensor], keys, model) -> None:
         torch.save(sd, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports an unopenable file as RuntimeError
-        raise (type(e) if isinstance(e, OSError) else OSError)(f"export_full cannot write {path!r}: {e}. Pass a path whose directory can be created "
-                      "and written by rank 0.") from e
+        kind = type(e) if isinstance(e, OSError) else OSError
+        raise kind(f"cannot write {path!r}: {e}. Pass a path whose directory rank 0 can create and write.") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

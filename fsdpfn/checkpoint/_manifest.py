@@ -15,8 +15,11 @@ loaded) does not reject a checkpoint that serves the request.
 
 SHA-256 is the fastest of hashlib's digests on this machine (about 1.2 GB/s with the CPU's SHA
 extensions; blake2b 0.65 GB/s, md5 0.54 GB/s). ``zlib.crc32`` runs at 3.2 GB/s but its 32 bits
-are a weak identity for multi-GB files; hashing a file right after writing it reads it back from
-the page cache, so the cost is the hash alone (measured in tests/test_checkpoint_faults.py).
+are a weak identity for multi-GB files. Hashing a file right after writing it reads it back from
+the page cache, so the cost is the hash alone: measured on a 256 MiB state in one process on a
+busy 2-core machine with a local disk, 0.23-0.31 s of a 0.86-1.5 s save (about 20-27%) and
+0.22-0.29 s of a 0.68-0.94 s load (30-39%), i.e. about 1 s per GB of shards per rank, in
+parallel over ranks. On storage slower than a local SSD the share is smaller.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import hashlib
 import json
 import os
 
-__all__ = ["CheckpointError", "HASH", "INFO", "METADATA", "check_present", "describe_files", "digest", "read_manifest", "verify"]
+__all__ = ["CheckpointError", "HASH", "INFO", "METADATA", "check_present", "describe_files", "digest", "read_manifest",
+           "verify"]
 
 INFO = "fsdpfn.json"
 METADATA = ".metadata"  # DCP's global metadata file

@@ -31,7 +31,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.checkpoint._manifest import METADATA, CheckpointError
@@ -125,7 +126,7 @@ def merge(metas: list[Metadata | None], save_id: str) -> Metadata:
             if mine is None:
                 mine = entries[fqn] = TensorStorageMetadata(item.properties, item.size, [])
                 first[fqn] = r
-            elif not isinstance(mine, TensorStorageMetadata) or (mine.size, mine.properties.dtype) != (item.size, item.properties.dtype):
+            elif not isinstance(mine, TensorStorageMetadata) or _layout(mine) != _layout(item):
                 raise ValueError(
                     f"ranks saved {fqn!r} differently: rank {first[fqn]} as {_describe(mine)}, rank {r} as "
                     f"{_describe(item)}. Every rank must save the same state structure.")
@@ -145,6 +146,10 @@ def merge(metas: list[Metadata | None], save_id: str) -> Metadata:
                     f"(shape {tuple(item.size)}): ranks disagree on how it is sharded.")
     return Metadata(entries, planner_data=planner_data, storage_data=storage,
                     storage_meta=StorageMeta(save_id=save_id), version=version)
+
+
+def _layout(item: TensorStorageMetadata) -> tuple:
+    return tuple(item.size), item.properties.dtype
 
 
 def _describe(item) -> str:
