@@ -19,11 +19,11 @@ Example:
 """
 
 from fsdpfn.checkpoint._atomic import latest as latest
-from fsdpfn.checkpoint._manifest import CheckpointError as CheckpointError
 from fsdpfn.checkpoint._dcp import load as load
 from fsdpfn.checkpoint._dcp import read_info as read_info
 from fsdpfn.checkpoint._dcp import save as save
 from fsdpfn.checkpoint._export import export_full as export_full
+from fsdpfn.checkpoint._manifest import CheckpointError as CheckpointError
 from fsdpfn.checkpoint._tree import flatten_state as flatten_state
 
 __all__ = ["CheckpointError", "export_full", "flatten_state", "latest", "load", "read_info", "save"]
