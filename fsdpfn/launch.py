@@ -111,10 +111,13 @@ def _entry(rank, world_size, init_method, backend, threads, timeout_s, main, arg
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
         comm.announce_failure(e)
         out = ("error", traceback.format_exc())
+    # Plain pickle, by value: torch.multiprocessing would share tensors through file descriptors
+    # that vanish when this process exits, before the launcher has read them.
     try:
-        results.put((rank, out))
+        payload = pickle.dumps(out)
     except Exception:  # noqa: BLE001 - the result did not pickle
-        results.put((rank, ("error", traceback.format_exc())))
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    results.put((rank, payload))
     comm.destroy_process_group()
 
 
@@ -126,8 +129,8 @@ def _collect(procs, results, world_size: int, grace: float) -> dict[int, tuple[s
     deadline = None
     while len(answers) < world_size and (deadline is None or time.monotonic() < deadline):
         try:
-            rank, out = results.get(timeout=0.5)
-            answers[rank] = out
+            rank, payload = results.get(timeout=0.5)
+            answers[rank] = pickle.loads(payload)
         except queue_mod.Empty:
             for r, p in enumerate(procs):
                 if r not in answers and not p.is_alive():
