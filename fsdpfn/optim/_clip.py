@@ -50,7 +50,8 @@ def global_norm(tree: Any) -> torch.Tensor:
             key, value = (None, ()), x
         sq = value.float().square().sum()
         totals[key] = totals[key] + sq if key in totals else sq
-    total = torch.zeros((), dtype=torch.float32)
+    device = next(iter(totals.values())).device if totals else None  # the leaves' device, not the default one
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for key, sq in totals.items():  # insertion order: the same on every rank
         buf = sq.reshape(1).clone()
         for d in key[1]:

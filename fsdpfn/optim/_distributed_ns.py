@@ -172,13 +172,14 @@ def _gather(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> li
         row_numel = math.prod(x.shape[1:])
         chunks.append((rows, c, row_numel))
     total = sum(c * rn for _, c, rn in chunks)
-    buf = torch.zeros(total, dtype=send)
+    device = xs[0]._local_tensor.device  # every buffer on the device of the tensors it serves
+    buf = torch.zeros(total, dtype=send, device=device)
     off = 0
     for x, (rows, c, rn) in zip(xs, chunks):
         loc = x._local_tensor.reshape(-1)
         buf[off : off + loc.numel()].copy_(loc)
         off += c * rn
-    gathered = torch.empty(world * total, dtype=send)
+    gathered = torch.empty(world * total, dtype=send, device=device)
     if total:
         C.all_gather(gathered, buf, group, tag="muon_gather")
     stacked = gathered.view(world, total)
@@ -219,8 +220,8 @@ def owner_plan(
     return owners, loads
 
 
-def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
 
 def _owner(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> list[torch.Tensor]:
@@ -244,8 +245,9 @@ def _owner(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> lis
     # Out: my rows of every matrix, grouped by owner.
     send_splits = [sum(numel(i, rank) for i in owned_by[s]) for s in range(world)]
     recv_splits = [sum(numel(i, src) for i in owned_by[rank]) for src in range(world)]
-    inp = _cat([xs[i]._local_tensor.reshape(-1).to(send) for s in range(world) for i in owned_by[s]], send)
-    got = torch.empty(sum(recv_splits), dtype=send)
+    device = xs[0]._local_tensor.device  # every buffer on the device of the tensors it serves
+    inp = _cat([xs[i]._local_tensor.reshape(-1).to(send) for s in range(world) for i in owned_by[s]], send, device)
+    got = torch.empty(sum(recv_splits), dtype=send, device=device)
     C.all_to_all(got, inp, group, output_splits=recv_splits, input_splits=send_splits, tag="muon_owner")
 
     # Owner: assemble full matrices, orthogonalise same shapes together.
@@ -270,8 +272,8 @@ def _owner(xs: list[DTensor], mesh, dim: int, ns: _NS, send: torch.dtype) -> lis
 
     # Back: the transpose of the first all-to-all.
     back = [ortho[i][slice(*chunk_bounds(shapes[i][0], world, src))].reshape(-1) for src in range(world) for i in owned_by[rank]]
-    back_in = _cat(back, ns.dtype or send)
-    back_out = torch.empty(sum(send_splits), dtype=back_in.dtype)
+    back_in = _cat(back, ns.dtype or send, device)
+    back_out = torch.empty(sum(send_splits), dtype=back_in.dtype, device=device)
     C.all_to_all(back_out, back_in, group, output_splits=send_splits, input_splits=recv_splits, tag="muon_owner")
     off = 0
     for s in range(world):
