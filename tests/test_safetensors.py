@@ -95,6 +95,8 @@ def _load(rank, world, directory, kind, strategy, mesh_shape):
     assert list(params) == list(plan.param_names)
     for n, p in params.items():
         assert p.placements == fsdpfn.transforms.placements(plan, n) and p.dtype == torch.float32
+        local = p.to_local()  # its own memory, not a view of the file's map (nor of the whole tensor)
+        assert local.untyped_storage().nbytes() == local.numel() * local.element_size()
     return {n: comm.full_tensor(p) for n, p in params.items()}
 
 

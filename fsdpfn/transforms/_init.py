@@ -195,13 +195,16 @@ def _meta_view(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _values(model: nn.Module, names, seed: int, init, param_init, device) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, full value)`` of each parameter in ``names``, one at a time (arguments checked)."""
+def _values(model: nn.Module, names, seed: int, init, param_init, device, before=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, full value)`` of each parameter in ``names``, one at a time (arguments checked);
+    ``before(path)`` runs before each is created."""
     view = _meta_view(model)
     owners = _owners(view, names)
     with _forked_rng(device):
         for path in names:
             module, local = owners[path]
+            if before is not None:
+                before(path)
             yield path, _materialise(path, module, local, device, seed, init, param_init)
 
 
@@ -273,14 +276,26 @@ def init_shards(
         check_plan_agree(plan, _describe(seed, init, param_init), what="init seed and initialiser", device=device)
     out: dict[str, DTensor] = {}
     pairs = []
+    kept: dict[str, torch.Tensor] = {}
+
+    def allocate_rows(path: str) -> None:
+        # This rank's rows are allocated before the full parameter, which then sits on top of
+        # them and is freed right after: transients do not leave holes between the shards kept.
+        spec, unit = plan.param(path), plan.unit_of(path)
+        start, stop = unit.local_rows(path, rank)
+        if spec.shape and (start, stop) != (0, spec.rows):
+            kept[path] = torch.empty((stop - start, *spec.shape[1:]), dtype=spec.dtype, device=device)
+
     with torch.no_grad():
-        for path, full in _values(model, names, seed, init, param_init, device):
-            spec, unit = plan.param(path), plan.unit_of(path)
-            start, stop = unit.local_rows(path, rank)
-            local = full if not spec.shape or (start, stop) == (0, spec.rows) else full[start:stop].clone()
+        for path, full in _values(model, names, seed, init, param_init, device, before=allocate_rows):
+            if path in kept:
+                start, stop = plan.unit_of(path).local_rows(path, rank)
+                local = kept.pop(path).copy_(full[start:stop])
+            else:
+                local = full  # replicated, or all the rows
             if check:
                 pairs.append(checksums([full]))
-            del full  # the rest of the rows: freed before the next parameter is created
+            del full  # the other rows: freed before the next parameter is created
             out[path] = from_local(plan, path, local, requires_grad)
     if check:
         table = torch.stack(pairs) if pairs else torch.zeros(0, 2, dtype=torch.float64)

@@ -3,12 +3,15 @@ checkpoint (one file, or the sharded ``model.safetensors.index.json`` layout of 
 ``save_pretrained``).
 
 [Note: reading only this rank's rows]
-``safe_open(file).get_slice(key)[a:b]`` copies rows ``a:b`` of one tensor out of the memory-mapped
+``safe_open(file).get_slice(key)[a:b]`` gives rows ``a:b`` of one tensor of the memory-mapped
 file; the bytes of other rows are never touched. Rows along dim 0 are contiguous in the file, so
-a rank reads its ``torch.chunk`` rows (``fsdpfn._plan.chunk_bounds``) and no more. File pages a
-rank touched stay resident (and count in its RSS) while the file is mapped, so files are opened
-once per unit and closed after it: the pages in memory at any time are this rank's rows of one
-unit. Every check (names, shapes, collisions) reads only the headers and runs on every rank
+a rank reads its ``torch.chunk`` rows (``fsdpfn._plan.chunk_bounds``) and no more. safetensors
+0.8 returns a *view* of its private map of the whole file, not a copy: kept as a shard it would
+tie the shard to the file (a checkpoint save of the shard's storage would write the whole tensor,
+an overwritten file could change untouched pages), so the rows are copied into a tensor of the
+plan's dtype on the target device at once. File pages a rank touched stay resident (and count
+in its RSS) until the file is closed, so files are opened once per unit and closed after it: the
+file pages in memory at any time are this rank's rows of one unit. Every check (names, shapes, collisions) reads only the headers and runs on every rank
 before anything is read or communicated.
 """
 
@@ -206,7 +209,10 @@ def _digest(sources: Mapping[str, list[tuple[str, _Entry]]]) -> str:
 
 def _read_rows(f, entry: _Entry, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     rows = f.get_slice(entry.key)[start:stop] if entry.shape else f.get_tensor(entry.key)
-    return rows.to(device=device, dtype=dtype).contiguous()
+    # Always a copy into memory of our own: safetensors may return a view of its map of the file.
+    out = torch.empty(rows.shape, dtype=dtype, device=device)
+    out.copy_(rows)
+    return out
 
 
 def load_safetensors(
