@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from fsdpfn.launch import launch
 
 ALL_CONFIGS = ["zero2:fp32", "zero3:fp32", "zero2:bf16", "zero3:bf16"]
 CONFIGS: list[tuple[str, str]] = []
@@ -195,10 +194,7 @@ def _param_bytes(args, dtype_bytes):
 # ---------------------------------------------------------------------------------------------
 
 
-def _init(rank, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=600))
+def _mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (WORLD,))
@@ -226,9 +222,9 @@ def _time_collectives(reps=10):
     return out
 
 
-def _timing_rank(rank, args, init_file, queue):
+def _timing_rank(rank, world, args):
     CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
-    mesh = _init(rank, init_file)
+    mesh = _mesh()
     counter = _Fsdp2Counter()
     results = {"collectives": _time_collectives()}
     x, y = _batch(args, rank)
@@ -252,50 +248,22 @@ def _timing_rank(rank, args, init_file, queue):
         if rank == 0:
             print(f"  [{strategy} {precision}: done]", flush=True)
         del sides
-    queue.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
-def _memory_rank(rank, args, init_file, queue, side, strategy, precision):
-    mesh = _init(rank, init_file)
+def _memory_rank(rank, world, args, side, strategy, precision):
+    mesh = _mesh()
     counter = _Fsdp2Counter()
     x, y = _batch(args, rank)
     s = _build(side, args, strategy, precision, mesh, counter)
     for _ in range(args.memory_steps):
         s.step(x, y)
-    queue.put((rank, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
-    dist.destroy_process_group()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _guarded(target, rank, *args):
-    queue = args[2]
-    try:
-        target(rank, *args)
-    except BaseException:  # report instead of leaving the launcher waiting forever
-        import traceback
-
-        queue.put((rank, ("error", traceback.format_exc())))
-        raise
-
-
-def _launch(target, *extra):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(prefix="vs_fsdp2_"), "store")
-    procs = [ctx.Process(target=_guarded, args=(target, r, *extra[:1], init_file, queue, *extra[1:])) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = {}
-    while len(out) < WORLD:
-        rank, value = queue.get()
-        if isinstance(value, tuple) and value and value[0] == "error":
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"rank {rank} failed:\n{value[1]}")
-        out[rank] = value
-    for p in procs:
-        p.join()
-    return out
+def _launch(target, *args):
+    """Both ranks in fresh processes (a fresh launch per peak-memory measurement), one thread each."""
+    return dict(enumerate(launch(target, WORLD, *args)))
 
 
 # ---------------------------------------------------------------------------------------------
