@@ -7,6 +7,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py                      # ~3 minutes on 2 CPU cores
     python examples/train_gpt.py --resume --steps 600 # continue the same run from its checkpoint
     python examples/train_gpt.py --resume --world-size 1 --strategy zero2  # reshard on resume
+    python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000200 --steps 300  # a given checkpoint
 
 On GPUs, one rank per GPU under torchrun (NCCL)::
 
@@ -31,12 +32,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
-from fsdpfn import checkpoint, optim
+from fsdpfn import checkpoint, comm, optim
 from fsdpfn.launch import launch, under_torchrun
 from fsdpfn.models import GPT, GPTConfig
 
@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--executor", default="runtime", choices=["runtime", "pure"],
                    help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad")
     g.add_argument("--prefetch", type=int, default=1, help="units gathered ahead by the runtime")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="seconds any collective may wait before the job fails naming the ranks that are behind "
+                        "(default: $FSDPFN_TIMEOUT, else 600)")
     g = p.add_argument_group("model")
     g.add_argument("--width", type=int, default=128, help="embedding width")
     g.add_argument("--depth", type=int, default=4, help="transformer blocks (each one fsdpfn unit)")
@@ -75,18 +78,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
     g.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (everything with --optimizer adamw)")
     g.add_argument("--warmup", type=int, default=20, help="warm-up steps, then cosine decay to 10%%")
+    g.add_argument("--max-nonfinite", type=int, default=5,
+                   help="skip steps whose gradients hold a NaN/inf (on every rank); stop after this many in a row")
     g.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     g.add_argument("--data", default=DEFAULT_DATA, help="a UTF-8 text file (character-level)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="runs/gpt", help="output directory")
-    g.add_argument("--resume", action="store_true", help="continue from --out/ckpt (any world size or strategy)")
-    g.add_argument("--ckpt-every", type=int, default=100)
+    g.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                   help="continue from --out/ckpt (its newest intact checkpoint), or from PATH (a checkpoint root or "
+                        "one step_* directory); any world size or strategy")
+    g.add_argument("--ckpt-every", type=int, default=100, help="save a checkpoint every N steps")
     g.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--log-every", type=int, default=10, help="log loss, gradient norm and learning rate every N steps")
     g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
     g.add_argument("--sample-chars", type=int, default=400)
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)  # before any rank starts: a bad flag is named, nothing runs
+    return args
+
+
+def check_args(args) -> str | None:
+    """The first flag that cannot work, as a message naming it, or ``None``."""
+    positive = ("world_size", "replicas", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
+                "keep", "log_every", "max_nonfinite")
+    for name in positive:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    for name in ("prefetch", "eval_every", "sample_chars", "warmup"):
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
+    if args.width % args.heads:
+        return f"--heads {args.heads} must divide --width {args.width} (each head gets width / heads channels)"
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    if world % args.replicas:
+        return f"--replicas {args.replicas} must divide the world size {world} (the mesh is (replicas, world / replicas))"
+    for name in ("lr", "adamw_lr"):  # peaks of warm-up schedules, which start at 0 whatever the sign
+        if not getattr(args, name) > 0:
+            return f"--{name.replace('_', '-')} must be a positive learning rate, got {getattr(args, name)}"
+    if args.stop_at is not None and args.stop_at < 1:
+        return f"--stop-at must be >= 1, got {args.stop_at}"
+    if args.timeout is not None and not args.timeout > 0:
+        return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    if not os.path.isfile(args.data):
+        return f"--data {args.data!r} is not a file"
+    if os.path.getsize(args.data) < 2 * (args.seq_len + 2):
+        return f"--data {args.data!r} is too short for --seq-len {args.seq_len}"
+    if isinstance(args.resume, str) and not os.path.exists(args.resume):
+        return f"--resume {args.resume!r} does not exist (give a checkpoint root such as runs/gpt/ckpt, or one step_* directory)"
+    try:
+        make_optimizer(args)  # the optimizers validate their own settings (learning rates, ...)
+    except ValueError as e:
+        return f"optimizer settings: {e}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,19 +163,24 @@ def get_batch(data: torch.Tensor, step: int, rank: int, batch: int, seq_len: int
 # ---------------------------------------------------------------------------------------------
 
 
-def make_optimizer(args) -> optim.GradientTransformation:
-    def sched(peak):
-        return optim.warmup_cosine_schedule(peak, args.warmup, max(args.steps, args.warmup + 1), end_value=0.1 * peak)
+def lr_schedule(args, peak):
+    return optim.warmup_cosine_schedule(peak, args.warmup, max(args.steps, args.warmup + 1), end_value=0.1 * peak)
 
+
+def make_optimizer(args) -> optim.GradientTransformation:
+    """Muon + AdamW (or AdamW alone), wrapped so that a step with a NaN or inf gradient anywhere
+    is skipped on every rank (``--max-nonfinite`` in a row end the run)."""
     if args.optimizer == "muon":
         # Newton–Schulz in bf16 (torch.optim.Muon's choice) pays off on GPUs; CPUs without bf16
         # matrix units run it ~40x slower than fp32 (2.4 s vs 0.06 s per step for the default model).
         ns_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        return optim.muon(
-            lr=sched(args.lr), adamw_lr=sched(args.adamw_lr), weight_decay=0.01, adamw_weight_decay=0.0,
-            ns_dtype=ns_dtype, ns_method=args.ns_method,
+        inner = optim.muon(
+            lr=lr_schedule(args, args.lr), adamw_lr=lr_schedule(args, args.adamw_lr), weight_decay=0.01,
+            adamw_weight_decay=0.0, ns_dtype=ns_dtype, ns_method=args.ns_method,
         )
-    return optim.adamw(sched(args.adamw_lr), weight_decay=0.0)
+    else:
+        inner = optim.adamw(lr_schedule(args, args.adamw_lr), weight_decay=0.0)
+    return optim.apply_if_finite(inner, max_consecutive_errors=args.max_nonfinite)
 
 
 def make_forward(model, plan, args):
@@ -156,15 +207,17 @@ def make_loss(forward):
 
 
 def make_step(loss_fn, opt):
-    """``step(state, x, y) -> (state, local loss)``. ``torch.func.grad`` of a loss over sharded
-    parameters gives sharded, reduced gradients; ``opt`` turns them into updates."""
+    """``step(state, x, y, norm=False) -> (state, local loss, global gradient norm or None)``.
+    ``torch.func.grad`` of a loss over sharded parameters gives sharded, reduced gradients;
+    ``opt`` turns them into updates. The norm (one all-reduce) is computed only when asked."""
     grad_and_loss = torch.func.grad_and_value(loss_fn)
 
-    def step(state, x, y):
+    def step(state, x, y, norm=False):
         grads, loss = grad_and_loss(state["params"], x, y)
+        grad_norm = optim.global_norm(grads).item() if norm else None
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         params = optim.apply_updates(state["params"], updates)
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss.detach()
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss.detach(), grad_norm
 
     return step
 
@@ -175,7 +228,7 @@ def evaluate(state, loss_fn, data, args, world, rank, device, batches=4) -> floa
     for i in range(batches):
         x, y = get_batch(data, -1 - i, rank, args.batch_size, args.seq_len, args.seed, device)
         total += loss_fn(state["params"], x, y)
-    dist.all_reduce(total)
+    comm.all_reduce(total, tag="validation loss")
     return total.item() / (batches * world)
 
 
@@ -313,15 +366,13 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     """The job and a fresh state ``{"params", "opt_state", "step"}`` (same seed on every rank)."""
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        torch.set_default_device(f"cuda:{torch.cuda.current_device()}")  # fsdpfn allocates its buffers there
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     paths = {k: os.path.join(args.out, v) for k, v in OUTPUTS.items()}
     vocab, train_data, val_data = load_corpus(args.data)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads)
     torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
-    model = GPT(cfg)
-    if world % args.replicas:
-        raise ValueError(f"--replicas {args.replicas} must divide the world size {world}")
+    with device:
+        model = GPT(cfg)
     if args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
@@ -340,16 +391,17 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
 
 
 def resume(job: Job, state: dict) -> dict:
-    """The state of the latest checkpoint, resharded to this job's plan and world size."""
-    found = checkpoint.latest(job.paths["ckpt"])
-    if found is None:
+    """The state of the newest intact checkpoint under ``--out/ckpt`` (or of ``--resume PATH``),
+    resharded to this job's plan and world size. A damaged newest checkpoint is skipped with a
+    warning naming it; an explicitly named directory that is damaged is an error."""
+    source = job.args.resume if isinstance(job.args.resume, str) else job.paths["ckpt"]
+    if checkpoint.latest(source) is None and not isinstance(job.args.resume, str):
         if job.rank == 0:
-            print(f"--resume: no checkpoint in {job.paths['ckpt']}, starting from step 0")
+            print(f"--resume: no checkpoint in {source}, starting from step 0")
         return state
-    info = checkpoint.read_info(found)
-    state = checkpoint.load(found, state, job.plan)
+    state, info = checkpoint.load(source, state, job.plan, return_info=True)
     if job.rank == 0:
-        print(f"resumed from {found} (step {state['step']}, saved on {info['world_size']} rank(s); "
+        print(f"resumed from {info['dir']} (step {state['step']}, saved on {info['world_size']} rank(s); "
               f"now {job.world} rank(s), {job.args.strategy})")
     return state
 
@@ -375,26 +427,36 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
     t_start = t_window = time.perf_counter()
     window_steps, loss_sum, last_loss = 0, torch.zeros((), device=device), float("nan")
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    lr = lr_schedule(args, args.lr if args.optimizer == "muon" else args.adamw_lr)
     for step in range(state["step"], stop):
         x, y = get_batch(job.train_data, step, rank, args.batch_size, args.seq_len, args.seed, device)
-        state, loss = step_fn(state, x, y)
-        loss_sum += loss
-        window_steps += 1
+        log = (step + 1) % args.log_every == 0 or step + 1 == stop
+        state, loss, grad_norm = step_fn(state, x, y, norm=log)
+        finite = state["opt_state"]  # optim.ApplyIfFiniteState: the same on every rank
+        if finite.last_finite:
+            loss_sum += loss
+            window_steps += 1
+        elif rank == 0:  # a skipped step's loss stays out of the logged average
+            print(f"\nstep {step + 1}: non-finite gradients, update skipped on every rank "
+                  f"({finite.notfinite_count} in a row, {finite.total_notfinite} in all)", flush=True)
         done = state["step"]
-        if done % args.log_every == 0 or done == stop:
-            dist.all_reduce(loss_sum)
-            last_loss = loss_sum.item() / (world * window_steps)
+        if log:
+            comm.all_reduce(loss_sum, tag="training loss")
+            last_loss = loss_sum.item() / (world * max(window_steps, 1))
             tok_s = tokens_per_step * window_steps / (time.perf_counter() - t_window)
-            row = {"step": done, "loss": round(last_loss, 5), "tokens_per_s": round(tok_s, 1),
+            row = {"step": done, "loss": round(last_loss, 5), "grad_norm": round(grad_norm, 5), "lr": lr(step),
+                   "skipped": finite.total_notfinite, "tokens_per_s": round(tok_s, 1),
                    "elapsed_s": round(time.perf_counter() - t_start, 2)}
             if args.eval_every and done % args.eval_every == 0 or done == stop:
                 row["val_loss"] = round(evaluate(state, loss_fn, job.val_data, args, world, rank, device), 5)
             if rank == 0:
                 with open(job.paths["metrics"], "a") as f:
                     f.write(json.dumps(row) + "\n")
-                progress.update(done, loss=f"{last_loss:.3f}", **{"tok/s": f"{tok_s:,.0f}"})
+                progress.update(done, loss=f"{last_loss:.3f}", **{"|g|": f"{grad_norm:.2f}", "lr": f"{lr(step):.2g}",
+                                                                  "tok/s": f"{tok_s:,.0f}"})
                 if args.no_progress:
-                    print(f"step {done}/{args.steps} loss {last_loss:.3f} tok/s {tok_s:,.0f}", flush=True)
+                    print(f"step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
+                          f"skipped {finite.total_notfinite} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         if done % args.ckpt_every == 0 or done == stop:
             checkpoint.save(job.paths["ckpt"], state, job.plan, keep=args.keep)  # collective: every rank
@@ -426,7 +488,7 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
         print(f"plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
         print(f"checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
         print(f"model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
-    dist.barrier()
+    comm.barrier(tag="finish")
 
 
 def train(rank: int, world: int, args) -> None:
@@ -447,13 +509,35 @@ def train(rank: int, world: int, args) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def lock_run_dir(out: str):
+    """One job per run directory: a second job writing the same checkpoints and logs would
+    corrupt both. The lock is an ``flock`` held by this process, released however it ends."""
+    import fcntl
+
+    os.makedirs(out, exist_ok=True)
+    handle = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        sys.exit(f"{out} is in use by {holder}: another job is training into it. Wait for it, stop it, or pass --out DIR.")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.device == "cuda" and not under_torchrun():
         sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
     if args.resume:
         check_resumable(os.path.join(args.out, "config.json"), args)
-    launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo")
+    if not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0":
+        lock = lock_run_dir(args.out)  # noqa: F841 - held until this process exits
+    launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
 
 
 if __name__ == "__main__":
