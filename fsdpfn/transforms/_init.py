@@ -262,10 +262,15 @@ def init_shards(
         model, ranks with different plans, seeds or initialisers, values that differ by rank.
 
     Example:
-      >>> with torch.device("meta"):  # doctest: +SKIP
-      ...     model = GPT(GPTConfig(width=4096, depth=32))
-      >>> plan = fsdpfn.plan(model, mesh)  # doctest: +SKIP
-      >>> params = fsdpfn.init_shards(model, plan, seed=0)  # doctest: +SKIP
+      >>> with torch.device("meta"):  # shapes only: a 7B model costs nothing here
+      ...     big = GPT(GPTConfig(vocab_size=64, width=32, depth=2))
+      >>> big_plan = fsdpfn.plan(big, mesh)
+      >>> shards = fsdpfn.init_shards(big, big_plan, seed=0)
+      >>> shards["blocks.0.fc.weight"].to_local().shape  # this rank's rows (all of them on 1 rank)
+      torch.Size([128, 32])
+      >>> twin = fsdpfn.init_full(big, seed=0)
+      >>> torch.equal(fsdpfn.comm.full_tensor(shards["blocks.0.fc.weight"]), twin["blocks.0.fc.weight"])
+      True
     """
     names = plan.param_names
     device = _target_device(plan, device)
@@ -318,7 +323,8 @@ def init_full(
     For tests, evaluation and export on a machine that holds the whole model. Arguments as in
     :func:`init_shards`; the result is keyed like ``model.named_parameters()`` (a tied parameter
     under its first name). ``model.load_state_dict(init_full(model), strict=False, assign=True)``
-    materialises a meta model with these values.
+    materialises a meta model with these values. ``device`` (default CPU) must have the device
+    type :func:`init_shards` used: CPU and CUDA generators give different streams for a seed.
 
     Example:
       >>> with torch.device("meta"):

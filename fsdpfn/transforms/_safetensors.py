@@ -256,10 +256,13 @@ def load_safetensors(
         different values; ranks with different plans or checkpoints.
 
     Example:
-      >>> with torch.device("meta"):  # doctest: +SKIP
-      ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
-      >>> plan = fsdpfn.plan(model, mesh)  # doctest: +SKIP
-      >>> params = fsdpfn.load_safetensors(model, plan, directory)  # doctest: +SKIP
+      >>> from safetensors.torch import save_file
+      >>> save_file({n: p.detach() for n, p in model.named_parameters()}, "model.safetensors")
+      >>> with torch.device("meta"):  # HF: AutoModelForCausalLM.from_config(config) here
+      ...     skeleton = GPT(cfg)
+      >>> shards = fsdpfn.load_safetensors(skeleton, fsdpfn.plan(skeleton, mesh), "model.safetensors")
+      >>> torch.equal(fsdpfn.comm.full_tensor(shards["head.weight"]), model.head.weight)
+      True
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be the nn.Module the plan was built from (on meta is fine), got {type(model).__name__}")
