@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import checkpoint, comm, optim
-from fsdpfn.launch import launch, under_torchrun
+from fsdpfn.launch import RankError, launch, under_torchrun
 from fsdpfn.models import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--depth", type=int, default=4, help="transformer blocks (each one fsdpfn unit)")
     g.add_argument("--heads", type=int, default=4, help="attention heads")
     g.add_argument("--seq-len", type=int, default=64, help="context length in characters")
+    g.add_argument("--init", default="meta", choices=["meta", "full"],
+                   help="meta: build the model on the meta device, each rank creates only its shards (fsdpfn.init_shards); "
+                        "full: every rank builds the whole model, then keeps its shards (fsdpfn.shard)")
     g = p.add_argument_group("training")
     g.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: Muon for hidden matrices, AdamW for the rest")
     g.add_argument("--ns-method", default="standard", choices=["standard", "gram"],
@@ -370,16 +373,23 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     paths = {k: os.path.join(args.out, v) for k, v in OUTPUTS.items()}
     vocab, train_data, val_data = load_corpus(args.data)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads)
-    torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
-    with device:
-        model = GPT(cfg)
+    if args.init == "full":  # every rank builds the same full model, then keeps its shards
+        torch.manual_seed(args.seed)
+        with device:
+            model = GPT(cfg)
+    else:  # shapes only: no rank ever holds the whole model
+        with torch.device("meta"):
+            model = GPT(cfg)
     if args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
     plan = fsdpfn.plan(model, mesh, strategy=args.strategy)
     opt = make_optimizer(args)
-    params = fsdpfn.shard(model, plan)
+    if args.init == "full":
+        params = fsdpfn.shard(model, plan)
+    else:  # one parameter at a time, seeded by its path: the same values on any world size or plan
+        params = fsdpfn.init_shards(model, plan, seed=args.seed, device=device)
     state = {"params": params, "opt_state": opt.init(params), "step": 0}
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -537,7 +547,10 @@ def main(argv=None) -> None:
         check_resumable(os.path.join(args.out, "config.json"), args)
     if not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0":
         lock = lock_run_dir(args.out)  # noqa: F841 - held until this process exits
-    launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
+    try:
+        launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
+    except RankError as e:  # the tracebacks are in str(e); people need the reasons
+        sys.exit(f"\ntraining failed:\n{e.summary()}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,20 @@ class RankError(RuntimeError):
         super().__init__(message)
         self.errors = errors or {}
 
+    def summary(self) -> str:
+        """One block per failing rank: its final exception without the traceback (what a job
+        prints for people; ``str(error)`` keeps the tracebacks)."""
+        return "\n".join(f"rank {r}: {_final_exception(text)}" for r, text in sorted(self.errors.items()))
+
+
+def _final_exception(text: str) -> str:
+    lines = text.rstrip().splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1)
+    body = lines[last_frame + 1 :]
+    while body and body[0].startswith(("    ", "  ")) and not body[0].startswith("  rank"):
+        body = body[1:]  # the source line and carets of the last frame
+    return "\n".join(body) if body else text.strip()
+
 
 def under_torchrun() -> bool:
     """True if this process was started by ``torchrun`` (or another launcher setting ``RANK``)."""
@@ -172,9 +186,9 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
     behind.
 
     Example:
-      >>> def main(rank, world_size):  # doctest: +SKIP
+      >>> def main(rank, world_size):  # at module level in a script, so that it pickles
       ...     return rank * 10
-      >>> launch(main, world_size=2)  # doctest: +SKIP
+      >>> launch(main, world_size=2)  # spawns 2 processes  # doctest: +SKIP
       [0, 10]
     """
     timeout_s = comm.timeout() if timeout is None else timeout

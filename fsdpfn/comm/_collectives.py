@@ -83,6 +83,9 @@ class CollectiveError(RuntimeError):
         _health["ok"] = False
 
 
+CollectiveError.__module__ = "fsdpfn.comm"  # where users import it from
+
+
 _health = {"ok": True}
 
 
