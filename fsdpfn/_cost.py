@@ -38,6 +38,13 @@ class PlanCost:
         parameters alive at once in the gather dtype: ``1 + prefetch`` of the largest units freed
         after forward, plus every unit kept gathered from forward to backward; the runtime's
         high-water mark stays within it).
+
+    Example:
+      >>> print(fsdpfn.plan(model, (8,)).cost())  # 8 ranks, projected from a shape
+      collective        calls   buffer bytes   sent per rank
+      all_gather            5      216.8 KiB       189.7 KiB
+      reduce_scatter        3      117.5 KiB       102.8 KiB
+      memory per rank: params 14.7 KiB, grads 14.7 KiB, optimizer_state_per_slot 14.7 KiB, unsharded_peak 117.5 KiB
     """
 
     collectives: dict

@@ -357,9 +357,9 @@ class Plan:
         """Rebuilds a plan saved with :meth:`to_json`, optionally bound to ``mesh``.
 
         Example:
-          >>> same = Plan.from_json(plan.to_json(), mesh)  # doctest: +SKIP
-          >>> same == plan  # doctest: +SKIP
-          True
+          >>> same = Plan.from_json(plan.to_json(), mesh)
+          >>> same == plan, same.fingerprint == plan.fingerprint
+          (True, True)
         """
         d = json.loads(s)
         if d.get("format") != _PLAN_FORMAT:
@@ -576,9 +576,18 @@ def plan(
         across units), a 2-D mesh with other dim names, an unknown strategy.
 
     Example:
-      >>> mesh = init_device_mesh("cpu", (2,))  # doctest: +SKIP
-      >>> p = fsdpfn.plan(model, mesh, strategy={"*": "zero3", "<root>": "zero2"})  # doctest: +SKIP
-      >>> print(p)  # doctest: +SKIP
+      >>> p = fsdpfn.plan(model, mesh, strategy={"*": "zero3", "<root>": "zero2"})
+      >>> [(u.label, u.strategy) for u in p.units]
+      [('<root>', 'zero2'), ('blocks.0', 'zero3'), ('blocks.1', 'zero3')]
+      >>> print(fsdpfn.plan(model, (3,)))  # a shape instead of a mesh: printed and costed, not run
+      Plan ...: mesh 3, param_dtype=None, reduce_dtype=None
+      unit      strategy  params  elements  bytes/rank  padding/rank
+      --------  --------  ------  --------  ----------  ------------
+      <root>    zero3          5     4,672     6.3 KiB           194
+      blocks.0  zero3         12    12,704    16.8 KiB           199
+      blocks.1  zero3         12    12,704    16.8 KiB           199
+      --------  --------  ------  --------  ----------  ------------
+      total                   29    30,080
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"plan() takes the nn.Module to shard, got {type(model).__name__}")

@@ -50,15 +50,20 @@ class Runtime:
         picks the streams.
 
     Example (``torch.func`` style):
-      >>> rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)  # doctest: +SKIP
-      >>> def loss_fn(params, x, y):  # doctest: +SKIP
+      >>> rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)
+      >>> def loss_fn(params, x, y):
       ...     return F.cross_entropy(rt.apply(params, x).flatten(0, 1), y.flatten())
-      >>> grads, loss = rt.value_and_grad(loss_fn)(params, x, y)  # sharded DTensors  # doctest: +SKIP
+      >>> grads, loss = rt.value_and_grad(loss_fn)(params, x, y)
+      >>> grads["blocks.0.fc.weight"].placements  # sharded DTensors, like the params
+      (Shard(dim=0),)
 
-    Example (``loss.backward()`` style; ``params`` from ``fsdpfn.shard(..., requires_grad=True)``):
-      >>> with rt.bind(params):  # doctest: +SKIP
+    Example (``loss.backward()`` style):
+      >>> params = fsdpfn.shard(model, plan, requires_grad=True)
+      >>> with rt.bind(params):
       ...     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-      >>> grads = rt.grads(params)  # the params' .grad, sharded and reduced  # doctest: +SKIP
+      >>> g = rt.grads(params)  # the params' .grad, sharded and reduced
+      >>> torch.allclose(g["head.weight"].to_local(), grads["head.weight"].to_local(), atol=1e-6)
+      True
     """
 
     def __init__(
@@ -124,9 +129,10 @@ class Runtime:
           the model's output.
 
         Example:
-          >>> logits = rt.apply(params, tokens)  # doctest: +SKIP
-          >>> with torch.no_grad():  # evaluation: gathers, frees, no reduce  # doctest: +SKIP
-          ...     logits = rt.apply(params, tokens)
+          >>> rt.apply(params, x).shape  # x: (batch, seq) tokens
+          torch.Size([2, 8, 64])
+          >>> with torch.no_grad():  # evaluation: gathers, frees, no reduce
+          ...     logits = rt.apply(params, x)
         """
         _check_params(params, self.plan)
         ex = self._ex
@@ -163,8 +169,10 @@ class Runtime:
         accumulation, so summing every call's grads gives the step's gradient in either mode.
 
         Example:
-          >>> step = rt.value_and_grad(lambda ps, x, y: F.cross_entropy(rt.apply(ps, x), y))  # doctest: +SKIP
-          >>> grads, loss = step(params, x, y)  # doctest: +SKIP
+          >>> step = rt.value_and_grad(loss_fn)  # loss_fn(params, x, y) calls rt.apply(params, x)
+          >>> grads, loss = step(params, x, y)
+          >>> grads["head.weight"].shape, loss.shape
+          (torch.Size([64, 32]), torch.Size([]))
         """
         return torch.func.grad_and_value(loss_fn, has_aux=has_aux)
 
@@ -174,8 +182,11 @@ class Runtime:
         ``loss.backward()`` loops written against the module).
 
         Example:
-          >>> with rt.bind(params):  # doctest: +SKIP
-          ...     F.cross_entropy(model(x), y).backward()
+          >>> params = fsdpfn.shard(model, plan, requires_grad=True)
+          >>> with rt.bind(params):
+          ...     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+          >>> params["head.weight"].grad.placements
+          (Shard(dim=0),)
         """
         runtime = self
         original = self.model.__dict__.get("forward")
@@ -204,10 +215,14 @@ class Runtime:
         """Micro-batches run inside are not the last of their step (see ``accumulate``).
 
         Example:
-          >>> for x, y in micro_batches[:-1]:  # doctest: +SKIP
+          >>> micro_batches = [(x[:1], y[:1]), (x[1:], y[1:])]
+          >>> for xb, yb in micro_batches[:-1]:
           ...     with rt.accumulating():
-          ...         g, _ = rt.value_and_grad(loss_fn)(params, x, y)
-          >>> g, _ = rt.value_and_grad(loss_fn)(params, *micro_batches[-1])  # reduces  # doctest: +SKIP
+          ...         g0, _ = rt.value_and_grad(loss_fn)(params, xb, yb)
+          >>> g1, _ = rt.value_and_grad(loss_fn)(params, *micro_batches[-1])  # reduces
+          >>> w = "head.weight"  # the two halves' mean gradient is the whole batch's
+          >>> torch.allclose((g0[w] + g1[w]).to_local() / 2, grads[w].to_local(), atol=1e-6)
+          True
         """
         prev, self._local_only = self._local_only, True
         try:

@@ -214,10 +214,26 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
       a :class:`Schedule`; :func:`validate` accepts it.
 
     Example:
-      >>> s = schedule(plan, prefetch=2)  # doctest: +SKIP
-      >>> print(s)  # one numbered op a line, events outdented  # doctest: +SKIP
-      >>> s.reshard_after_forward("blocks.0")  # doctest: +SKIP
-      True
+      >>> s = schedule(plan, prefetch=2)
+      >>> print(s)  # one numbered op a line, events outdented
+      Schedule for plan ... (prefetch=2):
+         0  forward <root>
+         1      gather <root>
+         2      gather blocks.0
+         3      gather blocks.1
+         4      wait <root>
+         5  forward blocks.0
+         6      wait blocks.0
+         7  forward_done blocks.0
+         8      free blocks.0
+      ...
+        28  end
+        29      reduce <root>
+        30      wait_reduce <root>
+        31      wait_reduce blocks.0
+        32      free <root>
+      >>> s.reshard_after_forward("blocks.0"), s.reshard_after_forward("")  # the root is kept
+      (True, False)
     """
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -313,12 +329,12 @@ def validate(sched: Schedule, plan: Plan) -> None:
       ScheduleError: naming the first offending op and how to fix it.
 
     Example:
-      >>> s = schedule(plan)  # doctest: +SKIP
-      >>> validate(s, plan)  # passes  # doctest: +SKIP
-      >>> no_wait = [op for op in s.ops if op != Op("wait", "blocks.1")]  # doctest: +SKIP
-      >>> validate(dataclasses.replace(s, ops=no_wait), plan)  # doctest: +SKIP
+      >>> s = schedule(plan)
+      >>> validate(s, plan)  # passes
+      >>> no_wait = [op for op in s.ops if op != Op("wait", "blocks.1")]
+      >>> validate(dataclasses.replace(s, ops=no_wait), plan)
       Traceback (most recent call last):
-      ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
+      fsdpfn.runtime._schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
     """
     _made_for_plan(sched, plan)
     walk = _Walk(sched, tuple(u.name for u in plan.units))

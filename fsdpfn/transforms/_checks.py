@@ -87,7 +87,7 @@ def check_plan_agree(plan: Plan, token: str, *, what: str, device=None) -> None:
     all-gather of the tokens themselves, so the error shows both. Every rank raises the same error.
 
     Example:
-      >>> check_plan_agree(plan, "seed=0", what="init seed and function")  # doctest: +SKIP
+      >>> check_plan_agree(plan, "seed=0", what="init seed and function")  # every rank passes
     """
     row = torch.tensor([_fingerprint_value(plan), _token_value(token)], dtype=torch.float64, device=device)
     for d, group in enumerate(_groups(plan)):
@@ -113,7 +113,12 @@ def checksums(values) -> torch.Tensor:
 
     Computed over chunks of at most an eighth of the tensor (at least 256, at most 2**16
     elements), so the only temporary is one float64 chunk: at most a quarter of the tensor's
-    fp32 bytes, or 512 KiB, never a float64 copy of the whole tensor."""
+    fp32 bytes, or 512 KiB, never a float64 copy of the whole tensor.
+
+    Example:
+      >>> checksums([torch.ones(3), torch.arange(3.0)])
+      tensor([3., 3., 3., 5.], dtype=torch.float64)
+    """
     sums, squares = [], []
     for x in values:
         flat = x.detach().reshape(-1)
@@ -134,7 +139,9 @@ def check_values_agree(plan: Plan, names, table: torch.Tensor, *, fix: str) -> N
     repair the mismatch.
 
     Example:
-      >>> check_values_agree(plan, names, checksums(values), fix="seed every rank alike")  # doctest: +SKIP
+      >>> names = ["blocks.0.fc.weight", "head.weight"]
+      >>> values = [model.get_parameter(n) for n in names]
+      >>> check_values_agree(plan, names, checksums(values), fix="seed every rank alike")  # passes
     """
     names = list(names)
     for group in _groups(plan):

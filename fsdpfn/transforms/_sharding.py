@@ -89,7 +89,10 @@ def from_local(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool =
     does not.
 
     Example:
-      >>> g = fsdpfn.transforms.from_local(plan, "blocks.0.mlp.weight", local_rows)  # doctest: +SKIP
+      >>> local_rows = torch.zeros_like(params["blocks.0.fc.weight"].to_local())
+      >>> g = fsdpfn.transforms.from_local(plan, "blocks.0.fc.weight", local_rows)
+      >>> g.shape, g.placements  # the global shape and placement, from the plan
+      (torch.Size([128, 32]), (Shard(dim=0),))
     """
     return DTensor(local, _spec(plan, name, local.dtype), requires_grad=requires_grad)
 
@@ -171,8 +174,11 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
       ``{name: DTensor}`` in the plan's order.
 
     Example:
-      >>> params = fsdpfn.shard(model, plan)  # doctest: +SKIP
-      >>> params["layers.0.mlp.weight"].to_local().shape  # this rank's rows  # doctest: +SKIP
+      >>> params = fsdpfn.shard(model, plan)
+      >>> params["blocks.0.fc.weight"].placements
+      (Shard(dim=0),)
+      >>> params["blocks.0.fc.weight"].to_local().shape  # this rank's rows (of 128, on 1 rank)
+      torch.Size([128, 32])
     """
     if isinstance(model_or_params, torch.nn.Module):
         full = dict(model_or_params.named_parameters())
@@ -387,10 +393,12 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
       ``{name: Tensor}``: full parameters in the plan's order.
 
     Example:
-      >>> def loss_fn(params, x, y):  # doctest: +SKIP
+      >>> def loss_fn(params, x, y):
       ...     out = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
-      ...     return torch.nn.functional.cross_entropy(out, y)
-      >>> grads = torch.func.grad(loss_fn)(params, x, y)  # sharded DTensors  # doctest: +SKIP
+      ...     return F.cross_entropy(out.flatten(0, 1), y.flatten())
+      >>> grads = torch.func.grad(loss_fn)(params, x, y)
+      >>> grads["blocks.0.fc.weight"].placements  # sharded DTensors, reduced
+      (Shard(dim=0),)
     """
     _check_keys(params, plan, "unshard(params)")
     _check_op(grad_op)
@@ -423,8 +431,10 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       ``{name: DTensor}`` placed like :func:`shard`'s output.
 
     Example:
-      >>> loss.backward()  # on a model holding full parameters  # doctest: +SKIP
-      >>> gshards = fsdpfn.reduce({n: p.grad for n, p in model.named_parameters()}, plan)  # doctest: +SKIP
+      >>> F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()  # full parameters
+      >>> gshards = fsdpfn.reduce({n: p.grad for n, p in model.named_parameters()}, plan)
+      >>> gshards["blocks.0.fc.weight"].placements
+      (Shard(dim=0),)
     """
     _check_op(op)
     _check_keys(full_grads, plan, "reduce(full_grads)", allow_none=True)
