@@ -12,10 +12,17 @@ writes one plain ``state_dict`` file that ``model.load_state_dict`` accepts with
 
 Example:
   >>> from fsdpfn import checkpoint
-  >>> state = {"params": params, "opt_state": opt_state, "step": 100}  # doctest: +SKIP
-  >>> checkpoint.save("runs/x/ckpt", state, plan)  # doctest: +SKIP
-  >>> state = checkpoint.load("runs/x/ckpt", template, other_plan)  # doctest: +SKIP
-  >>> checkpoint.export_full("runs/x/model.pt", state["params"], plan, model=model)  # doctest: +SKIP
+  >>> state = {"params": params, "opt_state": opt.init(params), "step": 100}
+  >>> checkpoint.save("runs/x/ckpt", state, plan)
+  'runs/x/ckpt/step_00000100'
+  >>> other_plan = fsdpfn.plan(model, mesh, strategy="zero2")  # load reshards into any plan
+  >>> fresh = fsdpfn.shard(model, other_plan)
+  >>> template = {"params": fresh, "opt_state": opt.init(fresh), "step": 0}
+  >>> state = checkpoint.load("runs/x/ckpt", template, other_plan)
+  >>> state["step"]
+  100
+  >>> checkpoint.export_full("runs/x/model.pt", state["params"], other_plan, model=model)
+  'runs/x/model.pt'
 """
 
 from fsdpfn.checkpoint._atomic import latest as latest

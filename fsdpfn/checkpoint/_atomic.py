@@ -127,7 +127,9 @@ def latest(root: str | os.PathLike, *, verify: bool = False) -> str | None:
         checksums of what it reads).
 
     Example:
-      >>> latest("runs/gpt/ckpt")  # doctest: +SKIP
+      >>> for step in (100, 200):
+      ...     _ = fsdpfn.checkpoint.save("runs/gpt/ckpt", {"params": params, "step": step}, plan)
+      >>> latest("runs/gpt/ckpt")
       'runs/gpt/ckpt/step_00000200'
     """
     root = os.fspath(root)

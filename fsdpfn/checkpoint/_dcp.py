@@ -151,7 +151,7 @@ def save(
       The committed checkpoint directory, e.g. ``path/step_00000100``.
 
     Example:
-      >>> fsdpfn.checkpoint.save("runs/gpt/ckpt", {"params": params, "step": 10}, plan)  # doctest: +SKIP
+      >>> fsdpfn.checkpoint.save("runs/gpt/ckpt", {"params": params, "step": 10}, plan)
       'runs/gpt/ckpt/step_00000010'
     """
     root = os.fspath(path)
@@ -193,8 +193,10 @@ def read_info(path: str | os.PathLike) -> dict:
         does not parse (the message names the file).
 
     Example:
-      >>> fsdpfn.checkpoint.read_info("runs/gpt/ckpt")["values"]["step"]  # doctest: +SKIP
-      200
+      >>> _ = fsdpfn.checkpoint.save("runs/gpt/ckpt", {"params": params, "step": 200}, plan)
+      >>> info = fsdpfn.checkpoint.read_info("runs/gpt/ckpt")
+      >>> info["values"], info["tensors"]["params/head.weight"]["shape"]
+      ({'step': 200}, [64, 32])
     """
     ckpt = _atomic.resolve(path)
     info = read_manifest(ckpt)
@@ -342,10 +344,14 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
         message names the path and both shapes).
 
     Example:
-      >>> template = {"params": fsdpfn.shard(model, plan3), "opt_state": opt.init(...), "step": 0}  # doctest: +SKIP
-      >>> state = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan3)  # doctest: +SKIP
-      >>> state, info = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan3, return_info=True)  # doctest: +SKIP
-      >>> info["dir"], info["values"]["step"]  # doctest: +SKIP
+      >>> saved = {"params": params, "opt_state": state, "step": 200}
+      >>> _ = fsdpfn.checkpoint.save("runs/gpt/ckpt", saved, plan)
+      >>> plan2 = fsdpfn.plan(model, mesh, strategy="zero2")  # another plan than the save's
+      >>> fresh = fsdpfn.shard(model, plan2)
+      >>> template = {"params": fresh, "opt_state": opt.init(fresh), "step": 0}
+      >>> loaded = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan2)
+      >>> loaded, info = fsdpfn.checkpoint.load("runs/gpt/ckpt", template, plan2, return_info=True)
+      >>> info["dir"], info["values"]["step"]
       ('runs/gpt/ckpt/step_00000200', 200)
     """
     path = os.fspath(path)

@@ -61,8 +61,10 @@ def export_full(
       OSError: rank 0 could not write ``path`` (raised on every rank; the message names it).
 
     Example:
-      >>> fsdpfn.checkpoint.export_full("model.pt", state["params"], plan, model=model)  # doctest: +SKIP
-      >>> GPT(cfg).load_state_dict(torch.load("model.pt", weights_only=True))  # no fsdpfn needed  # doctest: +SKIP
+      >>> fsdpfn.checkpoint.export_full("model.pt", params, plan, model=model)
+      'model.pt'
+      >>> GPT(cfg).load_state_dict(torch.load("model.pt", weights_only=True))  # no fsdpfn needed
+      <All keys matched successfully>
     """
     with timeout_scope(timeout):
         comm.arrive("fsdpfn.checkpoint.export_full")

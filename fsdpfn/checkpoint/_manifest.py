@@ -47,11 +47,13 @@ class CheckpointError(RuntimeError):
       file: the offending file inside it, relative to ``path``, or ``None``.
 
     Example:
-      >>> try:  # doctest: +SKIP
-      ...     fsdpfn.checkpoint.load("runs/gpt/ckpt/step_00000200", template, plan)
+      >>> ckpt = fsdpfn.checkpoint.save("runs/gpt/ckpt", {"params": params, "step": 200}, plan)
+      >>> os.remove(os.path.join(ckpt, "rank_0", "__0_0.distcp"))  # a file lost
+      >>> try:
+      ...     fsdpfn.checkpoint.load(ckpt, {"params": params}, plan)
       ... except fsdpfn.checkpoint.CheckpointError as e:
       ...     print(e.path, e.file)
-      runs/gpt/ckpt/step_00000200 rank_1/__0_0.distcp
+      runs/gpt/ckpt/step_00000200 rank_0/__0_0.distcp
     """
 
     def __init__(self, message: str, path: str | None = None, file: str | None = None):

@@ -5,10 +5,12 @@ rank before any collective); :func:`apply_if_finite` skips steps with NaN or inf
 every rank alike.
 
 Example:
-  >>> opt = fsdpfn.optim.muon(lr=0.02)  # doctest: +SKIP
-  >>> state = opt.init(params)  # doctest: +SKIP
-  >>> updates, state = opt.update(grads, state, params)  # doctest: +SKIP
-  >>> params = fsdpfn.optim.apply_updates(params, updates)  # doctest: +SKIP
+  >>> opt = fsdpfn.optim.muon(lr=0.02)
+  >>> state = opt.init(params)
+  >>> updates, state = opt.update(grads, state, params)
+  >>> params = fsdpfn.optim.apply_updates(params, updates)
+  >>> params["blocks.0.fc.weight"].placements  # still sharded
+  (Shard(dim=0),)
 """
 
 from fsdpfn.optim._base import EmptyState as EmptyState

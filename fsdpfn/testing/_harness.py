@@ -150,11 +150,11 @@ def run_on_ranks(
       RankError: some rank raised (its traceback is in the message) or did not answer in time.
 
     Example:
-      >>> def total(rank, world_size):  # doctest: +SKIP
+      >>> def total(rank, world_size):  # at module level in a test file, so that it pickles
       ...     t = torch.tensor([float(rank)])
       ...     torch.distributed.all_reduce(t)
       ...     return t.item()
-      >>> run_on_ranks(total, world_size=3)  # doctest: +SKIP
+      >>> run_on_ranks(total, world_size=3)  # spawns 3 processes  # doctest: +SKIP
       [3.0, 3.0, 3.0]
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -210,7 +210,10 @@ def mesh(shape: tuple[int, ...] | int | None = None, dim_names: tuple[str, ...] 
     makes the second test that asks for the same mesh free.
 
     Example:
-      >>> m = mesh((2, 2), ("replicate", "shard"))  # doctest: +SKIP
+      >>> m = fsdpfn.testing.mesh()  # 1-D over every rank (in this example, one)
+      >>> m.shape, m is fsdpfn.testing.mesh()
+      ((1,), True)
+      >>> hsdp = fsdpfn.testing.mesh((2, 2), ("replicate", "shard"))  # needs 4 ranks  # doctest: +SKIP
     """
     from torch.distributed.device_mesh import init_device_mesh
 
