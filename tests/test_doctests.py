@@ -18,7 +18,8 @@ namespace, so examples read as a user's code:
                             ``testing``, ``transforms`` its subpackages
   ``GPT``, ``GPTConfig``    ``fsdpfn.models``
   ``cfg``, ``model``        ``GPTConfig(vocab_size=64, seq_len=16, width=32, depth=2)``,
-                            ``GPT(cfg)`` (seed 0): units ``""`` (the root), ``blocks.0``, ``blocks.1``
+                            ``GPT(cfg)`` (seed 0); its units: ``""`` (the root),
+                            ``blocks.0``, ``blocks.1``
   ``mesh``                  ``fsdpfn.testing.mesh()``: the 1-rank CPU ``DeviceMesh``
   ``plan``                  ``fsdpfn.plan(model, mesh)`` (zero3)
   ``params``                ``fsdpfn.shard(model, plan)``: ``{name: DTensor}``
