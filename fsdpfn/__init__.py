@@ -1,14 +1,22 @@
 """fsdpfn: functional fully sharded data parallelism (FSDP / ZeRO / HSDP) and Muon for PyTorch.
 
+Subpackages: ``fsdpfn.comm`` (every collective, the timeout, the counter), ``fsdpfn.optim``,
+``fsdpfn.runtime``, ``fsdpfn.checkpoint``, ``fsdpfn.testing`` (run your tests on N gloo ranks),
+``fsdpfn.launch`` (start a job on N ranks).
+
 Example:
-  >>> plan = fsdpfn.plan(model, mesh, strategy="zero3")  # doctest: +SKIP
-  >>> params = fsdpfn.shard(model, plan)  # doctest: +SKIP
-  >>> full = fsdpfn.unshard(params, plan)  # differentiable; VJP == fsdpfn.reduce  # doctest: +SKIP
+  >>> plan = fsdpfn.plan(model, mesh, strategy="zero3")
+  >>> params = fsdpfn.shard(model, plan)
+  >>> full = fsdpfn.unshard(params, plan)  # differentiable; its VJP is fsdpfn.reduce
+  >>> [type(u).__name__ for u in plan.units][:2], type(plan.units[0].params[0]).__name__
+  (['Unit', 'Unit'], 'ParamSpec')
 """
 
 from fsdpfn._cost import PlanCost as PlanCost
 from fsdpfn._plan import MixedPrecision as MixedPrecision
+from fsdpfn._plan import ParamSpec as ParamSpec
 from fsdpfn._plan import Plan as Plan
+from fsdpfn._plan import Unit as Unit
 from fsdpfn._plan import plan as plan
 from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.transforms import init_full as init_full
@@ -23,13 +31,16 @@ from fsdpfn import checkpoint as checkpoint
 from fsdpfn import comm as comm
 from fsdpfn import optim as optim
 from fsdpfn import runtime as runtime
+from fsdpfn import testing as testing
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MixedPrecision",
+    "ParamSpec",
     "Plan",
     "PlanCost",
+    "Unit",
     "checkpoint",
     "comm",
     "count_collectives",
@@ -41,5 +52,6 @@ __all__ = [
     "reduce",
     "runtime",
     "shard",
+    "testing",
     "unshard",
 ]
