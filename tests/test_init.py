@@ -287,6 +287,15 @@ class _Copying(nn.Module):
             self.b.copy_(self.a)
 
 
+class _Rebinding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self):
+        self.w = nn.Parameter(torch.zeros(4))
+
+
 def test_bad_arguments_are_named_before_any_collective():
     model = _meta_model()
     plan = fsdpfn.plan(model, (2,))  # unbound: a collective would fail differently
@@ -308,6 +317,9 @@ def test_bad_arguments_are_named_before_any_collective():
     with pytest.raises(RuntimeError, match=r"initialising 'b' \(alone: the model's other parameters are on the meta device\)"):
         with torch.device("meta"):
             fsdpfn.init_full(_Copying())
+    with pytest.raises(ValueError, match="the initialiser replaced parameter 'w' instead of filling it in place"):
+        with torch.device("meta"):
+            fsdpfn.init_full(_Rebinding())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ than one unit.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from typing import Callable, Iterator
 
@@ -162,7 +163,7 @@ def _materialise(path: str, module: nn.Module, local: str, device: torch.device,
     """The values of one parameter, created and initialised alone (see [Note: seed per parameter path])."""
     old = module._parameters[local]
     value = torch.empty(old.shape, dtype=old.dtype, device=device)
-    module._parameters[local] = nn.Parameter(value, requires_grad=old.requires_grad)
+    live = module._parameters[local] = nn.Parameter(value, requires_grad=old.requires_grad)
     try:
         _seed(device, param_seed(seed, path))
         with torch.no_grad():
@@ -172,6 +173,9 @@ def _materialise(path: str, module: nn.Module, local: str, device: torch.device,
                 init(module, local)
             else:
                 module.reset_parameters()
+        if module._parameters[local] is not live:
+            raise ValueError(f"the initialiser replaced parameter {path!r} instead of filling it in place; "
+                             "write into it (torch.nn.init.*_, tensor.copy_(...), tensor.normal_(...))")
     except Exception as e:
         try:  # the same exception type, with the parameter named
             named = type(e)(f"initialising {path!r} (alone: the model's other parameters are on the meta device) failed: {e}")
@@ -189,9 +193,8 @@ def _meta_view(model: nn.Module) -> nn.Module:
     params = list(model.parameters())
     if all(p.is_meta for p in params):
         return model
-    import copy
-
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
     return copy.deepcopy(model, memo)
 
 
