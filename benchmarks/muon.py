@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fsdpfn
 from fsdpfn import optim, testing
+from fsdpfn._plan import chunk_bounds
 from fsdpfn.models import GPT, GPTConfig
 
 
@@ -232,9 +233,7 @@ def _local_mm_flops(fn) -> int:
     return int(sum(e.flops or 0 for e in prof.events() if e.name in _MM and inner(e)))
 
 
-def _chunk(rows, world, rank):
-    c = -(-rows // world)
-    return min(rank * c, rows), min((rank + 1) * c, rows)
+_chunk = chunk_bounds  # the plan's torch.chunk split
 
 
 def _vs_torch(rank, world, cfg_kw, steps, warmup):

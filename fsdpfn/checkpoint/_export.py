@@ -8,6 +8,7 @@ from typing import Mapping
 import torch
 
 from fsdpfn import comm
+from fsdpfn.transforms import check_params
 from fsdpfn.checkpoint._agree import agree, decide, timeout_scope
 
 __all__ = ["export_full"]
@@ -88,11 +89,7 @@ def _check_names(params, plan, model) -> dict[str, str | None] | None:
     """``{state_dict key: parameter name or None}`` (``None`` without a model), after checking
     that ``params`` has the plan's and the model's parameters."""
     if plan is not None:
-        missing = [n for n in plan.param_names if n not in params]
-        extra = [n for n in params if n not in set(plan.param_names)]
-        if missing or extra:
-            raise ValueError(f"export_full: params do not match the plan (missing {missing[:5]}, not in the plan "
-                             f"{extra[:5]}); pass the params sharded by this plan")
+        check_params(params, plan, "export_full(params)")
     if model is None:
         return None
     keys = _state_dict_names(model)

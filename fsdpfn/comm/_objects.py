@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fsdpfn._plan import chunk_size
 from fsdpfn.comm import _groups
 from fsdpfn.comm._collectives import CollectiveError, all_gather, all_reduce, broadcast
 from fsdpfn.comm._record import record
@@ -92,7 +93,7 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
     for i, p in reversed(sharded):
         group, d = mesh.get_group(i), p.dim
         w, n = mesh.size(i), x.shape[d]
-        chunk = -(-n // w) if n else 0
+        chunk = chunk_size(n, w)
         moved = local.movedim(d, 0)
         padded = torch.zeros((chunk, *moved.shape[1:]), dtype=local.dtype, device=local.device)
         padded[: moved.shape[0]] = moved

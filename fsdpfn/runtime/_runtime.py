@@ -15,6 +15,7 @@ from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.runtime._schedule import OpKind, Schedule, validate
 from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
+from fsdpfn.transforms import check_params
 
 __all__ = ["Runtime"]
 
@@ -134,7 +135,7 @@ class Runtime:
           >>> with torch.no_grad():  # evaluation: gathers, frees, no reduce
           ...     logits = rt.apply(params, x)
         """
-        _check_params(params, self.plan)
+        check_params(params, self.plan, "Runtime.apply(params)")
         ex = self._ex
         grad = torch.is_grad_enabled()
         step = ex.begin(sync=not self._local_only)
@@ -267,11 +268,3 @@ class Runtime:
         finally:
             for module in installed:
                 del module.forward
-
-
-def _check_params(params, plan: Plan) -> None:
-    if not isinstance(params, Mapping):
-        raise ValueError(f"params must be the dict fsdpfn.shard(model, plan) returned, got {type(params).__name__}")
-    missing = [n for n in plan.param_names if n not in params]
-    if missing:
-        raise ValueError(f"params is missing {missing[:5]}; pass every parameter of the plan (fsdpfn.shard(model, plan))")

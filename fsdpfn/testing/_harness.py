@@ -152,7 +152,7 @@ def run_on_ranks(
     Example:
       >>> def total(rank, world_size):  # at module level in a test file, so that it pickles
       ...     t = torch.tensor([float(rank)])
-      ...     torch.distributed.all_reduce(t)
+      ...     fsdpfn.comm.all_reduce(t)
       ...     return t.item()
       >>> run_on_ranks(total, world_size=3)  # spawns 3 processes  # doctest: +SKIP
       [3.0, 3.0, 3.0]

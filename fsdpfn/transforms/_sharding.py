@@ -28,7 +28,7 @@ from fsdpfn._plan import Plan, Unit
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_ranks_agree
 
-__all__ = ["shard", "unshard", "reduce", "placements", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
+__all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +108,18 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_keys(tree: Mapping[str, Any], plan: Plan, what: str, allow_none: bool = False) -> None:
+def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allow_none: bool = False) -> None:
+    """Raises ``ValueError`` unless ``tree`` is a dict holding exactly the plan's parameters, each
+    a tensor of the plan's global shape (``None`` allowed with ``allow_none``): the one check of
+    "these parameters belong to this plan", used by the transforms, the runtime and checkpoints.
+
+    Example:
+      >>> fsdpfn.transforms.check_params(params, plan)
+      >>> fsdpfn.transforms.check_params({}, plan)
+      Traceback (most recent call last):
+      ...
+      ValueError: params does not match the plan (missing [...]...
+    """
     if not isinstance(tree, Mapping):
         raise ValueError(f"{what} must be a dict {{parameter name: tensor}}, got {type(tree).__name__}")
     expected = set(plan.param_names)
@@ -184,7 +195,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
         full = dict(model_or_params.named_parameters())
     else:
         full = model_or_params
-    _check_keys(full, plan, "shard(model_or_params)")
+    check_params(full, plan, "shard(model_or_params)")
     rank = shard_rank(plan)
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
@@ -400,7 +411,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
       >>> grads["blocks.0.fc.weight"].placements  # sharded DTensors, reduced
       (Shard(dim=0),)
     """
-    _check_keys(params, plan, "unshard(params)")
+    check_params(params, plan, "unshard(params)")
     _check_op(grad_op)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
@@ -437,7 +448,7 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       (Shard(dim=0),)
     """
     _check_op(op)
-    _check_keys(full_grads, plan, "reduce(full_grads)", allow_none=True)
+    check_params(full_grads, plan, "reduce(full_grads)", allow_none=True)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:
