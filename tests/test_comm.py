@@ -304,3 +304,11 @@ def test_ranks_die_with_their_launcher(tmp_path):
     while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in ranks), "a rank outlived its launcher"
+
+
+def test_a_function_from_a_main_without_a_file_is_refused_with_the_reason():
+    code = ("import fsdpfn.testing as t\n"
+            "def f(rank, world):\n    return rank\n"
+            "try:\n    t.run_on_ranks(f, 2)\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in proc.stdout and "defined in __main__ without a file" in proc.stdout, proc.stdout + proc.stderr
