@@ -196,6 +196,12 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     else:
         full = model_or_params
     check_params(full, plan, "shard(model_or_params)")
+    meta = [n for n, v in full.items() if v.is_meta]
+    if meta:  # even with check=False: meta shards would hold no values at all
+        raise ValueError(
+            f"shard: parameters {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device (no values); "
+            "build their shards with fsdpfn.init_shards(model, plan) or fsdpfn.load_safetensors(model, plan, path)"
+        )
     rank = shard_rank(plan)
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
