@@ -84,3 +84,11 @@ def test_no_buffer_lands_on_the_default_device(run_on_ranks):
     for per_path in run_on_ranks(_default_device_is_not_used, 2):
         for devices in per_path:
             assert set(devices.values()) == {("cpu", "cpu", "cpu")}, devices
+
+
+def test_sharding_a_meta_model_is_a_named_error_even_unchecked():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=16, width=8, depth=1, heads=2, seq_len=4))
+    plan = fsdpfn.plan(model, (2,))
+    with pytest.raises(ValueError, match="meta device.*fsdpfn.init_shards"):
+        fsdpfn.shard(model, plan, check=False)
