@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet "$(TORCH)"
-	@$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[test,demo]"
+	@$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[test,demo,hf]"
 
 demo: setup
 	$(PYTHON) examples/train_gpt.py
