@@ -31,6 +31,7 @@ from fsdpfn import checkpoint as checkpoint
 from fsdpfn import comm as comm
 from fsdpfn import optim as optim
 from fsdpfn import runtime as runtime
+from fsdpfn import sim as sim
 from fsdpfn import testing as testing
 
 __version__ = "0.1.0"
@@ -52,6 +53,7 @@ __all__ = [
     "reduce",
     "runtime",
     "shard",
+    "sim",
     "testing",
     "unshard",
 ]

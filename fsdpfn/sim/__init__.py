@@ -1,0 +1,69 @@
+"""Plans at scale: a hardware model, a simulator of the runtime's schedule, and a plan search.
+
+``simulate(plan, schedule, workload, optimizer, hardware)`` predicts a training step -- a
+timeline of compute and communication streams with the overlap the schedule allows, exposed
+communication, bytes per link level, memory per rank -- for plans that run here and for
+abstract ones (``fsdpfn.plan(meta_model, (16, 64))``) that nobody can run. ``measure()`` fits a
+:class:`Hardware` on the ranks at hand; ``H100_SXM`` & co. are presets from datasheets;
+``search()`` finds the fastest plan that fits a memory budget.
+
+Example:
+  >>> wl = fsdpfn.sim.profile(model, plan, x)
+  >>> r = fsdpfn.sim.simulate(plan, runtime.schedule(plan), wl, fsdpfn.sim.Muon(), fsdpfn.sim.H100_SXM)
+  >>> r.memory["unsharded_peak"] == rt.memory.high_water
+  True
+"""
+
+from fsdpfn.sim._engine import Task as Task
+from fsdpfn.sim._engine import run as run_tasks
+from fsdpfn.sim._hardware import A100_SXM as A100_SXM
+from fsdpfn.sim._hardware import H100_SXM as H100_SXM
+from fsdpfn.sim._hardware import H200_SXM as H200_SXM
+from fsdpfn.sim._hardware import PRESETS as PRESETS
+from fsdpfn.sim._hardware import Hardware as Hardware
+from fsdpfn.sim._hardware import Link as Link
+from fsdpfn.sim._hardware import collective_steps as collective_steps
+from fsdpfn.sim._hardware import wire_bytes as wire_bytes
+from fsdpfn.sim._measure import measure as measure
+from fsdpfn.sim._optimizer import AdamW as AdamW
+from fsdpfn.sim._optimizer import CommCost as CommCost
+from fsdpfn.sim._optimizer import Muon as Muon
+from fsdpfn.sim._optimizer import OptimizerCost as OptimizerCost
+from fsdpfn.sim._optimizer import local_shapes as local_shapes
+from fsdpfn.sim._optimizer import owner_loads as owner_loads
+from fsdpfn.sim._simulate import SimResult as SimResult
+from fsdpfn.sim._simulate import Span as Span
+from fsdpfn.sim._simulate import Traffic as Traffic
+from fsdpfn.sim._simulate import simulate as simulate
+from fsdpfn.sim._workload import Work as Work
+from fsdpfn.sim._workload import Workload as Workload
+from fsdpfn.sim._workload import count_work as count_work
+from fsdpfn.sim._workload import profile as profile
+
+__all__ = [
+    "A100_SXM",
+    "AdamW",
+    "CommCost",
+    "H100_SXM",
+    "H200_SXM",
+    "Hardware",
+    "Link",
+    "Muon",
+    "OptimizerCost",
+    "PRESETS",
+    "SimResult",
+    "Span",
+    "Task",
+    "Traffic",
+    "Work",
+    "Workload",
+    "collective_steps",
+    "count_work",
+    "local_shapes",
+    "measure",
+    "owner_loads",
+    "profile",
+    "run_tasks",
+    "simulate",
+    "wire_bytes",
+]

@@ -1,0 +1,257 @@
+"""The hardware model: matmul rate per dtype, memory, and an alpha-beta cost per collective and
+link level. Frozen values, with presets built from public figures and :func:`fsdpfn.sim.measure`
+fitting one on the machine at hand.
+
+[Note: the alpha-beta collective model]
+A collective of kind ``k`` over ``g`` ranks whose full buffer has ``n`` bytes takes::
+
+    steps(k, g) * alpha + wire(k, g, n) / bandwidth
+
+``wire`` is what one rank sends under a bandwidth-optimal (ring) algorithm, the convention of
+:class:`fsdpfn.comm.CollectiveCall`: ``(g-1)/g * n`` for all-gather, reduce-scatter and
+all-to-all, ``2 (g-1)/g * n`` for all-reduce. ``steps`` is the ring's number of sequential
+hops: ``g - 1``, or ``2 (g - 1)`` for all-reduce. ``bandwidth`` is the bytes per second one
+rank can send on that level (NCCL's "bus bandwidth"), ``alpha`` the latency of one hop. A group
+whose ranks sit in one node uses the ``intra`` level, any other group the ``inter`` level: the
+slowest link a ring crosses sets its pace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Union
+
+import torch
+
+__all__ = ["A100_SXM", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Link", "PRESETS", "collective_steps", "wire_bytes"]
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+_WIRE = {"all_reduce": 2.0}
+
+
+def wire_bytes(kind: str, group_size: int, nbytes: float) -> float:
+    """Bytes one rank sends for a collective whose full buffer has ``nbytes`` (see
+    [Note: the alpha-beta collective model]); the convention of ``fsdpfn.comm.CollectiveCall``.
+
+    Example:
+      >>> wire_bytes("all_gather", 4, 1024), wire_bytes("all_reduce", 4, 1024)
+      (768.0, 1536.0)
+    """
+    return _WIRE.get(kind, 1.0) * (group_size - 1) / group_size * nbytes
+
+
+def collective_steps(kind: str, group_size: int) -> int:
+    """Sequential hops of a ring collective over ``group_size`` ranks (each pays ``alpha``).
+
+    Example:
+      >>> collective_steps("all_gather", 8), collective_steps("all_reduce", 8)
+      (7, 14)
+    """
+    return (2 if kind == "all_reduce" else 1) * (group_size - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Alpha-beta cost of one collective kind on one link level.
+
+    Attributes:
+      alpha: seconds per ring hop (latency).
+      bandwidth: bytes per second one rank sends (bus bandwidth); ``math.inf`` for a level that
+        costs nothing (one rank).
+
+    Example:
+      >>> Link(alpha=1e-5, bandwidth=1e9).seconds("all_gather", 2, 2_000_000)
+      0.00101
+    """
+
+    alpha: float
+    bandwidth: float
+
+    def __post_init__(self):
+        if not (self.alpha >= 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"Link.alpha must be a finite number of seconds >= 0, got {self.alpha!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link.bandwidth must be > 0 bytes/s (math.inf for free), got {self.bandwidth!r}")
+
+    def seconds(self, kind: str, group_size: int, nbytes: float, sent: float | None = None) -> float:
+        """Time of one collective: ``steps * alpha + sent / bandwidth``; ``sent`` defaults to
+        :func:`wire_bytes` (pass the real bytes for uneven all-to-alls)."""
+        if group_size <= 1:
+            return 0.0
+        sent = wire_bytes(kind, group_size, nbytes) if sent is None else sent
+        return collective_steps(kind, group_size) * self.alpha + sent / self.bandwidth
+
+
+LinksArg = Union[Link, Mapping[str, Link]]
+
+
+def _links(value: LinksArg, what: str) -> tuple[tuple[str, Link], ...]:
+    """``{kind: Link}`` (``"*"``: every kind not named) or one Link for every kind, as sorted pairs."""
+    if isinstance(value, Link):
+        value = {"*": value}
+    if isinstance(value, tuple):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"Hardware.{what} must be a Link or a dict {{kind: Link}}, got {type(value).__name__}")
+    out = {}
+    for kind, link in value.items():
+        if kind != "*" and kind not in KINDS:
+            raise ValueError(f"Hardware.{what} names collective {kind!r}; kinds are {', '.join(KINDS)} (or '*' for all)")
+        if not isinstance(link, Link):
+            raise ValueError(f"Hardware.{what}[{kind!r}] must be a Link, got {link!r}")
+        out[kind] = link
+    missing = [k for k in KINDS if k not in out and "*" not in out]
+    if missing:
+        raise ValueError(f"Hardware.{what} has no Link for {missing}; give them or a '*' default")
+    return tuple(sorted(out.items()))
+
+
+def _dtype_key(dtype) -> str:
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What one device and its links can do: the simulator's only source of seconds.
+
+    Attributes:
+      name: shown in reports.
+      matmul_flops: ``{dtype: FLOP/s}`` of large matmuls (``"bfloat16"``, ``"float32"``, ...);
+        a dtype not listed falls back to ``"float32"``.
+      memory_bandwidth: bytes/s of memory-bound (elementwise) work on one device.
+      memory: bytes of memory per device (the budget a plan must fit).
+      devices_per_node: ranks that share the ``intra`` links.
+      intra, inter: a :class:`Link` per collective kind (or one for all) within a node and
+        across nodes (see [Note: the alpha-beta collective model]).
+      overlap: how well communication and compute run at once, 0..1. 1: each at full speed
+        (GPU copy engines and NCCL's few SMs); 0: they take turns (gloo on the cores that
+        compute). Two at once take ``max + (1 - overlap) * min`` of their times alone.
+      op_overhead: seconds every dispatched operator costs beyond its FLOPs and bytes (eager
+        dispatch on CPU; ~0 where kernel launches run ahead of the device).
+
+    Example:
+      >>> hw = fsdpfn.sim.H100_SXM
+      >>> hw.flops(torch.bfloat16) / 1e12, hw.link("all_gather", inter=True).bandwidth / 1e9
+      (989.0, 50.0)
+      >>> slower = hw.scaled(flops=0.5)
+      >>> slower.flops("bfloat16") / 1e12
+      494.5
+    """
+
+    name: str
+    matmul_flops: Mapping[str, float]
+    memory_bandwidth: float
+    memory: int
+    devices_per_node: int
+    intra: LinksArg
+    inter: LinksArg
+    overlap: float = 1.0
+    op_overhead: float = 0.0
+
+    def __post_init__(self):
+        flops = self.matmul_flops.items() if isinstance(self.matmul_flops, Mapping) else self.matmul_flops
+        pairs = tuple(sorted((_dtype_key(k), float(v)) for k, v in flops))
+        if not pairs or any(not v > 0 for _, v in pairs):
+            raise ValueError(f"Hardware.matmul_flops must map dtypes to FLOP/s > 0, got {self.matmul_flops!r}")
+        object.__setattr__(self, "matmul_flops", pairs)
+        object.__setattr__(self, "intra", _links(self.intra, "intra"))
+        object.__setattr__(self, "inter", _links(self.inter, "inter"))
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"Hardware.overlap must be in [0, 1], got {self.overlap!r}")
+        if not self.memory_bandwidth > 0 or not self.memory > 0 or self.devices_per_node < 1 or self.op_overhead < 0:
+            raise ValueError(f"Hardware {self.name!r}: memory_bandwidth and memory must be > 0, devices_per_node >= 1, op_overhead >= 0")
+
+    def flops(self, dtype) -> float:
+        """Matmul FLOP/s in ``dtype`` (``"float32"``'s for a dtype not listed)."""
+        table = dict(self.matmul_flops)
+        key = _dtype_key(dtype)
+        if key in table:
+            return table[key]
+        if "float32" in table:
+            return table["float32"]
+        raise ValueError(f"Hardware {self.name!r} has no matmul rate for {key} and none for float32; add it to matmul_flops")
+
+    def link(self, kind: str, inter: bool) -> Link:
+        """The :class:`Link` of collective ``kind`` within a node (``inter=False``) or across."""
+        table = dict(self.inter if inter else self.intra)
+        return table.get(kind) or table["*"]
+
+    def spans_nodes(self, ranks) -> bool:
+        """Whether global ``ranks`` (of one group) sit on more than one node."""
+        return len({r // self.devices_per_node for r in ranks}) > 1
+
+    def scaled(self, *, flops: float = 1.0, bandwidth: float = 1.0, memory_bandwidth: float = 1.0, name: str | None = None) -> "Hardware":
+        """A copy with every matmul rate, link bandwidth or memory bandwidth multiplied (to derate
+        datasheet peaks to what kernels and NCCL reach)."""
+        def scale(links):
+            return {k: Link(v.alpha, v.bandwidth * bandwidth) for k, v in links}
+
+        return dataclasses.replace(
+            self,
+            name=name or self.name,
+            matmul_flops={k: v * flops for k, v in self.matmul_flops},
+            memory_bandwidth=self.memory_bandwidth * memory_bandwidth,
+            intra=scale(self.intra),
+            inter=scale(self.inter),
+        )
+
+    def __str__(self) -> str:
+        flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in self.matmul_flops)
+        lines = [f"Hardware {self.name}: {flops}; memory {self.memory / 2**30:.0f} GiB at {self.memory_bandwidth / 1e9:.3g} GB/s; "
+                 f"{self.devices_per_node} per node; overlap {self.overlap:.2f}; op overhead {self.op_overhead * 1e6:.1f} us"]
+        for level, links in (("intra", self.intra), ("inter", self.inter)):
+            for kind, link in links:
+                lines.append(f"  {level:<5} {kind:<14} alpha {link.alpha * 1e6:8.2f} us   bandwidth {link.bandwidth / 1e9:8.3f} GB/s")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: datasheet peaks (derate them with Hardware.scaled for what kernels reach)
+# ---------------------------------------------------------------------------------------------
+
+# NCCL's own tuning model (src/graph/tuning.cc) puts one Ring/Simple hop over NVLink at about
+# 3.4 us; a hop over the network costs several microseconds more. These alphas are that order.
+_NVLINK_ALPHA = 3.4e-6
+_NET_ALPHA = 10e-6
+
+H100_SXM = Hardware(
+    name="H100 SXM (DGX H100)",
+    matmul_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12},
+    memory_bandwidth=3.35e12,
+    memory=80 * 10**9,
+    devices_per_node=8,
+    intra=Link(_NVLINK_ALPHA, 450e9),
+    inter=Link(_NET_ALPHA, 50e9),
+)
+"""H100 SXM in DGX H100 nodes. NVIDIA H100 datasheet: 989 TFLOP/s dense BF16/FP16 Tensor Core
+(1,979 with sparsity), 1,979 dense FP8, 67 TFLOP/s FP32, 80 GB HBM3 at 3.35 TB/s. NVLink 4:
+900 GB/s per GPU in both directions, 450 GB/s each way. Network: one 400 Gb/s InfiniBand NDR
+ConnectX-7 per GPU (DGX H100), 50 GB/s each way."""
+
+H200_SXM = Hardware(
+    name="H200 SXM (DGX H200)",
+    matmul_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12},
+    memory_bandwidth=4.8e12,
+    memory=141 * 10**9,
+    devices_per_node=8,
+    intra=Link(_NVLINK_ALPHA, 450e9),
+    inter=Link(_NET_ALPHA, 50e9),
+)
+"""H200 SXM: NVIDIA H200 datasheet: the H100's Tensor Core rates (989 TFLOP/s dense BF16),
+141 GB HBM3e at 4.8 TB/s; NVLink 4 (450 GB/s each way); 400 Gb/s NDR InfiniBand per GPU."""
+
+A100_SXM = Hardware(
+    name="A100 SXM 80GB (DGX A100)",
+    matmul_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    memory_bandwidth=2.039e12,
+    memory=80 * 10**9,
+    devices_per_node=8,
+    intra=Link(_NVLINK_ALPHA, 300e9),
+    inter=Link(_NET_ALPHA, 25e9),
+)
+"""A100 SXM 80 GB in DGX A100 nodes. NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor
+Core, 19.5 TFLOP/s FP32, 80 GB HBM2e at 2,039 GB/s. NVLink 3: 600 GB/s per GPU both ways, 300
+each way. Network: one 200 Gb/s HDR InfiniBand per GPU (DGX A100), 25 GB/s each way."""
+
+PRESETS = {"A100_SXM": A100_SXM, "H100_SXM": H100_SXM, "H200_SXM": H200_SXM}

@@ -1,0 +1,303 @@
+"""What an optimizer step costs one rank: descriptions of fsdpfn.optim's AdamW and Muon that the
+simulator can cost for any plan, abstract ones included.
+
+[Note: costing the real optimizer]
+The elementwise part of a step (moments, momentum, weight decay, ``apply_updates``) is counted
+by running the real ``fsdpfn.optim`` transform on meta tensors shaped like this rank's local
+shards (:func:`fsdpfn.sim.count_work`): every operator, its bytes, nothing computed. Muon's
+Newton–Schulz is then taken out of that count (on meta it ran on the local shards) and put back
+where the chosen layout runs it, again counted on meta: on every full matrix (``"gather"``), or
+on the matrices this rank owns, same shapes batched (``"owner"``). The collectives and their
+bytes follow ``fsdpfn/optim/_distributed_ns.py``'s [Note: the two layouts].
+
+[Note: the owner assignment]
+The owner layout's assignment is not public, so :func:`owner_loads` restates it from that Note:
+leaves of 3 or more dimensions stay local and count towards their rank's load first; then every
+2-D matrix, largest Newton–Schulz FLOPs first (ties: the earlier leaf, leaves in the order
+``optree`` flattens the parameter dict, i.e. sorted names), goes to the least loaded rank (ties:
+the lowest rank). ``tests/test_sim.py`` checks the bytes and FLOPs this predicts against a real
+step's ``fsdpfn.comm`` counter and ``FlopCounterMode`` on every rank, so a change of the
+assignment in ``fsdpfn.optim`` fails there. Exporting the assignment (``owner_plan``) would let
+this module call it instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+from fsdpfn import Plan, optim
+from fsdpfn.sim._workload import EMPTY, Work, count_work
+
+__all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "local_shapes", "owner_loads"]
+
+
+class CommCost(NamedTuple):
+    """One blocking collective of an optimizer step.
+
+    Attributes:
+      kind: collective kind.
+      group: ``"shard"`` (the plan's shard axis) -- the only group optimizers use here.
+      nbytes: full-buffer bytes on the costed rank, as ``fsdpfn.comm.CollectiveCall`` records.
+      wire_bytes: what the counter records as sent (``(W-1)/W * nbytes``).
+      sent: bytes the busiest rank really sends or receives (what sets the time).
+      dtype: element type sent.
+    """
+
+    kind: str
+    group: str
+    nbytes: int
+    wire_bytes: float
+    sent: float
+    dtype: torch.dtype
+
+
+class OptimizerCost(NamedTuple):
+    """One optimizer step on one rank: ``phases`` run in order, each a :class:`Work` (compute)
+    or a :class:`CommCost` (a blocking collective); ``state_bytes`` of optimizer state;
+    ``ns_flops`` per rank (Newton–Schulz, the busiest rank's in ``phases``)."""
+
+    phases: tuple
+    state_bytes: int
+    ns_flops: tuple[float, ...] = ()
+
+
+def _chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
+    c = -(-rows // world) if rows else 0
+    start = min(rank * c, rows)
+    return start, min(start + c, rows)
+
+
+def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes of ``rank``'s local shards of every parameter (``torch.chunk`` rows over the shard
+    axis; whole tensors for ``replicate`` units and 0-d parameters), in plan order.
+
+    Example:
+      >>> fsdpfn.sim.local_shapes(fsdpfn.plan(model, (3,)), rank=2)["head.weight"]
+      (20, 32)
+    """
+    w = plan.shard_size
+    s = rank % w
+    out = {}
+    for unit in plan.units:
+        for p in unit.params:
+            if unit.sharded and p.shape:
+                start, stop = _chunk(p.shape[0], w, s)
+                out[p.name] = (stop - start, *p.shape[1:])
+            else:
+                out[p.name] = tuple(p.shape)
+    return out
+
+
+def _meta_tree(plan: Plan, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(shapes[n], dtype=plan.param(n).dtype, device="meta") for n in sorted(shapes)}
+
+
+@functools.lru_cache(maxsize=64)
+def _update_work(make: Callable, key: tuple) -> Work:
+    """Work of ``init``-less ``update`` + ``apply_updates`` on meta leaves ``key`` = ((name, shape, dtype), ...)."""
+    tree = {n: torch.zeros(s, dtype=d, device="meta") for n, s, d in key}
+    opt = make()
+    state = opt.init(tree)
+
+    def step():
+        updates, _ = opt.update(tree, state, tree)
+        return optim.apply_updates(tree, updates)
+
+    return count_work(step)[1]
+
+
+def _key(plan: Plan, shapes: dict[str, tuple[int, ...]]) -> tuple:
+    return tuple((n, shapes[n], plan.param(n).dtype) for n in sorted(shapes))
+
+
+def _state_bytes(plan: Plan, shapes: dict[str, tuple[int, ...]], slots: Callable[[str], int]) -> int:
+    return sum(math.prod(s) * plan.param(n).dtype.itemsize * slots(n) for n, s in shapes.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """``fsdpfn.optim.adamw`` on every parameter: elementwise on local shards, two state slots,
+    no communication.
+
+    Example:
+      >>> c = fsdpfn.sim.AdamW().cost(plan)
+      >>> c.state_bytes == 2 * plan.cost().memory["optimizer_state_per_slot"], len(c.phases)
+      (True, 1)
+    """
+
+    def labels(self, plan: Plan) -> dict[str, str]:
+        return {n: "adamw" for n in plan.param_names}
+
+    def cost(self, plan: Plan, rank: int = 0) -> OptimizerCost:
+        shapes = local_shapes(plan, rank)
+        work = _update_work(_adamw, _key(plan, shapes))
+        return OptimizerCost((work,), _state_bytes(plan, shapes, lambda n: 2))
+
+    def __str__(self) -> str:
+        return "adamw"
+
+
+def _adamw():
+    return optim.adamw(1e-3, weight_decay=0.1)
+
+
+def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tuple[int, ...]], float]) -> tuple[list[int | None], list[float]]:
+    """Owner of each leaf (``None``: a batched leaf, orthogonalised where it lies) and the
+    Newton–Schulz FLOPs each rank runs (see [Note: the owner assignment]).
+
+    Example:
+      >>> fsdpfn.sim.owner_loads([(8, 8), (2, 2), (4, 4), (4, 4)], 2, lambda s: s[0] * s[1])
+      ([0, 1, 1, 1], [64, 36])
+    """
+    loads = [0] * world
+    for shape in shapes:
+        if len(shape) > 2:
+            for q in range(world):
+                start, stop = _chunk(shape[0], world, q)
+                loads[q] += flops((stop - start, *shape[1:]))
+    owners: list[int | None] = [None] * len(shapes)
+    mats = [i for i, s in enumerate(shapes) if len(s) == 2]
+    for i in sorted(mats, key=lambda i: (-flops(shapes[i]), i)):
+        r = min(range(world), key=lambda q: (loads[q], q))
+        owners[i] = r
+        loads[r] += flops(shapes[i])
+    return owners, loads
+
+
+@dataclasses.dataclass(frozen=True)
+class Muon:
+    """``fsdpfn.optim.muon``: hidden matrices by Muon (momentum, distributed Newton–Schulz in
+    ``layout``), the rest by AdamW (see [Note: costing the real optimizer]).
+
+    Attributes:
+      layout: ``"owner"`` or ``"gather"``.
+      ns_method: ``"standard"`` or ``"gram"``.
+      ns_steps: Newton–Schulz iterations.
+      ns_dtype: Newton–Schulz compute (and send) dtype; ``None``: the parameters'.
+      labels: ``(name, param) -> "muon" | "adamw"`` (default ``fsdpfn.optim.muon_labels``).
+
+    Example:
+      >>> c = fsdpfn.sim.Muon(layout="gather", ns_dtype=torch.float32).cost(fsdpfn.plan(model, (2,)))
+      >>> [p.kind for p in c.phases if isinstance(p, fsdpfn.sim.CommCost)]
+      ['all_gather']
+    """
+
+    layout: str = "owner"
+    ns_method: str = "standard"
+    ns_steps: int = 5
+    ns_dtype: torch.dtype | None = torch.bfloat16
+    labels_fn: Callable | None = None
+
+    def __post_init__(self):
+        if self.layout not in ("owner", "gather"):
+            raise ValueError(f"Muon.layout must be 'owner' or 'gather', got {self.layout!r}")
+        if self.ns_method not in ("standard", "gram"):
+            raise ValueError(f"Muon.ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
+
+    def __str__(self) -> str:
+        return f"muon {self.layout}" + (f" {self.ns_method}" if self.ns_method != "standard" else "")
+
+    def labels(self, plan: Plan) -> dict[str, str]:
+        fn = self.labels_fn or optim.muon_labels
+        return {n: fn(n, torch.empty(plan.param(n).shape, device="meta")) for n in plan.param_names}
+
+    def _make(self):
+        return optim.muon(0.02, ns_steps=self.ns_steps, ns_dtype=self.ns_dtype, layout=self.layout, ns_method=self.ns_method,
+                          labels=self.labels_fn)
+
+    def _ns_work(self, shape: tuple[int, ...], dtype: torch.dtype) -> Work:
+        return _ns_work(shape, dtype, self.ns_steps, self.ns_dtype, self.ns_method)
+
+    def flops(self, shape: tuple[int, ...]) -> float:
+        return optim.newton_schulz_flops(shape, self.ns_steps, self.ns_method)
+
+    def cost(self, plan: Plan, rank: int = 0) -> OptimizerCost:
+        shapes = local_shapes(plan, rank)
+        labels = self.labels(plan)
+        muon_names = sorted(n for n in plan.param_names if labels[n] == "muon")
+        # Elementwise work: the real transform on meta local shards, minus its Newton-Schulz there.
+        total = _update_work(self._make, _key(plan, shapes))
+        for n in muon_names:
+            if math.prod(shapes[n]):
+                total = _minus(total, self._ns_work(shapes[n], plan.param(n).dtype))
+        state = _state_bytes(plan, shapes, lambda n: 1 if labels[n] == "muon" else 2)
+        w = plan.shard_size
+        distributed = [n for n in muon_names if plan.unit_of(n).sharded and w > 1]
+        local = [n for n in muon_names if n not in distributed]
+        ns_local = EMPTY
+        for n in local:  # whole matrices here (replicate units, one shard rank): every rank runs them
+            if math.prod(shapes[n]):
+                ns_local = ns_local + self._ns_work(shapes[n], plan.param(n).dtype)
+        if not distributed:
+            return OptimizerCost((total + ns_local,), state, (ns_local.flops,) * w)
+        dtype = self.ns_dtype or plan.param(distributed[0]).dtype
+        run = self._owner if self.layout == "owner" else self._gather
+        phases, ns_flops = run(plan, [tuple(plan.param(n).shape) for n in distributed], rank % w, w, dtype)
+        return OptimizerCost((total + ns_local, *phases), state, tuple(f + ns_local.flops for f in ns_flops))
+
+    def _gather(self, plan, full, me, w, dtype):
+        item = dtype.itemsize
+        per_rank = sum(-(-s[0] // w) * math.prod(s[1:]) for s in full)
+        nbytes = w * per_rank * item
+        comm = CommCost("all_gather", "shard", nbytes, (w - 1) / w * nbytes, (w - 1) / w * nbytes, dtype)
+        ns = EMPTY
+        for s in full:
+            ns = ns + self._ns_work(s, dtype)
+        local = sum(math.prod(s) for s in full) / w * item
+        copies = Work(bytes=2 * per_rank * item + 2 * sum(math.prod(s) for s in full) * item + 2 * local, ops=3 * len(full))
+        return (comm, ns + copies), (ns.flops,) * w
+
+    def _owner(self, plan, full, me, w, dtype):
+        item = dtype.itemsize
+        owners, loads = owner_loads(full, w, self.flops)
+
+        def rows(i: int, q: int) -> int:
+            start, stop = _chunk(full[i][0], w, q)
+            return (stop - start) * math.prod(full[i][1:])
+
+        mats = [i for i, o in enumerate(owners) if o is not None]
+        ins = [sum(rows(i, q) for i in mats) for q in range(w)]  # each rank's rows of every matrix
+        outs = [sum(math.prod(full[i]) for i in mats if owners[i] == q) for q in range(w)]  # matrices owned
+        own = [sum(rows(i, q) for i in mats if owners[i] == q) for q in range(w)]  # rows a rank keeps
+        sent = max(max(ins[q], outs[q]) - own[q] for q in range(w)) * item
+        nbytes = max(ins[me], outs[me]) * item
+        a2a = CommCost("all_to_all", "shard", nbytes, (w - 1) / w * nbytes, sent, dtype)
+        busiest = max(range(w), key=lambda q: (loads[q], -q))
+        work = {}
+        for q in {busiest, me}:
+            ns = EMPTY
+            for i, s in enumerate(full):
+                if owners[i] is None:  # a batch of matrices, sharded along the batch: local
+                    start, stop = _chunk(s[0], w, q)
+                    if stop > start:
+                        ns = ns + self._ns_work((stop - start, *s[1:]), dtype)
+            by_shape: dict[tuple, int] = {}
+            for i in mats:
+                if owners[i] == q:
+                    by_shape[full[i]] = by_shape.get(full[i], 0) + 1
+            for s, k in by_shape.items():
+                ns = ns + self._ns_work(s if k == 1 else (k, *s), dtype)
+            # Sending my rows out, assembling and stacking owned matrices, slicing them back.
+            copies = Work(bytes=(2 * ins[q] + 6 * outs[q]) * item, ops=4 * len(mats))
+            work[q] = ns + copies
+        ns_flops = tuple(loads)
+        return (a2a, work[busiest], a2a), ns_flops
+
+
+def _minus(a: Work, b: Work) -> Work:
+    counts = {(d, f, by): c for d, f, by, c in a.matmuls}
+    for d, f, by, c in b.matmuls:
+        counts[(d, f, by)] = counts.get((d, f, by), 0) - c
+    mm = tuple((d, f, by, c) for (d, f, by), c in sorted(counts.items()) if c > 0)
+    return Work(mm, max(0.0, a.bytes - b.bytes), max(0, a.ops - b.ops))
+
+
+@functools.lru_cache(maxsize=256)
+def _ns_work(shape: tuple[int, ...], dtype: torch.dtype, steps: int, ns_dtype, method: str) -> Work:
+    x = torch.zeros(shape, dtype=dtype, device="meta")
+    return count_work(optim.newton_schulz, x, steps, dtype=ns_dtype, method=method)[1]

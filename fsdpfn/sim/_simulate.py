@@ -1,0 +1,422 @@
+"""The simulator: a plan, the runtime's schedule, a workload, an optimizer and the hardware in;
+a predicted step (timeline, exposed communication, bytes per link level, memory per rank) out.
+
+[Note: from schedule ops to tasks]
+The schedule is walked in order, as the runtime's executor walks it, and each op becomes tasks
+of the timeline engine (``fsdpfn/sim/_engine.py``):
+
+- an *event* ends the work of the previous event: that work becomes a compute task. The work
+  after an event runs after the actions that follow it (the executor runs them in the event's
+  hook, before the unit computes);
+- ``gather u``: a pack copy (compute) and the all-gather on the ``all_gather`` stream. It is
+  issued when the host gets there: after the compute before it (on CUDA the collective's
+  stream waits for the compute stream, on CPU the host issues it then);
+- ``wait u``: the compute stream waits for the gather, then unpacks (a copy of the full unit);
+- ``reduce u``: a pack copy, then the reduce-scatter (all-reduce for ``replicate`` units) on
+  the ``reduce_scatter`` stream;
+- ``wait_reduce u``: the compute stream waits for it; under HSDP the all-reduce over the
+  replicate axis then runs *blocking* (``fsdpfn.transforms`` issues it inside the reduce's
+  finish), and the shard is cast and scaled;
+- ``free u``: memory only.
+
+Memory follows the same walk in op order: a unit's unsharded parameters count from its
+``gather`` to its ``free``, exactly as ``fsdpfn.runtime.MemoryTracker`` counts them, so
+``SimResult.memory["unsharded_peak"]`` is the runtime's ``rt.memory.high_water``. Flat
+communication buffers, full gradients (from a unit's backward to its reduce), and activations
+(from a unit's forward to the end of its backward) are added on top for the total peak.
+
+The optimizer step follows the last micro-batch: its phases in order, its collectives blocking.
+Collective bytes are counted per call as ``fsdpfn.comm`` records them, so they equal
+``plan.cost()`` for the default schedules and a ``count_collectives()`` record of a real step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from fsdpfn import Plan
+from fsdpfn.runtime import Op, OpKind, Schedule, schedule as default_schedule, validate
+from fsdpfn.sim._engine import Task, run
+from fsdpfn.sim._hardware import Hardware, wire_bytes
+from fsdpfn.sim._optimizer import CommCost
+from fsdpfn.sim._workload import EMPTY, Work, Workload
+
+__all__ = ["SimResult", "Span", "Traffic", "simulate"]
+
+ROOT = ""
+ACCUMULATE = ("reduce", "local")
+
+
+class Traffic(NamedTuple):
+    """Collectives of one kind per rank per step: ``calls``, ``nbytes`` (full buffers) and
+    ``wire_bytes`` (sent), as ``fsdpfn.comm`` counts them (fields named like ``plan.cost()``'s)."""
+
+    calls: int = 0
+    nbytes: int = 0
+    wire_bytes: float = 0.0
+
+    def __add__(self, other):  # type: ignore[override]
+        return Traffic(self.calls + other.calls, self.nbytes + other.nbytes, self.wire_bytes + other.wire_bytes)
+
+
+class Span(NamedTuple):
+    """One bar of the timeline: ``stream``, ``start``/``end`` seconds, ``kind`` (``forward``,
+    ``backward``, ``copy``, ``optimizer``, or a collective kind), ``unit``, ``nbytes``."""
+
+    stream: str
+    start: float
+    end: float
+    kind: str
+    unit: str
+    nbytes: float = 0.0
+
+    @property
+    def label(self) -> str:
+        unit = "<root>" if self.unit == ROOT else self.unit
+        return f"{self.kind} {unit}" if self.unit is not None else self.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """A predicted training step on one rank.
+
+    Attributes:
+      step_time: seconds from the first forward to the end of the optimizer step.
+      compute_time: seconds the compute stream is busy.
+      exposed_comm: seconds the compute stream waits for communication (not hidden).
+      traffic: ``{"step": {kind: Traffic}, "optimizer": {kind: Traffic}}`` per rank: the
+        schedule's collectives and the optimizer's.
+      level_bytes: ``{"intra": bytes, "inter": bytes}`` sent per rank per level.
+      memory: bytes per rank: ``params``, ``grads``, ``optimizer_state`` (held between
+        steps), ``unsharded_peak`` (the runtime's high-water mark), ``activations_peak``,
+        ``peak`` (everything at the worst moment of the step).
+      spans: the timeline.
+      plan, schedule, hardware: what was simulated.
+      notes: what the model assumed that a reader should know.
+
+    Example:
+      >>> r = fsdpfn.sim.simulate(plan, runtime.schedule(plan), fsdpfn.sim.profile(model, plan, x), None, fsdpfn.sim.H100_SXM)
+      >>> r.memory["unsharded_peak"] == rt.memory.high_water, r.traffic["step"]["all_gather"].calls
+      (True, 3)
+    """
+
+    step_time: float
+    compute_time: float
+    exposed_comm: float
+    traffic: dict
+    level_bytes: dict
+    memory: dict
+    spans: tuple[Span, ...]
+    plan: Plan = dataclasses.field(repr=False, compare=False, default=None)
+    schedule: Schedule = dataclasses.field(repr=False, compare=False, default=None)
+    hardware: Hardware = dataclasses.field(repr=False, compare=False, default=None)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def collectives(self) -> dict[str, Traffic]:
+        """Every collective of the step (schedule and optimizer), per kind."""
+        out: dict[str, Traffic] = {}
+        for part in self.traffic.values():
+            for k, t in part.items():
+                out[k] = out.get(k, Traffic()) + t
+        return out
+
+    @property
+    def comm_time(self) -> float:
+        """Seconds some collective is in flight."""
+        return _union([(s.start, s.end) for s in self.spans if s.stream != "compute"])
+
+    def summary(self) -> str:
+        gib = 2**30
+        m = self.memory
+        plan = self.plan
+        mesh = "x".join(map(str, plan.mesh_shape)) if plan is not None else "?"
+        lines = [
+            f"step {self.step_time * 1e3:,.2f} ms on {self.hardware.name if self.hardware else '?'} (mesh {mesh}): "
+            f"compute {self.compute_time * 1e3:,.2f} ms, communication {self.comm_time * 1e3:,.2f} ms, "
+            f"exposed {self.exposed_comm * 1e3:,.2f} ms",
+            "bytes sent per rank: " + ", ".join(f"{k} {v / 2**20:,.2f} MiB" for k, v in self.level_bytes.items()),
+            "memory per rank: " + ", ".join(f"{k} {v / gib:,.3f} GiB" for k, v in m.items()),
+        ]
+        for part, kinds in self.traffic.items():
+            for kind, t in kinds.items():
+                lines.append(f"  {part:<9} {kind:<15} {t.calls:>5} calls  {t.nbytes / 2**20:12,.2f} MiB buffers  {t.wire_bytes / 2**20:12,.2f} MiB sent")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def timeline(self, limit: int | None = None) -> str:
+        """The spans, one a line, by start time: ``start end (ms) stream what``."""
+        spans = sorted(self.spans, key=lambda s: (s.start, s.stream))
+        shown = spans if limit is None else spans[:limit]
+        lines = ["   start ms     end ms  stream           what"]
+        for s in shown:
+            size = f"  {s.nbytes / 2**20:,.2f} MiB" if s.nbytes else ""
+            lines.append(f"{s.start * 1e3:11.3f} {s.end * 1e3:10.3f}  {s.stream:<16} {s.label}{size}")
+        if limit is not None and len(spans) > limit:
+            lines.append(f"... {len(spans) - limit} more spans (result.timeline() prints them all)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + self.timeline(limit=60)
+
+    def plot(self, path: str | None = None, ax=None, title: str | None = None):
+        """A Gantt chart of the timeline, one row per stream (needs matplotlib). Saves to
+        ``path`` if given; returns the figure."""
+        from fsdpfn.sim._plot import plot
+
+        return plot(self, path, ax, title)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+class _Builder:
+    """Walks the schedule (see [Note: from schedule ops to tasks])."""
+
+    def __init__(self, plan: Plan, wl: Workload, hw: Hardware, rank: int):
+        self.plan, self.wl, self.hw = plan, wl, hw
+        self.units = {u.name: u for u in plan.units}
+        self.tasks: list[Task] = []
+        self.last_compute: int | None = None
+        self.gathers: dict[str, int] = {}
+        self.reduces: dict[str, int] = {}
+        self.traffic: dict[str, dict[str, Traffic]] = {"step": {}, "optimizer": {}}
+        self.level_bytes = {"intra": 0.0, "inter": 0.0}
+        r, w = plan.replicate_size, plan.shard_size
+        i, j = divmod(rank, w)
+        self.groups = {"shard": [i * w + q for q in range(w)], "replicate": [q * w + j for q in range(r)]}
+        self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
+        # memory, in op order
+        self.live = {"unsharded": 0, "buffers": 0, "activations": 0, "grads": 0}
+        self.peak = {"unsharded": 0, "total": 0, "activations": 0}
+        self.held: dict[tuple[str, str], int] = {}
+
+    # ---- tasks -------------------------------------------------------------------------
+
+    def compute(self, work: Work, kind: str, unit: str, after: int | None = None) -> int | None:
+        if not work and after is None:
+            return None
+        deps = (after,) if after is not None else ()
+        self.tasks.append(Task("compute", "compute", work.seconds(self.hw), deps, kind, unit))
+        self.last_compute = len(self.tasks) - 1
+        return self.last_compute
+
+    def collective(self, part: str, kind: str, group: str, nbytes: int, unit: str, stream: str, sent: float | None = None) -> int:
+        size = len(self.groups[group])
+        wire = wire_bytes(kind, size, nbytes)
+        t = self.traffic[part].get(kind, Traffic())
+        self.traffic[part][kind] = t + Traffic(1, nbytes, wire)
+        level = self.level[group]
+        seconds = self.hw.link(kind, level == "inter").seconds(kind, size, nbytes, sent)
+        self.level_bytes[level] += wire
+        deps = (self.last_compute,) if self.last_compute is not None else ()
+        self.tasks.append(Task(stream, level, seconds, deps, kind, unit, nbytes))
+        return len(self.tasks) - 1
+
+    # ---- memory ------------------------------------------------------------------------
+
+    def hold(self, what: str, unit: str, nbytes: int) -> None:
+        key = (what, unit)
+        self.held[key] = self.held.get(key, 0) + nbytes
+        self.live[what] += nbytes
+        self.peak["unsharded"] = max(self.peak["unsharded"], self.live["unsharded"])
+        self.peak["activations"] = max(self.peak["activations"], self.live["activations"])
+        self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
+
+    def drop(self, what: str, unit: str) -> None:
+        self.live[what] -= self.held.pop((what, unit), 0)
+
+    # ---- ops ---------------------------------------------------------------------------
+
+    def gather(self, name: str) -> None:
+        unit, plan = self.units[name], self.plan
+        item = plan.gather_dtype(unit).itemsize
+        w = plan.shard_size
+        self.hold("unsharded", name, unit.numel * item)
+        if unit.sharded and unit.shard_numel:
+            self.compute(Work(bytes=2 * unit.shard_numel * item, ops=2 * len(unit.params)), "copy", name)
+            self.hold("buffers", "gather " + name, (w + 1) * unit.shard_numel * item)
+            self.gathers[name] = self.collective("step", "all_gather", "shard", w * unit.shard_numel * item, name, "all_gather")
+
+    def wait(self, name: str) -> None:
+        unit = self.units[name]
+        item = self.plan.gather_dtype(unit).itemsize
+        self.compute(Work(bytes=2 * unit.numel * item, ops=len(unit.params)), "copy", name, after=self.gathers.pop(name, None))
+        self.drop("buffers", "gather " + name)
+
+    def free(self, name: str) -> None:
+        self.drop("unsharded", name)
+
+    def reduce(self, name: str, sync: bool) -> None:
+        unit, plan = self.units[name], self.plan
+        r_item = plan.reduce_dtype(unit).itemsize
+        w = plan.shard_size
+        self.drop("grads", name)
+        if not sync:  # accumulate="local": summed into a kept full gradient, nothing sent
+            self.compute(Work(bytes=3 * unit.numel * r_item, ops=len(unit.params)), "copy", name)
+            if ("acc", name) not in self.held:
+                self.held[("acc", name)] = 0
+                self.hold("grads", "acc " + name, unit.numel * r_item)
+            return
+        self.drop("grads", "acc " + name)
+        self.held.pop(("acc", name), None)
+        if unit.sharded:
+            size = w * unit.reduce_numel * r_item
+            self.compute(Work(bytes=size + 2 * unit.numel * r_item, ops=2 * len(unit.params) + 1), "copy", name)
+            self.hold("buffers", "reduce " + name, 2 * size + unit.reduce_numel * r_item)
+            if unit.reduce_numel:
+                self.reduces[name] = self.collective("step", "reduce_scatter", "shard", size, name, "reduce_scatter")
+        else:
+            size = unit.numel * r_item
+            self.compute(Work(bytes=2 * size, ops=len(unit.params) + 1), "copy", name)
+            self.hold("buffers", "reduce " + name, size)
+            if unit.numel:
+                self.reduces[name] = self.collective("step", "all_reduce", "shard", size, name, "reduce_scatter")
+
+    def wait_reduce(self, name: str, sync: bool) -> None:
+        if not sync:
+            return
+        unit, plan = self.units[name], self.plan
+        r_item = plan.reduce_dtype(unit).itemsize
+        n = unit.reduce_numel if unit.sharded else unit.numel
+        after = self.reduces.pop(name, None)
+        if plan.hsdp and n:
+            if after is not None:
+                self.compute(EMPTY, "wait", name, after=after)
+            after = self.collective("step", "all_reduce", "replicate", n * r_item, name, "all_reduce")
+        master = unit.params[0].dtype.itemsize if unit.params else 4
+        self.compute(Work(bytes=n * (r_item + 2 * master), ops=2 * len(unit.params)), "copy", name, after=after)
+        self.drop("buffers", "reduce " + name)
+
+    def event(self, op: Op) -> None:
+        kind, unit = op.kind, op.unit
+        if kind is OpKind.FORWARD:
+            self.hold("activations", unit, self.wl.activation(unit))
+        elif kind is OpKind.BACKWARD and unit in self.units:
+            u = self.units[unit]
+            self.hold("grads", unit, u.numel * self.plan.gather_dtype(u).itemsize)
+        elif kind is OpKind.BACKWARD_DONE:
+            self.drop("activations", unit)
+        elif kind is OpKind.END:
+            self.drop("activations", ROOT)
+
+    def step(self, sched: Schedule, sync: bool) -> None:
+        pending: tuple[Work, str, str] | None = None
+        for op in sched.ops:
+            if op.is_event:
+                if pending is not None:
+                    self.compute(*pending)
+                self.event(op)
+                phase = "forward" if op.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE) else "backward"
+                # After a unit's *_done event (and 'end') the root's own code runs.
+                owner = op.unit if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
+                pending = (self.wl.at(op), phase, owner)
+                continue
+            name = op.unit
+            if op.kind is OpKind.GATHER:
+                self.gather(name)
+            elif op.kind is OpKind.WAIT:
+                self.wait(name)
+            elif op.kind is OpKind.FREE:
+                self.free(name)
+            elif op.kind is OpKind.REDUCE:
+                self.reduce(name, sync)
+            elif op.kind is OpKind.WAIT_REDUCE:
+                self.wait_reduce(name, sync)
+        if pending is not None:
+            self.compute(*pending)
+
+    def optimizer(self, cost) -> None:
+        for phase in cost.phases:
+            if isinstance(phase, CommCost):
+                c = self.collective("optimizer", phase.kind, phase.group, phase.nbytes, "", "optimizer", sent=phase.sent)
+                self.compute(EMPTY, "wait", "", after=c)
+            else:
+                self.compute(phase, "optimizer", "")
+
+
+def simulate(
+    plan: Plan,
+    schedule: Schedule | None = None,
+    workload: Workload | None = None,
+    optimizer: Any = None,
+    hardware: Hardware | None = None,
+    *,
+    micro_batches: int = 1,
+    accumulate: str = "reduce",
+    rank: int = 0,
+) -> SimResult:
+    """Predicts one training step of ``plan`` run by ``schedule`` (see [Note: from schedule ops
+    to tasks]).
+
+    Args:
+      plan: the plan (bound to a mesh or abstract, e.g. ``fsdpfn.plan(model, (16, 64))``).
+      schedule: a schedule for it (default ``fsdpfn.runtime.schedule(plan)``); validated.
+      workload: one micro-batch's compute per rank (:func:`fsdpfn.sim.profile`).
+      optimizer: :class:`fsdpfn.sim.AdamW`, :class:`fsdpfn.sim.Muon`, or ``None`` (no step).
+      hardware: a :class:`fsdpfn.sim.Hardware` (a preset or :func:`fsdpfn.sim.measure`'s).
+      micro_batches: micro-batches per step, each running the whole schedule.
+      accumulate: as the runtime's: ``"reduce"`` (every micro-batch reduces) or ``"local"``
+        (only the last one does).
+      rank: the rank whose bytes and memory are reported (timing takes the busiest rank's
+        optimizer work).
+
+    Returns:
+      a :class:`SimResult`: ``print(result)`` shows the summary and the timeline,
+      ``result.plot("step.png")`` draws it.
+
+    Example:
+      >>> wl = fsdpfn.sim.profile(model, plan, x)
+      >>> r = fsdpfn.sim.simulate(plan, runtime.schedule(plan, prefetch=1), wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
+      >>> r.step_time > 0, r.exposed_comm <= r.step_time
+      (True, True)
+    """
+    if workload is None or hardware is None:
+        raise ValueError("simulate needs a workload (fsdpfn.sim.profile(model, plan, batch)) and a hardware (a preset or fsdpfn.sim.measure())")
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    sched = default_schedule(plan) if schedule is None else schedule
+    validate(sched, plan)
+    b = _Builder(plan, workload, hardware, rank)
+    for i in range(micro_batches):
+        b.step(sched, sync=accumulate == "reduce" or i == micro_batches - 1)
+    opt_cost = optimizer.cost(plan, rank) if optimizer is not None else None
+    if opt_cost is not None:
+        b.optimizer(opt_cost)
+    end = run(b.tasks, hardware.overlap)
+    spans = tuple(Span(t.stream, t.start, t.end, t.kind, t.unit, t.nbytes) for t in b.tasks if t.end > t.start)
+    busy = _union([(s.start, s.end) for s in spans if s.stream == "compute"])
+    static = _static_memory(plan, opt_cost)
+    memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
+              "peak": sum(static.values()) + b.peak["total"]}
+    notes = []
+    if plan.hsdp:
+        notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")
+    traffic = {k: dict(sorted(v.items())) for k, v in b.traffic.items()}
+    return SimResult(end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, plan, sched, hardware, tuple(notes))
+
+
+def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
+    """Bytes held between steps: sharded masters, gradients, optimizer state (``plan.cost()``'s
+    accounting for the first two)."""
+    params = grads = 0
+    for unit in plan.units:
+        master = sum(p.numel * p.dtype.itemsize for p in unit.params)
+        if not unit.sharded:
+            params += master
+            grads += master
+            continue
+        sharded = unit.reduce_numel * unit.params[0].dtype.itemsize
+        params += sharded
+        grads += master if unit.strategy == "zero1" else sharded
+    return {"params": params, "grads": grads, "optimizer_state": opt_cost.state_bytes if opt_cost is not None else 0}

@@ -1,0 +1,382 @@
+"""What a model computes in one step, per stretch of the runtime's schedule: a :class:`Workload`.
+
+[Note: work between events]
+The runtime runs a unit's compute between two events of its schedule (see
+``fsdpfn.runtime.Schedule``): ``forward u`` .. ``forward_done u`` is u's forward,
+``backward u`` .. ``backward_done u`` its backward, and the root's own compute fills the gaps
+(the embedding after ``forward <root>``, the head after the last ``forward_done``, the loss
+after ``forward_done <root>``, its backward after ``backward <root>``, the embedding's backward
+after the last ``backward_done``). A workload therefore maps each *event* to the :class:`Work`
+that runs after it, until the next event; that keying survives any edit of a schedule's
+actions, since the runtime fixes the order of events (the model's own order).
+
+:func:`profile` fills it by running the model once, forward, loss and backward, under a
+dispatch mode that sees every operator: matmul-like operators (those
+``torch.utils.flop_counter`` has a formula for, and the CPU flash-attention kernels) with their
+FLOPs and bytes, every other operator with the bytes it reads and writes, and
+``torch.utils.module_tracker.ModuleTracker`` to say which unit is running. On the meta device
+nothing is computed, so an 8B or 70B model profiles in seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+from torch.utils.module_tracker import ModuleTracker
+
+from fsdpfn import Plan
+from fsdpfn.runtime import Op, OpKind
+
+__all__ = ["Work", "Workload", "count_work", "profile"]
+
+ROOT = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Compute of one stretch of a step on one rank.
+
+    Attributes:
+      matmuls: ``(dtype, flops, bytes, count)`` per distinct matmul-like operator: each takes
+        ``max(flops / matmul rate, bytes / memory bandwidth)``.
+      bytes: bytes read and written by every other operator (memory-bound).
+      ops: operators dispatched (each pays ``Hardware.op_overhead``).
+
+    Example:
+      >>> w = Work(matmuls=(("float32", 2e9, 1e6, 1),), bytes=4e8, ops=10)
+      >>> round(w.seconds(fsdpfn.sim.Hardware("toy", {"float32": 1e11}, 1e10, 2**30, 1, fsdpfn.sim.Link(0, 1e9), fsdpfn.sim.Link(0, 1e9))), 3)
+      0.06
+    """
+
+    matmuls: tuple[tuple[str, float, float, int], ...] = ()
+    bytes: float = 0.0
+    ops: int = 0
+
+    @property
+    def flops(self) -> float:
+        return sum(f * c for _, f, _, c in self.matmuls)
+
+    def seconds(self, hw) -> float:
+        mm = sum(c * max(f / hw.flops(d), b / hw.memory_bandwidth) for d, f, b, c in self.matmuls)
+        return mm + self.bytes / hw.memory_bandwidth + self.ops * hw.op_overhead
+
+    def __add__(self, other: "Work") -> "Work":
+        counts = collections.Counter()
+        for d, f, b, c in self.matmuls + other.matmuls:
+            counts[(d, f, b)] += c
+        return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items())), self.bytes + other.bytes, self.ops + other.ops)
+
+    def times(self, k: int) -> "Work":
+        """``k`` copies of this work."""
+        return Work(tuple((d, f, b, c * k) for d, f, b, c in self.matmuls), self.bytes * k, self.ops * k)
+
+    def __bool__(self) -> bool:
+        return bool(self.matmuls or self.bytes or self.ops)
+
+
+EMPTY = Work()
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One micro-batch's compute on one rank, keyed by schedule event (see [Note: work between
+    events]), and the activation memory each unit's forward saves for its backward.
+
+    Attributes:
+      work: ``((event Op, Work), ...)``: the work that runs after each event.
+      activations: ``((unit, bytes), ...)``: saved for backward during the unit's forward,
+        released when its backward is done (the root's at the end).
+      tokens: tokens per rank per micro-batch (informative).
+
+    Example:
+      >>> wl = fsdpfn.sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+      >>> wl.flops == wl.at(runtime.Op("forward", "blocks.0")).flops * 2 + sum(w.flops for e, w in wl.work if e.unit != "blocks.0" and e.unit != "blocks.1")
+      True
+      >>> [str(e) for e, _ in wl.work][:4]
+      ['forward <root>', 'forward blocks.0', 'forward_done blocks.0', 'forward blocks.1']
+    """
+
+    work: tuple[tuple[Op, Work], ...]
+    activations: tuple[tuple[str, int], ...] = ()
+    tokens: int = 0
+
+    def at(self, event: Op) -> Work:
+        """The work after ``event`` (nothing for an event the workload does not list)."""
+        return self._table.get(event, EMPTY)
+
+    def activation(self, unit: str) -> int:
+        return dict(self.activations).get(unit, 0)
+
+    @property
+    def _table(self) -> dict:
+        return dict(self.work)
+
+    @property
+    def flops(self) -> float:
+        return sum(w.flops for _, w in self.work)
+
+    @property
+    def total(self) -> Work:
+        out = EMPTY
+        for _, w in self.work:
+            out = out + w
+        return out
+
+    def forward_backward(self, unit: str) -> tuple[Work, Work]:
+        """``(forward, backward)`` work of a (non-root) unit."""
+        return self.at(Op(OpKind.FORWARD, unit)), self.at(Op(OpKind.BACKWARD, unit))
+
+    def with_activation_checkpointing(self, units: Sequence[str] | None = None, input_bytes: Mapping[str, int] | None = None) -> "Workload":
+        """The workload with activation checkpointing of ``units`` (default: every non-root unit):
+        each unit's forward runs again at the start of its backward, and its forward keeps only
+        its input (``input_bytes[unit]``; default: the smallest activation any unit saves,
+        divided by 8, a stand-in for one hidden state)."""
+        names = [e.unit for e, _ in self.work if e.kind is OpKind.FORWARD and e.unit != ROOT] if units is None else list(units)
+        acts = dict(self.activations)
+        keep = input_bytes or {}
+        default_keep = min((acts[u] for u in names if acts.get(u)), default=0) // 8
+        table = dict(self.work)
+        for u in names:
+            table[Op(OpKind.BACKWARD, u)] = table.get(Op(OpKind.FORWARD, u), EMPTY) + table.get(Op(OpKind.BACKWARD, u), EMPTY)
+            acts[u] = keep.get(u, default_keep)
+        work = tuple((e, table[e]) for e, _ in self.work)
+        return dataclasses.replace(self, work=work, activations=tuple(acts.items()))
+
+    def __str__(self) -> str:
+        lines = [f"Workload: {self.flops / 1e9:,.2f} GFLOP per rank per micro-batch, {self.tokens:,} tokens",
+                 "after event                     GFLOP    other MB      ops  activations MB"]
+        acts = dict(self.activations)
+        for e, w in self.work:
+            act = acts.get(e.unit, 0) if e.kind is OpKind.FORWARD else 0
+            lines.append(f"{str(e):<30} {w.flops / 1e9:7.3f} {w.bytes / 1e6:11.2f} {w.ops:8d} {act / 1e6:15.2f}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting operators
+# ---------------------------------------------------------------------------------------------
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out
+
+
+def _attention_flops(name: str, args, kwargs) -> float | None:
+    """FLOPs of an SDPA kernel torch's registry does not know (the CPU flash kernels): ``4 b h
+    s_q s_k d`` forward, twice that backward; half for a causal mask, whose masked blocks the
+    kernels skip."""
+    if "scaled_dot_product" not in name:
+        return None
+    ts = [a for a in args if isinstance(a, torch.Tensor)]
+    q, k = (ts[1], ts[2]) if "backward" in name and len(ts) >= 3 else (ts[0], ts[1])
+    if q.dim() < 3:
+        return None
+    b_h = math.prod(q.shape[:-2])
+    flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    causal = kwargs.get("is_causal", False) or any(a is True for a in args if isinstance(a, bool))
+    return flops * (2.0 if "backward" in name else 1.0) * (0.5 if causal else 1.0)
+
+
+class _Counter(TorchDispatchMode):
+    """Adds every operator's cost to ``self.sink()``'s Work accumulator."""
+
+    def __init__(self, sink: Callable[[], dict]):
+        super().__init__()
+        self.sink = sink
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        acc = self.sink()
+        acc["ops"] += 1
+        if func.is_view:
+            return out
+        ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
+        nbytes = sum(_nbytes(t) for t in ins + outs)
+        packet = func._overloadpacket
+        flops = None
+        if packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        else:
+            flops = _attention_flops(str(func), args, kwargs)
+        if flops:
+            dtype = str((ins or outs)[0].dtype).removeprefix("torch.")
+            acc["matmuls"][(dtype, flops, float(nbytes))] += 1
+        else:
+            acc["bytes"] += nbytes
+        return out
+
+
+def _new_acc() -> dict:
+    return {"matmuls": collections.Counter(), "bytes": 0.0, "ops": 0}
+
+
+def _to_work(acc: dict) -> Work:
+    return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(acc["matmuls"].items())), acc["bytes"], acc["ops"])
+
+
+def count_work(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Work]:
+    """``fn(*args, **kwargs)`` and the :class:`Work` of every operator it dispatched (on any
+    device; on ``meta`` nothing is computed).
+
+    Example:
+      >>> out, w = fsdpfn.sim.count_work(torch.mm, torch.zeros(64, 32, device="meta"), torch.zeros(32, 16, device="meta"))
+      >>> w.flops, w.ops
+      (65536.0, 1)
+    """
+    acc = _new_acc()
+    with _Counter(lambda: acc):
+        out = fn(*args, **kwargs)
+    return out, _to_work(acc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling a model step into a Workload
+# ---------------------------------------------------------------------------------------------
+
+
+class _Events:
+    """Turns the running unit (as the module tracker sees it) into schedule events."""
+
+    def __init__(self, units: Sequence[str], root_name: str):
+        self.units = sorted((u for u in units if u != ROOT), key=len, reverse=True)
+        self.prefix = root_name + "."
+        self.current = ROOT
+        self.event = Op(OpKind.FORWARD, ROOT)
+        self.order: list[Op] = [self.event]
+        self.acc: dict[Op, dict] = {self.event: _new_acc()}
+        self.backward = False
+
+    def unit_of(self, parents) -> str:
+        names = {p[len(self.prefix):] for p in parents if p.startswith(self.prefix)}
+        for u in self.units:  # the deepest unit among the running modules
+            if u in names:
+                return u
+        return ROOT
+
+    def _emit(self, kind: OpKind, unit: str) -> None:
+        op = Op(kind, unit)
+        if op in self.acc:
+            raise ValueError(f"profile: unit {unit or '<root>'!r} ran its {'backward' if self.backward else 'forward'} twice in one step "
+                             "(a module called twice, or shared weights); the runtime runs each unit once per step too")
+        self.order.append(op)
+        self.acc[op] = _new_acc()
+        self.event = op
+
+    def move_to(self, unit: str) -> None:
+        if unit == self.current:
+            return
+        done, start = (OpKind.BACKWARD_DONE, OpKind.BACKWARD) if self.backward else (OpKind.FORWARD_DONE, OpKind.FORWARD)
+        if self.current != ROOT:
+            self._emit(done, self.current)
+        if unit != ROOT:
+            self._emit(start, unit)
+        self.current = unit
+
+    def sink(self, tracker: ModuleTracker) -> dict:
+        if tracker.is_bw != self.backward:  # autograd began: the loss's forward is over
+            self.start_backward()
+        self.move_to(self.unit_of(tracker.parents))
+        return self.acc[self.event]
+
+    def end_forward(self) -> None:
+        self.move_to(ROOT)
+        self._emit(OpKind.FORWARD_DONE, ROOT)
+
+    def start_backward(self) -> None:
+        self.move_to(ROOT)
+        self.backward = True
+        self._emit(OpKind.BACKWARD, ROOT)
+
+    def end(self) -> None:
+        self.move_to(ROOT)
+        self._emit(OpKind.END, ROOT)
+
+
+def _default_loss(out) -> torch.Tensor:
+    t = _tensors(out)[0]
+    return t.float().mean()
+
+
+def profile(
+    model: torch.nn.Module,
+    plan: Plan,
+    *inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> Workload:
+    """Runs ``loss_fn(model(*inputs))`` and its backward once, on one process, and returns what
+    each stretch of the runtime's schedule computes (see [Note: work between events]).
+
+    Run it on the meta device for abstract plans: build the model under
+    ``torch.device("meta")`` and pass meta inputs; shapes are all it needs.
+
+    Args:
+      model: the model the plan was made for (real or on ``meta``).
+      plan: its plan (only the unit names are read).
+      *inputs: one rank's micro-batch.
+      loss_fn: ``output -> scalar``; default the mean of the output.
+      param_dtype: dtype the parameters are computed in (default ``plan.mp.param_dtype``, else
+        their own).
+
+    Returns:
+      a :class:`Workload`; its ``tokens`` is the number of elements of the first integer input.
+
+    Example:
+      >>> wl = fsdpfn.sim.profile(model, plan, x)
+      >>> fwd, bwd = wl.forward_backward("blocks.0")
+      >>> round(bwd.flops / fwd.flops, 2)   # backward: about twice the forward
+      2.0
+    """
+    units = [u.name for u in plan.units]
+    dtype = param_dtype or plan.mp.param_dtype
+    params = {n: p for n, p in model.named_parameters()}
+    if dtype is not None:
+        params = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
+    param_storages = {p.untyped_storage()._cdata for p in params.values()}
+    events = _Events(units, type(model).__name__)
+    saved: dict[str, int] = collections.defaultdict(int)
+    seen: set[int] = set()
+    keep: list[torch.Tensor] = []
+
+    with ModuleTracker() as tracker:
+        def pack(t: torch.Tensor):
+            key = t.untyped_storage()._cdata
+            if key not in param_storages and key not in seen:
+                seen.add(key)
+                keep.append(t)
+                saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
+            return t
+
+        with _Counter(lambda: events.sink(tracker)):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.func.functional_call(model, params, inputs) if dtype is not None else model(*inputs)
+                events.end_forward()
+                loss = (loss_fn or _default_loss)(out)
+            loss.backward()
+            events.end()
+    keep.clear()
+    tokens = next((t.numel() for t in _tensors(list(inputs)) if not t.is_floating_point()), 0)
+    work = tuple((op, _to_work(events.acc[op])) for op in events.order)
+    acts = tuple((u, saved.get(u, 0)) for u in units)
+    return Workload(work, acts, tokens)
