@@ -4,6 +4,11 @@ It mirrors what :mod:`fsdpfn.transforms` issue, call for call, so a test can com
 :func:`fsdpfn.comm.count_collectives` record of a real step. ``wire_bytes`` follows
 :class:`fsdpfn.comm.CollectiveCall`: ``(W-1)/W`` of the full buffer for all-gather and
 reduce-scatter, ``2 (W-1)/W`` for all-reduce.
+
+FP8 units (``MixedPrecision(fp8=...)``) all-gather their byte segment
+(:meth:`fsdpfn.Plan.gather_bytes`: E4M3 elements, scales, ``param_dtype`` for the rest, see
+[Note: FP8 gather layout]); the per-tensor recipe adds one all-reduce (max) of a float32 amax per
+FP8 parameter before each of the unit's gathers.
 """
 
 from __future__ import annotations
@@ -91,7 +96,10 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: i
         resharded = reshard_after_forward is True or (reshard_after_forward is None and unit.name != "")
         gathers = 2 if unit.strategy == "zero3" and resharded else 1
         if unit.shard_numel:
-            kinds["all_gather"] += _cc(w, w * unit.shard_numel * g_item, calls=gathers)
+            kinds["all_gather"] += _cc(w, w * plan.gather_bytes(unit), calls=gathers)
+        layout = plan.fp8_layout(unit)
+        if layout is not None and layout.amax_params:
+            kinds["all_reduce"] += _cc(w, 4 * len(layout.amax_params), 2.0, calls=gathers)
         if unit.reduce_numel:
             kinds["reduce_scatter"] += _cc(w, w * unit.reduce_numel * r_item)
             if plan.hsdp:

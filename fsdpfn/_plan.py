@@ -19,6 +19,16 @@ bookkeeping.
 Parameters that cannot be split along dim 0 (0-d tensors) are replicated. They are not gathered,
 and their gradients ride in the reduce-scatter buffer once in *every* rank's segment, so the
 reduce-scatter hands every rank the sum: an all-reduce folded into the same collective.
+
+[Note: FP8 gather layout]
+A unit whose weights gather in FP8 (``Unit.fp8``, chosen by ``MixedPrecision(fp8=...)``) still
+makes one all-gather, of bytes: each rank's segment holds, for every sharded parameter, the same
+``chunk_rows`` rows as above, either in ``param_dtype`` (1-D and excluded parameters) or as E4M3
+bytes (one per element) plus the recipe's scales for those rows (:class:`Float8Layout`). Regions
+are ordered by alignment (``param_dtype`` and float32 scales first, bytes last) and the segment is
+padded to that alignment, so every region can be viewed in its dtype in place after the gather.
+Rows are whole on one rank and block scales run along the last dim, so the gathered bytes are
+the bytes of quantizing the whole weight (see [Note: rows are whole] in :mod:`fsdpfn.fp8`).
 """
 
 from __future__ import annotations
@@ -31,10 +41,14 @@ import json
 import math
 from typing import Any, Callable, Mapping, Sequence, Union
 
+import fnmatch
+
 import torch
 from torch import nn
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "plan", "STRATEGIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label"]
+from fsdpfn.fp8 import Float8GatherPolicy, as_gather_policy, check_te
+
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "plan", "STRATEGIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot"]
 
 # The root unit (the model's own parameters, outside every other unit) has the empty name; it is
 # shown and accepted in strategy dicts as ROOT_LABEL.
@@ -68,6 +82,8 @@ def unit_label(name: str) -> str:
 STRATEGIES = ("replicate", "zero1", "zero2", "zero3")
 HSDP_DIM_NAMES = ("replicate", "shard")
 _PLAN_FORMAT = 1
+_PLAN_FORMAT_FP8 = 2  # a plan with MixedPrecision(fp8=...)
+_FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -98,22 +114,35 @@ class MixedPrecision:
     Attributes:
       param_dtype: dtype parameters are gathered and computed in (``None``: their own dtype).
       reduce_dtype: dtype gradients are reduced in (``None``: ``param_dtype``, else their own).
+      fp8: gather the weights in FP8 (``None``: off): ``True`` or ``"mxfp8"`` (MXFP8 on every
+        >= 2-D non-embedding weight), ``"blockwise"``, ``"tensorwise"``, an
+        :mod:`fsdpfn.fp8` recipe, or a :class:`fsdpfn.fp8.Float8GatherPolicy`. Weights are
+        quantized from the master cast to ``param_dtype`` and used dequantized to
+        ``param_dtype``; gradients (in ``reduce_dtype``) flow straight through to the masters.
 
     Example:
       >>> MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
       MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+      >>> MixedPrecision(param_dtype=torch.bfloat16, fp8="mxfp8").fp8.recipe
+      MXFP8BlockScaling(scale_mode='rceil')
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    fp8: Float8GatherPolicy | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", _as_dtype(self.param_dtype, "MixedPrecision.param_dtype"))
         object.__setattr__(self, "reduce_dtype", _as_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype"))
+        object.__setattr__(self, "fp8", as_gather_policy(self.fp8))
         for name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and not dtype.is_floating_point:
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {dtype}")
+
+    def __repr__(self) -> str:
+        fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
+        return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,18 +192,32 @@ class Unit:
       strategy: one of ``replicate``, ``zero1``, ``zero2``, ``zero3``.
       params: the parameters, in registration order.
       shard_size: ranks on the shard axis (``W``).
+      fp8: the parameters gathered in FP8 (see [Note: FP8 gather layout]); ``()``: none.
     """
 
     name: str
     strategy: str
     params: tuple[ParamSpec, ...]
     shard_size: int
+    fp8: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown strategy {self.strategy!r} for unit {self.label!r}; choose one of {', '.join(STRATEGIES)}"
             )
+        object.__setattr__(self, "fp8", tuple(self.fp8))
+        if self.fp8 and self.strategy == "replicate":
+            raise ValueError(
+                f"unit {self.label!r} would gather {list(self.fp8)} in FP8, but its strategy 'replicate' has no all-gather to "
+                "carry FP8 bytes. Give it a sharded strategy (zero1/zero2/zero3) or leave it out with "
+                "fsdpfn.fp8.Float8GatherPolicy(units=[...])."
+            )
+        for name in self.fp8:
+            if name not in self._by_name:
+                raise ValueError(f"unit {self.label!r} lists {name!r} as an FP8 parameter, but it is not one of the unit's parameters")
+            if len(self._by_name[name].shape) < 2:
+                raise ValueError(f"parameter {name!r} of unit {self.label!r} has shape {self._by_name[name].shape}; only >= 2-D weights gather in FP8")
 
     @property
     def label(self) -> str:
@@ -239,6 +282,76 @@ class Unit:
 
 
 @dataclasses.dataclass(frozen=True)
+class ByteSlot:
+    """Where one parameter sits in each rank's byte segment of an FP8 unit's all-gather (see
+    [Note: FP8 gather layout]). Offsets and sizes are bytes.
+
+    Attributes:
+      fp8: ``True``: E4M3 bytes at ``offset`` and scales at ``scale_offset``; ``False``: the
+        parameter's rows in ``param_dtype`` at ``offset``.
+      chunk_rows: rows per rank (``ceil(rows / W)``), as in :class:`Slot`.
+      size, scale_size: bytes reserved per rank.
+    """
+
+    fp8: bool
+    chunk_rows: int
+    offset: int
+    size: int
+    scale_offset: int = 0
+    scale_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Layout:
+    """The byte layout of an FP8 unit's all-gather segment: ``slots`` (sharded parameters) and
+    ``segment_bytes`` (what each rank contributes; the all-gather moves ``W`` of them).
+    ``amax_params``: parameters whose per-tensor scale needs the all-reduced amax first."""
+
+    slots: dict
+    segment_bytes: int
+    amax_params: tuple[str, ...]
+
+
+def _fp8_layout(unit: "Unit", policy: Float8GatherPolicy, dtype: torch.dtype) -> Float8Layout:
+    recipe = policy.recipe
+    fp8 = set(unit.fp8)
+    regions = []  # (alignment, parameter, kind, bytes), stably sorted by alignment below
+    for p in unit.params:
+        slot = unit.slots[p.name]
+        if not slot.sharded:
+            continue
+        if p.name in fp8:
+            lines = slot.chunk_rows * (p.row_numel // p.shape[-1])
+            regions.append((1, p.name, "data", slot.chunk_rows * p.row_numel))
+            scales = lines * recipe.scales_per_line(p.shape[-1]) * recipe.scale_dtype.itemsize
+            if scales:
+                regions.append((recipe.scale_dtype.itemsize, p.name, "scale", scales))
+        else:
+            regions.append((dtype.itemsize, p.name, "param", slot.size * dtype.itemsize))
+    regions.sort(key=lambda r: -r[0])
+    offsets: dict[tuple[str, str], tuple[int, int]] = {}
+    offset = 0
+    for _, name, kind, nbytes in regions:
+        offsets[(name, kind)] = (offset, nbytes)
+        offset += nbytes
+    align = max((r[0] for r in regions), default=1)
+    slots = {}
+    for p in unit.params:
+        slot = unit.slots[p.name]
+        if not slot.sharded:
+            continue
+        if p.name in fp8:
+            off, size = offsets[(p.name, "data")]
+            s_off, s_size = offsets.get((p.name, "scale"), (0, 0))
+            slots[p.name] = ByteSlot(True, slot.chunk_rows, off, size, s_off, s_size)
+        else:
+            off, size = offsets[(p.name, "param")]
+            slots[p.name] = ByteSlot(False, slot.chunk_rows, off, size)
+    amax = tuple(p.name for p in unit.params if p.name in fp8) if recipe.tensorwise else ()
+    return Float8Layout(slots, -(-offset // align) * align, amax)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """How a model is sharded: ordered units, mesh shape, mixed precision. Immutable.
 
@@ -273,6 +386,16 @@ class Plan:
                 if p.name in seen:
                     raise ValueError(f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit")
                 seen[p.name] = unit.label
+            if unit.fp8 and self.mp.fp8 is None:
+                raise ValueError(
+                    f"unit {unit.label!r} lists FP8 parameters but the plan's MixedPrecision has no fp8 policy; "
+                    "build it with fsdpfn.plan(..., mp=MixedPrecision(..., fp8=...))"
+                )
+            if unit.fp8 and self.gather_dtype(unit) not in _FP8_INPUT_DTYPES:
+                raise ValueError(
+                    f"unit {unit.label!r} gathers in {_dtype_name(self.gather_dtype(unit))}, which FP8 recipes do not quantize from; "
+                    "set MixedPrecision(param_dtype=torch.bfloat16) (or float32 / float16)"
+                )
             if unit.sharded and self.mp.param_dtype is None and len({p.dtype for p in unit.params}) > 1:
                 dtypes = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in unit.params)
                 raise ValueError(
@@ -334,7 +457,10 @@ class Plan:
     # ---- serialisation -------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return {
+        # FP8 settings appear (and the format becomes 2) only when used, so plans without FP8
+        # keep their JSON and fingerprints, and an older fsdpfn refuses an FP8 plan instead of
+        # silently running it without FP8.
+        d = {
             "format": _PLAN_FORMAT,
             "mesh": {"shape": list(self.mesh_shape), "dim_names": list(self.mesh_dim_names) if self.mesh_dim_names else None},
             "mp": {"param_dtype": _dtype_name(self.mp.param_dtype), "reduce_dtype": _dtype_name(self.mp.reduce_dtype)},
@@ -343,10 +469,15 @@ class Plan:
                     "name": u.name,
                     "strategy": u.strategy,
                     "params": [{"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)} for p in u.params],
+                    **({"fp8": list(u.fp8)} if u.fp8 else {}),
                 }
                 for u in self.units
             ],
         }
+        if self.mp.fp8 is not None:
+            d["format"] = _PLAN_FORMAT_FP8
+            d["mp"]["fp8"] = self.mp.fp8.to_dict()
+        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON (everything but the live mesh). ``Plan.from_json`` inverts it."""
@@ -362,8 +493,8 @@ class Plan:
           (True, True)
         """
         d = json.loads(s)
-        if d.get("format") != _PLAN_FORMAT:
-            raise ValueError(f"plan JSON has format {d.get('format')!r}; this fsdpfn reads format {_PLAN_FORMAT}")
+        if d.get("format") not in (_PLAN_FORMAT, _PLAN_FORMAT_FP8):
+            raise ValueError(f"plan JSON has format {d.get('format')!r}; this fsdpfn reads formats {_PLAN_FORMAT} and {_PLAN_FORMAT_FP8}")
         shape = tuple(d["mesh"]["shape"])
         names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
         units = tuple(
@@ -372,10 +503,16 @@ class Plan:
                 u["strategy"],
                 tuple(ParamSpec(p["name"], tuple(p["shape"]), _dtype_from(p["dtype"])) for p in u["params"]),
                 shape[-1],
+                tuple(u.get("fp8", ())),
             )
             for u in d["units"]
         )
-        mp = MixedPrecision(_dtype_from(d["mp"]["param_dtype"]), _dtype_from(d["mp"]["reduce_dtype"]))
+        fp8 = d["mp"].get("fp8")
+        mp = MixedPrecision(
+            _dtype_from(d["mp"]["param_dtype"]),
+            _dtype_from(d["mp"]["reduce_dtype"]),
+            None if fp8 is None else Float8GatherPolicy.from_dict(fp8),
+        )
         return cls(units, shape, names, mp, mesh)
 
     @functools.cached_property
@@ -393,6 +530,23 @@ class Plan:
     def reduce_dtype(self, unit: Unit) -> torch.dtype:
         """dtype gradients of ``unit`` are reduced in."""
         return self.mp.reduce_dtype or self.gather_dtype(unit)
+
+    def fp8_layout(self, unit: Unit) -> Float8Layout | None:
+        """The byte layout of ``unit``'s FP8 all-gather (see [Note: FP8 gather layout]), or
+        ``None`` if the unit gathers in ``param_dtype`` only."""
+        return self._fp8_layouts.get(unit.name)
+
+    @functools.cached_property
+    def _fp8_layouts(self) -> dict[str, Float8Layout]:
+        return {u.name: _fp8_layout(u, self.mp.fp8, self.gather_dtype(u)) for u in self.units if u.fp8}
+
+    def gather_bytes(self, unit: Unit) -> int:
+        """Bytes each rank contributes to ``unit``'s all-gather (the all-gather moves ``W`` times
+        this): ``shard_numel`` elements of the gather dtype, or an FP8 unit's byte segment."""
+        layout = self.fp8_layout(unit)
+        if layout is not None:
+            return layout.segment_bytes
+        return unit.shard_numel * self.gather_dtype(unit).itemsize if unit.sharded else 0
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -415,15 +569,19 @@ class Plan:
         mesh = "x".join(map(str, self.mesh_shape))
         names = f" {self.mesh_dim_names}" if self.mesh_dim_names else ""
         mp = f"param_dtype={_dtype_name(self.mp.param_dtype)}, reduce_dtype={_dtype_name(self.mp.reduce_dtype)}"
+        fp8 = self.mp.fp8
+        if fp8 is not None:
+            mp += f", fp8={fp8.recipe.name}" + ("" if fp8.backend == "torch" else f" ({fp8.backend})")
         head = f"Plan {self.fingerprint}: mesh {mesh}{names}, {mp}"
-        rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank")]
+        rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
         for u in self.units:
             per_rank = u.shard_numel + sum(p.numel for p in u.params if not u.slots[p.name].sharded) if u.sharded else u.numel
             itemsize = u.params[0].dtype.itemsize
             pad = max(u.padding(r) for r in range(self.shard_size)) if u.sharded else 0
-            rows.append((u.label, u.strategy, str(len(u.params)), f"{u.numel:,}", _human(per_rank * itemsize), f"{pad:,}"))
+            extra = (str(len(u.fp8)),) if fp8 else ()
+            rows.append((u.label, u.strategy, str(len(u.params)), f"{u.numel:,}", _human(per_rank * itemsize), f"{pad:,}") + extra)
         total = sum(u.numel for u in self.units)
-        rows.append(("total", "", str(len(self.param_names)), f"{total:,}", "", ""))
+        rows.append(("total", "", str(len(self.param_names)), f"{total:,}", "", "") + ((str(sum(len(u.fp8) for u in self.units)),) if fp8 else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head]
         for i, r in enumerate(rows):
@@ -616,6 +774,70 @@ def plan(
         first_name[id(p)] = (name, owner)
         owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype))
 
+    fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
     shard_size = shape[-1]
-    built = tuple(Unit(u, strategies[u], tuple(owned[u]), shard_size) for u in unit_names if owned[u])
+    built = tuple(Unit(u, strategies[u], tuple(owned[u]), shard_size, fp8.get(u, ())) for u in unit_names if owned[u])
     return Plan(built, shape, names, mp, mesh)
+
+
+def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[ParamSpec]], strategies: dict[str, str],
+                unit_names: list[str]) -> dict[str, tuple[str, ...]]:
+    """Each unit's parameters gathered in FP8 under ``mp.fp8``, with every setting that cannot
+    work refused here, on every rank, before any collective."""
+    policy = mp.fp8
+    modules = dict(model.named_modules())
+    all_names, embedded, by_name = [], set(), {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        all_names.append(name)
+        by_name[name] = p
+        if isinstance(modules[name.rpartition(".")[0]], (nn.Embedding, nn.EmbeddingBag)):
+            embedded.add(id(p))  # a weight tied to an embedding stays high precision under every name
+    for pat in policy.exclude:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in all_names):
+            raise ValueError(f"Float8GatherPolicy(exclude=...) pattern {pat!r} matches no parameter{_did_you_mean(pat, all_names)}")
+    if policy.units is None:
+        chosen = set(unit_names)
+    else:
+        chosen = set()
+        for label in policy.units:
+            unit = ROOT if label == ROOT_LABEL else label
+            if unit not in unit_names:
+                raise ValueError(f"Float8GatherPolicy(units=...) names {label!r}, which is not a unit of this plan{_did_you_mean(label, [unit_label(u) for u in unit_names])}")
+            chosen.add(unit)
+    out: dict[str, tuple[str, ...]] = {}
+    for u in unit_names:
+        if u not in chosen:
+            continue
+        eligible = tuple(
+            p.name for p in owned[u]
+            if len(p.shape) >= 2 and p.numel > 0 and id(by_name[p.name]) not in embedded and not policy.excludes(p.name)
+        )
+        if not eligible:
+            if policy.units is not None:
+                shapes = ", ".join(f"{p.name} {p.shape}" for p in owned[u]) or "none"
+                raise ValueError(
+                    f"Float8GatherPolicy(units=...) names unit {unit_label(u)!r}, which has no weight to gather in FP8 (a >= 2-D "
+                    f"parameter that is not an embedding and not excluded; its parameters: {shapes}). Leave it out of units."
+                )
+            continue
+        if strategies[u] == "replicate":
+            raise ValueError(
+                f"unit {unit_label(u)!r} uses strategy 'replicate', which has no all-gather to carry FP8 weights, but "
+                f"MixedPrecision(fp8=...) selects {list(eligible)}. Shard it (zero1/zero2/zero3) or leave it out with "
+                "fsdpfn.fp8.Float8GatherPolicy(units=[...])."
+            )
+        dtype = mp.param_dtype or by_name[eligible[0]].dtype
+        if dtype not in _FP8_INPUT_DTYPES:
+            raise ValueError(
+                f"unit {unit_label(u)!r} gathers in {_dtype_name(dtype)}; FP8 recipes quantize from float32, bfloat16 or float16. "
+                "Set MixedPrecision(param_dtype=torch.bfloat16)."
+            )
+        out[u] = eligible
+    if not out:
+        raise ValueError(
+            "MixedPrecision(fp8=...) selects no parameter: no unit has a >= 2-D weight that is not an embedding and not "
+            "excluded. Drop fp8=, or check Float8GatherPolicy(units=..., exclude=...)."
+        )
+    if policy.backend == "te":
+        check_te(policy.recipe, [(n, by_name[n].shape) for names in out.values() for n in names])
+    return out

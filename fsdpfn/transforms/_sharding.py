@@ -13,6 +13,16 @@ and the unwrapping run inside ``torch._C._DisableFuncTorch()``, where the inputs
 DTensors again; and gradients are built with the ``DTensor(local, spec, requires_grad=False)``
 constructor. This is what makes one implementation serve both ``loss.backward()`` and
 ``torch.func.grad``/``vjp``.
+
+[Note: FP8 gather]
+A unit with FP8 weights (``MixedPrecision(fp8=...)``) gathers bytes (see [Note: FP8 gather
+layout] in ``fsdpfn/_plan.py``): when the gather *starts*, each rank casts its current shards to
+``param_dtype`` and quantizes its rows, so a prefetched gather, or the second gather of a unit
+resharded after forward, ships the bytes of the shards of this step, never a stale or zeroed
+staging buffer (there is none: the segment is built fresh from the shards every time). After the
+wait every rank dequantizes to ``param_dtype`` (or, with ``backend="te"``, hands the bytes to
+Transformer Engine). Backward is unchanged: the straight-through VJP of the FP8 gather is the
+same reduce-scatter, in ``reduce_dtype``, into the fp32 masters.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdpfn._plan import Plan, Unit
 from fsdpfn import comm as C
+from fsdpfn import fp8 as F8
 from fsdpfn.transforms._checks import check_ranks_agree
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
@@ -272,6 +283,8 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
     w = plan.shard_size
     slots = unit.slots
     _check_local_rows(plan, unit, locals_, shard_rank(plan))
+    if plan.fp8_layout(unit) is not None:
+        return _gather_fp8(plan, unit, locals_, device, async_op)
     if unit.sharded and unit.shard_numel:
         buf = torch.empty(unit.shard_numel, dtype=dtype, device=device)
         for p, local in zip(unit.params, locals_):
@@ -298,6 +311,113 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
         return fulls
 
     return pending, finish
+
+
+def _region(stacked: torch.Tensor, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's ``[offset, offset + size)`` bytes of the gathered ``(W, segment)`` uint8
+    buffer, viewed in ``dtype``: ``(W, size / itemsize)``, no copy (the layout keeps it aligned)."""
+    seg = stacked[:, offset : offset + size]
+    return seg.view(dtype) if dtype != torch.uint8 else seg
+
+
+def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor], device: torch.device, async_op: bool):
+    """gather_unit for a unit with FP8 weights (see [Note: FP8 gather])."""
+    dtype = plan.gather_dtype(unit)
+    layout = plan.fp8_layout(unit)
+    policy = plan.mp.fp8
+    recipe = policy.recipe
+    w = plan.shard_size
+    amax = {}
+    if layout.amax_params:  # per-tensor scales: the whole tensor's amax, one all-reduce per gather
+        local = {p.name: x for p, x in zip(unit.params, locals_)}
+        vals = []
+        for name in layout.amax_params:
+            x = local[name].to(dtype)
+            a = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32, device=device)
+            vals.append(torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf"))))  # gloo's max drops NaN
+        flat = torch.stack(vals)
+        C.all_reduce(flat, shard_group(plan), op="max", tag=unit.name)
+        amax = dict(zip(layout.amax_params, flat.unbind()))
+    buf = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
+    for p, local in zip(unit.params, locals_):
+        slot = layout.slots.get(p.name)
+        if slot is None:  # replicated (0-d): not gathered
+            continue
+        x = local.to(dtype)
+        if not slot.fp8:
+            buf[slot.offset : slot.offset + slot.size].view(dtype)[: x.numel()].copy_(x.reshape(-1))
+            continue
+        if not x.numel():
+            continue
+        q = recipe.quantize(x.reshape(-1, p.shape[-1]), amax=amax.get(p.name))
+        data = q.data.view(torch.uint8).reshape(-1)
+        buf[slot.offset : slot.offset + data.numel()].copy_(data)
+        if slot.scale_size:
+            scale = q.scale.reshape(-1).view(torch.uint8)
+            buf[slot.scale_offset : slot.scale_offset + scale.numel()].copy_(scale)
+    out = torch.empty(w * layout.segment_bytes, dtype=torch.uint8, device=device)
+    pending = C.all_gather(out, buf, shard_group(plan), async_op=async_op, tag=unit.name)
+
+    def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        stacked = gathered.view(w, layout.segment_bytes)
+        fulls = []
+        for i, (p, local) in enumerate(zip(unit.params, locals_)):
+            slot = layout.slots.get(p.name)
+            target = out[i] if out is not None else None
+            if slot is None:
+                full = target if target is not None else torch.empty(p.shape, dtype=dtype, device=device)
+                full.copy_(local)
+            elif not slot.fp8:
+                full = target if target is not None else torch.empty(p.shape, dtype=dtype, device=device)
+                rows = _region(stacked, slot.offset, slot.size, dtype)
+                _unpack_rows(full.view(-1), rows, _Span(0, rows.shape[1]))
+            else:
+                full = _dequantize_rows(plan, p, slot, stacked, recipe, dtype, device, amax.get(p.name), target,
+                                        te=policy.backend == "te" and out is None)
+            fulls.append(full)
+        return fulls
+
+    return pending, finish
+
+
+class _Span:
+    """A ``(offset, size)`` pair shaped like a :class:`~fsdpfn._plan.Slot` for ``_unpack_rows``."""
+
+    __slots__ = ("offset", "size")
+
+    def __init__(self, offset: int, size: int):
+        self.offset, self.size = offset, size
+
+
+def _dequantize_rows(plan, p, slot, stacked, recipe, dtype, device, amax, target, te: bool):
+    """One FP8 parameter from the gathered bytes: its E4M3 rows and scales, in the whole
+    weight's row-major order (the first ``rows`` of the ``W * chunk_rows`` gathered rows),
+    dequantized into ``target`` (or a new tensor), or handed to Transformer Engine."""
+    n = p.shape[-1]
+    data = torch.empty(p.numel, dtype=torch.uint8, device=device)
+    _unpack_rows(data, _region(stacked, slot.offset, slot.size, torch.uint8), _Span(0, slot.size))
+    lines = data.view(-1, n) if n else data.view(0, 0)
+    if recipe.tensorwise:
+        scale = _tensor_scale(recipe, amax, device)
+    else:
+        item = recipe.scale_dtype.itemsize
+        raw = torch.empty(lines.shape[0] * recipe.scales_per_line(n) * item, dtype=torch.uint8, device=device)
+        _unpack_rows(raw, _region(stacked, slot.scale_offset, slot.scale_size, torch.uint8), _Span(0, slot.scale_size))
+        scale = raw.view(recipe.scale_dtype).view(lines.shape[0], -1)
+    qd = F8.Quantized(lines.view(torch.float8_e4m3fn), scale)
+    values = recipe.dequantize(qd, dtype).view(p.shape)
+    if te:
+        return F8.te_tensor(recipe, qd, p.shape, dtype, values)
+    if target is None:
+        return values
+    target.copy_(values)
+    return target
+
+
+def _tensor_scale(recipe, amax, device) -> torch.Tensor:
+    """The per-tensor recipe's scale from the all-reduced amax, as every rank computed it when
+    quantizing (same function, same input, same bits)."""
+    return recipe.quantize(torch.zeros(1, device=device), amax=amax).scale
 
 
 def reduce_unit(
