@@ -1,8 +1,9 @@
 """fsdpfn: functional fully sharded data parallelism (FSDP / ZeRO / HSDP) and Muon for PyTorch.
 
 Subpackages: ``fsdpfn.comm`` (every collective, the timeout, the counter), ``fsdpfn.optim``,
-``fsdpfn.runtime``, ``fsdpfn.checkpoint``, ``fsdpfn.testing`` (run your tests on N gloo ranks),
-``fsdpfn.launch`` (start a job on N ranks).
+``fsdpfn.runtime``, ``fsdpfn.checkpoint``, ``fsdpfn.fp8`` (FP8 recipes and the FP8 parameter
+all-gather policy), ``fsdpfn.testing`` (run your tests on N gloo ranks), ``fsdpfn.launch`` (start
+a job on N ranks).
 
 Example:
   >>> plan = fsdpfn.plan(model, mesh, strategy="zero3")
@@ -29,6 +30,7 @@ from fsdpfn.transforms import unshard as unshard
 # Subpackages users reach as fsdpfn.comm, fsdpfn.optim, fsdpfn.runtime, fsdpfn.checkpoint, ...
 from fsdpfn import checkpoint as checkpoint
 from fsdpfn import comm as comm
+from fsdpfn import fp8 as fp8
 from fsdpfn import optim as optim
 from fsdpfn import runtime as runtime
 from fsdpfn import sim as sim
@@ -45,6 +47,7 @@ __all__ = [
     "checkpoint",
     "comm",
     "count_collectives",
+    "fp8",
     "init_full",
     "init_shards",
     "load_safetensors",
