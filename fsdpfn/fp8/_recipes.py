@@ -27,7 +27,9 @@ Following the OCP MX v1.0 spec and its reference implementation (microsoft/micro
 block holding a NaN or an infinity gets scale NaN (E8M0 code 0xFF; a NaN float32 scale for the
 other recipes) and NaN elements, so the whole block dequantizes to NaN; a block of zeros gets the
 smallest scale (E8M0 code 0, 2**-127; 1.0 for float32 scales, as Transformer Engine does) and
-zero elements; signed zeros keep their sign. Transformer Engine's kernels differ on infinities
+zero elements; signed zeros keep their sign. Dequantizing computes ``element * scale`` exactly and
+rounds once to the target dtype, so an element rounded up next to the dtype's largest value
+(``256 * 2**120`` from a float32 amax near ``2**128``) becomes inf there. Transformer Engine's kernels differ on infinities
 (scale 0xFE, saturated elements) and flush blocks whose amax is below 448 * 2**-127 to zero; a
 model whose weights hold an infinity has diverged anyway (``optim.apply_if_finite``).
 """
@@ -260,10 +262,12 @@ class Float8CurrentScaling(Float8Recipe):
             y = xf * exp2_exact(-s)
             scale = exp2_exact(s)
         else:
-            mult = torch.where(safe > 0, E4M3_MAX / safe, torch.ones_like(safe))
+            # torch.div of two tensors is IEEE division; ``448 / tensor`` is a reciprocal times
+            # 448 (two roundings), which is not what Transformer Engine computes.
+            mult = torch.where(safe > 0, torch.div(torch.full_like(safe, E4M3_MAX), safe), torch.ones_like(safe))
             mult = torch.where(torch.isfinite(mult), mult, torch.full_like(mult, torch.finfo(torch.float32).max))
             y = xf * mult
-            scale = 1.0 / mult
+            scale = torch.div(torch.ones_like(mult), mult)
         codes = to_e4m3(y).view(torch.uint8)
         codes = torch.where(finite, codes, torch.full_like(codes, E4M3_NAN))
         scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
