@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--init", default="meta", choices=["meta", "full"],
                    help="meta: build the model on the meta device, each rank creates only its shards (fsdpfn.init_shards); "
                         "full: every rank builds the whole model, then keeps its shards (fsdpfn.shard)")
+    g.add_argument("--fp8", action="store_true",
+                   help="gather the weight matrices as MXFP8 (fsdpfn.MixedPrecision(fp8='mxfp8')): fp32 masters, FP8 bytes on the wire")
     g = p.add_argument_group("training")
     g.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: Muon for hidden matrices, AdamW for the rest")
     g.add_argument("--ns-method", default="standard", choices=["standard", "gram"],
@@ -118,6 +120,8 @@ def check_args(args) -> str | None:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     if world % args.replicas:
         return f"--replicas {args.replicas} must divide the world size {world} (the mesh is (replicas, world / replicas))"
+    if args.fp8 and args.strategy == "replicate":
+        return "--fp8 needs a sharded --strategy (zero1, zero2 or zero3): 'replicate' has no all-gather to carry FP8 weights"
     for name in ("lr", "adamw_lr"):  # peaks of warm-up schedules, which start at 0 whatever the sign
         if not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be a positive learning rate, got {getattr(args, name)}"
@@ -384,7 +388,7 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    plan = fsdpfn.plan(model, mesh, strategy=args.strategy)
+    plan = fsdpfn.plan(model, mesh, strategy=args.strategy, mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None)
     opt = make_optimizer(args)
     if args.init == "full":
         params = fsdpfn.shard(model, plan)
@@ -395,7 +399,8 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         os.makedirs(args.out, exist_ok=True)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(vocab)}, {len(train_data) / 1e3:.0f}k training characters; "
-              f"{world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; {args.strategy}, {args.optimizer}")
+              f"{world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; {args.strategy}, {args.optimizer}"
+              f"{', MXFP8 weight gathers' if args.fp8 else ''}")
     model = model.to("meta")  # the shards are copies: keep only a skeleton for functional_call
     return Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt), state
 
