@@ -110,9 +110,14 @@ class Float8Recipe:
         """``data * scale`` in ``dtype`` (computed exactly in float32, then cast once)."""
         data = q.data.view(torch.float8_e4m3fn).to(torch.float32)
         scale = e8m0_to_float(q.scale) if self.scale_dtype == torch.uint8 else q.scale.to(torch.float32)
-        if self.block_size is not None and data.numel():
-            scale = scale.repeat_interleave(self.block_size, dim=-1)[..., : data.shape[-1]]
-        return (data * scale).to(dtype)
+        if self.block_size is None or not data.numel():
+            return (data * scale).to(dtype)
+        n, b = data.shape[-1], self.block_size
+        nb = scale.shape[-1]
+        if nb * b != n:  # the short last block: pad, scale, cut
+            data = torch.nn.functional.pad(data, (0, nb * b - n))
+        out = data.view(*data.shape[:-1], nb, b) * scale.unsqueeze(-1)
+        return out.view(*data.shape[:-1], nb * b)[..., :n].to(dtype)
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """``dequantize(quantize(x), x.dtype)`` (no gradient; see :func:`fsdpfn.fp8.fake_quantize`)."""
@@ -143,8 +148,10 @@ class Float8Recipe:
         s = self._block_exponents(torch.where(finite, amax, torch.zeros_like(amax)))
         y = blocks * exp2_exact(-s).unsqueeze(-1)  # exact: division by a power of two
         codes = to_e4m3(y).view(torch.uint8)
-        codes = torch.where(finite.unsqueeze(-1), codes, torch.full_like(codes, E4M3_NAN))
-        data = codes.reshape(*x.shape[:-1], nb * b)[..., :n].contiguous().view(torch.float8_e4m3fn)
+        if not bool(finite.all()):
+            codes = torch.where(finite.unsqueeze(-1), codes, torch.full_like(codes, E4M3_NAN))
+        codes = codes.view(*x.shape[:-1], nb * b)
+        data = (codes if nb * b == n else codes[..., :n].contiguous()).view(torch.float8_e4m3fn)
         return Quantized(data, self._encode_scale(s, finite))
 
     def _quantize_tensor(self, x: torch.Tensor, amax: torch.Tensor | None) -> Quantized:
