@@ -18,6 +18,7 @@
 import importlib
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -405,7 +406,11 @@ def _te_handoff(rank, world):
     kinds = {n: type(v).__name__ for n, v in te_full.items() if n in handed.units[0].fp8}
     same = all(torch.equal(te_full[n].dequantize(), torch_full[n]) for n in handed.units[0].fp8)
     x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
-    with te.fp8_autocast(enabled=True, fp8_recipe=importlib.import_module("transformer_engine.common.recipe").MXFP8BlockScaling()):
+    recipe = importlib.import_module("transformer_engine.common.recipe").MXFP8BlockScaling()
+    # te.autocast(recipe=) in recent TE, te.fp8_autocast(fp8_recipe=) before.
+    autocast = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    with warnings.catch_warnings(), autocast:
+        warnings.simplefilter("ignore")  # TE's own deprecation notices
         y = torch.func.functional_call(model, te_full, (x,))
     ref = torch.func.functional_call(model, torch_full, (x,))
     return kinds, same, ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()

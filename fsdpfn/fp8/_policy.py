@@ -39,7 +39,8 @@ class Float8GatherPolicy:
         silently quantize the layer it meant to protect).
       backend: ``"torch"`` (dequantize with torch ops, any device) or ``"te"`` (CUDA with
         Transformer Engine installed: ``pip install 'fsdpfn[te]'``; checked when the plan is
-        built).
+        built). ``fsdpfn.unshard`` then returns TE's ``MXFP8Tensor`` / ``Float8Tensor`` for the
+        FP8 weights; :class:`fsdpfn.runtime.Runtime` still dequantizes into its own buffers.
 
     Example:
       >>> policy = fsdpfn.fp8.Float8GatherPolicy("mxfp8", exclude=("head.weight",))
