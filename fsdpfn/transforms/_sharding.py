@@ -372,7 +372,7 @@ def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor], device: tor
                 rows = _region(stacked, slot.offset, slot.size, dtype)
                 _unpack_rows(full.view(-1), rows, _Span(0, rows.shape[1]))
             else:
-                full = _dequantize_rows(plan, p, slot, stacked, recipe, dtype, device, amax.get(p.name), target,
+                full = _dequantize_rows(p, slot, stacked, recipe, dtype, device, amax.get(p.name), target,
                                         te=policy.backend == "te" and out is None)
             fulls.append(full)
         return fulls
@@ -389,14 +389,14 @@ class _Span:
         self.offset, self.size = offset, size
 
 
-def _dequantize_rows(plan, p, slot, stacked, recipe, dtype, device, amax, target, te: bool):
+def _dequantize_rows(p, slot, stacked, recipe, dtype, device, amax, target, te: bool):
     """One FP8 parameter from the gathered bytes: its E4M3 rows and scales, in the whole
     weight's row-major order (the first ``rows`` of the ``W * chunk_rows`` gathered rows),
     dequantized into ``target`` (or a new tensor), or handed to Transformer Engine."""
     n = p.shape[-1]
     data = torch.empty(p.numel, dtype=torch.uint8, device=device)
     _unpack_rows(data, _region(stacked, slot.offset, slot.size, torch.uint8), _Span(0, slot.size))
-    lines = data.view(-1, n) if n else data.view(0, 0)
+    lines = data.view(-1, n)  # FP8 weights have elements (the plan selects numel > 0)
     if recipe.tensorwise:
         scale = _tensor_scale(recipe, amax, device)
     else:
