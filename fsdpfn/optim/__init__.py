@@ -20,6 +20,7 @@ from fsdpfn.optim._base import apply_updates as apply_updates
 from fsdpfn.optim._base import chain as chain
 from fsdpfn.optim._base import identity as identity
 from fsdpfn.optim._base import partition as partition
+from fsdpfn.optim._blocks import head_blocks as head_blocks
 from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
 from fsdpfn.optim._clip import global_norm as global_norm
 from fsdpfn.optim._distributed_ns import orthogonalize as orthogonalize
@@ -33,6 +34,11 @@ from fsdpfn.optim._muon import scale_by_muon as scale_by_muon
 from fsdpfn.optim._muon import scale_by_muon_lr as scale_by_muon_lr
 from fsdpfn.optim._newton_schulz import newton_schulz as newton_schulz
 from fsdpfn.optim._newton_schulz import newton_schulz_flops as newton_schulz_flops
+from fsdpfn.optim._owner import BucketRecord as BucketRecord
+from fsdpfn.optim._owner import OwnerSchedule as OwnerSchedule
+from fsdpfn.optim._owner import PipelineRecord as PipelineRecord
+from fsdpfn.optim._owner import owner_schedule as owner_schedule
+from fsdpfn.optim._owner import record_pipeline as record_pipeline
 from fsdpfn.optim._schedules import constant_schedule as constant_schedule
 from fsdpfn.optim._schedules import warmup_cosine_schedule as warmup_cosine_schedule
 from fsdpfn.optim._sgd_adamw import AdamWState as AdamWState
@@ -43,10 +49,13 @@ from fsdpfn.optim._sgd_adamw import sgd as sgd
 __all__ = [
     "AdamWState",
     "ApplyIfFiniteState",
+    "BucketRecord",
     "EmptyState",
     "GradientTransformation",
     "MuonLRState",
+    "OwnerSchedule",
     "PartitionState",
+    "PipelineRecord",
     "SGDState",
     "ScaleByMuonState",
     "adamw",
@@ -56,13 +65,16 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "global_norm",
+    "head_blocks",
     "identity",
     "muon",
     "muon_labels",
     "newton_schulz",
     "newton_schulz_flops",
     "orthogonalize",
+    "owner_schedule",
     "partition",
+    "record_pipeline",
     "scale_by_muon",
     "scale_by_muon_lr",
     "sgd",

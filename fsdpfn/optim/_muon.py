@@ -12,8 +12,9 @@ import optree
 import torch
 
 from fsdpfn.optim._base import GradientTransformation, chain, partition
+from fsdpfn.optim._blocks import Blocks, block_shape, check_blocks
 from fsdpfn.optim._checks import check_choice, check_real, check_schedule
-from fsdpfn.optim._distributed_ns import LAYOUTS, orthogonalize
+from fsdpfn.optim._distributed_ns import LAYOUTS, check_buckets, orthogonalize
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, check_settings
 from fsdpfn.optim._schedules import ScalarOrSchedule
 from fsdpfn.optim._sgd_adamw import adamw
@@ -21,18 +22,29 @@ from fsdpfn.optim._tree import like, local, map_local, named_leaves, zeros_like_
 
 __all__ = ["MuonLRState", "ScaleByMuonState", "muon", "muon_labels", "scale_by_muon", "scale_by_muon_lr"]
 
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_norm")
 _MOMENTUM_FIX = "It is the old buffer's weight in lerp(b, g, 1 - momentum): at 1 the buffer never moves. 0.95 is the reference."
 
 
-def _check_muon(who: str, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts) -> float:
-    """Every setting of :func:`scale_by_muon`, named as ``who``'s caller wrote them."""
+def _check_muon(who: str, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets):
+    """Every setting of :func:`scale_by_muon`, named as ``who``'s caller wrote them: the momentum
+    and the block spec function."""
     momentum = check_real(who, "momentum", momentum, lo=0.0, hi=1.0, hi_open=True, fix=_MOMENTUM_FIX)
     if not isinstance(nesterov, bool):
         raise ValueError(f"{who}: nesterov={nesterov!r} is invalid: nesterov must be True or False.")
     check_settings(who, ns_steps, ns_coeffs, eps, ns_dtype, ns_method, gram_restarts, prefix="ns_", min_steps=1)
     check_choice(who, "layout", layout, LAYOUTS)
-    return momentum
+    check_buckets(who, buckets)
+    return momentum, check_blocks(who, blocks)
+
+
+def _leaf_specs(spec_fn, names: list[str], leaves: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each leaf's block spec, checked against its shape (a ``ValueError`` naming the leaf)."""
+    specs = [spec_fn(n, x) for n, x in zip(names, leaves)]
+    for n, x, s in zip(names, leaves, specs):
+        if x.dim() >= 2:
+            block_shape(n, tuple(x.shape), s)
+    return specs
 
 
 class ScaleByMuonState(NamedTuple):
@@ -56,8 +68,10 @@ def scale_by_muon(
     layout: str = "owner",
     ns_method: str = "standard",
     gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS,
+    blocks: Blocks = None,
+    buckets: int | None = None,
 ) -> GradientTransformation:
-    """Momentum, then Newton–Schulz orthogonalisation of every leaf's matrices.
+    """Momentum, then Newton–Schulz orthogonalisation of every leaf's matrices (or blocks).
 
     ``b = lerp(b, g, 1 - momentum)``; the direction is ``lerp(g, b, momentum)`` with nesterov,
     else ``b``; the update is :func:`newton_schulz` of it, cast back to the gradient's dtype (no
@@ -77,12 +91,22 @@ def scale_by_muon(
       ns_method, gram_restarts: ``"standard"`` (``torch.optim.Muon``'s iteration) or ``"gram"``
         (the same polynomial computed on the Gram matrix: fewer FLOPs on matrices wider than
         1.5:1, equal up to rounding); see :func:`newton_schulz`.
+      blocks: orthogonalise some leaves as independent blocks (per attention head, per
+        expert): ``None`` (whole matrices), a dict ``{name or fnmatch pattern: spec}`` or a
+        function ``(name, param) -> spec``, a spec being an int ``m`` (``m`` row blocks), a pair
+        ``(m, n)`` (``m`` x ``n`` blocks) or ``None``; see :func:`head_blocks` and
+        ``fsdpfn/optim/_blocks.py``, [Note: blocks].
+      buckets: owner layout: buckets whose all-to-all runs under another bucket's Newton–Schulz
+        (``None``: chosen from the bytes sent; ``1``: no pipelining). Same bits for every choice
+        (``fsdpfn/optim/_owner.py``, [Note: the pipelined owner layout]).
 
     Raises:
       ValueError: when built, on every rank alike: ``momentum`` outside ``[0, 1)``, ``ns_steps``
         not an int >= 1, ``ns_coeffs`` not three finite numbers, ``eps`` not > 0, ``ns_dtype``
         not a floating dtype or ``None``, an unknown ``layout`` or ``ns_method``, restarts
-        outside ``1 .. ns_steps-1``. The message names the setting.
+        outside ``1 .. ns_steps-1``, a malformed block spec, ``buckets`` not ``None`` or an int
+        >= 1. At ``init``/``update``: a leaf its blocks do not divide (named). The message names
+        the setting.
 
     Example:
       >>> opt = fsdpfn.optim.scale_by_muon()
@@ -96,17 +120,22 @@ def scale_by_muon(
       https://kellerjordan.github.io/posts/muon/
     """
     # Now, on every rank, not at the first step on the ranks that own a matrix.
-    momentum = _check_muon("scale_by_muon", momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts)
+    momentum, spec_fn = _check_muon(
+        "scale_by_muon", momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets
+    )
 
     def init(params):
+        _leaf_specs(spec_fn, *named_leaves(params)[:2])  # blocks that do not fit: named now
         return ScaleByMuonState(zeros_like_tree(params))
 
     def update(updates, state, params=None):
         buf = map_local(lambda b, g: b.lerp(g, 1 - momentum), state.momentum_buffer, updates)
         direction = map_local(lambda g, b: g.lerp(b, momentum), updates, buf) if nesterov else buf
         names, leaves, spec = named_leaves(direction)
+        specs = _leaf_specs(spec_fn, names, leaves)
         ortho = orthogonalize(
-            leaves, names, layout=layout, steps=ns_steps, coeffs=ns_coeffs, eps=eps, dtype=ns_dtype, method=ns_method, gram_restarts=gram_restarts
+            leaves, names, layout=layout, steps=ns_steps, coeffs=ns_coeffs, eps=eps, dtype=ns_dtype, method=ns_method,
+            gram_restarts=gram_restarts, blocks=specs, buckets=buckets,
         )
         out = [like(x, local(o).to(local(x).dtype)) for x, o in zip(leaves, ortho)]
         return optree.tree_unflatten(spec, out), ScaleByMuonState(buf)
@@ -115,9 +144,14 @@ def scale_by_muon(
 
 
 def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str) -> float:
+    """The factor on ``lr`` for an orthogonal update of ``shape`` (the last two dimensions:
+    ``rows = fan_out``, ``cols = fan_in`` in ``nn.Linear``'s layout); see
+    :func:`scale_by_muon_lr`."""
     rows, cols = shape[-2], shape[-1]
     if adjust_lr_fn == "original":
         return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "spectral_norm":
+        return math.sqrt(rows / cols)
     return 0.2 * math.sqrt(max(rows, cols))
 
 
@@ -127,20 +161,37 @@ class MuonLRState(NamedTuple):
     count: int
 
 
-def scale_by_muon_lr(lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_fn: str | None = "original") -> GradientTransformation:
+def scale_by_muon_lr(
+    lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_fn: str | None = "original", blocks: Blocks = None
+) -> GradientTransformation:
     """``-lr * ratio(shape) * o - lr * weight_decay * p``: ``torch.optim.Muon``'s step after the
     orthogonalisation, as an update.
 
-    ``ratio`` is ``max(1, rows/cols) ** 0.5`` (``"original"``, Keller Jordan) or
-    ``0.2 * max(rows, cols) ** 0.5`` (``"match_rms_adamw"``, Moonlight: the update's RMS matches
-    AdamW's so AdamW's learning rate and weight decay carry over), with rows and cols the last two
-    dimensions of the global shape. Weight decay is decoupled and uses the unadjusted ``lr``.
+    ``ratio`` depends on the orthogonalised matrix's ``rows x cols`` (the last two dimensions of
+    the global shape; of one block for a leaf with ``blocks``, whose update is orthogonal
+    block by block). ``rows`` is ``fan_out`` and ``cols`` ``fan_in`` in ``nn.Linear``'s
+    ``(out, in)`` layout:
+
+    - ``"original"``: ``max(1, rows/cols) ** 0.5``. Keller Jordan's Muon and
+      ``torch.optim.Muon``'s default: tall matrices get a larger step so that the update's RMS
+      does not shrink with the aspect ratio.
+    - ``"match_rms_adamw"``: ``0.2 * max(rows, cols) ** 0.5``. Moonlight: the update's RMS is
+      0.2, about AdamW's, so AdamW's learning rate and weight decay carry over.
+    - ``"spectral_norm"``: ``(rows/cols) ** 0.5``, with no clamp at 1. The spectral condition for
+      feature learning: an update of spectral norm ``sqrt(fan_out / fan_in)`` changes each
+      layer's features by a width-independent amount, so the learning rate transfers across
+      widths; wide matrices (``fan_in > fan_out``) get a smaller step, which ``"original"``
+      clamps away. The same rule as Dion's ``adjust_lr="spectral_norm"``.
+
+    Weight decay is decoupled and uses the unadjusted ``lr``.
 
     Args:
       lr: a number >= 0 or a schedule of the step count (called at step 0 when built, and its
         value checked at every step).
       weight_decay: decoupled weight decay, >= 0.
-      adjust_lr_fn: ``"original"``, ``"match_rms_adamw"``, or ``None`` for ``"original"``.
+      adjust_lr_fn: ``"original"``, ``"match_rms_adamw"``, ``"spectral_norm"``, or ``None`` for
+        ``"original"``.
+      blocks: the block specs :func:`scale_by_muon` used (the ratio is then the block's).
 
     Raises:
       ValueError: a setting is out of range (the message names it), raised when built.
@@ -150,29 +201,40 @@ def scale_by_muon_lr(lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_
       >>> u, _ = opt.update({"w": torch.ones(4, 1)}, opt.init(None))
       >>> u["w"].flatten()
       tensor([-0.2000, -0.2000, -0.2000, -0.2000])
+      >>> opt = fsdpfn.optim.scale_by_muon_lr(0.1, adjust_lr_fn="spectral_norm")
+      >>> opt.update({"w": torch.ones(1, 4)}, opt.init(None))[0]["w"]
+      tensor([[-0.0500, -0.0500, -0.0500, -0.0500]])
 
     References:
+      Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
+      https://kellerjordan.github.io/posts/muon/ ("original");
       Jingyuan Liu et al., "Muon is Scalable for LLM Training" (Moonlight), 2025,
-      https://arxiv.org/abs/2502.16982
+      https://arxiv.org/abs/2502.16982 ("match_rms_adamw");
+      Greg Yang, James B. Simon, Jeremy Bernstein, "A Spectral Condition for Feature Learning",
+      2023, https://arxiv.org/abs/2310.17813 ("spectral_norm").
     """
     who = "scale_by_muon_lr"
     schedule = check_schedule(who, "lr", lr)
     weight_decay = check_real(who, "weight_decay", weight_decay, lo=0.0)
     adjust_lr_fn = check_choice(who, "adjust_lr_fn", adjust_lr_fn, (None, *ADJUST_LR_FNS)) or "original"
+    spec_fn = check_blocks(who, blocks)
 
     def update(updates, state, params=None):
         step_lr = schedule(state.count)
         if weight_decay and params is None:
             raise ValueError("scale_by_muon_lr with weight_decay != 0 needs the parameters: call update(grads, state, params)")
-
-        def leaf(u, p=None):
-            new = local(u).mul(-step_lr * _lr_ratio(tuple(u.shape), adjust_lr_fn))
+        names, leaves, spec = named_leaves(updates)
+        ps = spec.flatten_up_to(params) if weight_decay else [None] * len(leaves)
+        out = []
+        for name, u, p in zip(names, leaves, ps):
+            shape = tuple(u.shape)
+            if len(shape) >= 2:
+                shape = block_shape(name, shape, spec_fn(name, u))
+            new = local(u).mul(-step_lr * _lr_ratio(shape, adjust_lr_fn))
             if weight_decay:
                 new = new.sub_(local(p).to(new.dtype), alpha=step_lr * weight_decay)
-            return like(u, new)
-
-        new = optree.tree_map(leaf, updates, params) if weight_decay else optree.tree_map(leaf, updates)
-        return new, MuonLRState(state.count + 1)
+            out.append(like(u, new))
+        return optree.tree_unflatten(spec, out), MuonLRState(state.count + 1)
 
     return GradientTransformation(lambda params: MuonLRState(0), update)
 
@@ -242,6 +304,8 @@ def muon(
     adamw_betas: tuple[float, float] = (0.9, 0.999),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: float | None = None,
+    blocks: Blocks = None,
+    buckets: int | None = None,
 ) -> GradientTransformation:
     """Muon for hidden matrices, AdamW for everything else.
 
@@ -254,7 +318,8 @@ def muon(
       momentum, nesterov: Muon momentum.
       weight_decay: decoupled weight decay of the Muon parameters.
       ns_steps, ns_coeffs, eps, ns_dtype: Newton–Schulz settings (see :func:`newton_schulz`).
-      adjust_lr_fn: ``"original"`` or ``"match_rms_adamw"`` (see :func:`scale_by_muon_lr`).
+      adjust_lr_fn: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_norm"`` (see
+        :func:`scale_by_muon_lr`).
       layout: distributed Newton–Schulz, ``"owner"`` or ``"gather"``.
       ns_method, gram_restarts: ``"standard"`` or ``"gram"`` and the latter's restart
         iterations (see :func:`newton_schulz`; ``"gram"`` is not bitwise ``torch.optim.Muon``).
@@ -264,6 +329,10 @@ def muon(
       adamw_lr: AdamW learning rate; ``None`` uses ``lr``.
       adamw_betas, adamw_eps: AdamW settings.
       adamw_weight_decay: AdamW weight decay; ``None`` uses ``weight_decay``.
+      blocks: Muon leaves orthogonalised as independent blocks, e.g. per attention head with
+        :func:`head_blocks` (see :func:`scale_by_muon`); the learning-rate ratio then uses the
+        block's shape.
+      buckets: the owner layout's pipelining (see :func:`scale_by_muon`).
 
     Raises:
       ValueError: a setting is out of range (as in :func:`scale_by_muon`,
@@ -281,13 +350,15 @@ def muon(
       Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
       https://kellerjordan.github.io/posts/muon/;
       Jingyuan Liu et al., "Muon is Scalable for LLM Training" (Moonlight), 2025,
-      https://arxiv.org/abs/2502.16982
+      https://arxiv.org/abs/2502.16982;
+      Greg Yang, James B. Simon, Jeremy Bernstein, "A Spectral Condition for Feature Learning",
+      2023, https://arxiv.org/abs/2310.17813
     """
     # Checked under this function's names first, so that an error names the argument passed here
     # (adamw_betas, not adamw's b1); the factories below check again and agree.
     who = "muon"
     check_schedule(who, "lr", lr)
-    _check_muon(who, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts)
+    _check_muon(who, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets)
     check_real(who, "weight_decay", weight_decay, lo=0.0)
     check_choice(who, "adjust_lr_fn", adjust_lr_fn, (None, *ADJUST_LR_FNS))
     if adamw_lr is not None:
@@ -298,8 +369,8 @@ def muon(
         check_real(who, "adamw_weight_decay", adamw_weight_decay, lo=0.0)
     labels_tree = _labels_tree(labels)
     muon_part = chain(
-        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts),
-        scale_by_muon_lr(lr, weight_decay, adjust_lr_fn),
+        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets),
+        scale_by_muon_lr(lr, weight_decay, adjust_lr_fn, blocks),
     )
     adam_part = adamw(
         lr if adamw_lr is None else adamw_lr,
