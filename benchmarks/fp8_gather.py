@@ -287,8 +287,9 @@ def main():
     args = ap.parse_args()
     parts = args.parts.split(",")
     print("command:", "OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
-    print(f"model: GPT width {args.width}, 4 blocks, vocab {args.vocab}, seq {args.seq}, no biases; {WORLD} gloo ranks; "
-          f"torch {torch.__version__}")
+    if "bytes" in parts or "time" in parts:
+        print(f"model: GPT width {args.width}, 4 blocks, vocab {args.vocab}, seq {args.seq}, no biases; {WORLD} gloo ranks; "
+              f"torch {torch.__version__}")
     if "bytes" in parts:
         _report_bytes(launch(_bytes_rank, WORLD, args)[0])
     if "time" in parts:
