@@ -101,6 +101,16 @@ BAD = [
     ("newton_schulz", optim.newton_schulz, dict(x=torch.ones(2, 3), coeffs=(1.0, 2.0, INF)), "coeffs[2]", "inf"),
     ("newton_schulz", optim.orthogonalize, dict(leaves=[], names=[], layout="everywhere"), "layout", "'everywhere'"),
     ("newton_schulz", optim.newton_schulz_flops, dict(shape=(4, 8), steps=-2), "steps", "-2"),
+    ("scale_by_muon", optim.scale_by_muon, dict(buckets=0), "buckets", "0"),
+    ("scale_by_muon", optim.scale_by_muon, dict(buckets=2.0), "buckets", "2.0"),
+    ("scale_by_muon", optim.scale_by_muon, dict(blocks={"*qkv.weight": (3, 0)}), "blocks['*qkv.weight']", "(3, 0)"),
+    ("muon", optim.muon, dict(blocks={"*qkv.weight": True}), "blocks['*qkv.weight']", "True"),
+    ("muon", optim.muon, dict(blocks="heads"), "blocks", "'heads'"),
+    ("scale_by_muon_lr", optim.scale_by_muon_lr, dict(lr=0.02, blocks=[3]), "blocks", "[3]"),
+    ("head_blocks", optim.head_blocks, dict(heads=0), "heads", "0"),
+    ("newton_schulz", optim.orthogonalize, dict(leaves=[], names=[], buckets=-1), "buckets", "-1"),
+    ("TorchOptimizer", optim.TorchOptimizer, dict(params={"w": torch.zeros(2, 2)}, transform=optim.muon, lr=-0.1), "lr", "-0.1"),
+    ("TorchOptimizer", optim.TorchOptimizer, dict(params={"w": torch.zeros(2, 2)}, transform=optim.muon, momentum=1.0), "momentum", "1.0"),
 ]
 # chain takes its transforms positionally.
 CHAIN_BAD = [
@@ -437,7 +447,7 @@ def test_apply_if_finite_raises_on_every_rank_after_max_consecutive_errors(run_o
 # The docstring examples run (one process, plain tensors)
 # ---------------------------------------------------------------------------------------------
 
-OPTIM_MODULES = ["_base", "_checks", "_clip", "_distributed_ns", "_finite", "_muon", "_newton_schulz", "_schedules", "_sgd_adamw"]
+OPTIM_MODULES = ["_base", "_blocks", "_checks", "_clip", "_distributed_ns", "_finite", "_muon", "_newton_schulz", "_owner", "_schedules", "_sgd_adamw", "_torch_optim", "_tree"]
 
 
 @pytest.mark.parametrize("module", OPTIM_MODULES)

@@ -45,6 +45,7 @@ from fsdpfn.optim._sgd_adamw import AdamWState as AdamWState
 from fsdpfn.optim._sgd_adamw import SGDState as SGDState
 from fsdpfn.optim._sgd_adamw import adamw as adamw
 from fsdpfn.optim._sgd_adamw import sgd as sgd
+from fsdpfn.optim._torch_optim import TorchOptimizer as TorchOptimizer
 
 __all__ = [
     "AdamWState",
@@ -58,6 +59,7 @@ __all__ = [
     "PipelineRecord",
     "SGDState",
     "ScaleByMuonState",
+    "TorchOptimizer",
     "adamw",
     "apply_if_finite",
     "apply_updates",

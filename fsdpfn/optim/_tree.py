@@ -59,3 +59,23 @@ def named_leaves(tree: Any) -> tuple[list[str], list[Any], Any]:
     """``(names, leaves, treespec)`` of ``tree``; names are :func:`path_name` of each path."""
     paths, leaves, spec = optree.tree_flatten_with_path(tree)
     return [path_name(p) for p in paths], leaves, spec
+
+
+def _entry_name(entry: Any) -> str:
+    for attr in ("field", "name", "key", "index"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry.entry)
+
+
+def flat_state(tree: Any) -> tuple[dict[str, Any], Any]:
+    """``({path: leaf}, treespec)`` with paths of ``/``-joined NamedTuple fields, dict keys and
+    indices (``"inner_states/muon/0/momentum_buffer/blocks.0.fc.weight"``), the keys
+    ``fsdpfn.checkpoint`` uses too; ``None`` (masked) leaves are not entries.
+
+    Example:
+      >>> flat_state(({"w": 1}, 2))[0]
+      {'0/w': 1, '1': 2}
+    """
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    return {"/".join(_entry_name(e) for e in a) or "<root>": x for a, x in zip(accessors, leaves)}, spec
