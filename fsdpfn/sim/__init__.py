@@ -24,13 +24,20 @@ from fsdpfn.sim._hardware import Hardware as Hardware
 from fsdpfn.sim._hardware import Link as Link
 from fsdpfn.sim._hardware import collective_steps as collective_steps
 from fsdpfn.sim._hardware import wire_bytes as wire_bytes
+from fsdpfn.sim._measure import Timings as Timings
+from fsdpfn.sim._measure import fit_hardware as fit_hardware
 from fsdpfn.sim._measure import measure as measure
+from fsdpfn.sim._measure import measure_timings as measure_timings
 from fsdpfn.sim._optimizer import AdamW as AdamW
 from fsdpfn.sim._optimizer import CommCost as CommCost
 from fsdpfn.sim._optimizer import Muon as Muon
 from fsdpfn.sim._optimizer import OptimizerCost as OptimizerCost
 from fsdpfn.sim._optimizer import local_shapes as local_shapes
 from fsdpfn.sim._optimizer import owner_loads as owner_loads
+from fsdpfn.sim._search import Candidate as Candidate
+from fsdpfn.sim._search import SearchResult as SearchResult
+from fsdpfn.sim._search import finer_units as finer_units
+from fsdpfn.sim._search import search as search
 from fsdpfn.sim._simulate import SimResult as SimResult
 from fsdpfn.sim._simulate import Span as Span
 from fsdpfn.sim._simulate import Traffic as Traffic
@@ -43,6 +50,7 @@ from fsdpfn.sim._workload import profile as profile
 __all__ = [
     "A100_SXM",
     "AdamW",
+    "Candidate",
     "CommCost",
     "H100_SXM",
     "H200_SXM",
@@ -51,19 +59,25 @@ __all__ = [
     "Muon",
     "OptimizerCost",
     "PRESETS",
+    "SearchResult",
     "SimResult",
     "Span",
     "Task",
+    "Timings",
     "Traffic",
     "Work",
     "Workload",
     "collective_steps",
     "count_work",
+    "finer_units",
+    "fit_hardware",
     "local_shapes",
     "measure",
+    "measure_timings",
     "owner_loads",
     "profile",
     "run_tasks",
+    "search",
     "simulate",
     "wire_bytes",
 ]

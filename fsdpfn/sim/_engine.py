@@ -34,6 +34,8 @@ class Task:
     kind: str = ""
     unit: str = ""
     nbytes: float = 0.0
+    op: int = -1
+    micro_batch: int = 0
     start: float = -1.0
     end: float = -1.0
 

@@ -118,7 +118,9 @@ class Hardware:
     Attributes:
       name: shown in reports.
       matmul_flops: ``{dtype: FLOP/s}`` of large matmuls (``"bfloat16"``, ``"float32"``, ...);
-        a dtype not listed falls back to ``"float32"``.
+        a dtype not listed falls back to ``"float32"``. Keys ``"attention <dtype>"`` give fused
+        attention kernels their own rate (FLOPs counted as :func:`fsdpfn.sim.profile` does:
+        causal attention counts half).
       memory_bandwidth: bytes/s of memory-bound (elementwise) work on one device.
       memory: bytes of memory per device (the budget a plan must fit).
       devices_per_node: ranks that share the ``intra`` links.
@@ -163,11 +165,14 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: memory_bandwidth and memory must be > 0, devices_per_node >= 1, op_overhead >= 0")
 
     def flops(self, dtype) -> float:
-        """Matmul FLOP/s in ``dtype`` (``"float32"``'s for a dtype not listed)."""
+        """Matmul FLOP/s in ``dtype`` (``"float32"``'s for a dtype not listed). ``"attention
+        <dtype>"`` is the rate of fused attention kernels, the matmul rate when not listed."""
         table = dict(self.matmul_flops)
         key = _dtype_key(dtype)
         if key in table:
             return table[key]
+        if key.startswith("attention "):
+            return self.flops(key.removeprefix("attention "))
         if "float32" in table:
             return table["float32"]
         raise ValueError(f"Hardware {self.name!r} has no matmul rate for {key} and none for float32; add it to matmul_flops")
@@ -217,7 +222,8 @@ _NET_ALPHA = 10e-6
 
 H100_SXM = Hardware(
     name="H100 SXM (DGX H100)",
-    matmul_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12},
+    matmul_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12,
+                  "attention bfloat16": 0.6 * 989e12},
     memory_bandwidth=3.35e12,
     memory=80 * 10**9,
     devices_per_node=8,
@@ -227,11 +233,13 @@ H100_SXM = Hardware(
 """H100 SXM in DGX H100 nodes. NVIDIA H100 datasheet: 989 TFLOP/s dense BF16/FP16 Tensor Core
 (1,979 with sparsity), 1,979 dense FP8, 67 TFLOP/s FP32, 80 GB HBM3 at 3.35 TB/s. NVLink 4:
 900 GB/s per GPU in both directions, 450 GB/s each way. Network: one 400 Gb/s InfiniBand NDR
-ConnectX-7 per GPU (DGX H100), 50 GB/s each way."""
+ConnectX-7 per GPU (DGX H100), 50 GB/s each way. Fused attention at 60% of the BF16 peak: the
+FlashAttention-3 paper (Shah et al., 2024) reaches about 75% forward and less backward."""
 
 H200_SXM = Hardware(
     name="H200 SXM (DGX H200)",
-    matmul_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12},
+    matmul_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12,
+                  "attention bfloat16": 0.6 * 989e12},
     memory_bandwidth=4.8e12,
     memory=141 * 10**9,
     devices_per_node=8,
@@ -243,7 +251,7 @@ H200_SXM = Hardware(
 
 A100_SXM = Hardware(
     name="A100 SXM 80GB (DGX A100)",
-    matmul_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    matmul_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "attention bfloat16": 0.6 * 312e12},
     memory_bandwidth=2.039e12,
     memory=80 * 10**9,
     devices_per_node=8,
@@ -252,6 +260,7 @@ A100_SXM = Hardware(
 )
 """A100 SXM 80 GB in DGX A100 nodes. NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor
 Core, 19.5 TFLOP/s FP32, 80 GB HBM2e at 2,039 GB/s. NVLink 3: 600 GB/s per GPU both ways, 300
-each way. Network: one 200 Gb/s HDR InfiniBand per GPU (DGX A100), 25 GB/s each way."""
+each way. Network: one 200 Gb/s HDR InfiniBand per GPU (DGX A100), 25 GB/s each way. Fused
+attention at 60% of the BF16 peak (FlashAttention-2, Dao 2023: up to ~70% forward on A100)."""
 
 PRESETS = {"A100_SXM": A100_SXM, "H100_SXM": H100_SXM, "H200_SXM": H200_SXM}

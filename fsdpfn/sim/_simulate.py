@@ -62,7 +62,9 @@ class Traffic(NamedTuple):
 
 class Span(NamedTuple):
     """One bar of the timeline: ``stream``, ``start``/``end`` seconds, ``kind`` (``forward``,
-    ``backward``, ``copy``, ``optimizer``, or a collective kind), ``unit``, ``nbytes``."""
+    ``backward``, ``copy``, ``wait``, ``optimizer``, or a collective kind), ``unit``, ``nbytes``;
+    ``op``: the index of the schedule op that made it (``-1``: the optimizer step), in
+    ``micro_batch``."""
 
     stream: str
     start: float
@@ -70,6 +72,8 @@ class Span(NamedTuple):
     kind: str
     unit: str
     nbytes: float = 0.0
+    op: int = -1
+    micro_batch: int = 0
 
     @property
     def label(self) -> str:
@@ -83,6 +87,7 @@ class SimResult:
 
     Attributes:
       step_time: seconds from the first forward to the end of the optimizer step.
+      optimizer_time: the optimizer step's part of it (after the schedule's last op).
       compute_time: seconds the compute stream is busy.
       exposed_comm: seconds the compute stream waits for communication (not hidden).
       traffic: ``{"step": {kind: Traffic}, "optimizer": {kind: Traffic}}`` per rank: the
@@ -102,6 +107,7 @@ class SimResult:
     """
 
     step_time: float
+    optimizer_time: float
     compute_time: float
     exposed_comm: float
     traffic: dict
@@ -133,11 +139,11 @@ class SimResult:
         plan = self.plan
         mesh = "x".join(map(str, plan.mesh_shape)) if plan is not None else "?"
         lines = [
-            f"step {self.step_time * 1e3:,.2f} ms on {self.hardware.name if self.hardware else '?'} (mesh {mesh}): "
-            f"compute {self.compute_time * 1e3:,.2f} ms, communication {self.comm_time * 1e3:,.2f} ms, "
+            f"step {self.step_time * 1e3:,.2f} ms on {self.hardware.name if self.hardware else '?'} (mesh {mesh}), "
+            f"optimizer {self.optimizer_time * 1e3:,.2f} ms of it: compute {self.compute_time * 1e3:,.2f} ms, communication {self.comm_time * 1e3:,.2f} ms, "
             f"exposed {self.exposed_comm * 1e3:,.2f} ms",
             "bytes sent per rank: " + ", ".join(f"{k} {v / 2**20:,.2f} MiB" for k, v in self.level_bytes.items()),
-            "memory per rank: " + ", ".join(f"{k} {v / gib:,.3f} GiB" for k, v in m.items()),
+            "memory per rank: " + ", ".join(f"{k} {v / gib:,.3f} GiB" for k, v in m.items() if v is not None),
         ]
         for part, kinds in self.traffic.items():
             for kind, t in kinds.items():
@@ -185,6 +191,7 @@ class _Builder:
         self.plan, self.wl, self.hw = plan, wl, hw
         self.units = {u.name: u for u in plan.units}
         self.tasks: list[Task] = []
+        self.op, self.micro_batch = -1, 0  # what the tasks made now belong to
         self.last_compute: int | None = None
         self.gathers: dict[str, int] = {}
         self.reduces: dict[str, int] = {}
@@ -205,7 +212,7 @@ class _Builder:
         if not work and after is None:
             return None
         deps = (after,) if after is not None else ()
-        self.tasks.append(Task("compute", "compute", work.seconds(self.hw), deps, kind, unit))
+        self.tasks.append(Task("compute", "compute", work.seconds(self.hw), deps, kind, unit, 0.0, self.op, self.micro_batch))
         self.last_compute = len(self.tasks) - 1
         return self.last_compute
 
@@ -218,7 +225,7 @@ class _Builder:
         seconds = self.hw.link(kind, level == "inter").seconds(kind, size, nbytes, sent)
         self.level_bytes[level] += wire
         deps = (self.last_compute,) if self.last_compute is not None else ()
-        self.tasks.append(Task(stream, level, seconds, deps, kind, unit, nbytes))
+        self.tasks.append(Task(stream, level, seconds, deps, kind, unit, nbytes, self.op, self.micro_batch))
         return len(self.tasks) - 1
 
     # ---- memory ------------------------------------------------------------------------
@@ -309,17 +316,20 @@ class _Builder:
             self.drop("activations", ROOT)
 
     def step(self, sched: Schedule, sync: bool) -> None:
-        pending: tuple[Work, str, str] | None = None
-        for op in sched.ops:
+        pending: tuple[Work, str, str, int] | None = None
+        for i, op in enumerate(sched.ops):
             if op.is_event:
                 if pending is not None:
-                    self.compute(*pending)
+                    self.op = pending[3]
+                    self.compute(*pending[:3])
+                self.op = i
                 self.event(op)
                 phase = "forward" if op.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE) else "backward"
                 # After a unit's *_done event (and 'end') the root's own code runs.
                 owner = op.unit if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
-                pending = (self.wl.at(op), phase, owner)
+                pending = (self.wl.at(op), phase, owner, i)
                 continue
+            self.op = i
             name = op.unit
             if op.kind is OpKind.GATHER:
                 self.gather(name)
@@ -332,9 +342,12 @@ class _Builder:
             elif op.kind is OpKind.WAIT_REDUCE:
                 self.wait_reduce(name, sync)
         if pending is not None:
-            self.compute(*pending)
+            self.op = pending[3]
+            self.compute(*pending[:3])
+        self.micro_batch += 1
 
     def optimizer(self, cost) -> None:
+        self.op = -1
         for phase in cost.phases:
             if isinstance(phase, CommCost):
                 c = self.collective("optimizer", phase.kind, phase.group, phase.nbytes, "", "optimizer", sent=phase.sent)
@@ -391,10 +404,12 @@ def simulate(
     for i in range(micro_batches):
         b.step(sched, sync=accumulate == "reduce" or i == micro_batches - 1)
     opt_cost = optimizer.cost(plan, rank) if optimizer is not None else None
+    first_opt = len(b.tasks)
     if opt_cost is not None:
         b.optimizer(opt_cost)
     end = run(b.tasks, hardware.overlap)
-    spans = tuple(Span(t.stream, t.start, t.end, t.kind, t.unit, t.nbytes) for t in b.tasks if t.end > t.start)
+    schedule_end = max((t.end for t in b.tasks[:first_opt]), default=0.0)
+    spans = tuple(Span(t.stream, t.start, t.end, t.kind, t.unit, t.nbytes, t.op, t.micro_batch) for t in b.tasks if t.end > t.start)
     busy = _union([(s.start, s.end) for s in spans if s.stream == "compute"])
     static = _static_memory(plan, opt_cost)
     memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
@@ -403,7 +418,7 @@ def simulate(
     if plan.hsdp:
         notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")
     traffic = {k: dict(sorted(v.items())) for k, v in b.traffic.items()}
-    return SimResult(end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, plan, sched, hardware, tuple(notes))
+    return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, plan, sched, hardware, tuple(notes))
 
 
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:

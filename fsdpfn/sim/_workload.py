@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
@@ -43,8 +45,9 @@ class Work:
     """Compute of one stretch of a step on one rank.
 
     Attributes:
-      matmuls: ``(dtype, flops, bytes, count)`` per distinct matmul-like operator: each takes
-        ``max(flops / matmul rate, bytes / memory bandwidth)``.
+      matmuls: ``(rate, flops, bytes, count)`` per distinct matmul-like operator: each takes
+        ``max(flops / Hardware.flops(rate), bytes / memory bandwidth)``; ``rate`` is the dtype
+        (``"bfloat16"``), or ``"attention <dtype>"`` for fused attention kernels.
       bytes: bytes read and written by every other operator (memory-bound).
       ops: operators dispatched (each pays ``Hardware.op_overhead``).
 
@@ -54,7 +57,7 @@ class Work:
       0.06
     """
 
-    matmuls: tuple[tuple[str, float, float, int], ...] = ()
+    matmuls: tuple[tuple[str, float, float, int], ...] = ()  # (rate key, flops, bytes, count)
     bytes: float = 0.0
     ops: int = 0
 
@@ -111,9 +114,13 @@ class Workload:
         return self._table.get(event, EMPTY)
 
     def activation(self, unit: str) -> int:
-        return dict(self.activations).get(unit, 0)
+        return self._acts.get(unit, 0)
 
-    @property
+    @functools.cached_property
+    def _acts(self) -> dict:
+        return dict(self.activations)
+
+    @functools.cached_property
     def _table(self) -> dict:
         return dict(self.work)
 
@@ -181,20 +188,29 @@ def _tensors(tree) -> list[torch.Tensor]:
     return out
 
 
-def _attention_flops(name: str, args, kwargs) -> float | None:
-    """FLOPs of an SDPA kernel torch's registry does not know (the CPU flash kernels): ``4 b h
-    s_q s_k d`` forward, twice that backward; half for a causal mask, whose masked blocks the
-    kernels skip."""
-    if "scaled_dot_product" not in name:
-        return None
+def _attention_flops(func, args, kwargs) -> float | None:
+    """FLOPs of a fused attention kernel, counted the same way for every backend (torch's
+    registry knows some, not the CPU flash kernels): ``4 b h s_q s_k d`` forward, twice that
+    backward, half of it under a causal mask, whose masked blocks the kernels skip."""
+    name = str(func)
     ts = [a for a in args if isinstance(a, torch.Tensor)]
-    q, k = (ts[1], ts[2]) if "backward" in name and len(ts) >= 3 else (ts[0], ts[1])
-    if q.dim() < 3:
+    backward = "backward" in name
+    if len(ts) < (3 if backward else 2):
         return None
-    b_h = math.prod(q.shape[:-2])
-    flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
-    causal = kwargs.get("is_causal", False) or any(a is True for a in args if isinstance(a, bool))
-    return flops * (2.0 if "backward" in name else 1.0) * (0.5 if causal else 1.0)
+    q, k = (ts[1], ts[2]) if backward else (ts[0], ts[1])
+    if q.dim() != 4:
+        return None
+    if "scaled_dot_product" in name:  # (batch, heads, seq, dim)
+        b_h, s_q, s_k = q.shape[0] * q.shape[1], q.shape[2], k.shape[2]
+    else:  # _flash_attention_* / _efficient_attention_*: (batch, seq, heads, dim)
+        b_h, s_q, s_k = q.shape[0] * q.shape[2], q.shape[1], k.shape[1]
+    values = dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            values.setdefault(arg.name, args[i])
+    causal = values.get("is_causal") is True or values.get("custom_mask_type") == 1
+    flops = 4.0 * b_h * s_q * s_k * q.shape[-1]
+    return flops * (2.0 if backward else 1.0) * (0.5 if causal else 1.0)
 
 
 class _Counter(TorchDispatchMode):
@@ -214,14 +230,15 @@ class _Counter(TorchDispatchMode):
         ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
         nbytes = sum(_nbytes(t) for t in ins + outs)
         packet = func._overloadpacket
-        flops = None
-        if packet in flop_registry:
+        name = str(func)
+        attention = "_attention" in name and "attention_mask" not in name
+        flops = _attention_flops(func, args, kwargs) if attention else None
+        if flops is None and packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        else:
-            flops = _attention_flops(str(func), args, kwargs)
         if flops:
             dtype = str((ins or outs)[0].dtype).removeprefix("torch.")
-            acc["matmuls"][(dtype, flops, float(nbytes))] += 1
+            key = f"attention {dtype}" if attention else dtype
+            acc["matmuls"][(key, flops, float(nbytes))] += 1
         else:
             acc["bytes"] += nbytes
         return out
@@ -313,6 +330,27 @@ class _Events:
         self._emit(OpKind.END, ROOT)
 
 
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """On the meta device ``scaled_dot_product_attention`` would take its unfused math path
+    (matmuls over the whole score matrix); a GPU or CPU run takes a fused kernel. Route it to
+    the CPU flash kernel's meta function, so the profile counts one fused attention operator
+    forward and one backward, as on real hardware."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            if mask is None and not dropout:
+                if k.shape[-3] != q.shape[-3]:  # grouped-query attention: kernels read shared heads
+                    rep = q.shape[-3] // k.shape[-3]
+                    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
 def _default_loss(out) -> torch.Tensor:
     t = _tensors(out)[0]
     return t.float().mean()
@@ -368,7 +406,7 @@ def profile(
                 saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
             return t
 
-        with _Counter(lambda: events.sink(tracker)):
+        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker)):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, params, inputs) if dtype is not None else model(*inputs)
                 events.end_forward()

@@ -1,0 +1,230 @@
+"""Validates ``fsdpfn.sim`` on real runs: predicted vs measured step time and peak unsharded
+memory, for strategies x world sizes x prefetch depths x optimizers, on gloo CPU ranks.
+
+Per world size, one launch: every rank first fits the hardware (``fsdpfn.sim.measure()``), then
+runs every configuration's training steps interleaved (round-robin, BENCHMARKS.md's rule:
+same machine state for all of them), and reports the median step (the slowest rank's time of
+forward, backward, optimizer update and ``apply_updates``) and the runtime's own high-water
+mark of unsharded bytes. The simulator gets the plan, the runtime's schedule, a workload
+profiled on the real module (``fsdpfn.sim.profile``), the optimizer and the measured hardware.
+The collectives each configuration issued in one step (``fsdpfn.comm.count_collectives``) are
+compared with the simulator's per-kind calls and bytes too: "bytes" says whether they agree
+exactly.
+
+Model: GPT width 256, 4 blocks, vocabulary 2048, sequence 128, batch 4 per rank by default:
+an eighth of BENCHMARKS.md's FLOPs (width 512, vocab 4096, seq 256), so that the whole grid
+(4 strategies + HSDP x 3 world sizes x 3 prefetch depths x 2 optimizers, interleaved, on two
+shared cores) runs in about 20 minutes instead of hours; ``--width 512 --vocab 4096 --seq 256``
+runs the BENCHMARKS.md model. Muon runs Newton-Schulz in fp32 (``--ns-dtype``): this CPU has no
+fast bf16 matmul.
+
+Usage:
+  OMP_NUM_THREADS=1 python benchmarks/sim_validate.py
+  OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --world-sizes 2 --strategies zero3 --steps 5   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+import torch.nn.functional as F
+
+import fsdpfn
+from fsdpfn import comm, optim, sim, testing
+from fsdpfn.launch import launch
+from fsdpfn.models import GPT, GPTConfig
+from fsdpfn.runtime import Runtime
+
+
+def _configs(args, w):
+    out = []
+    for strategy in args.strategies:
+        if strategy == "local":
+            mesh, strat = (1,), "zero3"
+        elif strategy.startswith("hsdp"):
+            if w % 2 or w < 4:
+                continue
+            mesh = (2, w // 2)
+            strat = "zero3"
+        else:
+            mesh, strat = (w,), strategy
+        for prefetch in args.prefetch:
+            for opt in args.optimizers:
+                out.append((strategy, mesh, strat, prefetch, opt))
+    return out
+
+
+def _opt(name, ns_dtype):
+    if name == "adamw":
+        return optim.adamw(1e-3, weight_decay=0.1), sim.AdamW()
+    layout = name.split(":")[1] if ":" in name else "owner"
+    return (optim.muon(0.02, layout=layout, ns_dtype=ns_dtype), sim.Muon(layout=layout, ns_dtype=ns_dtype))
+
+
+def _max_over_ranks(t: float) -> float:
+    buf = torch.tensor([t], dtype=torch.float64)
+    comm.all_reduce(buf, op="max").wait()
+    return buf.item()
+
+
+def _rank(rank, world, args):
+    torch.manual_seed(0)
+    probes = [sim.measure_timings(dtypes=(torch.float32,))]
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ns_dtype = getattr(torch, args.ns_dtype)
+    runs = []
+    workloads = {}
+    for name, mesh_shape, strat, prefetch, opt_name in _configs(args, world):
+        names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+        if name == "local":  # no sharding, no runtime: this rank's own model, as a reference
+            plan = fsdpfn.plan(model, (1,))
+            rt = None
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        else:
+            mesh = testing.mesh(mesh_shape, names) if names else testing.mesh(mesh_shape)
+            plan = fsdpfn.plan(model, mesh, strategy=strat)
+            rt = Runtime(model, plan, prefetch=prefetch)
+            params = fsdpfn.shard(model, plan)
+        opt, opt_model = _opt(opt_name, ns_dtype)
+        key = tuple(u.name for u in plan.units)
+        if key not in workloads:
+            workloads[key] = sim.profile(model, plan, x, loss_fn=lambda o: F.cross_entropy(o.flatten(0, 1), y.flatten()))
+        runs.append(dict(name=name, mesh=mesh_shape, prefetch=prefetch, opt=opt_name, plan=plan, rt=rt, params=params,
+                         opt_fn=opt, opt_model=opt_model, state=opt.init(params), times=[], opt_times=[], hw=0, wl=workloads[key]))
+
+    def step(r):
+        rt = r["rt"]
+
+        def loss_fn(ps, x, y):
+            logits = torch.func.functional_call(model, ps, (x,)) if rt is None else rt.apply(ps, x)
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+        grads, _ = torch.func.grad_and_value(loss_fn)(r["params"], x, y)
+        t_fb = time.perf_counter()
+        updates, r["state"] = r["opt_fn"].update(grads, r["state"], r["params"])
+        r["params"] = optim.apply_updates(r["params"], updates)
+        return t_fb
+
+    for r in runs:  # one counted step each (also a warm-up)
+        if r["rt"] is not None:
+            r["rt"].memory.reset()
+        with comm.count_collectives() as c:
+            step(r)
+        r["counted"] = {k: (c.counts()[k], c.nbytes()[k]) for k in c.counts()}
+        r["hw"] = r["rt"].memory.high_water if r["rt"] is not None else None
+    for i in range(args.warmup + args.steps):
+        for r in runs:
+            comm.barrier()
+            t0 = time.perf_counter()
+            t_fb = step(r)
+            t1 = time.perf_counter()
+            t, t_opt = _max_over_ranks(t1 - t0), _max_over_ranks(t1 - t_fb)
+            if i >= args.warmup:
+                r["times"].append(t)
+                r["opt_times"].append(t_opt)
+        # The hardware, timed between the rounds: it sees the machine as the steps did.
+        probes.append(sim.measure_timings(dtypes=(torch.float32,), repeats=1))
+    hw = sim.fit_hardware(probes, name=f"this machine, {world} gloo ranks", stat=args.stat)
+    if rank != 0:
+        return None
+    rows = []
+    for r in runs:
+        sched = r["rt"].schedule if r["rt"] is not None else None
+        res = sim.simulate(r["plan"], sched, r["wl"], r["opt_model"], hw)
+        predicted = {k: (t.calls, t.nbytes) for k, t in res.collectives.items()}
+        if r["rt"] is None:  # the reference: neither collectives nor a runtime high-water mark
+            predicted, r["counted"] = {}, {}
+            res = dataclasses.replace(res, memory={**res.memory, "unsharded_peak": None})
+        rows.append(dict(world=world, name=r["name"], mesh=r["mesh"], prefetch=r["prefetch"], opt=r["opt"],
+                         pred=res.step_time, pred_opt=res.optimizer_time, times=r["times"], opt_times=r["opt_times"], pred_hw=res.memory["unsharded_peak"], hw=r["hw"],
+                         bytes_ok=predicted == r["counted"], compute=res.compute_time, exposed=res.exposed_comm,
+                         counted=r["counted"], predicted=predicted, summary=res.summary() if args.explain else ""))
+    return rows, str(hw)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-sizes", default="2,3,4")
+    p.add_argument("--strategies", default="replicate,zero1,zero2,zero3,hsdp")
+    p.add_argument("--prefetch", default="0,1,2")
+    p.add_argument("--optimizers", default="adamw,muon")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--ns-dtype", default="float32")
+    p.add_argument("--stat", choices=("min", "median"), default="min",
+                   help="statistic of the measured steps and of the hardware timings: min (default; the least disturbed "
+                        "sample on a shared machine) or median")
+    p.add_argument("--explain", action="store_true", help="print each row's predicted step (summary) too")
+    args = p.parse_args(argv)
+    args.strategies = args.strategies.split(",")
+    args.prefetch = [int(v) for v in args.prefetch.split(",")]
+    args.optimizers = args.optimizers.split(",")
+    print("$ OMP_NUM_THREADS=1 python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
+    print(f"GPT width {args.width}, {args.depth} blocks, vocabulary {args.vocab}, sequence {args.seq}, batch {args.batch}/rank; "
+          f"{args.steps} measured steps per row after {args.warmup + 1} warm-up, interleaved; Newton-Schulz in {args.ns_dtype}")
+    _STAT[0] = args.stat
+    all_rows = []
+    for w in [int(v) for v in args.world_sizes.split(",")]:
+        t0 = time.time()
+        rows, hw = launch(_rank, w, args)[0]
+        print(f"\nW={w} ({time.time() - t0:.0f} s) hardware fitted on timings taken between the rounds:\n{hw}")
+        all_rows += rows
+    _table(all_rows)
+
+
+_STAT = ["min"]
+
+
+def _table(rows):
+    mib = 2**20
+    print(f"\n| W | strategy | mesh | prefetch | optimizer | predicted | measured {_STAT[0]} [min-max] | time error | "
+          "optimizer step predicted / measured | high-water predicted / measured | memory error | bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    errs, merrs = [], []
+    stat = statistics.median if _STAT[0] == "median" else min
+    for r in rows:
+        med = stat(r["times"])
+        err = (r["pred"] - med) / med
+        errs.append(abs(err))
+        if r["hw"] is None:
+            mem = "n/a | n/a"
+        else:
+            merr = (r["pred_hw"] - r["hw"]) / r["hw"] if r["hw"] else 0.0
+            merrs.append(abs(merr))
+            mem = f"{r['pred_hw'] / mib:.2f} / {r['hw'] / mib:.2f} MiB | {merr * 100:+.1f}%"
+        mesh = "x".join(map(str, r["mesh"]))
+        print(f"| {r['world']} | {r['name']} | {mesh} | {r['prefetch']} | {r['opt']} | {r['pred'] * 1e3:.0f} ms | "
+              f"{med * 1e3:.0f} ms [{min(r['times']) * 1e3:.0f}-{max(r['times']) * 1e3:.0f}] | {err * 100:+.1f}% | "
+              f"{r['pred_opt'] * 1e3:.0f} / {stat(r['opt_times']) * 1e3:.0f} ms | "
+              f"{mem} | {'equal' if r['bytes_ok'] else 'DIFFER'} |")
+    for r in rows:
+        if r.get("summary"):
+            print(f"\n--- W={r['world']} {r['name']} prefetch {r['prefetch']} {r['opt']}: measured {stat(r['times']) * 1e3:.0f} ms\n{r['summary']}")
+    within = sum(e <= 0.15 for e in errs)
+    print(f"\ntime: {within}/{len(errs)} rows within 15%; median |error| {statistics.median(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%")
+    print(f"memory: {sum(e <= 0.05 for e in merrs)}/{len(merrs)} rows within 5%; max |error| {max(merrs) * 100:.1f}%")
+    bad = [r for r in rows if not r["bytes_ok"]]
+    for r in bad[:5]:
+        print(f"bytes differ W={r['world']} {r['name']} p{r['prefetch']} {r['opt']}: counted {r['counted']} predicted {r['predicted']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Plan search: the plan (and schedule) with the lowest predicted step time that fits a memory
+budget per rank.
+
+[Note: the search space]
+For a model and a number of ranks the search tries:
+
+- mesh shapes: ``(W,)`` and every HSDP shape ``(R, W/R)`` (``mesh_shapes=`` narrows it);
+- unit groupings: the default (each child of every ``nn.ModuleList`` a unit), and one level
+  finer (each child module of those), or the policies given in ``units=``;
+- per-unit strategies: units with the same parameter shapes form a class (the blocks of a
+  transformer; the root alone); each class gets a strategy, and the largest class may split:
+  its last ``k`` units take another strategy (the blocks nearest the loss, which backward
+  needs first);
+- prefetch depths.
+
+The product of these is far too large to simulate whole (six unit classes and four strategies
+already make 4^6 assignments), so for every mesh shape and grouping the search descends:
+it starts from zero3 with prefetch 1 and repeatedly takes the single move (one class to
+another strategy, a split of the largest class, another prefetch depth) that lowers the
+predicted step time most while fitting the budget -- or, while nothing fits yet, lowers the
+peak memory most -- until no move helps by more than ``rel_tol``. Each simulation takes
+milliseconds (the workload is profiled once per grouping: it does not depend on the strategy or
+the mesh). The fastest fitting result over all starts wins. Ties (within ``rel_tol``) go to the
+default plan (zero3 on ``(W,)``, prefetch 1, default units) when it is among them, else to the
+smallest memory: the search returns the default wherever nothing is faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+
+import fsdpfn
+from fsdpfn import Plan
+from fsdpfn.runtime import Schedule, schedule as make_schedule
+from fsdpfn.sim._hardware import Hardware
+from fsdpfn.sim._simulate import SimResult, simulate
+from fsdpfn.sim._workload import Workload, profile
+
+__all__ = ["Candidate", "SearchResult", "finer_units", "search"]
+
+DEFAULT_STRATEGIES = ("zero3", "zero2", "zero1", "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One simulated configuration: how it was built and what the simulator predicts."""
+
+    mesh_shape: tuple[int, ...]
+    units: str
+    strategy: tuple[tuple[str, str], ...]
+    prefetch: int
+    step_time: float
+    peak: int
+    fits: bool
+
+    def describe(self) -> str:
+        """One line: mesh, units, prefetch and strategies, repeated units folded
+        (``blocks.*: zero2``; ``blocks.2-3: zero1`` for a split)."""
+        strategies = sorted({s for _, s in self.strategy})
+        strat = strategies[0] if len(strategies) == 1 else _fold(self.strategy)
+        return f"mesh {'x'.join(map(str, self.mesh_shape))}, units {self.units}, prefetch {self.prefetch}, {strat}"
+
+
+def _fold(assignment: tuple[tuple[str, str], ...]) -> str:
+    """``blocks.0: zero2, blocks.1: zero2`` -> ``blocks.*: zero2``; runs of indices otherwise."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    order: list[tuple[str, str]] = []
+    total: dict[str, int] = {}
+    for unit, strategy in assignment:
+        m = re.search(r"\.(\d+)(?=\.|$)", unit)
+        pattern, index = (unit[: m.start(1)] + "*" + unit[m.end(1):], int(m.group(1))) if m else (unit or "<root>", -1)
+        total[pattern] = total.get(pattern, 0) + 1
+        if (pattern, strategy) not in groups:
+            order.append((pattern, strategy))
+        groups.setdefault((pattern, strategy), []).append(index)
+    parts = []
+    for pattern, strategy in order:
+        idx = sorted(groups[(pattern, strategy)])
+        if len(idx) == total[pattern] or idx == [-1]:
+            parts.append(f"{pattern}: {strategy}")
+        else:
+            if len(idx) == 1:
+                span = str(idx[0])
+            elif idx == list(range(idx[0], idx[-1] + 1)):
+                span = f"{idx[0]}-{idx[-1]}"
+            else:
+                span = ",".join(map(str, idx))
+            parts.append(f"{pattern.replace('*', span)}: {strategy}")
+    return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """The search's pick and how it compares.
+
+    Attributes:
+      plan, schedule, result: the winning plan, its schedule and its :class:`SimResult`.
+      default: the :class:`SimResult` of the default plan (zero3 on ``(W,)``, prefetch 1).
+      default_fits: whether the default fits the budget.
+      candidates: every configuration tried (:class:`Candidate`), fastest first.
+      budget: bytes per rank.
+    """
+
+    plan: Plan
+    schedule: Schedule
+    result: SimResult
+    default: SimResult
+    default_fits: bool
+    candidates: tuple[Candidate, ...]
+    budget: float
+
+    @property
+    def speedup(self) -> float:
+        """Default step time / the pick's (1.0: the search found nothing faster)."""
+        return self.default.step_time / self.result.step_time
+
+    def __str__(self) -> str:
+        gib = 2**30
+        best = self.candidates_fitting[0] if self.candidates_fitting else None
+        lines = [f"search under {self.budget / gib:,.2f} GiB per rank: {len(self.candidates)} candidates, "
+                 f"{len(self.candidates_fitting)} fit",
+                 f"pick:    {best.describe() if best else '-'}: step {self.result.step_time * 1e3:,.2f} ms, "
+                 f"peak {self.result.memory['peak'] / gib:,.2f} GiB",
+                 f"default: zero3, prefetch 1: step {self.default.step_time * 1e3:,.2f} ms, peak "
+                 f"{self.default.memory['peak'] / gib:,.2f} GiB{'' if self.default_fits else ' (over budget)'}; "
+                 f"speedup {self.speedup:.3f}x",
+                 "fastest candidates:"]
+        for c in self.candidates[:8]:
+            lines.append(f"  {c.step_time * 1e3:10,.2f} ms  {c.peak / gib:8,.2f} GiB  {'fits' if c.fits else 'over'}  {c.describe()}")
+        return "\n".join(lines)
+
+    @property
+    def candidates_fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+
+def finer_units(model: torch.nn.Module) -> list[str]:
+    """One level finer than the default units: every child module of every ``nn.ModuleList``
+    child (a transformer block's attention, MLP, norms...).
+
+    Example:
+      >>> fsdpfn.sim.finer_units(model)[:3]
+      ['blocks.0.norm1', 'blocks.0.qkv', 'blocks.0.proj']
+    """
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList):
+            for child, sub in mod.named_children():
+                prefix = f"{name}.{child}" if name else child
+                out += [f"{prefix}.{n}" for n, _ in sub.named_children()]
+    return out
+
+
+def _mesh_shapes(world: int) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(world,)]
+    for r in range(2, world + 1):
+        if world % r == 0 and world // r >= 1:
+            shapes.append((r, world // r))
+    return shapes
+
+
+def _classes(plan: Plan) -> list[list[str]]:
+    """Units grouped by the shapes of their parameters (in plan order), largest class first."""
+    groups: dict[tuple, list[str]] = {}
+    for u in plan.units:
+        key = tuple((p.name.rsplit(".", 1)[-1], p.shape) for p in u.params) if u.name else ("<root>",)
+        groups.setdefault(key, []).append(u.name)
+    return sorted(groups.values(), key=len, reverse=True)
+
+
+def _moves(state: tuple, classes: list[list[str]], strategies: Sequence[str], prefetch: Sequence[int], splits: int):
+    """Every single change of ``state`` = ``(class strategies, (split strategy, k), prefetch)``."""
+    per_class, split, p = state
+    for i in range(len(classes)):
+        for s in strategies:
+            if s != per_class[i]:
+                yield (per_class[:i] + (s,) + per_class[i + 1 :], split, p)
+    big = len(classes[0])
+    if big > 1 and splits:
+        ks = sorted({max(1, round(big * f / (splits + 1))) for f in range(1, splits + 1)} - {big})
+        for s in strategies:
+            for k in ks:
+                if (s, k) != split and s != per_class[0]:
+                    yield (per_class, (s, k), p)
+        if split is not None:
+            yield (per_class, None, p)
+    for q in prefetch:
+        if q != p:
+            yield (per_class, split, q)
+
+
+def _assignment(state: tuple, classes: list[list[str]]) -> dict[str, str]:
+    per_class, split, _ = state
+    out = {u: s for cls, s in zip(classes, per_class) for u in cls}
+    if split is not None:
+        s, k = split
+        for u in classes[0][-k:]:
+            out[u] = s
+    return out
+
+
+def search(
+    model: torch.nn.Module,
+    world: int | tuple[int, ...],
+    budget: float,
+    *inputs: Any,
+    hardware: Hardware,
+    optimizer: Any = None,
+    loss_fn: Callable | None = None,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    prefetch: Sequence[int] = (0, 1, 2),
+    units: Sequence[Any] | None = None,
+    mesh_shapes: Sequence[tuple[int, ...]] | None = None,
+    splits: int = 3,
+    mp: fsdpfn.MixedPrecision | None = None,
+    micro_batches: int = 1,
+    accumulate: str = "reduce",
+    workloads: dict | None = None,
+    rel_tol: float = 1e-3,
+) -> SearchResult:
+    """The plan and schedule with the lowest predicted step time whose predicted peak memory per
+    rank fits ``budget`` (see [Note: the search space]).
+
+    Args:
+      model: the model (real or on the meta device).
+      world: the number of ranks (HSDP shapes are searched too), or one mesh shape.
+      budget: bytes per rank the step may use at its peak (``SimResult.memory["peak"]``).
+      *inputs: one rank's micro-batch, to profile the model (meta tensors for a meta model).
+      hardware: the :class:`Hardware` to predict on.
+      optimizer: :class:`AdamW`, :class:`Muon` or ``None``.
+      loss_fn: ``output -> loss`` for the profile (default: the output's mean).
+      strategies, prefetch: the choices per unit class and the prefetch depths.
+      units: unit policies to try (``None``: the default and :func:`finer_units`); each is
+        what ``fsdpfn.plan(units=...)`` takes.
+      mesh_shapes: mesh shapes to try (default: all for ``world``).
+      splits: points at which the largest unit class may split between two strategies.
+      mp: the mixed-precision policy of every plan.
+      micro_batches, accumulate: as :func:`simulate`.
+      workloads: a dict reused across calls to cache profiles (keyed by unit names).
+      rel_tol: step times this close count as equal (ties go to the default plan).
+
+    Returns:
+      a :class:`SearchResult`; ``print(result)`` compares the pick with the default plan.
+
+    Raises:
+      ValueError: nothing fits the budget (the message names the smallest peak found).
+
+    Example:
+      >>> res = fsdpfn.sim.search(model, 2, 2**30, x, hardware=fsdpfn.sim.H100_SXM, prefetch=(1,), units=[None])
+      >>> res.result.memory["peak"] <= 2**30, res.speedup >= 1.0
+      (True, True)
+    """
+    if isinstance(world, int):
+        shapes = list(mesh_shapes) if mesh_shapes is not None else _mesh_shapes(world)
+        world_size = world
+    else:
+        shapes = [tuple(world)]
+        world_size = int(torch.tensor(world).prod())
+    unit_options = list(units) if units is not None else [None, finer_units(model)]
+    finer = finer_units(model)
+    cache = {} if workloads is None else workloads
+    seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch) -> (Candidate, plan, schedule, result)
+
+    def evaluate(u_opt, label, wl, shape, assignment, p):
+        key = (label, shape, tuple(sorted(assignment.items())), p)
+        if key not in seen:
+            strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
+            plan = fsdpfn.plan(model, shape, units=u_opt, strategy=strategy, mp=mp)
+            sched = make_schedule(plan, prefetch=p)
+            res = simulate(plan, sched, wl, optimizer, hardware, micro_batches=micro_batches, accumulate=accumulate)
+            cand = Candidate(shape, label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget)
+            seen[key] = (cand, plan, sched, res)
+        return seen[key]
+
+    def score(entry):  # fitting beats not fitting; then time (fitting) or memory (not yet)
+        c = entry[0]
+        return (0, c.step_time) if c.fits else (1, float(c.peak))
+
+    def better(a, b) -> bool:
+        sa, sb = score(a), score(b)
+        return sa[0] < sb[0] or (sa[0] == sb[0] and sa[1] < sb[1] * (1 - rel_tol))
+
+    default = None
+    for u_opt in unit_options:
+        label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
+        base = fsdpfn.plan(model, (world_size,), units=u_opt, mp=mp)
+        key = tuple(u.name for u in base.units)
+        if key not in cache:
+            cache[key] = profile(model, base, *inputs, loss_fn=loss_fn)
+        wl: Workload = cache[key]
+        classes = _classes(base)
+        start_p = 1 if 1 in prefetch else prefetch[0]
+        for shape in shapes:
+            state = (("zero3",) * len(classes), None, start_p)
+            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p)
+            if u_opt is None and shape == (world_size,) and start_p == 1:
+                default = current
+            while True:
+                best_state, best = None, current
+                for nxt in _moves(state, classes, strategies, prefetch, splits):
+                    entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2])
+                    if better(entry, best):
+                        best_state, best = nxt, entry
+                if best_state is None:
+                    break
+                state, current = best_state, best
+    candidates = list(seen.values())
+    if default is None:  # the default was outside the given space: simulate it for comparison
+        plan = fsdpfn.plan(model, (world_size,), mp=mp)
+        key = tuple(u.name for u in plan.units)
+        if key not in cache:
+            cache[key] = profile(model, plan, *inputs, loss_fn=loss_fn)
+        default = evaluate(None, "default", cache[key], (world_size,), {u.name: "zero3" for u in plan.units}, 1)
+    fitting = [c for c in candidates if c[0].fits]
+    if not fitting:
+        small = min(candidates, key=lambda c: c[0].peak)
+        raise ValueError(f"no plan fits {budget / 2**30:,.3f} GiB per rank; the smallest predicted peak is "
+                         f"{small[0].peak / 2**30:,.3f} GiB ({small[0].describe()}). Raise the budget, use more ranks, "
+                         "fewer tokens per micro-batch or activation checkpointing.")
+    best_time = min(c[0].step_time for c in fitting)
+    near = [c for c in fitting if c[0].step_time <= best_time * (1 + rel_tol)]
+    pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
+    ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
+    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget)
+
