@@ -97,11 +97,12 @@ def _meta_tree(plan: Plan, shapes: dict[str, tuple[int, ...]]) -> dict[str, torc
     return {n: torch.zeros(shapes[n], dtype=plan.param(n).dtype, device="meta") for n in sorted(shapes)}
 
 
-@functools.lru_cache(maxsize=64)
-def _update_work(make: Callable, key: tuple) -> Work:
-    """Work of ``init``-less ``update`` + ``apply_updates`` on meta leaves ``key`` = ((name, shape, dtype), ...)."""
-    tree = {n: torch.zeros(s, dtype=d, device="meta") for n, s, d in key}
-    opt = make()
+@functools.lru_cache(maxsize=4096)
+def _leaf_work(make: Callable, label: str, shape: tuple[int, ...], dtype: torch.dtype) -> Work:
+    """Work of ``update`` + ``apply_updates`` on one meta leaf labelled ``label``. Updates are
+    elementwise per leaf, so a tree's work is the sum of its leaves' (cached across plans)."""
+    tree = {"w": torch.zeros(shape, dtype=dtype, device="meta")}
+    opt = make({"w": label})
     state = opt.init(tree)
 
     def step():
@@ -109,6 +110,14 @@ def _update_work(make: Callable, key: tuple) -> Work:
         return optim.apply_updates(tree, updates)
 
     return count_work(step)[1]
+
+
+def _update_work(make: Callable, key: tuple, labels: dict[str, str] | None = None) -> Work:
+    """Work of one update of a tree of meta leaves ``key`` = ((name, shape, dtype), ...)."""
+    total = EMPTY
+    for name, shape, dtype in key:
+        total = total + _leaf_work(make, labels[name] if labels else "adamw", shape, dtype)
+    return total
 
 
 def _key(plan: Plan, shapes: dict[str, tuple[int, ...]]) -> tuple:
@@ -142,7 +151,7 @@ class AdamW:
         return "adamw"
 
 
-def _adamw():
+def _adamw(labels=None):
     return optim.adamw(1e-3, weight_decay=0.1)
 
 
@@ -206,9 +215,9 @@ class Muon:
         fn = self.labels_fn or optim.muon_labels
         return {n: fn(n, torch.empty(plan.param(n).shape, device="meta")) for n in plan.param_names}
 
-    def _make(self):
+    def _make(self, labels):
         return optim.muon(0.02, ns_steps=self.ns_steps, ns_dtype=self.ns_dtype, layout=self.layout, ns_method=self.ns_method,
-                          labels=self.labels_fn)
+                          labels=labels)
 
     def _ns_work(self, shape: tuple[int, ...], dtype: torch.dtype) -> Work:
         return _ns_work(shape, dtype, self.ns_steps, self.ns_dtype, self.ns_method)
@@ -221,7 +230,7 @@ class Muon:
         labels = self.labels(plan)
         muon_names = sorted(n for n in plan.param_names if labels[n] == "muon")
         # Elementwise work: the real transform on meta local shards, minus its Newton-Schulz there.
-        total = _update_work(self._make, _key(plan, shapes))
+        total = _update_work(self._make, _key(plan, shapes), labels)
         for n in muon_names:
             if math.prod(shapes[n]):
                 total = _minus(total, self._ns_work(shapes[n], plan.param(n).dtype))
@@ -297,7 +306,7 @@ def _minus(a: Work, b: Work) -> Work:
     return Work(mm, max(0.0, a.bytes - b.bytes), max(0, a.ops - b.ops))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _ns_work(shape: tuple[int, ...], dtype: torch.dtype, steps: int, ns_dtype, method: str) -> Work:
     x = torch.zeros(shape, dtype=dtype, device="meta")
     return count_work(optim.newton_schulz, x, steps, dtype=ns_dtype, method=method)[1]

@@ -103,7 +103,7 @@ class SimResult:
     Example:
       >>> r = fsdpfn.sim.simulate(plan, runtime.schedule(plan), fsdpfn.sim.profile(model, plan, x), None, fsdpfn.sim.H100_SXM)
       >>> r.memory["unsharded_peak"] == rt.memory.high_water, r.traffic["step"]["all_gather"].calls
-      (True, 3)
+      (True, 5)
     """
 
     step_time: float
