@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: Muon for hidden matrices, AdamW for the rest")
     g.add_argument("--ns-method", default="standard", choices=["standard", "gram"],
                    help="Muon's Newton-Schulz: standard (torch.optim.Muon's) or gram (fewer FLOPs on wide matrices)")
+    g.add_argument("--muon-blocks", default="none", choices=["none", "heads"],
+                   help="heads: orthogonalise qkv and proj per attention head (optim.head_blocks), not as whole matrices")
     g.add_argument("--steps", type=int, default=300, help="total steps (a resumed run continues up to this)")
     g.add_argument("--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step; --resume continues")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
@@ -184,6 +186,7 @@ def make_optimizer(args) -> optim.GradientTransformation:
         inner = optim.muon(
             lr=lr_schedule(args, args.lr), adamw_lr=lr_schedule(args, args.adamw_lr), weight_decay=0.01,
             adamw_weight_decay=0.0, ns_dtype=ns_dtype, ns_method=args.ns_method,
+            blocks=optim.head_blocks(args.heads) if args.muon_blocks == "heads" else None,
         )
     else:
         inner = optim.adamw(lr_schedule(args, args.adamw_lr), weight_decay=0.0)
