@@ -38,6 +38,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -368,6 +369,146 @@ def _print_sweep(res, args, cfg_kw):
     print(f"\nFLOP-only: 1.15x needs fwd+bwd >= NS/0.15, i.e. about {need:.0f} tokens/rank (batch {need / args.seq:.1f} at seq {args.seq}; linear extrapolation from the last row)")
 
 
+# ---------------------------------------------------------------------------------------------
+# --pipeline: the owner layout's buckets, communication under Newton–Schulz
+# ---------------------------------------------------------------------------------------------
+
+
+def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buckets):
+    """The Muon matrices' Newton–Schulz alone (``optim.orthogonalize``, owner layout), on random
+    momentum-like rows: pipelined (``buckets``) vs one bucket, interleaved with the same step's
+    compute alone (this rank's batches, no collective) and its communication alone (the same
+    all-to-alls, same splits, same order, nothing computed)."""
+    import fnmatch
+
+    from fsdpfn import comm
+    from fsdpfn.optim._owner import _Bucket
+    from fsdpfn.transforms import from_local
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = GPT(cfg)
+    mesh = testing.mesh((world,))
+    plan = fsdpfn.plan(model, mesh, strategy="zero3")
+    params = fsdpfn.shard(model, plan)
+    dtype = getattr(torch, ns_dtype)
+    names = [n for n, p in params.items() if optim.muon_labels(n, p) == "muon"]
+    table = optim.head_blocks(heads) if heads else {}
+    if experts:  # the MLP read as `experts` packed experts: fc's rows, out's columns
+        table.update({"*fc.weight": (experts, 1), "*out.weight": (1, experts)})
+    specs = [next((s for pat, s in table.items() if fnmatch.fnmatchcase(n, pat)), (1, 1)) for n in names]
+    gen = torch.Generator().manual_seed(1 + rank)
+    leaves = [from_local(plan, n, torch.randn(params[n].to_local().shape, generator=gen)) for n in names]
+    shapes = [tuple(params[n].shape) for n in names]
+    flops = lambda shape: optim.newton_schulz_flops(shape)  # noqa: E731
+    sched = optim.owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=dtype.itemsize)
+    n_buckets = len(sched.buckets)
+    plans = [_Bucket(sched, k, shapes, rank) for k in range(n_buckets)]
+    group = mesh.get_group(0)
+
+    def step(b):
+        optim.orthogonalize(leaves, names, layout="owner", dtype=dtype, blocks=specs, buckets=b)
+
+    # Compute alone: this rank's batches, bucket by bucket, as the owner layout stacks them.
+    stacks = []
+    for p in plans:
+        by_shape = {}
+        for b in p.mine:
+            by_shape[b.shape] = by_shape.get(b.shape, 0) + 1
+        stacks += [torch.randn(count, *shape, generator=gen) for shape, count in by_shape.items()]
+
+    def compute():
+        for x in stacks:
+            optim.newton_schulz(x, dtype=dtype)
+
+    # Communication alone: both trips of every bucket, blocking, in the pipeline's order.
+    bufs = []
+    for p in plans:
+        out_splits, in_splits = p.splits_to(), p.splits_from()
+        bufs.append((torch.randn(sum(out_splits)).to(dtype), torch.empty(sum(in_splits), dtype=dtype), out_splits, in_splits))
+
+    def communicate():
+        for send, recv, out_splits, in_splits in bufs:
+            comm.all_to_all(recv, send, group, output_splits=in_splits, input_splits=out_splits, tag="muon_owner").wait()
+        for send, recv, out_splits, in_splits in bufs:
+            comm.all_to_all(send, recv, group, output_splits=out_splits, input_splits=in_splits, tag="muon_owner").wait()
+
+    with fsdpfn.count_collectives() as c1, FlopCounterMode(display=False) as f1:
+        step(1)
+    with fsdpfn.count_collectives() as cb, FlopCounterMode(display=False) as fb, optim.record_pipeline() as rec:
+        step(buckets)
+    record = [(b.bucket, b.blocks, b.flops, b.in_flight, b.wait_s, b.compute_s) for b in rec.buckets]
+    counted = dict(
+        one=dict(calls=c1.counts(), wire=sum(c1.wire_bytes().values()), flops=f1.get_total_flops()),
+        pipe=dict(calls=cb.counts(), wire=sum(cb.wire_bytes().values()), flops=fb.get_total_flops()),
+    )
+    sides = {"pipelined": lambda: step(buckets), "one bucket": lambda: step(1), "compute alone": compute, "comm alone": communicate}
+    times = {k: [] for k in sides}
+    records = []
+    for i in range(warmup + steps):
+        for k, fn in sides.items():
+            if k in ("pipelined", "one bucket"):
+                with optim.record_pipeline() as r:
+                    _, t = _timed(fn)
+                if i >= warmup:
+                    records.append((k, sum(b.wait_s for b in r.buckets) + r.back_wait_s, r.overlapped(), len(r.buckets)))
+            else:
+                _, t = _timed(fn)
+            if i >= warmup:
+                times[k].append(t)
+    blocks = len(sched.blocks)
+    return dict(times=times, counted=counted, record=record, records=records, n_buckets=n_buckets, blocks=blocks, n_mats=len(names),
+                loads=list(sched.loads), psi=sum(math.prod(s) for s in shapes) * dtype.itemsize)
+
+
+def _print_pipeline(res, args, cfg_kw):
+    w, r0 = args.world, res[0]
+    print(
+        f"model: GPTConfig({cfg_kw}), {w} gloo ranks, zero3, owner layout, {args.ns_dtype} Newton-Schulz, "
+        f"blocks: {'per head (' + str(args.heads) + ' heads)' if args.per_head else 'whole attention matrices'}, "
+        f"{'MLP as ' + str(args.per_expert) + ' packed experts' if args.per_expert else 'whole MLP matrices'}; 1 thread/rank, torch {torch.__version__}"
+    )
+    print(
+        f"Muon matrices: {r0['n_mats']} ({r0['blocks']} blocks), Psi_M = {r0['psi'] / 2**20:.1f} MiB; buckets: {r0['n_buckets']} "
+        f"({'auto' if args.buckets is None else args.buckets}); NS GFLOP per rank: {[round(x / 1e9, 2) for x in r0['loads']]}"
+    )
+    one, pipe = r0["counted"]["one"], r0["counted"]["pipe"]
+    print(
+        f"counted, one step: one bucket {one['calls']} {one['wire'] / 2**20:.2f} MiB/rank, pipelined {pipe['calls']} "
+        f"{pipe['wire'] / 2**20:.2f} MiB/rank; NS FLOPs summed over ranks pipelined / one bucket = "
+        f"{sum(r['counted']['pipe']['flops'] for r in res) / sum(r['counted']['one']['flops'] for r in res):.3f}\n"
+    )
+    print("| bucket (rank 0, first counted step) | blocks | NS GFLOP | in flight while it computed | waited before (ms) | computed (ms) |")
+    print("|---|---|---|---|---|---|")
+    for bucket, blocks, flops, flying, wait, comp in r0["record"]:
+        print(f"| {bucket} | {blocks} | {flops / 1e9:.2f} | {', '.join(flying) or '-'} | {wait * 1e3:.1f} | {comp * 1e3:.1f} |")
+    for side in ("pipelined", "one bucket"):
+        over = sum(rec[2] for r in res for rec in r["records"] if rec[0] == side)
+        total = sum(rec[3] for r in res for rec in r["records"] if rec[0] == side)
+        print(f"\n{side}, every rank, every timed step: {over} of {total} buckets computed with a collective in flight", end="")
+    print()
+    t = r0["times"]
+    med = {k: statistics.median(v) for k, v in t.items()}
+    exposed = {side: statistics.median([max(rec[1] for rec in recs) for recs in zip(*[[x for x in r["records"] if x[0] == side] for r in res])]) for side in ("pipelined", "one bucket")}
+    print(f"\n| timed ({args.steps} interleaved rounds, max over ranks) | median | min-max |")
+    print("|---|---|---|")
+    for k, v in t.items():
+        print(f"| {k} | {med[k]:.3f} s | {min(v):.3f}-{max(v):.3f} s |")
+    sums = [c + m for c, m in zip(t["compute alone"], t["comm alone"])]
+    print(f"| compute alone + comm alone | {statistics.median(sums):.3f} s | {min(sums):.3f}-{max(sums):.3f} s |")
+    for side in ("pipelined", "one bucket"):
+        print(f"| {side}: time blocked in its collectives' waits (busiest rank) | {exposed[side]:.3f} s | |")
+    print("\n| ratio (pair by pair) | median | min-max |")
+    print("|---|---|---|")
+    for name, a, b in (
+        ("pipelined / one bucket", t["pipelined"], t["one bucket"]),
+        ("pipelined / (compute + comm)", t["pipelined"], sums),
+        ("one bucket / (compute + comm)", t["one bucket"], sums),
+    ):
+        r = [x / y for x, y in zip(a, b)]
+        print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |")
+
+
 def _ratio_line(name, a, b):
     ratios = [x / y for x, y in zip(a, b)]
     return (
@@ -392,9 +533,19 @@ def main() -> None:
     ap.add_argument("--vs-torch", action="store_true", help="optimizer step alone: fsdpfn muon (owner, bf16 NS) vs torch.optim.Muon on FSDP2 params")
     ap.add_argument("--tokens-sweep", action="store_true", help="whole-step muon/adamw ratio at each of --batches")
     ap.add_argument("--batches", default="4,8,16", help="batch sizes per rank for --tokens-sweep")
+    ap.add_argument("--pipeline", action="store_true", help="Newton-Schulz alone: pipelined owner layout vs one bucket vs compute and communication apart")
+    ap.add_argument("--buckets", type=int, default=None, help="--pipeline: buckets (default: the automatic choice)")
+    ap.add_argument("--per-head", action="store_true", help="--pipeline: per-head blocks on qkv and proj (optim.head_blocks(--heads))")
+    ap.add_argument("--per-expert", type=int, default=0, help="--pipeline: read the MLP as N packed experts (fc: N row blocks, out: N column blocks)")
     args = ap.parse_args()
     cfg_kw = dict(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads)
     w = args.world
+    if args.pipeline:
+        print(f"command: python {' '.join(sys.argv)}")
+        heads = args.heads if args.per_head else 0
+        res = testing.run_on_ranks(_pipeline, w, cfg_kw, args.steps, args.warmup, args.ns_dtype, heads, args.per_expert, args.buckets, timeout=7200)
+        _print_pipeline(res, args, cfg_kw)
+        return
     if args.vs_torch or args.tokens_sweep:
         print(f"command: python {' '.join(sys.argv)}")
         if args.vs_torch:

@@ -282,3 +282,32 @@ def _muon_steps(rank, world, mesh_shape, buckets):
 @pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["w3", "hsdp2x2"])
 def test_muon_with_head_blocks_and_buckets_equals_one_process_step_by_step(run_on_ranks, mesh_shape):
     assert all(run_on_ranks(_muon_steps, math.prod(mesh_shape), mesh_shape, 2))
+
+
+def test_the_demo_flag_muon_blocks_heads_gives_per_head_muon():
+    import importlib.util
+    import pathlib
+    import sys
+
+    from fsdpfn.models import GPT, GPTConfig
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt_for_test", path)
+    demo = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = demo  # its dataclasses look themselves up there
+    spec.loader.exec_module(demo)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, width=16, depth=1, heads=2))
+    params = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # no weight decay term
+    grads = {n: torch.randn_like(p) for n, p in params.items()}
+    updates = {}
+    for flag in ("none", "heads"):
+        opt = demo.make_optimizer(demo.parse_args(["--heads", "2", "--warmup", "0", "--muon-blocks", flag]))
+        updates[flag] = opt.update(grads, opt.init(params), params)[0]
+    qkv = "blocks.0.qkv.weight"
+    # Each of the 6 head blocks of qkv (8 x 16) is orthogonalised on its own: its singular values
+    # are Newton–Schulz's (about 0.7-1.2) times lr 0.02 (ratio 1 for an 8 x 16 block).
+    s = torch.linalg.svdvals(updates["heads"][qkv].view(6, 8, 16)) / 0.02
+    assert ((s > 0.5) & (s < 1.5)).all(), s
+    assert not torch.allclose(updates["none"][qkv], updates["heads"][qkv])
+    assert torch.equal(updates["none"]["blocks.0.fc.weight"], updates["heads"]["blocks.0.fc.weight"])
