@@ -12,8 +12,11 @@ A collective of kind ``k`` over ``g`` ranks whose full buffer has ``n`` bytes ta
 all-to-all, ``2 (g-1)/g * n`` for all-reduce. ``steps`` is the ring's number of sequential
 hops: ``g - 1``, or ``2 (g - 1)`` for all-reduce. ``bandwidth`` is the bytes per second one
 rank can send on that level (NCCL's "bus bandwidth"), ``alpha`` the latency of one hop. A group
-whose ranks sit in one node uses the ``intra`` level, any other group the ``inter`` level: the
-slowest link a ring crosses sets its pace.
+whose ranks sit in one node uses the ``intra`` level. A group spanning ``n`` nodes runs as a ring
+that visits the nodes in order: the slowest link it crosses, the network, sets the bandwidth,
+and of its hops the fraction ``n / g`` are network hops (``inter`` alpha), the rest NVLink hops
+(``intra`` alpha); a group with one rank per node (HSDP's replicate groups) is all network hops.
+This is :meth:`Hardware.collective_seconds`.
 """
 
 from __future__ import annotations
@@ -184,7 +187,34 @@ class Hardware:
 
     def spans_nodes(self, ranks) -> bool:
         """Whether global ``ranks`` (of one group) sit on more than one node."""
-        return len({r // self.devices_per_node for r in ranks}) > 1
+        return self.nodes(ranks) > 1
+
+    def nodes(self, ranks) -> int:
+        """How many nodes global ``ranks`` sit on."""
+        return len({r // self.devices_per_node for r in ranks})
+
+    def collective_seconds(self, kind: str, ranks, nbytes: float, sent: float | None = None) -> float:
+        """Time of one collective of ``kind`` over global ``ranks`` whose full buffer has
+        ``nbytes`` (see [Note: the alpha-beta collective model]).
+
+        Example:
+          >>> hw = fsdpfn.sim.H100_SXM
+          >>> within, across = hw.collective_seconds("all_gather", range(8), 2**30), hw.collective_seconds("all_gather", range(16), 2**30)
+          >>> round(across / within, 1)   # the network is 9x slower than NVLink; a few more hops
+          9.6
+        """
+        ranks = list(ranks)
+        g = len(ranks)
+        if g <= 1:
+            return 0.0
+        n = self.nodes(ranks)
+        if n == 1:
+            return self.link(kind, inter=False).seconds(kind, g, nbytes, sent)
+        inter, intra = self.link(kind, inter=True), self.link(kind, inter=False)
+        steps = collective_steps(kind, g)
+        net_hops = steps * n / g
+        sent = wire_bytes(kind, g, nbytes) if sent is None else sent
+        return net_hops * inter.alpha + (steps - net_hops) * intra.alpha + sent / inter.bandwidth
 
     def scaled(self, *, flops: float = 1.0, bandwidth: float = 1.0, memory_bandwidth: float = 1.0, name: str | None = None) -> "Hardware":
         """A copy with every matmul rate, link bandwidth or memory bandwidth multiplied (to derate

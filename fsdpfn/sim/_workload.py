@@ -188,7 +188,7 @@ def _tensors(tree) -> list[torch.Tensor]:
     return out
 
 
-def _attention_flops(func, args, kwargs) -> float | None:
+def _attention_flops(func, args, kwargs) -> tuple[float, torch.dtype] | None:
     """FLOPs of a fused attention kernel, counted the same way for every backend (torch's
     registry knows some, not the CPU flash kernels): ``4 b h s_q s_k d`` forward, twice that
     backward, half of it under a causal mask, whose masked blocks the kernels skip."""
@@ -210,7 +210,7 @@ def _attention_flops(func, args, kwargs) -> float | None:
             values.setdefault(arg.name, args[i])
     causal = values.get("is_causal") is True or values.get("custom_mask_type") == 1
     flops = 4.0 * b_h * s_q * s_k * q.shape[-1]
-    return flops * (2.0 if backward else 1.0) * (0.5 if causal else 1.0)
+    return flops * (2.0 if backward else 1.0) * (0.5 if causal else 1.0), q.dtype
 
 
 class _Counter(TorchDispatchMode):
@@ -230,14 +230,14 @@ class _Counter(TorchDispatchMode):
         ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
         nbytes = sum(_nbytes(t) for t in ins + outs)
         packet = func._overloadpacket
-        name = str(func)
-        attention = "_attention" in name and "attention_mask" not in name
-        flops = _attention_flops(func, args, kwargs) if attention else None
-        if flops is None and packet in flop_registry:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        if flops:
-            dtype = str((ins or outs)[0].dtype).removeprefix("torch.")
-            key = f"attention {dtype}" if attention else dtype
+        attention = "_attention" in str(func) and "attention_mask" not in str(func)
+        counted = _attention_flops(func, args, kwargs) if attention else None
+        if counted is None and packet in flop_registry:
+            counted = float(flop_registry[packet](*args, **kwargs, out_val=out)), (ins or outs)[0].dtype
+        if counted is not None and counted[0]:
+            flops, dtype = counted
+            rate = str(dtype).removeprefix("torch.")
+            key = f"attention {rate}" if attention else rate
             acc["matmuls"][(key, flops, float(nbytes))] += 1
         else:
             acc["bytes"] += nbytes
