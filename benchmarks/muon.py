@@ -403,7 +403,7 @@ def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buck
     flops = lambda shape: optim.newton_schulz_flops(shape)  # noqa: E731
     sched = optim.owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=dtype.itemsize)
     n_buckets = len(sched.buckets)
-    plans = [_Bucket(sched, k, shapes, rank) for k in range(n_buckets)]
+    plans = [_Bucket(sched, k, shapes, rank, dtype, torch.device("cpu")) for k in range(n_buckets)]
     group = mesh.get_group(0)
 
     def step(b):

@@ -7,7 +7,7 @@ bitwise like the uninterrupted run."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdpfn
 from fsdpfn import optim, testing

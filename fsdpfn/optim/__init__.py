@@ -2,7 +2,9 @@
 
 Every factory checks its settings when called (a ``ValueError`` naming the setting, on every
 rank before any collective); :func:`apply_if_finite` skips steps with NaN or inf gradients on
-every rank alike.
+every rank alike. Muon orthogonalises whole matrices or blocks of them (:func:`head_blocks`),
+with its communication pipelined under Newton–Schulz (:func:`record_pipeline` shows it);
+:class:`TorchOptimizer` runs any transform as a ``torch.optim.Optimizer``.
 
 Example:
   >>> opt = fsdpfn.optim.muon(lr=0.02)

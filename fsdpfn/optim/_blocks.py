@@ -36,7 +36,8 @@ WHOLE: BlockSpec = (1, 1)
 Blocks = Union[None, Mapping[str, Any], Callable[[str, torch.Tensor], Any]]
 """What ``blocks=`` accepts: ``None`` (whole matrices), a dict ``{name or fnmatch pattern:
 spec}`` (the first matching entry wins, a name with no match is whole), or a function
-``(name, param) -> spec`` (``None`` for whole)."""
+``(name, param) -> spec`` (``None`` for whole), called with each leaf's dotted name and a
+tensor of the parameter's shape."""
 
 
 def _spec(who: str, where: str, value: Any) -> BlockSpec:

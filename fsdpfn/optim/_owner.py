@@ -281,10 +281,11 @@ def local_blocks_ns(x: torch.Tensor, spec: BlockSpec, ns: Callable[[torch.Tensor
 
 
 class _Bucket:
-    """One bucket as this rank sees it: what it sends where, what it receives from whom."""
+    """One bucket as this rank sees it: which rows it sends where and receives from whom, and
+    how they are packed into the flat all-to-all buffers (by destination, then block)."""
 
-    def __init__(self, sched: OwnerSchedule, k: int, shapes, rank: int):
-        self.k, self.world, self.rank = k, sched.world, rank
+    def __init__(self, sched: OwnerSchedule, k: int, shapes, rank: int, dtype: torch.dtype, device: torch.device):
+        self.world, self.rank, self.dtype, self.device = sched.world, rank, dtype, device
         blocks = [(j, sched.blocks[j]) for j in sched.buckets[k]]
         self.to = [[b for j, b in blocks if sched.owners[j] == dst] for dst in range(sched.world)]
         self.mine = self.to[rank]
@@ -302,10 +303,67 @@ class _Bucket:
         return (hi - lo) * b.shape[1]
 
     def splits_to(self) -> list[int]:
+        """Elements this rank sends each owner on the way out (receives on the way back)."""
         return [sum(self.numel(b, self.rank) for b in self.to[dst]) for dst in range(self.world)]
 
     def splits_from(self) -> list[int]:
+        """Elements this rank receives from each rank on the way out (sends on the way back)."""
         return [sum(self.numel(b, src) for b in self.mine) for src in range(self.world)]
+
+    def _mine(self, b: Block, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of block ``b`` in ``x``, this rank's rows of ``b``'s leaf."""
+        lo, hi = self.rows(b, self.rank)
+        start = self.bounds[b.leaf][self.rank][0]
+        return x[lo - start : hi - start, b.cols[0] : b.cols[1]]
+
+    def pack_out(self, locals_: list[torch.Tensor]) -> torch.Tensor:
+        """My rows of every block, grouped by owner, cast to the send dtype while copied."""
+        buf = torch.empty(sum(self.splits_to()), dtype=self.dtype, device=self.device)
+        off = 0
+        for dst in range(self.world):
+            for b in self.to[dst]:
+                piece = self._mine(b, locals_[b.leaf])
+                buf[off : off + piece.numel()].view(piece.shape).copy_(piece)
+                off += piece.numel()
+        return buf
+
+    def assemble(self, got: torch.Tensor) -> tuple[dict[tuple[int, int], torch.Tensor], dict[Block, tuple[tuple[int, int], int]]]:
+        """The blocks I own, from every rank's rows, stacked by shape: ``(stacks, slot)``."""
+        by_shape: dict[tuple[int, int], list[Block]] = {}
+        for b in self.mine:
+            by_shape.setdefault(b.shape, []).append(b)
+        stacks = {s: torch.empty((len(bs), *s), dtype=self.dtype, device=self.device) for s, bs in by_shape.items()}
+        slot = {b: (s, j) for s, bs in by_shape.items() for j, b in enumerate(bs)}
+        off = 0
+        for src in range(self.world):
+            for b in self.mine:
+                lo, hi = self.rows(b, src)
+                n = (hi - lo) * b.shape[1]
+                s, j = slot[b]
+                stacks[s][j, lo - b.rows[0] : hi - b.rows[0]].copy_(got[off : off + n].view(hi - lo, b.shape[1]))
+                off += n
+        return stacks, slot
+
+    def pack_back(self, ortho: dict[tuple[int, int], torch.Tensor], slot) -> torch.Tensor:
+        """Every rank's rows of the blocks I orthogonalised: the first trip, transposed."""
+        buf = torch.empty(sum(self.splits_from()), dtype=self.dtype, device=self.device)
+        off = 0
+        for src in range(self.world):
+            for b in self.mine:
+                lo, hi = self.rows(b, src)
+                n = (hi - lo) * b.shape[1]
+                s, j = slot[b]
+                buf[off : off + n].view(hi - lo, b.shape[1]).copy_(ortho[s][j, lo - b.rows[0] : hi - b.rows[0]])
+                off += n
+        return buf
+
+    def unpack_back(self, got: torch.Tensor, results: list[torch.Tensor]) -> None:
+        off = 0
+        for dst in range(self.world):
+            for b in self.to[dst]:
+                out = self._mine(b, results[b.leaf])
+                out.copy_(got[off : off + out.numel()].view(out.shape))
+                off += out.numel()
 
 
 def run_owner(
@@ -320,92 +378,46 @@ def run_owner(
     send: torch.dtype,
     buckets: int | None,
 ) -> list[torch.Tensor]:
-    """Newton–Schulz of every leaf's blocks in the pipelined owner layout; returns this rank's
-    rows of each result (in ``send``, the compute dtype), given this rank's rows ``locals_``."""
+    """Newton–Schulz of every leaf's blocks in the pipelined owner layout (see [Note: the
+    pipelined owner layout]); returns this rank's rows of each result in ``send`` (the compute
+    dtype), given this rank's rows ``locals_`` of every leaf."""
     sched = owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=send.itemsize)
     device = locals_[0].device  # every buffer on the device of the tensors it serves
-    results: list[Any] = [None] * len(locals_)
-    for i, s in enumerate(shapes):
-        if len(s) == 2:
-            results[i] = torch.empty(locals_[i].shape, dtype=send, device=device)
-    plans = [_Bucket(sched, k, shapes, rank) for k in range(len(sched.buckets))]
+    results: list[Any] = [torch.empty(x.shape, dtype=send, device=device) if len(s) == 2 else None for x, s in zip(locals_, shapes)]
+    plans = [_Bucket(sched, k, shapes, rank, send, device) for k in range(len(sched.buckets))]
 
-    def launch_out(p: _Bucket):
-        send_splits, recv_splits = p.splits_to(), p.splits_from()
-        inp = torch.empty(sum(send_splits), dtype=send, device=device)
-        off = 0
-        for dst in range(world):
-            for b in p.to[dst]:
-                lo, hi = p.rows(b, rank)
-                start = p.bounds[b.leaf][rank][0]
-                piece = locals_[b.leaf][lo - start : hi - start, b.cols[0] : b.cols[1]]
-                inp[off : off + piece.numel()].view(piece.shape).copy_(piece)
-                off += piece.numel()
-        got = torch.empty(sum(recv_splits), dtype=send, device=device)
-        pending = C.all_to_all(got, inp, group, output_splits=recv_splits, input_splits=send_splits, async_op=True, tag="muon_owner")
-        return pending, inp
-
-    def compute(p: _Bucket, got: torch.Tensor) -> dict[Block, torch.Tensor]:
-        by_shape: dict[tuple[int, int], list[Block]] = {}
-        for b in p.mine:
-            by_shape.setdefault(b.shape, []).append(b)
-        stacks = {s: torch.empty((len(bs), *s), dtype=send, device=device) for s, bs in by_shape.items()}
-        slot = {b: (s, j) for s, bs in by_shape.items() for j, b in enumerate(bs)}
-        off = 0
-        for src in range(world):
-            for b in p.mine:
-                lo, hi = p.rows(b, src)
-                n = (hi - lo) * b.shape[1]
-                s, j = slot[b]
-                stacks[s][j, lo - b.rows[0] : hi - b.rows[0]].copy_(got[off : off + n].view(hi - lo, b.shape[1]))
-                off += n
-        ortho = {s: ns(stack) for s, stack in stacks.items()}  # same shapes: one batched call
-        return {b: ortho[slot[b][0]][slot[b][1]] for b in p.mine}
-
-    def launch_back(p: _Bucket, ortho: dict[Block, torch.Tensor]):
-        send_splits, recv_splits = p.splits_from(), p.splits_to()
-        inp = torch.empty(sum(send_splits), dtype=send, device=device)
-        off = 0
-        for src in range(world):
-            for b in p.mine:
-                lo, hi = p.rows(b, src)
-                n = (hi - lo) * b.shape[1]
-                inp[off : off + n].view(hi - lo, b.shape[1]).copy_(ortho[b][lo - b.rows[0] : hi - b.rows[0]])
-                off += n
-        got = torch.empty(sum(recv_splits), dtype=send, device=device)
-        pending = C.all_to_all(got, inp, group, output_splits=recv_splits, input_splits=send_splits, async_op=True, tag="muon_owner")
-        return pending, inp
+    def trip(p: _Bucket, buf: torch.Tensor, way: str):
+        # The buffer stays referenced with the pending work until it is waited for.
+        out_splits, in_splits = (p.splits_from(), p.splits_to()) if way == "out" else (p.splits_to(), p.splits_from())
+        got = torch.empty(sum(out_splits), dtype=send, device=device)
+        return C.all_to_all(got, buf, group, output_splits=out_splits, input_splits=in_splits, async_op=True, tag="muon_owner"), buf
 
     def finish_back(p: _Bucket, launched) -> None:
         t0 = time.perf_counter()
         got = launched[0].wait()
         _note_back(time.perf_counter() - t0)
-        off = 0
-        for dst in range(world):
-            for b in p.to[dst]:
-                lo, hi = p.rows(b, rank)
-                n = (hi - lo) * b.shape[1]
-                start = p.bounds[b.leaf][rank][0]
-                results[b.leaf][lo - start : hi - start, b.cols[0] : b.cols[1]].copy_(got[off : off + n].view(hi - lo, b.shape[1]))
-                off += n
+        p.unpack_back(got, results)
 
-    out = launch_out(plans[0]) if plans else None
+    out = trip(plans[0], plans[0].pack_out(locals_), "out") if plans else None
     t0 = time.perf_counter()
     for i in sched.local:  # under the first bucket's rows travelling
         results[i] = local_blocks_ns(locals_[i], specs[i], ns)
     if sched.local:
-        _note(BucketRecord("local", 0, sched.loads[rank] - sum(b.flops for p in plans for b in p.mine), (f"out {plans[0].label}",) if plans else (), 0.0, time.perf_counter() - t0))
+        owned = sum(b.flops for p in plans for b in p.mine)
+        _note(BucketRecord("local", 0, sched.loads[rank] - owned, (f"out {plans[0].label}",) if plans else (), 0.0, time.perf_counter() - t0))
     back: dict[int, Any] = {}
     for k, p in enumerate(plans):
         t0 = time.perf_counter()
         got = out[0].wait()
         waited = time.perf_counter() - t0
-        out = launch_out(plans[k + 1]) if k + 1 < len(plans) else None
-        flying = ((f"out {plans[k + 1].label}",) if out else ()) + tuple(f"back {plans[j].label}" for j in back)
+        nxt = plans[k + 1] if k + 1 < len(plans) else None
+        out = trip(nxt, nxt.pack_out(locals_), "out") if nxt else None
+        flying = ((f"out {nxt.label}",) if nxt else ()) + tuple(f"back {plans[j].label}" for j in back)
         t0 = time.perf_counter()
-        ortho = compute(p, got)
+        stacks, slot = p.assemble(got)
+        ortho = {s: ns(stack) for s, stack in stacks.items()}  # same shapes: one batched call
         _note(BucketRecord(p.label, len(p.mine), sum(b.flops for b in p.mine), flying, waited, time.perf_counter() - t0))
-        back[k] = launch_back(p, ortho)
+        back[k] = trip(p, p.pack_back(ortho, slot), "back")
         if k - 1 in back:
             finish_back(plans[k - 1], back.pop(k - 1))
     for k in list(back):

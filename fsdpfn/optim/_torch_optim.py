@@ -24,7 +24,7 @@ on another plan or world size, which ``load_state_dict`` then adopts.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import optree
 import torch
