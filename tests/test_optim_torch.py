@@ -170,6 +170,22 @@ def test_imperative_loop_with_the_torch_face_equals_the_pure_loop_on_two_ranks(r
         assert placements
 
 
+def _plain_grad_of_a_sharded_param(rank, world):
+    mesh = testing.mesh((world,))
+    p = DTensor.from_local(torch.zeros(4, 4), mesh, (Shard(0),), run_check=False).requires_grad_(True)
+    opt = optim.TorchOptimizer({"w": p}, optim.muon, lr=0.1)
+    p.grad = torch.ones(8, 4)  # torch accepts it: a full-size plain tensor
+    with pytest.raises(ValueError, match=r"gradient of 'w' is a Tensor \(8, 4\)"):
+        opt.step()
+    return True
+
+
+def test_a_gradient_placed_unlike_its_parameter_is_refused_on_every_rank(run_on_ranks):
+    # Orthogonalising a plain gradient of a sharded parameter would treat each rank's rows as
+    # the whole matrix: a wrong update, silently.
+    assert run_on_ranks(_plain_grad_of_a_sharded_param, 2) == [True, True]
+
+
 # ---------------------------------------------------------------------------------------------
 # state_dict: saved on 2 ranks, loaded on 3 (fsdpfn.checkpoint and plain DCP)
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,17 @@ def _is_lr(key: str, value: Any) -> bool:
     return (key == "lr" or key.endswith("_lr")) and (number or tensor)
 
 
+def _check_grad(name: str, p: torch.Tensor, g: torch.Tensor) -> None:
+    """A gradient placed like its parameter: a plain local gradient of a sharded parameter would
+    be orthogonalised as if its rows were the whole matrix, a silently wrong update."""
+    if getattr(g, "placements", None) != getattr(p, "placements", None) or g.shape != p.shape:
+        raise ValueError(
+            f"TorchOptimizer: the gradient of {name!r} is a {type(g).__name__} {tuple(g.shape)} "
+            f"{getattr(g, 'placements', '')}, its parameter a {type(p).__name__} {tuple(p.shape)} {getattr(p, 'placements', '')}; "
+            "gradients must be placed like their parameters (fsdpfn.unshard's backward gives sharded DTensor gradients)"
+        )
+
+
 def _plain(value: Any) -> bool:
     """Data a checkpoint can hold: numbers, strings, bools, ``None``, scalar tensors, and tuples,
     lists and dicts of them (not dtypes or functions, which come from the constructor)."""
@@ -209,6 +220,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                     "a zero gradient, or put them in a parameter group of their own (a group without gradients is skipped)"
                 )
             params = self._tree(group, "params")
+            for name, p in params.items():
+                _check_grad(name, p, grads[name])
             updates, self._states[i] = self._current(i).update(grads, self._states[i], params)
             for name, p in params.items():
                 u = updates[name]
