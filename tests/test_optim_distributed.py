@@ -1,6 +1,7 @@
 """Distributed optimizers against one process, step by step: Muon's "gather" and "owner"
 Newton–Schulz layouts on 2, 3 and 4 ranks and on an HSDP mesh, with uneven and empty shards and
-3-D leaves; the global norm across shards; and a small transformer trained with muon under zero3.
+3-D leaves, bitwise in bf16 and fp32; the global norm across shards; and a small transformer
+trained with muon under zero3.
 """
 
 import copy
@@ -123,7 +124,9 @@ def test_distributed_muon_equals_one_process_bf16(run_on_ranks, layout, mesh_sha
 def test_distributed_muon_equals_one_process_fp32(run_on_ranks, layout, mesh_shape):
     world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) == 2 else 1)
     for r in run_on_ranks(_muon_parity, world, layout, mesh_shape, torch.float32):
-        assert r["worst"] < 1e-5
+        # A batch runs matrix by matrix on CPU (fsdpfn/optim/_newton_schulz.py, [Note: batches
+        # on CPU]), so fp32 is bitwise too.
+        assert r["bitwise"] and r["worst"] == 0.0, r["worst"]
 
 
 @pytest.mark.parametrize("layout,mesh_shape", [CASES[0], CASES[4], CASES[5], CASES[7]])
@@ -134,7 +137,7 @@ def test_distributed_gram_muon_equals_one_process_gram_muon(run_on_ranks, layout
     for dtype in (torch.bfloat16, torch.float32):
         results = run_on_ranks(_muon_parity, world, layout, mesh_shape, dtype, "gram")
         for r in results:
-            assert r["bitwise"] if dtype == torch.bfloat16 else r["worst"] < 1e-5, r["worst"]
+            assert r["bitwise"], (dtype, r["worst"])
         total = sum(r["flops"] for r in results) / (world // shard_size)
         assert total == (results[0]["ref_flops"] if layout == "owner" else shard_size * results[0]["ref_flops"])
 
