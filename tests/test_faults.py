@@ -115,9 +115,11 @@ def test_a_rank_fault_ends_every_rank_naming_it_and_resume_is_bitwise(tmp_path, 
         launch(_job, WORLD, root, fault, timeout=TIMEOUT)
     elapsed = time.monotonic() - t
     errors = info.value.errors
-    # Start-up of two fresh ranks and two steps take a few seconds on two busy cores; after the
-    # fault, the survivor must fail within the timeout, and the launcher ends the rest.
-    assert elapsed < 10 + 2 * TIMEOUT + 10, elapsed
+    # Start-up of two fresh ranks and two steps take seconds to tens of seconds on two busy cores;
+    # after the fault the survivor fails within the timeout (its message states it) and the
+    # launcher ends the rest: the whole job must end, not wait out a 600 s default.
+    assert elapsed < 60 + 2 * TIMEOUT, elapsed
+    assert f"(timeout {TIMEOUT:g} s)" in errors[0], errors[0]
     assert sorted(errors) == [0, 1], errors
     survivor = errors[0]
     assert "CollectiveError" in survivor and "failed on rank 0" in survivor, survivor

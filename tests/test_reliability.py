@@ -44,7 +44,7 @@ def test_shards_cut_with_another_split_are_refused_on_every_rank(run_on_ranks):
     t = time.monotonic()
     with pytest.raises(RankError) as info:
         run_on_ranks(_wrong_split, 3)
-    assert time.monotonic() - t < 30
+    assert time.monotonic() - t < 90  # pool start-up on busy cores included; the 180 s harness timeout is far
     errors = info.value.errors
     assert sorted(errors) == [0, 1, 2]
     for rank in (1, 2):
