@@ -310,3 +310,16 @@ def test_abstract_plans_for_1024_ranks_build_in_seconds():
         assert r.traffic["step"]["all_gather"].calls == plan.cost().collectives["all_gather"].calls
         assert r.level_bytes["inter"] > 0
     assert time.perf_counter() - t0 < 120
+
+
+def test_long_accumulations_extend_exactly():
+    """micro_batches > 3 is extended from 2 and 3 simulated micro-batches; it equals simulating
+    every one (exact=True), bytes exactly and times to rounding."""
+    plan = fsdpfn.plan(_model("meta"), (3,))
+    wl = _workload(plan)
+    for accumulate in ("reduce", "local"):
+        fast = sim.simulate(plan, None, wl, sim.Muon(), HW, micro_batches=7, accumulate=accumulate)
+        slow = sim.simulate(plan, None, wl, sim.Muon(), HW, micro_batches=7, accumulate=accumulate, exact=True)
+        assert fast.traffic == slow.traffic and fast.memory == slow.memory
+        assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
+        assert fast.exposed_comm == pytest.approx(slow.exposed_comm, rel=1e-9, abs=1e-12)

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import functools
 import math
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -50,6 +51,10 @@ class Work:
         (``"bfloat16"``), or ``"attention <dtype>"`` for fused attention kernels.
       bytes: bytes read and written by every other operator (memory-bound).
       ops: operators dispatched (each pays ``Hardware.op_overhead``).
+      measured: seconds this work's operators took when profiled with ``timed=True`` on the
+        device being simulated; when set, :meth:`seconds` uses it (plus ``ops *
+        Hardware.op_overhead``) instead of the FLOP and byte model. Only meaningful with that
+        device's hardware.
 
     Example:
       >>> w = Work(matmuls=(("float32", 2e9, 1e6, 1),), bytes=4e8, ops=10)
@@ -60,12 +65,15 @@ class Work:
     matmuls: tuple[tuple[str, float, float, int], ...] = ()  # (rate key, flops, bytes, count)
     bytes: float = 0.0
     ops: int = 0
+    measured: float | None = None
 
     @property
     def flops(self) -> float:
         return sum(f * c for _, f, _, c in self.matmuls)
 
     def seconds(self, hw) -> float:
+        if self.measured is not None:  # the kernels' own time; the framework's per-operator cost on top
+            return self.measured + self.ops * hw.op_overhead
         mm = sum(c * max(f / hw.flops(d), b / hw.memory_bandwidth) for d, f, b, c in self.matmuls)
         return mm + self.bytes / hw.memory_bandwidth + self.ops * hw.op_overhead
 
@@ -73,14 +81,24 @@ class Work:
         counts = collections.Counter()
         for d, f, b, c in self.matmuls + other.matmuls:
             counts[(d, f, b)] += c
-        return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items())), self.bytes + other.bytes, self.ops + other.ops)
+        measured = None if self.measured is None or other.measured is None else self.measured + other.measured
+        if not self:
+            measured = other.measured
+        elif not other:
+            measured = self.measured
+        return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items())), self.bytes + other.bytes, self.ops + other.ops, measured)
 
     def times(self, k: int) -> "Work":
         """``k`` copies of this work."""
-        return Work(tuple((d, f, b, c * k) for d, f, b, c in self.matmuls), self.bytes * k, self.ops * k)
+        return Work(tuple((d, f, b, c * k) for d, f, b, c in self.matmuls), self.bytes * k, self.ops * k,
+                    None if self.measured is None else self.measured * k)
 
     def __bool__(self) -> bool:
-        return bool(self.matmuls or self.bytes or self.ops)
+        return bool(self.matmuls or self.bytes or self.ops or self.measured)
+
+    def unmeasured(self) -> "Work":
+        """The same work, costed by the FLOP and byte model."""
+        return dataclasses.replace(self, measured=None)
 
 
 EMPTY = Work()
@@ -214,16 +232,23 @@ def _attention_flops(func, args, kwargs) -> tuple[float, torch.dtype] | None:
 
 
 class _Counter(TorchDispatchMode):
-    """Adds every operator's cost to ``self.sink()``'s Work accumulator."""
+    """Adds every operator's cost to ``self.sink()``'s Work accumulator (and, ``timed``, its
+    wall time)."""
 
-    def __init__(self, sink: Callable[[], dict]):
+    def __init__(self, sink: Callable[[], dict], timed: bool = False):
         super().__init__()
         self.sink = sink
+        self.timed = timed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         acc = self.sink()
+        if self.timed:
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            acc["seconds"] += time.perf_counter() - t0
+        else:
+            out = func(*args, **kwargs)
         acc["ops"] += 1
         if func.is_view:
             return out
@@ -245,11 +270,12 @@ class _Counter(TorchDispatchMode):
 
 
 def _new_acc() -> dict:
-    return {"matmuls": collections.Counter(), "bytes": 0.0, "ops": 0}
+    return {"matmuls": collections.Counter(), "bytes": 0.0, "ops": 0, "seconds": 0.0}
 
 
-def _to_work(acc: dict) -> Work:
-    return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(acc["matmuls"].items())), acc["bytes"], acc["ops"])
+def _to_work(acc: dict, timed: bool = False) -> Work:
+    return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(acc["matmuls"].items())), acc["bytes"], acc["ops"],
+                acc["seconds"] if timed else None)
 
 
 def count_work(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Work]:
@@ -356,12 +382,44 @@ def _default_loss(out) -> torch.Tensor:
     return t.float().mean()
 
 
+def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool):
+    """One forward, loss and backward under the counter: ``(event order, accumulators, saved
+    activation bytes per unit)``."""
+    param_storages = {p.untyped_storage()._cdata for p in params.values()}
+    events = _Events(units, type(model).__name__)
+    saved: dict[str, int] = collections.defaultdict(int)
+    seen: set[int] = set()
+    keep: list[torch.Tensor] = []
+    with ModuleTracker() as tracker:
+        def pack(t: torch.Tensor):
+            key = t.untyped_storage()._cdata
+            if key not in param_storages and key not in seen:
+                seen.add(key)
+                keep.append(t)
+                saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
+            return t
+
+        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker), timed=timed):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.func.functional_call(model, params, inputs) if cast else model(*inputs)
+                events.end_forward()
+                loss = (loss_fn or _default_loss)(out)
+            loss.backward()
+            events.end()
+    keep.clear()
+    for p in params.values():
+        p.grad = None
+    return events.order, events.acc, saved
+
+
 def profile(
     model: torch.nn.Module,
     plan: Plan,
     *inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     param_dtype: torch.dtype | None = None,
+    timed: bool = False,
+    repeats: int = 3,
 ) -> Workload:
     """Runs ``loss_fn(model(*inputs))`` and its backward once, on one process, and returns what
     each stretch of the runtime's schedule computes (see [Note: work between events]).
@@ -376,6 +434,11 @@ def profile(
       loss_fn: ``output -> scalar``; default the mean of the output.
       param_dtype: dtype the parameters are computed in (default ``plan.mp.param_dtype``, else
         their own).
+      timed: also time every operator (a real device only), ``repeats`` times after a warm-up,
+        keeping each stretch's fastest time: ``Work.measured``, which the simulator then uses
+        instead of the FLOP and byte model, so that a prediction on this device tests the
+        communication and runtime terms alone.
+      repeats: timed runs (``timed`` only).
 
     Returns:
       a :class:`Workload`; its ``tokens`` is the number of elements of the first integer input.
@@ -391,30 +454,18 @@ def profile(
     params = {n: p for n, p in model.named_parameters()}
     if dtype is not None:
         params = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
-    param_storages = {p.untyped_storage()._cdata for p in params.values()}
-    events = _Events(units, type(model).__name__)
-    saved: dict[str, int] = collections.defaultdict(int)
-    seen: set[int] = set()
-    keep: list[torch.Tensor] = []
-
-    with ModuleTracker() as tracker:
-        def pack(t: torch.Tensor):
-            key = t.untyped_storage()._cdata
-            if key not in param_storages and key not in seen:
-                seen.add(key)
-                keep.append(t)
-                saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
-            return t
-
-        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker)):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = torch.func.functional_call(model, params, inputs) if dtype is not None else model(*inputs)
-                events.end_forward()
-                loss = (loss_fn or _default_loss)(out)
-            loss.backward()
-            events.end()
-    keep.clear()
+    cast = dtype is not None
+    order, acc, saved = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False)
+    measured: dict[Op, float] = {}
+    if timed:
+        for i in range(repeats + 1):
+            t_order, t_acc, _ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True)
+            if t_order != order:
+                raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
+            if i:  # the first run warms up
+                for op in order:
+                    measured[op] = min(measured.get(op, math.inf), t_acc[op]["seconds"])
     tokens = next((t.numel() for t in _tensors(list(inputs)) if not t.is_floating_point()), 0)
-    work = tuple((op, _to_work(events.acc[op])) for op in events.order)
+    work = tuple((op, dataclasses.replace(_to_work(acc[op]), measured=measured.get(op))) for op in order)
     acts = tuple((u, saved.get(u, 0)) for u in units)
     return Workload(work, acts, tokens)
