@@ -102,8 +102,10 @@ def _real_step(rank, world, shape, strategy, prefetch, opt_name):
     if opt_name == "adamw":
         opt, opt_model = optim.adamw(1e-3), sim.AdamW()
     else:
-        layout = opt_name.split(":")[1]
-        opt, opt_model = optim.muon(0.02, layout=layout, ns_dtype=torch.float32), sim.Muon(layout=layout, ns_dtype=torch.float32)
+        layout, *buckets = opt_name.split(":")[1:]
+        buckets = int(buckets[0]) if buckets else None
+        opt = optim.muon(0.02, layout=layout, ns_dtype=torch.float32, buckets=buckets)
+        opt_model = sim.Muon(layout=layout, ns_dtype=torch.float32, buckets=buckets)
     state = opt.init(params)
     x, y = _batch(rank)
 
@@ -137,8 +139,11 @@ def _real_step(rank, world, shape, strategy, prefetch, opt_name):
         (3, (3,), STRATEGIES[4], 2, "muon:owner"),
         (4, (2, 2), "zero3", 2, "muon:owner"),
         (4, (4,), "replicate", 1, "adamw"),
+        (3, (3,), "zero3", 1, "muon:owner:3"),
+        (4, (4,), "zero2", 1, "muon:owner:4"),
     ],
-    ids=["w2-zero3-owner", "w3-zero2-gather", "w3-mixed-owner", "w4-hsdp-owner", "w4-replicate-adamw"],
+    ids=["w2-zero3-owner", "w3-zero2-gather", "w3-mixed-owner", "w4-hsdp-owner", "w4-replicate-adamw",
+         "w3-zero3-owner-3-buckets", "w4-zero2-owner-4-buckets"],
 )
 def test_bytes_flops_and_high_water_equal_the_runtime(run_on_ranks, world, shape, strategy, prefetch, opt):
     for rank, res in enumerate(run_on_ranks(_real_step, world, shape, strategy, prefetch, opt)):
@@ -249,6 +254,48 @@ def test_timeline_obeys_the_schedule(case, overlap, bandwidth):
     assert r.memory["unsharded_peak"] == _unsharded_walk(plan, sched)
     assert r.step_time >= max(s.end for s in r.spans) - eps
     assert r.exposed_comm <= r.step_time + eps
+
+
+def test_muon_owner_pipeline_overlaps_buckets_as_the_layout_runs_them():
+    """With B buckets the owner layout launches 2B all-to-alls; 'out k+1' and 'back k-1' are in
+    flight during bucket k's Newton-Schulz, 'back k' starts after it, so the optimizer step is
+    shorter than with one bucket when links are slow and compute overlaps (and the bytes sent
+    are the same)."""
+    cfg = GPTConfig(vocab_size=64, seq_len=8, width=64, depth=8, heads=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = fsdpfn.plan(model, (4,))
+    x = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    wl = sim.profile(model, plan, x)
+    hw = dataclasses.replace(HW, overlap=1.0, intra=sim.Link(1e-6, 2e7))
+    one, four = (sim.simulate(plan, None, wl, sim.Muon(buckets=b, ns_dtype=torch.float32), hw) for b in (1, 4))
+    a2a = {b: r.traffic["optimizer"]["all_to_all"] for b, r in ((1, one), (4, four))}
+    assert (a2a[1].calls, a2a[4].calls) == (2, 8)
+    assert four.optimizer_time < 0.9 * one.optimizer_time
+    spans = {s.label: s for s in four.spans if s.op == -1 and s.stream == "optimizer"}
+    assert set(spans) == {f"all_to_all {way} {k}" for way in ("out", "back") for k in range(4)}
+    for k in range(4):  # back k leaves after bucket k computed, which waited for out k
+        assert spans[f"all_to_all back {k}"].start >= spans[f"all_to_all out {k}"].end
+
+    def overlapped(r):  # seconds of optimizer compute with an all-to-all in flight
+        work = [s for s in r.spans if s.op == -1 and s.kind == "optimizer"]
+        a2a = [s for s in r.spans if s.op == -1 and s.kind == "all_to_all"]
+        return sum(max(0.0, min(w.end, a.end) - max(w.start, a.start)) for w in work for a in a2a)
+
+    assert overlapped(one) == 0.0 and overlapped(four) > 0.0
+
+
+def test_search_beats_the_default_where_it_should():
+    """On slow links with room to spare, holding more (zero2 / replicate) or prefetching deeper
+    is faster than zero3 with prefetch 1: the search finds it, within the budget."""
+    model = _model("meta")
+    x, y = _batch(device="meta")
+    hw = dataclasses.replace(HW, intra=sim.Link(1e-4, 1e6), inter=sim.Link(1e-4, 1e5))
+    res = sim.search(model, 4, 2**30, x, hardware=hw, optimizer=sim.AdamW(), loss_fn=_loss(y), units=[None],
+                     workloads=_WORKLOADS)
+    assert res.speedup > 1.05, str(res)
+    assert res.result.memory["peak"] <= 2**30
+    assert res.plan != fsdpfn.plan(model, (4,)) or res.schedule.prefetch != 1
 
 
 def test_engine_overlap_and_sharing():

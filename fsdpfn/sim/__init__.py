@@ -32,6 +32,7 @@ from fsdpfn.sim._optimizer import AdamW as AdamW
 from fsdpfn.sim._optimizer import CommCost as CommCost
 from fsdpfn.sim._optimizer import Muon as Muon
 from fsdpfn.sim._optimizer import OptimizerCost as OptimizerCost
+from fsdpfn.sim._optimizer import Wait as Wait
 from fsdpfn.sim._optimizer import local_shapes as local_shapes
 from fsdpfn.sim._optimizer import owner_loads as owner_loads
 from fsdpfn.sim._search import Candidate as Candidate
@@ -65,6 +66,7 @@ __all__ = [
     "Task",
     "Timings",
     "Traffic",
+    "Wait",
     "Work",
     "Workload",
     "collective_steps",

@@ -11,14 +11,19 @@ on the matrices this rank owns, same shapes batched (``"owner"``). The collectiv
 bytes follow ``fsdpfn/optim/_distributed_ns.py``'s [Note: the two layouts].
 
 [Note: the owner assignment]
-The owner layout's assignment is not public, so :func:`owner_loads` restates it from that Note:
-leaves of 3 or more dimensions stay local and count towards their rank's load first; then every
-2-D matrix, largest Newton–Schulz FLOPs first (ties: the earlier leaf, leaves in the order
-``optree`` flattens the parameter dict, i.e. sorted names), goes to the least loaded rank (ties:
-the lowest rank). ``tests/test_sim.py`` checks the bytes and FLOPs this predicts against a real
-step's ``fsdpfn.comm`` counter and ``FlopCounterMode`` on every rank, so a change of the
-assignment in ``fsdpfn.optim`` fails there. Exporting the assignment (``owner_plan``) would let
-this module call it instead.
+The owner layout's schedule is ``fsdpfn.optim.owner_schedule`` itself, called with the shapes,
+the Newton–Schulz FLOPs and the bucket count the real step uses: owners balanced largest
+first, every owner's blocks cut into buckets of about equal FLOPs. The step is then costed as
+``fsdpfn/optim/_owner.py``'s [Note: the pipelined owner layout] runs it: "out 0" launched,
+the local (3-D) leaves orthogonalised under it, then per bucket ``k``: wait for out ``k``,
+launch out ``k+1``, assemble and orthogonalise bucket ``k``, launch back ``k``, wait for back
+``k-1`` and write its rows. The collectives are asynchronous phases (:class:`CommCost` with a
+``tag``, ended by a :class:`Wait`), so the timeline overlaps them with the Newton–Schulz of
+the neighbouring buckets exactly as the dependencies allow. Every all-to-all is counted as
+``fsdpfn.comm`` records it (``max(input, output)`` bytes on the rank), and timed by the bytes
+the busiest rank sends or receives; each bucket's compute is the busiest rank's in that bucket
+(an all-to-all waits for every rank). ``tests/test_sim.py`` checks the calls, bytes and FLOPs
+against a real step on every rank, one bucket and several.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from fsdpfn import Plan, optim
+from fsdpfn._plan import chunk_bounds
 from fsdpfn.sim._workload import EMPTY, Work, count_work
 
-__all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "local_shapes", "owner_loads"]
+__all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "Wait", "local_shapes", "owner_loads"]
 
 
 class CommCost(NamedTuple):
@@ -46,6 +52,8 @@ class CommCost(NamedTuple):
       wire_bytes: what the counter records as sent (``(W-1)/W * nbytes``).
       sent: bytes the busiest rank really sends or receives (what sets the time).
       dtype: element type sent.
+      tag: ``""``: blocking (the step waits for it at once); otherwise launched asynchronously
+        and waited for by the later :class:`Wait` of the same tag.
     """
 
     kind: str
@@ -54,22 +62,24 @@ class CommCost(NamedTuple):
     wire_bytes: float
     sent: float
     dtype: torch.dtype
+    tag: str = ""
+
+
+class Wait(NamedTuple):
+    """An optimizer phase: the step waits for the asynchronous :class:`CommCost` ``tag``."""
+
+    tag: str
 
 
 class OptimizerCost(NamedTuple):
-    """One optimizer step on one rank: ``phases`` run in order, each a :class:`Work` (compute)
-    or a :class:`CommCost` (a blocking collective); ``state_bytes`` of optimizer state;
+    """One optimizer step on one rank: ``phases`` run in order, each a :class:`Work` (compute),
+    a :class:`CommCost` (a collective: blocking, or launched asynchronously) or a :class:`Wait`
+    for an asynchronous one; ``state_bytes`` of optimizer state;
     ``ns_flops`` per rank (Newton–Schulz, the busiest rank's in ``phases``)."""
 
     phases: tuple
     state_bytes: int
     ns_flops: tuple[float, ...] = ()
-
-
-def _chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
-    c = -(-rows // world) if rows else 0
-    start = min(rank * c, rows)
-    return start, min(start + c, rows)
 
 
 def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
@@ -86,7 +96,7 @@ def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
     for unit in plan.units:
         for p in unit.params:
             if unit.sharded and p.shape:
-                start, stop = _chunk(p.shape[0], w, s)
+                start, stop = chunk_bounds(p.shape[0], w, s)
                 out[p.name] = (stop - start, *p.shape[1:])
             else:
                 out[p.name] = tuple(p.shape)
@@ -157,25 +167,17 @@ def _adamw(labels=None):
 
 def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tuple[int, ...]], float]) -> tuple[list[int | None], list[float]]:
     """Owner of each leaf (``None``: a batched leaf, orthogonalised where it lies) and the
-    Newton–Schulz FLOPs each rank runs (see [Note: the owner assignment]).
+    Newton–Schulz FLOPs each rank runs: ``fsdpfn.optim.owner_schedule`` of whole matrices.
 
     Example:
       >>> fsdpfn.sim.owner_loads([(8, 8), (2, 2), (4, 4), (4, 4)], 2, lambda s: s[0] * s[1])
       ([0, 1, 1, 1], [64, 36])
     """
-    loads = [0] * world
-    for shape in shapes:
-        if len(shape) > 2:
-            for q in range(world):
-                start, stop = _chunk(shape[0], world, q)
-                loads[q] += flops((stop - start, *shape[1:]))
+    sched = optim.owner_schedule(shapes, world, flops, buckets=1)
     owners: list[int | None] = [None] * len(shapes)
-    mats = [i for i, s in enumerate(shapes) if len(s) == 2]
-    for i in sorted(mats, key=lambda i: (-flops(shapes[i]), i)):
-        r = min(range(world), key=lambda q: (loads[q], q))
-        owners[i] = r
-        loads[r] += flops(shapes[i])
-    return owners, loads
+    for b, o in zip(sched.blocks, sched.owners):
+        owners[b.leaf] = o
+    return owners, list(sched.loads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +190,9 @@ class Muon:
       ns_method: ``"standard"`` or ``"gram"``.
       ns_steps: Newton–Schulz iterations.
       ns_dtype: Newton–Schulz compute (and send) dtype; ``None``: the parameters'.
-      labels: ``(name, param) -> "muon" | "adamw"`` (default ``fsdpfn.optim.muon_labels``).
+      labels_fn: ``(name, param) -> "muon" | "adamw"`` (default ``fsdpfn.optim.muon_labels``).
+      buckets: owner layout: as ``fsdpfn.optim.muon(buckets=...)`` (``None``: its automatic
+        choice, one bucket per 4 MiB each rank sends, at most 4).
 
     Example:
       >>> c = fsdpfn.sim.Muon(layout="gather", ns_dtype=torch.float32).cost(fsdpfn.plan(model, (2,)))
@@ -201,6 +205,7 @@ class Muon:
     ns_steps: int = 5
     ns_dtype: torch.dtype | None = torch.bfloat16
     labels_fn: Callable | None = None
+    buckets: int | None = None
 
     def __post_init__(self):
         if self.layout not in ("owner", "gather"):
@@ -262,40 +267,65 @@ class Muon:
         return (comm, ns + copies), (ns.flops,) * w
 
     def _owner(self, plan, full, me, w, dtype):
+        """Phases of the pipelined owner layout (see [Note: the owner assignment])."""
         item = dtype.itemsize
-        owners, loads = owner_loads(full, w, self.flops)
+        sched = optim.owner_schedule(full, w, self.flops, buckets=self.buckets, itemsize=item)
+        bounds = [[chunk_bounds(s[0], w, q) for q in range(w)] for s in full]
 
-        def rows(i: int, q: int) -> int:
-            start, stop = _chunk(full[i][0], w, q)
-            return (stop - start) * math.prod(full[i][1:])
+        def held(b, q: int) -> int:  # elements of block b on rank q
+            start, stop = bounds[b.leaf][q]
+            return max(0, min(stop, b.rows[1]) - max(start, b.rows[0])) * (b.cols[1] - b.cols[0])
 
-        mats = [i for i, o in enumerate(owners) if o is not None]
-        ins = [sum(rows(i, q) for i in mats) for q in range(w)]  # each rank's rows of every matrix
-        outs = [sum(math.prod(full[i]) for i in mats if owners[i] == q) for q in range(w)]  # matrices owned
-        own = [sum(rows(i, q) for i in mats if owners[i] == q) for q in range(w)]  # rows a rank keeps
-        sent = max(max(ins[q], outs[q]) - own[q] for q in range(w)) * item
-        nbytes = max(ins[me], outs[me]) * item
-        a2a = CommCost("all_to_all", "shard", nbytes, (w - 1) / w * nbytes, sent, dtype)
-        busiest = max(range(w), key=lambda q: (loads[q], -q))
-        work = {}
-        for q in {busiest, me}:
+        local_ns: dict[int, Work] = {}
+        for q in range(w):  # batched (3-D) leaves: orthogonalised where they lie
             ns = EMPTY
-            for i, s in enumerate(full):
-                if owners[i] is None:  # a batch of matrices, sharded along the batch: local
-                    start, stop = _chunk(s[0], w, q)
-                    if stop > start:
-                        ns = ns + self._ns_work((stop - start, *s[1:]), dtype)
-            by_shape: dict[tuple, int] = {}
-            for i in mats:
-                if owners[i] == q:
-                    by_shape[full[i]] = by_shape.get(full[i], 0) + 1
-            for s, k in by_shape.items():
-                ns = ns + self._ns_work(s if k == 1 else (k, *s), dtype)
-            # Sending my rows out, assembling and stacking owned matrices, slicing them back.
-            copies = Work(bytes=(2 * ins[q] + 6 * outs[q]) * item, ops=4 * len(mats))
-            work[q] = ns + copies
-        ns_flops = tuple(loads)
-        return (a2a, work[busiest], a2a), ns_flops
+            for i in sched.local:
+                start, stop = bounds[i][q]
+                if stop > start:
+                    ns = ns + self._ns_work((stop - start, *full[i][1:]), dtype)
+            local_ns[q] = ns
+        buckets = []
+        for k, idx in enumerate(sched.buckets):
+            ins = [sum(held(sched.blocks[j], q) for j in idx) for q in range(w)]  # rows each rank sends out
+            outs = [sum(sched.blocks[j].shape[0] * sched.blocks[j].shape[1] for j in idx if sched.owners[j] == q) for q in range(w)]
+            own = [sum(held(sched.blocks[j], q) for j in idx if sched.owners[j] == q) for q in range(w)]
+            nbytes = max(ins[me], outs[me]) * item  # as fsdpfn.comm records an all-to-all
+            sent = max(max(ins[q], outs[q]) - own[q] for q in range(w)) * item
+            work = []
+            for q in range(w):
+                ns = EMPTY
+                by_shape: dict[tuple[int, int], int] = {}
+                for j in idx:
+                    if sched.owners[j] == q:
+                        by_shape[sched.blocks[j].shape] = by_shape.get(sched.blocks[j].shape, 0) + 1
+                for s, n in by_shape.items():
+                    ns = ns + self._ns_work(s if n == 1 else (n, *s), dtype)
+                # assembling the owned blocks from the received rows, and packing them back
+                work.append(ns + Work(bytes=4 * outs[q] * item, ops=2 * sum(1 for j in idx if sched.owners[j] == q)))
+            pack = [Work(bytes=2 * ins[q] * item, ops=sum(1 for j in idx if held(sched.blocks[j], q))) for q in range(w)]
+            buckets.append((nbytes, sent, work, pack))
+
+        def busiest(works: list[Work]) -> Work:
+            return max(works, key=lambda x: (x.flops, x.bytes))
+
+        def a2a(k: int, way: str) -> CommCost:
+            nbytes, sent = buckets[k][0], buckets[k][1]
+            return CommCost("all_to_all", "shard", nbytes, (w - 1) / w * nbytes, sent, dtype, f"{way} {k}")
+
+        phases: list = []
+        if buckets:
+            phases += [busiest(buckets[0][3]), a2a(0, "out")]
+        phases.append(busiest(list(local_ns.values())))
+        for k in range(len(buckets)):
+            phases.append(Wait(f"out {k}"))
+            if k + 1 < len(buckets):
+                phases += [busiest(buckets[k + 1][3]), a2a(k + 1, "out")]
+            phases += [busiest(buckets[k][2]), a2a(k, "back")]
+            if k:
+                phases += [Wait(f"back {k - 1}"), busiest(buckets[k - 1][3])]  # unpacking: the packing's copy, reversed
+        if buckets:
+            phases += [Wait(f"back {len(buckets) - 1}"), busiest(buckets[-1][3])]
+        return [p for p in phases if not isinstance(p, Work) or p], tuple(sched.loads)
 
 
 def _minus(a: Work, b: Work) -> Work:

@@ -25,7 +25,9 @@ Memory follows the same walk in op order: a unit's unsharded parameters count fr
 communication buffers, full gradients (from a unit's backward to its reduce), and activations
 (from a unit's forward to the end of its backward) are added on top for the total peak.
 
-The optimizer step follows the last micro-batch: its phases in order, its collectives blocking.
+The optimizer step follows the last micro-batch: its phases in order; a collective blocks unless
+it is tagged (Muon's pipelined owner layout), then it runs on the ``optimizer`` stream until
+the :class:`fsdpfn.sim.Wait` of its tag.
 Collective bytes are counted per call as ``fsdpfn.comm`` records them, so they equal
 ``plan.cost()`` for the default schedules and a ``count_collectives()`` record of a real step.
 """
@@ -39,7 +41,7 @@ from fsdpfn import Plan
 from fsdpfn.runtime import Op, OpKind, Schedule, schedule as default_schedule, validate
 from fsdpfn.sim._engine import Task, run
 from fsdpfn.sim._hardware import Hardware, wire_bytes
-from fsdpfn.sim._optimizer import CommCost
+from fsdpfn.sim._optimizer import CommCost, Wait
 from fsdpfn.sim._workload import EMPTY, Work, Workload
 
 __all__ = ["SimResult", "Span", "Traffic", "simulate"]
@@ -77,6 +79,8 @@ class Span(NamedTuple):
 
     @property
     def label(self) -> str:
+        if self.op == -1:  # the optimizer step: the unit is a tag ("out 0") or nothing
+            return f"{self.kind} {self.unit}" if self.unit else self.kind
         unit = "<root>" if self.unit == ROOT else self.unit
         return f"{self.kind} {unit}" if self.unit is not None else self.kind
 
@@ -348,12 +352,22 @@ class _Builder:
 
     def optimizer(self, cost) -> None:
         self.op = -1
+        launched: dict[str, int] = {}
         for phase in cost.phases:
             if isinstance(phase, CommCost):
-                c = self.collective("optimizer", phase.kind, phase.group, phase.nbytes, "", "optimizer", sent=phase.sent)
-                self.compute(EMPTY, "wait", "", after=c)
+                c = self.collective("optimizer", phase.kind, phase.group, phase.nbytes, phase.tag, "optimizer", sent=phase.sent)
+                if phase.tag:
+                    launched[phase.tag] = c
+                else:
+                    self.compute(EMPTY, "wait", "", after=c)
+            elif isinstance(phase, Wait):
+                if phase.tag not in launched:
+                    raise ValueError(f"optimizer phase waits for {phase.tag!r}, which was not launched before it")
+                self.compute(EMPTY, "wait", phase.tag, after=launched.pop(phase.tag))
             else:
                 self.compute(phase, "optimizer", "")
+        if launched:
+            raise ValueError(f"optimizer phases launch {sorted(launched)} and never wait for them")
 
 
 def simulate(
