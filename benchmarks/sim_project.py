@@ -21,97 +21,19 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 import fsdpfn
 from fsdpfn import runtime, sim
+from fsdpfn.models import LLAMA3_8B, LLAMA3_70B, Llama
 
-# ---------------------------------------------------------------------------------------------
-# A Llama-style decoder (RMSNorm, grouped-query attention, SwiGLU MLP, untied embeddings)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    dim: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int = 128256
+LLAMA = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 
 
-LLAMA = {
-    "8b": LlamaConfig(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336),  # Llama 3 8B's shapes
-    "70b": LlamaConfig(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672),  # Llama 3 70B's shapes
-}
-
-
-class Attention(nn.Module):
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.dim // c.heads
-        self.wq = nn.Linear(c.dim, c.dim, bias=False)
-        self.wk = nn.Linear(c.dim, c.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(c.dim, c.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(c.dim, c.dim, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.w1 = nn.Linear(c.dim, c.ffn, bias=False)
-        self.w3 = nn.Linear(c.dim, c.ffn, bias=False)
-        self.w2 = nn.Linear(c.ffn, c.dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(c.dim)
-        self.attn = Attention(c)
-        self.mlp_norm = nn.RMSNorm(c.dim)
-        self.mlp = MLP(c)
-
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Llama(nn.Module):
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.embed = nn.Embedding(c.vocab, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.norm = nn.RMSNorm(c.dim)
-        self.output = nn.Linear(c.dim, c.vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.output(self.norm(x))
-
-
-def meta_llama(name: str) -> nn.Module:
+def meta_llama(name: str) -> torch.nn.Module:
     with torch.device("meta"):
         return Llama(LLAMA[name])
 

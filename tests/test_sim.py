@@ -369,4 +369,5 @@ def test_long_accumulations_extend_exactly():
         slow = sim.simulate(plan, None, wl, sim.Muon(), HW, micro_batches=7, accumulate=accumulate, exact=True)
         assert fast.traffic == slow.traffic and fast.memory == slow.memory
         assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
+        assert fast.comm_time == pytest.approx(slow.comm_time, rel=1e-9)
         assert fast.exposed_comm == pytest.approx(slow.exposed_comm, rel=1e-9, abs=1e-12)

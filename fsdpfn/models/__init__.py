@@ -1,6 +1,11 @@
-"""Small reference models used by the examples, tests and benchmarks."""
+"""Reference models used by the examples, tests and benchmarks: a small GPT to train, and a
+Llama-style decoder with Llama 3 8B / 70B shapes to plan and simulate on the meta device."""
 
 from fsdpfn.models._gpt import GPT as GPT
 from fsdpfn.models._gpt import GPTConfig as GPTConfig
+from fsdpfn.models._llama import LLAMA3_8B as LLAMA3_8B
+from fsdpfn.models._llama import LLAMA3_70B as LLAMA3_70B
+from fsdpfn.models._llama import Llama as Llama
+from fsdpfn.models._llama import LlamaConfig as LlamaConfig
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig"]

@@ -93,6 +93,7 @@ class SimResult:
       step_time: seconds from the first forward to the end of the optimizer step.
       optimizer_time: the optimizer step's part of it (after the schedule's last op).
       compute_time: seconds the compute stream is busy.
+      comm_time: seconds some collective is in flight.
       exposed_comm: seconds the compute stream waits for communication (not hidden).
       traffic: ``{"step": {kind: Traffic}, "optimizer": {kind: Traffic}}`` per rank: the
         schedule's collectives and the optimizer's.
@@ -118,6 +119,7 @@ class SimResult:
     level_bytes: dict
     memory: dict
     spans: tuple[Span, ...]
+    comm_time: float = 0.0
     plan: Plan = dataclasses.field(repr=False, compare=False, default=None)
     schedule: Schedule = dataclasses.field(repr=False, compare=False, default=None)
     hardware: Hardware = dataclasses.field(repr=False, compare=False, default=None)
@@ -132,10 +134,6 @@ class SimResult:
                 out[k] = out.get(k, Traffic()) + t
         return out
 
-    @property
-    def comm_time(self) -> float:
-        """Seconds some collective is in flight."""
-        return _union([(s.start, s.end) for s in self.spans if s.stream != "compute"])
 
     def summary(self) -> str:
         gib = 2**30
@@ -432,6 +430,7 @@ def simulate(
     schedule_end = max((t.end for t in b.tasks[:first_opt]), default=0.0)
     spans = tuple(Span(t.stream, t.start, t.end, t.kind, t.unit, t.nbytes, t.op, t.micro_batch) for t in b.tasks if t.end > t.start)
     busy = _union([(s.start, s.end) for s in spans if s.stream == "compute"])
+    in_flight = _union([(s.start, s.end) for s in spans if s.stream != "compute"])
     static = _static_memory(plan, opt_cost)
     memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
               "peak": sum(static.values()) + b.peak["total"]}
@@ -439,7 +438,8 @@ def simulate(
     if plan.hsdp:
         notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")
     traffic = {k: dict(sorted(v.items())) for k, v in b.traffic.items()}
-    return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, plan, sched, hardware, tuple(notes))
+    return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, in_flight,
+                     plan, sched, hardware, tuple(notes))
 
 
 def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank) -> SimResult:
@@ -459,6 +459,7 @@ def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, acc
         r3,
         step_time=ext(r2.step_time, r3.step_time),
         compute_time=ext(r2.compute_time, r3.compute_time),
+        comm_time=ext(r2.comm_time, r3.comm_time),
         exposed_comm=ext(r2.exposed_comm, r3.exposed_comm),
         traffic=traffic,
         level_bytes={lv: ext(r2.level_bytes[lv], v) for lv, v in r3.level_bytes.items()},

@@ -1,0 +1,142 @@
+"""Searches the fastest sharding plan that fits a memory budget, for a model and a cluster that
+need not exist here: the model is built on the meta device, the hardware is a preset, your own
+numbers, or fitted on the ranks of this machine.
+
+What it prints: the search's pick beside the default plan (zero3, prefetch 1), the pick's
+predicted step (time, exposed communication, bytes per link level, memory per rank), the first
+spans of its timeline, and the lines that build and run the picked plan.
+
+Usage:
+  python examples/plan_search.py                                       # Llama 3 8B, 64 H100s, 80 GB, Muon
+  python examples/plan_search.py --model 70b --gpus 1024 --optimizer adamw --checkpointing
+  python examples/plan_search.py --hardware A100_SXM --budget-gib 40   # another preset, a tighter budget
+  python examples/plan_search.py --flops 700e12 --intra-gbps 300 --inter-gbps 25 --memory-gib 96 \\
+      --gpus-per-node 4                                                # your own hardware's numbers
+  python examples/plan_search.py --model gpt --gpus 2 --hardware measure --budget-gib 0.5 --seq 128
+                                                                       # fitted on 2 gloo ranks here
+  python examples/plan_search.py --plot step.png                       # the pick's timeline, drawn
+
+Your own model: replace ``build_model`` (any ``nn.Module`` built under ``torch.device("meta")``)
+and ``batch`` (one rank's micro-batch, meta tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import fsdpfn
+from fsdpfn import sim
+from fsdpfn.launch import launch
+from fsdpfn.models import GPT, LLAMA3_8B, LLAMA3_70B, GPTConfig, Llama
+
+MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+OPTIMIZERS = {"adamw": sim.AdamW(), "muon": sim.Muon(layout="owner"), "muon-gather": sim.Muon(layout="gather")}
+
+
+def build_model(name: str, seq: int) -> torch.nn.Module:
+    with torch.device("meta"):  # nothing allocated: a 70B model plans in seconds
+        if name == "gpt":
+            return GPT(GPTConfig(vocab_size=2048, seq_len=seq, width=256, depth=4, heads=4, bias=False))
+        return Llama(MODELS[name])
+
+
+def batch(model: torch.nn.Module, seq: int) -> torch.Tensor:
+    return torch.zeros(1, seq, dtype=torch.long, device="meta")
+
+
+def hardware(args) -> sim.Hardware:
+    if args.hardware == "measure":
+        return launch(_measure, args.gpus)[0]
+    if args.flops is not None:  # your own numbers
+        if args.intra_gbps is None or args.inter_gbps is None:
+            raise SystemExit("--flops needs --intra-gbps and --inter-gbps too (GB/s each rank sends, within and across nodes)")
+        return sim.Hardware(
+            name=f"custom: {args.flops / 1e12:g} TFLOP/s, {args.intra_gbps:g}/{args.inter_gbps:g} GB/s",
+            matmul_flops={"bfloat16": args.flops, "float32": args.flops / 8},
+            memory_bandwidth=args.memory_gbps * 1e9,
+            memory=int(args.memory_gib * 2**30),
+            devices_per_node=args.gpus_per_node,
+            intra=sim.Link(args.alpha_us * 1e-6, args.intra_gbps * 1e9),
+            inter=sim.Link(args.alpha_us * 1e-6, args.inter_gbps * 1e9),
+        )
+    # Datasheet peaks derated to what kernels and NCCL typically reach.
+    return sim.PRESETS[args.hardware].scaled(flops=args.flops_derate, bandwidth=args.net_derate)
+
+
+def _measure(rank: int, world: int) -> sim.Hardware:
+    return sim.measure(sizes_mib=(0.25, 2, 8), repeats=3, dtypes=(torch.float32,))
+
+
+def main(argv=None) -> sim.SearchResult:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("8b", "70b", "gpt"), default="8b")
+    p.add_argument("--gpus", type=int, default=64, help="ranks (HSDP shapes R x G/R are searched too)")
+    p.add_argument("--budget-gib", type=float, default=None, help="memory per rank (default: the hardware's memory)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="muon")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one sequence per micro-batch)")
+    p.add_argument("--global-tokens", type=int, default=4 * 2**20, help="tokens per step over all ranks")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per unit")
+    p.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"])
+    p.add_argument("--flops-derate", type=float, default=0.75)
+    p.add_argument("--net-derate", type=float, default=0.8)
+    p.add_argument("--flops", type=float, default=None, help="your hardware: bf16 matmul FLOP/s")
+    p.add_argument("--intra-gbps", type=float, default=None)
+    p.add_argument("--inter-gbps", type=float, default=None)
+    p.add_argument("--alpha-us", type=float, default=5.0, help="latency per ring hop")
+    p.add_argument("--memory-gib", type=float, default=80.0)
+    p.add_argument("--memory-gbps", type=float, default=3000.0)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--prefetch", default="0,1,2")
+    p.add_argument("--plot", default=None, help="save the pick's timeline as an image")
+    args = p.parse_args(argv)
+    if args.gpus < 1 or args.seq < 1 or args.global_tokens < args.seq:
+        p.error("--gpus and --seq must be >= 1 and --global-tokens >= --seq")
+
+    hw = hardware(args)
+    model = build_model(args.model, args.seq)
+    x = batch(model, args.seq)
+    budget = args.budget_gib * 2**30 if args.budget_gib is not None else hw.memory
+    micro = max(1, args.global_tokens // (args.seq * args.gpus))  # micro-batches per rank per step
+    mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.model != "gpt" else None
+    workloads: dict = {}
+    if args.checkpointing:  # profile once, then keep only what checkpointing saves
+        plan = fsdpfn.plan(model, (args.gpus,), mp=mp)
+        workloads[tuple(u.name for u in plan.units)] = sim.profile(model, plan, x).with_activation_checkpointing()
+    print(hw)
+    res = sim.search(
+        model, args.gpus, budget, x,
+        hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, workloads=workloads,
+        units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")),
+        loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
+    )
+    print(f"\n{args.model}, {args.gpus} ranks, {micro} micro-batch(es) of {args.seq} tokens per rank per step, "
+          f"optimizer {args.optimizer}\n")
+    print(res)
+    print("\nthe pick, predicted:\n" + res.result.summary())
+    print("\n" + res.result.timeline(limit=12))
+    if args.plot:
+        res.result.plot(args.plot, title=f"{args.model} on {args.gpus} ranks: the search's pick")
+        print(f"\ntimeline drawn to {args.plot}")
+    strategy = {(u.name or "<root>"): u.strategy for u in res.plan.units}
+    print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
+          "  plan = fsdpfn.plan(model, mesh, strategy={}{})\n"
+          "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={})".format(
+              res.plan.mesh_shape, ", mesh_dim_names=('replicate', 'shard')" if len(res.plan.mesh_shape) == 2 else "",
+              _fold(strategy), ", mp=..." if mp is not None else "", res.schedule.prefetch))
+    return res
+
+
+def _fold(strategy: dict[str, str]) -> str:
+    """The strategy dict with the most common value as ``"*"``."""
+    values = list(strategy.values())
+    common = max(set(values), key=values.count)
+    rest = {k: v for k, v in strategy.items() if v != common}
+    return repr({"*": common, **rest})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

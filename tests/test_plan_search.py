@@ -1,0 +1,64 @@
+"""examples/plan_search.py, the README's rerunnable search: a meta model, a preset or custom
+hardware, a budget; the pick fits, is no slower than the default, and is printed with the lines
+that build it."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import fsdpfn
+from fsdpfn import sim
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("plan_search", ROOT / "examples" / "plan_search.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpt_on_a_preset(capsys):
+    res = _example().main(["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "1024",
+                           "--budget-gib", "0.25", "--optimizer", "adamw"])
+    out = capsys.readouterr().out
+    assert res.result.memory["peak"] <= 0.25 * 2**30
+    assert res.result.step_time <= res.default.step_time
+    assert "pick:" in out and "default: zero3, prefetch 1" in out and "rt = fsdpfn.runtime.Runtime(model, plan, prefetch=" in out
+    # the printed strategy builds the picked plan
+    strategy = {(u.name or "<root>"): u.strategy for u in res.plan.units}
+    with torch.device("meta"):
+        model = _example().build_model("gpt", 64)
+    assert fsdpfn.plan(model, res.plan.mesh_shape, strategy=strategy) == res.plan
+
+
+def test_llama_8b_on_custom_hardware(capsys):
+    res = _example().main(["--model", "8b", "--gpus", "16", "--prefetch", "1", "--flops", "700e12", "--intra-gbps", "300",
+                           "--inter-gbps", "25", "--memory-gib", "96", "--gpus-per-node", "4"])
+    out = capsys.readouterr().out
+    assert "custom: 700 TFLOP/s, 300/25 GB/s" in out
+    assert res.result.hardware.devices_per_node == 4
+    assert res.result.memory["peak"] <= 96 * 2**30
+
+
+def test_bad_flags_name_themselves(capsys):
+    with pytest.raises(SystemExit):
+        _example().main(["--flops", "1e15"])
+    with pytest.raises(SystemExit):
+        _example().main(["--gpus", "0"])
+    err = capsys.readouterr().err
+    assert "--gpus" in err
+
+
+def test_llama_shapes():
+    with torch.device("meta"):
+        m = fsdpfn.models.Llama(fsdpfn.models.LLAMA3_70B)
+    assert round(sum(p.numel() for p in m.parameters()) / 1e9, 1) == 70.6
+    with pytest.raises(ValueError, match="kv_heads"):
+        fsdpfn.models.LlamaConfig(dim=64, layers=1, heads=6, kv_heads=4, ffn=128)
+    assert isinstance(sim.H100_SXM, sim.Hardware)
