@@ -93,14 +93,18 @@ def _workloads(model, plan, x, y, timed_compute):
     return wl, dataclasses.replace(timed, work=work)
 
 
+def _model_and_batch(rank, args):
+    """The GPT of the command line and this rank's batch ``(x, y)``."""
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    gen = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
+    return GPT(cfg), tokens[:, :-1], tokens[:, 1:]
+
+
 def _rank(rank, world, args):
     torch.manual_seed(0)
     probes = [sim.measure_timings(dtypes=(torch.float32,))]
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
-    model = GPT(cfg)
-    gen = torch.Generator().manual_seed(1 + rank)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    model, x, y = _model_and_batch(rank, args)
     ns_dtype = getattr(torch, args.ns_dtype)
     runs = []
     workloads = {}
@@ -183,11 +187,7 @@ def _search_rank(rank, world, args):
     torch.manual_seed(0)
     probes = [sim.measure_timings(dtypes=(torch.float32,)) for _ in range(2)]
     hw = sim.fit_hardware(probes, name=f"this machine, {world} gloo ranks", stat=args.stat)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
-    model = GPT(cfg)
-    gen = torch.Generator().manual_seed(1 + rank)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    model, x, y = _model_and_batch(rank, args)
     ns_dtype = getattr(torch, args.ns_dtype)
     opt_name = args.optimizers[0]
     _, opt_model = _opt(opt_name, ns_dtype)
