@@ -14,12 +14,18 @@ exactly.
 Model: GPT width 256, 4 blocks, vocabulary 2048, sequence 128, batch 4 per rank by default:
 an eighth of BENCHMARKS.md's FLOPs (width 512, vocab 4096, seq 256), so that the whole grid
 (4 strategies + HSDP x 3 world sizes x 3 prefetch depths x 2 optimizers, interleaved, on two
-shared cores) runs in about 20 minutes instead of hours; ``--width 512 --vocab 4096 --seq 256``
-runs the BENCHMARKS.md model. Muon runs Newton-Schulz in fp32 (``--ns-dtype``): this CPU has no
+shared cores) runs in 9 minutes; ``--width 512 --vocab 4096 --seq 256 --steps 5`` runs the
+BENCHMARKS.md model (about 30 minutes: 6.5 at W=2, 10 at W=3, 14 at W=4). Muon runs Newton-Schulz in fp32 (``--ns-dtype``): this CPU has no
 fast bf16 matmul.
+
+Every configuration of a world size stays alive through its rounds (that is what interleaving
+needs), so memory grows with the grid: with BENCHMARKS.md's model at W=4 (4 ranks in 24 GiB) run
+one optimizer at a time (``--optimizers adamw``, then ``--optimizers muon``).
 
 Usage:
   OMP_NUM_THREADS=1 python benchmarks/sim_validate.py
+  OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --width 512 --vocab 4096 --seq 256 --steps 5   # BENCHMARKS.md's model
+  OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --search-check      # the search's pick against the default, run
   OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --world-sizes 2 --strategies zero3 --steps 5   # a quick look
 """
 
@@ -285,6 +291,9 @@ def main(argv=None):
         t0 = time.time()
         rows, hw = launch(_rank, w, args)[0]
         print(f"\nW={w} ({time.time() - t0:.0f} s) hardware fitted on timings taken between the rounds:\n{hw}")
+        if len(args.world_sizes.split(",")) > 1:  # kept if a later world size fails (e.g. out of memory)
+            _table(rows)
+        sys.stdout.flush()
         all_rows += rows
     _table(all_rows)
 

@@ -110,7 +110,7 @@ def main(argv=None) -> sim.SearchResult:
     res = sim.search(
         model, args.gpus, budget, x,
         hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, workloads=workloads,
-        units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")),
+        units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")), accumulate=("reduce", "local"),
         loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
     )
     print(f"\n{args.model}, {args.gpus} ranks, {micro} micro-batch(es) of {args.seq} tokens per rank per step, "
@@ -124,9 +124,10 @@ def main(argv=None) -> sim.SearchResult:
     strategy = {(u.name or "<root>"): u.strategy for u in res.plan.units}
     print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
           "  plan = fsdpfn.plan(model, mesh, strategy={}{})\n"
-          "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={})".format(
+          "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{})".format(
               res.plan.mesh_shape, ", mesh_dim_names=('replicate', 'shard')" if len(res.plan.mesh_shape) == 2 else "",
-              _fold(strategy), ", mp=..." if mp is not None else "", res.schedule.prefetch))
+              _fold(strategy), ", mp=..." if mp is not None else "", res.schedule.prefetch,
+              ', accumulate="local"  # micro-batches inside rt.accumulating() reduce nothing' if res.accumulate == "local" else ""))
     return res
 
 

@@ -342,6 +342,29 @@ def test_search_equals_the_default_where_nothing_is_faster():
     assert res.plan == fsdpfn.plan(model, (2,)) and res.schedule.prefetch == 1 and res.speedup == 1.0
 
 
+def test_search_over_accumulation_and_its_bad_arguments():
+    """With 6 micro-batches on slow links, reducing only the last one is faster where the full
+    gradients fit; under a budget too small for them the search keeps reducing each one. Bad
+    arguments are named before anything is profiled."""
+    model = _model("meta")
+    x, y = _batch(device="meta")
+    hw = dataclasses.replace(HW, intra=sim.Link(1e-4, 1e6), inter=sim.Link(1e-4, 1e5))
+    kw = dict(hardware=hw, optimizer=sim.AdamW(), loss_fn=_loss(y), units=[None], workloads=_WORKLOADS, micro_batches=6,
+              strategies=("zero3",), prefetch=(1,), mesh_shapes=[(4,)])
+    roomy = sim.search(model, 4, 2**30, x, accumulate=("reduce", "local"), **kw)
+    assert roomy.accumulate == "local" and roomy.speedup > 1.2, str(roomy)  # the reduce-scatters of 5 micro-batches saved
+    local = sim.simulate(roomy.plan, roomy.schedule, _workload(roomy.plan), sim.AdamW(), hw, micro_batches=6, accumulate="local")
+    assert local.step_time == roomy.result.step_time
+    tight = sim.search(model, 4, roomy.default.memory["peak"], x, accumulate=("reduce", "local"), **kw)
+    assert tight.accumulate == "reduce" and tight.speedup == 1.0
+    for bad, match in [(dict(accumulate="sum"), "accumulate"), (dict(prefetch=(-1,)), "prefetch"), (dict(strategies=("zero4",)), "strategies"),
+                       (dict(micro_batches=0), "micro_batches")]:
+        with pytest.raises(ValueError, match=match):
+            sim.search(model, 4, 2**30, x, **{**kw, **bad})
+    with pytest.raises(ValueError, match="budget"):
+        sim.search(model, 4, 0, x, **kw)
+
+
 def test_abstract_plans_for_1024_ranks_build_in_seconds():
     # Tests never assert on time; this bound (10x what it takes here) guards against a quadratic
     # blow-up in plan building or simulation, not a benchmark.

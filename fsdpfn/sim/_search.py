@@ -11,7 +11,9 @@ For a model and a number of ranks the search tries:
   transformer; the root alone); each class gets a strategy, and the largest class may split:
   its last ``k`` units take another strategy (the blocks nearest the loss, which backward
   needs first);
-- prefetch depths.
+- prefetch depths;
+- with several micro-batches and ``accumulate=("reduce", "local")``: whether every micro-batch
+  reduces its gradients or only the last one does (full gradients kept in between).
 
 The product of these is far too large to simulate whole (six unit classes and four strategies
 already make 4^6 assignments), so for every mesh shape and grouping the search descends:
@@ -28,6 +30,7 @@ smallest memory: the search returns the default wherever nothing is faster.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -56,13 +59,16 @@ class Candidate:
     step_time: float
     peak: int
     fits: bool
+    accumulate: str = "reduce"
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
-        (``blocks.*: zero2``; ``blocks.2-3: zero1`` for a split)."""
+        (``blocks.*: zero2``; ``blocks.2-3: zero1`` for a split), and ``accumulate local``
+        where only the last micro-batch reduces."""
         strategies = sorted({s for _, s in self.strategy})
         strat = strategies[0] if len(strategies) == 1 else _fold(self.strategy)
-        return f"mesh {'x'.join(map(str, self.mesh_shape))}, units {self.units}, prefetch {self.prefetch}, {strat}"
+        acc = ", accumulate local" if self.accumulate == "local" else ""
+        return f"mesh {'x'.join(map(str, self.mesh_shape))}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}"
 
 
 def _fold(assignment: tuple[tuple[str, str], ...]) -> str:
@@ -99,6 +105,7 @@ class SearchResult:
 
     Attributes:
       plan, schedule, result: the winning plan, its schedule and its :class:`SimResult`.
+      accumulate: the pick's gradient accumulation (``fsdpfn.runtime.Runtime(accumulate=...)``).
       default: the :class:`SimResult` of the default plan (zero3 on ``(W,)``, prefetch 1).
       default_fits: whether the default fits the budget.
       candidates: every configuration tried (:class:`Candidate`), fastest first.
@@ -112,6 +119,7 @@ class SearchResult:
     default_fits: bool
     candidates: tuple[Candidate, ...]
     budget: float
+    accumulate: str = "reduce"
 
     @property
     def speedup(self) -> float:
@@ -172,29 +180,34 @@ def _classes(plan: Plan) -> list[list[str]]:
     return sorted(groups.values(), key=len, reverse=True)
 
 
-def _moves(state: tuple, classes: list[list[str]], strategies: Sequence[str], prefetch: Sequence[int], splits: int):
-    """Every single change of ``state`` = ``(class strategies, (split strategy, k), prefetch)``."""
-    per_class, split, p = state
+def _moves(state: tuple, classes: list[list[str]], strategies: Sequence[str], prefetch: Sequence[int], splits: int,
+           accumulates: Sequence[str] = ("reduce",)):
+    """Every single change of ``state`` = ``(class strategies, (split strategy, k), prefetch,
+    accumulate)``."""
+    per_class, split, p, acc = state
     for i in range(len(classes)):
         for s in strategies:
             if s != per_class[i]:
-                yield (per_class[:i] + (s,) + per_class[i + 1 :], split, p)
+                yield (per_class[:i] + (s,) + per_class[i + 1 :], split, p, acc)
     big = len(classes[0])
     if big > 1 and splits:
         ks = sorted({max(1, round(big * f / (splits + 1))) for f in range(1, splits + 1)} - {big})
         for s in strategies:
             for k in ks:
                 if (s, k) != split and s != per_class[0]:
-                    yield (per_class, (s, k), p)
+                    yield (per_class, (s, k), p, acc)
         if split is not None:
-            yield (per_class, None, p)
+            yield (per_class, None, p, acc)
     for q in prefetch:
         if q != p:
-            yield (per_class, split, q)
+            yield (per_class, split, q, acc)
+    for a in accumulates:
+        if a != acc:
+            yield (per_class, split, p, a)
 
 
 def _assignment(state: tuple, classes: list[list[str]]) -> dict[str, str]:
-    per_class, split, _ = state
+    per_class, split = state[0], state[1]
     out = {u: s for cls, s in zip(classes, per_class) for u in cls}
     if split is not None:
         s, k = split
@@ -218,7 +231,7 @@ def search(
     splits: int = 3,
     mp: fsdpfn.MixedPrecision | None = None,
     micro_batches: int = 1,
-    accumulate: str = "reduce",
+    accumulate: str | Sequence[str] = "reduce",
     workloads: dict | None = None,
     rel_tol: float = 1e-3,
 ) -> SearchResult:
@@ -239,7 +252,10 @@ def search(
       mesh_shapes: mesh shapes to try (default: all for ``world``).
       splits: points at which the largest unit class may split between two strategies.
       mp: the mixed-precision policy of every plan.
-      micro_batches, accumulate: as :func:`simulate`.
+      micro_batches: as :func:`simulate`.
+      accumulate: as :func:`simulate`, or several to search over (``("reduce", "local")``;
+        with one micro-batch they are the same step and only the first is tried). The default
+        plan is compared with ``"reduce"`` (the runtime's default) when it is among them.
       workloads: a dict reused across calls to cache profiles (keyed by unit names).
       rel_tol: step times this close count as equal (ties go to the default plan).
 
@@ -254,25 +270,27 @@ def search(
       >>> res.result.memory["peak"] <= 2**30, res.speedup >= 1.0
       (True, True)
     """
+    accumulates = _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits)
     if isinstance(world, int):
         shapes = list(mesh_shapes) if mesh_shapes is not None else _mesh_shapes(world)
         world_size = world
     else:
         shapes = [tuple(world)]
-        world_size = int(torch.tensor(world).prod())
+        world_size = math.prod(world)
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
     cache = {} if workloads is None else workloads
-    seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch) -> (Candidate, plan, schedule, result)
+    seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
+    default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
-    def evaluate(u_opt, label, wl, shape, assignment, p):
-        key = (label, shape, tuple(sorted(assignment.items())), p)
+    def evaluate(u_opt, label, wl, shape, assignment, p, acc):
+        key = (label, shape, tuple(sorted(assignment.items())), p, acc)
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
             plan = fsdpfn.plan(model, shape, units=u_opt, strategy=strategy, mp=mp)
             sched = make_schedule(plan, prefetch=p)
-            res = simulate(plan, sched, wl, optimizer, hardware, micro_batches=micro_batches, accumulate=accumulate)
-            cand = Candidate(shape, label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget)
+            res = simulate(plan, sched, wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
+            cand = Candidate(shape, label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc)
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -295,14 +313,14 @@ def search(
         classes = _classes(base)
         start_p = 1 if 1 in prefetch else prefetch[0]
         for shape in shapes:
-            state = (("zero3",) * len(classes), None, start_p)
-            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p)
+            state = (("zero3",) * len(classes), None, start_p, default_acc)
+            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc)
             if u_opt is None and shape == (world_size,) and start_p == 1:
                 default = current
             while True:
                 best_state, best = None, current
-                for nxt in _moves(state, classes, strategies, prefetch, splits):
-                    entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2])
+                for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates):
+                    entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3])
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -314,7 +332,7 @@ def search(
         key = tuple(u.name for u in plan.units)
         if key not in cache:
             cache[key] = profile(model, plan, *inputs, loss_fn=loss_fn)
-        default = evaluate(None, "default", cache[key], (world_size,), {u.name: "zero3" for u in plan.units}, 1)
+        default = evaluate(None, "default", cache[key], (world_size,), {u.name: "zero3" for u in plan.units}, 1, default_acc)
     fitting = [c for c in candidates if c[0].fits]
     if not fitting:
         small = min(candidates, key=lambda c: c[0].peak)
@@ -325,5 +343,30 @@ def search(
     near = [c for c in fitting if c[0].step_time <= best_time * (1 + rel_tol)]
     pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
     ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
-    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget)
+    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate)
 
+
+def _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits) -> tuple[str, ...]:
+    """Every argument checked before anything is profiled; returns the accumulate modes to try."""
+    if isinstance(world, int):
+        if world < 1:
+            raise ValueError(f"search: world must be >= 1 ranks, got {world}")
+    elif not world or any(not isinstance(d, int) or d < 1 for d in world):
+        raise ValueError(f"search: a mesh shape must be positive ints, got {world!r}")
+    if not budget > 0:
+        raise ValueError(f"search: budget is bytes per rank and must be > 0, got {budget!r}")
+    bad = [s for s in strategies if s not in DEFAULT_STRATEGIES]
+    if not strategies or bad:
+        raise ValueError(f"search: strategies must be some of {DEFAULT_STRATEGIES}, got {tuple(strategies)!r}")
+    if not prefetch or any(not isinstance(p, int) or p < 0 for p in prefetch):
+        raise ValueError(f"search: prefetch must be depths >= 0 (e.g. (0, 1, 2)), got {tuple(prefetch)!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"search: micro_batches must be an int >= 1, got {micro_batches!r}")
+    if not isinstance(splits, int) or splits < 0:
+        raise ValueError(f"search: splits must be an int >= 0, got {splits!r}")
+    accumulates = (accumulate,) if isinstance(accumulate, str) else tuple(dict.fromkeys(accumulate))
+    if not accumulates or any(a not in ("reduce", "local") for a in accumulates):
+        raise ValueError(f"search: accumulate must be 'reduce', 'local' or both, got {accumulate!r}")
+    if micro_batches == 1:  # one micro-batch: the same step either way
+        accumulates = accumulates[:1]
+    return accumulates
