@@ -283,6 +283,8 @@ def test_muon_owner_pipeline_overlaps_buckets_as_the_layout_runs_them():
         return sum(max(0.0, min(w.end, a.end) - max(w.start, a.start)) for w in work for a in a2a)
 
     assert overlapped(one) == 0.0 and overlapped(four) > 0.0
+    with pytest.raises(ValueError, match="Muon.buckets"):
+        sim.Muon(buckets=0)
 
 
 def test_search_beats_the_default_where_it_should():

@@ -212,6 +212,8 @@ class Muon:
             raise ValueError(f"Muon.layout must be 'owner' or 'gather', got {self.layout!r}")
         if self.ns_method not in ("standard", "gram"):
             raise ValueError(f"Muon.ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
+        if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1):
+            raise ValueError(f"Muon.buckets must be None (automatic) or an int >= 1, got {self.buckets!r}")
 
     def __str__(self) -> str:
         return f"muon {self.layout}" + (f" {self.ns_method}" if self.ns_method != "standard" else "")
