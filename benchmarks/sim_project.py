@@ -142,7 +142,7 @@ def search_demo(args, hw):
         micro = max(1, args.global_tokens // (args.seq * gpus))
         res = sim.search(model, gpus, budget, x, hardware=h, optimizer=opt, mp=MP, units=[None], prefetch=(0, 1, 2),
                          workloads=cache, micro_batches=micro, accumulate=("reduce", "local"))
-        pick = res.candidates_fitting[0].describe() if res.speedup > 1 else "the default"
+        pick = res.candidate.describe() if res.speedup > 1 else "the default"
         print(f"| {label} | {res.default.step_time * 1e3:.0f} ms | {pick} | {res.result.step_time * 1e3:.0f} ms | "
               f"{res.speedup:.2f}x | {res.result.memory['peak'] / 2**30:.1f} / {budget / 2**30:.1f} GiB |  "
               f"<!-- {len(res.candidates)} candidates, {time.perf_counter() - t0:.0f} s -->")

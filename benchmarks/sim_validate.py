@@ -227,7 +227,7 @@ def _search_rank(rank, world, args):
                 side["times"].append(t)
     if rank != 0:
         return None
-    pick = res.candidates_fitting[0].describe() if res.speedup > 1 else "the default"
+    pick = res.candidate.describe() if res.speedup > 1 else "the default"
     ratios = [p / d for p, d in zip(sides["pick"]["times"], sides["default"]["times"])]
     return dict(world=world, pick=pick, pred_default=res.default.step_time, pred_pick=res.result.step_time,
                 peak_default=res.default.memory["peak"], peak_pick=res.result.memory["peak"],

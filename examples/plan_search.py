@@ -124,10 +124,10 @@ def main(argv=None) -> sim.SearchResult:
     strategy = {(u.name or "<root>"): u.strategy for u in res.plan.units}
     print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
           "  plan = fsdpfn.plan(model, mesh, strategy={}{})\n"
-          "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{})".format(
+          "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{}".format(
               res.plan.mesh_shape, ", mesh_dim_names=('replicate', 'shard')" if len(res.plan.mesh_shape) == 2 else "",
               _fold(strategy), ", mp=..." if mp is not None else "", res.schedule.prefetch,
-              ', accumulate="local"  # micro-batches inside rt.accumulating() reduce nothing' if res.accumulate == "local" else ""))
+              ', accumulate="local")  # micro-batches inside rt.accumulating() reduce nothing' if res.accumulate == "local" else ")"))
     return res
 
 

@@ -329,6 +329,10 @@ def test_search_never_returns_a_plan_over_budget(budget_mib, opt, bandwidth):
         return
     assert res.result.memory["peak"] <= budget
     assert res.result.step_time <= res.default.step_time or not res.default_fits
+    c = res.candidate  # the pick, described as it is
+    assert c.fits and c.step_time == res.result.step_time and c.peak == res.result.memory["peak"]
+    assert c.prefetch == res.schedule.prefetch and c.mesh_shape == res.plan.mesh_shape
+    assert dict(c.strategy) == {u.name: u.strategy for u in res.plan.units}
     again = sim.simulate(res.plan, res.schedule, _workload(res.plan), opt, hw)
     assert again.memory["peak"] == res.result.memory["peak"]
 

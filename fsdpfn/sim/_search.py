@@ -106,6 +106,9 @@ class SearchResult:
     Attributes:
       plan, schedule, result: the winning plan, its schedule and its :class:`SimResult`.
       accumulate: the pick's gradient accumulation (``fsdpfn.runtime.Runtime(accumulate=...)``).
+      candidate: the pick as a :class:`Candidate` (``candidate.describe()`` says what it is).
+        Among candidates within ``rel_tol`` of the fastest, the pick is the default if it is
+        one of them, else the one with the smallest peak, so it need not be ``candidates[0]``.
       default: the :class:`SimResult` of the default plan (zero3 on ``(W,)``, prefetch 1).
       default_fits: whether the default fits the budget.
       candidates: every configuration tried (:class:`Candidate`), fastest first.
@@ -120,6 +123,7 @@ class SearchResult:
     candidates: tuple[Candidate, ...]
     budget: float
     accumulate: str = "reduce"
+    candidate: Candidate | None = None
 
     @property
     def speedup(self) -> float:
@@ -128,7 +132,7 @@ class SearchResult:
 
     def __str__(self) -> str:
         gib = 2**30
-        best = self.candidates_fitting[0] if self.candidates_fitting else None
+        best = self.candidate
         lines = [f"search under {self.budget / gib:,.2f} GiB per rank: {len(self.candidates)} candidates, "
                  f"{len(self.candidates_fitting)} fit",
                  f"pick:    {best.describe() if best else '-'}: step {self.result.step_time * 1e3:,.2f} ms, "
@@ -343,7 +347,7 @@ def search(
     near = [c for c in fitting if c[0].step_time <= best_time * (1 + rel_tol)]
     pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
     ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
-    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate)
+    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate, pick[0])
 
 
 def _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits) -> tuple[str, ...]:
