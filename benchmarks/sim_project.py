@@ -131,15 +131,14 @@ def search_demo(args, hw):
     print("| case | default step | pick | pick step | speedup | pick peak / budget |")
     print("|---|---|---|---|---|---|")
     for label, gpus, budget, opt, h in cases:
+        micro = max(1, args.global_tokens // (args.seq * gpus))
         if budget is None:
             plan = fsdpfn.plan(model, (gpus,), mp=MP)
             key = tuple(u.name for u in plan.units)
             if key not in cache:
                 cache[key] = sim.profile(model, plan, x)
-            micro = max(1, args.global_tokens // (args.seq * gpus))
             budget = sim.simulate(plan, runtime.schedule(plan), cache[key], opt, h, micro_batches=micro).memory["peak"]
         t0 = time.perf_counter()
-        micro = max(1, args.global_tokens // (args.seq * gpus))
         res = sim.search(model, gpus, budget, x, hardware=h, optimizer=opt, mp=MP, units=[None], prefetch=(0, 1, 2),
                          workloads=cache, micro_batches=micro, accumulate=("reduce", "local"))
         pick = res.candidate.describe() if res.speedup > 1 else "the default"
