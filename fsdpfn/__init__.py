@@ -14,12 +14,16 @@ Example:
 """
 
 from fsdpfn._cost import PlanCost as PlanCost
+from fsdpfn._mesh import MeshAxes as MeshAxes
+from fsdpfn._mesh import Role as Role
 from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import ParamSpec as ParamSpec
 from fsdpfn._plan import Plan as Plan
+from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
 from fsdpfn._plan import plan as plan
 from fsdpfn.comm import count_collectives as count_collectives
+from fsdpfn.transforms import apply_tp as apply_tp
 from fsdpfn.transforms import init_full as init_full
 from fsdpfn.transforms import init_shards as init_shards
 from fsdpfn.transforms import load_safetensors as load_safetensors
@@ -39,11 +43,15 @@ from fsdpfn import testing as testing
 __version__ = "0.1.0"
 
 __all__ = [
+    "MeshAxes",
     "MixedPrecision",
     "ParamSpec",
     "Plan",
     "PlanCost",
+    "Role",
+    "Strategy",
     "Unit",
+    "apply_tp",
     "checkpoint",
     "comm",
     "count_collectives",

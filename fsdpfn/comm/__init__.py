@@ -1,7 +1,9 @@
 """The communication layer: every distributed call fsdpfn makes goes through here.
 
 Collectives on flat tensors, each beside its transpose (``all_gather`` / ``reduce_scatter``,
-``all_reduce``, ``all_to_all``, ``broadcast``), object and DTensor collectives built on them, one
+``all_reduce``, ``all_to_all``, ``broadcast``), the differentiable tensor-parallel activation
+collectives (``tp_copy`` / ``tp_reduce``, ``tp_gather_last`` / ``tp_split_last``), object and DTensor
+collectives built on them, one
 timeout for all of them, a counter (:func:`count_collectives`) and a flight recorder that names
 the ranks which are behind when a collective fails (:class:`CollectiveError`).
 
@@ -27,6 +29,7 @@ from fsdpfn.comm._collectives import set_reduce_scatter_impl as set_reduce_scatt
 from fsdpfn.comm._groups import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from fsdpfn.comm._groups import backend as backend
 from fsdpfn.comm._groups import destroy_process_group as destroy_process_group
+from fsdpfn.comm._groups import group_rank as group_rank
 from fsdpfn.comm._groups import group_ranks as group_ranks
 from fsdpfn.comm._groups import group_size as group_size
 from fsdpfn.comm._groups import init_process_group as init_process_group
@@ -47,6 +50,10 @@ from fsdpfn.comm._record import FlightRecord as FlightRecord
 from fsdpfn.comm._record import count_collectives as count_collectives
 from fsdpfn.comm._record import flight_records as flight_records
 from fsdpfn.comm._record import set_job as set_job
+from fsdpfn.comm._tp import tp_copy as tp_copy
+from fsdpfn.comm._tp import tp_gather_last as tp_gather_last
+from fsdpfn.comm._tp import tp_reduce as tp_reduce
+from fsdpfn.comm._tp import tp_split_last as tp_split_last
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -70,6 +77,7 @@ __all__ = [
     "destroy_process_group",
     "flight_records",
     "full_tensor",
+    "group_rank",
     "group_ranks",
     "group_size",
     "healthy",
@@ -83,5 +91,9 @@ __all__ = [
     "set_timeout",
     "timeout",
     "timeout_scope",
+    "tp_copy",
+    "tp_gather_last",
+    "tp_reduce",
+    "tp_split_last",
     "world_size",
 ]

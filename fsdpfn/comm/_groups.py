@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "backend",
     "destroy_process_group",
+    "group_rank",
     "group_ranks",
     "group_size",
     "init_process_group",
@@ -103,6 +104,11 @@ def world_size() -> int:
 
 def group_size(group=None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's index in ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if is_initialized() else 0
 
 
 def group_ranks(group=None) -> list[int]:

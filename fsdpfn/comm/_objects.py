@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdpfn._plan import chunk_size
+from fsdpfn._rows import chunk_size
 from fsdpfn.comm import _groups
 from fsdpfn.comm._collectives import CollectiveError, all_gather, all_reduce, broadcast
 from fsdpfn.comm._record import record

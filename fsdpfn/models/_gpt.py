@@ -2,6 +2,7 @@
 
 Pre-norm blocks (causal self-attention + GELU MLP) in an ``nn.ModuleList``, so fsdpfn's default
 unit policy makes each block a unit and leaves the embeddings, final norm and head in the root.
+:data:`TP_PLAN` splits its attention and MLP over a tensor-parallel axis (Megatron-style).
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# fsdpfn.plan(model, mesh, tp=TP_PLAN): qkv and fc split by output features, proj and out by
+# input features, so each block needs one all-reduce after attention and one after the MLP.
+TP_PLAN = {"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +47,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        # qkv rows are head-major (head 0's q, k, v, then head 1's, ...) and the head count is
+        # read off the tensor, so a colwise split of qkv over tp ranks hands each rank whole
+        # heads, and the same code runs on heads / tp of them.
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, c // self.heads).permute(3, 0, 2, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdpfn._plan import chunk_bounds, chunk_size
+from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, block_shape
 from fsdpfn.optim._checks import check_choice, check_int
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops

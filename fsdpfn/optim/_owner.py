@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from fsdpfn import comm as C
-from fsdpfn._plan import chunk_bounds
+from fsdpfn._rows import chunk_bounds
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, merge_blocks, split_blocks
 
 __all__ = [

@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from fsdpfn import Plan, optim
-from fsdpfn._plan import chunk_bounds
+from fsdpfn._rows import chunk_bounds
 from fsdpfn.sim._workload import EMPTY, Work, count_work
 
 __all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "Wait", "local_shapes", "owner_loads"]

@@ -24,8 +24,13 @@ from fsdpfn.transforms._sharding import shard_rank as shard_rank
 from fsdpfn.transforms._sharding import reduce as reduce
 from fsdpfn.transforms._sharding import shard as shard
 from fsdpfn.transforms._sharding import unshard as unshard
+from fsdpfn.transforms._sharding import tp_group as tp_group
+from fsdpfn.transforms._sharding import tp_rank as tp_rank
+from fsdpfn.transforms._sharding import tp_slice as tp_slice
+from fsdpfn.transforms._tp import apply_tp as apply_tp
 
 __all__ = [
+    "apply_tp",
     "CollectiveCall",
     "CollectiveCounter",
     "count_collectives",
@@ -44,5 +49,8 @@ __all__ = [
     "reduce",
     "set_reduce_scatter_impl",
     "shard",
+    "tp_group",
+    "tp_rank",
+    "tp_slice",
     "unshard",
 ]

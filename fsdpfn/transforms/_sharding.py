@@ -32,14 +32,16 @@ from typing import Any, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn import comm as C
 from fsdpfn import fp8 as F8
 from fsdpfn.transforms._checks import check_ranks_agree
 
-__all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
+__all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,30 +55,75 @@ def _mesh(plan: Plan):
     return plan.mesh
 
 
+def _group(plan: Plan, role: Role):
+    d = plan.axes.dim(role)
+    return None if d is None else _mesh(plan).get_group(d)
+
+
 def shard_group(plan: Plan):
-    """The process group of the plan's shard axis."""
-    mesh = _mesh(plan)
-    return mesh.get_group("shard") if plan.hsdp else mesh.get_group()
+    """The process group of the plan's data-parallel shard axis."""
+    return _group(plan, Role.SHARD)
 
 
 def replicate_group(plan: Plan):
-    """The process group of the plan's replicate axis (HSDP only)."""
-    return _mesh(plan).get_group("replicate")
+    """The process group of the plan's data-parallel replicate axis (``None`` without one)."""
+    return _group(plan, Role.REPLICATE)
+
+
+def tp_group(plan: Plan):
+    """The process group of the plan's tensor-parallel axis (``None`` without one)."""
+    return _group(plan, Role.TP)
+
+
+def _axis_rank(plan: Plan, role: Role) -> int:
+    d = plan.axes.dim(role)
+    return 0 if d is None else _mesh(plan).get_local_rank(d)
 
 
 def shard_rank(plan: Plan) -> int:
     """This process's index on the shard axis."""
-    mesh = _mesh(plan)
-    return mesh.get_local_rank("shard") if plan.hsdp else mesh.get_local_rank()
+    return _axis_rank(plan, Role.SHARD)
+
+
+def tp_rank(plan: Plan) -> int:
+    """This process's index on the tensor-parallel axis (0 without one)."""
+    return _axis_rank(plan, Role.TP)
 
 
 def placements(plan: Plan, name: str) -> tuple:
-    """DTensor placements of parameter ``name``: ``Shard(0)`` on the shard axis if the parameter
-    is sharded, ``Replicate()`` elsewhere."""
+    """DTensor placements of parameter ``name``, one per mesh dim, derived from the axes' roles.
+
+    Shard axis: ``Shard(0)`` if the parameter is sharded, else ``Replicate()``; when the tp
+    axis also splits dim 0 and comes after the shard axis in the mesh, the data-parallel rows
+    are cut from the tp-local rows, which DTensor spells ``_StridedShard(0, split_factor=tp)``
+    (as FSDP2 does on a 2-D mesh). Replicate axis: ``Replicate()``. Tp axis: ``Shard(d)`` for a
+    parameter split along dim ``d``, else ``Replicate()``.
+
+    Example:
+      >>> fsdpfn.transforms.placements(plan, "blocks.0.fc.weight")
+      (Shard(dim=0),)
+    """
+    return _placements(plan, name)
+
+
+def _placements(plan: Plan, name: str) -> tuple:
     unit = plan.unit_of(name)
-    sharded = unit.slots[name].sharded
-    inner = Shard(0) if sharded else Replicate()
-    return (Replicate(), inner) if plan.hsdp else (inner,)
+    spec = unit.param(name)
+    axes = plan.axes
+    out = []
+    for d, role in enumerate(axes.roles):
+        if role is Role.SHARD:
+            if not unit.slots[name].sharded:
+                out.append(Replicate())
+            elif spec.tp_dim == 0 and axes.tp_size > 1 and axes.dim(Role.TP) > d:
+                out.append(_StridedShard(0, split_factor=axes.tp_size))
+            else:
+                out.append(Shard(0))
+        elif role is Role.TP and spec.tp_dim is not None:
+            out.append(Shard(spec.tp_dim))
+        else:
+            out.append(Replicate())
+    return tuple(out)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -110,8 +157,25 @@ def from_local(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool =
 
 def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...]:
     start, stop = unit.local_rows(name, rank)
-    shape = plan.param(name).shape
+    shape = plan.param(name).local_shape
     return (stop - start, *shape[1:]) if shape else ()
+
+
+def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """This rank's tensor-parallel part of parameter ``name`` (a view of ``full``): the
+    ``rank``-th of ``tp`` equal slices along the parameter's tp dim, or ``full`` itself.
+
+    Example:
+      >>> fsdpfn.transforms.tp_slice(plan, "blocks.0.fc.weight", torch.zeros(128, 32)).shape
+      torch.Size([128, 32])
+    """
+    spec = plan.param(name)
+    d = spec.tp_dim
+    if d is None:
+        return full
+    rank = tp_rank(plan) if rank is None else rank
+    n = spec.local_shape[d]
+    return full.narrow(d, rank * n, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +183,7 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 # ---------------------------------------------------------------------------------------------
 
 
-def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allow_none: bool = False) -> None:
+def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allow_none: bool = False, tp_local: bool = False) -> None:
     """Raises ``ValueError`` unless ``tree`` is a dict holding exactly the plan's parameters, each
     a tensor of the plan's global shape (``None`` allowed with ``allow_none``): the one check of
     "these parameters belong to this plan", used by the transforms, the runtime and checkpoints.
@@ -152,7 +216,8 @@ def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allo
             continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{what}[{name!r}] must be a tensor, got {type(value).__name__}")
-        expected_shape = plan.param(name).shape
+        spec = plan.param(name)
+        expected_shape = spec.local_shape if tp_local and not isinstance(value, DTensor) else spec.shape
         if tuple(value.shape) != expected_shape:
             raise ValueError(
                 f"{what}[{name!r}] has shape {tuple(value.shape)}, but the plan says {expected_shape}; "
@@ -217,11 +282,15 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
         check_ranks_agree(plan, full)
+    if plan.tp and isinstance(model_or_params, torch.nn.Module):
+        from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
+
+        apply_tp(model_or_params, plan)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:
             for p in unit.params:
-                value = full[p.name]
+                value = tp_slice(plan, p.name, full[p.name])
                 start, stop = unit.local_rows(p.name, rank)
                 local = value.detach()[start:stop] if p.shape else value.detach()
                 out[p.name] = from_local(plan, p.name, local.clone().contiguous(), requires_grad)
@@ -276,8 +345,26 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
 
     Returns ``(pending, finish)``: ``finish(pending.wait())`` gives the full parameters, in
     ``unit.params`` order and in the gather dtype, written into ``out`` (a list of tensors shaped
-    like the parameters) if given. Split so the runtime can overlap the wait.
+    like the parameters) if given. Split so the runtime can overlap the wait. Under tensor
+    parallelism "full" is the tp-local part, and a ``"partial"`` parameter (a rowwise
+    layer's bias) is zeros on every tp position but 0, so the all-reduce after the layer adds
+    it once; its gradient, the same on every tp position, still reaches it whole.
     """
+    pending, finish = _gather(plan, unit, locals_, async_op)
+    partial = [i for i, p in enumerate(unit.params) if p.tp == "partial"] if tp_rank(plan) else []
+    if not partial:
+        return pending, finish
+
+    def finish_partial(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        fulls = finish(gathered, out)
+        for i in partial:
+            fulls[i].zero_()
+        return fulls
+
+    return pending, finish_partial
+
+
+def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], async_op: bool):
     dtype = plan.gather_dtype(unit)
     device = _device_of(locals_)
     w = plan.shard_size
@@ -302,7 +389,7 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
         stacked = gathered.view(w, unit.shard_numel) if gathered.numel() else None
         fulls = []
         for i, (p, local) in enumerate(zip(unit.params, locals_)):
-            full = out[i] if out is not None else torch.empty(p.shape, dtype=dtype, device=device)
+            full = out[i] if out is not None else torch.empty(p.local_shape, dtype=dtype, device=device)
             if slots[p.name].sharded:
                 _unpack_rows(full.view(-1), stacked, slots[p.name])
             else:
@@ -337,6 +424,8 @@ def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor], device: tor
             vals.append(torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf"))))  # gloo's max drops NaN
         flat = torch.stack(vals)
         C.all_reduce(flat, shard_group(plan), op="max", tag=unit.name)
+        if any(unit.param(n).tp_dim is not None for n in layout.amax_params):  # the whole tensor spans tp too
+            C.all_reduce(flat, tp_group(plan), op="max", tag=unit.name)
         amax = dict(zip(layout.amax_params, flat.unbind()))
     buf = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
     for p, local in zip(unit.params, locals_):
@@ -349,7 +438,7 @@ def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor], device: tor
             continue
         if not x.numel():
             continue
-        q = recipe.quantize(x.reshape(-1, p.shape[-1]), amax=amax.get(p.name))
+        q = recipe.quantize(x.reshape(-1, p.local_shape[-1]), amax=amax.get(p.name))
         data = q.data.view(torch.uint8).reshape(-1)
         buf[slot.offset : slot.offset + data.numel()].copy_(data)
         if slot.scale_size:
@@ -365,10 +454,10 @@ def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor], device: tor
             slot = layout.slots.get(p.name)
             target = out[i] if out is not None else None
             if slot is None:
-                full = target if target is not None else torch.empty(p.shape, dtype=dtype, device=device)
+                full = target if target is not None else torch.empty(p.local_shape, dtype=dtype, device=device)
                 full.copy_(local)
             elif not slot.fp8:
-                full = target if target is not None else torch.empty(p.shape, dtype=dtype, device=device)
+                full = target if target is not None else torch.empty(p.local_shape, dtype=dtype, device=device)
                 rows = _region(stacked, slot.offset, slot.size, dtype)
                 _unpack_rows(full.view(-1), rows, _Span(0, rows.shape[1]))
             else:
@@ -393,7 +482,7 @@ def _dequantize_rows(p, slot, stacked, recipe, dtype, device, amax, target, te: 
     """One FP8 parameter from the gathered bytes: its E4M3 rows and scales, in the whole
     weight's row-major order (the first ``rows`` of the ``W * chunk_rows`` gathered rows),
     dequantized into ``target`` (or a new tensor), or handed to Transformer Engine."""
-    n = p.shape[-1]
+    n = p.local_shape[-1]
     data = torch.empty(p.numel, dtype=torch.uint8, device=device)
     _unpack_rows(data, _region(stacked, slot.offset, slot.size, torch.uint8), _Span(0, slot.size))
     lines = data.view(-1, n)  # FP8 weights have elements (the plan selects numel > 0)
@@ -405,9 +494,9 @@ def _dequantize_rows(p, slot, stacked, recipe, dtype, device, amax, target, te: 
         _unpack_rows(raw, _region(stacked, slot.scale_offset, slot.scale_size, torch.uint8), _Span(0, slot.scale_size))
         scale = raw.view(recipe.scale_dtype).view(lines.shape[0], -1)
     qd = F8.Quantized(lines.view(torch.float8_e4m3fn), scale)
-    values = recipe.dequantize(qd, dtype).view(p.shape)
+    values = recipe.dequantize(qd, dtype).view(p.local_shape)
     if te:
-        return F8.te_tensor(recipe, qd, p.shape, dtype, values)
+        return F8.te_tensor(recipe, qd, p.local_shape, dtype, values)
     if target is None:
         return values
     target.copy_(values)
@@ -441,7 +530,7 @@ def reduce_unit(
     w = plan.shard_size
     rank = shard_rank(plan)
     slots = unit.slots
-    factor = (1.0 / plan.world_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
+    factor = (1.0 / plan.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
     if unit.sharded:
         buf = torch.zeros(w, unit.reduce_numel, dtype=rdtype, device=device)
         for p, g in zip(unit.params, grads):
@@ -463,7 +552,7 @@ def reduce_unit(
             first = C.Pending(out)
     else:
         parts = [
-            (g if g is not None else torch.zeros(p.shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
+            (g if g is not None else torch.zeros(p.local_shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
             for p, g in zip(unit.params, grads)
         ]
         out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype, device=device)
@@ -574,7 +663,7 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       (Shard(dim=0),)
     """
     _check_op(op)
-    check_params(full_grads, plan, "reduce(full_grads)", allow_none=True)
+    check_params(full_grads, plan, "reduce(full_grads)", allow_none=True, tp_local=True)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:

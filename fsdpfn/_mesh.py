@@ -1,0 +1,226 @@
+"""Named mesh axes and their roles: the one place that knows what each mesh dim is for.
+
+A plan runs on a ``DeviceMesh`` whose dims are named. Each name has a *role*:
+
+=================  ==============================================================================
+role               what the axis does
+=================  ==============================================================================
+``shard``          data parallel; parameters, gradients and optimizer state are sharded over it
+                   (FSDP / ZeRO). Its all-gather and reduce-scatter run here.
+``replicate``      data parallel; everything is replicated over it, gradients are all-reduced
+                   (DDP; the outer axis of HSDP).
+``tp``             tensor parallel; matmul weights are split over it (``colwise``/``rowwise``),
+                   the activation collectives run here, gradients are never averaged over it.
+``ep``             expert parallel (reserved: refused for now).
+=================  ==============================================================================
+
+Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp`` ->
+``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
+-> ``ep``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
+its name, and a 2-D mesh named ``("replicate", "shard")`` is HSDP, as they always were.
+
+Everything else (groups, sizes, the data-parallel world, DTensor placements) is derived here from
+the roles, never from how many dims the mesh has. The module imports nothing from fsdpfn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Mapping
+
+__all__ = ["Role", "MeshAxes", "DEFAULT_ROLES"]
+
+
+class Role(str, enum.Enum):
+    """What a mesh axis is for (see the module docstring).
+
+    Example:
+      >>> Role("tp"), Role.SHARD.is_data_parallel
+      (<Role.TP: 'tp'>, True)
+    """
+
+    SHARD = "shard"
+    REPLICATE = "replicate"
+    TP = "tp"
+    EP = "ep"
+
+    @property
+    def is_data_parallel(self) -> bool:
+        """Gradients are averaged over this axis (``shard`` and ``replicate``)."""
+        return self in (Role.SHARD, Role.REPLICATE)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DEFAULT_ROLES: Mapping[str, Role] = {
+    "shard": Role.SHARD, "dp_shard": Role.SHARD, "dp": Role.SHARD, "fsdp": Role.SHARD,
+    "replicate": Role.REPLICATE, "dp_replicate": Role.REPLICATE, "ddp": Role.REPLICATE,
+    "tp": Role.TP, "ep": Role.EP,
+}
+
+
+def _as_role(value: Any, where: str) -> Role:
+    try:
+        return Role(str(value.value if isinstance(value, Role) else value))
+    except ValueError:
+        raise ValueError(f"{where}: unknown role {value!r}; choose one of {', '.join(r.value for r in Role)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """The axes of a mesh: their sizes, names and roles. Frozen and validated.
+
+    Attributes:
+      shape: ranks along each mesh dim.
+      names: the dims' names.
+      roles: each dim's :class:`Role`.
+
+    Example:
+      >>> axes = MeshAxes.from_shape({"dp": 2, "tp": 2})
+      >>> axes.size(Role.SHARD), axes.tp_size, axes.dp_size, axes.dim(Role.TP)
+      (2, 2, 2, 1)
+      >>> MeshAxes.from_shape((2, 4)).roles  # a bare 2-D shape means HSDP
+      (<Role.REPLICATE: 'replicate'>, <Role.SHARD: 'shard'>)
+    """
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    roles: tuple[Role, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "names", tuple(self.names))
+        object.__setattr__(self, "roles", tuple(_as_role(r, "MeshAxes") for r in self.roles))
+        if not (len(self.shape) == len(self.names) == len(self.roles)) or not self.shape:
+            raise ValueError(f"MeshAxes needs one name and one role per mesh dim, got shape {self.shape}, names {self.names}, roles {self.roles}")
+        if any(s < 1 for s in self.shape):
+            raise ValueError(f"mesh dims must have >= 1 rank, got shape {self.shape}")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"mesh dim names must be distinct, got {self.names}")
+        for role in Role:
+            dims = [n for n, r in zip(self.names, self.roles) if r is role]
+            if len(dims) > 1:
+                raise ValueError(f"mesh axes {dims} all have role {role.value!r}; give each role to one axis (flatten them into one mesh dim)")
+        if Role.SHARD not in self.roles:
+            raise ValueError(
+                f"mesh {dict(zip(self.names, self.shape))} has no data-parallel shard axis; add one (size 1 is fine), "
+                "e.g. init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))"
+            )
+        if Role.EP in self.roles:
+            raise NotImplementedError(
+                f"mesh axis {self.names[self.roles.index(Role.EP)]!r} has role 'ep': expert parallelism is not supported yet; "
+                "drop the axis or give it another role"
+            )
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_names(cls, shape, names, axes: Mapping[str, Any] | None = None) -> "MeshAxes":
+        """Axes from dim sizes and names, roles from ``axes`` (``{name: role}``) or the
+        conventional names. ``names=None``: a 1-D mesh is the shard axis, a 2-D one HSDP."""
+        shape = tuple(shape)
+        axes = dict(axes or {})
+        if names is None:
+            if len(shape) == 1:
+                names = ("shard",)
+            elif len(shape) == 2:
+                names = ("replicate", "shard")
+            else:
+                raise ValueError(
+                    f"a {len(shape)}-D mesh needs dim names; build it with init_device_mesh(..., mesh_dim_names=(...)) "
+                    "using names such as 'replicate', 'shard', 'tp'"
+                )
+        names = tuple(names)
+        for key in axes:
+            if key not in names:
+                raise ValueError(f"axes={axes!r} names {key!r}, which is not a mesh dim; the mesh's dims are {names}")
+        if len(shape) == 1 and names[0] not in axes and DEFAULT_ROLES.get(names[0]) is not Role.SHARD:
+            # A 1-D mesh has always meant plain sharding over it, whatever it is called.
+            return cls(shape, names, (Role.SHARD,))
+        roles = []
+        for name in names:
+            if name in axes:
+                roles.append(_as_role(axes[name], f"axes[{name!r}]"))
+            elif name in DEFAULT_ROLES:
+                roles.append(DEFAULT_ROLES[name])
+            else:
+                known = ", ".join(sorted(DEFAULT_ROLES))
+                raise ValueError(
+                    f"mesh axis {name!r} has no role. Name it one of {known}, or say what it is for with "
+                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp'}})"
+                )
+        return cls(shape, names, tuple(roles))
+
+    @classmethod
+    def from_shape(cls, shape, axes: Mapping[str, Any] | None = None) -> "MeshAxes":
+        """Axes of an abstract mesh: ``(W,)``, ``(R, W)`` (HSDP), or ``{name: size}``."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        if isinstance(shape, Mapping):
+            names, sizes = tuple(shape), tuple(shape.values())
+        else:
+            names, sizes = None, tuple(shape)
+        if not sizes or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in sizes):
+            raise ValueError(f"an abstract mesh is a tuple of positive ints like (W,) or (R, W), or a dict like {{'dp': 2, 'tp': 2}}, got {shape!r}")
+        return cls.from_names(sizes, names, axes)
+
+    @classmethod
+    def from_mesh(cls, mesh, axes: Mapping[str, Any] | None = None) -> "MeshAxes":
+        """Axes of a live ``DeviceMesh``."""
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+        return cls.from_names(tuple(mesh.mesh.shape), names, axes)
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def dim(self, role: Role) -> int | None:
+        """The mesh dim with ``role``, or ``None``."""
+        return self.roles.index(role) if role in self.roles else None
+
+    def size(self, role: Role) -> int:
+        """Ranks along the axis with ``role`` (1 if the mesh has none)."""
+        d = self.dim(role)
+        return 1 if d is None else self.shape[d]
+
+    @property
+    def shard_size(self) -> int:
+        return self.size(Role.SHARD)
+
+    @property
+    def replicate_size(self) -> int:
+        return self.size(Role.REPLICATE)
+
+    @property
+    def tp_size(self) -> int:
+        return self.size(Role.TP)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: gradients are averaged over these (shard x replicate)."""
+        return self.shard_size * self.replicate_size
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def hsdp(self) -> bool:
+        """A replicate axis beside the shard axis (HSDP: reduce-scatter, then all-reduce)."""
+        return Role.REPLICATE in self.roles
+
+    @property
+    def legacy(self) -> bool:
+        """The two forms plans had before named roles (1-D, or 2-D ``("replicate", "shard")``):
+        their JSON keeps its old shape and their fingerprints do not change."""
+        return self.roles in ((Role.SHARD,), (Role.REPLICATE, Role.SHARD)) and (
+            len(self.shape) == 1 or self.names == ("replicate", "shard")
+        )
+
+    def describe(self) -> str:
+        """``"dp=2 (shard) x tp=2 (tp)"``."""
+        return " x ".join(f"{n}={s}" + ("" if n == r.value else f" ({r.value})") for n, s, r in zip(self.names, self.shape, self.roles))
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dim_names": list(self.names), "roles": [r.value for r in self.roles]}

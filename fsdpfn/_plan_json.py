@@ -1,0 +1,98 @@
+"""Plans to and from plain data (JSON).
+
+[Note: plan formats]
+Format 1 is a plan without FP8 on a 1-D or HSDP mesh, format 2 the same with
+``MixedPrecision(fp8=...)``. Those two are written exactly as before named mesh axes existed,
+so their JSON and fingerprints did not change. Format 3 is any plan over named axes with roles
+(tensor parallel, or a mesh that is not 1-D / ``("replicate", "shard")``): the mesh carries its
+roles, every parameter not replicated over tp carries its ``tp`` placement, and the plan lists
+its tensor-parallel modules. A reader refuses formats it does not know, so an older fsdpfn never
+runs a tensor-parallel plan as if it were a data-parallel one.
+"""
+
+from __future__ import annotations
+
+from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name
+from fsdpfn.fp8 import Float8GatherPolicy
+
+__all__ = ["plan_to_dict", "plan_from_dict", "FORMATS"]
+
+FORMAT_PLAIN = 1
+FORMAT_FP8 = 2
+FORMAT_AXES = 3
+FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES)
+
+
+def _param_dict(p: ParamSpec) -> dict:
+    d = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
+    if p.tp != "replicate":
+        d["tp"] = p.tp
+    return d
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """``plan`` as plain data, in the oldest format that holds it (see [Note: plan formats]).
+
+    Example:
+      >>> plan_to_dict(plan)["format"]
+      1
+    """
+    legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None
+    d = {
+        "format": FORMAT_PLAIN,
+        "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
+        "mp": {"param_dtype": _dtype_name(plan.mp.param_dtype), "reduce_dtype": _dtype_name(plan.mp.reduce_dtype)},
+        "units": [
+            {
+                "name": u.name,
+                "strategy": u.strategy.value,
+                "params": [_param_dict(p) for p in u.params],
+                **({"fp8": list(u.fp8)} if u.fp8 else {}),
+            }
+            for u in plan.units
+        ],
+    }
+    if plan.mp.fp8 is not None:
+        d["format"] = FORMAT_FP8
+        d["mp"]["fp8"] = plan.mp.fp8.to_dict()
+    if not legacy:
+        d["format"] = FORMAT_AXES
+        d["mesh"]["roles"] = [r.value for r in plan.axes.roles]
+        d["mesh"]["dim_names"] = list(plan.axes.names)
+        d["tp"] = [list(t) for t in plan.tp]
+    return d
+
+
+def plan_from_dict(d: dict, mesh=None) -> Plan:
+    """Inverts :func:`plan_to_dict` (formats 1, 2 and 3)."""
+    fmt = d.get("format")
+    if fmt not in FORMATS:
+        raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
+    shape = tuple(d["mesh"]["shape"])
+    names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
+    roles = tuple(d["mesh"]["roles"]) if fmt == FORMAT_AXES else None
+    tp_size = 1
+    if roles is not None and "tp" in roles:
+        tp_size = shape[roles.index("tp")]
+    shard = shape[roles.index("shard")] if roles is not None else shape[-1]
+    units = tuple(
+        Unit(
+            u["name"],
+            u["strategy"],
+            tuple(
+                ParamSpec(p["name"], tuple(p["shape"]), _dtype_from(p["dtype"]), p.get("tp", "replicate"), tp_size)
+                for p in u["params"]
+            ),
+            shard,
+            tuple(u.get("fp8", ())),
+        )
+        for u in d["units"]
+    )
+    fp8 = d["mp"].get("fp8")
+    mp = MixedPrecision(
+        _dtype_from(d["mp"]["param_dtype"]),
+        _dtype_from(d["mp"]["reduce_dtype"]),
+        None if fp8 is None else Float8GatherPolicy.from_dict(fp8),
+    )
+    tp = tuple(tuple(t) for t in d.get("tp", ()))
+    return Plan(units, shape, names, mp, mesh, roles, tp)

@@ -1,0 +1,728 @@
+"""The plan's value types: frozen, validated data describing how a model is sharded.
+
+A plan is data. It names the units (groups of parameters gathered and reduced together), each
+unit's strategy and flat-buffer layout, the mesh's named axes and their roles, every parameter's
+tensor-parallel placement, and the mixed-precision policy. The transforms
+(:mod:`fsdpfn.transforms`) and the runtime only read it; nothing here talks to other ranks. The
+builder (:func:`fsdpfn.plan`) lives in ``_plan.py``, JSON in ``_plan_json.py``.
+
+[Note: flat-buffer layout]
+A unit's sharded parameters travel in one flat buffer per rank, so a unit costs one all-gather
+and one reduce-scatter however many parameters it holds. Each parameter is split along dim 0
+with ``torch.chunk`` semantics over the W ranks of the shard axis: chunks of ``c = ceil(rows/W)``
+rows, the last ones shorter or empty (5 rows over 4 ranks: 2, 2, 1, 0), the same split DTensor's
+``Shard(0)`` uses. Every rank reserves ``c * row_numel`` elements for the parameter at the same
+offset, zero-padding its own chunk to that size. After an all-gather the W segments stacked as
+``(W, shard_numel)`` hold, for each parameter, ``W * c`` rows whose first ``rows`` are the
+parameter in order, so unpacking is one strided copy per parameter, with no per-rank
+bookkeeping.
+
+Under tensor parallelism "the parameter" above is its *tensor-parallel-local* part
+(:attr:`ParamSpec.local_shape`: the global shape with the ``tp`` dim divided by the tp degree):
+data-parallel rows are cut from the slice this rank's tp position owns, as FSDP2 does on a 2-D
+mesh. Rows, elements and bytes of units are all counted on that local shape.
+
+Parameters that cannot be split along dim 0 (0-d tensors) are replicated. They are not gathered,
+and their gradients ride in the reduce-scatter buffer once in *every* rank's segment, so the
+reduce-scatter hands every rank the sum: an all-reduce folded into the same collective.
+
+[Note: FP8 gather layout]
+A unit whose weights gather in FP8 (``Unit.fp8``, chosen by ``MixedPrecision(fp8=...)``) still
+makes one all-gather, of bytes: each rank's segment holds, for every sharded parameter, the same
+``chunk_rows`` rows as above, either in ``param_dtype`` (1-D and excluded parameters) or as E4M3
+bytes (one per element) plus the recipe's scales for those rows (:class:`Float8Layout`). Regions
+are ordered by alignment (``param_dtype`` and float32 scales first, bytes last) and the segment is
+padded to that alignment, so every region can be viewed in its dtype in place after the gather.
+Rows are whole on one rank and block scales run along the last dim, so the gathered bytes are
+the bytes of quantizing the whole weight (see [Note: rows are whole] in :mod:`fsdpfn.fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import hashlib
+import json
+import math
+from typing import Any, Sequence
+
+import torch
+
+from fsdpfn._mesh import MeshAxes, Role
+from fsdpfn._rows import chunk_bounds, chunk_size
+from fsdpfn.fp8 import Float8GatherPolicy, as_gather_policy
+
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
+
+# The root unit (the model's own parameters, outside every other unit) has the empty name; it is
+# shown and accepted in strategy dicts as ROOT_LABEL.
+ROOT = ""
+ROOT_LABEL = "<root>"
+
+
+def unit_label(name: str) -> str:
+    """How a unit name is shown: its FQN, or ``"<root>"`` for the root unit."""
+    return name or ROOT_LABEL
+
+
+class Strategy(str, enum.Enum):
+    """How a unit is sharded over the data-parallel shard axis. A ``str`` enum: it compares equal
+    to its name (``unit.strategy == "zero3"``) and is written as that name in JSON.
+
+    ============  ===========  =====================  ==========================================
+    strategy      params       full grads kept        gathers per step
+    ============  ===========  =====================  ==========================================
+    replicate     whole        no (all-reduced)       0
+    zero1         sharded      yes, until the reduce  1: reduced once per step (local accumulation)
+    zero2         sharded      no                     1: kept gathered from forward to backward
+    zero3         sharded      no                     2: resharded after forward, gathered again
+    ============  ===========  =====================  ==========================================
+
+    Example:
+      >>> Strategy("zero3").reshards_after_forward, Strategy.ZERO1.keeps_full_grads
+      (True, True)
+    """
+
+    REPLICATE = "replicate"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters (and optimizer state) are sharded over the shard axis."""
+        return self is not Strategy.REPLICATE
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Unsharded parameters are freed after forward and gathered again for backward."""
+        return self is Strategy.ZERO3
+
+    @property
+    def keeps_full_grads(self) -> bool:
+        """Micro-batches sum full gradients locally and reduce once per step (ZeRO-1)."""
+        return self is Strategy.ZERO1
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+STRATEGIES = tuple(s.value for s in Strategy)
+# Tensor-parallel placements of one parameter (ParamSpec.tp): split along dim 0 (a colwise
+# Linear's weight and bias), along dim 1 (a rowwise Linear's weight), replicated, or replicated
+# and used as a partial sum (a rowwise Linear's bias: added on tp position 0 only, so the
+# all-reduce after the matmul adds it once).
+TP_STYLES = ("replicate", "shard0", "shard1", "partial")
+# Tensor-parallel styles of a module (Plan.tp): a Linear split by output features (its output
+# stays split over tp, or is all-gathered back with colwise_gather), or by input features (its
+# input arrives split, its output is all-reduced).
+TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise")
+HSDP_DIM_NAMES = ("replicate", "shard")
+_FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _dtype_from(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in plan JSON")
+    return dtype
+
+
+def _as_dtype(value: Any, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        return _dtype_from(value.removeprefix("torch."))
+    raise ValueError(f"{what} must be a torch.dtype or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed-precision policy. fp32 (or the model's own dtype) masters are always kept.
+
+    Attributes:
+      param_dtype: dtype parameters are gathered and computed in (``None``: their own dtype).
+      reduce_dtype: dtype gradients are reduced in (``None``: ``param_dtype``, else their own).
+      fp8: gather the weights in FP8 (``None``: off): ``True`` or ``"mxfp8"`` (MXFP8 on every
+        >= 2-D non-embedding weight), ``"blockwise"``, ``"tensorwise"``, an
+        :mod:`fsdpfn.fp8` recipe, or a :class:`fsdpfn.fp8.Float8GatherPolicy`. Weights are
+        quantized from the master cast to ``param_dtype`` and used dequantized to
+        ``param_dtype``; gradients (in ``reduce_dtype``) flow straight through to the masters.
+
+    Example:
+      >>> MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+      MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+      >>> MixedPrecision(param_dtype=torch.bfloat16, fp8="mxfp8").fp8.recipe
+      MXFP8BlockScaling(scale_mode='rceil')
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    fp8: Float8GatherPolicy | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "param_dtype", _as_dtype(self.param_dtype, "MixedPrecision.param_dtype"))
+        object.__setattr__(self, "reduce_dtype", _as_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype"))
+        object.__setattr__(self, "fp8", as_gather_policy(self.fp8))
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not dtype.is_floating_point:
+                raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {dtype}")
+
+    def __repr__(self) -> str:
+        fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
+        return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its path in the model, global shape, (master) dtype and tensor-parallel
+    placement.
+
+    Attributes:
+      name: the parameter's path in the model.
+      shape: its global shape.
+      dtype: its master dtype.
+      tp: its placement over the tensor-parallel axis, one of :data:`TP_STYLES`: ``"replicate"``
+        (default), ``"shard0"``/``"shard1"`` (split along dim 0 / 1 over ``tp_size`` ranks),
+        ``"partial"`` (replicated; in forward, tp position 0 uses it and the others use zeros,
+        so a sum over tp adds it once).
+      tp_size: ranks on the tensor-parallel axis (1 without one).
+
+    ``local_shape``, ``rows``, ``row_numel`` and ``numel`` describe the tensor-parallel-local
+    part, which is what a unit gathers over the data-parallel axis.
+
+    Example:
+      >>> p = ParamSpec("fc.weight", (256, 64), torch.float32, tp="shard0", tp_size=2)
+      >>> p.local_shape, p.rows, p.numel, p.global_numel
+      ((128, 64), 128, 8192, 16384)
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp: str = "replicate"
+    tp_size: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.tp not in TP_STYLES:
+            raise ValueError(f"parameter {self.name!r}: unknown tensor-parallel placement {self.tp!r}; choose one of {', '.join(TP_STYLES)}")
+        if self.tp_size < 1:
+            raise ValueError(f"parameter {self.name!r}: tp_size must be >= 1, got {self.tp_size}")
+        d = self.tp_dim
+        if d is not None:
+            if d >= len(self.shape):
+                raise ValueError(f"parameter {self.name!r} of shape {self.shape} cannot be split along dim {d} (tp={self.tp!r})")
+            if self.shape[d] % self.tp_size:
+                raise ValueError(
+                    f"parameter {self.name!r} has {self.shape[d]} along dim {d}, which does not divide over tp={self.tp_size} "
+                    f"ranks; choose a tp degree that divides it, or leave this module out of tp="
+                )
+
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim split over the tensor-parallel axis, or ``None``."""
+        return {"shard0": 0, "shard1": 1}.get(self.tp)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's tensor-parallel part (the global shape without TP)."""
+        d = self.tp_dim
+        if d is None:
+            return self.shape
+        return tuple(s // self.tp_size if i == d else s for i, s in enumerate(self.shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def global_numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.local_shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.local_shape[1:]) if self.shape else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one parameter sits in its unit's flat buffers (see [Note: flat-buffer layout]).
+
+    Attributes:
+      offset: start of the parameter in each rank's segment.
+      chunk_rows: rows per rank (``ceil(rows / W)``) for a sharded parameter; ``rows`` if replicated.
+      size: elements reserved per rank (``chunk_rows * row_numel``).
+      sharded: ``False`` for replicated parameters (0-d, or the ``replicate`` strategy).
+    """
+
+    offset: int
+    chunk_rows: int
+    size: int
+    sharded: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A group of parameters gathered and reduced together: one module's own parameters.
+
+    Attributes:
+      name: the module's FQN in the model (``""`` for the root).
+      strategy: a :class:`Strategy` (``replicate``, ``zero1``, ``zero2``, ``zero3``; a str works).
+      params: the parameters, in registration order.
+      shard_size: ranks on the shard axis (``W``).
+      fp8: the parameters gathered in FP8 (see [Note: FP8 gather layout]); ``()``: none.
+    """
+
+    name: str
+    strategy: str
+    params: tuple[ParamSpec, ...]
+    shard_size: int
+    fp8: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r} for unit {self.label!r}; choose one of {', '.join(STRATEGIES)}"
+            )
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "fp8", tuple(self.fp8))
+        if self.fp8 and self.strategy == "replicate":
+            raise ValueError(
+                f"unit {self.label!r} would gather {list(self.fp8)} in FP8, but its strategy 'replicate' has no all-gather to "
+                "carry FP8 bytes. Give it a sharded strategy (zero1/zero2/zero3) or leave it out with "
+                "fsdpfn.fp8.Float8GatherPolicy(units=[...])."
+            )
+        for name in self.fp8:
+            if name not in self._by_name:
+                raise ValueError(f"unit {self.label!r} lists {name!r} as an FP8 parameter, but it is not one of the unit's parameters")
+            if len(self._by_name[name].shape) < 2:
+                raise ValueError(f"parameter {name!r} of unit {self.label!r} has shape {self._by_name[name].shape}; only >= 2-D weights gather in FP8")
+
+    @property
+    def label(self) -> str:
+        return unit_label(self.name)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy.sharded
+
+    @functools.cached_property
+    def slots(self) -> dict[str, Slot]:
+        """Layout of the gather segment (sharded parameters) then the reduce-only tail
+        (replicated parameters), per [Note: flat-buffer layout]."""
+        out: dict[str, Slot] = {}
+        offset = 0
+        for p in self.params:
+            if self.sharded and p.shape:
+                c = chunk_size(p.rows, self.shard_size)
+                out[p.name] = Slot(offset, c, c * p.row_numel, True)
+                offset += c * p.row_numel
+        for p in self.params:
+            if p.name not in out:
+                out[p.name] = Slot(offset, p.rows, p.numel, False)
+                offset += p.numel
+        return out
+
+    @functools.cached_property
+    def shard_numel(self) -> int:
+        """Elements each rank contributes to the unit's all-gather."""
+        return sum(s.size for s in self.slots.values() if s.sharded)
+
+    @functools.cached_property
+    def reduce_numel(self) -> int:
+        """Elements of each rank's segment of the unit's reduce-scatter (sharded + replicated)."""
+        return sum(s.size for s in self.slots.values())
+
+    def local_rows(self, param: str, rank: int) -> tuple[int, int]:
+        """``(start, stop)`` rows of ``param`` held by shard rank ``rank``."""
+        slot = self.slots[param]
+        spec = self.param(param)
+        return chunk_bounds(spec.rows, self.shard_size, rank) if slot.sharded else (0, spec.rows)
+
+    def padding(self, rank: int) -> int:
+        """Zero elements shard rank ``rank`` adds to its all-gather segment."""
+        used = 0
+        for p in self.params:
+            if self.slots[p.name].sharded:
+                start, stop = self.local_rows(p.name, rank)
+                used += (stop - start) * p.row_numel
+        return self.shard_numel - used
+
+    def param(self, name: str) -> ParamSpec:
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, ParamSpec]:
+        return {p.name: p for p in self.params}
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteSlot:
+    """Where one parameter sits in each rank's byte segment of an FP8 unit's all-gather (see
+    [Note: FP8 gather layout]). Offsets and sizes are bytes.
+
+    Attributes:
+      fp8: ``True``: E4M3 bytes at ``offset`` and scales at ``scale_offset``; ``False``: the
+        parameter's rows in ``param_dtype`` at ``offset``.
+      chunk_rows: rows per rank (``ceil(rows / W)``), as in :class:`Slot`.
+      size, scale_size: bytes reserved per rank.
+    """
+
+    fp8: bool
+    chunk_rows: int
+    offset: int
+    size: int
+    scale_offset: int = 0
+    scale_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Layout:
+    """The byte layout of an FP8 unit's all-gather segment: ``slots`` (sharded parameters) and
+    ``segment_bytes`` (what each rank contributes; the all-gather moves ``W`` of them).
+    ``amax_params``: parameters whose per-tensor scale needs the all-reduced amax first."""
+
+    slots: dict
+    segment_bytes: int
+    amax_params: tuple[str, ...]
+
+
+def _fp8_layout(unit: "Unit", policy: Float8GatherPolicy, dtype: torch.dtype) -> Float8Layout:
+    recipe = policy.recipe
+    fp8 = set(unit.fp8)
+    regions = []  # (alignment, parameter, kind, bytes), stably sorted by alignment below
+    for p in unit.params:
+        slot = unit.slots[p.name]
+        if not slot.sharded:
+            continue
+        if p.name in fp8:
+            lines = slot.chunk_rows * (p.row_numel // p.local_shape[-1])
+            regions.append((1, p.name, "data", slot.chunk_rows * p.row_numel))
+            scales = lines * recipe.scales_per_line(p.local_shape[-1]) * recipe.scale_dtype.itemsize
+            if scales:
+                regions.append((recipe.scale_dtype.itemsize, p.name, "scale", scales))
+        else:
+            regions.append((dtype.itemsize, p.name, "param", slot.size * dtype.itemsize))
+    regions.sort(key=lambda r: -r[0])
+    offsets: dict[tuple[str, str], tuple[int, int]] = {}
+    offset = 0
+    for _, name, kind, nbytes in regions:
+        offsets[(name, kind)] = (offset, nbytes)
+        offset += nbytes
+    align = max((r[0] for r in regions), default=1)
+    slots = {}
+    for p in unit.params:
+        slot = unit.slots[p.name]
+        if not slot.sharded:
+            continue
+        if p.name in fp8:
+            off, size = offsets[(p.name, "data")]
+            s_off, s_size = offsets.get((p.name, "scale"), (0, 0))
+            slots[p.name] = ByteSlot(True, slot.chunk_rows, off, size, s_off, s_size)
+        else:
+            off, size = offsets[(p.name, "param")]
+            slots[p.name] = ByteSlot(False, slot.chunk_rows, off, size)
+    amax = tuple(p.name for p in unit.params if p.name in fp8) if recipe.tensorwise else ()
+    return Float8Layout(slots, -(-offset // align) * align, amax)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a model is sharded: ordered units, the mesh's named axes, tensor-parallel modules,
+    mixed precision. Immutable.
+
+    Build one with :func:`fsdpfn.plan`. ``str(plan)`` prints a table; ``plan.to_json()`` and
+    ``Plan.from_json(s, mesh)`` round-trip to an equal plan; ``plan.fingerprint`` is a stable
+    hash of everything but the live mesh; ``plan.cost()`` estimates bytes and memory.
+
+    Attributes:
+      units: the units, in execution order (root first).
+      mesh_shape: ranks along each mesh dim: ``(W,)``, ``(R, W)`` for HSDP, ``(W, T)`` for
+        data x tensor parallel, ...
+      mesh_dim_names: the mesh's dim names (``None``: an unnamed 1-D mesh).
+      mp: the mixed-precision policy.
+      mesh: the live ``DeviceMesh`` (not part of equality or JSON); ``None`` for a plan loaded
+        from JSON without one, which can be printed and costed but not executed.
+      mesh_roles: each dim's role (see :class:`fsdpfn.Role`); ``None``: derived from the names.
+      tp: ``((module name, style), ...)``: the modules whose matmuls are split over the tp
+        axis, with ``"colwise"``, ``"colwise_gather"`` or ``"rowwise"``, in model order.
+    """
+
+    units: tuple[Unit, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    mp: MixedPrecision = MixedPrecision()
+    mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+    mesh_roles: tuple[str, ...] | None = None
+    tp: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        if self.mesh_dim_names is not None:
+            object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))
+        if self.mesh_roles is not None:
+            object.__setattr__(self, "mesh_roles", tuple(str(Role(r)) for r in self.mesh_roles))
+        object.__setattr__(self, "tp", tuple((str(m), str(style)) for m, style in self.tp))
+        axes = self.axes  # validates the mesh: names, roles, one axis per role
+        for module, style in self.tp:
+            if style not in TP_MODULE_STYLES:
+                raise ValueError(f"tensor-parallel module {module!r}: unknown style {style!r}; choose one of {', '.join(TP_MODULE_STYLES)}")
+        if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
+            raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
+        seen: dict[str, str] = {}
+        for unit in self.units:
+            if unit.shard_size != self.shard_size:
+                raise ValueError(
+                    f"unit {unit.label!r} has shard_size {unit.shard_size}, but the mesh's shard axis has {self.shard_size} ranks"
+                )
+            for p in unit.params:
+                if p.name in seen:
+                    raise ValueError(f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit")
+                seen[p.name] = unit.label
+                if p.tp_size != axes.tp_size:
+                    raise ValueError(f"parameter {p.name!r} has tp_size {p.tp_size}, but the mesh's tp axis has {axes.tp_size} ranks")
+            if unit.fp8 and self.mp.fp8 is None:
+                raise ValueError(
+                    f"unit {unit.label!r} lists FP8 parameters but the plan's MixedPrecision has no fp8 policy; "
+                    "build it with fsdpfn.plan(..., mp=MixedPrecision(..., fp8=...))"
+                )
+            if unit.fp8 and self.gather_dtype(unit) not in _FP8_INPUT_DTYPES:
+                raise ValueError(
+                    f"unit {unit.label!r} gathers in {_dtype_name(self.gather_dtype(unit))}, which FP8 recipes do not quantize from; "
+                    "set MixedPrecision(param_dtype=torch.bfloat16) (or float32 / float16)"
+                )
+            if unit.sharded and self.mp.param_dtype is None and len({p.dtype for p in unit.params}) > 1:
+                dtypes = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in unit.params)
+                raise ValueError(
+                    f"unit {unit.label!r} mixes parameter dtypes ({dtypes}); one flat buffer needs one dtype. "
+                    "Set MixedPrecision(param_dtype=...) or put the parameters in separate units."
+                )
+        if self.mesh is not None and tuple(self.mesh.mesh.shape) != self.mesh_shape:
+            raise ValueError(f"mesh has shape {tuple(self.mesh.mesh.shape)}, but the plan was made for {self.mesh_shape}")
+        if self.mesh is not None and self.mesh_dim_names is not None and len(self.mesh_shape) > 1:
+            live = tuple(self.mesh.mesh_dim_names or ())
+            if live != self.mesh_dim_names:
+                raise ValueError(f"mesh has dim names {live}, but the plan was made for {self.mesh_dim_names}")
+
+    # ---- mesh ----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def axes(self) -> MeshAxes:
+        """The mesh's named axes and their roles (:class:`fsdpfn.MeshAxes`): every group, size
+        and placement is derived from these."""
+        roles = None if self.mesh_roles is None else dict(zip(self.mesh_dim_names or ("shard",), self.mesh_roles))
+        return MeshAxes.from_names(self.mesh_shape, self.mesh_dim_names, roles)
+
+    @property
+    def hsdp(self) -> bool:
+        """A replicate axis beside the shard axis: reduce-scatter, then all-reduce."""
+        return self.axes.hsdp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks on the data-parallel shard axis (``W``)."""
+        return self.axes.shard_size
+
+    @property
+    def replicate_size(self) -> int:
+        """Ranks on the data-parallel replicate axis (1 without one)."""
+        return self.axes.replicate_size
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks on the tensor-parallel axis (1 without one)."""
+        return self.axes.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (shard x replicate): gradients are averaged over these."""
+        return self.axes.dp_size
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of the mesh: the product of its dims."""
+        return math.prod(self.mesh_shape)
+
+    @functools.cached_property
+    def tp_modules(self) -> dict[str, str]:
+        """``{module name: style}`` of the tensor-parallel modules."""
+        return dict(self.tp)
+
+    def bind(self, mesh) -> "Plan":
+        """The same plan bound to a live ``DeviceMesh`` (e.g. after :meth:`from_json`)."""
+        return dataclasses.replace(self, mesh=mesh)
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for u in self.units for p in u.params)
+
+    @functools.cached_property
+    def _unit_of(self) -> dict[str, Unit]:
+        return {p.name: u for u in self.units for p in u.params}
+
+    def unit_of(self, param: str) -> Unit:
+        """The unit that owns ``param``."""
+        try:
+            return self._unit_of[param]
+        except KeyError:
+            raise ValueError(f"parameter {param!r} is not in the plan{_did_you_mean(param, self.param_names)}") from None
+
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise ValueError(f"no unit named {name!r} in the plan{_did_you_mean(name, [u.name for u in self.units])}")
+
+    def param(self, name: str) -> ParamSpec:
+        return self.unit_of(name).param(name)
+
+    # ---- serialisation -------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (what :meth:`to_json` writes)."""
+        from fsdpfn._plan_json import plan_to_dict  # serialisation lives beside, not inside, the values
+
+        return plan_to_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as JSON (everything but the live mesh). ``Plan.from_json`` inverts it."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str, mesh=None) -> "Plan":
+        """Rebuilds a plan saved with :meth:`to_json` (any format this fsdpfn wrote or an older
+        one did), optionally bound to ``mesh``.
+
+        Example:
+          >>> same = Plan.from_json(plan.to_json(), mesh)
+          >>> same == plan, same.fingerprint == plan.fingerprint
+          (True, True)
+        """
+        from fsdpfn._plan_json import plan_from_dict
+
+        return plan_from_dict(json.loads(s), mesh)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A stable 16-hex-digit hash of the plan (not of the live mesh)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    # ---- dtypes --------------------------------------------------------------------------
+
+    def gather_dtype(self, unit: Unit) -> torch.dtype:
+        """dtype of ``unit``'s all-gather buffer and of its unsharded parameters."""
+        return self.mp.param_dtype or unit.params[0].dtype
+
+    def reduce_dtype(self, unit: Unit) -> torch.dtype:
+        """dtype gradients of ``unit`` are reduced in."""
+        return self.mp.reduce_dtype or self.gather_dtype(unit)
+
+    def fp8_layout(self, unit: Unit) -> Float8Layout | None:
+        """The byte layout of ``unit``'s FP8 all-gather (see [Note: FP8 gather layout]), or
+        ``None`` if the unit gathers in ``param_dtype`` only."""
+        return self._fp8_layouts.get(unit.name)
+
+    @functools.cached_property
+    def _fp8_layouts(self) -> dict[str, Float8Layout]:
+        return {u.name: _fp8_layout(u, self.mp.fp8, self.gather_dtype(u)) for u in self.units if u.fp8}
+
+    def gather_bytes(self, unit: Unit) -> int:
+        """Bytes each rank contributes to ``unit``'s all-gather (the all-gather moves ``W`` times
+        this): ``shard_numel`` elements of the gather dtype, or an FP8 unit's byte segment."""
+        layout = self.fp8_layout(unit)
+        if layout is not None:
+            return layout.segment_bytes
+        return unit.shard_numel * self.gather_dtype(unit).itemsize if unit.sharded else 0
+
+    # ---- inspection ----------------------------------------------------------------------
+
+    def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1):
+        """Bytes each collective kind moves per rank per training step, and memory per rank.
+
+        Args:
+          reshard_after_forward: whether ``zero3`` units are gathered a second time in backward.
+            ``None`` (default): as the runtime's default schedule does, every ``zero3`` unit but
+            the root. ``True``: every ``zero3`` unit (the textbook 3x the parameter bytes).
+            ``False``: none, as in the pure loop (``torch.func.grad`` over ``unshard``).
+          prefetch: units gathered ahead by the runtime; bounds the unsharded memory.
+
+        Returns:
+          a :class:`fsdpfn.PlanCost`.
+        """
+        return _cost_model[0](self, reshard_after_forward, prefetch)
+
+    def __str__(self) -> str:
+        if self.axes.legacy and not self.tp:
+            mesh = "x".join(map(str, self.mesh_shape)) + (f" {self.mesh_dim_names}" if self.mesh_dim_names else "")
+        else:
+            mesh = self.axes.describe() + (f", {len(self.tp)} tensor-parallel modules" if self.tp else "")
+        mp = f"param_dtype={_dtype_name(self.mp.param_dtype)}, reduce_dtype={_dtype_name(self.mp.reduce_dtype)}"
+        fp8 = self.mp.fp8
+        if fp8 is not None:
+            mp += f", fp8={fp8.recipe.name}" + ("" if fp8.backend == "torch" else f" ({fp8.backend})")
+        head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
+        rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
+        for u in self.units:
+            per_rank = u.shard_numel + sum(p.numel for p in u.params if not u.slots[p.name].sharded) if u.sharded else u.numel
+            itemsize = u.params[0].dtype.itemsize
+            pad = max(u.padding(r) for r in range(self.shard_size)) if u.sharded else 0
+            extra = (str(len(u.fp8)),) if fp8 else ()
+            elements = sum(p.global_numel for p in u.params)
+            rows.append((u.label, u.strategy.value, str(len(u.params)), f"{elements:,}", _human(per_rank * itemsize), f"{pad:,}") + extra)
+        total = sum(p.global_numel for u in self.units for p in u.params)
+        rows.append(("total", "", str(len(self.param_names)), f"{total:,}", "", "") + ((str(sum(len(u.fp8) for u in self.units)),) if fp8 else ()))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [head]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+            if i == 0 or i == len(rows) - 2:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+# The cost model (``fsdpfn._cost``) reads plans; it registers itself here when fsdpfn is imported,
+# so that this module does not import it and dependencies point one way.
+_cost_model: list = []
+
+
+def register_cost_model(fn) -> None:
+    """Makes ``fn(plan, reshard_after_forward, prefetch)`` the function behind :meth:`Plan.cost`."""
+    _cost_model[:] = [fn]
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3)
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

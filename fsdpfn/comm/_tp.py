@@ -1,0 +1,162 @@
+"""Tensor-parallel activation collectives: differentiable, each beside its transpose.
+
+Megatron's two conjugate operators and the all-gather pair, as ``torch.autograd.Function`` s that
+work under ``loss.backward()`` and under ``torch.func.grad``/``vjp`` alike (see [Note: TP
+collectives under torch.func]):
+
+==================  =============================  =============================
+function            forward                        backward (its transpose)
+==================  =============================  =============================
+``tp_copy``         identity                       all-reduce (sum) over tp
+``tp_reduce``       all-reduce (sum) over tp       identity
+``tp_gather_last``  all-gather along the last dim  this rank's slice of the grad
+``tp_split_last``   this rank's slice, last dim    all-gather along the last dim
+==================  =============================  =============================
+
+``tp_copy`` goes before a colwise layer (its input is used by every tp rank, so its gradient
+is the sum of theirs), ``tp_reduce`` after a rowwise one (each tp rank holds a partial sum).
+
+[Note: TP collectives under torch.func]
+torch's own tensor-parallel hooks call ``DTensor.from_local``, an autograd Function without
+``setup_context``, which ``torch.func`` transforms refuse. These Functions define
+``setup_context``, take the group as plain data, and run their collectives inside
+``torch._C._DisableFuncTorch()`` into freshly allocated outputs, the same recipe as
+:func:`fsdpfn.unshard`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdpfn.comm import _groups
+from fsdpfn.comm._collectives import all_gather, all_reduce
+
+__all__ = ["tp_copy", "tp_reduce", "tp_gather_last", "tp_split_last"]
+
+
+def _sum(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    all_reduce(out.view(-1), group, tag=tag).wait()
+    return out
+
+
+def _gather_last(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+    w = _groups.group_size(group)
+    flat = torch.empty(w * x.numel(), dtype=x.dtype, device=x.device)
+    all_gather(flat, x.contiguous().view(-1), group, tag=tag).wait()
+    # (w, ..., n) -> (..., w, n) -> (..., w n): rank r's columns land at [r n, (r + 1) n).
+    return flat.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], w * x.shape[-1])
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    w, r = _groups.group_size(group), _groups.group_rank(group)
+    n = x.shape[-1]
+    if n % w:
+        raise ValueError(f"tp_split_last: the last dim ({n}) does not divide over the {w} tensor-parallel ranks")
+    return x.narrow(-1, r * (n // w), n // w).contiguous()
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, tag):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group, ctx.tag = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch._C._DisableFuncTorch():
+            return _sum(g, ctx.group, ctx.tag), None, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, tag):
+        with torch._C._DisableFuncTorch():
+            return _sum(x, group, tag)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, tag):
+        with torch._C._DisableFuncTorch():
+            return _gather_last(x, group, tag)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch._C._DisableFuncTorch():
+            return _split_last(g, ctx.group), None, None
+
+
+class _SplitLast(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, tag):
+        with torch._C._DisableFuncTorch():
+            return _split_last(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group, ctx.tag = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch._C._DisableFuncTorch():
+            return _gather_last(g, ctx.group, ctx.tag), None, None
+
+
+def tp_copy(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``. Transpose of
+    :func:`tp_reduce`. Put it on the input of a colwise layer.
+
+    Example:
+      >>> fsdpfn.comm.tp_copy(torch.ones(2)).tolist()  # one process: tp = 1
+      [1.0, 1.0]
+    """
+    return _Copy.apply(x, group, tag)
+
+
+def tp_reduce(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
+    """All-reduces (sums) ``x`` over ``group``; backward is the identity. Transpose of
+    :func:`tp_copy`. Put it on the output of a rowwise layer.
+
+    Example:
+      >>> fsdpfn.comm.tp_reduce(torch.ones(2)).tolist()
+      [1.0, 1.0]
+    """
+    return _Reduce.apply(x, group, tag)
+
+
+def tp_gather_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
+    """Concatenates every rank's ``x`` along the last dim, in rank order; backward keeps this
+    rank's slice of the gradient. Transpose of :func:`tp_split_last`.
+
+    Example:
+      >>> fsdpfn.comm.tp_gather_last(torch.ones(2, 3)).shape
+      torch.Size([2, 3])
+    """
+    return _GatherLast.apply(x, group, tag)
+
+
+def tp_split_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
+    """This rank's equal slice of ``x`` along the last dim; backward all-gathers the gradient
+    along it. Transpose of :func:`tp_gather_last`.
+
+    Example:
+      >>> fsdpfn.comm.tp_split_last(torch.arange(4.0)).tolist()
+      [0.0, 1.0, 2.0, 3.0]
+    """
+    return _SplitLast.apply(x, group, tag)

@@ -1,0 +1,106 @@
+"""Tensor parallelism on a model: the plan's activation collectives as forward hooks.
+
+A plan's ``tp`` lists the ``nn.Linear`` modules split over the tensor-parallel axis and their
+styles. Their weights reach them already split (:func:`fsdpfn.unshard` returns each rank's
+tp-local part); what the model still needs are the activation collectives around them, which
+:func:`apply_tp` installs as forward hooks:
+
+=================  ==============================  ==================================
+style              before the layer                after the layer
+=================  ==============================  ==================================
+``colwise``        ``tp_copy`` (bwd: all-reduce)   nothing: the output stays split
+``colwise_gather`` ``tp_copy``                     ``tp_gather_last`` (all-gather)
+``rowwise``        nothing: the input is split     ``tp_reduce`` (all-reduce)
+=================  ==============================  ==================================
+
+Hooks run inside ``torch.func.functional_call`` and under ``torch.func.grad`` (the collectives
+are :mod:`fsdpfn.comm`'s differentiable Functions), so the pure loop stays
+``functional_call(model, fsdpfn.unshard(params, plan), (x,))``.
+
+A model whose layers see the split must not assume global sizes: an attention layer after a
+colwise ``qkv`` sees ``heads / tp`` heads, so it should infer the number of heads from the
+tensor (``view(b, t, -1, head_dim)``), as :class:`fsdpfn.models.GPT` does.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdpfn import comm as C
+from fsdpfn._plan import Plan
+from fsdpfn.transforms._sharding import tp_group
+
+__all__ = ["apply_tp"]
+
+_ATTR = "_fsdpfn_tp"
+
+
+def _pre_copy(group, tag):
+    def hook(module, args):
+        return (C.tp_copy(args[0], group, tag=tag), *args[1:])
+
+    return hook
+
+
+def _post_gather(group, tag):
+    def hook(module, args, output):
+        return C.tp_gather_last(output, group, tag=tag)
+
+    return hook
+
+
+def _post_reduce(group, tag):
+    def hook(module, args, output):
+        return C.tp_reduce(output, group, tag=tag)
+
+    return hook
+
+
+def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
+    """Installs the plan's tensor-parallel activation collectives on ``model`` (in place) and
+    returns it. Idempotent: calling it again with the same plan changes nothing, with another
+    plan replaces the hooks. A plan without ``tp`` removes any installed hooks.
+
+    :func:`fsdpfn.shard`, :func:`fsdpfn.init_shards`, :func:`fsdpfn.load_safetensors` and
+    :class:`fsdpfn.runtime.Runtime` call it when given the model, so most code never does.
+
+    Args:
+      model: the module the plan was built for.
+      plan: a plan bound to a mesh.
+
+    Returns:
+      ``model``.
+
+    Example:
+      >>> fsdpfn.apply_tp(model, plan) is model
+      True
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"apply_tp takes the nn.Module the plan was built for, got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    for name, mod in modules.items():
+        installed = getattr(mod, _ATTR, None)
+        if installed is not None and (installed[0] != plan.fingerprint or installed[1] is not plan.mesh):
+            for handle in installed[2]:
+                handle.remove()
+            delattr(mod, _ATTR)
+    if not plan.tp:
+        return model
+    group = tp_group(plan) if plan.mesh is not None else None
+    if plan.mesh is None:
+        raise ValueError("apply_tp needs a plan bound to a mesh; bind one with plan.bind(mesh)")
+    for name, style in plan.tp:
+        if name not in modules:
+            raise ValueError(f"the plan splits module {name!r} over tp, but {type(model).__name__} has no such module; was the plan built for another model?")
+        mod = modules[name]
+        if getattr(mod, _ATTR, None) is not None:
+            continue
+        handles = []
+        if style in ("colwise", "colwise_gather"):
+            handles.append(mod.register_forward_pre_hook(_pre_copy(group, name)))
+        if style == "colwise_gather":
+            handles.append(mod.register_forward_hook(_post_gather(group, name)))
+        if style == "rowwise":
+            handles.append(mod.register_forward_hook(_post_reduce(group, name)))
+        setattr(mod, _ATTR, (plan.fingerprint, plan.mesh, handles))
+    return model
