@@ -140,8 +140,12 @@ def test_mixed_dtypes_in_one_unit_need_param_dtype():
 
 
 def test_bad_meshes():
-    with pytest.raises(NotImplementedError, match="3 dims"):
+    with pytest.raises(ValueError, match="3-D mesh needs dim names"):
         fsdpfn.plan(GPT(CFG), (2, 2, 2))
+    with pytest.raises(ValueError, match="mesh axis 'model' has no role.*axes="):
+        fsdpfn.plan(GPT(CFG), {"dp": 2, "model": 2})
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        fsdpfn.plan(GPT(CFG), {"dp": 2, "ep": 2})
     with pytest.raises(ValueError, match="tuple of positive ints"):
         fsdpfn.plan(GPT(CFG), (0,))
 

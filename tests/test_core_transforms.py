@@ -328,7 +328,7 @@ def _bad_inputs(rank, world):
     catch("plain", lambda: fsdpfn.unshard({"p0": torch.zeros(4, 2), "p1": torch.zeros(3)}, plan))
     catch("reduce_shape", lambda: fsdpfn.reduce({"p0": torch.zeros(2, 2), "p1": torch.zeros(3)}, plan))
     catch("op", lambda: fsdpfn.reduce({"p0": torch.zeros(4, 2), "p1": torch.zeros(3)}, plan, op="max"))
-    catch("wrong_mesh", lambda: fsdpfn.plan(model, testing.mesh((2, 2), ("dp", "tp"))) if world == 4 else None)
+    catch("wrong_mesh", lambda: fsdpfn.plan(model, testing.mesh((2, 2), ("data", "model"))) if world == 4 else None)
     return messages
 
 
@@ -340,7 +340,7 @@ def test_bad_input_is_a_clear_value_error(run_on_ranks):
         assert "plain Tensor" in messages["plain"] and "DTensor shards" in messages["plain"]
         assert "['p0'] has shape (2, 2)" in messages["reduce_shape"]
         assert "'mean' or 'sum'" in messages["op"]
-        assert "('replicate', 'shard')" in messages["wrong_mesh"] and "('dp', 'tp')" in messages["wrong_mesh"]
+        assert "mesh axis 'data' has no role" in messages["wrong_mesh"] and "axes=" in messages["wrong_mesh"]
 
 
 

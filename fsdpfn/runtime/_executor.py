@@ -158,7 +158,7 @@ class Executor:
         device = locals_[0].device if locals_ else torch.device("cpu")
         full = self.full.get(name)
         if full is None or (full and full[0].device != device):
-            self.full[name] = [torch.empty(p.shape, dtype=dtype, device=device) for p in unit.params]
+            self.full[name] = [torch.empty(p.local_shape, dtype=dtype, device=device) for p in unit.params]
         else:
             for t in full:
                 t.untyped_storage().resize_(t.numel() * t.element_size())

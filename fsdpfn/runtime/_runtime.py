@@ -15,7 +15,7 @@ from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.runtime._schedule import OpKind, Schedule, validate
 from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn.transforms import check_params
+from fsdpfn.transforms import apply_tp, check_params
 
 __all__ = ["Runtime"]
 
@@ -96,6 +96,7 @@ class Runtime:
             if u.name not in modules:
                 raise ValueError(f"unit {u.name!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?")
         self._modules = {u.name: modules[u.name] for u in plan.units if u.name != ROOT}
+        apply_tp(model, plan)  # the tensor-parallel activation collectives, if the plan has any
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
         self._local_only = False
         self._in_apply = False

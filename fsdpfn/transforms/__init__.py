@@ -14,6 +14,7 @@ from fsdpfn.transforms._init import init_shards as init_shards
 from fsdpfn.transforms._init import param_seed as param_seed
 from fsdpfn.transforms._safetensors import load_safetensors as load_safetensors
 from fsdpfn.transforms._sharding import check_params as check_params
+from fsdpfn.transforms._sharding import dp_rank as dp_rank
 from fsdpfn.transforms._sharding import from_local as from_local
 from fsdpfn.transforms._sharding import gather_unit as gather_unit
 from fsdpfn.transforms._sharding import placements as placements
@@ -35,6 +36,7 @@ __all__ = [
     "CollectiveCounter",
     "count_collectives",
     "check_params",
+    "dp_rank",
     "from_local",
     "gather_unit",
     "init_full",

@@ -41,7 +41,7 @@ from fsdpfn import comm as C
 from fsdpfn import fp8 as F8
 from fsdpfn.transforms._checks import check_ranks_agree
 
-__all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice"]
+__all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +83,18 @@ def _axis_rank(plan: Plan, role: Role) -> int:
 def shard_rank(plan: Plan) -> int:
     """This process's index on the shard axis."""
     return _axis_rank(plan, Role.SHARD)
+
+
+def dp_rank(plan: Plan) -> int:
+    """This process's index among the data-parallel ranks (``replicate_rank * shard_size +
+    shard_rank``), in ``[0, plan.dp_size)``: which slice of the global batch it reads. Ranks
+    that differ only in their tensor-parallel position read the same slice.
+
+    Example:
+      >>> fsdpfn.transforms.dp_rank(plan), plan.dp_size
+      (0, 1)
+    """
+    return _axis_rank(plan, Role.REPLICATE) * plan.shard_size + shard_rank(plan)
 
 
 def tp_rank(plan: Plan) -> int:
