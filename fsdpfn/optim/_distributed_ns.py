@@ -78,6 +78,12 @@ class _NS(NamedTuple):
         return self.dtype or x.dtype
 
 
+_TP_HINT = (
+    "Muon on tensor-parallel weights is not supported yet: orthogonalise them with another optimizer, e.g. "
+    "optim.partition({'muon': optim.muon(...), 'adamw': optim.adamw(...)}, labels) with the tp-split weights labelled 'adamw'."
+)
+
+
 def _shard_dim(x: torch.Tensor, name: str) -> int | None:
     """The mesh dimension ``x`` is sharded on (``Shard(0)``), or ``None`` if ``x`` is whole here."""
     if not isinstance(x, DTensor):
@@ -89,10 +95,12 @@ def _shard_dim(x: torch.Tensor, name: str) -> int | None:
         elif not isinstance(p, Replicate):
             raise NotImplementedError(
                 f"Muon leaf {name!r} has placements {x.placements}; distributed Newton–Schulz supports "
-                "Shard(0) on one mesh dimension and Replicate() elsewhere (what fsdpfn.shard produces)"
+                f"Shard(0) on one mesh dimension and Replicate() elsewhere (what fsdpfn.shard produces). {_TP_HINT}"
             )
     if len(dims) > 1:
-        raise NotImplementedError(f"Muon leaf {name!r} is sharded on {len(dims)} mesh dimensions; only one is supported")
+        raise NotImplementedError(
+            f"Muon leaf {name!r} is sharded on {len(dims)} mesh dimensions ({x.placements}); only one is supported. {_TP_HINT}"
+        )
     if not dims or x.device_mesh.size(dims[0]) == 1:
         return None
     return dims[0]
