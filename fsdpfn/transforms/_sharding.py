@@ -294,7 +294,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
         check_ranks_agree(plan, full)
-    if plan.tp and isinstance(model_or_params, torch.nn.Module):
+    if isinstance(model_or_params, torch.nn.Module):  # a model carries the tp hooks of its latest plan
         from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
 
         apply_tp(model_or_params, plan)
