@@ -52,7 +52,9 @@ import torch
 
 from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn._rows import chunk_bounds, chunk_size
+from fsdpfn._codec import PlainCodec
 from fsdpfn.fp8 import Float8GatherPolicy, as_gather_policy
+from fsdpfn.fp8._codec import ByteSlot, Float8Codec, Float8Layout, float8_layout
 
 __all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
 
@@ -379,76 +381,6 @@ class Unit:
 
 
 @dataclasses.dataclass(frozen=True)
-class ByteSlot:
-    """Where one parameter sits in each rank's byte segment of an FP8 unit's all-gather (see
-    [Note: FP8 gather layout]). Offsets and sizes are bytes.
-
-    Attributes:
-      fp8: ``True``: E4M3 bytes at ``offset`` and scales at ``scale_offset``; ``False``: the
-        parameter's rows in ``param_dtype`` at ``offset``.
-      chunk_rows: rows per rank (``ceil(rows / W)``), as in :class:`Slot`.
-      size, scale_size: bytes reserved per rank.
-    """
-
-    fp8: bool
-    chunk_rows: int
-    offset: int
-    size: int
-    scale_offset: int = 0
-    scale_size: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Float8Layout:
-    """The byte layout of an FP8 unit's all-gather segment: ``slots`` (sharded parameters) and
-    ``segment_bytes`` (what each rank contributes; the all-gather moves ``W`` of them).
-    ``amax_params``: parameters whose per-tensor scale needs the all-reduced amax first."""
-
-    slots: dict
-    segment_bytes: int
-    amax_params: tuple[str, ...]
-
-
-def _fp8_layout(unit: "Unit", policy: Float8GatherPolicy, dtype: torch.dtype) -> Float8Layout:
-    recipe = policy.recipe
-    fp8 = set(unit.fp8)
-    regions = []  # (alignment, parameter, kind, bytes), stably sorted by alignment below
-    for p in unit.params:
-        slot = unit.slots[p.name]
-        if not slot.sharded:
-            continue
-        if p.name in fp8:
-            lines = slot.chunk_rows * (p.row_numel // p.local_shape[-1])
-            regions.append((1, p.name, "data", slot.chunk_rows * p.row_numel))
-            scales = lines * recipe.scales_per_line(p.local_shape[-1]) * recipe.scale_dtype.itemsize
-            if scales:
-                regions.append((recipe.scale_dtype.itemsize, p.name, "scale", scales))
-        else:
-            regions.append((dtype.itemsize, p.name, "param", slot.size * dtype.itemsize))
-    regions.sort(key=lambda r: -r[0])
-    offsets: dict[tuple[str, str], tuple[int, int]] = {}
-    offset = 0
-    for _, name, kind, nbytes in regions:
-        offsets[(name, kind)] = (offset, nbytes)
-        offset += nbytes
-    align = max((r[0] for r in regions), default=1)
-    slots = {}
-    for p in unit.params:
-        slot = unit.slots[p.name]
-        if not slot.sharded:
-            continue
-        if p.name in fp8:
-            off, size = offsets[(p.name, "data")]
-            s_off, s_size = offsets.get((p.name, "scale"), (0, 0))
-            slots[p.name] = ByteSlot(True, slot.chunk_rows, off, size, s_off, s_size)
-        else:
-            off, size = offsets[(p.name, "param")]
-            slots[p.name] = ByteSlot(False, slot.chunk_rows, off, size)
-    amax = tuple(p.name for p in unit.params if p.name in fp8) if recipe.tensorwise else ()
-    return Float8Layout(slots, -(-offset // align) * align, amax)
-
-
-@dataclasses.dataclass(frozen=True)
 class Plan:
     """How a model is sharded: ordered units, the mesh's named axes, tensor-parallel modules,
     mixed precision. Immutable.
@@ -645,19 +577,27 @@ class Plan:
     def fp8_layout(self, unit: Unit) -> Float8Layout | None:
         """The byte layout of ``unit``'s FP8 all-gather (see [Note: FP8 gather layout]), or
         ``None`` if the unit gathers in ``param_dtype`` only."""
-        return self._fp8_layouts.get(unit.name)
+        codec = self.gather_codec(unit)
+        return codec.layout if isinstance(codec, Float8Codec) else None
+
+    def gather_codec(self, unit: Unit):
+        """How ``unit``'s shards travel in its all-gather: a :class:`fsdpfn._codec.PlainCodec`
+        (rows in the gather dtype) or a :class:`fsdpfn.fp8.Float8Codec` (E4M3 bytes and
+        scales). The gather, the cost model and the simulator all read sizes from it."""
+        return self._codecs[unit.name]
 
     @functools.cached_property
-    def _fp8_layouts(self) -> dict[str, Float8Layout]:
-        return {u.name: _fp8_layout(u, self.mp.fp8, self.gather_dtype(u)) for u in self.units if u.fp8}
+    def _codecs(self) -> dict:
+        return {
+            u.name: Float8Codec(u, float8_layout(u, self.mp.fp8, self.gather_dtype(u)), self.mp.fp8, self.gather_dtype(u))
+            if u.fp8 else PlainCodec(u, self.gather_dtype(u))
+            for u in self.units
+        }
 
     def gather_bytes(self, unit: Unit) -> int:
         """Bytes each rank contributes to ``unit``'s all-gather (the all-gather moves ``W`` times
         this): ``shard_numel`` elements of the gather dtype, or an FP8 unit's byte segment."""
-        layout = self.fp8_layout(unit)
-        if layout is not None:
-            return layout.segment_bytes
-        return unit.shard_numel * self.gather_dtype(unit).itemsize if unit.sharded else 0
+        return self.gather_codec(unit).nbytes if unit.sharded else 0
 
     # ---- inspection ----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ Example:
   tensor(True)
 """
 
+from fsdpfn.fp8._codec import Float8Codec as Float8Codec
 from fsdpfn.fp8._fake import fake_quantize as fake_quantize
 from fsdpfn.fp8._policy import BACKENDS as BACKENDS
 from fsdpfn.fp8._policy import Float8GatherPolicy as Float8GatherPolicy
@@ -30,6 +31,7 @@ from fsdpfn.fp8._te import te_tensor as te_tensor
 __all__ = [
     "BACKENDS",
     "Float8BlockScaling",
+    "Float8Codec",
     "Float8CurrentScaling",
     "Float8GatherPolicy",
     "Float8Recipe",

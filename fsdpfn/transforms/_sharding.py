@@ -38,7 +38,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn import comm as C
-from fsdpfn import fp8 as F8
 from fsdpfn.transforms._checks import check_ranks_agree
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
@@ -319,23 +318,6 @@ def _device_of(tensors) -> torch.device:
     return next((t.device for t in tensors if t is not None), torch.device("cpu"))
 
 
-def _unpack_rows(dst: torch.Tensor, stacked: torch.Tensor | None, slot) -> None:
-    """Copies one parameter out of the gathered ``(W, shard_numel)`` buffer into ``dst`` (flat).
-
-    With ``torch.chunk`` rows, the first ranks hold full chunks, at most one holds a shorter
-    one and the rest none: two copies at most, whatever the world size.
-    """
-    if not slot.size or not dst.numel():
-        return
-    seg = stacked[:, slot.offset : slot.offset + slot.size]
-    full_ranks = dst.numel() // slot.size
-    if full_ranks:
-        dst[: full_ranks * slot.size].view(full_ranks, slot.size).copy_(seg[:full_ranks])
-    rest = dst.numel() - full_ranks * slot.size
-    if rest:
-        dst[full_ranks * slot.size :].copy_(seg[full_ranks, :rest])
-
-
 def _check_local_rows(plan: Plan, unit: Unit, locals_: list[torch.Tensor], rank: int) -> None:
     """Shards of the right global shape but another row split (``tensor_split`` instead of
     ``torch.chunk``, another world size) would gather into silently wrong parameters; their local
@@ -377,148 +359,28 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
 
 
 def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], async_op: bool):
-    dtype = plan.gather_dtype(unit)
-    device = _device_of(locals_)
+    """One path for every unit: its codec packs the shards (plain rows, or FP8 bytes and
+    scales, see [Note: FP8 gather]), one all-gather moves them, the codec unpacks them."""
+    codec = plan.gather_codec(unit)
     w = plan.shard_size
-    slots = unit.slots
     _check_local_rows(plan, unit, locals_, shard_rank(plan))
-    if plan.fp8_layout(unit) is not None:
-        return _gather_fp8(plan, unit, locals_, device, async_op)
-    if unit.sharded and unit.shard_numel:
-        buf = torch.empty(unit.shard_numel, dtype=dtype, device=device)
-        for p, local in zip(unit.params, locals_):
-            slot = slots[p.name]
-            if slot.sharded:
-                n = local.numel()
-                buf[slot.offset : slot.offset + n].copy_(local.reshape(-1))
-                buf[slot.offset + n : slot.offset + slot.size].zero_()
-        out = torch.empty(w * unit.shard_numel, dtype=dtype, device=device)
+    amax = codec.local_amax(locals_)
+    if amax is not None:  # per-tensor scales: the whole tensor's amax, one all-reduce per gather
+        C.all_reduce(amax, shard_group(plan), op="max", tag=unit.name)
+        if any(unit.param(n).tp_dim is not None for n in codec.amax_params):  # the tensor spans tp too
+            C.all_reduce(amax, tp_group(plan), op="max", tag=unit.name)
+    if codec.numel:
+        buf = codec.encode(locals_, amax)
+        out = torch.empty(w * codec.numel, dtype=codec.wire_dtype, device=buf.device)
         pending = C.all_gather(out, buf, shard_group(plan), async_op=async_op, tag=unit.name)
     else:
-        pending = C.Pending(torch.empty(0, dtype=dtype, device=device))
+        pending = C.Pending(torch.empty(0, dtype=codec.wire_dtype, device=_device_of(locals_)))
 
     def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        stacked = gathered.view(w, unit.shard_numel) if gathered.numel() else None
-        fulls = []
-        for i, (p, local) in enumerate(zip(unit.params, locals_)):
-            full = out[i] if out is not None else torch.empty(p.local_shape, dtype=dtype, device=device)
-            if slots[p.name].sharded:
-                _unpack_rows(full.view(-1), stacked, slots[p.name])
-            else:
-                full.copy_(local)
-            fulls.append(full)
-        return fulls
+        stacked = gathered.view(w, codec.numel) if gathered.numel() else None
+        return codec.decode(stacked, locals_, out, amax)
 
     return pending, finish
-
-
-def _region(stacked: torch.Tensor, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Every rank's ``[offset, offset + size)`` bytes of the gathered ``(W, segment)`` uint8
-    buffer, viewed in ``dtype``: ``(W, size / itemsize)``, no copy (the layout keeps it aligned)."""
-    seg = stacked[:, offset : offset + size]
-    return seg.view(dtype) if dtype != torch.uint8 else seg
-
-
-def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor], device: torch.device, async_op: bool):
-    """gather_unit for a unit with FP8 weights (see [Note: FP8 gather])."""
-    dtype = plan.gather_dtype(unit)
-    layout = plan.fp8_layout(unit)
-    policy = plan.mp.fp8
-    recipe = policy.recipe
-    w = plan.shard_size
-    amax = {}
-    if layout.amax_params:  # per-tensor scales: the whole tensor's amax, one all-reduce per gather
-        local = {p.name: x for p, x in zip(unit.params, locals_)}
-        vals = []
-        for name in layout.amax_params:
-            x = local[name].to(dtype)
-            a = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32, device=device)
-            vals.append(torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf"))))  # gloo's max drops NaN
-        flat = torch.stack(vals)
-        C.all_reduce(flat, shard_group(plan), op="max", tag=unit.name)
-        if any(unit.param(n).tp_dim is not None for n in layout.amax_params):  # the whole tensor spans tp too
-            C.all_reduce(flat, tp_group(plan), op="max", tag=unit.name)
-        amax = dict(zip(layout.amax_params, flat.unbind()))
-    buf = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
-    for p, local in zip(unit.params, locals_):
-        slot = layout.slots.get(p.name)
-        if slot is None:  # replicated (0-d): not gathered
-            continue
-        x = local.to(dtype)
-        if not slot.fp8:
-            buf[slot.offset : slot.offset + slot.size].view(dtype)[: x.numel()].copy_(x.reshape(-1))
-            continue
-        if not x.numel():
-            continue
-        q = recipe.quantize(x.reshape(-1, p.local_shape[-1]), amax=amax.get(p.name))
-        data = q.data.view(torch.uint8).reshape(-1)
-        buf[slot.offset : slot.offset + data.numel()].copy_(data)
-        if slot.scale_size:
-            scale = q.scale.reshape(-1).view(torch.uint8)
-            buf[slot.scale_offset : slot.scale_offset + scale.numel()].copy_(scale)
-    out = torch.empty(w * layout.segment_bytes, dtype=torch.uint8, device=device)
-    pending = C.all_gather(out, buf, shard_group(plan), async_op=async_op, tag=unit.name)
-
-    def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        stacked = gathered.view(w, layout.segment_bytes)
-        fulls = []
-        for i, (p, local) in enumerate(zip(unit.params, locals_)):
-            slot = layout.slots.get(p.name)
-            target = out[i] if out is not None else None
-            if slot is None:
-                full = target if target is not None else torch.empty(p.local_shape, dtype=dtype, device=device)
-                full.copy_(local)
-            elif not slot.fp8:
-                full = target if target is not None else torch.empty(p.local_shape, dtype=dtype, device=device)
-                rows = _region(stacked, slot.offset, slot.size, dtype)
-                _unpack_rows(full.view(-1), rows, _Span(0, rows.shape[1]))
-            else:
-                full = _dequantize_rows(p, slot, stacked, recipe, dtype, device, amax.get(p.name), target,
-                                        te=policy.backend == "te" and out is None)
-            fulls.append(full)
-        return fulls
-
-    return pending, finish
-
-
-class _Span:
-    """A ``(offset, size)`` pair shaped like a :class:`~fsdpfn._plan.Slot` for ``_unpack_rows``."""
-
-    __slots__ = ("offset", "size")
-
-    def __init__(self, offset: int, size: int):
-        self.offset, self.size = offset, size
-
-
-def _dequantize_rows(p, slot, stacked, recipe, dtype, device, amax, target, te: bool):
-    """One FP8 parameter from the gathered bytes: its E4M3 rows and scales, in the whole
-    weight's row-major order (the first ``rows`` of the ``W * chunk_rows`` gathered rows),
-    dequantized into ``target`` (or a new tensor), or handed to Transformer Engine."""
-    n = p.local_shape[-1]
-    data = torch.empty(p.numel, dtype=torch.uint8, device=device)
-    _unpack_rows(data, _region(stacked, slot.offset, slot.size, torch.uint8), _Span(0, slot.size))
-    lines = data.view(-1, n)  # FP8 weights have elements (the plan selects numel > 0)
-    if recipe.tensorwise:
-        scale = _tensor_scale(recipe, amax, device)
-    else:
-        item = recipe.scale_dtype.itemsize
-        raw = torch.empty(lines.shape[0] * recipe.scales_per_line(n) * item, dtype=torch.uint8, device=device)
-        _unpack_rows(raw, _region(stacked, slot.scale_offset, slot.scale_size, torch.uint8), _Span(0, slot.scale_size))
-        scale = raw.view(recipe.scale_dtype).view(lines.shape[0], -1)
-    qd = F8.Quantized(lines.view(torch.float8_e4m3fn), scale)
-    values = recipe.dequantize(qd, dtype).view(p.local_shape)
-    if te:
-        return F8.te_tensor(recipe, qd, p.local_shape, dtype, values)
-    if target is None:
-        return values
-    target.copy_(values)
-    return target
-
-
-def _tensor_scale(recipe, amax, device) -> torch.Tensor:
-    """The per-tensor recipe's scale from the all-reduced amax, as every rank computed it when
-    quantizing (same function, same input, same bits)."""
-    return recipe.quantize(torch.zeros(1, device=device), amax=amax).scale
 
 
 def reduce_unit(
