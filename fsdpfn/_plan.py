@@ -34,6 +34,7 @@ from fsdpfn._plan_values import (
     unit_label,
 )
 from fsdpfn._rows import chunk_bounds, chunk_size
+from fsdpfn import _plan_json  # noqa: F401  (registers Plan.to_json / from_json)
 from fsdpfn.fp8 import check_te
 
 __all__ = [

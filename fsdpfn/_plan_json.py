@@ -12,7 +12,7 @@ runs a tensor-parallel plan as if it were a data-parallel one.
 
 from __future__ import annotations
 
-from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name
+from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name, register_serialisers
 from fsdpfn.fp8 import Float8GatherPolicy
 
 __all__ = ["plan_to_dict", "plan_from_dict", "FORMATS"]
@@ -96,3 +96,6 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
     )
     tp = tuple(tuple(t) for t in d.get("tp", ()))
     return Plan(units, shape, names, mp, mesh, roles, tp)
+
+
+register_serialisers(plan_to_dict, plan_from_dict)

@@ -53,8 +53,7 @@ import torch
 from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import PlainCodec
-from fsdpfn.fp8 import Float8GatherPolicy, as_gather_policy
-from fsdpfn.fp8._codec import ByteSlot, Float8Codec, Float8Layout, float8_layout
+from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy, float8_layout
 
 __all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
 
@@ -536,9 +535,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         """The plan as plain data (what :meth:`to_json` writes)."""
-        from fsdpfn._plan_json import plan_to_dict  # serialisation lives beside, not inside, the values
-
-        return plan_to_dict(self)
+        return _serialisers["to_dict"](self)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON (everything but the live mesh). ``Plan.from_json`` inverts it."""
@@ -554,9 +551,7 @@ class Plan:
           >>> same == plan, same.fingerprint == plan.fingerprint
           (True, True)
         """
-        from fsdpfn._plan_json import plan_from_dict
-
-        return plan_from_dict(json.loads(s), mesh)
+        return _serialisers["from_dict"](json.loads(s), mesh)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -645,9 +640,17 @@ class Plan:
         return "\n".join(lines)
 
 
-# The cost model (``fsdpfn._cost``) reads plans; it registers itself here when fsdpfn is imported,
-# so that this module does not import it and dependencies point one way.
+# The cost model (``fsdpfn._cost``) and the JSON serialisers (``fsdpfn._plan_json``) read plans;
+# they register themselves here when fsdpfn is imported, so that this module does not import them
+# and dependencies point one way.
 _cost_model: list = []
+_serialisers: dict = {}
+
+
+def register_serialisers(to_dict, from_dict) -> None:
+    """Makes ``to_dict(plan)`` and ``from_dict(d, mesh)`` the functions behind :meth:`Plan.to_dict`
+    and :meth:`Plan.from_json`."""
+    _serialisers.update(to_dict=to_dict, from_dict=from_dict)
 
 
 def register_cost_model(fn) -> None:

@@ -14,7 +14,10 @@ Example:
   tensor(True)
 """
 
+from fsdpfn.fp8._codec import ByteSlot as ByteSlot
 from fsdpfn.fp8._codec import Float8Codec as Float8Codec
+from fsdpfn.fp8._codec import Float8Layout as Float8Layout
+from fsdpfn.fp8._codec import float8_layout as float8_layout
 from fsdpfn.fp8._fake import fake_quantize as fake_quantize
 from fsdpfn.fp8._policy import BACKENDS as BACKENDS
 from fsdpfn.fp8._policy import Float8GatherPolicy as Float8GatherPolicy
@@ -30,16 +33,19 @@ from fsdpfn.fp8._te import te_tensor as te_tensor
 
 __all__ = [
     "BACKENDS",
+    "ByteSlot",
     "Float8BlockScaling",
     "Float8Codec",
     "Float8CurrentScaling",
     "Float8GatherPolicy",
+    "Float8Layout",
     "Float8Recipe",
     "MXFP8BlockScaling",
     "Quantized",
     "as_gather_policy",
     "check_te",
     "fake_quantize",
+    "float8_layout",
     "recipe_from_dict",
     "te_tensor",
 ]

@@ -37,8 +37,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
+from fsdpfn.transforms._axes import _mesh, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_ranks_agree
+from fsdpfn.transforms._tp import apply_tp
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
 
@@ -46,59 +48,6 @@ __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_loc
 # ---------------------------------------------------------------------------------------------
 # Mesh and DTensor metadata, all read from the plan
 # ---------------------------------------------------------------------------------------------
-
-
-def _mesh(plan: Plan):
-    if plan.mesh is None:
-        raise ValueError("this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) or Plan.from_json(s, mesh)")
-    return plan.mesh
-
-
-def _group(plan: Plan, role: Role):
-    d = plan.axes.dim(role)
-    return None if d is None else _mesh(plan).get_group(d)
-
-
-def shard_group(plan: Plan):
-    """The process group of the plan's data-parallel shard axis."""
-    return _group(plan, Role.SHARD)
-
-
-def replicate_group(plan: Plan):
-    """The process group of the plan's data-parallel replicate axis (``None`` without one)."""
-    return _group(plan, Role.REPLICATE)
-
-
-def tp_group(plan: Plan):
-    """The process group of the plan's tensor-parallel axis (``None`` without one)."""
-    return _group(plan, Role.TP)
-
-
-def _axis_rank(plan: Plan, role: Role) -> int:
-    d = plan.axes.dim(role)
-    return 0 if d is None else _mesh(plan).get_local_rank(d)
-
-
-def shard_rank(plan: Plan) -> int:
-    """This process's index on the shard axis."""
-    return _axis_rank(plan, Role.SHARD)
-
-
-def dp_rank(plan: Plan) -> int:
-    """This process's index among the data-parallel ranks (``replicate_rank * shard_size +
-    shard_rank``), in ``[0, plan.dp_size)``: which slice of the global batch it reads. Ranks
-    that differ only in their tensor-parallel position read the same slice.
-
-    Example:
-      >>> fsdpfn.transforms.dp_rank(plan), plan.dp_size
-      (0, 1)
-    """
-    return _axis_rank(plan, Role.REPLICATE) * plan.shard_size + shard_rank(plan)
-
-
-def tp_rank(plan: Plan) -> int:
-    """This process's index on the tensor-parallel axis (0 without one)."""
-    return _axis_rank(plan, Role.TP)
 
 
 def placements(plan: Plan, name: str) -> tuple:
@@ -294,8 +243,6 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     if check:
         check_ranks_agree(plan, full)
     if isinstance(model_or_params, torch.nn.Module):  # a model carries the tp hooks of its latest plan
-        from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
-
         apply_tp(model_or_params, plan)
     out: dict[str, DTensor] = {}
     with torch.no_grad():

@@ -28,7 +28,7 @@ from torch import nn
 
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
-from fsdpfn.transforms._sharding import tp_group
+from fsdpfn.transforms._axes import tp_group
 
 __all__ = ["apply_tp"]
 
