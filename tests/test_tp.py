@@ -188,3 +188,55 @@ def _muon_on_tp(rank, world):
 def test_muon_refuses_tensor_parallel_weights_by_name(run_on_ranks):
     for msg in run_on_ranks(_muon_on_tp, 4):
         assert "Muon leaf 'blocks.0." in msg and "tensor-parallel weights is not supported yet" in msg, msg
+
+
+def _tp_accumulate(rank, world, accumulate, style, micro=3, steps=3):
+    """Gradient accumulation under (dp=2, tp=2): ``micro`` micro-batches per step through the
+    runtime (all but the last inside ``rt.accumulating()``), SGD, against one process on the
+    whole batch. Tolerance: the same reassociations as above plus a sum of ``micro`` terms."""
+    mesh = testing.mesh((2, 2), ("dp", "tp"))
+    cfg = dataclasses.replace(CFG, bias=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = GPT(cfg)
+    plan = fsdpfn.plan(model, mesh, tp=GPT_TP_PLAN)
+    rt = Runtime(model, plan, accumulate=accumulate)
+    params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
+    me = fsdpfn.transforms.dp_rank(plan)
+    worst = 0.0
+    for step in range(steps):
+        x, y = _batch(2 * micro, step, cfg)  # micro slabs of dp x PER_RANK rows
+        total = None
+        for m in range(micro):
+            rows = slice((m * 2 + me) * PER_RANK, (m * 2 + me + 1) * PER_RANK)
+            ctx = rt.accumulating() if m < micro - 1 else _Null()
+            with ctx:
+                if style == "func":
+                    g, _ = rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x[rows]), y[rows]) / micro)(params)
+                    total = g if total is None else {n: total[n] + g[n] for n in g}
+                else:
+                    with rt.bind(params):
+                        (_ce(model(x[rows]), y[rows]) / micro).backward()
+        grads = total if style == "func" else rt.grads(params)
+        with torch.no_grad():
+            params = {n: (p - 0.2 * grads[n]).detach().requires_grad_(style == "eager") for n, p in params.items()}
+        g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(reference, ps, (x,)), y))(ref)
+        ref = {n: p - 0.2 * g[n] for n, p in ref.items()}
+        worst = max(worst, max(_rel(params[n].full_tensor(), ref[n]) for n in ref))
+    return worst
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("accumulate", ["reduce", "local"])
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_runtime_accumulation_under_tp_matches_one_process(run_on_ranks, accumulate, style):
+    for worst in run_on_ranks(_tp_accumulate, 4, accumulate, style):
+        assert worst < 1e-6, worst
