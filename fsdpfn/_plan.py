@@ -108,6 +108,25 @@ def _strategy_for(strategy: StrategyArg, unit_names: list[str]) -> dict[str, str
 TPArg = Union[None, Mapping[str, str]]
 
 
+def _remat_for(remat, unit_names: list[str]) -> dict[str, str]:
+    """Each unit's activation-checkpointing policy; the root keeps its activations."""
+    out = {u: "none" for u in unit_names}
+    if remat is None:
+        return out
+    if isinstance(remat, str):
+        return {u: (remat if u else "none") for u in unit_names}
+    if not isinstance(remat, Mapping):
+        raise ValueError(f"remat must be a policy name or a dict {{unit name pattern: policy}}, got {type(remat).__name__}")
+    labels = [unit_label(u) for u in unit_names]
+    for pattern, policy in remat.items():
+        matched = [u for u, label in zip(unit_names, labels) if fnmatch.fnmatchcase(label, pattern)]
+        if not matched:
+            raise ValueError(f"remat pattern {pattern!r} matches no unit of this plan{_did_you_mean(pattern, labels)}")
+        for u in matched:
+            out[u] = policy
+    return out
+
+
 def _axes_of(mesh, axes: Mapping[str, Any] | None) -> tuple[MeshAxes, tuple[str, ...] | None, Any]:
     """``(axes, dim names as given, live mesh or None)`` from a DeviceMesh or an abstract shape."""
     if axes is not None and not isinstance(axes, Mapping):
@@ -196,6 +215,7 @@ def plan(
     *,
     tp: TPArg = None,
     axes: Mapping[str, Any] | None = None,
+    remat: StrategyArg | None = None,
 ) -> Plan:
     """Builds a validated :class:`Plan` for ``model`` on ``mesh``.
 
@@ -221,6 +241,9 @@ def plan(
         ``"rowwise"`` (split by input features; its input arrives split, its output is
         all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
       axes: roles of mesh dims whose names are not conventional, ``{dim name: role}``.
+      remat: activation checkpointing per unit: ``"none"`` (default) or ``"full"`` (keep the
+        unit's inputs only, recompute its forward in backward), for every unit but the root, or a
+        dict ``{unit name or fnmatch pattern: policy}``.
 
     Returns:
       the plan.
@@ -291,7 +314,10 @@ def plan(
         owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size))
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
-    built = tuple(Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size, fp8.get(u, ())) for u in unit_names if owned[u])
+    remats = _remat_for(remat, unit_names)
+    built = tuple(
+        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size, fp8.get(u, ()), remats[u]) for u in unit_names if owned[u]
+    )
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
 

@@ -4,14 +4,16 @@
 Format 1 is a plan without FP8 on a 1-D or HSDP mesh, format 2 the same with
 ``MixedPrecision(fp8=...)``. Those two are written exactly as before named mesh axes existed,
 so their JSON and fingerprints did not change. Format 3 is any plan over named axes with roles
-(tensor parallel, or a mesh that is not 1-D / ``("replicate", "shard")``): the mesh carries its
-roles, every parameter not replicated over tp carries its ``tp`` placement, and the plan lists
-its tensor-parallel modules. A reader refuses formats it does not know, so an older fsdpfn never
+(tensor parallel, or a mesh that is not 1-D / ``("replicate", "shard")``) or with activation
+checkpointing: the mesh carries its roles, every parameter not replicated over tp carries its
+``tp`` placement, the plan lists its tensor-parallel modules and a rematerialised unit its
+``remat`` policy. A reader refuses formats it does not know, so an older fsdpfn never
 runs a tensor-parallel plan as if it were a data-parallel one.
 """
 
 from __future__ import annotations
 
+from fsdpfn._mesh import MeshAxes
 from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name, register_serialisers
 from fsdpfn.fp8 import Float8GatherPolicy
 
@@ -37,7 +39,7 @@ def plan_to_dict(plan: Plan) -> dict:
       >>> plan_to_dict(plan)["format"]
       1
     """
-    legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None
+    legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None and all(u.remat == "none" for u in plan.units)
     d = {
         "format": FORMAT_PLAIN,
         "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
@@ -48,6 +50,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "strategy": u.strategy.value,
                 "params": [_param_dict(p) for p in u.params],
                 **({"fp8": list(u.fp8)} if u.fp8 else {}),
+                **({"remat": u.remat} if u.remat != "none" else {}),
             }
             for u in plan.units
         ],
@@ -57,8 +60,7 @@ def plan_to_dict(plan: Plan) -> dict:
         d["mp"]["fp8"] = plan.mp.fp8.to_dict()
     if not legacy:
         d["format"] = FORMAT_AXES
-        d["mesh"]["roles"] = [r.value for r in plan.axes.roles]
-        d["mesh"]["dim_names"] = list(plan.axes.names)
+        d["mesh"]["roles"] = list(plan.mesh_roles) if plan.mesh_roles is not None else None
         d["tp"] = [list(t) for t in plan.tp]
     return d
 
@@ -70,11 +72,9 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
         raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
     shape = tuple(d["mesh"]["shape"])
     names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
-    roles = tuple(d["mesh"]["roles"]) if fmt == FORMAT_AXES else None
-    tp_size = 1
-    if roles is not None and "tp" in roles:
-        tp_size = shape[roles.index("tp")]
-    shard = shape[roles.index("shard")] if roles is not None else shape[-1]
+    roles = tuple(d["mesh"]["roles"]) if fmt == FORMAT_AXES and d["mesh"].get("roles") else None
+    axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
+    tp_size, shard = axes.tp_size, axes.shard_size
     units = tuple(
         Unit(
             u["name"],
@@ -85,6 +85,7 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
             ),
             shard,
             tuple(u.get("fp8", ())),
+            u.get("remat", "none"),
         )
         for u in d["units"]
     )

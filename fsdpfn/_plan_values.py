@@ -55,7 +55,7 @@ from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import PlainCodec
 from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy, float8_layout
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
 
 # The root unit (the model's own parameters, outside every other unit) has the empty name; it is
 # shown and accepted in strategy dicts as ROOT_LABEL.
@@ -123,6 +123,9 @@ TP_STYLES = ("replicate", "shard0", "shard1", "partial")
 # stays split over tp, or is all-gathered back with colwise_gather), or by input features (its
 # input arrives split, its output is all-reduced).
 TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise")
+# Activation checkpointing of a unit (Unit.remat): keep its activations, or keep only its inputs
+# and recompute its forward in backward.
+REMAT_POLICIES = ("none", "full")
 HSDP_DIM_NAMES = ("replicate", "shard")
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -289,6 +292,9 @@ class Unit:
       params: the parameters, in registration order.
       shard_size: ranks on the shard axis (``W``).
       fp8: the parameters gathered in FP8 (see [Note: FP8 gather layout]); ``()``: none.
+      remat: activation checkpointing of the unit's forward, one of :data:`REMAT_POLICIES`:
+        ``"none"`` (keep its activations for backward) or ``"full"`` (keep only its inputs and
+        recompute its forward in backward, on the parameters gathered for backward).
     """
 
     name: str
@@ -296,6 +302,7 @@ class Unit:
     params: tuple[ParamSpec, ...]
     shard_size: int
     fp8: tuple[str, ...] = ()
+    remat: str = "none"
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -305,6 +312,13 @@ class Unit:
         object.__setattr__(self, "strategy", Strategy(self.strategy))
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "fp8", tuple(self.fp8))
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unit {self.label!r}: unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+        if self.remat != "none" and not self.name:
+            raise ValueError(
+                "the root unit cannot be rematerialised: its code wraps every other unit. Give remat= to the "
+                "units (e.g. remat={'blocks.*': 'full'})"
+            )
         if self.fp8 and self.strategy == "replicate":
             raise ValueError(
                 f"unit {self.label!r} would gather {list(self.fp8)} in FP8, but its strategy 'replicate' has no all-gather to "

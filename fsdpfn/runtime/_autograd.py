@@ -145,36 +145,62 @@ class UnitCall:
         self.inner = None
 
 
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A fresh autograd leaf sharing ``t``'s storage. ``requires_grad_`` is refused while a
+    ``torch.func`` transform is active (as in a recompute inside ``torch.func.grad``'s backward);
+    building the leaf through ``_make_subclass`` is not."""
+    return torch.Tensor._make_subclass(torch.Tensor, t.detach(), requires_grad) if requires_grad else t.detach()
+
+
+def _run_unit(call: "UnitCall", params, xs, grad: bool):
+    """The unit's own forward on ``params`` and inputs ``xs``: a small graph of plain tensors
+    (fresh leaves) when ``grad``, else no graph at all. Returns ``(params, xs, flat outputs)``."""
+    ex, name = call.ex, call.unit.name
+    with torch.enable_grad() if grad else torch.no_grad():
+        if grad:
+            params = [_leaf(t, True) for t in params]
+            xs = [_leaf(x, x.is_floating_point() or x.is_complex()) for x in xs]
+        leaves = list(call.leaves)
+        for i, x in zip(call.tensor_idx, xs):
+            leaves[i] = x
+        args, kwargs = optree.tree_unflatten(call.in_tree, leaves)
+        named = {p.name[len(name) + 1 :]: t for p, t in zip(call.unit.params, params)}
+        prev, ex.inside = ex.inside, name
+        try:
+            out = torch.func.functional_call(call.module, named, tuple(args), kwargs, strict=False)
+        finally:
+            ex.inside = prev
+    flat, out_tree = optree.tree_flatten(out)
+    return params, xs, flat, out_tree
+
+
+def _rng_state(xs) -> tuple:
+    """The generator states a recompute must start from so random ops (dropout) replay."""
+    cuda = sorted({x.device.index or 0 for x in xs if x.is_cuda})
+    return torch.get_rng_state(), cuda, [torch.cuda.get_rng_state(d) for d in cuda]
+
+
 class UnitFn(torch.autograd.Function):
-    """One unit's forward and backward as a single autograd node."""
+    """One unit's forward and backward as a single autograd node. With ``remat="full"`` (see
+    [Note: rematerialised units]) the forward keeps no graph, only its inputs, and the backward
+    recomputes the forward on the parameters the schedule gathered for backward."""
 
     @staticmethod
     def forward(call: UnitCall, *tensors):
         ex, name = call.ex, call.unit.name
         with torch._C._DisableFuncTorch():
             ex.event(OpKind.FORWARD, name)
-            xs = tensors[call.n_shards :]
-            params = ex.full_params(name)
-            with torch.enable_grad() if call.needs_grad else contextlib.nullcontext():
-                if call.needs_grad:
-                    params = [t.detach().requires_grad_() for t in params]
-                    xs = [x.detach().requires_grad_(x.is_floating_point() or x.is_complex()) for x in xs]
-                leaves = list(call.leaves)
-                for i, x in zip(call.tensor_idx, xs):
-                    leaves[i] = x
-                args, kwargs = optree.tree_unflatten(call.in_tree, leaves)
-                named = {p.name[len(name) + 1 :]: t for p, t in zip(call.unit.params, params)}
-                prev, ex.inside = ex.inside, name
-                try:
-                    out = torch.func.functional_call(call.module, named, tuple(args), kwargs, strict=False)
-                finally:
-                    ex.inside = prev
-            flat, call.out_tree = optree.tree_flatten(out)
+            xs = list(tensors[call.n_shards :])
+            remat = call.needs_grad and call.unit.remat == "full"
+            rng = _rng_state(xs) if remat else None
+            params, xs_used, flat, call.out_tree = _run_unit(call, ex.full_params(name), xs, call.needs_grad and not remat)
             for o in flat:
                 if not isinstance(o, torch.Tensor):
                     raise ValueError(f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)")
-            if call.needs_grad:
-                call.inner = (params, xs, flat)
+            if remat:
+                call.inner = ("remat", [x.detach() for x in xs], rng)
+            elif call.needs_grad:
+                call.inner = (params, xs_used, flat)
             ex.event(OpKind.FORWARD_DONE, name)
             return tuple(o.detach() for o in flat)
 
@@ -191,7 +217,16 @@ class UnitFn(torch.autograd.Function):
             if call.inner is None:
                 raise RuntimeScheduleError(f"unit {unit_label(name)!r} ran its forward without autograd recording and cannot be differentiated")
             ex.event(OpKind.BACKWARD, name)
-            params, xs, flat = call.inner
+            if call.inner[0] == "remat":  # recompute on the parameters gathered for backward
+                _, saved_xs, (cpu, cuda, cuda_states) = call.inner
+                with torch.random.fork_rng(devices=cuda):
+                    torch.set_rng_state(cpu)
+                    for d, st in zip(cuda, cuda_states):
+                        torch.cuda.set_rng_state(st, d)
+                    params, xs, flat, _ = _run_unit(call, ex.full_params(name), saved_xs, True)
+                ex.record.recomputed.append(name)
+            else:
+                params, xs, flat = call.inner
             call.inner = None
             pairs = [(o, _unwrap(g)) for o, g in zip(flat, grads) if o.requires_grad and g is not None]
             wrt = list(params) + [x for x in xs if x.requires_grad]

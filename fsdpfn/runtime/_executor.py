@@ -33,10 +33,12 @@ class StepRecord:
       events: ``(op index, event)`` in the order the model reached them.
       in_flight: for each ``forward``/``backward`` event, the gathers and reduces in flight when
         the unit started computing: the overlap the schedule achieved, counted not timed.
+      recomputed: units whose forward was recomputed in backward (``remat="full"``), in order.
     """
 
     events: list = dataclasses.field(default_factory=list)
     in_flight: list = dataclasses.field(default_factory=list)
+    recomputed: list = dataclasses.field(default_factory=list)
 
 
 class Executor:
