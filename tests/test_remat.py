@@ -128,3 +128,55 @@ def test_full_remat_keeps_only_unit_inputs(run_on_ranks):
     (plain, inp, depth), _ = run_on_ranks(_saved_bytes, 2, None)
     (remat, _, _), _ = run_on_ranks(_saved_bytes, 2, "full")
     assert plain / (remat + depth * inp) >= 3, (plain, remat, inp)
+
+
+def _pure(rank, world, remat, style, model_kind, steps=3):
+    """The pure loop (``functional_call`` over ``fsdpfn.unshard``), ``torch.func.grad`` or
+    ``loss.backward()``, with the unit forwards wrapped by ``fsdpfn.shard``."""
+    torch.manual_seed(0)
+    model = GPT(CFG) if model_kind == "gpt" else DropoutMLP()
+    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy="zero3", remat=remat)
+    params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    torch.manual_seed(99 + rank)
+    for step in range(steps):
+        x, y = _data(step, world, model_kind)
+
+        def loss_fn(ps):
+            out = torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine],))
+            return F.cross_entropy(out.flatten(0, 1), y[mine].flatten())
+
+        if style == "func":
+            g = torch.func.grad(loss_fn)(params)
+        else:
+            loss_fn(params).backward()
+            g = {n: p.grad for n, p in params.items()}
+        with torch.no_grad():
+            params = {n: (p - 0.2 * g[n]).detach().requires_grad_(style == "eager") for n, p in params.items()}
+    return {n: p._local_tensor for n, p in params.items()}
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+@pytest.mark.parametrize("model_kind", ["gpt", "dropout"])
+def test_full_remat_in_the_pure_loop_is_bitwise_the_run_without_it(run_on_ranks, style, model_kind):
+    plain = run_on_ranks(_pure, 2, None, style, model_kind)
+    remat = run_on_ranks(_pure, 2, "full", style, model_kind)
+    for p0, p1 in zip(plain, remat):
+        assert all(torch.equal(p0[n], p1[n]) for n in p0), [n for n in p0 if not torch.equal(p0[n], p1[n])]
+
+
+def test_the_remat_wrapper_really_recomputes():
+    """A counter inside a unit's forward: one call per forward without remat, two (forward and
+    recompute) with it, in one process."""
+    calls = []
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    model.blocks[0][0].register_forward_hook(lambda *a: calls.append(1))
+    x, y = _data(0, 1, "dropout")
+    for remat, expected in ((None, 1), ("full", 2)):
+        calls.clear()
+        plan = fsdpfn.plan(model, (1,), remat=remat)
+        fsdpfn.transforms.apply_remat(model, plan)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten()))(params)
+        assert len(calls) == expected, (remat, calls)

@@ -166,10 +166,14 @@ def _run_unit(call: "UnitCall", params, xs, grad: bool):
         args, kwargs = optree.tree_unflatten(call.in_tree, leaves)
         named = {p.name[len(name) + 1 :]: t for p, t in zip(call.unit.params, params)}
         prev, ex.inside = ex.inside, name
+        # The runtime rematerialises units itself: a pure-loop remat wrapper on the module
+        # (fsdpfn.transforms.apply_remat) passes straight through while the unit runs here.
+        call.module._fsdpfn_in_remat = True
         try:
             out = torch.func.functional_call(call.module, named, tuple(args), kwargs, strict=False)
         finally:
             ex.inside = prev
+            call.module._fsdpfn_in_remat = False
     flat, out_tree = optree.tree_flatten(out)
     return params, xs, flat, out_tree
 

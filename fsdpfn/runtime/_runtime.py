@@ -262,10 +262,14 @@ class Runtime:
                 outs = UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
                 return optree.tree_unflatten(call.out_tree, list(outs))
 
+            # The runtime recomputes rematerialised units itself; a pure-loop remat wrapper the
+            # module may carry (fsdpfn.transforms.apply_remat) steps aside while it runs.
+            installed.append((module, module.__dict__.get("forward")))
             module.forward = forward
-            installed.append(module)
         try:
             yield
         finally:
-            for module in installed:
+            for module, previous in installed:
                 del module.forward
+                if previous is not None:
+                    module.forward = previous

@@ -28,9 +28,11 @@ from fsdpfn.transforms._sharding import unshard as unshard
 from fsdpfn.transforms._sharding import tp_group as tp_group
 from fsdpfn.transforms._sharding import tp_rank as tp_rank
 from fsdpfn.transforms._sharding import tp_slice as tp_slice
+from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
 
 __all__ = [
+    "apply_remat",
     "apply_tp",
     "CollectiveCall",
     "CollectiveCounter",

@@ -40,6 +40,7 @@ from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._axes import _mesh, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_ranks_agree
+from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
@@ -242,8 +243,9 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
         check_ranks_agree(plan, full)
-    if isinstance(model_or_params, torch.nn.Module):  # a model carries the tp hooks of its latest plan
+    if isinstance(model_or_params, torch.nn.Module):  # a model carries the tp hooks and remat of its latest plan
         apply_tp(model_or_params, plan)
+        apply_remat(model_or_params, plan)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:
