@@ -1,4 +1,5 @@
-"""End to end: the pure training loop of DESIGN.md under every strategy, against one process,
+"""End to end: the pure training loop (shard, unshard inside the loss, ``torch.func.grad``, update)
+under every strategy, against one process,
 step by step, and gradients against torch FSDP2's ``fully_shard`` on the same model and batch."""
 
 import copy
