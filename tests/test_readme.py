@@ -41,7 +41,13 @@ def test_quickstart_runs_and_the_loss_falls():
     first, last = float(m[1]), float(m[2])
     # The script asserts last < first / 2 itself; the README quotes this run's figures.
     assert last < first / 2
-    assert f"loss {m[1]} -> {m[2]} in 20 steps" in _readme(), "the README quotes another output: update it"
+    # The README quotes this output. Other CPU kernels (ATEN_CPU_CAPABILITY) round differently:
+    # fp32 differences of ~1e-6 that 20 AdamW steps can grow to ~1e-4 in the loss, far below the
+    # 0.01 allowed here; a changed example moves the figures by far more than that.
+    quoted = re.search(r"prints: loss (\d+\.\d+) -> (\d+\.\d+) in 20 steps", _readme())
+    assert quoted, "the README no longer quotes the example's output"
+    assert abs(float(quoted[1]) - first) < 0.01 and abs(float(quoted[2]) - last) < 0.01, (
+        f"the README quotes loss {quoted[1]} -> {quoted[2]}, the example prints {m[1]} -> {m[2]}: update the README")
 
 
 def test_links_and_make_targets_exist():
