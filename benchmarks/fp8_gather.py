@@ -4,7 +4,7 @@ Three parts, each printing a small table:
 
 1. ``bytes``: every collective of one whole training step (runtime, zero3 with reshard after
    forward, Muon with the owner layout), counted by ``fsdpfn.comm.count_collectives`` for both
-   sides on the BENCHMARKS.md model (width 512, 4 blocks, vocabulary 4096, sequence 256), next
+   sides on the benchmark model (width 512, 4 blocks, vocabulary 4096, sequence 256), next
    to ``plan.cost()``'s prediction. Bytes do not depend on the batch, so the counted step uses a
    small one (this CPU has no fast bf16 matmul).
 2. ``time``: step time FP8 vs high-precision gather, both sides in one launch, interleaved

@@ -1,6 +1,6 @@
 """Muon's distributed Newton–Schulz on a GPT-style model, measured on gloo ranks.
 
-Prints, per the rules of BENCHMARKS.md (both sides in one launch, interleaved, median of the
+Prints, per the rules of docs/benchmarks.md (both sides in one launch, interleaved, median of the
 pairwise ratios, min-max spread; counts beside times):
 
 1. Newton–Schulz FLOPs summed over ranks / one-process FLOPs, for the "owner" and "gather"

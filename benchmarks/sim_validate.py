@@ -2,8 +2,8 @@
 memory, for strategies x world sizes x prefetch depths x optimizers, on gloo CPU ranks.
 
 Per world size, one launch: every rank first fits the hardware (``fsdpfn.sim.measure()``), then
-runs every configuration's training steps interleaved (round-robin, BENCHMARKS.md's rule:
-same machine state for all of them), and reports the median step (the slowest rank's time of
+runs every configuration's training steps interleaved (round-robin, the rule of
+docs/benchmarks.md: same machine state for all of them), and reports the median step (the slowest rank's time of
 forward, backward, optimizer update and ``apply_updates``) and the runtime's own high-water
 mark of unsharded bytes. The simulator gets the plan, the runtime's schedule, a workload
 profiled on the real module (``fsdpfn.sim.profile``), the optimizer and the measured hardware.
@@ -12,19 +12,19 @@ compared with the simulator's per-kind calls and bytes too: "bytes" says whether
 exactly.
 
 Model: GPT width 256, 4 blocks, vocabulary 2048, sequence 128, batch 4 per rank by default:
-an eighth of BENCHMARKS.md's FLOPs (width 512, vocab 4096, seq 256), so that the whole grid
+an eighth of the benchmark model's FLOPs (width 512, vocab 4096, seq 256), so that the whole grid
 (4 strategies + HSDP x 3 world sizes x 3 prefetch depths x 2 optimizers, interleaved, on two
 shared cores) runs in 9 minutes; ``--width 512 --vocab 4096 --seq 256 --steps 5`` runs the
-BENCHMARKS.md model (about 30 minutes: 6.5 at W=2, 10 at W=3, 14 at W=4). Muon runs Newton-Schulz in fp32 (``--ns-dtype``): this CPU has no
+benchmark model (about 30 minutes: 6.5 at W=2, 10 at W=3, 14 at W=4). Muon runs Newton-Schulz in fp32 (``--ns-dtype``): this CPU has no
 fast bf16 matmul.
 
 Every configuration of a world size stays alive through its rounds (that is what interleaving
-needs), so memory grows with the grid: with BENCHMARKS.md's model at W=4 (4 ranks in 24 GiB) run
+needs), so memory grows with the grid: with the benchmark model at W=4 (4 ranks in 24 GiB) run
 one optimizer at a time (``--optimizers adamw``, then ``--optimizers muon``).
 
 Usage:
   OMP_NUM_THREADS=1 python benchmarks/sim_validate.py
-  OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --width 512 --vocab 4096 --seq 256 --steps 5   # BENCHMARKS.md's model
+  OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --width 512 --vocab 4096 --seq 256 --steps 5   # the benchmark model
   OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --search-check      # the search's pick against the default, run
   OMP_NUM_THREADS=1 python benchmarks/sim_validate.py --world-sizes 2 --strategies zero3 --steps 5   # a quick look
 """

@@ -1,4 +1,4 @@
-"""The pure training loop of DESIGN.md: shard, unshard inside the loss, torch.func.grad, update.
+"""The pure training loop: shard the model, unshard inside the loss, torch.func.grad, update.
 
 Runs on CPU with 2 gloo ranks it spawns itself, or one rank per process under torchrun:
 

@@ -1,5 +1,6 @@
-"""End to end: the pure training loop of DESIGN.md under every strategy, against one process,
-step by step, and gradients against torch FSDP2's ``fully_shard`` on the same model and batch."""
+"""End to end: the pure training loop (shard, unshard inside the loss, ``torch.func.grad``,
+update) under every strategy, against one process, step by step, and gradients against torch
+FSDP2's ``fully_shard`` on the same model and batch."""
 
 import copy
 

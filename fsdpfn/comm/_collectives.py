@@ -19,7 +19,7 @@ so that ``<all_gather(x), y> == <x, reduce_scatter(y)>`` summed over ranks.
 [Note: reduce-scatter on gloo]
 gloo implements ``reduce_scatter`` as a full all-reduce followed by a local slice: it moves twice
 the bytes a reduce-scatter needs. An all-to-all followed by a local sum moves exactly the
-reduce-scatter's bytes and measured faster on 4-16 MiB buffers (BENCHMARKS.md), so on gloo
+reduce-scatter's bytes and measured faster on 4-16 MiB buffers (docs/benchmarks.md), so on gloo
 groups :func:`reduce_scatter` uses it unless its ``impl`` argument or a
 :func:`reduce_scatter_impl` block says otherwise. The local sum adds the ranks' contributions in
 rank order, so every rank's result is deterministic.

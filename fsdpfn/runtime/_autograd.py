@@ -4,8 +4,8 @@
 FSDP2 frees a unit's full parameters after its forward by resizing their storage to zero while
 autograd still holds them as saved tensors, and refills the same storage before the unit's
 backward; it finds "before the backward" and "gradients complete" with module and tensor hooks.
-Hooks are where seed 002's bugs lived (hooks that silently do not fire, post-backward order
-races), and inside ``torch.func`` transforms saved-tensor hooks are not available at all.
+Hooks are fragile (hooks that silently do not fire, post-backward order races), and
+inside ``torch.func`` transforms saved-tensor hooks are not available at all.
 
 So each unit's forward is one custom ``torch.autograd.Function`` (:class:`UnitFn`) instead.
 Its forward waits for the unit's gather, then builds the unit's *own* small autograd graph with
@@ -16,8 +16,8 @@ receives the unit's complete parameter gradients in one place, in order: "gradie
 and "u's gradients are complete" are the start and the end of one Python function, never hooks.
 Because the graph is built below functorch, the same code serves ``loss.backward()`` and
 ``torch.func.grad``/``grad_and_value``: reshard-after-forward works in both loop styles, with no
-recompute and no saved-tensor hooks (the issue allowed per-unit recompute for the functional
-style; we measured that it is not needed). The costs: the unit is opaque to higher-order
+recompute and no saved-tensor hooks (per-unit recompute for the functional style turned out
+not to be needed). The costs: the unit is opaque to higher-order
 transforms (no double ``grad`` or ``vmap`` through the runtime; the pure path has them), and
 the refill must not bump the version counter that saved tensors check, hence
 ``torch.autograd._unsafe_preserve_version_counter`` as in FSDP2.

@@ -47,13 +47,15 @@ class CudaComm:
     """CUDA: one stream per collective kind, ordered against the compute stream with events.
 
     Streams, and why each exists:
+
       - ``all_gather``: the next unit's parameters are gathered while the current unit computes
         on the default stream. It first waits for the default stream, so shards an optimizer
-        just wrote are complete before they are read (the stale-shard bug of seed 002).
+        just wrote are complete before they are read (else a gather could ship stale shards).
       - ``reduce_scatter``: a unit's gradients are reduced while the previous unit's backward
         computes. Separate from ``all_gather`` so a prefetch never queues behind a reduce
         (FSDP2 does the same). It waits for the default stream: the gradients were produced
         there.
+
     The default stream waits on a collective's event before using its output; buffers stay
     referenced by the handle until then, so the caching allocator cannot hand them out early.
     """
