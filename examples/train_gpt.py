@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -493,6 +494,22 @@ def nothing_to_train(info: dict, step: int, args) -> str:
             "the run. Outputs left as they are.")
 
 
+def nothing_left(args) -> str | None:
+    """:func:`nothing_to_train`'s line if the checkpoint ``--resume`` names is already at the
+    run's last step, else ``None`` (also when there is none, or it is damaged: the ranks' load
+    says so). Read before any rank starts; :func:`train` checks again what the ranks loaded, in
+    case the checkpoints changed in between (``--resume PATH`` into a run still training)."""
+    source = args.resume if isinstance(args.resume, str) else os.path.join(args.out, OUTPUTS["ckpt"])
+    try:
+        with warnings.catch_warnings():  # a damaged checkpoint is reported by the load itself
+            warnings.simplefilter("ignore")
+            info = checkpoint.read_info(source)
+    except (FileNotFoundError, checkpoint.CheckpointError):
+        return None
+    step = info["values"].get("step")
+    return nothing_to_train(info, step, args) if isinstance(step, int) and step >= stop_step(args) else None
+
+
 def resolve_schedule(args, step: int, info: dict) -> str | None:
     """Sets ``args.schedule_steps`` for a resumed run (see ``--schedule-steps``): the user's
     value, else the horizon saved in the checkpoint, else (a checkpoint from before the
@@ -612,7 +629,7 @@ def train(rank: int, world: int, args) -> None:
     if args.resume:
         state, info = resume(job, state)
         if info is not None:
-            if state["step"] >= stop_step(args):  # nothing to do: no training, no outputs rewritten
+            if state["step"] >= stop_step(args):  # see nothing_left: no training, no outputs rewritten
                 if rank == 0:
                     print(nothing_to_train(info, state["step"], args))
                 return
@@ -665,6 +682,11 @@ def main(argv=None) -> None:
         check_resumable(os.path.join(args.out, "config.json"), args)
     if not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0":
         lock = lock_run_dir(args.out)  # noqa: F841 - held until this process exits
+    finished = args.resume and nothing_left(args)
+    if finished:  # said at once, without starting ranks; exit status 0
+        if os.environ.get("RANK", "0") == "0":
+            print(finished)
+        return
     try:
         launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
