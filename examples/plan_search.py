@@ -71,27 +71,58 @@ def _measure(rank: int, world: int) -> sim.Hardware:
     return sim.measure(sizes_mib=(0.25, 2, 8), repeats=3, dtypes=(torch.float32,))
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's default once, after its help, unless the help
+    already says it or there is none to show (``None``, or ``False`` for a switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its ``--help``: this module's description, then every flag with its default)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    g = p.add_argument_group("model and step")
+    g.add_argument("--model", choices=("8b", "70b", "gpt"), default="8b",
+                   help="8b, 70b: Llama 3 8B or 70B (bf16 parameters, fp32 gradient reduction); gpt: a 4-block GPT "
+                        "of width 256 (fp32)")
+    g.add_argument("--gpus", type=int, default=64, help="ranks (HSDP shapes R x G/R are searched too)")
+    g.add_argument("--budget-gib", type=float, default=None,
+                   help="memory per rank in GiB (default: the hardware's memory)")
+    g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="muon",
+                   help="adamw; muon (each matrix orthogonalised on the rank that owns it); muon-gather (every rank "
+                        "gathers and orthogonalises every whole matrix)")
+    g.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one sequence per micro-batch)")
+    g.add_argument("--global-tokens", type=int, default=4 * 2**20,
+                   help="tokens per step over all ranks (micro-batches per rank: global-tokens / (seq x gpus))")
+    g.add_argument("--checkpointing", action="store_true", help="activation checkpointing per unit")
+    g.add_argument("--prefetch", default="0,1,2", help="the runtime's prefetch depths to search, comma-separated")
+    g = p.add_argument_group("hardware: a preset, your own numbers, or measured here")
+    g.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"],
+                   help="a preset (its datasheet peaks scaled by --flops-derate and --net-derate), or measure: fitted "
+                        "on --gpus gloo ranks of this machine")
+    g.add_argument("--flops-derate", type=float, default=0.75,
+                   help="fraction of the preset's peak matmul FLOP/s that kernels reach")
+    g.add_argument("--net-derate", type=float, default=0.8,
+                   help="fraction of the preset's link bandwidth that collectives reach")
+    g.add_argument("--flops", type=float, default=None,
+                   help="your hardware: bf16 matmul FLOP/s (replaces the preset; needs --intra-gbps and --inter-gbps)")
+    g.add_argument("--intra-gbps", type=float, default=None, help="your hardware: GB/s each rank sends within a node")
+    g.add_argument("--inter-gbps", type=float, default=None, help="your hardware: GB/s each rank sends across nodes")
+    g.add_argument("--alpha-us", type=float, default=5.0, help="your hardware: latency per ring hop, microseconds")
+    g.add_argument("--memory-gib", type=float, default=80.0, help="your hardware: memory per GPU, GiB")
+    g.add_argument("--memory-gbps", type=float, default=3000.0, help="your hardware: memory bandwidth, GB/s")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="your hardware: GPUs per node")
+    g = p.add_argument_group("output")
+    g.add_argument("--plot", default=None, metavar="PNG", help="save the pick's timeline as an image")
+    return p
+
+
 def main(argv=None) -> sim.SearchResult:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("8b", "70b", "gpt"), default="8b")
-    p.add_argument("--gpus", type=int, default=64, help="ranks (HSDP shapes R x G/R are searched too)")
-    p.add_argument("--budget-gib", type=float, default=None, help="memory per rank (default: the hardware's memory)")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="muon")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one sequence per micro-batch)")
-    p.add_argument("--global-tokens", type=int, default=4 * 2**20, help="tokens per step over all ranks")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per unit")
-    p.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"])
-    p.add_argument("--flops-derate", type=float, default=0.75)
-    p.add_argument("--net-derate", type=float, default=0.8)
-    p.add_argument("--flops", type=float, default=None, help="your hardware: bf16 matmul FLOP/s")
-    p.add_argument("--intra-gbps", type=float, default=None)
-    p.add_argument("--inter-gbps", type=float, default=None)
-    p.add_argument("--alpha-us", type=float, default=5.0, help="latency per ring hop")
-    p.add_argument("--memory-gib", type=float, default=80.0)
-    p.add_argument("--memory-gbps", type=float, default=3000.0)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--prefetch", default="0,1,2")
-    p.add_argument("--plot", default=None, help="save the pick's timeline as an image")
+    p = build_parser()
     args = p.parse_args(argv)
     if args.gpus < 1 or args.seq < 1 or args.global_tokens < args.seq:
         p.error("--gpus and --seq must be >= 1 and --global-tokens >= --seq")

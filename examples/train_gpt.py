@@ -4,10 +4,18 @@ One command, no GPU, no downloads: it starts its own ranks (2 by default, gloo o
 on the small corpus shipped in ``examples/data``, shows a progress bar, logs metrics, plots the
 loss, saves checkpoints as it goes, and prints a text sample at the end::
 
-    python examples/train_gpt.py                      # ~3 minutes on 2 CPU cores
-    python examples/train_gpt.py --resume --steps 600 # continue the same run from its checkpoint
-    python examples/train_gpt.py --resume --world-size 1 --strategy zero2  # reshard on resume
-    python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000200 --steps 300  # a given checkpoint
+    python examples/train_gpt.py                                 # 300 steps, ~3 minutes on 2 CPU cores
+    python examples/train_gpt.py --resume --steps 400            # continue the run to step 400
+    python examples/train_gpt.py --resume --steps 500 --world-size 1 --strategy zero2  # resharded
+    python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
+                                                                 # a given checkpoint, into another run
+
+``--resume`` (or ``--resume latest``) continues from the newest intact checkpoint in
+``--out/ckpt``. The learning-rate schedule (warm-up, then cosine decay to 10% of the peak) has
+the horizon ``--schedule-steps``, by default ``--steps`` of the run's first launch, saved in
+every checkpoint: resuming with a larger ``--steps`` keeps that horizon, so the extra steps
+train at the final learning rate; pass ``--schedule-steps`` to stretch the decay instead.
+Resuming a run that has reached ``--steps`` says so and changes nothing.
 
 On GPUs, one rank per GPU under torchrun (NCCL)::
 
@@ -30,6 +38,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import checkpoint, comm, optim
-from fsdpfn.launch import RankError, launch, under_torchrun
+from fsdpfn.launch import RankError, cuda_problem, launch, under_torchrun
 from fsdpfn.models import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,8 +58,21 @@ DEFAULT_DATA = os.path.join(HERE, "data", "tiny_tales.txt")
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's default once, after its help, unless the help
+    already says it or there is none to show (``None``, or ``False`` for a switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its ``--help``: what the job does, then every flag with its default)."""
+    description = __doc__.split("\nThe step is pure")[0]
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     g.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"], help="sharding strategy of every unit")
@@ -79,12 +101,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Muon's Newton-Schulz: standard (torch.optim.Muon's) or gram (fewer FLOPs on wide matrices)")
     g.add_argument("--muon-blocks", default="none", choices=["none", "heads"],
                    help="heads: orthogonalise qkv and proj per attention head (optim.head_blocks), not as whole matrices")
-    g.add_argument("--steps", type=int, default=300, help="total steps (a resumed run continues up to this)")
+    g.add_argument("--steps", type=int, default=300,
+                   help="total steps; a resumed run continues up to this (and the lr schedule keeps its horizon: "
+                        "see --schedule-steps)")
+    g.add_argument("--schedule-steps", type=int, default=None, metavar="N",
+                   help="horizon of the lr schedule: warm-up, then cosine decay to 10%% of the peak at step N, flat "
+                        "after (default: --steps on a fresh run; on --resume the horizon saved in the checkpoint, so a "
+                        "larger --steps trains its extra steps at the final lr; pass N to stretch the decay instead)")
     g.add_argument("--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step; --resume continues")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     g.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
     g.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (everything with --optimizer adamw)")
-    g.add_argument("--warmup", type=int, default=20, help="warm-up steps, then cosine decay to 10%%")
+    g.add_argument("--warmup", type=int, default=20, help="warm-up steps, then cosine decay to 10%% (see --schedule-steps)")
     g.add_argument("--max-nonfinite", type=int, default=5,
                    help="skip steps whose gradients hold a NaN/inf (on every rank); stop after this many in a row")
     g.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
@@ -92,15 +120,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--out", default="runs/gpt", help="output directory")
     g.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
-                   help="continue from --out/ckpt (its newest intact checkpoint), or from PATH (a checkpoint root or "
-                        "one step_* directory); any world size or strategy")
+                   help="continue from the newest intact checkpoint in --out/ckpt (--resume or --resume latest), or "
+                        "from PATH (a checkpoint root such as runs/gpt/ckpt, its 'latest' file, or one step_* "
+                        "directory); any world size or strategy. A run already at --steps is left as it is")
     g.add_argument("--ckpt-every", type=int, default=100, help="save a checkpoint every N steps")
     g.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     g.add_argument("--log-every", type=int, default=10, help="log loss, gradient norm and learning rate every N steps")
     g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
-    g.add_argument("--sample-chars", type=int, default=400)
+    g.add_argument("--sample-chars", type=int, default=400, help="characters of text to generate at the end (0: none)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.resume == "latest":  # the keyword, as in checkpoint roots' own 'latest' file
+        args.resume = True
+    elif isinstance(args.resume, str) and os.path.basename(os.path.normpath(args.resume)) == "latest" \
+            and os.path.isfile(args.resume):  # a root's 'latest' pointer file: load that root
+        args.resume = os.path.dirname(os.path.abspath(args.resume))
     problem = check_args(args)
     if problem:
         p.error(problem)  # before any rank starts: a bad flag is named, nothing runs
@@ -117,6 +156,13 @@ def check_args(args) -> str | None:
     for name in ("prefetch", "eval_every", "sample_chars", "warmup"):
         if getattr(args, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
+    if args.schedule_steps is not None and args.schedule_steps < 1:
+        return f"--schedule-steps must be >= 1, got {args.schedule_steps}"
+    if args.device == "cuda":  # on every rank, before anything touches CUDA
+        local_rank = int(os.environ.get("LOCAL_RANK", "0")) if under_torchrun() else 0
+        problem = cuda_problem(local_rank)
+        if problem is not None:
+            return f"--device cuda: {problem}; or use --device cpu"
     if args.width % args.heads:
         return f"--heads {args.heads} must divide --width {args.width} (each head gets width / heads channels)"
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
@@ -172,8 +218,20 @@ def get_batch(data: torch.Tensor, step: int, rank: int, batch: int, seq_len: int
 # ---------------------------------------------------------------------------------------------
 
 
-def lr_schedule(args, peak):
-    return optim.warmup_cosine_schedule(peak, args.warmup, max(args.steps, args.warmup + 1), end_value=0.1 * peak)
+def schedule_steps(args) -> int:
+    """The horizon of the lr schedule: ``--schedule-steps`` once set (by the user, or on resume
+    from the checkpoint), else ``--steps``."""
+    return args.steps if args.schedule_steps is None else args.schedule_steps
+
+
+def lr_schedule(args, peak, horizon: int | None = None):
+    horizon = schedule_steps(args) if horizon is None else horizon
+    return optim.warmup_cosine_schedule(peak, args.warmup, max(horizon, args.warmup + 1), end_value=0.1 * peak)
+
+
+def main_lr(args, horizon: int | None = None):
+    """The schedule the logs show: Muon's with ``--optimizer muon``, else AdamW's."""
+    return lr_schedule(args, args.lr if args.optimizer == "muon" else args.adamw_lr, horizon)
 
 
 def make_optimizer(args) -> optim.GradientTransformation:
@@ -398,35 +456,88 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     else:  # one parameter at a time, seeded by its path: the same values on any world size or plan
         params = fsdpfn.init_shards(model, plan, seed=args.seed, device=device)
     state = {"params": params, "opt_state": opt.init(params), "step": 0}
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(vocab)}, {len(train_data) / 1e3:.0f}k training characters; "
-              f"{world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; {args.strategy}, {args.optimizer}"
-              f"{', MXFP8 weight gathers' if args.fp8 else ''}")
     model = model.to("meta")  # the shards are copies: keep only a skeleton for functional_call
     return Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt), state
 
 
-def resume(job: Job, state: dict) -> dict:
+def announce(job: Job) -> None:
+    if job.rank == 0:
+        n_params = sum(p.numel() for p in job.model.parameters())
+        args = job.args
+        print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
+              f"training characters; {job.world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; "
+              f"{args.strategy}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
+
+
+def resume(job: Job, state: dict) -> tuple[dict, dict | None]:
     """The state of the newest intact checkpoint under ``--out/ckpt`` (or of ``--resume PATH``),
-    resharded to this job's plan and world size. A damaged newest checkpoint is skipped with a
+    resharded to this job's plan and world size, and the checkpoint's :func:`checkpoint.read_info`
+    (``None`` when there was none to resume). A damaged newest checkpoint is skipped with a
     warning naming it; an explicitly named directory that is damaged is an error."""
     source = job.args.resume if isinstance(job.args.resume, str) else job.paths["ckpt"]
     if checkpoint.latest(source) is None and not isinstance(job.args.resume, str):
         if job.rank == 0:
             print(f"--resume: no checkpoint in {source}, starting from step 0")
-        return state
-    state, info = checkpoint.load(source, state, job.plan, return_info=True)
-    if job.rank == 0:
-        print(f"resumed from {info['dir']} (step {state['step']}, saved on {info['world_size']} rank(s); "
-              f"now {job.world} rank(s), {job.args.strategy})")
-    return state
+        return state, None
+    return checkpoint.load(source, state, job.plan, return_info=True)
+
+
+def stop_step(args) -> int:
+    return args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+
+
+def nothing_to_train(info: dict, step: int, args) -> str:
+    """The one line a resume that has nothing left to do prints."""
+    limit = f"--steps {args.steps}" if stop_step(args) == args.steps else f"--stop-at {args.stop_at}"
+    more = "a larger --steps" if limit.startswith("--steps") else "a larger --stop-at, or none,"
+    return (f"nothing to train: the checkpoint {info['dir']} is at step {step} and {limit}; pass {more} to continue "
+            "the run. Outputs left as they are.")
+
+
+def nothing_left(args) -> str | None:
+    """:func:`nothing_to_train`'s line if the checkpoint ``--resume`` names is already at the
+    run's last step, else ``None`` (also when there is none, or it is damaged: the ranks' load
+    says so). Read before any rank starts; :func:`train` checks again what the ranks loaded, in
+    case the checkpoints changed in between (``--resume PATH`` into a run still training)."""
+    source = args.resume if isinstance(args.resume, str) else os.path.join(args.out, OUTPUTS["ckpt"])
+    try:
+        with warnings.catch_warnings():  # a damaged checkpoint is reported by the load itself
+            warnings.simplefilter("ignore")
+            info = checkpoint.read_info(source)
+    except (FileNotFoundError, checkpoint.CheckpointError):
+        return None
+    step = info["values"].get("step")
+    return nothing_to_train(info, step, args) if isinstance(step, int) and step >= stop_step(args) else None
+
+
+def resolve_schedule(args, step: int, info: dict) -> str | None:
+    """Sets ``args.schedule_steps`` for a resumed run (see ``--schedule-steps``): the user's
+    value, else the horizon saved in the checkpoint, else (a checkpoint from before the
+    horizon was saved) ``--steps``. Returns a line for the log when the lr differs from what a
+    fresh run with these flags would use, or changes at the resume, else ``None``."""
+    saved = info["values"].get("schedule_steps")
+    if args.schedule_steps is None:
+        if saved is None:
+            args.schedule_steps = args.steps
+            return (f"lr schedule: {info['dir']} records no horizon (saved by an older version of this script); "
+                    f"decaying over --steps {args.steps}")
+        args.schedule_steps = saved
+        if saved == args.steps:
+            return None
+        return (f"lr schedule: kept the checkpoint's horizon of {saved} steps (--steps {args.steps} does not move it): "
+                f"the lr reaches its final {main_lr(args)(saved):.3g} at step {saved} and stays there. To decay over "
+                f"{args.steps} steps instead pass --schedule-steps {args.steps} (the lr at step {step} would then be "
+                f"{main_lr(args, args.steps)(step):.3g}, not {main_lr(args)(step):.3g})")
+    if saved is not None and saved != args.schedule_steps:
+        return (f"lr schedule: horizon {saved} -> {args.schedule_steps} steps (--schedule-steps): the lr at step "
+                f"{step} is {main_lr(args)(step):.3g}, not {main_lr(args, saved)(step):.3g}")
+    return None
 
 
 def start_logs(job: Job, start: int) -> None:
     if job.rank != 0:
         return
+    os.makedirs(job.args.out, exist_ok=True)
     if start == 0 and not job.args.resume:
         open(job.paths["metrics"], "w").close()
     else:
@@ -444,8 +555,10 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
     tokens_per_step = world * args.batch_size * args.seq_len
     t_start = t_window = time.perf_counter()
     window_steps, loss_sum, last_loss = 0, torch.zeros((), device=device), float("nan")
-    stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-    lr = lr_schedule(args, args.lr if args.optimizer == "muon" else args.adamw_lr)
+    stop = stop_step(args)
+    lr = main_lr(args)
+    # Saved beside the state: a resume keeps this horizon (see --schedule-steps).
+    horizon = {"schedule_steps": schedule_steps(args)}
     for step in range(state["step"], stop):
         x, y = get_batch(job.train_data, step, rank, args.batch_size, args.seq_len, args.seed, device)
         log = (step + 1) % args.log_every == 0 or step + 1 == stop
@@ -477,7 +590,7 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
                           f"skipped {finite.total_notfinite} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         if done % args.ckpt_every == 0 or done == stop:
-            checkpoint.save(job.paths["ckpt"], state, job.plan, keep=args.keep)  # collective: every rank
+            checkpoint.save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
     progress.close()
     return state, last_loss
 
@@ -512,8 +625,22 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
 def train(rank: int, world: int, args) -> None:
     """The whole job, on every rank (started by :func:`fsdpfn.launch.launch`)."""
     job, state = setup(rank, world, args)
+    note, info = None, None
     if args.resume:
-        state = resume(job, state)
+        state, info = resume(job, state)
+        if info is not None:
+            if state["step"] >= stop_step(args):  # see nothing_left: no training, no outputs rewritten
+                if rank == 0:
+                    print(nothing_to_train(info, state["step"], args))
+                return
+            note = resolve_schedule(args, state["step"], info)
+            job.opt = make_optimizer(args)  # the same state structure; the schedules' horizon may differ
+    announce(job)
+    if rank == 0 and info is not None:
+        print(f"resumed from {info['dir']} (step {state['step']}, saved on {info['world_size']} rank(s); "
+              f"now {job.world} rank(s), {args.strategy})")
+        if note:
+            print(note)
     start = state["step"]
     start_logs(job, start)
     loss_fn = make_loss(make_forward(job.model, job.plan, args))
@@ -555,6 +682,11 @@ def main(argv=None) -> None:
         check_resumable(os.path.join(args.out, "config.json"), args)
     if not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0":
         lock = lock_run_dir(args.out)  # noqa: F841 - held until this process exits
+    finished = args.resume and nothing_left(args)
+    if finished:  # said at once, without starting ranks; exit status 0
+        if os.environ.get("RANK", "0") == "0":
+            print(finished)
+        return
     try:
         launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from fsdpfn import comm
 
-__all__ = ["RankError", "check_picklable", "launch", "raise_rank_errors", "start_rank", "under_torchrun"]
+__all__ = ["RankError", "check_picklable", "cuda_problem", "launch", "raise_rank_errors", "start_rank", "under_torchrun"]
 
 
 class RankError(RuntimeError):
@@ -57,6 +57,38 @@ def _final_exception(text: str) -> str:
 def under_torchrun() -> bool:
     """True if this process was started by ``torchrun`` (or another launcher setting ``RANK``)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def cuda_problem(local_rank: int = 0) -> str | None:
+    """Why this process cannot use GPU ``local_rank`` (what is missing and how to fix it), or
+    ``None`` if it can. Checks, in order: a CUDA build of torch, a usable GPU, and at least
+    ``local_rank + 1`` visible GPUs. :func:`launch` calls it on every rank before NCCL starts;
+    call it before any CUDA work to fail with a sentence instead of an error from deep in torch.
+
+    Example:
+      >>> problem = cuda_problem(0)
+      >>> problem is None or problem.startswith("this torch")
+      True
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hiding = f" (CUDA_VISIBLE_DEVICES={visible!r} limits which GPUs this process sees)" if visible is not None else ""
+    if not torch.backends.cuda.is_built():
+        return (f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a CUDA build of "
+                "torch (https://pytorch.org/get-started/locally/)")
+    if not torch.cuda.is_available():
+        return (f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) finds no usable GPU{hiding}: check that "
+                "the machine has an NVIDIA GPU and a driver recent enough for this CUDA version (run nvidia-smi)")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        return (f"this process is local rank {local_rank}, which needs GPU {local_rank}, but it sees {count} GPU(s)"
+                f"{hiding}: start at most {count} process(es) per node (torchrun --nproc_per_node {count})")
+    return None
+
+
+def _require_cuda(local_rank: int, where: str) -> None:
+    problem = cuda_problem(local_rank)
+    if problem is not None:
+        raise RuntimeError(f"{where}: {problem}")
 
 
 def check_picklable(fn: Callable, *args: Any, what: str = "fn", **kwargs: Any) -> None:
@@ -113,6 +145,9 @@ def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     _die_with_parent()
+    if backend == "nccl":  # spawned ranks of one machine: rank r drives GPU r
+        _require_cuda(rank, f"rank {rank} of {world_size} (backend 'nccl')")
+        torch.cuda.set_device(rank)
     if timeout_s is not None:
         comm.set_timeout(timeout_s)
     comm.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
@@ -179,7 +214,8 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
 
     Under ``torchrun`` this process is one rank: the group is initialised from the environment
     (NCCL if CUDA is available, else gloo), ``world_size`` is ignored and the list holds this
-    rank's value. Otherwise ``world_size`` local processes are spawned (gloo, the cores split
+    rank's value; with NCCL each rank first checks that it can use GPU ``LOCAL_RANK``
+    (:func:`cuda_problem`) and raises ``RuntimeError`` saying what is missing if not. Otherwise ``world_size`` local processes are spawned (gloo, the cores split
     between them); they die with this process however it dies. A failing rank raises
     :class:`RankError` here with its traceback; a rank stuck in a collective fails within the
     collective ``timeout`` (seconds; default :func:`fsdpfn.comm.timeout`) naming the rank that is
@@ -194,8 +230,11 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
     timeout_s = comm.timeout() if timeout is None else timeout
     if under_torchrun():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if backend == "nccl":  # before anything touches CUDA, which would fail without saying why
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            _require_cuda(local_rank, f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} (backend 'nccl', "
+                                      f"LOCAL_RANK {local_rank})")
+            torch.cuda.set_device(local_rank)
         comm.set_timeout(timeout_s)
         comm.init_process_group(backend)
         try:
@@ -208,6 +247,8 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     check_picklable(main, *args, what="launch(main)")
+    if backend == "nccl":  # here, once, rather than as N identical rank failures
+        _require_cuda(world_size - 1, f"launch(backend='nccl', world_size={world_size})")
     threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -5,7 +5,11 @@ that build it."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,3 +66,30 @@ def test_llama_shapes():
     with pytest.raises(ValueError, match="kv_heads"):
         fsdpfn.models.LlamaConfig(dim=64, layers=1, heads=6, kv_heads=4, ffn=128)
     assert isinstance(sim.H100_SXM, sim.Hardware)
+
+
+def test_help_has_the_whole_description_every_flag_and_each_default_once():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), "--help"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout
+    # The description whole, as written (its first sentence used to be cut after "a cluster that").
+    assert "for a model and a cluster that\nneed not exist here" in text and "  python examples/plan_search.py --plot" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    blocks, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"  (-\S+)", line)
+        if m:
+            current = m.group(1).split(",")[0]
+            blocks[current] = line
+        elif current and line.startswith("   "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    for action in _example().build_parser()._actions:
+        flag = action.option_strings[0]
+        assert action.help and action.help.strip(), f"{flag} has no help"
+        assert blocks[flag].count("(default") <= 1, blocks[flag]
+        if action.default is not None and action.default is not False and flag != "-h":
+            assert f"(default: {action.default})" in blocks[flag], blocks[flag]
+    assert "(default: the hardware's memory)" in blocks["--budget-gib"]

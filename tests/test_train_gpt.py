@@ -8,15 +8,20 @@ resuming changes nothing: the resumed run's losses and final weights equal the s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
-from fsdpfn import checkpoint
+from fsdpfn import checkpoint, optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
@@ -109,3 +114,181 @@ def test_a_second_job_cannot_write_into_a_running_jobs_directory(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# What a newcomer meets: --help, --device cuda without CUDA, resuming a finished run, extending a
+# run (the lr schedule's horizon), and the README's commands in order.
+# ---------------------------------------------------------------------------------------------
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _option_blocks(help_text: str) -> dict[str, str]:
+    """``--flag`` -> its whole entry in ``--help`` (invocation and help, joined)."""
+    blocks, current = {}, None
+    for line in help_text.splitlines():
+        m = re.match(r"  (-\S+)", line)
+        if m:
+            current = m.group(1).split(",")[0]
+            blocks[current] = line
+        elif current and line.startswith("   "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+def test_help_describes_every_flag_and_shows_each_default_once():
+    proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--schedule-steps" in text and "--resume latest" in text
+    blocks = _option_blocks(text)
+    parser = _example().build_parser()
+    for action in parser._actions:
+        flag = action.option_strings[0]
+        assert action.help and action.help.strip(), f"{flag} has no help"
+        block = blocks[flag]
+        assert block.count("(default") <= 1, block
+        if action.default is not None and action.default is not False and flag != "-h":
+            assert f"(default: {action.default})" in block or "(default: $" in block, block
+    assert "(default: $FSDPFN_TIMEOUT, else 600)" in blocks["--timeout"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")
+def test_device_cuda_without_cuda_says_what_is_missing(tmp_path):
+    proc = _run_raw(tmp_path / "gpu", "--device", "cuda", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--device cuda: this torch" in proc.stderr and "or use --device cpu" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")
+def test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason(tmp_path):
+    # The README's GPU command as printed, through `python -m torch.distributed.run --standalone`
+    # (torchrun itself, with a free port) and with 2 processes instead of 8 to spare the CPU.
+    line = next(c for c in _readme_commands() if c[0] == "torchrun")
+    assert line[1:3] == ["--nproc_per_node", "8"], line
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, *line[4:],
+           "--out", str(tmp_path / "gpu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert proc.stderr.count("--device cuda: this torch") == 2, proc.stderr[-3000:]  # each rank says it
+    assert "_cuda_setDevice" not in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr[-3000:]
+
+
+def _snapshot(root) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A tiny run trained to its --steps 8 (checkpoints at 4 and 8; lr horizon 8)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    _run(out)
+    return out
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):
+    before = _snapshot(finished_run)
+    ckpt = finished_run / "ckpt" / "step_00000008"
+    for flags, limit, more in [([], "--steps 8", "a larger --steps"), (["--steps", "6"], "--steps 6", "a larger --steps"),
+                               (["--steps", "12", "--stop-at", "8"], "--stop-at 8", "a larger --stop-at, or none,")]:
+        log = _run(finished_run, "--resume", *flags)
+        assert log.strip() == (f"nothing to train: the checkpoint {ckpt} is at step 8 and {limit}; pass {more} to "
+                               "continue the run. Outputs left as they are."), log
+    assert _snapshot(finished_run) == before
+
+
+def _lr(peak, warmup, horizon, step):
+    """The logged lr of the row ``step`` (the schedule at the step being taken, ``step - 1``)."""
+    return optim.warmup_cosine_schedule(peak, warmup, horizon, end_value=0.1 * peak)(step - 1)
+
+
+def test_extending_steps_keeps_the_checkpoints_lr_horizon(finished_run, tmp_path):
+    extended, straight = tmp_path / "extended", tmp_path / "straight"
+    shutil.copytree(finished_run, extended)
+    log = _run(extended, "--resume", "--steps", "12")
+    assert "lr schedule: kept the checkpoint's horizon of 8 steps (--steps 12 does not move it)" in log, log
+    rows = _metrics(extended)
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]
+    # TINY: peak 0.02, warm-up 2; past the horizon the lr holds its final value, 0.1 * peak.
+    assert [r["lr"] for r in rows] == [_lr(0.02, 2, 8, r["step"]) for r in rows]
+    assert rows[-1]["lr"] == rows[-2]["lr"] == 0.1 * 0.02
+    assert checkpoint.read_info(extended / "ckpt")["values"]["schedule_steps"] == 8
+
+    # The extended run is the straight run with that horizon, bit for bit.
+    _run(straight, "--steps", "12", "--schedule-steps", "8")
+    assert _metrics(straight) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
+                                  for r, s in zip(rows, _metrics(straight))]
+    a = torch.load(extended / "model.pt", weights_only=True)
+    b = torch.load(straight / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_schedule_steps_on_resume_stretches_the_decay_and_says_so(finished_run, tmp_path):
+    out = tmp_path / "stretched"
+    log = _run(out, "--resume", str(finished_run / "ckpt" / "latest"), "--steps", "12", "--schedule-steps", "12")
+    expected = f"lr schedule: horizon 8 -> 12 steps (--schedule-steps): the lr at step 8 is {_lr(0.02, 2, 12, 9):.3g}, "
+    assert f"resumed from {finished_run / 'ckpt' / 'step_00000008'} (step 8," in log and expected in log, log
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [10, 12]
+    assert [r["lr"] for r in rows] == [_lr(0.02, 2, 12, 10), _lr(0.02, 2, 12, 12)]
+    assert rows[0]["lr"] > 0.1 * 0.02  # back up from the final lr of the 8-step schedule
+    assert checkpoint.read_info(out / "ckpt")["values"]["schedule_steps"] == 12
+
+
+def _readme_commands() -> list[list[str]]:
+    """The demo page's block of further commands, in order, comments dropped."""
+    with open(os.path.join(ROOT, "docs", "getting-started.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "--resume --steps 400" in b)
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+
+
+def test_readme_demo_commands_run_in_order_on_a_fresh_directory(tmp_path):
+    # `make demo` first (its recipe is `python examples/train_gpt.py`), then the demo page's commands
+    # as printed, in a fresh directory; a tiny model (the flags below go first, so the README's
+    # own flags win) keeps it to a few minutes. The torchrun line needs GPUs: see the test above.
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        assert "\t$(PYTHON) examples/train_gpt.py\n" in f.read()
+    tiny = ["--width", "32", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--sample-chars",
+            "20", "--log-every", "50", "--eval-every", "0", "--no-progress"]
+    commands = [["python", "examples/train_gpt.py"]] + [c for c in _readme_commands() if c[0] != "torchrun"]
+    assert len(commands) == 7 and all(c[:2] == ["python", "examples/train_gpt.py"] for c in commands), commands
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
+    logs = []
+    for c in commands:
+        proc = subprocess.run([sys.executable, SCRIPT, *tiny, *c[2:]], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, (c, proc.stdout[-3000:] + proc.stderr[-3000:])
+        assert "nothing to train" not in proc.stdout, (c, proc.stdout[-2000:])
+        logs.append(proc.stdout)
+    gpt = tmp_path / "runs" / "gpt"
+    assert "resumed from runs/gpt/ckpt/step_00000300 (step 300," in logs[1]
+    assert "resumed from runs/gpt/ckpt/step_00000400 (step 400, saved on 2 rank(s); now 3 rank(s), zero2)" in logs[2]
+    assert "resumed from runs/gpt/ckpt/step_00000400 (step 400," in logs[5]
+    assert sorted(p.name for p in (gpt / "ckpt").glob("step_*")) == ["step_00000400", "step_00000500"]
+    for out, step in [("gpt", 500), ("adamw", 300), ("gram", 300), ("from400", 600), ("timeout30", 300)]:
+        assert checkpoint.read_info(tmp_path / "runs" / out / "ckpt")["values"]["step"] == step, out
+    # The README's account of the schedule: steps 300-500 at the final lr (horizon 300, peak 0.02),
+    # and the lr at step 300 of a 400-step horizon.
+    rows = _metrics(gpt)
+    assert all(r["lr"] == 0.1 * 0.02 for r in rows if r["step"] > 300), rows
+    assert "lr schedule: kept the checkpoint's horizon of 300 steps" in logs[1]
+    assert f"{optim.warmup_cosine_schedule(0.02, 20, 400, end_value=0.002)(300):.2g}" == "0.0049"
+    # Run again, the first resume has nothing left to do.
+    proc = subprocess.run([sys.executable, SCRIPT, *tiny, *commands[1][2:]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("nothing to train: the checkpoint runs/gpt/ckpt/step_00000500 "
+                                                           "is at step 500 and --steps 400;"), proc.stdout
