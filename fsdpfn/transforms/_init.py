@@ -284,12 +284,12 @@ def init_shards(
     device = _target_device(plan, device)
     _check_init_args(seed, init, param_init)
     _check_model(model, plan, names, init, param_init)
+    boxes = {path: local_index(plan, path) for path in names}  # also: a plan without a mesh is named here
     if check:
         check_plan_agree(plan, _describe(seed, init, param_init), what="init seed and initialiser", device=device)
     out: dict[str, DTensor] = {}
     pairs = []
     kept: dict[str, torch.Tensor] = {}
-    boxes = {path: local_index(plan, path) for path in names}
 
     def allocate_local(path: str) -> None:
         # This rank's part is allocated before the full parameter, which then sits on top of it
