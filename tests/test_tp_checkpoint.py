@@ -157,13 +157,16 @@ def _safetensors_on_ranks(rank, world, path, shape):
                 dp=fsdpfn.transforms.shard_rank(plan))
 
 
-def test_safetensors_into_dp_tp_is_bitwise_shard_of_the_full_model(run_on_ranks, tmp_path):
-    """load_safetensors into (2, 2) == shard() of the loaded full model; a weight split by
-    columns is read as rows x its tp columns, one split by rows as its tp rows' dp chunk."""
+@pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)], ids=["dp2-tp2", "hsdp2x2-tp2"])
+def test_safetensors_into_dp_tp_is_bitwise_shard_of_the_full_model(run_on_ranks, tmp_path, shape):
+    """load_safetensors into (2, 2) and (replicate=2, shard=2, tp=2) == shard() of the loaded
+    full model; a weight split by columns is read as its dp rows x its tp columns, one split by
+    rows as its tp rows' dp chunk (the replicate axis reads the same as its shard rank)."""
     from safetensors.torch import save_file
 
     save_file({n: p.detach().contiguous() for n, p in _full_model().named_parameters()}, str(tmp_path / "model.safetensors"))
-    for r in run_on_ranks(_safetensors_on_ranks, 4, str(tmp_path), (2, 2)):
+    world = 4 if len(shape) == 2 else 8
+    for r in run_on_ranks(_safetensors_on_ranks, world, str(tmp_path), shape):
         assert r["differ"] == [] and r["hooked"], r
         t, d = r["tp"], r["dp"]
         assert r["boxes"]["blocks.0.qkv.weight"] == (slice(27 * t + 14 * d, 27 * t + min(14 * (d + 1), 27)),), r
