@@ -13,7 +13,6 @@ rowwise ``out`` weight (18 x 72) is split by columns over tp and by rows 9/9 or 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
