@@ -129,19 +129,19 @@ def _rows_read(rank, world, path):
     asked = []
     from fsdpfn.transforms import _safetensors as module
 
-    original = module._read_rows
+    original = module._read_box
 
-    def spy(f, entry, start, stop, dtype, device):
-        asked.append((entry.key, start, stop))
-        return original(f, entry, start, stop, dtype, device)
+    def spy(f, entry, box, dtype, device):
+        asked.append((entry.key, box[0].start, box[0].stop) if box else (entry.key, 0, 1))
+        return original(f, entry, box, dtype, device)
 
-    module._read_rows = spy
+    module._read_box = spy
     try:
         model = _meta_model()
         plan = fsdpfn.plan(model, testing.mesh((world,)))
         fsdpfn.load_safetensors(model, plan, path)
     finally:
-        module._read_rows = original
+        module._read_box = original
     return asked
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdpfn.checkpoint._manifest import METADATA, CheckpointError
 
@@ -60,8 +61,19 @@ def rank_dir(rank: int) -> str:
     return f"rank_{rank}"
 
 
+def _splits(p) -> bool:
+    """Whether ranks along a mesh dim placed ``p`` hold different pieces of the tensor. A
+    ``_StridedShard`` (the data-parallel rows of a tensor-parallel weight) is a shard, though its
+    ``is_shard()`` says no: taken for a replica, only data-parallel rank 0 would write its rows."""
+    return p.is_shard() or isinstance(p, _StridedShard)
+
+
 def owned(path: str, x: torch.Tensor, rank: int) -> bool:
-    """Whether this rank writes ``x`` (see [Note: collective-free DCP])."""
+    """Whether this rank writes ``x`` (see [Note: collective-free DCP]).
+
+    Which rows and columns a DTensor's local shard covers is DCP's to say
+    (``compute_local_shape_and_global_offset`` reads the placements, ``_StridedShard`` and
+    ``Shard(1)`` included); here only who writes is decided."""
     if not isinstance(x, DTensor):
         return rank == 0
     coord = x.device_mesh.get_coordinate()
@@ -73,7 +85,10 @@ def owned(path: str, x: torch.Tensor, rank: int) -> bool:
                 f"state leaf {path!r} is a DTensor with a Partial placement {x.placements}: its local values are "
                 "summands, not the tensor. Reduce it first (x.redistribute(placements=[Replicate()]) or "
                 "fsdpfn.comm.full_tensor(x)).")
-        if not p.is_shard() and coord[i] != 0:
+        if not p.is_replicate() and not _splits(p):
+            raise ValueError(f"state leaf {path!r} is a DTensor placed {x.placements}: placement {p} is neither a "
+                             "shard nor a replica, and checkpoints write only those. Redistribute it first.")
+        if not _splits(p) and coord[i] != 0:
             return False
     return True
 

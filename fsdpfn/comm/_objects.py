@@ -4,14 +4,16 @@ they are counted, recorded and bounded by the timeout like the rest."""
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdpfn._rows import chunk_size
+from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn.comm import _groups
 from fsdpfn.comm._collectives import CollectiveError, all_gather, all_reduce, broadcast
 from fsdpfn.comm._record import record
@@ -74,10 +76,41 @@ def broadcast_object(obj: Any, src: int = 0, group=None, *, tag: str = "") -> An
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
+def _shard_order(x: DTensor) -> dict[int, list[int]]:
+    """``{tensor dim: [mesh dims that split it, outermost first]}`` (see [Note: nested shards])."""
+    by_dim: dict[int, list] = {}
+    for i, p in enumerate(x.placements):
+        if isinstance(p, _StridedShard) or p.is_shard():
+            by_dim.setdefault(p.dim, []).append((i, p))
+    mesh = x.device_mesh
+    order = {}
+    for d, splits in by_dim.items():
+        strided = [(k, i, p) for k, (i, p) in enumerate(splits) if isinstance(p, _StridedShard)]
+        if not strided:
+            order[d] = [i for i, _ in splits]
+            continue
+        k, i, p = strided[0]
+        later = [j for j, _ in splits[k + 1 :]]
+        sf = int(p.split_factor)
+        if len(strided) > 1 or math.prod(mesh.size(j) for j in later) != sf or x.shape[d] % sf:
+            raise NotImplementedError(
+                f"full_tensor: tensor dim {d} of shape {tuple(x.shape)} is placed {tuple(x.placements)}; a strided "
+                "shard is supported once per dim, with split_factor equal to the ranks of the mesh dims sharding the "
+                "same dim after it (FSDP over tensor parallelism) and dividing the dim. Use DTensor.full_tensor() instead."
+            )
+        order[d] = [j for j, _ in splits[:k]] + later + [i]
+    return order
+
+
 def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
     """The whole tensor of a DTensor, on every rank: one all-gather per sharded mesh dim (uneven
     ``torch.chunk`` shards are padded to the chunk size on the wire), an all-reduce per
     ``Partial`` one. What ``DTensor.full_tensor()`` does, through the counted collectives.
+
+    A tensor dim split over several mesh dims is gathered innermost split first (see
+    [Note: nested shards]): ``(Shard(0), Shard(0))``, and ``(_StridedShard(0, split_factor=tp),
+    Shard(0))``, the placement of a weight whose data-parallel rows are cut from its
+    tensor-parallel slice.
 
     Example:
       >>> full = fsdpfn.comm.full_tensor(params["blocks.0.fc.weight"])
@@ -87,23 +120,39 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
     if not isinstance(x, DTensor):
         return x
     mesh, local = x.device_mesh, x._local_tensor.detach()
-    sharded = [(i, p) for i, p in enumerate(x.placements) if p.is_shard()]
-    if len({p.dim for _, p in sharded}) != len(sharded):
-        raise NotImplementedError(f"full_tensor: a tensor dim sharded over two mesh dims ({x.placements})")
-    for i, p in reversed(sharded):
-        group, d = mesh.get_group(i), p.dim
-        w, n = mesh.size(i), x.shape[d]
-        chunk = chunk_size(n, w)
-        moved = local.movedim(d, 0)
-        padded = torch.zeros((chunk, *moved.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[: moved.shape[0]] = moved
-        rows = all_gather_rows(padded, group, tag=tag).reshape(w * chunk, *moved.shape[1:])
-        local = rows[:n].movedim(0, d)
+    coord = mesh.get_coordinate()
+    for d, dims in _shard_order(x).items():
+        # The length each split cuts on this rank, outermost first: every rank of the group of
+        # dims[k] shares the outer coordinates, so it agrees on lengths[k] and the chunk size.
+        lengths = [x.shape[d]]
+        for i in dims[:-1]:
+            start, stop = chunk_bounds(lengths[-1], mesh.size(i), coord[i])
+            lengths.append(stop - start)
+        for i, n in reversed(list(zip(dims, lengths))):
+            w = mesh.size(i)
+            chunk = chunk_size(n, w)
+            moved = local.movedim(d, 0)
+            padded = torch.zeros((chunk, *moved.shape[1:]), dtype=local.dtype, device=local.device)
+            padded[: moved.shape[0]] = moved
+            rows = all_gather_rows(padded, mesh.get_group(i), tag=tag).reshape(w * chunk, *moved.shape[1:])
+            local = rows[:n].movedim(0, d)
     for i, p in enumerate(x.placements):
         if p.is_partial():
             local = local.clone()
             all_reduce(local, mesh.get_group(i), tag=tag)
     return local.contiguous()
+
+
+# [Note: nested shards]
+# DTensor reads placements left to right: Shard(d) on mesh dim i splits what the earlier mesh
+# dims left of tensor dim d into torch.chunk pieces, so earlier mesh dims are the outer splits.
+# _StridedShard(d, split_factor=sf) on mesh dim i is the exception FSDP over tensor parallelism
+# needs: it is the split that would have come *after* the later mesh dims sharding d (whose
+# ranks multiply to sf), i.e. the innermost one: the data-parallel rows cut from each
+# tensor-parallel slice. A tensor dim is rebuilt by undoing its splits innermost first, each
+# all-gather over its mesh dim covering the length that split cut on this rank (the tp-local
+# n / sf rows for the strided one), then the next one out. Rebuilding outermost first, as a
+# plain right-to-left walk over the mesh would for a strided placement, interleaves the slices.
 
 
 def arrive(what: str, timeout_s: float | None = None, group=None) -> None:

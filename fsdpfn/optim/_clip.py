@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdpfn.optim._base import EmptyState, GradientTransformation
 from fsdpfn.optim._checks import check_real
@@ -17,11 +18,14 @@ __all__ = ["clip_by_global_norm", "global_norm"]
 
 
 def _sharded_dims(x: DTensor) -> tuple[int, ...]:
+    """The mesh dims whose ranks hold different pieces of ``x`` (any kind of shard, the strided
+    rows of a tensor-parallel weight included): its squares are summed over these and over no
+    other, so each element counts once whatever the mesh."""
     dims = []
     for d, p in enumerate(x.placements):
         if isinstance(p, Partial):
             raise NotImplementedError("global_norm: Partial placements are not supported; reduce the gradients first")
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             dims.append(d)
         elif not isinstance(p, Replicate):
             raise NotImplementedError(f"global_norm: placement {p} is not supported")
@@ -33,7 +37,9 @@ def global_norm(tree: Any) -> torch.Tensor:
 
     A DTensor leaf's local squares are summed over the mesh dimensions it is sharded on (one
     all-reduce per group of leaves placed alike) and counted once over the dimensions it is
-    replicated on, so the result is the norm of the full tensors.
+    replicated on, so the result is the norm of the full tensors. On a (dp, tp) mesh a weight
+    split over tp is summed over both axes, one replicated over tp over the data-parallel axis
+    only.
 
     Example:
       >>> fsdpfn.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})

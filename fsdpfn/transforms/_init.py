@@ -3,7 +3,8 @@
 A model built under ``torch.device("meta")`` has shapes and dtypes but no values, so
 ``fsdpfn.plan`` works on it (the plan reads nothing else) while no rank ever holds it whole.
 :func:`init_shards` then creates the values one parameter at a time on the target device, keeps
-this rank's rows and frees the rest; :func:`init_full` creates the same values in one process.
+this rank's part (its tensor-parallel slice, then its rows of that) and frees the rest;
+:func:`init_full` creates the same values in one process.
 
 [Note: seed per parameter path]
 The values must not depend on the world size, the plan, the units or the order in which they
@@ -29,8 +30,9 @@ Consequences, documented on the public functions:
 - An initialiser that reads another parameter's values (copies one into another) fails with
   "Cannot copy out of meta tensor"; write it as ``param_init`` instead.
 
-Memory: the largest transient is one full parameter (plus its rows, copied out), never more
-than one unit.
+Memory: the largest transient is one full parameter (plus this rank's part of it, copied out).
+Without tensor parallelism that is at most one unit; with it, the full parameter is the global
+one, up to ``tp`` times the tensor-parallel-local size a unit counts.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._checks import check_plan_agree, check_values_agree, checksums
-from fsdpfn.transforms._sharding import from_local, shard_rank
+from fsdpfn.transforms._local import local_index, local_shape
+from fsdpfn.transforms._sharding import from_local
 
 __all__ = ["init_full", "init_shards", "param_seed"]
 
@@ -231,11 +234,13 @@ def init_shards(
 
     Build the model under ``torch.device("meta")`` (shapes, no memory), make its plan, and call
     this instead of :func:`fsdpfn.shard`. Each parameter is created on ``device``, initialised,
-    cut to this rank's ``torch.chunk`` rows and freed, one at a time, so the peak memory is this
-    rank's shards plus one parameter (at most one unit). The values depend only on ``seed``,
+    cut to this rank's part (its tensor-parallel slice, then its ``torch.chunk`` rows of that)
+    and freed, one at a time, so the peak memory is this rank's shards plus one full parameter.
+    A plan with ``tp`` also gets its activation collectives installed on ``model``
+    (:func:`fsdpfn.apply_tp`), as :func:`fsdpfn.shard` does. The values depend only on ``seed``,
     the initialiser and each parameter's path: not on the world size, the plan, its units or
-    strategies, or HSDP (see [Note: seed per parameter path] in ``fsdpfn/transforms/_init.py``);
-    :func:`init_full` gives the same values whole, in one process.
+    strategies, HSDP or the tensor-parallel degree (see [Note: seed per parameter path] in
+    ``fsdpfn/transforms/_init.py``); :func:`init_full` gives the same values whole, in one process.
 
     With ``check`` (the default) the ranks first compare the plan fingerprint, the seed and the
     initialiser (one small all-gather per mesh dim), and afterwards float64 checksums of the full
@@ -269,7 +274,7 @@ def init_shards(
       ...     big = GPT(GPTConfig(vocab_size=64, width=32, depth=2))
       >>> big_plan = fsdpfn.plan(big, mesh)
       >>> shards = fsdpfn.init_shards(big, big_plan, seed=0)
-      >>> shards["blocks.0.fc.weight"].to_local().shape  # this rank's rows (all of them on 1 rank)
+      >>> shards["blocks.0.fc.weight"].to_local().shape  # this rank's part (all of it on 1 rank)
       torch.Size([128, 32])
       >>> twin = fsdpfn.init_full(big, seed=0)
       >>> torch.equal(fsdpfn.comm.full_tensor(shards["blocks.0.fc.weight"]), twin["blocks.0.fc.weight"])
@@ -279,37 +284,40 @@ def init_shards(
     device = _target_device(plan, device)
     _check_init_args(seed, init, param_init)
     _check_model(model, plan, names, init, param_init)
-    rank = shard_rank(plan)
+    boxes = {path: local_index(plan, path) for path in names}  # also: a plan without a mesh is named here
     if check:
         check_plan_agree(plan, _describe(seed, init, param_init), what="init seed and initialiser", device=device)
     out: dict[str, DTensor] = {}
     pairs = []
     kept: dict[str, torch.Tensor] = {}
 
-    def allocate_rows(path: str) -> None:
-        # This rank's rows are allocated before the full parameter, which then sits on top of
-        # them and is freed right after: transients do not leave holes between the shards kept.
-        spec, unit = plan.param(path), plan.unit_of(path)
-        start, stop = unit.local_rows(path, rank)
-        if spec.shape and (start, stop) != (0, spec.rows):
-            kept[path] = torch.empty((stop - start, *spec.shape[1:]), dtype=spec.dtype, device=device)
+    def allocate_local(path: str) -> None:
+        # This rank's part is allocated before the full parameter, which then sits on top of it
+        # and is freed right after: transients do not leave holes between the shards kept.
+        spec = plan.param(path)
+        shape = local_shape(plan, path, boxes[path])
+        if tuple(shape) != spec.shape:
+            kept[path] = torch.empty(shape, dtype=spec.dtype, device=device)
 
     with torch.no_grad():
-        for path, full in _values(model, names, seed, init, param_init, device, before=allocate_rows):
-            if path in kept:
-                start, stop = plan.unit_of(path).local_rows(path, rank)
-                local = kept.pop(path).copy_(full[start:stop])
+        for path, full in _values(model, names, seed, init, param_init, device, before=allocate_local):
+            if path in kept:  # its tensor-parallel slice, then its rows of that (one box of full)
+                local = kept.pop(path).copy_(full[boxes[path]])
             else:
-                local = full  # replicated, or all the rows
+                local = full  # replicated, or all of it
             if check:
                 pairs.append(checksums([full]))
-            del full  # the other rows: freed before the next parameter is created
+            del full  # the rest: freed before the next parameter is created
             out[path] = from_local(plan, path, local, requires_grad)
     if check:
         table = torch.stack(pairs) if pairs else torch.zeros(0, 2, dtype=torch.float64)
         check_values_agree(plan, names, table.T.reshape(-1).to(device), fix=(
             "the initialiser gave different values on different ranks: it must draw only from the global generators "
             "fsdpfn seeds (torch.manual_seed per parameter path), never from the rank or an unseeded torch.Generator"))
+    if plan.tp:
+        from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
+
+        apply_tp(model, plan)
     return {n: out[n] for n in names}
 
 

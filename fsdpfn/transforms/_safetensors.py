@@ -1,11 +1,15 @@
-"""Pretrained weights straight into shards: each rank reads only its rows of a safetensors
+"""Pretrained weights straight into shards: each rank reads only its part of a safetensors
 checkpoint (one file, or the sharded ``model.safetensors.index.json`` layout of Hugging Face's
 ``save_pretrained``).
 
 [Note: reading only this rank's rows]
 ``safe_open(file).get_slice(key)[a:b]`` gives rows ``a:b`` of one tensor of the memory-mapped
 file; the bytes of other rows are never touched. Rows along dim 0 are contiguous in the file, so
-a rank reads its ``torch.chunk`` rows (``fsdpfn._plan.chunk_bounds``) and no more. safetensors
+a rank reads its ``torch.chunk`` rows (``fsdpfn._plan.chunk_bounds``) and no more. Under tensor
+parallelism a rank's part is one box of the tensor (``fsdpfn/transforms/_local.py``): rows
+``tp_offset + [a, b)`` of a ``shard0`` weight, still contiguous; rows ``a:b`` of columns
+``c:d`` of a ``shard1`` weight, read as ``get_slice(key)[a:b, c:d]``, which copies only those
+columns (the file pages holding the rest of those rows may be paged in, never the other rows). safetensors
 0.8 returns a *view* of its private map of the whole file, not a copy: kept as a shard it would
 tie the shard to the file (a checkpoint save of the shard's storage would write the whole tensor,
 an overwritten file could change untouched pages), so the rows are copied into a tensor of the
@@ -31,7 +35,8 @@ from fsdpfn import comm
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._checks import _groups, check_plan_agree
 from fsdpfn.transforms._init import _target_device
-from fsdpfn.transforms._sharding import from_local, shard_rank
+from fsdpfn.transforms._local import local_index
+from fsdpfn.transforms._sharding import from_local
 
 __all__ = ["load_safetensors"]
 
@@ -207,11 +212,12 @@ def _digest(sources: Mapping[str, list[tuple[str, _Entry]]]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_rows(f, entry: _Entry, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    rows = f.get_slice(entry.key)[start:stop] if entry.shape else f.get_tensor(entry.key)
+def _read_box(f, entry: _Entry, box: tuple[slice, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``box`` (one slice per leading dim, :func:`local_index`) of one tensor of the open file."""
+    part = f.get_slice(entry.key)[box] if entry.shape else f.get_tensor(entry.key)
     # Always a copy into memory of our own: safetensors may return a view of its map of the file.
-    out = torch.empty(rows.shape, dtype=dtype, device=device)
-    out.copy_(rows)
+    out = torch.empty(part.shape, dtype=dtype, device=device)
+    out.copy_(part)
     return out
 
 
@@ -227,9 +233,12 @@ def load_safetensors(
 ) -> dict[str, DTensor]:
     """This rank's shards of pretrained weights, read straight from a safetensors checkpoint.
 
-    Each rank reads only the rows it owns (``safe_open(...).get_slice(key)[a:b]``), one unit at
-    a time, casts them to the plan's dtype and moves them to ``device``: no rank ever holds a
-    full parameter of a sharded unit, let alone the model. Tied weights (one parameter under
+    Each rank reads only the part it owns (``safe_open(...).get_slice(key)[a:b]``: its rows; under
+    tensor parallelism, its rows of its tensor-parallel slice, ``[a:b, c:d]`` for a weight split
+    by columns), one unit at a time, casts them to the plan's dtype and moves them to
+    ``device``: no rank ever holds a full parameter of a sharded unit, let alone the model. A
+    plan with ``tp`` also gets its activation collectives installed on ``model``
+    (:func:`fsdpfn.apply_tp`), as :func:`fsdpfn.shard` does. Tied weights (one parameter under
     several names, e.g. ``lm_head.weight`` and ``transformer.wte.weight``) are read from
     whichever name the checkpoint holds; if it holds several, they must be equal. Names, shapes
     and files are checked on every rank from the headers before anything is read.
@@ -270,7 +279,7 @@ def load_safetensors(
         raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
     sources = _sources(model, plan, _entries(path), rename, repr(os.fspath(path)))
     device = _target_device(plan, device)
-    rank = shard_rank(plan)
+    boxes = {n: local_index(plan, n) for n in plan.param_names}
     if check:
         check_plan_agree(plan, f"checkpoint {os.path.basename(os.fspath(path))!r} digest {_digest(sources)}",
                          what="checkpoint (names, shapes, dtypes, files)", device=device)
@@ -282,11 +291,10 @@ def load_safetensors(
             for file in files:  # opened once per unit and closed after it: see [Note: reading only this rank's rows]
                 with _safe_open(file) as f:
                     for p in unit.params:
-                        start, stop = unit.local_rows(p.name, rank)
                         for i, (name, entry) in enumerate(sources[p.name]):
                             if entry.file != file:
                                 continue
-                            rows = _read_rows(f, entry, start, stop, p.dtype, device)
+                            rows = _read_box(f, entry, boxes[p.name], p.dtype, device)
                             if i == 0:
                                 out[p.name] = rows
                             else:
@@ -297,6 +305,10 @@ def load_safetensors(
                         untied.append(f"{sources[p.name][0][0]!r} and {name!r}")
     if any(len(got) > 1 for got in sources.values()):  # the same on every rank: the headers agree
         _raise_if_untied(plan, untied, check)
+    if plan.tp:
+        from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
+
+        apply_tp(model, plan)
     return {n: from_local(plan, n, out[n], requires_grad) for n in plan.param_names}
 
 
