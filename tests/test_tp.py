@@ -22,6 +22,7 @@ the rowwise bias (added once across tp) is covered too.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -240,3 +241,21 @@ class _Null:
 def test_runtime_accumulation_under_tp_matches_one_process(run_on_ranks, accumulate, style):
     for worst in run_on_ranks(_tp_accumulate, 4, accumulate, style):
         assert worst < 1e-6, worst
+
+
+def test_the_tensor_parallel_example_resumes_at_another_tp_degree(tmp_path):
+    """examples/tensor_parallel.py: train on (dp=2, tp=2), save, resume on (dp=4, tp=1), compare
+    with one process. The bound is the AdamW one of [Note: the tolerance of the TP parity tests]
+    at the example's lr = 3e-3 over 8 steps on weights of norm ~1-5: lr x sqrt(n rounding-
+    sensitive elements) / |p| <= ~1e-5; measured ~1e-6."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "tensor_parallel.py"), "--steps", "8", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved step_00000004 on dp=2 x tp=2, resumed on dp=4 x tp=1" in proc.stdout, proc.stdout
+    worst = float(re.search(r"largest relative difference from one process: (\S+)", proc.stdout)[1])
+    assert worst < 1e-5, worst

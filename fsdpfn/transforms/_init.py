@@ -50,6 +50,8 @@ from fsdpfn._plan import Plan
 from fsdpfn.transforms._checks import check_plan_agree, check_values_agree, checksums
 from fsdpfn.transforms._local import local_index, local_shape
 from fsdpfn.transforms._sharding import from_local
+from fsdpfn.transforms._remat import apply_remat
+from fsdpfn.transforms._tp import apply_tp
 
 __all__ = ["init_full", "init_shards", "param_seed"]
 
@@ -314,10 +316,9 @@ def init_shards(
         check_values_agree(plan, names, table.T.reshape(-1).to(device), fix=(
             "the initialiser gave different values on different ranks: it must draw only from the global generators "
             "fsdpfn seeds (torch.manual_seed per parameter path), never from the rank or an unseeded torch.Generator"))
-    if plan.tp:
-        from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
-
-        apply_tp(model, plan)
+    # The model carries the tp hooks and remat wrappers of its latest plan, as after fsdpfn.shard.
+    apply_tp(model, plan)
+    apply_remat(model, plan)
     return {n: out[n] for n in names}
 
 

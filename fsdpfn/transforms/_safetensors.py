@@ -37,6 +37,8 @@ from fsdpfn.transforms._checks import _groups, check_plan_agree
 from fsdpfn.transforms._init import _target_device
 from fsdpfn.transforms._local import local_index
 from fsdpfn.transforms._sharding import from_local
+from fsdpfn.transforms._remat import apply_remat
+from fsdpfn.transforms._tp import apply_tp
 
 __all__ = ["load_safetensors"]
 
@@ -305,10 +307,9 @@ def load_safetensors(
                         untied.append(f"{sources[p.name][0][0]!r} and {name!r}")
     if any(len(got) > 1 for got in sources.values()):  # the same on every rank: the headers agree
         _raise_if_untied(plan, untied, check)
-    if plan.tp:
-        from fsdpfn.transforms._tp import apply_tp  # beside, not below, this module
-
-        apply_tp(model, plan)
+    # The model carries the tp hooks and remat wrappers of its latest plan, as after fsdpfn.shard.
+    apply_tp(model, plan)
+    apply_remat(model, plan)
     return {n: from_local(plan, n, out[n], requires_grad) for n in plan.param_names}
 
 

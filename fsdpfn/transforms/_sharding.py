@@ -491,7 +491,8 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
     with torch.no_grad():
         for unit in plan.units:
             grads = [full_grads[p.name] for p in unit.params]
-            grads = [C.full_tensor(g) if g is not None else None for g in grads]
+            # A DTensor gradient is gathered whole, then cut to this rank's tensor-parallel part.
+            grads = [tp_slice(plan, p.name, C.full_tensor(g)) if isinstance(g, DTensor) else g for p, g in zip(unit.params, grads)]
             _, finish = reduce_unit(plan, unit, grads, op=op, scale=scale)
             for p, g in zip(unit.params, finish()):
                 out[p.name] = from_local(plan, p.name, g)
