@@ -72,10 +72,11 @@ class Strategy(str, enum.Enum):
     to its name (``unit.strategy == "zero3"``) and is written as that name in JSON.
 
     ============  ===========  =====================  ==========================================
-    strategy      params       full grads kept        gathers per step
+    strategy      params       full grads kept        gathers per micro-batch
     ============  ===========  =====================  ==========================================
     replicate     whole        no (all-reduced)       0
-    zero1         sharded      yes, until the reduce  1: reduced once per step (local accumulation)
+    zero1         sharded      yes, summed over the   1; reduced once per step (micro-batches
+                               step's micro-batches   accumulate locally)
     zero2         sharded      no                     1: kept gathered from forward to backward
     zero3         sharded      no                     2: resharded after forward, gathered again
     ============  ===========  =====================  ==========================================
@@ -102,7 +103,8 @@ class Strategy(str, enum.Enum):
 
     @property
     def keeps_full_grads(self) -> bool:
-        """Micro-batches sum full gradients locally and reduce once per step (ZeRO-1)."""
+        """Micro-batches sum full gradients locally and reduce once per step (ZeRO-1), whatever
+        the runtime's ``accumulate``."""
         return self is Strategy.ZERO1
 
     def __str__(self) -> str:

@@ -141,9 +141,14 @@ def test_runtime_empty_shards_on_4_ranks(run_on_ranks, style):
 @pytest.mark.parametrize("style", ["func", "eager"])
 @pytest.mark.parametrize("strategy,mesh_shape", CASES, ids=CASE_IDS)
 def test_accumulate_reduce_per_microbatch_is_bitwise(run_on_ranks, strategy, mesh_shape, style):
-    """accumulate="reduce": one reduce per micro-batch, summed as the pure path sums its grads."""
+    """accumulate="reduce": one reduce per micro-batch, summed as the pure path sums its grads.
+    zero1 units accumulate locally whatever ``accumulate`` says (one reduce per step, see
+    tests/test_steps.py): the same sum in another order, held to the accumulate="local" bound."""
     for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 2, strategy, mesh_shape, style, "reduce", 3):
-        assert bitwise, vs_pure
+        if strategy == "zero1":
+            assert vs_pure < 1e-6
+        else:
+            assert bitwise, vs_pure
         assert vs_one < 1e-5
 
 
