@@ -22,6 +22,8 @@ from fsdpfn._plan import Plan as Plan
 from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
 from fsdpfn._plan import plan as plan
+from fsdpfn._steps import Collective as Collective
+from fsdpfn._steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.transforms import apply_tp as apply_tp
 from fsdpfn.transforms import init_full as init_full
@@ -43,6 +45,7 @@ from fsdpfn import testing as testing
 __version__ = "0.1.0"
 
 __all__ = [
+    "Collective",
     "MeshAxes",
     "MixedPrecision",
     "ParamSpec",
@@ -65,6 +68,7 @@ __all__ = [
     "runtime",
     "shard",
     "sim",
+    "step_collectives",
     "testing",
     "unshard",
 ]

@@ -73,10 +73,11 @@ class Strategy(str, enum.Enum):
     to its name (``unit.strategy == "zero3"``) and is written as that name in JSON.
 
     ============  ===========  =====================  ==========================================
-    strategy      params       full grads kept        gathers per step
+    strategy      params       full grads kept        gathers per micro-batch
     ============  ===========  =====================  ==========================================
     replicate     whole        no (all-reduced)       0
-    zero1         sharded      yes, until the reduce  1: reduced once per step (local accumulation)
+    zero1         sharded      yes, summed over the   1; reduced once per step (micro-batches
+                               step's micro-batches   accumulate locally)
     zero2         sharded      no                     1: kept gathered from forward to backward
     zero3         sharded      no                     2: resharded after forward, gathered again
     ============  ===========  =====================  ==========================================
@@ -103,7 +104,8 @@ class Strategy(str, enum.Enum):
 
     @property
     def keeps_full_grads(self) -> bool:
-        """Micro-batches sum full gradients locally and reduce once per step (ZeRO-1)."""
+        """Micro-batches sum full gradients locally and reduce once per step (ZeRO-1), whatever
+        the runtime's ``accumulate``."""
         return self is Strategy.ZERO1
 
     def __str__(self) -> str:
@@ -610,8 +612,12 @@ class Plan:
 
     # ---- inspection ----------------------------------------------------------------------
 
-    def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1):
+    def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
+             micro_batches: int = 1, accumulate: str = "reduce"):
         """Bytes each collective kind moves per rank per training step, and memory per rank.
+
+        Every figure is summed from :func:`fsdpfn.step_collectives`, the list of the step's
+        collectives that the simulator times and tests compare with a real step.
 
         Args:
           reshard_after_forward: whether ``zero3`` units are gathered a second time in backward.
@@ -619,11 +625,24 @@ class Plan:
             the root. ``True``: every ``zero3`` unit (the textbook 3x the parameter bytes).
             ``False``: none, as in the pure loop (``torch.func.grad`` over ``unshard``).
           prefetch: units gathered ahead by the runtime; bounds the unsharded memory.
+          tokens: tokens per rank per micro-batch (batch x sequence on one rank): the size of
+            the tensor-parallel activation collectives. ``None``: they are listed with their
+            calls and 0 bytes (the printout says so).
+          micro_batches: micro-batches per step (each gathers again; reduces as ``accumulate``
+            says).
+          accumulate: ``"reduce"`` (every micro-batch reduces, except ``zero1`` units, which
+            reduce once per step) or ``"local"`` (only the last micro-batch reduces), as
+            :class:`fsdpfn.runtime.Runtime`'s.
 
         Returns:
           a :class:`fsdpfn.PlanCost`.
+
+        Example:
+          >>> c = plan.cost(micro_batches=4)
+          >>> c.collectives["all_gather"].calls, c.collectives["reduce_scatter"].calls
+          (20, 12)
         """
-        return _cost_model[0](self, reshard_after_forward, prefetch)
+        return _cost_model[0](self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate)
 
     def __str__(self) -> str:
         if self.axes.legacy and not self.tp:
@@ -668,7 +687,8 @@ def register_serialisers(to_dict, from_dict) -> None:
 
 
 def register_cost_model(fn) -> None:
-    """Makes ``fn(plan, reshard_after_forward, prefetch)`` the function behind :meth:`Plan.cost`."""
+    """Makes ``fn(plan, reshard_after_forward, prefetch, *, tokens, micro_batches, accumulate)``
+    the function behind :meth:`Plan.cost`."""
     _cost_model[:] = [fn]
 
 

@@ -86,13 +86,14 @@ def _parity(rank, world, strategy, mesh_shape, style, accumulate, micro, mp=None
         x, y = _batch(world, step, micro, cfg)
         slices = _micro_slices(rank, world, micro)
         pure_g = None
-        if accumulate == "reduce":
+        if accumulate == "reduce" and not all(u.strategy.keeps_full_grads for u in plan.units):
             # Pure path: one torch.func.grad per micro-batch (each reduced by unshard's VJP), summed.
             for s in slices:
                 g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]) / micro)(pure)
                 pure_g = g if pure_g is None else {n: pure_g[n] + g[n] for n in g}
         else:
-            # Pure path in local accumulation's order: this rank's full gradients summed over its
+            # Pure path in local accumulation's order (accumulate="local", or zero1 units, which
+            # always accumulate locally): this rank's full gradients summed over its
             # micro-batches, first to last, then one fsdpfn.reduce. The same float32 operations in
             # the same order as the runtime's, so the comparison below is bitwise on any CPU.
             full = {n: t.detach() for n, t in fsdpfn.unshard(pure, plan).items()}
@@ -173,7 +174,9 @@ def test_runtime_empty_shards_on_4_ranks(run_on_ranks, style):
 @pytest.mark.parametrize("style", ["func", "eager"])
 @pytest.mark.parametrize("strategy,mesh_shape", CASES, ids=CASE_IDS)
 def test_accumulate_reduce_per_microbatch_is_bitwise(run_on_ranks, strategy, mesh_shape, style):
-    """accumulate="reduce": one reduce per micro-batch, summed as the pure path sums its grads."""
+    """accumulate="reduce": one reduce per micro-batch, summed as the pure path sums its grads.
+    zero1 units accumulate locally whatever ``accumulate`` says (one reduce per step, see
+    tests/test_steps.py): their reference is the pure path summing full gradients first."""
     for bitwise, vs_pure, vs_one in run_on_ranks(_parity, 2, strategy, mesh_shape, style, "reduce", 3):
         assert bitwise, vs_pure
         assert vs_one < _one_process_tol(2, 3)

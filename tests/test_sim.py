@@ -16,12 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fsdpfn
 from fsdpfn import optim, runtime, sim, testing
-from fsdpfn.models import GPT, GPTConfig
+from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import Op, OpKind
 
 # Uneven on purpose: 37 vocabulary rows and width 20 split unevenly over 3 and 4 ranks.
 CFG = GPTConfig(vocab_size=37, seq_len=8, width=20, depth=3, heads=2)
-HW = sim.Hardware("test", {"float32": 1e11, "attention float32": 2e10}, 1e10, 2**34, 2,
+HW = sim.Hardware("test", {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10}, 1e10, 2**34, 2,
                   intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8), overlap=0.5, op_overhead=1e-6)
 STRATEGIES = ["zero3", "zero2", "zero1", "replicate", {"*": "zero3", "<root>": "zero2", "blocks.1": "replicate"}]
 
@@ -92,11 +92,14 @@ def _unsharded_walk(plan, sched) -> int:
     return peak
 
 
-def _real_step(rank, world, shape, strategy, prefetch, opt_name):
-    """One runtime step and one optimizer update, counted, beside the simulator's prediction."""
+def _real_step(rank, world, shape, strategy, prefetch, opt_name, extra=""):
+    """One runtime step and one optimizer update, counted, beside the simulator's prediction.
+    ``extra``: ``"tp"`` (a ("dp", "tp") mesh with GPT_TP_PLAN) or ``"fp8"`` (tensorwise FP8 gathers)."""
     model = _model()
-    mesh = testing.mesh(shape, ("replicate", "shard")) if len(shape) == 2 else testing.mesh(shape)
-    plan = fsdpfn.plan(model, mesh, strategy=strategy)
+    names = ("dp", "tp") if extra == "tp" else ("replicate", "shard") if len(shape) == 2 else None
+    mesh = testing.mesh(shape, names) if names else testing.mesh(shape)
+    mp = fsdpfn.MixedPrecision(torch.bfloat16, torch.float32, fp8="tensorwise") if extra == "fp8" else None
+    plan = fsdpfn.plan(model, mesh, strategy=strategy, mp=mp, tp=GPT_TP_PLAN if extra == "tp" else None)
     rt = runtime.Runtime(model, plan, prefetch=prefetch)
     params = fsdpfn.shard(model, plan)
     if opt_name == "adamw":
@@ -107,7 +110,7 @@ def _real_step(rank, world, shape, strategy, prefetch, opt_name):
         opt = optim.muon(0.02, layout=layout, ns_dtype=torch.float32, buckets=buckets)
         opt_model = sim.Muon(layout=layout, ns_dtype=torch.float32, buckets=buckets)
     state = opt.init(params)
-    x, y = _batch(rank)
+    x, y = _batch(fsdpfn.transforms.dp_rank(plan))
 
     def loss_fn(ps, x, y):
         return F.cross_entropy(rt.apply(ps, x).flatten(0, 1), y.flatten())
@@ -126,27 +129,31 @@ def _real_step(rank, world, shape, strategy, prefetch, opt_name):
         return {k: (t.calls, t.nbytes, round(t.wire_bytes, 3)) for k, t in r.traffic[part].items()}
 
     ns = opt_model.cost(plan, rank).ns_flops
+    if extra == "tp":  # every tp rank reads its data-parallel rank's batch: the same tokens as profiled
+        assert _workload(plan).tokens == x.numel()
     return dict(step=(counted(c1), predicted("step")), optimizer=(counted(c2), predicted("optimizer")),
                 high_water=(rt.memory.high_water, r.memory["unsharded_peak"], _unsharded_walk(plan, rt.schedule)),
                 ns_flops=(flops.get_total_flops(), ns[rank % plan.shard_size] if ns else 0))
 
 
 @pytest.mark.parametrize(
-    "world, shape, strategy, prefetch, opt",
+    "world, shape, strategy, prefetch, opt, extra",
     [
-        (2, (2,), "zero3", 1, "muon:owner"),
-        (3, (3,), "zero2", 0, "muon:gather"),
-        (3, (3,), STRATEGIES[4], 2, "muon:owner"),
-        (4, (2, 2), "zero3", 2, "muon:owner"),
-        (4, (4,), "replicate", 1, "adamw"),
-        (3, (3,), "zero3", 1, "muon:owner:3"),
-        (4, (4,), "zero2", 1, "muon:owner:4"),
+        (2, (2,), "zero3", 1, "muon:owner", ""),
+        (3, (3,), "zero2", 0, "muon:gather", ""),
+        (3, (3,), STRATEGIES[4], 2, "muon:owner", ""),
+        (4, (2, 2), "zero3", 2, "muon:owner", ""),
+        (4, (4,), "replicate", 1, "adamw", ""),
+        (3, (3,), "zero3", 1, "muon:owner:3", ""),
+        (4, (4,), "zero2", 1, "muon:owner:4", ""),
+        (4, (2, 2), "zero3", 1, "adamw", "tp"),
+        (2, (2,), "zero3", 1, "adamw", "fp8"),
     ],
     ids=["w2-zero3-owner", "w3-zero2-gather", "w3-mixed-owner", "w4-hsdp-owner", "w4-replicate-adamw",
-         "w3-zero3-owner-3-buckets", "w4-zero2-owner-4-buckets"],
+         "w3-zero3-owner-3-buckets", "w4-zero2-owner-4-buckets", "w4-dp2-tp2-adamw", "w2-fp8-tensorwise-adamw"],
 )
-def test_bytes_flops_and_high_water_equal_the_runtime(run_on_ranks, world, shape, strategy, prefetch, opt):
-    for rank, res in enumerate(run_on_ranks(_real_step, world, shape, strategy, prefetch, opt)):
+def test_bytes_flops_and_high_water_equal_the_runtime(run_on_ranks, world, shape, strategy, prefetch, opt, extra):
+    for rank, res in enumerate(run_on_ranks(_real_step, world, shape, strategy, prefetch, opt, extra)):
         for part in ("step", "optimizer"):
             counted, predicted = res[part]
             assert counted == predicted, (rank, part)

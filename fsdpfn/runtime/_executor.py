@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, Plan, Unit, unit_label
+from fsdpfn._steps import reduces_now
 from fsdpfn.runtime._comm import CpuComm, Handle
 from fsdpfn.runtime._memory import MemoryTracker
 from fsdpfn.runtime._schedule import Op, OpKind, Schedule
@@ -60,7 +61,7 @@ class Executor:
         self.results: dict[str, list[torch.Tensor]] = {}
         self.cursor = len(sched.ops)
         self.step = 0
-        self.sync = True
+        self.last = True
         self.record = StepRecord()
         self.inside: str | None = None  # the unit whose own code runs now (it calls its modules plainly)
         self.actions = {
@@ -79,7 +80,7 @@ class Executor:
             self.abandon()
         self.step += 1
         self.cursor = 0
-        self.sync = sync or self.accumulate == "reduce"
+        self.last = sync  # the micro-batch that ends the step: every unit reduces
         self.results = {}
         self.record = StepRecord()
         return self.step
@@ -191,7 +192,7 @@ class Executor:
         acc = self.local_acc.pop(name, None)
         if acc is not None:
             grads = [a if g is None else (g.to(rdtype) if a is None else a + g) for a, g in zip(acc, grads)]
-        if not self.sync:  # accumulate="local": no communication until the last micro-batch
+        if not reduces_now(unit, self.last, self.accumulate):  # full gradients summed here until the last micro-batch
             self.local_acc[name] = [None if g is None else g.to(rdtype, copy=True) if acc is None else g for g in grads]
             return
         plan = self.plan
@@ -200,7 +201,7 @@ class Executor:
         )
 
     def _wait_reduce(self, name: str) -> None:
-        if not self.sync:
+        if not reduces_now(self.units[name], self.last, self.accumulate):
             return
         handle = self.reduces.pop(name)
         self.comm.wait(handle)

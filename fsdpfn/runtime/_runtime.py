@@ -41,9 +41,11 @@ class Runtime:
         schedule is given.
       accumulate: gradient accumulation over micro-batches run inside :meth:`accumulating`.
         ``"reduce"`` (default): every micro-batch reduces its gradients into the sharded result
-        (communication per micro-batch, sharded memory). ``"local"``: micro-batches inside
-        :meth:`accumulating` keep summed full gradients locally and do not communicate; the next
-        micro-batch outside it reduces the total (one reduce per step, full-gradient memory).
+        (communication per micro-batch, sharded memory), except the units of strategy ``zero1``,
+        which always accumulate locally (that is ZeRO-1: full gradients, one reduce per step).
+        ``"local"``: micro-batches inside :meth:`accumulating` keep summed full gradients locally
+        and do not communicate; the next micro-batch outside it reduces the total (one reduce per
+        step, full-gradient memory).
       device: where collectives run: ``"cpu"`` (async gloo work handles, the default) or
         ``"cuda"`` (one stream per collective kind, ordered with events; see
         :class:`~fsdpfn.runtime.CudaComm`). Every buffer is allocated on the device of the

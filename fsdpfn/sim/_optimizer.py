@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from fsdpfn import Plan, optim
+from fsdpfn._mesh import Role
 from fsdpfn._rows import chunk_bounds
 from fsdpfn.sim._workload import EMPTY, Work, count_work
 
@@ -82,24 +83,32 @@ class OptimizerCost(NamedTuple):
     ns_flops: tuple[float, ...] = ()
 
 
+def _shard_rank(plan: Plan, rank: int) -> int:
+    """``rank``'s index on the shard axis (ranks laid out row-major over the mesh's dims)."""
+    d = plan.axes.dim(Role.SHARD)
+    after = math.prod(plan.mesh_shape[d + 1:])
+    return (rank // after) % plan.mesh_shape[d]
+
+
 def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
     """Shapes of ``rank``'s local shards of every parameter (``torch.chunk`` rows over the shard
-    axis; whole tensors for ``replicate`` units and 0-d parameters), in plan order.
+    axis of the tensor-parallel-local part; whole tensors for ``replicate`` units and 0-d
+    parameters), in plan order.
 
     Example:
       >>> fsdpfn.sim.local_shapes(fsdpfn.plan(model, (3,)), rank=2)["head.weight"]
       (20, 32)
     """
     w = plan.shard_size
-    s = rank % w
+    s = _shard_rank(plan, rank)
     out = {}
     for unit in plan.units:
         for p in unit.params:
             if unit.sharded and p.shape:
-                start, stop = chunk_bounds(p.shape[0], w, s)
-                out[p.name] = (stop - start, *p.shape[1:])
+                start, stop = chunk_bounds(p.rows, w, s)
+                out[p.name] = (stop - start, *p.local_shape[1:])
             else:
-                out[p.name] = tuple(p.shape)
+                out[p.name] = tuple(p.local_shape)
     return out
 
 

@@ -10,14 +10,19 @@ of the timeline engine (``fsdpfn/sim/_engine.py``):
   hook, before the unit computes);
 - ``gather u``: a pack copy (compute) and the all-gather on the ``all_gather`` stream. It is
   issued when the host gets there: after the compute before it (on CUDA the collective's
-  stream waits for the compute stream, on CPU the host issues it then);
+  stream waits for the compute stream, on CPU the host issues it then). An FP8 unit gathers its
+  byte segment; under the per-tensor recipe the amax all-reduce runs first, blocking;
 - ``wait u``: the compute stream waits for the gather, then unpacks (a copy of the full unit);
 - ``reduce u``: a pack copy, then the reduce-scatter (all-reduce for ``replicate`` units) on
   the ``reduce_scatter`` stream;
 - ``wait_reduce u``: the compute stream waits for it; under HSDP the all-reduce over the
   replicate axis then runs *blocking* (``fsdpfn.transforms`` issues it inside the reduce's
   finish), and the shard is cast and scaled;
-- ``free u``: memory only.
+- ``free u``: memory only;
+- a tensor-parallel unit's activation collectives (its rowwise outputs' all-reduces in forward,
+  its colwise inputs' gradient all-reduces in backward) run blocking on the ``tp`` stream after
+  the unit's compute of that event (they sit between its matmuls; the compute stream waits for
+  each). The root's run with its first stretch (after ``forward <root>`` / ``backward <root>``).
 
 Memory follows the same walk in op order: a unit's unsharded parameters count from its
 ``gather`` to its ``free``, exactly as ``fsdpfn.runtime.MemoryTracker`` counts them, so
@@ -28,8 +33,9 @@ communication buffers, full gradients (from a unit's backward to its reduce), an
 The optimizer step follows the last micro-batch: its phases in order; a collective blocks unless
 it is tagged (Muon's pipelined owner layout), then it runs on the ``optimizer`` stream until
 the :class:`fsdpfn.sim.Wait` of its tag.
-Collective bytes are counted per call as ``fsdpfn.comm`` records them, so they equal
-``plan.cost()`` for the default schedules and a ``count_collectives()`` record of a real step.
+Which collectives run, on which op, with which bytes, is not worked out here: it is
+:func:`fsdpfn.step_collectives` of the plan and the schedule (the list ``plan.cost()`` sums and
+tests compare with a ``count_collectives()`` record of a real step); the simulator times it.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from fsdpfn import Plan
+from fsdpfn._mesh import Role
+from fsdpfn._steps import Collective, reduces_now, static_memory, step_collectives, totals
 from fsdpfn.runtime import Op, OpKind, Schedule, schedule as default_schedule, validate
 from fsdpfn.sim._engine import Task, run
-from fsdpfn.sim._hardware import Hardware, wire_bytes
+from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._optimizer import CommCost, Wait
 from fsdpfn.sim._workload import EMPTY, Work, Workload
 
@@ -104,6 +112,9 @@ class SimResult:
       spans: the timeline.
       plan, schedule, hardware: what was simulated.
       notes: what the model assumed that a reader should know.
+      calls: every collective timed (:class:`fsdpfn.Collective`): the schedule's, from
+        :func:`fsdpfn.step_collectives`, then the optimizer's (phase ``"optimizer"``);
+        ``traffic`` sums them.
 
     Example:
       >>> r = fsdpfn.sim.simulate(plan, runtime.schedule(plan), fsdpfn.sim.profile(model, plan, x), None, fsdpfn.sim.H100_SXM)
@@ -124,6 +135,7 @@ class SimResult:
     schedule: Schedule = dataclasses.field(repr=False, compare=False, default=None)
     hardware: Hardware = dataclasses.field(repr=False, compare=False, default=None)
     notes: tuple[str, ...] = ()
+    calls: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def collectives(self) -> dict[str, Traffic]:
@@ -186,22 +198,41 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
+    """``{role: global ranks}`` of ``rank``'s group along each mesh axis (ranks laid out
+    row-major over the mesh's dims, as ``init_device_mesh`` lays them out)."""
+    shape = plan.mesh_shape
+    coords, rest = [], rank
+    for size in reversed(shape):
+        rest, c = divmod(rest, size)
+        coords.append(c)
+    coords.reverse()
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    base = sum(c * st for c, st in zip(coords, strides))
+    groups = {}
+    for role in (Role.SHARD, Role.REPLICATE, Role.TP):
+        d = plan.axes.dim(role)
+        groups[role.value] = [rank] if d is None else [base + (q - coords[d]) * strides[d] for q in range(shape[d])]
+    return groups
+
+
 class _Builder:
     """Walks the schedule (see [Note: from schedule ops to tasks])."""
 
-    def __init__(self, plan: Plan, wl: Workload, hw: Hardware, rank: int):
+    def __init__(self, plan: Plan, wl: Workload, hw: Hardware, rank: int, calls: dict):
         self.plan, self.wl, self.hw = plan, wl, hw
         self.units = {u.name: u for u in plan.units}
+        self.at_op = calls  # (micro-batch, op index) -> the collectives that op issues
         self.tasks: list[Task] = []
         self.op, self.micro_batch = -1, 0  # what the tasks made now belong to
         self.last_compute: int | None = None
         self.gathers: dict[str, int] = {}
         self.reduces: dict[str, int] = {}
-        self.traffic: dict[str, dict[str, Traffic]] = {"step": {}, "optimizer": {}}
+        self.calls: list[Collective] = []
         self.level_bytes = {"intra": 0.0, "inter": 0.0}
-        r, w = plan.replicate_size, plan.shard_size
-        i, j = divmod(rank, w)
-        self.groups = {"shard": [i * w + q for q in range(w)], "replicate": [q * w + j for q in range(r)]}
+        self.groups = _mesh_groups(plan, rank)
         self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
         # memory, in op order
         self.live = {"unsharded": 0, "buffers": 0, "activations": 0, "grads": 0}
@@ -218,17 +249,23 @@ class _Builder:
         self.last_compute = len(self.tasks) - 1
         return self.last_compute
 
-    def collective(self, part: str, kind: str, group: str, nbytes: int, unit: str, stream: str, sent: float | None = None) -> int:
-        size = len(self.groups[group])
-        wire = wire_bytes(kind, size, nbytes)
-        t = self.traffic[part].get(kind, Traffic())
-        self.traffic[part][kind] = t + Traffic(1, nbytes, wire)
-        level = self.level[group]
-        seconds = self.hw.collective_seconds(kind, self.groups[group], nbytes, sent)
-        self.level_bytes[level] += wire
+    def collective(self, c: Collective, stream: str, sent: float | None = None) -> int:
+        """Times one listed collective on ``stream``, after the compute before it."""
+        ranks = self.groups[c.role.value]
+        level = self.level[c.role.value]
+        seconds = self.hw.collective_seconds(c.kind, ranks, c.nbytes, sent)
+        self.calls.append(c)
+        self.level_bytes[level] += c.wire_bytes
         deps = (self.last_compute,) if self.last_compute is not None else ()
-        self.tasks.append(Task(stream, level, seconds, deps, kind, unit, nbytes, self.op, self.micro_batch))
+        self.tasks.append(Task(stream, level, seconds, deps, c.kind, c.tag, c.nbytes, self.op, self.micro_batch))
         return len(self.tasks) - 1
+
+    def blocking(self, c: Collective, stream: str) -> None:
+        """A collective the host waits for at once."""
+        self.compute(EMPTY, "wait", c.tag, after=self.collective(c, stream))
+
+    def listed(self, purpose: str) -> list[Collective]:
+        return [c for c in self.at_op.get((self.micro_batch, self.op), ()) if c.purpose == purpose]
 
     # ---- memory ------------------------------------------------------------------------
 
@@ -250,10 +287,13 @@ class _Builder:
         item = plan.gather_dtype(unit).itemsize
         w = plan.shard_size
         self.hold("unsharded", name, unit.numel * item)
-        if unit.sharded and unit.shard_numel:
-            self.compute(Work(bytes=2 * unit.shard_numel * item, ops=2 * len(unit.params)), "copy", name)
-            self.hold("buffers", "gather " + name, (w + 1) * unit.shard_numel * item)
-            self.gathers[name] = self.collective("step", "all_gather", "shard", w * unit.shard_numel * item, name, "all_gather")
+        for c in self.listed("amax"):  # the per-tensor FP8 scales need the whole tensor's amax first
+            self.blocking(c, "all_gather")
+        for c in self.listed("gather"):
+            segment = c.nbytes // w
+            self.compute(Work(bytes=2 * segment, ops=2 * len(unit.params)), "copy", name)
+            self.hold("buffers", "gather " + name, c.nbytes + segment)
+            self.gathers[name] = self.collective(c, "all_gather")
 
     def wait(self, name: str) -> None:
         unit = self.units[name]
@@ -264,12 +304,12 @@ class _Builder:
     def free(self, name: str) -> None:
         self.drop("unsharded", name)
 
-    def reduce(self, name: str, sync: bool) -> None:
+    def reduce(self, name: str, last: bool, accumulate: str) -> None:
         unit, plan = self.units[name], self.plan
         r_item = plan.reduce_dtype(unit).itemsize
         w = plan.shard_size
         self.drop("grads", name)
-        if not sync:  # accumulate="local": summed into a kept full gradient, nothing sent
+        if not reduces_now(unit, last, accumulate):  # summed into a kept full gradient, nothing sent
             self.compute(Work(bytes=3 * unit.numel * r_item, ops=len(unit.params)), "copy", name)
             if ("acc", name) not in self.held:
                 self.held[("acc", name)] = 0
@@ -281,29 +321,33 @@ class _Builder:
             size = w * unit.reduce_numel * r_item
             self.compute(Work(bytes=size + 2 * unit.numel * r_item, ops=2 * len(unit.params) + 1), "copy", name)
             self.hold("buffers", "reduce " + name, 2 * size + unit.reduce_numel * r_item)
-            if unit.reduce_numel:
-                self.reduces[name] = self.collective("step", "reduce_scatter", "shard", size, name, "reduce_scatter")
         else:
             size = unit.numel * r_item
             self.compute(Work(bytes=2 * size, ops=len(unit.params) + 1), "copy", name)
             self.hold("buffers", "reduce " + name, size)
-            if unit.numel:
-                self.reduces[name] = self.collective("step", "all_reduce", "shard", size, name, "reduce_scatter")
+        for c in self.listed("reduce"):
+            self.reduces[name] = self.collective(c, "reduce_scatter")
 
-    def wait_reduce(self, name: str, sync: bool) -> None:
-        if not sync:
-            return
+    def wait_reduce(self, name: str, last: bool, accumulate: str) -> None:
         unit, plan = self.units[name], self.plan
+        if not reduces_now(unit, last, accumulate):
+            return
         r_item = plan.reduce_dtype(unit).itemsize
         n = unit.reduce_numel if unit.sharded else unit.numel
         after = self.reduces.pop(name, None)
-        if plan.hsdp and n:
+        for c in self.listed("replicate_reduce"):  # HSDP: fsdpfn.transforms runs it inside the reduce's finish
             if after is not None:
                 self.compute(EMPTY, "wait", name, after=after)
-            after = self.collective("step", "all_reduce", "replicate", n * r_item, name, "all_reduce")
+            after = self.collective(c, "all_reduce")
         master = unit.params[0].dtype.itemsize if unit.params else 4
         self.compute(Work(bytes=n * (r_item + 2 * master), ops=2 * len(unit.params)), "copy", name, after=after)
         self.drop("buffers", "reduce " + name)
+
+    def tensor_parallel(self, event: int) -> None:
+        """The activation collectives of the unit whose event ``event`` was: blocking, after its compute."""
+        for c in self.at_op.get((self.micro_batch, event), ()):
+            if c.activation:
+                self.blocking(c, "tp")
 
     def event(self, op: Op) -> None:
         kind, unit = op.kind, op.unit
@@ -317,13 +361,14 @@ class _Builder:
         elif kind is OpKind.END:
             self.drop("activations", ROOT)
 
-    def step(self, sched: Schedule, sync: bool) -> None:
+    def step(self, sched: Schedule, last: bool, accumulate: str) -> None:
         pending: tuple[Work, str, str, int] | None = None
         for i, op in enumerate(sched.ops):
             if op.is_event:
                 if pending is not None:
                     self.op = pending[3]
                     self.compute(*pending[:3])
+                    self.tensor_parallel(pending[3])
                 self.op = i
                 self.event(op)
                 phase = "forward" if op.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE) else "backward"
@@ -340,20 +385,26 @@ class _Builder:
             elif op.kind is OpKind.FREE:
                 self.free(name)
             elif op.kind is OpKind.REDUCE:
-                self.reduce(name, sync)
+                self.reduce(name, last, accumulate)
             elif op.kind is OpKind.WAIT_REDUCE:
-                self.wait_reduce(name, sync)
+                self.wait_reduce(name, last, accumulate)
         if pending is not None:
             self.op = pending[3]
             self.compute(*pending[:3])
+            self.tensor_parallel(pending[3])
         self.micro_batch += 1
 
     def optimizer(self, cost) -> None:
         self.op = -1
         launched: dict[str, int] = {}
+        axes = self.plan.axes
         for phase in cost.phases:
             if isinstance(phase, CommCost):
-                c = self.collective("optimizer", phase.kind, phase.group, phase.nbytes, phase.tag, "optimizer", sent=phase.sent)
+                role = Role(phase.group)
+                d = axes.dim(role)
+                listed = Collective(phase.kind, ROOT, phase.tag, role, None if d is None else axes.names[d], axes.size(role),
+                                    phase.nbytes, phase.dtype, "optimizer", phase.tag or "optimizer")
+                c = self.collective(listed, "optimizer", sent=phase.sent)
                 if phase.tag:
                     launched[phase.tag] = c
                 else:
@@ -419,9 +470,13 @@ def simulate(
     validate(sched, plan)
     if micro_batches > 3 and not exact:
         return _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank)
-    b = _Builder(plan, workload, hardware, rank)
+    listed = step_collectives(plan, schedule=sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens)
+    at_op: dict[tuple[int, int], list[Collective]] = {}
+    for c in listed:
+        at_op.setdefault((c.micro_batch, c.op), []).append(c)
+    b = _Builder(plan, workload, hardware, rank, at_op)
     for i in range(micro_batches):
-        b.step(sched, sync=accumulate == "reduce" or i == micro_batches - 1)
+        b.step(sched, i == micro_batches - 1, accumulate)
     opt_cost = optimizer.cost(plan, rank) if optimizer is not None else None
     first_opt = len(b.tasks)
     if opt_cost is not None:
@@ -432,14 +487,20 @@ def simulate(
     busy = _union([(s.start, s.end) for s in spans if s.stream == "compute"])
     in_flight = _union([(s.start, s.end) for s in spans if s.stream != "compute"])
     static = _static_memory(plan, opt_cost)
+    if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != len(listed):
+        raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {len(listed)} listed collectives")
     memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
               "peak": sum(static.values()) + b.peak["total"]}
     notes = []
     if plan.hsdp:
         notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")
-    traffic = {k: dict(sorted(v.items())) for k, v in b.traffic.items()}
+    if plan.tp:
+        notes.append("tensor parallel: activation collectives of " + (f"{workload.tokens:,} tokens per micro-batch" if workload.tokens else
+                     "0 tokens (the workload has none: profile it with integer token inputs)") + ", blocking after each unit's compute; "
+                     "compute is the workload's as profiled")
+    traffic = {"step": _traffic(c for c in b.calls if c.phase != "optimizer"), "optimizer": _traffic(c for c in b.calls if c.phase == "optimizer")}
     return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, in_flight,
-                     plan, sched, hardware, tuple(notes))
+                     plan, sched, hardware, tuple(notes), tuple(b.calls))
 
 
 def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank) -> SimResult:
@@ -451,10 +512,11 @@ def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, acc
     def ext(a: float, b: float) -> float:
         return b + k * (b - a)
 
-    traffic = {part: {kind: Traffic(int(ext(r2.traffic[part].get(kind, Traffic()).calls, t.calls)),
-                                    int(ext(r2.traffic[part].get(kind, Traffic()).nbytes, t.nbytes)),
-                                    ext(r2.traffic[part].get(kind, Traffic()).wire_bytes, t.wire_bytes))
-                      for kind, t in kinds.items()} for part, kinds in r3.traffic.items()}
+    # Bytes need no extension: the whole step's list is at hand.
+    step = step_collectives(plan, schedule=sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens)
+    opt = tuple(c for c in r3.calls if c.phase == "optimizer")
+    traffic = {"step": _traffic(step), "optimizer": r3.traffic["optimizer"]}
+    calls = step + opt
     return dataclasses.replace(
         r3,
         step_time=ext(r2.step_time, r3.step_time),
@@ -462,23 +524,20 @@ def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, acc
         comm_time=ext(r2.comm_time, r3.comm_time),
         exposed_comm=ext(r2.exposed_comm, r3.exposed_comm),
         traffic=traffic,
+        calls=calls,
         level_bytes={lv: ext(r2.level_bytes[lv], v) for lv, v in r3.level_bytes.items()},
         notes=r3.notes + (f"{micro_batches} micro-batches: times and bytes extended from simulations of 2 and 3 "
                           "(each further micro-batch repeats the same ops); the spans show 3",),
     )
 
 
+def _traffic(calls) -> dict[str, Traffic]:
+    """``{kind: Traffic}`` of ``calls``, kinds sorted."""
+    return {k: Traffic(t.calls, t.nbytes, t.wire_bytes) for k, t in sorted(totals(calls).items())}
+
+
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
-    """Bytes held between steps: sharded masters, gradients, optimizer state (``plan.cost()``'s
-    accounting for the first two)."""
-    params = grads = 0
-    for unit in plan.units:
-        master = sum(p.numel * p.dtype.itemsize for p in unit.params)
-        if not unit.sharded:
-            params += master
-            grads += master
-            continue
-        sharded = unit.reduce_numel * unit.params[0].dtype.itemsize
-        params += sharded
-        grads += master if unit.strategy == "zero1" else sharded
-    return {"params": params, "grads": grads, "optimizer_state": opt_cost.state_bytes if opt_cost is not None else 0}
+    """Bytes held between steps: sharded masters and gradients (:func:`fsdpfn._steps.static_memory`,
+    as ``plan.cost()`` counts them) and the optimizer's state."""
+    m = static_memory(plan)
+    return {"params": m["params"], "grads": m["grads"], "optimizer_state": opt_cost.state_bytes if opt_cost is not None else 0}

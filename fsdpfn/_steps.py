@@ -1,0 +1,399 @@
+"""The collectives of a training step, listed from a plan: the one source of every derived figure.
+
+:func:`step_collectives` walks a plan and a schedule description (which units are gathered a
+second time in backward, how many micro-batches, how gradients accumulate, and the tokens an
+activation holds) and lists every collective one rank issues, call by call, as
+:mod:`fsdpfn.comm` records it: kind, the unit (and tag), the mesh axis and its role, the group
+size, the full buffer's bytes, its dtype, and the phase (forward or backward) and micro-batch it
+runs in. Everything else derives from that list:
+
+- :meth:`fsdpfn.Plan.cost` sums it per kind;
+- :func:`fsdpfn.sim.simulate` times it, each entry on the schedule op that issues it;
+- tests compare it, call for call, with a :func:`fsdpfn.comm.count_collectives` record of a
+  real step (every strategy, HSDP, FP8 gathers, tensor parallelism, accumulation).
+
+It is pure plan arithmetic: it imports neither the transforms nor the runtime, which implement
+what it lists (see [Note: what a step issues]); :func:`static_memory` is the same for the bytes
+a rank holds between steps.
+
+[Note: what a step issues]
+Per unit, in :mod:`fsdpfn.transforms` (``gather_unit``, ``reduce_unit``):
+
+=====================  ============================================  ================  ==========
+when                   collective                                    axis              bytes
+=====================  ============================================  ================  ==========
+each gather            all-reduce (max) of the FP8 per-tensor amax   shard             4 / weight
+                       (tensorwise recipe only); again over tp if
+                       a weight is split over tp
+each gather            all-gather of the unit's segment              shard             W x segment
+each reduce            reduce-scatter (sharded) / all-reduce         shard             W x reduce
+                       (``replicate`` units)                                           segment
+each reduce, HSDP      all-reduce of the reduced shard               replicate         reduce
+                                                                                       segment
+=====================  ============================================  ================  ==========
+
+A unit is gathered once per micro-batch, twice if it is freed between its forward and backward
+(``reshard_after_forward``). It is reduced in every micro-batch, except where gradients
+accumulate locally (:func:`reduces_now`): ``accumulate="local"``, and ``zero1`` units always,
+sum full gradients over the micro-batches and reduce once, in the last.
+
+Per tensor-parallel module (:mod:`fsdpfn.transforms._tp`, over the ``tp`` axis), with ``N``
+tokens per rank per micro-batch and the activations in the gather dtype:
+
+=================  ==========================================  ==============================
+style              forward                                     backward
+=================  ==========================================  ==============================
+``colwise``        nothing                                     all-reduce of the input's
+                                                               gradient: N x in_features
+``colwise_gather`` all-gather of the output: N x out_features  the same all-reduce as colwise
+``rowwise``        all-reduce of the output: N x out_features  nothing
+=================  ==========================================  ==============================
+
+(``in_features``/``out_features`` are the Linear's global sizes.) Without ``tokens`` these are
+listed with their calls and 0 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+
+from fsdpfn._mesh import Role
+from fsdpfn._plan_values import ROOT, Plan, Unit, unit_label
+
+__all__ = ["Collective", "CollectiveCost", "PHASES", "reduces_now", "static_memory", "step_collectives", "totals"]
+
+PHASES = ("forward", "backward", "optimizer")
+ACCUMULATE = ("reduce", "local")
+_WIRE = {"all_reduce": 2.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues in a step.
+
+    Attributes:
+      kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` (or ``"all_to_all"`` for
+        an optimizer's).
+      unit: the unit it serves (``""``: the root).
+      tag: what :mod:`fsdpfn.comm` records as its tag: the unit, or the tensor-parallel module.
+      role: the :class:`fsdpfn.Role` of the mesh axis it runs over.
+      axis: that axis's name (``None`` when the mesh has no such axis: a group of one).
+      group_size: ranks taking part.
+      nbytes: the full buffer's bytes, as :class:`fsdpfn.comm.CollectiveCall` counts them.
+      dtype: the element type sent.
+      phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+      purpose: ``"gather"``, ``"amax"``, ``"reduce"``, ``"replicate_reduce"``, ``"tp_copy"``
+        (a colwise input's gradient), ``"tp_reduce"`` (a rowwise output), ``"tp_gather"`` (a
+        colwise_gather output), or an optimizer's label.
+      micro_batch: which micro-batch of the step issues it.
+      op: the index of the schedule op that issues it (the gather, reduce or wait_reduce op, or
+        the unit's forward/backward event for tensor-parallel ones); ``-1`` when listed without
+        a schedule.
+
+    Example:
+      >>> c = Collective("all_gather", "blocks.0", "blocks.0", Role.SHARD, "shard", 4, 4096, torch.float32, "forward", "gather")
+      >>> c.wire_bytes, c.activation
+      (3072.0, False)
+    """
+
+    kind: str
+    unit: str
+    tag: str
+    role: Role
+    axis: str | None
+    group_size: int
+    nbytes: int
+    dtype: torch.dtype
+    phase: str
+    purpose: str
+    micro_batch: int = 0
+    op: int = -1
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one rank sends: ``(g-1)/g`` of the buffer, twice that for an all-reduce."""
+        return _WIRE.get(self.kind, 1.0) * (self.group_size - 1) / self.group_size * self.nbytes
+
+    @property
+    def activation(self) -> bool:
+        """A tensor-parallel activation collective (its bytes need ``tokens``)."""
+        return self.purpose.startswith("tp_")
+
+    def describe(self) -> str:
+        """One line: phase, kind, tag, axis, size, bytes, dtype."""
+        axis = f"{self.axis}" if self.axis else self.role.value
+        return f"{self.phase} {self.kind} {self.tag or unit_label(self.unit)} over {axis} ({self.group_size}), {self.nbytes} B {str(self.dtype).removeprefix('torch.')}"
+
+
+def reduces_now(unit: Unit, last: bool, accumulate: str = "reduce") -> bool:
+    """Whether ``unit``'s gradients are reduced in this micro-batch (``last``: the micro-batch
+    that ends the step), or summed into kept full gradients instead.
+
+    ``accumulate="reduce"`` reduces every micro-batch, except ``zero1`` units, which keep full
+    gradients and reduce once per step (ZeRO-1); ``"local"`` reduces every unit only in the last.
+    The runtime's executor, :func:`step_collectives` and the simulator all ask this function.
+
+    Example:
+      >>> [reduces_now(u, last=False) for u in fsdpfn.plan(model, (2,), strategy="zero1").units][:1]
+      [False]
+      >>> reduces_now(plan.units[0], last=False), reduces_now(plan.units[0], last=True, accumulate="local")
+      (True, True)
+    """
+    return last or (accumulate == "reduce" and not unit.strategy.keeps_full_grads)
+
+
+def _axis(plan: Plan, role: Role) -> tuple[str | None, int]:
+    d = plan.axes.dim(role)
+    return (None, 1) if d is None else (plan.axes.names[d], plan.axes.shape[d])
+
+
+def _unit_gather(plan: Plan, unit: Unit) -> list[tuple]:
+    """``(kind, role, nbytes, dtype, purpose)`` of one gather of ``unit``."""
+    w = plan.shard_size
+    out = []
+    layout = plan.fp8_layout(unit)
+    if layout is not None and layout.amax_params:
+        out.append(("all_reduce", Role.SHARD, 4 * len(layout.amax_params), torch.float32, "amax"))
+        if any(unit.param(n).tp_dim is not None for n in layout.amax_params):
+            out.append(("all_reduce", Role.TP, 4 * len(layout.amax_params), torch.float32, "amax"))
+    if layout is not None:
+        out.append(("all_gather", Role.SHARD, w * layout.segment_bytes, torch.uint8, "gather"))
+    elif unit.sharded and unit.shard_numel:
+        dtype = plan.gather_dtype(unit)
+        out.append(("all_gather", Role.SHARD, w * unit.shard_numel * dtype.itemsize, dtype, "gather"))
+    return out
+
+
+def _unit_reduce(plan: Plan, unit: Unit) -> tuple[list[tuple], list[tuple]]:
+    """``(at reduce, at wait_reduce)``: the collectives of one reduce of ``unit``."""
+    dtype = plan.reduce_dtype(unit)
+    n = unit.reduce_numel if unit.sharded else unit.numel
+    if not n:
+        return [], []
+    first = ("reduce_scatter", Role.SHARD, plan.shard_size * n * dtype.itemsize, dtype, "reduce") if unit.sharded else \
+        ("all_reduce", Role.SHARD, n * dtype.itemsize, dtype, "reduce")
+    second = [("all_reduce", Role.REPLICATE, n * dtype.itemsize, dtype, "replicate_reduce")] if plan.hsdp else []
+    return [first], second
+
+
+def _tp_modules(plan: Plan) -> dict[str, list[tuple[str, str, int, int, torch.dtype]]]:
+    """``{unit: [(module, style, in_features, out_features, activation dtype), ...]}`` in model order."""
+    out: dict[str, list] = {}
+    names = set(plan.param_names)
+    for module, style in plan.tp:
+        weight = f"{module}.weight"
+        if weight not in names:
+            raise ValueError(
+                f"tensor-parallel module {module!r} has no parameter {weight!r} in the plan (a weight tied to another "
+                "module's?), so its activation sizes are unknown; leave it out of tp= to cost this plan"
+            )
+        unit = plan.unit_of(weight)
+        out_f, in_f = plan.param(weight).shape[:2]
+        out.setdefault(unit.name, []).append((module, style, int(in_f), int(out_f), plan.gather_dtype(unit)))
+    return out
+
+
+def _unit_tp(plan: Plan, modules, phase: str, tokens: int) -> list[tuple]:
+    """``(kind, role, nbytes, dtype, purpose, tag)`` of one unit's tensor-parallel modules in ``phase``."""
+    t = plan.tp_size
+    out = []
+    order = modules if phase == "forward" else list(reversed(modules))
+    for module, style, in_f, out_f, dtype in order:
+        item = dtype.itemsize
+        if phase == "forward":
+            if style == "rowwise":
+                out.append(("all_reduce", Role.TP, tokens * out_f * item, dtype, "tp_reduce", module))
+            elif style == "colwise_gather":
+                # tp ranks' out_f / t columns each, gathered: the full output's bytes.
+                out.append(("all_gather", Role.TP, tokens * (out_f // t) * t * item, dtype, "tp_gather", module))
+        elif style in ("colwise", "colwise_gather"):
+            out.append(("all_reduce", Role.TP, tokens * in_f * item, dtype, "tp_copy", module))
+    return out
+
+
+def _default_ops(plan: Plan, reshard_after_forward: bool | None) -> list[tuple[str, str]]:
+    """The actions and events of ``fsdpfn.runtime.schedule(plan, prefetch=0,
+    reshard_after_forward)`` that issue collectives, in its order (prefetch moves gathers
+    earlier but never adds or removes one)."""
+    units = [u.name for u in plan.units]
+    root = ROOT in units
+    blocks = [u for u in units if u != ROOT]
+
+    def reshards(name: str) -> bool:
+        if plan.unit(name).strategy != "zero3" or reshard_after_forward is False:
+            return False
+        return reshard_after_forward is True or name != ROOT
+
+    ops: list[tuple[str, str]] = []
+    if root:
+        ops += [("forward", ROOT), ("gather", ROOT)]
+    for name in blocks:
+        ops += [("forward", name), ("gather", name), ("forward_done", name)]
+    ops.append(("forward_done", ROOT))
+    back = list(reversed(blocks))
+    if root:
+        ops.append(("backward", ROOT))
+        if reshards(ROOT):
+            ops.append(("gather", ROOT))
+    for i, name in enumerate(back):
+        ops.append(("backward", name))
+        if reshards(name):
+            ops.append(("gather", name))
+        ops += [("backward_done", name), ("reduce", name)]
+        if i > 0:  # the runtime waits for a unit's reduce once the next unit's is started
+            ops.append(("wait_reduce", back[i - 1]))
+    ops.append(("end", ROOT))
+    if root:
+        ops += [("reduce", ROOT), ("wait_reduce", ROOT)]
+    ops += [("wait_reduce", name) for name in back[-1:]]
+    return ops
+
+
+_EVENTS = frozenset({"forward", "forward_done", "backward", "backward_done", "end"})
+
+
+def _kind(op: Any) -> str:
+    kind = op.kind
+    return str(getattr(kind, "value", kind))
+
+
+def step_collectives(
+    plan: Plan,
+    *,
+    schedule: Any = None,
+    reshard_after_forward: bool | None = None,
+    micro_batches: int = 1,
+    accumulate: str = "reduce",
+    tokens: int | None = None,
+) -> tuple[Collective, ...]:
+    """Every collective one rank issues in a training step of ``plan``, in issue order (see
+    [Note: what a step issues]).
+
+    Args:
+      plan: the plan (bound or abstract).
+      schedule: a :class:`fsdpfn.runtime.Schedule` (or anything with ``ops`` of ``kind`` and
+        ``unit``) to walk; each entry then names the op that issues it. Default: the runtime's
+        default schedule with ``reshard_after_forward``.
+      reshard_after_forward: as :func:`fsdpfn.runtime.schedule` (``None``: every ``zero3`` unit
+        but the root is gathered again in backward); ignored with a ``schedule``.
+      micro_batches: micro-batches per step, each running the whole schedule.
+      accumulate: ``"reduce"`` or ``"local"``, as :class:`fsdpfn.runtime.Runtime`'s (see
+        :func:`reduces_now`; ``zero1`` units accumulate locally either way).
+      tokens: tokens per rank per micro-batch (batch x sequence on one rank), for the bytes of
+        tensor-parallel activation collectives; ``None``: they are listed with 0 bytes.
+
+    Returns:
+      a tuple of :class:`Collective`.
+
+    Example:
+      >>> calls = step_collectives(fsdpfn.plan(model, (4,)))
+      >>> [(c.phase, c.kind, unit_label(c.unit)) for c in calls][:4]
+      [('forward', 'all_gather', '<root>'), ('forward', 'all_gather', 'blocks.0'), ('forward', 'all_gather', 'blocks.1'), ('backward', 'all_gather', 'blocks.1')]
+      >>> totals(calls)["reduce_scatter"].calls
+      3
+    """
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+        raise ValueError(f"tokens must be None or an int >= 0 (tokens per rank per micro-batch: batch x sequence), got {tokens!r}")
+    if schedule is not None:
+        ops = [(_kind(op), op.unit) for op in (schedule.ops if hasattr(schedule, "ops") else schedule)]
+        indexed = True
+    else:
+        ops = _default_ops(plan, reshard_after_forward)
+        indexed = False
+    units = {u.name: u for u in plan.units}
+    tp = _tp_modules(plan) if plan.tp else {}
+    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP)}
+    ntok = 0 if tokens is None else tokens
+    out: list[Collective] = []
+
+    def add(entries, unit: str, phase: str, m: int, i: int) -> None:
+        for kind, role, nbytes, dtype, purpose, *tag in entries:
+            name, size = axes[role]
+            out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,
+                                  m, i if indexed else -1))
+
+    for m in range(micro_batches):
+        last = m == micro_batches - 1
+        phase = "forward"
+        pending = None  # a unit's tensor-parallel collectives run with its compute, after the event's actions
+        for i, (kind, name) in enumerate(ops):
+            if kind in _EVENTS:
+                if pending is not None:
+                    add(*pending)
+                    pending = None
+                if kind in ("backward", "backward_done", "end"):
+                    phase = "backward"
+                if kind in ("forward", "backward") and name in tp:
+                    pending = (_unit_tp(plan, tp[name], kind, ntok), name, phase, m, i)
+                continue
+            unit = units.get(name)
+            if unit is None:
+                continue
+            if kind == "gather":
+                add(_unit_gather(plan, unit), name, phase, m, i)
+            elif kind == "reduce" and reduces_now(unit, last, accumulate):
+                add(_unit_reduce(plan, unit)[0], name, phase, m, i)
+            elif kind == "wait_reduce" and reduces_now(unit, last, accumulate):
+                add(_unit_reduce(plan, unit)[1], name, phase, m, i)
+        if pending is not None:
+            add(*pending)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """Calls, full-buffer bytes and bytes sent per rank of some collectives."""
+
+    calls: int = 0
+    nbytes: int = 0
+    wire_bytes: float = 0.0
+
+    def __add__(self, other: "CollectiveCost") -> "CollectiveCost":
+        return CollectiveCost(self.calls + other.calls, self.nbytes + other.nbytes, self.wire_bytes + other.wire_bytes)
+
+
+def totals(calls: Iterable[Collective], key=lambda c: c.kind) -> dict:
+    """``{key(c): CollectiveCost}`` over ``calls`` (default: per kind), keys in first-seen order.
+
+    Example:
+      >>> t = totals(step_collectives(fsdpfn.plan(model, (4,))), key=lambda c: (c.phase, c.kind))
+      >>> sorted(t)
+      [('backward', 'all_gather'), ('backward', 'reduce_scatter'), ('forward', 'all_gather')]
+    """
+    out: dict = {}
+    for c in calls:
+        k = key(c)
+        out[k] = out.get(k, CollectiveCost()) + CollectiveCost(1, c.nbytes, c.wire_bytes)
+    return out
+
+
+def static_memory(plan: Plan) -> dict[str, int]:
+    """Bytes one rank holds between steps, per unit summed: ``params`` (its master shards, the
+    largest rank's), ``grads`` (sharded for ``zero2``/``zero3``; full for ``zero1``, whose full
+    gradients are kept across micro-batches, and ``replicate``), ``optimizer_state_per_slot``
+    (one slot shaped like the master shards). Tensor-parallel parameters count their tp-local part.
+
+    Example:
+      >>> zero1, zero3 = (static_memory(fsdpfn.plan(model, (2,), strategy=s)) for s in ("zero1", "zero3"))
+      >>> zero1["params"] == zero3["params"] == zero3["grads"], zero1["grads"] > zero3["grads"]
+      (True, True)
+    """
+    params = grads = 0
+    for unit in plan.units:
+        master = sum(p.numel * p.dtype.itemsize for p in unit.params)
+        if not unit.sharded:
+            params += master
+            grads += master
+            continue
+        sharded = unit.reduce_numel * unit.params[0].dtype.itemsize
+        params += sharded
+        grads += master if unit.strategy.keeps_full_grads else sharded
+    return {"params": params, "grads": grads, "optimizer_state_per_slot": params}
+
