@@ -16,7 +16,7 @@ constructor. This is what makes one implementation serve both ``loss.backward()`
 
 [Note: FP8 gather]
 A unit with FP8 weights (``MixedPrecision(fp8=...)``) gathers bytes (see [Note: FP8 gather
-layout] in ``fsdpfn/_plan.py``): when the gather *starts*, each rank casts its current shards to
+layout] in ``fsdpfn/_plan_values.py``): when the gather *starts*, each rank casts its current shards to
 ``param_dtype`` and quantizes its rows, so a prefetched gather, or the second gather of a unit
 resharded after forward, ships the bytes of the shards of this step, never a stale or zeroed
 staging buffer (there is none: the segment is built fresh from the shards every time). After the
