@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from fsdpfn.comm import _groups
 from fsdpfn.comm import _record
-from fsdpfn.comm._record import FlightRecord, peer_failures, peer_report, record
+from fsdpfn.comm._record import FlightRecord, group_info, peer_failures, peer_report, record
 
 __all__ = [
     "CollectiveError",
@@ -191,8 +191,8 @@ def _start(kind: str, group, nbytes: int, dtype: torch.dtype, tag: str, launch: 
            async_op: bool, finish: Callable | None = None) -> Pending:
     """Records, launches asynchronously (so every wait is bounded) and, unless ``async_op``,
     waits."""
-    w = _groups.group_size(group)
-    rec = record(kind, w, nbytes, dtype, tag, _groups.group_ranks(group) if w > 1 else None, _groups.store() if w > 1 else None)
+    ranks, gid = group_info(group)
+    rec = record(kind, len(ranks), nbytes, dtype, tag, ranks, gid)
     try:
         work = launch()
     except RuntimeError as e:  # a peer already gone fails the launch itself

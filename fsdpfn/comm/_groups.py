@@ -144,5 +144,8 @@ def init_process_group(backend: str | None = None, *, init_method: str | None = 
 
 
 def destroy_process_group() -> None:
+    from fsdpfn.comm import _record  # (imports this module)
+
     if is_initialized():
         dist.destroy_process_group()
+    _record.reset()  # a new group numbers its collectives from 1 again

@@ -37,7 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdpfn._plan import Plan, Unit
 from fsdpfn import comm as C
 from fsdpfn import fp8 as F8
-from fsdpfn.transforms._checks import check_ranks_agree
+from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group"]
 
@@ -282,7 +282,7 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
     device = _device_of(locals_)
     w = plan.shard_size
     slots = unit.slots
-    _check_local_rows(plan, unit, locals_, shard_rank(plan))
+    check_on_every_rank(plan, unit.name, shard_group(plan), lambda: _check_local_rows(plan, unit, locals_, shard_rank(plan)))
     if plan.fp8_layout(unit) is not None:
         return _gather_fp8(plan, unit, locals_, device, async_op)
     if unit.sharded and unit.shard_numel:
