@@ -9,6 +9,7 @@
   functions are refused before anything starts.
 """
 
+import collections
 import functools
 import os
 import signal
@@ -150,6 +151,63 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(run_on_ranks, wor
         assert f"rank {skipper}: last started #" in message and "1 collective(s) behind" in message, message
         assert "all_reduce of 'blocks.1'" in message and f"failed on rank {rank}" in message, message
         assert "FSDPFN_TIMEOUT" in message
+
+
+class _CountingStore:
+    """Passes every call to the real store and counts it by method name."""
+
+    def __init__(self, store):
+        self._store, self.ops = store, collections.Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.ops[name] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _store_ops(rank, world, n):
+    from fsdpfn.comm import _groups
+
+    counting = _CountingStore(_groups.store())
+    real, _groups.store = _groups.store, lambda: counting
+    try:
+        comm.barrier(tag="warm-up")
+        counting.ops.clear()
+        x, rows = torch.ones(6), torch.arange(6.0)
+        for _ in range(n):
+            comm.all_reduce(x, tag="hot")
+            comm.all_gather(torch.empty(6 * world), rows)
+            comm.reduce_scatter(torch.empty(6), torch.ones(6 * world))
+            comm.all_to_all(torch.empty(6 * world), torch.ones(6 * world))
+            comm.broadcast(x, src=0)
+            comm.barrier()
+        hot = dict(counting.ops)
+        records = comm.flight_records()
+        # A wait longer than a second looks at the alarm once a second: the same wrapper sees it.
+        if rank == 1:
+            time.sleep(1.6)
+        comm.barrier(tag="slow peer")
+        slow = dict(counting.ops)
+    finally:
+        _groups.store = real
+    return hot, slow, [(r.seq, r.kind, r.tag) for r in records]
+
+
+def test_collectives_touch_the_store_only_when_a_wait_is_long(run_on_ranks):
+    n = 50  # 6 collectives each: 300 collectives
+    for rank, (hot, slow, records) in enumerate(run_on_ranks(_store_ops, 2, n)):
+        assert hot == {}, f"rank {rank}: store calls during {6 * n} collectives: {hot}"
+        # The ring buffer holds the last 32, numbered on their group (the same on every rank).
+        assert len(records) == 32 and records[-1][1:] == ("barrier", "")
+        assert [s for s, _, _ in records] == list(range(records[0][0], records[0][0] + 32))
+        if rank == 0:  # it waited ~1.6 s for rank 1: one look at the alarm, which had not gone off
+            assert slow == {"add": 1}, slow
 
 
 def _pool_is_fresh(rank, world):
