@@ -59,6 +59,7 @@ import time
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from fsdpfn.comm import _groups
 
@@ -230,8 +231,6 @@ def _group_id(ranks: tuple[int, ...]) -> int:
 
 def group_info(group=None) -> tuple[tuple[int, ...], int]:
     """``(global ranks, group id)`` of a process group, cached per group object."""
-    import torch.distributed as dist
-
     key = group if group is not None else dist.group.WORLD
     info = _GROUP_INFO.get(key)
     if info is None:
