@@ -3,6 +3,7 @@ a broken pool is replaced so the next call works, and a function the spawned ran
 is refused (or reported) with how to fix it."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,27 @@ def test_a_rank_stuck_in_a_collective_after_another_failed_is_reported():
     assert "rank 1 raised" in message and "bailed before the collective" in message
     assert "rank(s) [0] did not finish after another rank failed" in message
     assert testing.run_on_ranks(_identity, 2, "ok")[0][2] == "ok"
+
+
+def _stops_on_one(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.2)
+    raise ValueError("rank zero gives up")
+
+
+def test_a_stopped_rank_is_not_waited_for_after_another_failed():
+    before = [r[4] for r in testing.run_on_ranks(_identity, 2, "warm")]  # time the call, not a pool start
+    start = time.monotonic()
+    with pytest.raises(testing.RankError) as info:
+        testing.run_on_ranks(_stops_on_one, 2, timeout=60)
+    # The stopped rank can never answer: it is named at the next look (once a second), not after
+    # the 5 s given to ranks that may still report; 1.5 s of slack for a busy machine.
+    assert time.monotonic() - start < 0.2 + 1.0 + 1.5
+    assert "rank zero gives up" in info.value.errors[0]
+    assert "is stopped (SIGSTOP or a debugger): it did not finish after another rank failed" in info.value.errors[1]
+    after = testing.run_on_ranks(_identity, 2, "after")  # a fresh pool replaced the one holding a stopped rank
+    assert [r[:3] for r in after] == [(0, 2, "after"), (1, 2, "after")] and set(r[4] for r in after).isdisjoint(before)
 
 
 def test_bad_world_size():

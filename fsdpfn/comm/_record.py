@@ -486,7 +486,7 @@ def job_label() -> str:
 
 
 def _my_state() -> dict:
-    groups = {f"{gid:x}": [r.seq, r.kind, r.tag] for gid, r in _last.items()}
+    groups = {f"{gid:x}": [r.seq, r.kind, r.tag, r.start] for gid, r in _last.items()}
     latest = _flight["latest"]
     return {**_me(), "groups": groups, "latest": f"{latest:x}" if latest is not None else None}
 
@@ -583,7 +583,7 @@ def _gather_peers(store, peers: list[int], me: int, wait_s: float) -> dict[int, 
             store.wait(keys, datetime.timedelta(seconds=wait_s))
         for k, v in _read(store, keys).items():
             state = json.loads(v)
-            records = {int(g, 16): FlightRecord(s, kind, tag, 0, ()) for g, (s, kind, tag) in state["groups"].items()}
+            records = {int(g, 16): FlightRecord(s, kind, tag, 0, (), start) for g, (s, kind, tag, start) in state["groups"].items()}
             found[int(k.rsplit("/", 1)[1])].update(records=records, latest=int(state["latest"], 16) if state["latest"] else None)
     return found
 
@@ -622,7 +622,8 @@ def peer_report(store, rec: FlightRecord | None, me: int, wait_s: float = ANSWER
             continue
         mine = records.get(gid)
         lag = rec.seq - (mine.seq if mine else 0)
-        where = f"last started {mine.describe()}" if mine else "has started no collective on this group"
+        ago = f" {max(time.time() - mine.start, 0.0):.1f} s ago" if mine and mine.start else ""
+        where = f"last started {mine.describe()}{ago}" if mine else "has started no collective on this group"
         note = f", {lag} collective(s) behind" if lag > 0 and mine else ""
         latest = records.get(peer.get("latest")) if peer.get("latest") not in (None, gid) else None
         then = f"; then {latest.describe()} on another group" if latest else ""
