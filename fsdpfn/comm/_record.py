@@ -588,12 +588,15 @@ def _gather_peers(store, peers: list[int], me: int, wait_s: float) -> dict[int, 
     return found
 
 
-def peer_report(store, rec: FlightRecord | None, me: int, wait_s: float = ANSWER_WAIT_S) -> tuple[str, list[int]]:
-    """Lines naming where each rank of ``rec``'s group is, and the ranks that are behind (see
-    [Note: the flight recorder]). Takes at most ``wait_s`` plus a few store round trips when some
-    peers are on other hosts, a few milliseconds when all are on this one."""
+def peer_report(store, rec: FlightRecord | None, me: int,
+                wait_s: float = ANSWER_WAIT_S) -> tuple[str, list[int], list[int]]:
+    """Lines naming where each rank of ``rec``'s group is; the ranks that are behind (they never
+    started this collective, or did not answer); the ranks that started it, or a later one, but
+    are stopped or dead (see [Note: the flight recorder]). Takes at most ``wait_s`` plus a few
+    store round trips when some peers are on other hosts, a few milliseconds when all are on this
+    one."""
     if rec is None or store is None:
-        return "", []
+        return "", [], []
     peers = [r for r in rec.ranks if r != me]
     unreachable = ""
     try:
@@ -601,7 +604,7 @@ def peer_report(store, rec: FlightRecord | None, me: int, wait_s: float = ANSWER
     except Exception as e:  # noqa: BLE001 - the store may be served by the stopped process
         found, unreachable = {}, f" (the store did not answer: {str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__})"
     gid, host = _group_id(rec.ranks), socket.gethostname()
-    lines, behind = [], []
+    lines, behind, stuck = [], [], []
     for r in rec.ranks:
         if r == me:
             lines.append(f"  rank {r}: in {rec.describe()} (this rank)")
@@ -628,6 +631,8 @@ def peer_report(store, rec: FlightRecord | None, me: int, wait_s: float = ANSWER
         latest = records.get(peer.get("latest")) if peer.get("latest") not in (None, gid) else None
         then = f"; then {latest.describe()} on another group" if latest else ""
         lines.append(f"  rank {r}: {where}{note}{then}{proc}")
-        if lag > 0 or state:
+        if lag > 0 or not mine:
             behind.append(r)
-    return "\n".join(lines), behind
+        elif state:
+            stuck.append(r)
+    return "\n".join(lines), behind, stuck
