@@ -11,6 +11,7 @@ launcher can die, SIGKILL included; elsewhere a watchdog thread polls the parent
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import os
 import pickle
@@ -28,7 +29,8 @@ import torch.multiprocessing as mp
 
 from fsdpfn import comm
 
-__all__ = ["RankError", "check_picklable", "cuda_problem", "launch", "raise_rank_errors", "start_rank", "under_torchrun"]
+__all__ = ["RankError", "check_picklable", "cuda_problem", "launch", "load_task", "process_stopped", "raise_rank_errors",
+           "start_rank", "under_torchrun"]
 
 
 class RankError(RuntimeError):
@@ -102,11 +104,15 @@ def check_picklable(fn: Callable, *args: Any, what: str = "fn", **kwargs: Any) -
       ValueError: run_on_ranks(fn) must be picklable to reach the spawned ranks: ...
     """
     main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+    target = getattr(fn, "func", fn)  # functools.partial
+    if getattr(target, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
         raise ValueError(
-            f"{what} is {getattr(fn, '__qualname__', fn)!r}, defined in __main__ without a file (python -c, stdin or "
-            "a notebook): spawned ranks import functions by module, so they cannot find it. Define it in a .py module."
+            f"{what} is {getattr(target, '__qualname__', target)!r}, defined in __main__ without a file (python -c, stdin "
+            "or a notebook): spawned ranks import functions by module, so they cannot find it. Define it in a .py module."
         )
+    problem = _main_problem(target, what)
+    if problem:
+        raise ValueError(problem)
     for label, value in [(what, fn), *((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
         try:
             pickle.dumps(value)
@@ -115,6 +121,101 @@ def check_picklable(fn: Callable, *args: Any, what: str = "fn", **kwargs: Any) -
                     if label == what else "pass only picklable values (tensors, numbers, strings, dataclasses)")
             raise ValueError(f"{what if label == what else f'{what}: {label}'} must be picklable to reach the "
                              f"spawned ranks: {type(e).__name__}: {e}. {hint.capitalize()}.") from None
+
+
+_GUARD = 'if __name__ == "__main__":'
+
+
+def _is_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` (either way round)."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.ops) != 1:
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    consts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return isinstance(node.test.ops[0], ast.Eq) and names == ["__name__"] and consts == ["__main__"]
+
+
+def _blocks(node: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists nested in a compound statement that run when the module is imported."""
+    out = [getattr(node, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(node, f, None), list)]
+    out += [h.body for h in getattr(node, "handlers", [])]
+    return out if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else []
+
+
+def _binds(node: ast.stmt, name: str) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return any(isinstance(t, ast.Name) and t.id == name for t in targets)
+
+
+def _where_bound(body: list[ast.stmt], name: str, guarded: bool = False) -> set[bool]:
+    """For each module-level binding of ``name``: whether it sits under the ``__main__`` guard."""
+    found = set()
+    for node in body:
+        if _binds(node, name):
+            found.add(guarded)
+        if _is_guard(node):
+            found |= _where_bound(node.body, name, True) | _where_bound(node.orelse, name, guarded)
+        else:
+            for block in _blocks(node):
+                found |= _where_bound(block, name, guarded)
+    return found
+
+
+def _guarded_line(body: list[ast.stmt], line: int) -> bool:
+    """Whether ``line`` of the module runs only under the ``__main__`` guard."""
+    for node in body:
+        if not node.lineno <= line <= (node.end_lineno or node.lineno):
+            continue
+        if _is_guard(node) and node.body and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
+            return True
+        return any(_guarded_line(block, line) for block in _blocks(node))
+    return False
+
+
+def _main_problem(fn: Callable, what: str) -> str | None:
+    """Why spawned ranks could not run ``fn`` because of how the main script is written, or
+    ``None``. A spawned rank imports the main script again (as ``__mp_main__``, so its
+    ``if __name__ == "__main__":`` block does not run) to find functions defined there: a function
+    defined only inside that block is missing, and a launch outside it would run again in every
+    rank (Python refuses that: the rank dies at start, with the reason only on its stderr)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path:
+        return None
+    name = getattr(fn, "__qualname__", "")
+    spec = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec is not None and (spec == "__main__" or spec.endswith(".__main__")):
+        # python -m package: spawned ranks do not import the package's __main__ at all.
+        if getattr(fn, "__module__", None) == "__main__":
+            return (f"{what} is {name!r}, defined in {path}, which runs as `python -m {spec.rsplit('.', 1)[0]}`: spawned "
+                    "ranks do not import a package's __main__, so they cannot find it. Define it in an importable module "
+                    "of the package.")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None  # nothing to read: the spawned ranks will say
+    if getattr(fn, "__module__", None) == "__main__" and name:
+        where = _where_bound(tree.body, name.split(".")[0])
+        if where == {True}:
+            return (f"{what} is {name!r}, defined under `{_GUARD}` in {path}: spawned ranks import {path} without "
+                    f"running that block, so they cannot find it. Define {name!r} at the top level of the file (outside "
+                    f"the `{_GUARD}` block), or in an importable module.")
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is not None and not _guarded_line(tree.body, frame.f_lineno):
+        return (f"{what} is called at the top level of {path} (line {frame.f_lineno}), outside `{_GUARD}`: every spawned "
+                f"rank imports {path} again to find its functions, and would run this call too (Python stops it, and the "
+                f"rank dies at start). Put the call under `{_GUARD}` at the end of the file, with the functions it runs "
+                "defined at the top level above it (or in an importable module).")
+    return None
 
 
 def _die_with_parent() -> None:
@@ -139,9 +240,12 @@ def _die_with_parent() -> None:
 
 
 def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "gloo", threads: int = 1,
-               timeout_s: float | None = None) -> None:
+               timeout_s: float | None = None, flight_dir: str | None = None) -> None:
     """The start of every spawned rank: its thread count, the tie to its launcher, the collective
-    timeout and the default process group."""
+    timeout, where its flight recorder keeps its file (the launcher's temporary folder, removed
+    with it) and the default process group."""
+    from fsdpfn.comm import _record
+
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     _die_with_parent()
@@ -150,12 +254,29 @@ def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "
         torch.cuda.set_device(rank)
     if timeout_s is not None:
         comm.set_timeout(timeout_s)
+    if flight_dir is not None:
+        _record.set_flight_dir(flight_dir)
     comm.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
-def _entry(rank, world_size, init_method, backend, threads, timeout_s, main, args, results) -> None:
-    start_rank(rank, world_size, init_method, backend=backend, threads=threads, timeout_s=timeout_s)
+def load_task(payload: bytes, what: str):
+    """Unpickles what a launcher sent a spawned rank, saying how to fix a function it cannot find."""
     try:
+        return pickle.loads(payload)
+    except Exception as e:  # noqa: BLE001 - re-raised with the fix
+        raise RuntimeError(
+            f"this rank could not load {what} or its arguments ({type(e).__name__}: {e}). Spawned ranks import functions "
+            f"by module: define the function at the top level of an importable module, or of the script, with the launch "
+            f"itself under `{_GUARD}`."
+        ) from e
+
+
+def _entry(rank, world_size, init_method, backend, threads, timeout_s, payload, results, flight_dir=None) -> None:
+    start_rank(rank, world_size, init_method, backend=backend, threads=threads, timeout_s=timeout_s, flight_dir=flight_dir)
+    try:
+        # Loaded here, not while the process starts, so that a function this rank cannot find
+        # comes back with its reason instead of an exit code.
+        main, args = load_task(payload, "launch(main)")
         out = ("ok", main(rank, world_size, *args))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
         comm.announce_failure(e)
@@ -170,13 +291,34 @@ def _entry(rank, world_size, init_method, backend, threads, timeout_s, main, arg
     comm.destroy_process_group()
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it finishes nothing, however long
+    one waits for it. ``False`` where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def stopped_after_error(r: int, pid: int) -> str:
+    return f"rank {r} (pid {pid}) is stopped (SIGSTOP or a debugger): it did not finish after another rank failed"
+
+
 def _collect(procs, results, world_size: int, grace: float) -> dict[int, tuple[str, Any]]:
     """Waits for every rank's answer. A rank that dies without answering counts as an error;
     after the first error the others get ``grace`` seconds (their collectives fail within the
-    collective timeout and report where they were) before they are killed."""
+    collective timeout and report where they were) before they are killed, except ranks whose
+    process is stopped: they cannot answer, so they are not waited for."""
     answers: dict[int, tuple[str, Any]] = {}
     deadline = None
     while len(answers) < world_size and (deadline is None or time.monotonic() < deadline):
+        if deadline is not None:
+            for r, p in enumerate(procs):
+                if r not in answers and process_stopped(p.pid):
+                    answers[r] = ("error", stopped_after_error(r, p.pid))
+            if len(answers) == world_size:
+                break
         try:
             rank, payload = results.get(timeout=0.5)
             answers[rank] = pickle.loads(payload)
@@ -250,21 +392,28 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
     if backend == "nccl":  # here, once, rather than as N identical rank failures
         _require_cuda(world_size - 1, f"launch(backend='nccl', world_size={world_size})")
     threads = max(1, (os.cpu_count() or 1) // world_size)
+    payload = pickle.dumps((main, args))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fsdpfn_launch_") as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         procs = [
             ctx.Process(target=_entry, name=f"fsdpfn-rank{r}-of-{world_size}",
-                        args=(r, world_size, init, backend or "gloo", threads, timeout_s, main, args, results))
+                        args=(r, world_size, init, backend or "gloo", threads, timeout_s, payload, results, tmp))
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
+        answers: dict[int, tuple[str, Any]] = {}
         try:
             answers = _collect(procs, results, world_size, grace=timeout_s + 2.0)
         finally:
+            failed = len(answers) < world_size or any(a[0] == "error" for a in answers.values())
             for p in procs:
+                # After a failure nothing a rank still does matters, and a stopped one would hold
+                # join() for its whole timeout: end them now.
+                if failed and p.is_alive():
+                    p.kill()
                 p.join(timeout=5.0)
                 if p.is_alive():
                     p.kill()

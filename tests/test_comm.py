@@ -9,8 +9,10 @@
   functions are refused before anything starts.
 """
 
+import collections
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,6 +152,107 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(run_on_ranks, wor
         assert f"rank {skipper}: last started #" in message and "1 collective(s) behind" in message, message
         assert "all_reduce of 'blocks.1'" in message and f"failed on rank {rank}" in message, message
         assert "FSDPFN_TIMEOUT" in message
+
+
+class _CountingStore:
+    """Passes every call to the real store and counts it by method name."""
+
+    def __init__(self, store):
+        self._store, self.ops = store, collections.Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.ops[name] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _store_ops(rank, world, n):
+    from fsdpfn.comm import _groups
+
+    counting = _CountingStore(_groups.store())
+    real, _groups.store = _groups.store, lambda: counting
+    try:
+        comm.barrier(tag="warm-up")
+        counting.ops.clear()
+        x, rows = torch.ones(6), torch.arange(6.0)
+        for _ in range(n):
+            comm.all_reduce(x, tag="hot")
+            comm.all_gather(torch.empty(6 * world), rows)
+            comm.reduce_scatter(torch.empty(6), torch.ones(6 * world))
+            comm.all_to_all(torch.empty(6 * world), torch.ones(6 * world))
+            comm.broadcast(x, src=0)
+            comm.barrier()
+        hot = dict(counting.ops)
+        records = comm.flight_records()
+        # A wait longer than a second looks at the alarm once a second: the same wrapper sees it.
+        if rank == 1:
+            time.sleep(1.6)
+        comm.barrier(tag="slow peer")
+        slow = dict(counting.ops)
+    finally:
+        _groups.store = real
+    return hot, slow, [(r.seq, r.kind, r.tag) for r in records]
+
+
+def test_collectives_touch_the_store_only_when_a_wait_is_long(run_on_ranks):
+    n = 50  # 6 collectives each: 300 collectives
+    for rank, (hot, slow, records) in enumerate(run_on_ranks(_store_ops, 2, n)):
+        assert hot == {}, f"rank {rank}: store calls during {6 * n} collectives: {hot}"
+        # The ring buffer holds the last 32, numbered on their group (the same on every rank).
+        assert len(records) == 32 and records[-1][1:] == ("barrier", "")
+        assert [s for s, _, _ in records] == list(range(records[0][0], records[0][0] + 32))
+        if rank == 0:  # it waited ~1.6 s for rank 1: one look at the alarm, which had not gone off
+            assert slow == {"add": 1}, slow
+
+
+def _remote_peers(rank, world):
+    """Every rank pretends to be on its own host, so no peer's file can be read: rank 0 times out
+    on the world group and must learn where the others are from their answers in the store.
+    Rank 1 waits in a collective of another group (it answers the alarm), rank 2 computes."""
+    from fsdpfn.comm import _record
+
+    real_me = _record._me
+    _record._me = lambda: {**real_me(), "host": f"host{rank}"}
+    _record._flight["identified"] = None
+    _record.identify()
+    pair = dist.new_group([1, 2])
+    try:
+        comm.barrier(tag="warm-up")
+        t = time.monotonic()
+        if rank == 0:
+            with comm.timeout_scope(2.0):
+                try:
+                    comm.all_reduce(torch.ones(2), tag="world")
+                except comm.CollectiveError as e:
+                    return str(e), e.behind, time.monotonic() - t
+        elif rank == 1:
+            with comm.timeout_scope(9.0):
+                try:
+                    comm.all_reduce(torch.ones(2), pair, tag="pair")
+                except comm.CollectiveError:
+                    pass
+        else:
+            time.sleep(9.0)
+        return None, None, time.monotonic() - t
+    finally:
+        _record._me = real_me
+
+
+def test_peers_on_other_hosts_answer_through_the_store(run_on_ranks):
+    message, behind, waited = run_on_ranks(_remote_peers, 3)[0]
+    # Rank 1 answered from its wait (it looks at the alarm once a second); rank 2 never did, so
+    # rank 0 waited the whole answer window: 2 s timeout + 2.5 s, plus slack for 2 busy cores.
+    assert behind == [1, 2], message
+    assert 2.0 + 2.5 <= waited < 2.0 + 2.5 + 4.0, waited
+    assert re.search(r"rank 1: last started #\d+ barrier of 'warm-up' \d+\.\d s ago, 1 collective\(s\) behind; "
+                     r"then #\d+ all_reduce of 'pair' on another group", message), message
+    assert "rank 2: no answer within 2.5 s (busy outside collectives, stopped or dead; host host2" in message, message
 
 
 def _pool_is_fresh(rank, world):

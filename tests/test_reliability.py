@@ -39,18 +39,68 @@ def _wrong_split(rank, world):
 
 
 def test_shards_cut_with_another_split_are_refused_on_every_rank(run_on_ranks):
-    # Ranks 1 and 2 see the wrong rows themselves; rank 0's 4 rows agree with torch.chunk, so it
-    # learns of the error from its peers while it waits in the all-gather, well within the timeout.
+    # Ranks 1 and 2 see the wrong rows themselves; rank 0's 4 rows agree with torch.chunk. The
+    # ranks agree on the check before the gather, so rank 0 raises the same ValueError, naming
+    # the parameter and both ranks, instead of waiting in an all-gather its peers never start.
     t = time.monotonic()
     with pytest.raises(RankError) as info:
         run_on_ranks(_wrong_split, 3)
     assert time.monotonic() - t < 90  # pool start-up on busy cores included; the 180 s harness timeout is far
     errors = info.value.errors
     assert sorted(errors) == [0, 1, 2]
-    for rank in (1, 2):
-        assert "'layers.0.weight'" in errors[rank] and f"shard rank {rank}" in errors[rank] and "torch.chunk" in errors[rank]
-    assert "CollectiveError" in errors[0] and "all_gather of 'layers.0'" in errors[0], errors[0]
-    assert "Rank 1 raised: ValueError" in errors[0] and "Rank 2 raised: ValueError" in errors[0], errors[0]
+    for rank in (0, 1, 2):
+        assert "ValueError: rank(s) [1, 2] refused the input of 'layers.0'" in errors[rank], errors[rank]
+        assert "CollectiveError" not in errors[rank], errors[rank]
+        for bad in (1, 2):
+            assert f"params['layers.0.weight'] on shard rank {bad} has local shape" in errors[rank], errors[rank]
+            assert "torch.chunk" in errors[rank]
+
+
+def _wrong_rows_on_one_rank(rank, world):
+    """Rank 1's shard has one row too many (6 of the 10 rows, where torch.chunk gives each of 2
+    ranks 5); rank 0's is right. Returns each rank's error, the collectives it ran and its health."""
+    torch.manual_seed(0)
+    model = _Tall()
+    mesh = testing.mesh((world,))
+    plan = fsdpfn.plan(model, mesh, strategy="zero3")
+    w = model.layers[0].weight.detach()
+    rows = torch.chunk(w, world)[rank].clone()
+    if rank == 1:
+        rows = torch.cat([rows, rows[:1]])
+    params = {"layers.0.weight": DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())}
+    with fsdpfn.comm.count_collectives() as counter:
+        try:
+            fsdpfn.unshard(params, plan)
+        except ValueError as e:
+            return str(e), counter.counts(), fsdpfn.comm.healthy()
+    return None, counter.counts(), fsdpfn.comm.healthy()
+
+
+def test_wrong_rows_on_one_rank_are_a_value_error_on_every_rank_before_the_gather(run_on_ranks):
+    for rank, (error, counts, healthy) in enumerate(run_on_ranks(_wrong_rows_on_one_rank, 2)):
+        assert error is not None and "rank(s) [1] refused the input of 'layers.0'" in error, (rank, error)
+        assert "params['layers.0.weight'] on shard rank 1 has local shape (6, 3)" in error, error
+        assert counts == {} and healthy, (rank, counts)  # no collective started; the groups stay usable
+
+
+def _right_rows_twice(rank, world):
+    """Right shards, gathered twice: the agreement runs once per unit (through the store), the
+    gathers are the only collectives, and the result is the full weight."""
+    torch.manual_seed(0)
+    model = _Tall()
+    plan = fsdpfn.plan(model, testing.mesh((world,)), strategy="zero3")
+    params = fsdpfn.shard(model, plan)
+    out = []
+    for _ in range(2):
+        with fsdpfn.comm.count_collectives() as counter:
+            full = fsdpfn.unshard(params, plan)["layers.0.weight"]
+        out.append((torch.equal(full, model.layers[0].weight.detach()), counter.counts()))
+    return out
+
+
+def test_the_agreement_adds_no_collective(run_on_ranks):
+    for per_gather in run_on_ranks(_right_rows_twice, 2):
+        assert per_gather == [(True, {"all_gather": 1})] * 2, per_gather
 
 
 def _default_device_is_not_used(rank, world):

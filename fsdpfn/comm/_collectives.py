@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from fsdpfn.comm import _groups
 from fsdpfn.comm import _record
-from fsdpfn.comm._record import FlightRecord, peer_failures, peer_report, record
+from fsdpfn.comm._record import FlightRecord, group_info, peer_failures, peer_report, record
 
 __all__ = [
     "CollectiveError",
@@ -116,12 +116,16 @@ def announce_failure(error: BaseException | str) -> None:
 def _failure(rec: FlightRecord | None, kind: str, tag: str, cause: BaseException | str,
              failed: dict[int, str] | None = None) -> CollectiveError:
     me = _groups.rank()
-    lines, behind = peer_report(_groups.store(), rec, me)
+    lines, behind, stuck = peer_report(_groups.store(), rec, me)
     what = rec.describe() if rec else f"{kind}" + (f" of {tag!r}" if tag else "")
     size = f", {rec.nbytes / 2**20:.2f} MiB over ranks {list(rec.ranks)}" if rec else ""
     head = f"collective {what}{size} failed on rank {me} (timeout {_groups.timeout():g} s): {str(cause).strip().splitlines()[0][:300]}"
     verdict = (f"\nRank(s) {behind} are behind: they never reached this collective (stopped, dead, or "
                "taking another code path).") if behind else ""
+    if stuck:
+        verdict += (f"\nRank(s) {stuck} are stopped or dead: they started this collective, or a later one, but "
+                    "will not finish it.")
+        behind = sorted(behind + stuck)
     if failed:
         behind = sorted(set(behind) | set(failed))
         verdict += "".join(f"\nRank {r} raised: {err}" for r, err in sorted(failed.items()))
@@ -191,8 +195,8 @@ def _start(kind: str, group, nbytes: int, dtype: torch.dtype, tag: str, launch: 
            async_op: bool, finish: Callable | None = None) -> Pending:
     """Records, launches asynchronously (so every wait is bounded) and, unless ``async_op``,
     waits."""
-    w = _groups.group_size(group)
-    rec = record(kind, w, nbytes, dtype, tag, _groups.group_ranks(group) if w > 1 else None, _groups.store() if w > 1 else None)
+    ranks, gid = group_info(group)
+    rec = record(kind, len(ranks), nbytes, dtype, tag, ranks, gid)
     try:
         work = launch()
     except RuntimeError as e:  # a peer already gone fails the launch itself

@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 600.0
+# Seconds the rendezvous of init_process_group waits for every rank to start, whatever the
+# collective timeout.
+RENDEZVOUS_TIMEOUT = 300.0
 TIMEOUT_ENV = "FSDPFN_TIMEOUT"
 _timeout: list[float] = []
 
@@ -137,18 +140,27 @@ def init_process_group(backend: str | None = None, *, init_method: str | None = 
     """Creates the default process group with the collective timeout (see [Note: one timeout]).
 
     ``backend`` defaults to NCCL when CUDA is available, else gloo; without ``init_method`` the
-    rendezvous comes from the environment (``torchrun``).
+    rendezvous comes from the environment (``torchrun``). The rendezvous itself waits for every
+    rank to start, at least :data:`RENDEZVOUS_TIMEOUT` seconds: ranks that start seconds apart on
+    a busy machine are not a stuck collective.
     """
     import torch
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     seconds = timeout() if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
-    kwargs = {"timeout": datetime.timedelta(seconds=seconds)}
+    kwargs = {"timeout": datetime.timedelta(seconds=max(seconds, RENDEZVOUS_TIMEOUT))}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
     dist.init_process_group(backend, **kwargs)
+    if seconds < RENDEZVOUS_TIMEOUT:
+        set_backend_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_backend_timeout is not None:  # the backend's own operation timeout, as before
+            set_backend_timeout(datetime.timedelta(seconds=seconds))
 
 
 def destroy_process_group() -> None:
+    from fsdpfn.comm import _record  # (imports this module)
+
     if is_initialized():
         dist.destroy_process_group()
+    _record.reset()  # a new group numbers its collectives from 1 again

@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn.comm import _groups
 from fsdpfn.comm._collectives import CollectiveError, all_gather, all_reduce, broadcast
-from fsdpfn.comm._record import record
+from fsdpfn.comm._record import group_info, record
 
 __all__ = ["all_gather_object", "all_gather_rows", "arrive", "broadcast_object", "full_tensor"]
 
@@ -164,7 +164,8 @@ def arrive(what: str, timeout_s: float | None = None, group=None) -> None:
     no monitored barrier; there a plain barrier bounded by the timeout applies.
     """
     w = _groups.group_size(group)
-    record("barrier", w, 0, torch.int32, what)
+    ranks, gid = group_info(group) if w > 1 else ((), None)
+    record("barrier", w, 0, torch.int32, what, ranks, gid)
     if w == 1:
         return
     seconds = _groups.timeout() if timeout_s is None else timeout_s

@@ -18,7 +18,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import pickle
 import queue as queue_mod
+import shutil
 import tempfile
 import time
 import traceback
@@ -28,7 +30,8 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from fsdpfn import comm
-from fsdpfn.launch import RankError, check_picklable, raise_rank_errors, start_rank
+from fsdpfn.launch import (RankError, check_picklable, load_task, process_stopped, raise_rank_errors, start_rank,
+                           stopped_after_error)
 
 __all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh"]
 
@@ -43,6 +46,7 @@ class _Pool:
     procs: list
     tasks: list
     results: Any
+    folder: str
     next_id: int = 0
 
 
@@ -54,14 +58,17 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
     action = os.environ.get("FSDPFN_WORKER_WARNINGS")
     if action:
         warnings.simplefilter(action)
-    start_rank(rank, world_size, f"file://{init_file}", timeout_s=pg_timeout_s)
+    start_rank(rank, world_size, f"file://{init_file}", timeout_s=pg_timeout_s, flight_dir=os.path.dirname(init_file))
     while True:
         task = tasks.get()
         if task is None:
             break
-        task_id, fn, args, kwargs = task
+        task_id, payload = task
         comm.set_job(f"task {task_id}")
         try:
+            # Loaded here, not by the queue, so that a function this process cannot find comes
+            # back as an error with its reason instead of killing the worker.
+            fn, args, kwargs = load_task(payload, "run_on_ranks(fn)")
             out = ("ok", fn(rank, world_size, *args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             comm.announce_failure(e)
@@ -80,7 +87,8 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
 
 def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
     ctx = mp.get_context("spawn")
-    init_file = os.path.join(tempfile.mkdtemp(prefix="fsdpfn_gloo_"), f"store_{world_size}")
+    folder = tempfile.mkdtemp(prefix="fsdpfn_gloo_")
+    init_file = os.path.join(folder, f"store_{world_size}")
     results = ctx.Queue()
     tasks = [ctx.Queue() for _ in range(world_size)]
     procs = []
@@ -93,7 +101,7 @@ def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
         )
         p.start()
         procs.append(p)
-    return _Pool(world_size, procs, tasks, results)
+    return _Pool(world_size, procs, tasks, results, folder)
 
 
 def _kill_pool(world_size: int) -> None:
@@ -105,6 +113,7 @@ def _kill_pool(world_size: int) -> None:
             p.kill()
     for p in pool.procs:
         p.join(timeout=5)
+    shutil.rmtree(pool.folder, ignore_errors=True)  # the store, and the flight files of killed ranks
 
 
 def shutdown_pools() -> None:
@@ -167,8 +176,9 @@ def run_on_ranks(
         pool = _POOLS[world_size] = _start_pool(world_size, pg_timeout_s=max(timeout, 30.0))
     pool.next_id += 1
     task_id = pool.next_id
+    payload = pickle.dumps((fn, args, kwargs))
     for q in pool.tasks:
-        q.put((task_id, fn, args, kwargs))
+        q.put((task_id, payload))
 
     answers: dict[int, tuple[str, Any]] = {}
     healthy = True
@@ -183,8 +193,15 @@ def run_on_ranks(
             if not all(p.is_alive() for p in pool.procs):
                 dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
                 for r in dead:
-                    answers.setdefault(r, ("error", f"rank {r} died (exit code {pool.procs[r].exitcode})"))
+                    answers.setdefault(r, ("error", f"rank {r} died (exit code {pool.procs[r].exitcode}); its error, if "
+                                                    "any, is in its output (stderr) above"))
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
+            if any(a[0] == "error" for a in answers.values()):
+                # A stopped rank (SIGSTOP, a debugger) answers nothing, however long we wait.
+                for r, p in enumerate(pool.procs):
+                    if r not in answers and process_stopped(p.pid):
+                        answers[r] = ("error", stopped_after_error(r, p.pid))
+                        healthy = False  # the next call needs a fresh pool
             continue
         if got_id != task_id:  # a stale answer from a call that timed out
             continue

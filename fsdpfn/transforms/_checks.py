@@ -17,13 +17,16 @@ checksums of what every rank generated for a common slice afterwards.
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import torch
 
 from fsdpfn import comm
 from fsdpfn._plan import Plan
+from fsdpfn.comm._agree import exchange_problems
+from fsdpfn.comm._record import group_info
 
-__all__ = ["check_plan_agree", "check_ranks_agree", "check_values_agree", "checksums"]
+__all__ = ["check_on_every_rank", "check_plan_agree", "check_ranks_agree", "check_values_agree", "checksums"]
 
 
 def _groups(plan: Plan):
@@ -152,3 +155,39 @@ def check_values_agree(plan: Plan, names, table: torch.Tensor, *, fix: str) -> N
             column = int((~close.all(dim=0)).nonzero()[0])
             differ = [ranks[i] for i in range(len(ranks)) if not bool(close[i, column])]
             raise ValueError(f"parameter {names[column % len(names)]!r} differs between rank {ranks[0]} and ranks {differ}; {fix}")
+
+
+_AGREED: set[tuple[str, str, int]] = set()
+
+
+def check_on_every_rank(plan: Plan, site: str, group, check: Callable[[], None]) -> None:
+    """Runs ``check`` (a local input check that raises ``ValueError``) so that, the first time
+    this process reaches ``site`` of this plan, a failure on any rank of ``group`` is a
+    ``ValueError`` on every rank, naming the ranks and their reasons: a rank whose own input is
+    right would otherwise wait in the next collective for the rank that raised.
+
+    The agreement goes through the store (see [Note: agreeing through the store] in
+    ``fsdpfn/comm/_agree.py``): no collective, and after the first time nothing at all but the
+    local check. Input that goes wrong on one rank only later (the shards of a later step) still
+    raises there, and its peers learn of it from the announcement while they wait.
+
+    Example:
+      >>> check_on_every_rank(plan, "blocks.0", None, lambda: None)   # every rank passes
+    """
+    try:
+        check()
+        problem = None
+    except ValueError as e:
+        problem, error = e, e
+    ranks, gid = group_info(group)
+    key = (plan.fingerprint, site, gid)
+    if len(ranks) == 1 or key in _AGREED:
+        if problem is not None:
+            raise error
+        return
+    found = exchange_problems(f"{site!r} of plan {plan.fingerprint}", str(problem) if problem else None, group)
+    if found:
+        lines = "\n".join(f"  rank {r}: {text}" for r, text in sorted(found.items()))
+        raise ValueError(f"rank(s) {sorted(found)} refused the input of {site!r} (every rank stops here, before the "
+                         f"collective):\n{lines}") from (problem if problem is not None else None)
+    _AGREED.add(key)

@@ -39,7 +39,7 @@ from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._axes import _mesh, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank
 from fsdpfn import comm as C
-from fsdpfn.transforms._checks import check_ranks_agree
+from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
 
@@ -312,7 +312,7 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], async_op: bool)
     scales, see [Note: FP8 gather]), one all-gather moves them, the codec unpacks them."""
     codec = plan.gather_codec(unit)
     w = plan.shard_size
-    _check_local_rows(plan, unit, locals_, shard_rank(plan))
+    check_on_every_rank(plan, unit.name, shard_group(plan), lambda: _check_local_rows(plan, unit, locals_, shard_rank(plan)))
     amax = codec.local_amax(locals_)
     if amax is not None:  # per-tensor scales: the whole tensor's amax, one all-reduce per gather
         C.all_reduce(amax, shard_group(plan), op="max", tag=unit.name)
