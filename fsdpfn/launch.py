@@ -244,8 +244,6 @@ def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "
     """The start of every spawned rank: its thread count, the tie to its launcher, the collective
     timeout, where its flight recorder keeps its file (the launcher's temporary folder, removed
     with it) and the default process group."""
-    from fsdpfn.comm import _record
-
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     _die_with_parent()
@@ -255,7 +253,7 @@ def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "
     if timeout_s is not None:
         comm.set_timeout(timeout_s)
     if flight_dir is not None:
-        _record.set_flight_dir(flight_dir)
+        comm.set_flight_dir(flight_dir)
     comm.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 

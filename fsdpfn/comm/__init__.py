@@ -28,7 +28,8 @@ from fsdpfn.comm._collectives import reduce_scatter_impl as reduce_scatter_impl
 from fsdpfn.comm._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
 from fsdpfn.comm._groups import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from fsdpfn.comm._groups import backend as backend
-from fsdpfn.comm._groups import destroy_process_group as destroy_process_group
+from fsdpfn.comm._lifecycle import destroy_process_group as destroy_process_group
+from fsdpfn.comm._agree import exchange_problems as exchange_problems
 from fsdpfn.comm._groups import group_rank as group_rank
 from fsdpfn.comm._groups import group_ranks as group_ranks
 from fsdpfn.comm._groups import group_size as group_size
@@ -49,6 +50,8 @@ from fsdpfn.comm._record import CollectiveCounter as CollectiveCounter
 from fsdpfn.comm._record import FlightRecord as FlightRecord
 from fsdpfn.comm._record import count_collectives as count_collectives
 from fsdpfn.comm._record import flight_records as flight_records
+from fsdpfn.comm._record import group_info as group_info
+from fsdpfn.comm._record import set_flight_dir as set_flight_dir
 from fsdpfn.comm._record import set_job as set_job
 from fsdpfn.comm._tp import tp_copy as tp_copy
 from fsdpfn.comm._tp import tp_gather_last as tp_gather_last
@@ -75,8 +78,10 @@ __all__ = [
     "broadcast_object",
     "count_collectives",
     "destroy_process_group",
+    "exchange_problems",
     "flight_records",
     "full_tensor",
+    "group_info",
     "group_rank",
     "group_ranks",
     "group_size",
@@ -87,6 +92,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_impl",
     "set_reduce_scatter_impl",
+    "set_flight_dir",
     "set_job",
     "set_timeout",
     "timeout",

@@ -21,7 +21,6 @@ import torch.distributed as dist
 __all__ = [
     "DEFAULT_TIMEOUT",
     "backend",
-    "destroy_process_group",
     "group_rank",
     "group_ranks",
     "group_size",
@@ -156,11 +155,3 @@ def init_process_group(backend: str | None = None, *, init_method: str | None = 
         set_backend_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
         if set_backend_timeout is not None:  # the backend's own operation timeout, as before
             set_backend_timeout(datetime.timedelta(seconds=seconds))
-
-
-def destroy_process_group() -> None:
-    from fsdpfn.comm import _record  # (imports this module)
-
-    if is_initialized():
-        dist.destroy_process_group()
-    _record.reset()  # a new group numbers its collectives from 1 again

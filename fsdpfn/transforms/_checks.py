@@ -23,8 +23,7 @@ import torch
 
 from fsdpfn import comm
 from fsdpfn._plan import Plan
-from fsdpfn.comm._agree import exchange_problems
-from fsdpfn.comm._record import group_info
+from fsdpfn.comm import exchange_problems, group_info
 
 __all__ = ["check_on_every_rank", "check_plan_agree", "check_ranks_agree", "check_values_agree", "checksums"]
 
