@@ -130,7 +130,7 @@ def test_gradients_equal_torch_fsdp2(run_on_ranks, world):
     # of world terms, off by at most (world - 1) * U32 * sum_r |g_r|, and a scaling by 1/world
     # (rounded 1/world, then the product: 2 * U32 * |sum_r g_r| at most) on each side. Per entry:
     # |ours - FSDP2| <= 2 * (world + 1) * U32 * sum_r |g_r| / world. Measured on 3 ranks with
-    # default, AVX2 and AVX512 kernels: at most 1 of these units.
+    # default, AVX2 and AVX512 kernels: at most 1.2 of these units (2.7 allowed), exactly 0 on 2.
     for worst, same_local_shapes in run_on_ranks(_vs_fsdp2, world):
         assert worst <= 2 * (world + 1) / world, f"{worst:.3g} x U32 * sum_r |g_r|"
         assert same_local_shapes  # same torch.chunk split of every parameter as FSDP2

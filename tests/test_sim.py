@@ -71,6 +71,8 @@ def test_bytes_and_static_memory_equal_plan_cost(shape, strategy):
             for kind, c in cost.collectives.items():
                 t = r.traffic["step"][kind]
                 assert (t.calls, t.nbytes) == (c.calls, c.nbytes), (kind, prefetch, raf)
+                # Python floats (float64, the same on every CPU): a few products and sums each side,
+                # a few 2^-53 apart; 1e-12 is far above that and far below a wrong byte count.
                 assert t.wire_bytes == pytest.approx(c.wire_bytes, rel=1e-12)
             assert r.memory["params"] == cost.memory["params"]
             assert r.memory["grads"] == cost.memory["grads"]
@@ -208,6 +210,8 @@ def test_timeline_obeys_the_schedule(case, overlap, bandwidth):
     plan, sched = case
     hw = dataclasses.replace(HW, overlap=overlap, intra=sim.Link(1e-5, bandwidth), inter=sim.Link(1e-5, bandwidth / 10))
     r = sim.simulate(plan, sched, _workload(plan), sim.Muon(), hw)
+    # Times are float64 sums of at most a few thousand span durations: off by well under
+    # 1e-12 of the step time; 1e-9 of it separates "at the same time" from "before".
     eps = 1e-9 * max(1.0, r.step_time)
     ops = sched.ops
     events = [i for i, op in enumerate(ops) if op.is_event]
@@ -404,6 +408,8 @@ def test_long_accumulations_extend_exactly():
         fast = sim.simulate(plan, None, wl, sim.Muon(), HW, micro_batches=7, accumulate=accumulate)
         slow = sim.simulate(plan, None, wl, sim.Muon(), HW, micro_batches=7, accumulate=accumulate, exact=True)
         assert fast.traffic == slow.traffic and fast.memory == slow.memory
+        # Extended linearly from 2 and 3 micro-batches (t2 + (k - 2) * (t3 - t2)) in float64: the
+        # difference t3 - t2 and its k - 2 = 5 multiples carry a few 2^-53 of t3 each.
         assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
         assert fast.comm_time == pytest.approx(slow.comm_time, rel=1e-9)
         assert fast.exposed_comm == pytest.approx(slow.exposed_comm, rel=1e-9, abs=1e-12)
