@@ -22,6 +22,10 @@ from fsdpfn._plan import Plan as Plan
 from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
 from fsdpfn._plan import plan as plan
+from fsdpfn._remat import RematReplayError as RematReplayError
+from fsdpfn._remat import checkpoint_name as checkpoint_name
+from fsdpfn._remat import register_remat_policy as register_remat_policy
+from fsdpfn._remat import remat_policies as remat_policies
 from fsdpfn._steps import Collective as Collective
 from fsdpfn._steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
@@ -45,6 +49,10 @@ from fsdpfn import testing as testing
 __version__ = "0.1.0"
 
 __all__ = [
+    "RematReplayError",
+    "checkpoint_name",
+    "register_remat_policy",
+    "remat_policies",
     "Collective",
     "MeshAxes",
     "MixedPrecision",

@@ -108,22 +108,21 @@ def _strategy_for(strategy: StrategyArg, unit_names: list[str]) -> dict[str, str
 TPArg = Union[None, Mapping[str, str]]
 
 
-def _remat_for(remat, unit_names: list[str]) -> dict[str, str]:
-    """Each unit's activation-checkpointing policy; the root keeps its activations."""
-    out = {u: "none" for u in unit_names}
-    if remat is None:
+def _per_unit(arg, unit_names: list[str], what: str, default, root_default) -> dict:
+    """``{unit: value}`` from one value for every unit (the root gets ``root_default`` unless
+    it is None, which means the same value) or a dict ``{unit name pattern: value}``."""
+    out = {u: default for u in unit_names}
+    if arg is None:
         return out
-    if isinstance(remat, str):
-        return {u: (remat if u else "none") for u in unit_names}
-    if not isinstance(remat, Mapping):
-        raise ValueError(f"remat must be a policy name or a dict {{unit name pattern: policy}}, got {type(remat).__name__}")
+    if not isinstance(arg, Mapping):
+        return {u: (arg if u or root_default is None else root_default) for u in unit_names}
     labels = [unit_label(u) for u in unit_names]
-    for pattern, policy in remat.items():
+    for pattern, value in arg.items():
         matched = [u for u, label in zip(unit_names, labels) if fnmatch.fnmatchcase(label, pattern)]
         if not matched:
-            raise ValueError(f"remat pattern {pattern!r} matches no unit of this plan{_did_you_mean(pattern, labels)}")
+            raise ValueError(f"{what} pattern {pattern!r} matches no unit of this plan{_did_you_mean(pattern, labels)}")
         for u in matched:
-            out[u] = policy
+            out[u] = value
     return out
 
 
@@ -216,6 +215,7 @@ def plan(
     tp: TPArg = None,
     axes: Mapping[str, Any] | None = None,
     remat: StrategyArg | None = None,
+    offload: bool | Mapping[str, bool] | None = None,
 ) -> Plan:
     """Builds a validated :class:`Plan` for ``model`` on ``mesh``.
 
@@ -241,9 +241,15 @@ def plan(
         ``"rowwise"`` (split by input features; its input arrives split, its output is
         all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
       axes: roles of mesh dims whose names are not conventional, ``{dim name: role}``.
-      remat: activation checkpointing per unit: ``"none"`` (default) or ``"full"`` (keep the
-        unit's inputs only, recompute its forward in backward), for every unit but the root, or a
-        dict ``{unit name or fnmatch pattern: policy}``.
+      remat: activation checkpointing per unit, for every unit but the root, or a dict
+        ``{unit name or fnmatch pattern: policy}``: ``"none"`` (default), ``"full"`` (keep the
+        unit's inputs only, recompute its forward in backward), ``"save_dots"`` (keep matmul and
+        attention outputs too, recompute the rest), ``"save_names:a,b"`` (keep the tensors the
+        model tagged with :func:`fsdpfn.checkpoint_name`) or a name given to
+        :func:`fsdpfn.register_remat_policy`.
+      offload: keep sharded parameters, gradients and optimizer state in host memory between
+        uses (:class:`fsdpfn.runtime.Runtime` copies them in and out): ``True`` for every unit
+        or a dict ``{unit name or fnmatch pattern: bool}``.
 
     Returns:
       the plan.
@@ -314,9 +320,16 @@ def plan(
         owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size))
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
-    remats = _remat_for(remat, unit_names)
+    if remat is not None and not isinstance(remat, (str, Mapping)):
+        raise ValueError(f"remat must be a policy name or a dict {{unit name pattern: policy}}, got {type(remat).__name__}")
+    if offload is not None and not isinstance(offload, (bool, Mapping)):
+        raise ValueError(f"offload must be True, False or a dict {{unit name pattern: bool}}, got {type(offload).__name__}")
+    remats = _per_unit(remat, unit_names, "remat", "none", "none")  # the root keeps its activations
+    offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
-        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size, fp8.get(u, ()), remats[u]) for u in unit_names if owned[u]
+        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size, fp8.get(u, ()), remats[u], offloads[u])
+        for u in unit_names
+        if owned[u]
     )
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))

@@ -7,7 +7,7 @@ so their JSON and fingerprints did not change. Format 3 is any plan over named a
 (tensor parallel, or a mesh that is not 1-D / ``("replicate", "shard")``) or with activation
 checkpointing: the mesh carries its roles, every parameter not replicated over tp carries its
 ``tp`` placement, the plan lists its tensor-parallel modules and a rematerialised unit its
-``remat`` policy. A reader refuses formats it does not know, so an older fsdpfn never
+``remat`` policy and an offloaded one ``offload``. A reader refuses formats it does not know, so an older fsdpfn never
 runs a tensor-parallel plan as if it were a data-parallel one.
 """
 
@@ -39,7 +39,7 @@ def plan_to_dict(plan: Plan) -> dict:
       >>> plan_to_dict(plan)["format"]
       1
     """
-    legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None and all(u.remat == "none" for u in plan.units)
+    legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None and all(u.remat == "none" and not u.offload for u in plan.units)
     d = {
         "format": FORMAT_PLAIN,
         "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
@@ -51,6 +51,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "params": [_param_dict(p) for p in u.params],
                 **({"fp8": list(u.fp8)} if u.fp8 else {}),
                 **({"remat": u.remat} if u.remat != "none" else {}),
+                **({"offload": True} if u.offload else {}),
             }
             for u in plan.units
         ],
@@ -86,6 +87,7 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
             shard,
             tuple(u.get("fp8", ())),
             u.get("remat", "none"),
+            bool(u.get("offload", False)),
         )
         for u in d["units"]
     )

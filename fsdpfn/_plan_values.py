@@ -53,6 +53,7 @@ import torch
 from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import PlainCodec
+from fsdpfn._remat import check_policy
 from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy, float8_layout
 
 __all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
@@ -125,9 +126,10 @@ TP_STYLES = ("replicate", "shard0", "shard1", "partial")
 # stays split over tp, or is all-gathered back with colwise_gather), or by input features (its
 # input arrives split, its output is all-reduced).
 TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise")
-# Activation checkpointing of a unit (Unit.remat): keep its activations, or keep only its inputs
-# and recompute its forward in backward.
-REMAT_POLICIES = ("none", "full")
+# Activation checkpointing of a unit (Unit.remat): keep its activations, keep only its inputs and
+# recompute its forward in backward, or keep some results too (see [Note: selective
+# rematerialisation]); "save_names:..." and registered policies are accepted besides these.
+REMAT_POLICIES = ("none", "full", "save_dots")
 HSDP_DIM_NAMES = ("replicate", "shard")
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -294,9 +296,14 @@ class Unit:
       params: the parameters, in registration order.
       shard_size: ranks on the shard axis (``W``).
       fp8: the parameters gathered in FP8 (see [Note: FP8 gather layout]); ``()``: none.
-      remat: activation checkpointing of the unit's forward, one of :data:`REMAT_POLICIES`:
-        ``"none"`` (keep its activations for backward) or ``"full"`` (keep only its inputs and
-        recompute its forward in backward, on the parameters gathered for backward).
+      remat: activation checkpointing of the unit's forward: ``"none"`` (keep its activations
+        for backward), ``"full"`` (keep only its inputs and recompute its forward in backward, on
+        the parameters gathered for backward), ``"save_dots"`` (keep matmul outputs too),
+        ``"save_names:a,b"`` (keep the tensors tagged with :func:`fsdpfn.checkpoint_name`) or a
+        policy given to :func:`fsdpfn.register_remat_policy`.
+      offload: keep the unit's sharded parameters, gradients and optimizer state in host memory
+        between uses; the runtime copies the shards in before each gather and the gradients out
+        after their reduce (see [Note: offload]).
     """
 
     name: str
@@ -305,6 +312,7 @@ class Unit:
     shard_size: int
     fp8: tuple[str, ...] = ()
     remat: str = "none"
+    offload: bool = False
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -314,8 +322,9 @@ class Unit:
         object.__setattr__(self, "strategy", Strategy(self.strategy))
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "fp8", tuple(self.fp8))
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"unit {self.label!r}: unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+        check_policy(self.remat, f"unit {self.label!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"unit {self.label!r}: offload must be True or False, got {self.offload!r}")
         if self.remat != "none" and not self.name:
             raise ValueError(
                 "the root unit cannot be rematerialised: its code wraps every other unit. Give remat= to the "

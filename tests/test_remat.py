@@ -1,9 +1,13 @@
-"""Activation checkpointing (``fsdpfn.plan(..., remat="full")``) in the runtime: a unit keeps only
-its inputs in forward and recomputes its forward in backward on the parameters the schedule
-gathers for backward. Same arithmetic in the same order, so results are bitwise those of the
-run without it; random ops replay; the recompute adds no gather; saved activations shrink."""
+"""Activation checkpointing (``fsdpfn.plan(..., remat=...)``) in the runtime and the pure loop: a
+unit keeps only its inputs (and, under a selective policy, the results it names) in forward and
+recomputes the rest in backward on the parameters the schedule gathers for backward. Same
+arithmetic in the same order, so results are bitwise those of the run without it; random ops
+replay; the recompute adds no gather; saved activations shrink; kept results are not recomputed
+(their FLOPs are counted)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -70,17 +74,37 @@ def _train(rank, world, strategy, style, remat, model_kind, steps=5):
     return {n: p._local_tensor for n, p in params.items()}, gathers, recomputed
 
 
-@pytest.mark.parametrize("style", ["func", "eager"])
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-@pytest.mark.parametrize("model_kind", ["gpt", "dropout"])
-def test_full_remat_is_bitwise_the_run_without_it(run_on_ranks, strategy, style, model_kind):
-    plain = run_on_ranks(_train, 2, strategy, style, None, model_kind)
-    remat = run_on_ranks(_train, 2, strategy, style, "full", model_kind)
+POLICIES = ["full", "save_dots", "save_names:attention,mlp_up"]
+
+
+@functools.cache
+def _plain(strategy, style, model_kind):
+    return testing.run_on_ranks(_train, 2, strategy, style, None, model_kind)
+
+
+def _check_same_run(plain, remat, strategy, model_kind):
     units = [f"blocks.{i}" for i in reversed(range(CFG.depth if model_kind == "gpt" else 2))]
     for (p0, g0, r0), (p1, g1, r1) in zip(plain, remat):
         assert all(torch.equal(p0[n], p1[n]) for n in p0)
         assert g1 == g0  # the recompute reuses the backward gather: not one all-gather more
+        if strategy == "zero3":  # reshard after forward: each block gathered once in forward, once in backward
+            assert g1 == [2 * len(units) + 1] * len(g1), g1
         assert all(r == [] for r in r0) and all(r == units for r in r1), r1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("style", ["func", "eager"])
+@pytest.mark.parametrize("strategy", ["replicate", "zero1", "zero2", "zero3"])
+def test_remat_is_bitwise_the_run_without_it(run_on_ranks, strategy, style, policy):
+    remat = run_on_ranks(_train, 2, strategy, style, policy, "gpt")
+    _check_same_run(_plain(strategy, style, "gpt"), remat, strategy, "gpt")
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_remat_replays_dropout(run_on_ranks, style, policy):
+    remat = run_on_ranks(_train, 2, "zero3", style, policy, "dropout")
+    _check_same_run(_plain("zero3", style, "dropout"), remat, "zero3", "dropout")
 
 
 def test_remat_policy_per_unit_and_refused_on_the_root():
@@ -89,6 +113,11 @@ def test_remat_policy_per_unit_and_refused_on_the_root():
     assert fsdpfn.Plan.from_json(plan.to_json()) == plan
     with pytest.raises(ValueError, match="remat pattern 'layers.*' matches no unit"):
         fsdpfn.plan(GPT(CFG), (2,), remat={"layers.*": "full"})
+    plan = fsdpfn.plan(GPT(CFG), (2,), remat={"blocks.0": "save_dots", "blocks.1": "save_names:attention"})
+    assert [u.remat for u in plan.units][1:3] == ["save_dots", "save_names:attention"]
+    assert fsdpfn.Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="names no tensor"):
+        fsdpfn.plan(GPT(CFG), (2,), remat="save_names:")
     with pytest.raises(ValueError, match="unknown remat policy 'some'"):
         fsdpfn.plan(GPT(CFG), (2,), remat="some")
     with pytest.raises(ValueError, match="root unit cannot be rematerialised"):
@@ -96,8 +125,9 @@ def test_remat_policy_per_unit_and_refused_on_the_root():
 
 
 def _saved_bytes(rank, world, remat):
-    """Bytes autograd saves for backward during one forward (eager style), counted with
-    saved-tensor hooks, each storage once; plus the inputs a rematerialised unit keeps."""
+    """Bytes held for backward after one forward (eager style): what autograd saves, counted
+    with saved-tensor hooks, each storage once, plus what rematerialised units keep (their
+    inputs and kept results, reported by the runtime)."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=29, seq_len=64, width=32, depth=4, heads=4)
     model = GPT(cfg)
@@ -116,18 +146,27 @@ def _saved_bytes(rank, world, remat):
 
     with rt.bind(params), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    kept = dict(rt.last_step.kept_bytes)
     loss.backward()
-    unit_input = 2 * 64 * 32 * 4  # one (batch, seq, width) fp32 activation
-    return total[0], unit_input, cfg.depth
+    return total[0], kept, cfg
 
 
-def test_full_remat_keeps_only_unit_inputs(run_on_ranks):
-    """Without remat every block's activations stay saved until backward; with it, a block keeps
-    one input (its residual stream) and the saved activations are those of the root (embedding,
-    final norm, head) alone: at least 3x less than without it on this model."""
-    (plain, inp, depth), _ = run_on_ranks(_saved_bytes, 2, None)
-    (remat, _, _), _ = run_on_ranks(_saved_bytes, 2, "full")
-    assert plain / (remat + depth * inp) >= 3, (plain, remat, inp)
+def test_remat_keeps_only_unit_inputs_and_what_the_policy_names(run_on_ranks):
+    """Without remat every block's activations stay saved until backward; with full remat, a
+    block keeps one input (its residual stream) and the rest saved is the root's (embedding,
+    final norm, head): at least 3x less on this model. save_dots keeps exactly the matmul and
+    attention outputs on top."""
+    (plain, none_kept, cfg), _ = run_on_ranks(_saved_bytes, 2, None)
+    (root, full_kept, _), _ = run_on_ranks(_saved_bytes, 2, "full")
+    tokens, width, heads = 2 * cfg.seq_len, cfg.width, cfg.heads
+    unit_input = tokens * width * 4  # one (batch, seq, width) fp32 activation
+    assert none_kept == {} and full_kept == {f"blocks.{i}": unit_input for i in range(cfg.depth)}
+    assert plain / (root + sum(full_kept.values())) >= 3, (plain, root, full_kept)
+    # qkv (3 widths), attention output (1) and logsumexp (one per head), proj (1), fc (4), out (1)
+    (root_dots, dots_kept, _), _ = run_on_ranks(_saved_bytes, 2, "save_dots")
+    assert root_dots == root
+    assert dots_kept == {f"blocks.{i}": unit_input + tokens * (10 * width + heads) * 4 for i in range(cfg.depth)}
+    assert plain > root + sum(dots_kept.values())
 
 
 def _pure(rank, world, remat, style, model_kind, steps=3):
@@ -180,3 +219,82 @@ def test_the_remat_wrapper_really_recomputes():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten()))(params)
         assert len(calls) == expected, (remat, calls)
+
+
+def _recompute_flops(rank, world, remat):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, testing.mesh((world,)), remat=remat)
+    rt = Runtime(model, plan)
+    params = fsdpfn.shard(model, plan, requires_grad=True)
+    x, y = _data(0, world, "gpt")
+    with rt.bind(params):
+        F.cross_entropy(model(x[:PER_RANK]).flatten(0, 1), y[:PER_RANK].flatten()).backward()
+    return dict(rt.last_step.recompute_flops)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_kept_results_are_not_recomputed(run_on_ranks, policy):
+    """The recompute's matmul FLOPs, counted by the runtime, against a block's by hand:
+    full recomputes all, save_dots none, save_names:attention,mlp_up all but attention and fc."""
+    t, c, h = PER_RANK * CFG.seq_len, CFG.width, CFG.heads
+    mm = {"qkv": 2 * t * c * 3 * c, "proj": 2 * t * c * c, "fc": 2 * t * c * 4 * c, "out": 2 * t * 4 * c * c}
+    attention = 4 * PER_RANK * h * CFG.seq_len * CFG.seq_len * (c // h) * 0.5  # causal: half the blocks
+    expected = {"full": sum(mm.values()) + attention, "save_dots": 0.0,
+                "save_names:attention,mlp_up": mm["qkv"] + mm["proj"] + mm["out"]}[policy]
+    got = run_on_ranks(_recompute_flops, 2, policy)[0]
+    assert got == {f"blocks.{i}": expected for i in range(CFG.depth)}, (got, expected)
+
+
+class _Branchy(nn.Module):
+    """A block whose forward depends on how often it ran: a recompute takes the other branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.fc(x)
+        return self.fc(h) if self.calls % 2 else h * 2
+
+
+class _InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).mul_(2)
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_a_selective_recompute_that_diverges_is_refused(style):
+    """A kept result is handed back only where the recompute calls the same operator on the
+    same shapes; a block that does otherwise, or modifies a kept result in place, gets a named
+    error, not a wrong gradient."""
+    for block, match in ((_Branchy(), "did not call|arguments shaped"), (_InPlace(), "modified in place")):
+        model = nn.Sequential(nn.ModuleList([block]))
+        model.forward = lambda x, m=model: m[0][0](x)
+        plan = fsdpfn.plan(model, (1,), remat="save_dots")
+        fsdpfn.transforms.apply_remat(model, plan)
+        params = {n: p.detach().clone().requires_grad_(style == "eager") for n, p in model.named_parameters()}
+        x = torch.randn(3, 4)
+
+        def loss(ps):
+            return torch.func.functional_call(model, ps, (x,)).sum()
+
+        with pytest.raises(fsdpfn.RematReplayError, match=match):
+            torch.func.grad(loss)(params) if style == "func" else loss(params).backward()
+
+
+def test_register_remat_policy():
+    aten = torch.ops.aten
+    fsdpfn.register_remat_policy("test_keep_addmm", lambda op: op is aten.addmm.default)
+    plan = fsdpfn.plan(GPT(CFG), (2,), remat="test_keep_addmm")
+    assert {u.remat for u in plan.units if u.name} == {"test_keep_addmm"}
+    with pytest.raises(ValueError, match="cannot name a policy"):
+        fsdpfn.register_remat_policy("full", lambda op: True)
+    with pytest.raises(TypeError, match="must be callable"):
+        fsdpfn.register_remat_policy("x", 3)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpfn._remat import checkpoint_name
+
 
 # fsdpfn.plan(model, mesh, tp=TP_PLAN): qkv and fc split by output features, proj and out by
 # input features, so each block needs one all-reduce after attention and one after the MLP.
@@ -51,9 +53,10 @@ class Block(nn.Module):
         # read off the tensor, so a colwise split of qkv over tp ranks hands each rank whole
         # heads, and the same code runs on heads / tp of them.
         q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, c // self.heads).permute(3, 0, 2, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Named for remat="save_names:attention,mlp_up" (fsdpfn.checkpoint_name is a no-op otherwise).
+        att = checkpoint_name(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attention")
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
-        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+        return x + self.out(F.gelu(checkpoint_name(self.fc(self.norm2(x)), "mlp_up")))
 
 
 class GPT(nn.Module):

@@ -47,6 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, unit_label
+from fsdpfn._remat import ReplayMode, SaveMode
 from fsdpfn.runtime._executor import RuntimeScheduleError
 from fsdpfn.runtime._schedule import OpKind
 
@@ -178,6 +179,15 @@ def _run_unit(call: "UnitCall", params, xs, grad: bool):
     return params, xs, flat, out_tree
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages ``tensors`` hold."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def _rng_state(xs) -> tuple:
     """The generator states a recompute must start from so random ops (dropout) replay."""
     cuda = sorted({x.device.index or 0 for x in xs if x.is_cuda})
@@ -185,9 +195,10 @@ def _rng_state(xs) -> tuple:
 
 
 class UnitFn(torch.autograd.Function):
-    """One unit's forward and backward as a single autograd node. With ``remat="full"`` (see
-    [Note: rematerialised units]) the forward keeps no graph, only its inputs, and the backward
-    recomputes the forward on the parameters the schedule gathered for backward."""
+    """One unit's forward and backward as a single autograd node. With a ``remat`` policy (see
+    [Note: rematerialised units]) the forward keeps no graph, only its inputs (and the results a
+    selective policy keeps), and the backward recomputes the forward on the parameters the
+    schedule gathered for backward."""
 
     @staticmethod
     def forward(call: UnitCall, *tensors):
@@ -195,14 +206,19 @@ class UnitFn(torch.autograd.Function):
         with torch._C._DisableFuncTorch():
             ex.event(OpKind.FORWARD, name)
             xs = list(tensors[call.n_shards :])
-            remat = call.needs_grad and call.unit.remat == "full"
+            policy = call.unit.remat if call.needs_grad else "none"
+            remat = policy != "none"
             rng = _rng_state(xs) if remat else None
-            params, xs_used, flat, call.out_tree = _run_unit(call, ex.full_params(name), xs, call.needs_grad and not remat)
+            kept = SaveMode(policy, call.unit.label) if remat and policy != "full" else contextlib.nullcontext()
+            full = ex.full_params(name)
+            with kept:
+                params, xs_used, flat, call.out_tree = _run_unit(call, full, xs, call.needs_grad and not remat)
             for o in flat:
                 if not isinstance(o, torch.Tensor):
                     raise ValueError(f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)")
             if remat:
-                call.inner = ("remat", [x.detach() for x in xs], rng)
+                call.inner = ("remat", [x.detach() for x in xs], rng, kept if policy != "full" else None)
+                ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else kept.tensors()))
             elif call.needs_grad:
                 call.inner = (params, xs_used, flat)
             ex.event(OpKind.FORWARD_DONE, name)
@@ -222,13 +238,17 @@ class UnitFn(torch.autograd.Function):
                 raise RuntimeScheduleError(f"unit {unit_label(name)!r} ran its forward without autograd recording and cannot be differentiated")
             ex.event(OpKind.BACKWARD, name)
             if call.inner[0] == "remat":  # recompute on the parameters gathered for backward
-                _, saved_xs, (cpu, cuda, cuda_states) = call.inner
-                with torch.random.fork_rng(devices=cuda):
+                _, saved_xs, (cpu, cuda, cuda_states), kept = call.inner
+                replay = ReplayMode(kept, call.unit.label)
+                call.inner = None  # the kept results are freed as the recompute consumes them
+                full = ex.full_params(name)
+                with torch.random.fork_rng(devices=cuda), replay:
                     torch.set_rng_state(cpu)
                     for d, st in zip(cuda, cuda_states):
                         torch.cuda.set_rng_state(st, d)
-                    params, xs, flat, _ = _run_unit(call, ex.full_params(name), saved_xs, True)
+                    params, xs, flat, _ = _run_unit(call, full, saved_xs, True)
                 ex.record.recomputed.append(name)
+                ex.record.recompute_flops[name] = replay.flops
             else:
                 params, xs, flat = call.inner
             call.inner = None

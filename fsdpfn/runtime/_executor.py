@@ -34,12 +34,18 @@ class StepRecord:
       events: ``(op index, event)`` in the order the model reached them.
       in_flight: for each ``forward``/``backward`` event, the gathers and reduces in flight when
         the unit started computing: the overlap the schedule achieved, counted not timed.
-      recomputed: units whose forward was recomputed in backward (``remat="full"``), in order.
+      recomputed: units whose forward was recomputed in backward (a ``remat`` policy), in order.
+      recompute_flops: ``{unit: FLOPs}`` of the matmul-like operators each recompute ran
+        (those a selective policy kept are not run again), counted as ``fsdpfn.sim`` counts them.
+      kept_bytes: ``{unit: bytes}`` a rematerialised unit holds from its forward to its
+        backward: its inputs and the results its policy keeps (distinct storages).
     """
 
     events: list = dataclasses.field(default_factory=list)
     in_flight: list = dataclasses.field(default_factory=list)
     recomputed: list = dataclasses.field(default_factory=list)
+    recompute_flops: dict = dataclasses.field(default_factory=dict)
+    kept_bytes: dict = dataclasses.field(default_factory=dict)
 
 
 class Executor:

@@ -30,10 +30,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn import Plan
+from fsdpfn._flops import is_attention, op_flops
 from fsdpfn.runtime import Op, OpKind
 
 __all__ = ["Work", "Workload", "count_work", "profile"]
@@ -206,31 +206,6 @@ def _tensors(tree) -> list[torch.Tensor]:
     return out
 
 
-def _attention_flops(func, args, kwargs) -> tuple[float, torch.dtype] | None:
-    """FLOPs of a fused attention kernel, counted the same way for every backend (torch's
-    registry knows some, not the CPU flash kernels): ``4 b h s_q s_k d`` forward, twice that
-    backward, half of it under a causal mask, whose masked blocks the kernels skip."""
-    name = str(func)
-    ts = [a for a in args if isinstance(a, torch.Tensor)]
-    backward = "backward" in name
-    if len(ts) < (3 if backward else 2):
-        return None
-    q, k = (ts[1], ts[2]) if backward else (ts[0], ts[1])
-    if q.dim() != 4:
-        return None
-    if "scaled_dot_product" in name:  # (batch, heads, seq, dim)
-        b_h, s_q, s_k = q.shape[0] * q.shape[1], q.shape[2], k.shape[2]
-    else:  # _flash_attention_* / _efficient_attention_*: (batch, seq, heads, dim)
-        b_h, s_q, s_k = q.shape[0] * q.shape[2], q.shape[1], k.shape[1]
-    values = dict(kwargs)
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            values.setdefault(arg.name, args[i])
-    causal = values.get("is_causal") is True or values.get("custom_mask_type") == 1
-    flops = 4.0 * b_h * s_q * s_k * q.shape[-1]
-    return flops * (2.0 if backward else 1.0) * (0.5 if causal else 1.0), q.dtype
-
-
 class _Counter(TorchDispatchMode):
     """Adds every operator's cost to ``self.sink()``'s Work accumulator (and, ``timed``, its
     wall time)."""
@@ -254,11 +229,8 @@ class _Counter(TorchDispatchMode):
             return out
         ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
         nbytes = sum(_nbytes(t) for t in ins + outs)
-        packet = func._overloadpacket
-        attention = "_attention" in str(func) and "attention_mask" not in str(func)
-        counted = _attention_flops(func, args, kwargs) if attention else None
-        if counted is None and packet in flop_registry:
-            counted = float(flop_registry[packet](*args, **kwargs, out_val=out)), (ins or outs)[0].dtype
+        attention = is_attention(func)
+        counted = op_flops(func, args, kwargs, out)
         if counted is not None and counted[0]:
             flops, dtype = counted
             rate = str(dtype).removeprefix("torch.")

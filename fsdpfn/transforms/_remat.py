@@ -1,5 +1,6 @@
 """Activation checkpointing in the pure loop: a unit with ``remat="full"`` keeps only its inputs
-and recomputes its forward in backward.
+and recomputes its forward in backward; a selective policy (``"save_dots"``, ...) keeps some
+results as well (see [Note: selective rematerialisation] in ``fsdpfn._remat``).
 
 [Note: remat under torch.func]
 ``torch.utils.checkpoint`` cannot run inside ``torch.func.grad``: the non-reentrant form uses
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdpfn._plan import Plan
+from fsdpfn._remat import ReplayMode, SaveMode
 
 __all__ = ["apply_remat"]
 
@@ -30,7 +32,11 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(run, n_float, *tensors):
         with torch.no_grad():
-            return run(*tensors)
+            if run.policy == "full":
+                return run(*tensors)
+            # Kept results stay on the function (like the generator state): plain tensors, no graph.
+            with SaveMode(run.policy, run.unit) as run.kept:
+                return run(*tensors)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -47,9 +53,15 @@ class _Remat(torch.autograd.Function):
         with torch._C._DisableFuncTorch():
             outer = torch.get_rng_state()
             torch.set_rng_state(ctx.run.rng)  # the state before forward ran
+        replay = ReplayMode(ctx.run.kept, ctx.run.unit) if ctx.run.policy != "full" else None
+        ctx.run.kept = None  # handed over: freed as the recompute consumes them
         try:
             with torch.enable_grad():
-                outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
+                if replay is None:
+                    outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
+                else:
+                    with replay:
+                        outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
         finally:
             with torch._C._DisableFuncTorch():
                 torch.set_rng_state(outer)
@@ -57,7 +69,7 @@ class _Remat(torch.autograd.Function):
         return (None, None, *vjp(cotangents), *(None for _ in rest))
 
 
-def _wrap(module: nn.Module, original):
+def _wrap(module: nn.Module, original, policy: str, unit: str):
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled() or getattr(module, "_fsdpfn_in_remat", False):
             return original(*args, **kwargs)
@@ -87,6 +99,7 @@ def _wrap(module: nn.Module, original):
         # Kept on the function, not passed as an input: an input tensor would be wrapped by torch.func.
         with torch._C._DisableFuncTorch():
             run.rng = torch.get_rng_state()
+        run.policy, run.unit, run.kept = policy, unit, None
         flat = _Remat.apply(run, len(params) + len(floats), *params, *(leaves[i] for i in floats), *(leaves[i] for i in others))
         return optree.tree_unflatten(out_tree[0], list(flat))
 
@@ -94,9 +107,9 @@ def _wrap(module: nn.Module, original):
 
 
 def apply_remat(model: nn.Module, plan: Plan) -> nn.Module:
-    """Wraps the forward of every unit whose plan says ``remat="full"`` so that, in the pure
-    loop, it keeps only its inputs and recomputes in backward (see [Note: remat under
-    torch.func]). Idempotent; another plan replaces the wrappers. :func:`fsdpfn.shard` calls it.
+    """Wraps the forward of every unit whose plan gives a ``remat`` policy other than ``"none"``
+    so that, in the pure loop, it keeps only its inputs (and what the policy keeps) and
+    recomputes in backward (see [Note: remat under torch.func]). Idempotent; another plan replaces the wrappers. :func:`fsdpfn.shard` calls it.
 
     Example:
       >>> fsdpfn.transforms.apply_remat(model, plan) is model
@@ -108,8 +121,8 @@ def apply_remat(model: nn.Module, plan: Plan) -> nn.Module:
             del mod.__dict__["forward"]
             del mod.__dict__[_ATTR]
     for unit in plan.units:
-        if unit.remat == "full" and unit.name in modules:
+        if unit.remat != "none" and unit.name in modules:
             mod = modules[unit.name]
-            mod.forward = _wrap(mod, type(mod).forward.__get__(mod))
+            mod.forward = _wrap(mod, type(mod).forward.__get__(mod), unit.remat, unit.label)
             mod.__dict__[_ATTR] = plan.fingerprint
     return model

@@ -1,0 +1,302 @@
+"""Activation-checkpointing policies: which of a unit's forward results are kept for backward.
+
+[Note: selective rematerialisation]
+A policy is plain data in the plan (``Unit.remat``, a string) so that a plan written to JSON
+runs the same elsewhere and the simulator costs exactly what runs:
+
+- ``"none"``: keep every activation autograd saves (no recompute);
+- ``"full"``: keep only the unit's inputs; its whole forward runs again in backward;
+- ``"save_dots"``: keep the inputs and the outputs of matmul-like operators (``mm``, ``addmm``,
+  ``bmm``, fused attention, convolution); the cheap rest (norms, activations, dropout, views)
+  runs again in backward. JAX calls this ``checkpoint_dots``; torchtitan's per-op selective
+  checkpointing saves the same family;
+- ``"save_names:a,b"``: keep the inputs and the tensors the model tagged with
+  :func:`checkpoint_name` under one of the names (JAX's ``save_only_these_names``);
+- a name given to :func:`register_remat_policy`: keep the outputs of the operators a predicate
+  of yours selects.
+
+Eager PyTorch cannot skip the operators upstream of a kept tensor (their backward needs their
+own inputs), so what a kept result saves is the operator that produced it: on recompute that
+operator is not run again, its kept output is handed back in its place. :class:`SaveMode` runs
+during the first forward and keeps the outputs; :class:`ReplayMode` runs during the recompute
+and substitutes them. Both are ``TorchDispatchMode``\\ s, so they work the same inside
+``torch.func.grad`` and under ``loss.backward()``. Operators are matched by (operator, n-th call
+of that operator), which the recompute reproduces because it runs the same code on the same
+inputs; a recompute that calls them differently (data-dependent control flow, a kept tensor
+modified in place) raises :class:`RematReplayError` rather than returning wrong gradients.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fsdpfn._flops import op_flops
+
+__all__ = [
+    "DOT_OPS",
+    "RematReplayError",
+    "ReplayMode",
+    "SaveMode",
+    "checkpoint_name",
+    "check_policy",
+    "register_remat_policy",
+    "remat_policies",
+]
+
+aten = torch.ops.aten
+
+BUILTIN = ("none", "full", "save_dots")
+NAMES_PREFIX = "save_names:"
+
+# Operators whose outputs "save_dots" keeps: the FLOP-heavy ones, whose recompute dominates.
+DOT_OPS = frozenset(
+    op
+    for op in (
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.convolution.default,
+        getattr(aten, "_scaled_mm", None) and aten._scaled_mm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        getattr(aten, "_scaled_dot_product_cudnn_attention", None) and aten._scaled_dot_product_cudnn_attention.default,
+    )
+    if op
+)
+
+_REGISTRY: dict[str, Callable] = {}
+
+
+class RematReplayError(RuntimeError):
+    """The recompute of a rematerialised unit did not call the operators its forward called,
+    so the kept results cannot be handed back safely."""
+
+
+def register_remat_policy(name: str, save: Callable[[torch._ops.OpOverload], bool]) -> None:
+    """Registers a selective activation-checkpointing policy under ``name``, usable as
+    ``fsdpfn.plan(..., remat=name)``: ``save(op)`` is called with every ATen operator a
+    rematerialised unit's forward dispatches and says whether to keep its output (kept outputs
+    are not recomputed in backward). Register it in every process before building or loading a
+    plan that names it.
+
+    Args:
+      name: the policy's name in plans; not one of ``"none"``, ``"full"``, ``"save_dots"`` and
+        not starting with ``"save_names:"``.
+      save: predicate on ``torch._ops.OpOverload``.
+
+    Example:
+      >>> aten = torch.ops.aten
+      >>> fsdpfn.register_remat_policy("save_attention", lambda op: op in {aten._scaled_dot_product_flash_attention_for_cpu.default})
+      >>> "save_attention" in fsdpfn.remat_policies()
+      True
+    """
+    if not isinstance(name, str) or not name or name in BUILTIN or name.startswith(NAMES_PREFIX) or "," in name:
+        raise ValueError(f"register_remat_policy: {name!r} cannot name a policy; use a new non-empty name without commas, "
+                         f"not one of {', '.join(BUILTIN)} or '{NAMES_PREFIX}...'")
+    if not callable(save):
+        raise TypeError(f"register_remat_policy({name!r}, save): save must be callable (op -> bool), got {type(save).__name__}")
+    _REGISTRY[name] = save
+
+
+def remat_policies() -> tuple[str, ...]:
+    """The policy names a plan may use now: the built-in ones and those registered.
+
+    Example:
+      >>> fsdpfn.remat_policies()[:3]
+      ('none', 'full', 'save_dots')
+    """
+    return BUILTIN + tuple(_REGISTRY)
+
+
+def check_policy(policy: str, where: str) -> None:
+    """Raises ``ValueError`` naming ``where`` unless ``policy`` is a policy this process can run."""
+    if not isinstance(policy, str):
+        raise ValueError(f"{where}: a remat policy is a string, got {type(policy).__name__}")
+    if policy in BUILTIN or policy in _REGISTRY:
+        return
+    if policy.startswith(NAMES_PREFIX):
+        if _names(policy):
+            return
+        raise ValueError(f"{where}: remat policy {policy!r} names no tensor; write '{NAMES_PREFIX}attn_out,mlp_in'")
+    raise ValueError(f"{where}: unknown remat policy {policy!r}; choose one of {', '.join(remat_policies())}, "
+                     f"'{NAMES_PREFIX}<name>,...', or register yours with fsdpfn.register_remat_policy")
+
+
+def _names(policy: str) -> frozenset[str]:
+    return frozenset(n.strip() for n in policy[len(NAMES_PREFIX):].split(",") if n.strip())
+
+
+def selector(policy: str) -> tuple[Callable | None, frozenset[str]]:
+    """``(save(op) or None, names)`` of a selective policy."""
+    if policy == "save_dots":
+        return DOT_OPS.__contains__, frozenset()
+    if policy.startswith(NAMES_PREFIX):
+        return None, _names(policy)
+    if policy in _REGISTRY:
+        return _REGISTRY[policy], frozenset()
+    raise ValueError(f"remat policy {policy!r} keeps no operator output (register it with fsdpfn.register_remat_policy)")
+
+
+_ACTIVE: list["SaveMode"] = []
+
+
+def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Tags ``x`` with ``name`` for a ``"save_names:..."`` activation-checkpointing policy and
+    returns it unchanged: a unit whose plan says ``remat="save_names:name"`` keeps the output of
+    the operator that produced ``x`` instead of recomputing it. Anywhere else it does nothing.
+
+    Example:
+      >>> h = fsdpfn.checkpoint_name(torch.ones(2) * 3, "scaled")
+      >>> h
+      tensor([3., 3.])
+    """
+    if _ACTIVE:
+        _ACTIVE[-1].tag(x, name)
+    return x
+
+
+def _flat_tensors(out) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+
+
+def _signature(args) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in _flat_tensors(args))
+
+
+def _is_view(op) -> bool:
+    return any(a.alias_info is not None for a in op._schema.returns)
+
+
+class SaveMode(TorchDispatchMode):
+    """Runs a rematerialised unit's first forward and keeps the outputs the policy selects
+    (see [Note: selective rematerialisation]); ``saved`` maps ``(op, n)`` to the output."""
+
+    def __init__(self, policy: str, unit: str):
+        super().__init__()
+        self.save, self.names = selector(policy)
+        self.unit = unit
+        self.counts: collections.Counter = collections.Counter()
+        self.saved: dict = {}
+        self.versions: dict = {}
+        self.signatures: dict = {}  # (op, n) -> shapes and dtypes of its tensor arguments
+        self._producer = WeakIdKeyDictionary()  # tensor -> (key, weak refs to the op's outputs)
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        self._producer = WeakIdKeyDictionary()  # drop the forward's bookkeeping, keep only what is kept
+        out = super().__exit__(*exc)
+        if exc[0] is None:
+            for key, out_ in self.saved.items():
+                if [t._version for t in _flat_tensors(out_)] != self.versions[key]:
+                    raise RematReplayError(
+                        f"unit {self.unit!r}: the output of {key[0]} (call {key[1]}) is kept for backward by its remat policy but "
+                        "was modified in place later in the forward; keep another tensor, or make that operation out of place")
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        key = (func, self.counts[func])
+        self.counts[func] += 1
+        if self.save is not None and self.save(func) and not _is_view(func):
+            self._keep(key, out, args)
+        elif self.names:
+            flat = _flat_tensors(out)
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if _is_view(func):  # a view is recomputed from its base: tagging it keeps the base's producer
+                parent = self._producer.get(first) if first is not None else None
+                if parent is not None:
+                    for t in flat:
+                        self._producer[t] = (None, (), None, None, parent)
+                return out
+            # Siblings of a multi-output op (attention's logsumexp) are held until the forward
+            # ends, since a recompute must hand the op's outputs back whole; single outputs weakly.
+            refs = [weakref.ref(t) for t in flat] if len(flat) == 1 else [lambda t=t: t for t in flat]
+            # A Linear on a (batch, seq, features) input ends in _unsafe_view of its mm: tagging
+            # the result keeps the mm's output as well (the same storage), which is what saves
+            # the recompute.
+            parent = self._producer.get(first) if func is aten._unsafe_view.default and first is not None else None
+            for t in flat:
+                self._producer[t] = (key, refs, optree.tree_structure(out, none_is_leaf=True), _signature(args), parent)
+        return out
+
+    def _keep(self, key, out, args=None) -> None:
+        self.saved[key] = out
+        self.versions[key] = [t._version for t in _flat_tensors(out)]
+        if args is not None:
+            self.signatures[key] = _signature(args)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The kept outputs."""
+        return [t for out in self.saved.values() for t in _flat_tensors(out)]
+
+    def tag(self, x: torch.Tensor, name: str) -> None:
+        if name not in self.names:
+            return
+        found = self._producer.get(x)
+        if found is None:
+            raise ValueError(f"unit {self.unit!r}: checkpoint_name(x, {name!r}) tags a tensor no operator of this unit's forward produced "
+                             "without aliasing (an input, a parameter, or a view such as reshape/transpose); tag the tensor before reshaping it")
+        while found is not None:
+            key, refs, spec, sig, found = found
+            if key is None:  # a view: its base's producer is what a recompute can skip
+                continue
+            outs = [r() for r in refs]
+            if any(o is None for o in outs):
+                raise ValueError(f"unit {self.unit!r}: checkpoint_name(x, {name!r}): the outputs of {key[0]} are already freed; "
+                                 "tag the tensor right after the operation that produces it")
+            self._keep(key, optree.tree_unflatten(spec, outs))
+            self.signatures[key] = sig
+
+
+class ReplayMode(TorchDispatchMode):
+    """Runs a rematerialised unit's recompute and hands back the outputs :class:`SaveMode` kept
+    in place of running their operators again."""
+
+    def __init__(self, save: SaveMode | None, unit: str):
+        super().__init__()
+        self.saved = dict(save.saved) if save is not None else {}
+        self.signatures = save.signatures if save is not None else {}
+        self.flops = 0.0  # of the operators the recompute ran (matmul-like ones, counted as the simulator counts them)
+        self.unit = unit
+        self.counts: collections.Counter = collections.Counter()
+        self.skipped = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        key = (func, self.counts[func])
+        self.counts[func] += 1
+        if key in self.saved:
+            if _signature(args) != self.signatures[key]:
+                raise RematReplayError(
+                    f"unit {self.unit!r}: the recompute in backward called {func} (call {key[1]}) on arguments shaped "
+                    f"{[s for s, _ in _signature(args)]}, the forward on {[s for s, _ in self.signatures[key]]}; the unit's forward must "
+                    "run the same operators on a recompute (no data-dependent control flow) under a selective remat policy; use remat='full'")
+            self.skipped += 1
+            return self.saved.pop(key)
+        out = func(*args, **(kwargs or {}))
+        counted = op_flops(func, args, kwargs or {}, out)
+        if counted is not None:
+            self.flops += counted[0]
+        return out
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if exc[0] is None and self.saved:
+            (op, n), *_ = self.saved
+            raise RematReplayError(
+                f"unit {self.unit!r}: the recompute in backward did not call {op} a {n + 1}th time as the forward did; the unit's "
+                "forward must run the same operators on a recompute (no data-dependent control flow) under a selective remat policy; "
+                "use remat='full' for this unit")
+        return out
