@@ -34,6 +34,10 @@ class CpuComm:
     output after ``wait()``.
     """
 
+    def compute_device(self) -> torch.device:
+        """Where units compute: an offloaded unit's shards are copied here before a gather."""
+        return torch.device("cpu")
+
     def start(self, kind: str, fn: Callable[[], tuple[Any, Callable]]) -> Handle:
         pending, finish = fn()
         return Handle(pending, finish)
@@ -65,6 +69,9 @@ class CudaComm:
             "all_gather": torch.cuda.Stream(priority=-1),
             "reduce_scatter": torch.cuda.Stream(priority=-1),
         }
+
+    def compute_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
 
     def start(self, kind: str, fn: Callable[[], tuple[Any, Callable]]) -> Handle:
         stream = self.streams[kind]

@@ -1,6 +1,17 @@
 """The executor: binds a plan and a schedule to a model and runs one step op by op, as the
 model reaches the schedule's events through the Functions of :mod:`fsdpfn.runtime._autograd`
 (see [Note: one autograd node per unit] there).
+
+[Note: offload]
+An offloaded unit (``Unit.offload``) keeps its sharded parameters, their gradients and hence
+the optimizer state built on them in host memory: the shards you pass live there (on CUDA,
+:func:`fsdpfn.shard` pins them). ``copy_in u`` copies the shards to the compute device right
+before ``gather u`` (so the schedule's prefetch carries the copy too), the gather consumes the
+copy and ``wait u`` drops it; ``copy_out u`` copies the reduced gradient shards to host memory
+after ``wait_reduce u`` and drops the device ones. Between steps the unit holds nothing on the
+device; the optimizer steps where the state lives. The arithmetic is that of the unit without
+offload (copies are exact), so results are bitwise equal. On a CPU-only machine the device is
+the CPU and the copies go between two host buffers, so the same path runs and is tested.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ class StepRecord:
       recomputed: units whose forward was recomputed in backward (a ``remat`` policy), in order.
       recompute_flops: ``{unit: FLOPs}`` of the matmul-like operators each recompute ran
         (those a selective policy kept are not run again), counted as ``fsdpfn.sim`` counts them.
+      copies: ``(kind, unit, bytes)`` of each ``copy_in``/``copy_out`` (offloaded units).
       kept_bytes: ``{unit: bytes}`` a rematerialised unit holds from its forward to its
         backward: its inputs and the results its policy keeps (distinct storages).
     """
@@ -46,6 +58,7 @@ class StepRecord:
     recomputed: list = dataclasses.field(default_factory=list)
     recompute_flops: dict = dataclasses.field(default_factory=dict)
     kept_bytes: dict = dataclasses.field(default_factory=dict)
+    copies: list = dataclasses.field(default_factory=list)
 
 
 class Executor:
@@ -65,6 +78,7 @@ class Executor:
         self.full_grads: dict[str, list] = {}
         self.local_acc: dict[str, list] = {}
         self.results: dict[str, list[torch.Tensor]] = {}
+        self.staged: dict[str, list[torch.Tensor]] = {}  # offloaded units' shards copied to the device
         self.cursor = len(sched.ops)
         self.step = 0
         self.last = True
@@ -76,6 +90,8 @@ class Executor:
             OpKind.FREE: self._free,
             OpKind.REDUCE: self._reduce,
             OpKind.WAIT_REDUCE: self._wait_reduce,
+            OpKind.COPY_IN: self._copy_in,
+            OpKind.COPY_OUT: self._copy_out,
         }
 
     # ---- step lifecycle ------------------------------------------------------------------
@@ -108,6 +124,8 @@ class Executor:
             self.reduces.clear()
             for name in list(self.memory.live):
                 self._free(name)
+            self.staged.clear()
+            self.memory.offloaded.clear()
             self.full_grads.clear()
             self.cursor = len(self.sched.ops)
 
@@ -162,7 +180,7 @@ class Executor:
     def _gather(self, name: str) -> None:
         unit = self.units[name]
         dtype = self.plan.gather_dtype(unit)
-        locals_ = self.locals[name]
+        locals_ = self.staged[name] if unit.offload else self.locals[name]
         # Every buffer lives on the device of the tensors it serves: here, the unit's shards.
         device = locals_[0].device if locals_ else torch.device("cpu")
         full = self.full.get(name)
@@ -182,7 +200,22 @@ class Executor:
         # Refill the storage autograd saved in forward without bumping its version (as FSDP2).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(full)):
             handle.finish(gathered, out=full)
+        if self.units[name].offload:  # the gather consumed the device copy of the shards
+            del self.staged[name]
+            self.memory.offloaded.pop(name, None)
 
+    def _copy_in(self, name: str) -> None:
+        host = self.locals[name]
+        device = self.comm.compute_device()
+        for t in host:
+            if t.device.type != "cpu":
+                raise RuntimeScheduleError(f"unit {unit_label(name)!r} is offloaded but its shards are on {t.device}; pass shards in "
+                                           "host memory (fsdpfn.shard places an offloaded unit's shards there)")
+        # non_blocking from pinned memory: the copy overlaps, ordered before the gather on the device.
+        self.staged[name] = [torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t, non_blocking=True) for t in host]
+        nbytes = sum(t.numel() * t.element_size() for t in host)
+        self.memory.offloaded[name] = nbytes
+        self.record.copies.append(("copy_in", name, nbytes))
     def _free(self, name: str) -> None:
         for t in self.full.get(name, ()):
             t.untyped_storage().resize_(0)
@@ -212,7 +245,18 @@ class Executor:
         handle = self.reduces.pop(name)
         self.comm.wait(handle)
         self.results[name] = handle.finish()
+        if self.units[name].offload:
+            self.memory.offloaded[name] = sum(t.numel() * t.element_size() for t in self.results[name])
 
+    def _copy_out(self, name: str) -> None:
+        grads = self.results.get(name)
+        if grads is None:  # accumulating locally: no reduced gradients this micro-batch
+            return
+        pin = any(t.is_cuda for t in grads)
+        # Blocking device-to-host copies: the gradients are read by the optimizer right after the step.
+        self.results[name] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in grads]
+        self.memory.offloaded.pop(name, None)
+        self.record.copies.append(("copy_out", name, sum(t.numel() * t.element_size() for t in grads)))
     # ---- what the Functions ask for ------------------------------------------------------
 
     def full_params(self, name: str) -> list[torch.Tensor]:

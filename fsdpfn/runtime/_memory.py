@@ -18,6 +18,9 @@ class MemoryTracker:
       live: ``{unit: bytes}`` of units currently unsharded or being gathered.
       high_water: the largest ``sum(live.values())`` seen since the last :meth:`reset`.
       high_water_units: the units alive at that moment.
+      offloaded: ``{unit: bytes}`` an offloaded unit holds on the device outside its full
+        parameters: the copy of its shards from ``copy_in`` to the gather's ``wait``, its reduced
+        gradient shards from ``wait_reduce`` to ``copy_out``. Empty between steps.
 
     Example:
       >>> m = MemoryTracker()
@@ -29,6 +32,9 @@ class MemoryTracker:
     live: dict[str, int] = dataclasses.field(default_factory=dict)
     high_water: int = 0
     high_water_units: tuple[str, ...] = ()
+    # Offloaded units: device copies of their shards (copy_in .. wait) and gradient shards
+    # (wait_reduce .. copy_out); empty between steps.
+    offloaded: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def current(self) -> int:

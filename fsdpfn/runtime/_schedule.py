@@ -13,6 +13,9 @@ Two kinds of ops. *Actions* the executor performs::
     free u          release u's unsharded parameters (their storage is resized to 0)
     reduce u        start the reduce-scatter (all-reduce for replicate units) of u's gradients
     wait_reduce u   wait for it: u's sharded gradients are final
+    copy_in u       (offloaded units) copy u's sharded parameters from host memory to the
+                    device, for the next 'gather u', which consumes the copy
+    copy_out u      (offloaded units) copy u's reduced gradient shards to host memory
 
 and *events*, points where the executor waits for the model to get there::
 
@@ -61,6 +64,8 @@ class OpKind(enum.Enum):
     FREE = "free"
     REDUCE = "reduce"
     WAIT_REDUCE = "wait_reduce"
+    COPY_IN = "copy_in"
+    COPY_OUT = "copy_out"
     FORWARD = "forward"
     FORWARD_DONE = "forward_done"
     BACKWARD = "backward"
@@ -309,7 +314,21 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     ops += [Op(OpKind.WAIT_REDUCE, name) for name in ([ROOT] if root_present else []) + back[-1:]]
     if root_present:
         ops.append(Op(OpKind.FREE, ROOT))
-    return Schedule(tuple(ops), plan.fingerprint, prefetch)
+    return Schedule(tuple(_with_copies(ops, plan)), plan.fingerprint, prefetch)
+
+
+def _with_copies(ops: list[Op], plan: Plan) -> list[Op]:
+    """An offloaded unit's shards are copied in right before each gather (which is already
+    prefetched) and its gradients out right after their reduce is waited for (see [Note: offload])."""
+    offloaded = {u.name for u in plan.units if u.offload}
+    out: list[Op] = []
+    for op in ops:
+        if op.kind is OpKind.GATHER and op.unit in offloaded:
+            out.append(Op(OpKind.COPY_IN, op.unit))
+        out.append(op)
+        if op.kind is OpKind.WAIT_REDUCE and op.unit in offloaded:
+            out.append(Op(OpKind.COPY_OUT, op.unit))
+    return out
 
 
 def validate(sched: Schedule, plan: Plan) -> None:
@@ -338,6 +357,7 @@ def validate(sched: Schedule, plan: Plan) -> None:
     """
     _made_for_plan(sched, plan)
     walk = _Walk(sched, tuple(u.name for u in plan.units))
+    walk.offloaded = frozenset(u.name for u in plan.units if u.offload)
     for i, op in enumerate(sched.ops):
         walk.at = i
         for rule in _OP_RULES:
@@ -367,6 +387,9 @@ class _Walk:
         self.params = dict.fromkeys(units, UnitState.SHARDED)
         self.grads = dict.fromkeys(units, GradState.PENDING)
         self.in_use: dict[str, int] = {}  # unit -> the op its use began at
+        self.offloaded: frozenset[str] = frozenset()
+        self.staged: set[str] = set()  # offloaded units copied in, not yet gathered
+        self.copied_out: set[str] = set()
         self.seen: dict[Op, int] = {}  # event -> its index
 
     def fail(self, msg: str) -> None:
@@ -380,6 +403,12 @@ class _Walk:
             self.in_use[unit] = self.at
         elif kind in (OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE, OpKind.END):
             self.in_use.pop(unit, None)
+        if kind is OpKind.COPY_IN:
+            self.staged.add(unit)
+        elif kind is OpKind.GATHER:
+            self.staged.discard(unit)
+        elif kind is OpKind.COPY_OUT:
+            self.copied_out.add(unit)
         if unit not in self.params:  # 'end' in a plan without a root
             return
         if kind in _PARAMS_AFTER:
@@ -483,6 +512,36 @@ def _reduce_waited_after_reduce(w: _Walk, op: Op) -> None:
         w.fail(f"'{op}' without a 'reduce {unit_label(op.unit)}' before it")
 
 
+def _copies_only_offloaded(w: _Walk, op: Op) -> None:
+    """Only offloaded units are copied in and out."""
+    if op.kind in (OpKind.COPY_IN, OpKind.COPY_OUT) and op.unit not in w.offloaded:
+        w.fail(f"unit {_quoted(op.unit)} is not offloaded (its shards stay on the device); remove '{op}' or build the plan "
+               f"with offload={{{unit_label(op.unit)!r}: True}}")
+
+
+def _offloaded_copied_in_before_gather(w: _Walk, op: Op) -> None:
+    """An offloaded unit's shards are copied in before each of its gathers, once."""
+    if op.kind is OpKind.GATHER and op.unit in w.offloaded and op.unit not in w.staged:
+        w.fail(f"unit {_quoted(op.unit)} is offloaded: its shards are in host memory; add 'copy_in {unit_label(op.unit)}' before this gather")
+    if op.kind is OpKind.COPY_IN and op.unit in w.staged:
+        w.fail(f"'{op}' twice before its gather; each gather consumes one copy")
+
+
+def _copied_out_after_reduce(w: _Walk, op: Op) -> None:
+    """An offloaded unit's gradients are copied out once their reduce is waited for."""
+    if op.kind is OpKind.COPY_OUT and (w.grads[op.unit] is not GradState.REDUCED or op.unit in w.copied_out):
+        w.fail(f"'{op}' before 'wait_reduce {unit_label(op.unit)}' (or twice); the gradient shards are final only after it")
+
+
+def _every_offloaded_unit_copied_out(w: _Walk) -> None:
+    """Every offloaded unit's gradients reach host memory, and no copy is left unused."""
+    for unit in sorted(w.offloaded - w.copied_out):
+        raise ScheduleError(f"invalid schedule: 'copy_out {unit_label(unit)}' is missing after 'wait_reduce {unit_label(unit)}'; "
+                            "an offloaded unit's gradients must reach host memory")
+    for unit in sorted(w.staged):
+        raise ScheduleError(f"invalid schedule: 'copy_in {unit_label(unit)}' is never consumed by a gather; remove it")
+
+
 def _every_event_present(w: _Walk) -> None:
     """Every unit has all its events, and the step has 'end'."""
     for unit in w.units:
@@ -526,5 +585,8 @@ _OP_RULES = (
     _not_freed_in_use,
     _reduced_once_complete,
     _reduce_waited_after_reduce,
+    _copies_only_offloaded,
+    _offloaded_copied_in_before_gather,
+    _copied_out_after_reduce,
 )
-_FINAL_RULES = (_every_event_present, _every_reduce_waited, _every_unit_freed)
+_FINAL_RULES = (_every_event_present, _every_reduce_waited, _every_unit_freed, _every_offloaded_unit_copied_out)

@@ -253,7 +253,10 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
                 value = tp_slice(plan, p.name, full[p.name])
                 start, stop = unit.local_rows(p.name, rank)
                 local = value.detach()[start:stop] if p.shape else value.detach()
-                out[p.name] = from_local(plan, p.name, local.clone().contiguous(), requires_grad)
+                local = local.clone().contiguous()
+                if unit.offload and local.is_cuda:  # kept in pinned host memory (see fsdpfn.runtime's offload)
+                    local = local.cpu().pin_memory()
+                out[p.name] = from_local(plan, p.name, local, requires_grad)
     return out
 
 
