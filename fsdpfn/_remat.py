@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdpfn._flops import op_flops
+from fsdpfn._flops import is_attention, op_flops
 
 __all__ = [
     "DOT_OPS",
@@ -159,13 +159,24 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
       >>> h
       tensor([3., 3.])
     """
-    if _ACTIVE:
-        _ACTIVE[-1].tag(x, name)
+    for mode in _ACTIVE:
+        mode.tag(x, name)
     return x
 
 
 def _flat_tensors(out) -> list[torch.Tensor]:
     return [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+
+
+def _cost(func, args, kwargs, out) -> tuple:
+    """``(rate key or None, FLOPs, bytes)`` of one operator call, as ``fsdpfn.sim`` counts it."""
+    nbytes = float(sum(t.numel() * t.element_size() for t in _flat_tensors((args, kwargs)) + _flat_tensors(out)))
+    counted = op_flops(func, args, kwargs, out)
+    if counted is None or not counted[0]:
+        return None, 0.0, nbytes
+    flops, dtype = counted
+    rate = str(dtype).removeprefix("torch.")
+    return (f"attention {rate}" if is_attention(func) else rate), flops, nbytes
 
 
 def _signature(args) -> tuple:
@@ -188,6 +199,7 @@ class SaveMode(TorchDispatchMode):
         self.saved: dict = {}
         self.versions: dict = {}
         self.signatures: dict = {}  # (op, n) -> shapes and dtypes of its tensor arguments
+        self.costs: dict = {}  # (op, n) -> (rate key or None, FLOPs, bytes read and written): what a kept op saves
         self._producer = WeakIdKeyDictionary()  # tensor -> (key, weak refs to the op's outputs)
 
     def __enter__(self):
@@ -207,9 +219,12 @@ class SaveMode(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         key = (func, self.counts[func])
         self.counts[func] += 1
+        if not _is_view(func) and (self.names or (self.save is not None and self.save(func))):
+            self.costs[key] = _cost(func, args, kwargs, out)
         if self.save is not None and self.save(func) and not _is_view(func):
             self._keep(key, out, args)
         elif self.names:
@@ -237,6 +252,10 @@ class SaveMode(TorchDispatchMode):
         self.versions[key] = [t._version for t in _flat_tensors(out)]
         if args is not None:
             self.signatures[key] = _signature(args)
+
+    def kept_costs(self) -> list[tuple]:
+        """``(rate key or None, FLOPs, bytes)`` of every kept operator call."""
+        return [self.costs[k] for k in self.saved if k in self.costs]
 
     def tensors(self) -> list[torch.Tensor]:
         """The kept outputs."""

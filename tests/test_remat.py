@@ -222,6 +222,7 @@ def test_the_remat_wrapper_really_recomputes():
 
 
 def _recompute_flops(rank, world, remat):
+    """The runtime's counts of one step, and the simulator's profile of the same micro-batch."""
     torch.manual_seed(0)
     model = GPT(CFG)
     plan = fsdpfn.plan(model, testing.mesh((world,)), remat=remat)
@@ -230,7 +231,10 @@ def _recompute_flops(rank, world, remat):
     x, y = _data(0, world, "gpt")
     with rt.bind(params):
         F.cross_entropy(model(x[:PER_RANK]).flatten(0, 1), y[:PER_RANK].flatten()).backward()
-    return dict(rt.last_step.recompute_flops)
+    wl = fsdpfn.sim.profile(model, plan, x[:PER_RANK], loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y[:PER_RANK].flatten()))
+    predicted = ({u: wl.recompute(u).flops for u in rt.last_step.recompute_flops},
+                 {u: wl.activation(u) for u in rt.last_step.kept_bytes})
+    return dict(rt.last_step.recompute_flops), dict(rt.last_step.kept_bytes), predicted
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -242,8 +246,10 @@ def test_kept_results_are_not_recomputed(run_on_ranks, policy):
     attention = 4 * PER_RANK * h * CFG.seq_len * CFG.seq_len * (c // h) * 0.5  # causal: half the blocks
     expected = {"full": sum(mm.values()) + attention, "save_dots": 0.0,
                 "save_names:attention,mlp_up": mm["qkv"] + mm["proj"] + mm["out"]}[policy]
-    got = run_on_ranks(_recompute_flops, 2, policy)[0]
+    got, kept, (sim_flops, sim_kept) = run_on_ranks(_recompute_flops, 2, policy)[0]
     assert got == {f"blocks.{i}": expected for i in range(CFG.depth)}, (got, expected)
+    # The simulator costs the plan's policy from its profile: the same FLOPs and kept bytes.
+    assert sim_flops == got and sim_kept == kept, (sim_flops, sim_kept, kept)
 
 
 class _Branchy(nn.Module):

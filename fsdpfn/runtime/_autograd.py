@@ -184,7 +184,7 @@ def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
         st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 

@@ -34,6 +34,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn import Plan
 from fsdpfn._flops import is_attention, op_flops
+from fsdpfn._remat import SaveMode
 from fsdpfn.runtime import Op, OpKind
 
 __all__ = ["Work", "Workload", "count_work", "profile"]
@@ -88,6 +89,17 @@ class Work:
             measured = self.measured
         return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items())), self.bytes + other.bytes, self.ops + other.ops, measured)
 
+    def minus(self, other: "Work") -> "Work":
+        """This work without ``other`` (a part of it: the same operators, counted once each)."""
+        counts = collections.Counter({(d, f, b): c for d, f, b, c in self.matmuls})
+        for d, f, b, c in other.matmuls:
+            if counts[(d, f, b)] < c:
+                raise ValueError(f"Work.minus: {c} x {d} matmul of {f:g} FLOPs is not part of this work")
+            counts[(d, f, b)] -= c
+        measured = None if self.measured is None else max(0.0, self.measured - (other.measured or 0.0))
+        return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items()) if c), max(0.0, self.bytes - other.bytes),
+                    max(0, self.ops - other.ops), measured)
+
     def times(self, k: int) -> "Work":
         """``k`` copies of this work."""
         return Work(tuple((d, f, b, c * k) for d, f, b, c in self.matmuls), self.bytes * k, self.ops * k,
@@ -114,6 +126,12 @@ class Workload:
       activations: ``((unit, bytes), ...)``: saved for backward during the unit's forward,
         released when its backward is done (the root's at the end).
       tokens: tokens per rank per micro-batch (informative).
+      inputs: ``((unit, bytes), ...)``: each unit's tensor inputs, what a rematerialised unit
+        keeps (as the runtime's ``StepRecord.kept_bytes`` counts them).
+      kept: ``((unit, policy, bytes, Work), ...)``: what each selective remat policy profiled
+        keeps of a unit's forward (bytes) and the work it saves the recompute.
+      remat: ``((unit, policy), ...)``: the policies :meth:`with_remat` applied to ``work`` and
+        ``activations`` (``profile`` applies the plan's).
 
     Example:
       >>> wl = fsdpfn.sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()))
@@ -126,6 +144,10 @@ class Workload:
     work: tuple[tuple[Op, Work], ...]
     activations: tuple[tuple[str, int], ...] = ()
     tokens: int = 0
+    inputs: tuple[tuple[str, int], ...] = ()
+    kept: tuple[tuple[str, str, int, Work], ...] = ()
+    remat: tuple[tuple[str, str], ...] = ()
+    base: "Workload | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     def at(self, event: Op) -> Work:
         """The work after ``event`` (nothing for an event the workload does not list)."""
@@ -158,20 +180,64 @@ class Workload:
         return self.at(Op(OpKind.FORWARD, unit)), self.at(Op(OpKind.BACKWARD, unit))
 
     def with_activation_checkpointing(self, units: Sequence[str] | None = None, input_bytes: Mapping[str, int] | None = None) -> "Workload":
-        """The workload with activation checkpointing of ``units`` (default: every non-root unit):
-        each unit's forward runs again at the start of its backward, and its forward keeps only
-        its input (``input_bytes[unit]``; default: the smallest activation any unit saves,
-        divided by 8, a stand-in for one hidden state)."""
+        """The workload with full activation checkpointing of ``units`` (default: every non-root
+        unit): each unit's forward runs again at the start of its backward, and its forward keeps
+        only its inputs (as profiled; ``input_bytes[unit]`` overrides). Same as
+        :meth:`with_remat` with ``"full"``."""
         names = [e.unit for e, _ in self.work if e.kind is OpKind.FORWARD and e.unit != ROOT] if units is None else list(units)
-        acts = dict(self.activations)
-        keep = input_bytes or {}
-        default_keep = min((acts[u] for u in names if acts.get(u)), default=0) // 8
-        table = dict(self.work)
-        for u in names:
-            table[Op(OpKind.BACKWARD, u)] = table.get(Op(OpKind.FORWARD, u), EMPTY) + table.get(Op(OpKind.BACKWARD, u), EMPTY)
-            acts[u] = keep.get(u, default_keep)
-        work = tuple((e, table[e]) for e, _ in self.work)
-        return dataclasses.replace(self, work=work, activations=tuple(acts.items()))
+        wl = self.with_remat({u: "full" for u in names})
+        if input_bytes:
+            acts = dict(wl.activations)
+            acts.update({u: b for u, b in input_bytes.items() if u in names})
+            wl = dataclasses.replace(wl, activations=tuple(acts.items()))
+        return wl
+
+    def with_remat(self, policies) -> "Workload":
+        """The workload with activation checkpointing per unit, as the runtime runs it: a
+        rematerialised unit's backward starts with its forward again, less the work of the
+        operators its policy keeps (those are not rerun), and from its forward to its backward
+        it holds its inputs and the kept results instead of its activations.
+
+        Args:
+          policies: a :class:`fsdpfn.Plan` (its units' ``remat``) or ``{unit: policy}``;
+            units not named keep their activations. Replaces what was applied before.
+
+        Example:
+          >>> wl = fsdpfn.sim.profile(model, plan, x)
+          >>> full = wl.with_remat({"blocks.0": "full"})
+          >>> full.at(runtime.Op("backward", "blocks.0")).flops == 3 * wl.at(runtime.Op("forward", "blocks.0")).flops
+          True
+        """
+        base = self.base or self
+        if isinstance(policies, Plan):
+            policies = {u.name: u.remat for u in policies.units}
+        policies = {u: p for u, p in policies.items() if p != "none"}
+        if ROOT in policies:
+            raise ValueError("with_remat: the root unit cannot be rematerialised (its code wraps every other unit)")
+        inputs = dict(base.inputs)
+        kept = {(u, p): (b, w) for u, p, b, w in base.kept}
+        table = dict(base.work)
+        acts = dict(base.activations)
+        for u, policy in policies.items():
+            if u not in inputs:
+                raise ValueError(f"with_remat: unit {u!r} was not profiled (units: {sorted(inputs)})")
+            if policy == "full":
+                saved_bytes, saved_work = 0, EMPTY
+            elif (u, policy) in kept:
+                saved_bytes, saved_work = kept[(u, policy)]
+            else:
+                raise ValueError(f"with_remat: policy {policy!r} of unit {u!r} was not profiled; profile with a plan that uses it")
+            fwd = table.get(Op(OpKind.FORWARD, u), EMPTY)
+            table[Op(OpKind.BACKWARD, u)] = fwd.minus(saved_work) + table.get(Op(OpKind.BACKWARD, u), EMPTY)
+            acts[u] = inputs[u] + saved_bytes
+        work = tuple((e, table[e]) for e, _ in base.work)
+        return dataclasses.replace(base, work=work, activations=tuple(acts.items()), remat=tuple(sorted(policies.items())), base=base)
+
+    def recompute(self, unit: str) -> Work:
+        """The work a rematerialised ``unit`` reruns in backward (nothing without remat)."""
+        if self.base is None or unit not in dict(self.remat):
+            return EMPTY
+        return self.at(Op(OpKind.BACKWARD, unit)).minus(self.base.at(Op(OpKind.BACKWARD, unit)))
 
     def __str__(self) -> str:
         lines = [f"Workload: {self.flops / 1e9:,.2f} GFLOP per rank per micro-batch, {self.tokens:,} tokens",
@@ -354,14 +420,53 @@ def _default_loss(out) -> torch.Tensor:
     return t.float().mean()
 
 
-def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool):
+def _storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool, selective=None):
     """One forward, loss and backward under the counter: ``(event order, accumulators, saved
-    activation bytes per unit)``."""
+    activation bytes per unit, input bytes per unit, {(unit, policy): (kept bytes, kept Work)})``."""
+    selective = selective or {}
     param_storages = {p.untyped_storage()._cdata for p in params.values()}
     events = _Events(units, type(model).__name__)
     saved: dict[str, int] = collections.defaultdict(int)
     seen: set[int] = set()
     keep: list[torch.Tensor] = []
+    modules = dict(model.named_modules())
+    unit_inputs: dict[str, int] = {}
+    kept: dict[tuple[str, str], tuple[int, Work]] = {}
+    hooks = []
+    for u in units:
+        if u == ROOT or u not in modules:
+            continue
+        mod = modules[u]
+        modes: list = []
+        wanted = tuple(sorted({"save_dots", *(p for p in selective.get(u, ()))}))
+
+        def pre(m, args, kwargs, _u=u, _modes=modes, _wanted=wanted):
+            unit_inputs[_u] = _storage_bytes(_tensors([args, kwargs]))
+            for policy in _wanted:
+                mode = SaveMode(policy, _u)
+                mode.__enter__()
+                _modes.append((policy, mode))
+
+        def post(m, args, kwargs, out, _u=u, _modes=modes):
+            while _modes:
+                policy, mode = _modes.pop()
+                mode.__exit__(None, None, None)
+                acc = _new_acc()
+                for rate, flops, nbytes in mode.kept_costs():
+                    if rate is None:
+                        acc["bytes"] += nbytes
+                    else:
+                        acc["matmuls"][(rate, flops, nbytes)] += 1
+                    acc["ops"] += 1
+                kept[(_u, policy)] = (_storage_bytes(mode.tensors()), _to_work(acc))
+
+        hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(mod.register_forward_hook(post, with_kwargs=True))
+        mod._fsdpfn_in_remat = True  # profile the plain forward; the plan's remat is applied to the counts after
     with ModuleTracker() as tracker:
         def pack(t: torch.Tensor):
             key = t.untyped_storage()._cdata
@@ -379,9 +484,14 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
             loss.backward()
             events.end()
     keep.clear()
+    for h in hooks:
+        h.remove()
+    for u in units:
+        if u in modules and u != ROOT:
+            modules[u]._fsdpfn_in_remat = False
     for p in params.values():
         p.grad = None
-    return events.order, events.acc, saved
+    return events.order, events.acc, saved, unit_inputs, kept
 
 
 def profile(
@@ -427,11 +537,15 @@ def profile(
     if dtype is not None:
         params = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
     cast = dtype is not None
-    order, acc, saved = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False)
+    selective: dict[str, set] = collections.defaultdict(set)  # the plan's selective policies, profiled besides save_dots
+    for u in plan.units:
+        if u.remat not in ("none", "full"):
+            selective[u.name].add(u.remat)
+    order, acc, saved, unit_inputs, kept = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
     measured: dict[Op, float] = {}
     if timed:
         for i in range(repeats + 1):
-            t_order, t_acc, _ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True)
+            t_order, t_acc, *_ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True)
             if t_order != order:
                 raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
             if i:  # the first run warms up
@@ -440,4 +554,5 @@ def profile(
     tokens = next((t.numel() for t in _tensors(list(inputs)) if not t.is_floating_point()), 0)
     work = tuple((op, dataclasses.replace(_to_work(acc[op]), measured=measured.get(op))) for op in order)
     acts = tuple((u, saved.get(u, 0)) for u in units)
-    return Workload(work, acts, tokens)
+    base = Workload(work, acts, tokens, tuple(unit_inputs.items()), tuple((u, p, b, w) for (u, p), (b, w) in sorted(kept.items())))
+    return base.with_remat(plan) if any(u.remat != "none" for u in plan.units) else base
