@@ -38,6 +38,8 @@ import torch
 
 import fsdpfn
 from fsdpfn import Plan
+from fsdpfn._plan import ROOT
+from fsdpfn._remat import check_policy
 from fsdpfn.runtime import Schedule, schedule as make_schedule
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._simulate import SimResult, simulate
@@ -60,6 +62,7 @@ class Candidate:
     peak: int
     fits: bool
     accumulate: str = "reduce"
+    remat: tuple[tuple[str, str], ...] = ()  # (unit, policy) of rematerialised units
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
@@ -68,7 +71,8 @@ class Candidate:
         strategies = sorted({s for _, s in self.strategy})
         strat = strategies[0] if len(strategies) == 1 else _fold(self.strategy)
         acc = ", accumulate local" if self.accumulate == "local" else ""
-        return f"mesh {'x'.join(map(str, self.mesh_shape))}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}"
+        remat = f", remat {_fold(self.remat)}" if self.remat else ""
+        return f"mesh {'x'.join(map(str, self.mesh_shape))}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
 
 
 def _fold(assignment: tuple[tuple[str, str], ...]) -> str:
@@ -185,29 +189,35 @@ def _classes(plan: Plan) -> list[list[str]]:
 
 
 def _moves(state: tuple, classes: list[list[str]], strategies: Sequence[str], prefetch: Sequence[int], splits: int,
-           accumulates: Sequence[str] = ("reduce",)):
+           accumulates: Sequence[str] = ("reduce",), remats: Sequence[str] = ("none",)):
     """Every single change of ``state`` = ``(class strategies, (split strategy, k), prefetch,
-    accumulate)``."""
-    per_class, split, p, acc = state
+    accumulate, class remat policies)``."""
+    per_class, split, p, acc, rm = state
+    for i, cls in enumerate(classes):
+        if ROOT in cls:
+            continue
+        for r in remats:
+            if r != rm[i]:
+                yield (per_class, split, p, acc, rm[:i] + (r,) + rm[i + 1:])
     for i in range(len(classes)):
         for s in strategies:
             if s != per_class[i]:
-                yield (per_class[:i] + (s,) + per_class[i + 1 :], split, p, acc)
+                yield (per_class[:i] + (s,) + per_class[i + 1 :], split, p, acc, rm)
     big = len(classes[0])
     if big > 1 and splits:
         ks = sorted({max(1, round(big * f / (splits + 1))) for f in range(1, splits + 1)} - {big})
         for s in strategies:
             for k in ks:
                 if (s, k) != split and s != per_class[0]:
-                    yield (per_class, (s, k), p, acc)
+                    yield (per_class, (s, k), p, acc, rm)
         if split is not None:
-            yield (per_class, None, p, acc)
+            yield (per_class, None, p, acc, rm)
     for q in prefetch:
         if q != p:
-            yield (per_class, split, q, acc)
+            yield (per_class, split, q, acc, rm)
     for a in accumulates:
         if a != acc:
-            yield (per_class, split, p, a)
+            yield (per_class, split, p, a, rm)
 
 
 def _assignment(state: tuple, classes: list[list[str]]) -> dict[str, str]:
@@ -238,6 +248,7 @@ def search(
     accumulate: str | Sequence[str] = "reduce",
     workloads: dict | None = None,
     rel_tol: float = 1e-3,
+    remat: Sequence[str] = ("none",),
 ) -> SearchResult:
     """The plan and schedule with the lowest predicted step time whose predicted peak memory per
     rank fits ``budget`` (see [Note: the search space]).
@@ -262,6 +273,9 @@ def search(
         plan is compared with ``"reduce"`` (the runtime's default) when it is among them.
       workloads: a dict reused across calls to cache profiles (keyed by unit names).
       rel_tol: step times this close count as equal (ties go to the default plan).
+      remat: activation-checkpointing policies to try per unit class (the root keeps its
+        activations), e.g. ``("none", "save_dots", "full")``; costed from the same profile as
+        the runtime runs them (:meth:`Workload.with_remat`).
 
     Returns:
       a :class:`SearchResult`; ``print(result)`` compares the pick with the default plan.
@@ -275,6 +289,12 @@ def search(
       (True, True)
     """
     accumulates = _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits)
+    remats = tuple(dict.fromkeys(remat)) if not isinstance(remat, str) else (remat,)
+    if not remats:
+        raise ValueError("search: remat must name at least one policy, e.g. ('none', 'full')")
+    for r in remats:
+        check_policy(r, "search(remat=...)")
+    extra = tuple(r for r in remats if r not in ("none", "full"))
     if isinstance(world, int):
         shapes = list(mesh_shapes) if mesh_shapes is not None else _mesh_shapes(world)
         world_size = world
@@ -287,14 +307,15 @@ def search(
     seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
-    def evaluate(u_opt, label, wl, shape, assignment, p, acc):
-        key = (label, shape, tuple(sorted(assignment.items())), p, acc)
+    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None):
+        rm = {u: r for u, r in (rm or {}).items() if r != "none"}
+        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())))
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-            plan = fsdpfn.plan(model, shape, units=u_opt, strategy=strategy, mp=mp)
+            plan = fsdpfn.plan(model, shape, units=u_opt, strategy=strategy, mp=mp, remat=rm or None)
             sched = make_schedule(plan, prefetch=p)
-            res = simulate(plan, sched, wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
-            cand = Candidate(shape, label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc)
+            res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
+            cand = Candidate(shape, label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc, key[5])
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -312,19 +333,20 @@ def search(
         base = fsdpfn.plan(model, (world_size,), units=u_opt, mp=mp)
         key = tuple(u.name for u in base.units)
         if key not in cache:
-            cache[key] = profile(model, base, *inputs, loss_fn=loss_fn)
+            cache[key] = profile(model, base, *inputs, loss_fn=loss_fn, remat_policies=extra)
         wl: Workload = cache[key]
         classes = _classes(base)
         start_p = 1 if 1 in prefetch else prefetch[0]
         for shape in shapes:
-            state = (("zero3",) * len(classes), None, start_p, default_acc)
+            state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
             current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc)
             if u_opt is None and shape == (world_size,) and start_p == 1:
                 default = current
             while True:
                 best_state, best = None, current
-                for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates):
-                    entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3])
+                for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates, remats):
+                    entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
+                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls})
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:

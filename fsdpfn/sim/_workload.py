@@ -502,6 +502,7 @@ def profile(
     param_dtype: torch.dtype | None = None,
     timed: bool = False,
     repeats: int = 3,
+    remat_policies: Sequence[str] = (),
 ) -> Workload:
     """Runs ``loss_fn(model(*inputs))`` and its backward once, on one process, and returns what
     each stretch of the runtime's schedule computes (see [Note: work between events]).
@@ -521,6 +522,8 @@ def profile(
         instead of the FLOP and byte model, so that a prediction on this device tests the
         communication and runtime terms alone.
       repeats: timed runs (``timed`` only).
+      remat_policies: selective activation-checkpointing policies to profile for every unit
+        besides ``"save_dots"`` and the plan's own, so :meth:`Workload.with_remat` can cost them.
 
     Returns:
       a :class:`Workload`; its ``tokens`` is the number of elements of the first integer input.
@@ -541,6 +544,7 @@ def profile(
     for u in plan.units:
         if u.remat not in ("none", "full"):
             selective[u.name].add(u.remat)
+        selective[u.name].update(p for p in remat_policies if p not in ("none", "full"))
     order, acc, saved, unit_inputs, kept = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
     measured: dict[Op, float] = {}
     if timed:
