@@ -8,7 +8,7 @@ spans of its timeline, and the lines that build and run the picked plan.
 
 Usage:
   python examples/plan_search.py                                       # Llama 3 8B, 64 H100s, 80 GB, Muon
-  python examples/plan_search.py --model 70b --gpus 1024 --optimizer adamw --checkpointing
+  python examples/plan_search.py --model 70b --gpus 1024 --optimizer adamw --remat none,save_dots,full
   python examples/plan_search.py --hardware A100_SXM --budget-gib 40   # another preset, a tighter budget
   python examples/plan_search.py --flops 700e12 --intra-gbps 300 --inter-gbps 25 --memory-gib 96 \\
       --gpus-per-node 4                                                # your own hardware's numbers
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one sequence per micro-batch)")
     g.add_argument("--global-tokens", type=int, default=4 * 2**20,
                    help="tokens per step over all ranks (micro-batches per rank: global-tokens / (seq x gpus))")
-    g.add_argument("--checkpointing", action="store_true", help="activation checkpointing per unit")
+    g.add_argument("--remat", default="none",
+                   help="activation-checkpointing policies to search per unit class, comma-separated (none, save_dots, full)")
     g.add_argument("--prefetch", default="0,1,2", help="the runtime's prefetch depths to search, comma-separated")
     g = p.add_argument_group("hardware: a preset, your own numbers, or measured here")
     g.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"],
@@ -133,14 +134,16 @@ def main(argv=None) -> sim.SearchResult:
     budget = args.budget_gib * 2**30 if args.budget_gib is not None else hw.memory
     micro = max(1, args.global_tokens // (args.seq * args.gpus))  # micro-batches per rank per step
     mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.model != "gpt" else None
-    workloads: dict = {}
-    if args.checkpointing:  # profile once, then keep only what checkpointing saves
-        plan = fsdpfn.plan(model, (args.gpus,), mp=mp)
-        workloads[tuple(u.name for u in plan.units)] = sim.profile(model, plan, x).with_activation_checkpointing()
+    remat = tuple(r.strip() for r in args.remat.split(",") if r.strip())
+    for r in remat:
+        try:
+            fsdpfn.Unit("x", "zero3", (), 1, remat=r)
+        except ValueError as e:
+            p.error(f"--remat: {e}")
     print(hw)
     res = sim.search(
         model, args.gpus, budget, x,
-        hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, workloads=workloads,
+        hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, remat=remat,
         units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")), accumulate=("reduce", "local"),
         loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
     )
@@ -152,14 +155,24 @@ def main(argv=None) -> sim.SearchResult:
     if args.plot:
         res.result.plot(args.plot, title=f"{args.model} on {args.gpus} ranks: the search's pick")
         print(f"\ntimeline drawn to {args.plot}")
-    strategy = {(u.name or "<root>"): u.strategy for u in res.plan.units}
+    strategy = {(u.name or "<root>"): u.strategy.value for u in res.plan.units}
     print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
-          "  plan = fsdpfn.plan(model, mesh, strategy={}{})\n"
+          "  plan = fsdpfn.plan(model, mesh, strategy={}{}{})\n"
           "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{}".format(
               res.plan.mesh_shape, ", mesh_dim_names=('replicate', 'shard')" if len(res.plan.mesh_shape) == 2 else "",
-              _fold(strategy), ", mp=..." if mp is not None else "", res.schedule.prefetch,
+              _fold(strategy), _remat_arg(res.plan), ", mp=..." if mp is not None else "", res.schedule.prefetch,
               ', accumulate="local")  # micro-batches inside rt.accumulating() reduce nothing' if res.accumulate == "local" else ")"))
     return res
+
+
+def _remat_arg(plan) -> str:
+    """``, remat=...`` that rebuilds the plan's activation checkpointing ('' for none)."""
+    remat = {u.name: u.remat for u in plan.units if u.name}
+    if set(remat.values()) <= {"none"}:
+        return ""
+    if len(set(remat.values())) == 1:  # a string applies to every unit but the root
+        return f", remat={next(iter(remat.values()))!r}"
+    return f", remat={ {k: v for k, v in remat.items() if v != 'none'}!r}"
 
 
 def _fold(strategy: dict[str, str]) -> str:

@@ -93,3 +93,23 @@ def test_help_has_the_whole_description_every_flag_and_each_default_once():
         if action.default is not None and action.default is not False and flag != "-h":
             assert f"(default: {action.default})" in blocks[flag], blocks[flag]
     assert "(default: the hardware's memory)" in blocks["--budget-gib"]
+
+
+def test_a_tight_budget_picks_activation_checkpointing_and_the_printed_plan_builds(capsys):
+    """Under a budget the plans without checkpointing exceed, the search picks a remat policy;
+    the printed ``fsdpfn.plan(...)`` line, evaluated, builds the picked plan."""
+    args = ["--model", "gpt", "--gpus", "4", "--seq", "256", "--global-tokens", "4096", "--optimizer", "adamw", "--prefetch", "1"]
+    free = _example().main(args + ["--budget-gib", "100"])
+    smallest = min(c.peak for c in free.candidates)  # no plan without checkpointing gets below this
+    tight = smallest * 0.9 / 2**30
+    res = _example().main(args + ["--budget-gib", f"{tight}", "--remat", "none,save_dots,full"])
+    out = capsys.readouterr().out
+    assert res.result.memory["peak"] <= tight * 2**30 < smallest
+    assert {u.remat for u in res.plan.units if u.name} != {"none"}
+    line = [ln for ln in out.splitlines() if "plan = fsdpfn.plan(" in ln][-1]
+    with torch.device("meta"):
+        model = _example().build_model("gpt", 256)
+    mesh = res.plan.mesh_shape
+    assert eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": mesh}) == res.plan
+    with pytest.raises(SystemExit):
+        _example().main(args + ["--remat", "sometimes"])
