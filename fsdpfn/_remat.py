@@ -243,6 +243,10 @@ class SaveMode(TorchDispatchMode):
             # the result keeps the mm's output as well (the same storage), which is what saves
             # the recompute.
             parent = self._producer.get(first) if func is aten._unsafe_view.default and first is not None else None
+            if parent is not None and parent[0] is not None:  # hold the base's outputs: the view's tensor may outlive them
+                held = [r() for r in parent[1]]
+                if all(o is not None for o in held):
+                    parent = (parent[0], [lambda t=t: t for t in held], *parent[2:])
             for t in flat:
                 self._producer[t] = (key, refs, optree.tree_structure(out, none_is_leaf=True), _signature(args), parent)
         return out
