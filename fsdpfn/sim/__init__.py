@@ -22,6 +22,7 @@ from fsdpfn.sim._hardware import H200_SXM as H200_SXM
 from fsdpfn.sim._hardware import PRESETS as PRESETS
 from fsdpfn.sim._hardware import Hardware as Hardware
 from fsdpfn.sim._hardware import Link as Link
+from fsdpfn.sim._kernels import Kernels as Kernels
 from fsdpfn.sim._hardware import collective_steps as collective_steps
 from fsdpfn.sim._hardware import wire_bytes as wire_bytes
 from fsdpfn.sim._measure import Timings as Timings
@@ -56,6 +57,7 @@ __all__ = [
     "H100_SXM",
     "H200_SXM",
     "Hardware",
+    "Kernels",
     "Link",
     "Muon",
     "OptimizerCost",

@@ -47,7 +47,8 @@ class Work:
 
     Attributes:
       matmuls: ``(rate, flops, bytes, count)`` per distinct matmul-like operator: each takes
-        ``max(flops / Hardware.flops(rate), bytes / memory bandwidth)``; ``rate`` is the dtype
+        ``Hardware.kernel_seconds(rate, flops, bytes)`` (without a kernel model
+        ``max(flops / Hardware.flops(rate), bytes / memory bandwidth)``); ``rate`` is the dtype
         (``"bfloat16"``), or ``"attention <dtype>"`` for fused attention kernels.
       bytes: bytes read and written by every other operator (memory-bound).
       ops: operators dispatched (each pays ``Hardware.op_overhead``).
@@ -74,8 +75,9 @@ class Work:
     def seconds(self, hw) -> float:
         if self.measured is not None:  # the kernels' own time; the framework's per-operator cost on top
             return self.measured + self.ops * hw.op_overhead
-        mm = sum(c * max(f / hw.flops(d), b / hw.memory_bandwidth) for d, f, b, c in self.matmuls)
-        return mm + self.bytes / hw.memory_bandwidth + self.ops * hw.op_overhead
+        # Hardware prices each kernel (its kernel model, or the plain roofline without one).
+        mm = sum(c * hw.kernel_seconds(d, f, b) for d, f, b, c in self.matmuls)
+        return mm + hw.memory_seconds(self.bytes) + self.ops * hw.op_overhead
 
     def __add__(self, other: "Work") -> "Work":
         counts = collections.Counter()
