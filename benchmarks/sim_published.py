@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import runtime, sim
-from fsdpfn.models import GPT, LLAMA3_70B, LLAMA3_8B, GPTConfig, Llama, LlamaConfig
+from fsdpfn.models import GPT, LLAMA3_70B, LLAMA3_8B, GPTConfig, LlamaConfig
+from torch import nn
 
 # ---------------------------------------------------------------------------------------------
 # Sources
@@ -149,11 +150,85 @@ ROWS = CALIBRATION + HELD_OUT
 MP = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+# ---------------------------------------------------------------------------------------------
+# torchtitan's Llama as it ran for those tables (torchtitan/models/llama/model.py, 2024): the
+# simulator profiles the model's own operators, so the model is written the way that code was:
+# RMSNorm computed in float32 by separate operators, rotary embeddings applied in complex64,
+# grouped-query heads repeated before attention. (fsdpfn.models.Llama uses nn.RMSNorm, one fused
+# kernel on CUDA, and no rotary embedding: fewer bytes moved and saved.)
+# ---------------------------------------------------------------------------------------------
+
+
+class TitanRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _rope(x, freqs):
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.dim // c.heads
+        self.wq = nn.Linear(c.dim, c.dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+
+    def forward(self, x, freqs):
+        b, t, _ = x.shape
+        q = _rope(self.wq(x).view(b, t, self.heads, self.head_dim), freqs)
+        k = _rope(self.wk(x).view(b, t, self.kv_heads, self.head_dim), freqs)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attention_norm, self.attention = TitanRMSNorm(c.dim), TitanAttention(c)
+        self.ffn_norm = TitanRMSNorm(c.dim)
+        self.w1, self.w2, self.w3 = nn.Linear(c.dim, c.ffn, bias=False), nn.Linear(c.ffn, c.dim, bias=False), nn.Linear(c.dim, c.ffn, bias=False)
+
+    def forward(self, x, freqs):
+        h = x + self.attention(self.attention_norm(x), freqs)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class TitanLlama(nn.Module):
+    def __init__(self, c: LlamaConfig, seq: int):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(TitanBlock(c) for _ in range(c.layers))
+        self.norm, self.output = TitanRMSNorm(c.dim), nn.Linear(c.dim, c.vocab, bias=False)
+        self.register_buffer("freqs", torch.zeros(seq, 1, c.dim // c.heads // 2, dtype=torch.complex64), persistent=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.freqs[: tokens.shape[1]])
+        return self.output(self.norm(x))
+
+
 def build(model: str, seq: int) -> tuple[torch.nn.Module, str]:
     """The meta model and the prefix of its block units."""
     with torch.device("meta"):
         if model in LLAMAS:
-            return Llama(LLAMAS[model]), "layers"
+            return TitanLlama(LLAMAS[model], seq), "layers"
         width, depth, heads = MPT[model.removeprefix("mpt-")]
         cfg = GPTConfig(vocab_size=50368, seq_len=seq, width=width, depth=depth, heads=heads, mlp_ratio=4, tie_embeddings=True, bias=False)
         return GPT(cfg), "blocks"
@@ -168,10 +243,14 @@ def workload(row: Row, model, plan, prefix: str) -> sim.Workload:
         x = torch.zeros(row.micro_batch, row.seq, dtype=torch.long, device="meta")
         wl = sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()))
         blocks = [u.name for u in plan.units if u.name.startswith(prefix + ".")]
+        # A checkpointed block keeps its input: one hidden state in bf16.
+        hidden = row.micro_batch * row.seq * model.get_submodule(blocks[0]).ffn_norm.weight.numel() * 2 if prefix == "layers" else \
+            row.micro_batch * row.seq * model.get_submodule(blocks[0]).norm1.weight.numel() * 2
         if row.ac == "full":
-            wl = wl.with_activation_checkpointing(blocks)
+            wl = wl.with_activation_checkpointing(blocks, {b: hidden for b in blocks})
         elif row.ac == "every 2":  # torchtitan's selective layer checkpointing: every other block
-            wl = wl.with_activation_checkpointing([b for b in blocks if int(b.split(".")[1]) % 2 == 0])
+            chosen = [b for b in blocks if int(b.split(".")[1]) % 2 == 0]
+            wl = wl.with_activation_checkpointing(chosen, {b: hidden for b in chosen})
         _WORKLOADS.clear()  # one model's profile at a time: they are large
         _WORKLOADS[key] = wl
     return _WORKLOADS[key]
