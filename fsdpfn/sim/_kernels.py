@@ -21,7 +21,13 @@ fixed costs, per device, and :meth:`Kernels.seconds` prices one operator:
   of tiles is short. Head dimension and GQA enter only through FLOPs and bytes;
 - every other operator is memory-bound: ``bytes / (memory_efficiency * bandwidth)``;
 - every dispatched operator costs ``Hardware.op_overhead`` on top (the framework's dispatch and
-  launch; a GPU runs ahead of the host, so it is small there).
+  launch; a GPU runs ahead of the host, so it is small there);
+- all of the above run at ``sustained`` of those rates through a whole training step: the
+  kernel benchmarks run one kernel at a time at boost clocks, a training step runs for seconds
+  at the power limit with NCCL's kernels holding SMs beside the compute. This is the one term
+  the presets *fit*: the median ratio of published to predicted throughput over the calibration
+  runs of ``benchmarks/sim_published.py`` (torchtitan's FSDP2 runs; never over the held-out
+  runs), the same value for every preset.
 
 Without a :class:`Kernels` (``Hardware.kernels=None``: CPU hardware fitted by
 :func:`fsdpfn.sim.measure`) a matmul takes ``max(flops / rate, bytes / bandwidth)`` and the
@@ -51,6 +57,8 @@ class Kernels:
       attention_half_intensity: arithmetic intensity (FLOP per byte) at which attention reaches
         half of that rate.
       memory_efficiency: fraction of ``Hardware.memory_bandwidth`` that streaming kernels reach.
+      sustained: fraction of all those rates a whole training step sustains (clocks under the
+        power limit, SMs shared with communication kernels); 1: the kernels' own benchmarks.
 
     Example:
       >>> k = Kernels(matmul_efficiency=0.8, matmul_latency=5e-6, attention_efficiency=0.4,
@@ -65,9 +73,10 @@ class Kernels:
     attention_efficiency: float
     attention_half_intensity: float
     memory_efficiency: float
+    sustained: float = 1.0
 
     def __post_init__(self):
-        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "sustained"):
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"Kernels.{name} must be a fraction in (0, 1], got {v!r}")
@@ -78,13 +87,13 @@ class Kernels:
 
     def memory_seconds(self, nbytes: float, hw) -> float:
         """Seconds of memory-bound work moving ``nbytes``."""
-        return nbytes / (self.memory_efficiency * hw.memory_bandwidth)
+        return nbytes / (self.sustained * self.memory_efficiency * hw.memory_bandwidth)
 
     def attention_rate(self, dtype: str, flops: float, nbytes: float, hw) -> float:
         """FLOP/s of a fused attention kernel of ``flops`` over ``nbytes`` in ``dtype``."""
         intensity = flops / nbytes if nbytes > 0 else math.inf
         ramp = 1.0 if math.isinf(intensity) else intensity / (intensity + self.attention_half_intensity)
-        return self.attention_efficiency * hw.peak(dtype) * ramp
+        return self.sustained * self.attention_efficiency * hw.peak(dtype) * ramp
 
     def seconds(self, rate: str, flops: float, nbytes: float, hw) -> float:
         """Seconds of one matmul-like kernel: ``rate`` is its dtype (``"bfloat16"``) or
@@ -92,7 +101,7 @@ class Kernels:
         memory = self.memory_seconds(nbytes, hw)
         if rate.startswith("attention "):
             return max(flops / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory) + self.matmul_latency
-        return max(flops / (self.matmul_efficiency * hw.peak(rate)), memory) + self.matmul_latency
+        return max(flops / (self.sustained * self.matmul_efficiency * hw.peak(rate)), memory) + self.matmul_latency
 
     def matmul_seconds(self, m: int, n: int, k: int, dtype, hw) -> float:
         """Seconds of an ``(m x k) @ (k x n)`` matmul in ``dtype`` (operands and result read and
