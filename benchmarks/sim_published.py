@@ -49,7 +49,7 @@ from torch import nn
 TT_A100 = ("pytorch/torchtitan", "docs/performance.md", "041336434916bdc0f88c1f89fda176fd3c2092e4")
 TT_H100 = ("pytorch/torchtitan", "benchmarks/llama3_h100_202412_torchtitan.md", "31a17bfdb70bab6f62a13d21816a5339b911d6e3")
 TT_H200 = ("pytorch/torchtitan", "benchmarks/llama3_8b_h200_2025-06_torchtitan.md", "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af")
-NEMO = ("NVIDIA/NeMo", "docs/source/performance/performance_summary.md", "(NeMo 24.07 table)")
+NEMO = ("NVIDIA/NeMo", "docs/source/performance/performance_summary.md", "070a0bb168d405d653b9734c0017cf5078e77c0d")
 FOUNDRY = ("mosaicml/llm-foundry", "scripts/train/benchmarking/README.md", "061f2c7ce64e655100286584a7629e2a09f827ba")
 
 LLAMA2_13B = LlamaConfig(dim=5120, layers=40, heads=40, kv_heads=40, ffn=13824, vocab=32000)
@@ -109,7 +109,7 @@ CALIBRATION = [
         "torch.compile and Float8 compute (torchao) with TP 8"),
     Row("calibration", TT_H200, "llama3-8b", "H200_SXM", 32, 8192, 2, 1, "full", 10938, 47.96,
         "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
-    Row("calibration", NEMO, "llama2-7b", "H100_SXM", 8, 4096, 1, 16, "none", 16634, None,
+    Row("calibration", NEMO, "llama2-7b", "H100_SXM", 8, 4096, 1, 16, "none", 16847, None,
         "Transformer Engine FP8 compute and Megatron's fused kernels"),
 ]
 
