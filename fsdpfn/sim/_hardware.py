@@ -43,7 +43,7 @@ from typing import Mapping, Union
 
 import torch
 
-from fsdpfn.sim._kernels import Kernels
+from fsdpfn.sim._kernels import Kernels, _dtype_key
 
 __all__ = ["A100_SXM", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Kernels", "Link", "PRESETS", "collective_steps", "wire_bytes"]
 
@@ -128,16 +128,6 @@ def _links(value: LinksArg, what: str) -> tuple[tuple[str, Link], ...]:
     return tuple(sorted(out.items()))
 
 
-def _dtype_key(dtype) -> str:
-    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
-
-
-def _itemsize(key: str) -> int:
-    """Bytes per element of dtype name ``key`` (``"bfloat16"`` -> 2)."""
-    dtype = getattr(torch, key, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {key!r}: give a torch dtype or its name ('bfloat16', 'float32', ...)")
-    return dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 __all__ = ["Kernels"]
+
+
+def _dtype_key(dtype) -> str:
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+
+
+def _itemsize(key: str) -> int:
+    """Bytes per element of dtype name ``key`` (``"bfloat16"`` -> 2)."""
+    dtype = getattr(torch, key, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {key!r}: give a torch dtype or its name ('bfloat16', 'float32', ...)")
+    return dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +120,6 @@ class Kernels:
     def matmul_seconds(self, m: int, n: int, k: int, dtype, hw) -> float:
         """Seconds of an ``(m x k) @ (k x n)`` matmul in ``dtype`` (operands and result read and
         written once)."""
-        from fsdpfn.sim._hardware import _dtype_key, _itemsize
-
         key = _dtype_key(dtype)
         return self.seconds(key, 2.0 * m * n * k, (m * k + k * n + m * n) * _itemsize(key), hw)
 
