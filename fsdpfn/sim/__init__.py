@@ -4,7 +4,8 @@
 timeline of compute and communication streams with the overlap the schedule allows, exposed
 communication, bytes per link level, memory per rank -- for plans that run here and for
 abstract ones (``fsdpfn.plan(meta_model, (16, 64))``) that nobody can run. ``measure()`` fits a
-:class:`Hardware` on the ranks at hand; ``H100_SXM`` & co. are presets from datasheets;
+:class:`Hardware` on the ranks at hand; ``H100_SXM`` & co. are presets from datasheets and
+published kernel benchmarks (:class:`Kernels`), checked against published training runs;
 ``search()`` finds the fastest plan that fits a memory budget.
 
 Example:
