@@ -4,8 +4,9 @@ and shows the plan search beside the default zero3 plan.
 Nothing here runs on a GPU: the models are built on the meta device, their plans are abstract
 (``fsdpfn.plan(model, (G,))`` or HSDP ``(G/8, 8)``), their compute is profiled on meta
 (``fsdpfn.sim.profile``: every operator's FLOPs and bytes, nothing computed), and the hardware
-is the H100 SXM preset (datasheet figures) derated to what kernels and NCCL typically reach
-(``--flops-derate``, ``--net-derate``). Every row keeps the global batch fixed (``--global-tokens``,
+is the H100 SXM preset: datasheet peaks, the kernel model's measured efficiencies and the
+calibrated sustained fraction, eight network cards per node (``benchmarks/sim_published.py``
+checks it against published runs); ``--flops-derate`` and ``--net-derate`` scale it further. Every row keeps the global batch fixed (``--global-tokens``,
 4M tokens by default, sequences of ``--seq`` tokens), so fewer GPUs run more micro-batches per step
 (the runtime's ``accumulate="reduce"``: every micro-batch gathers and reduces).
 
@@ -84,7 +85,7 @@ def project(args, hw):
                     mfu = model_flops / (step * sim.H100_SXM.flops("bfloat16"))
                     ns = opt.cost(plan).ns_flops
                     rows.append(dict(model=name, gpus=gpus, mesh="x".join(map(str, mesh)), opt=opt_name, micro=micro,
-                                     step=step, exposed=exposed, peak=r.memory["peak"], mfu=mfu,
+                                     step=step, exposed=exposed, peak=r.memory["reserved"], mfu=mfu,
                                      overhead=step / base - 1, opt_time=r.optimizer_time, inter=r.level_bytes["inter"],
                                      ns_busiest=max(ns) if ns else 0.0, train_flops=wl.flops * micro, seconds=time.perf_counter() - t0,
                                      ckpt=ckpt))
@@ -107,7 +108,7 @@ def print_projection(rows, hw):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = "" if r["opt"] == "adamw" else f"{r['overhead'] * 100:+.1f}%"
-        fits = "" if r["peak"] <= 80e9 else " (> 80 GB)"
+        fits = "" if r["peak"] <= hw.memory else f" (> {hw.memory / gib:.1f} GiB)"
         print(f"| {r['model']}{' (AC)' if r['ckpt'] else ''} | {r['gpus']:,} | {r['mesh']} | {r['opt']} | {r['micro']} | {r['step']:.2f} s | "
               f"{r['exposed']:.2f} s | {r['opt_time'] * 1e3:.0f} ms | {r['peak'] / gib:.1f} GiB{fits} | {r['mfu'] * 100:.0f}% | {over} |")
 
@@ -154,8 +155,8 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024)
     p.add_argument("--checkpointing", default="70b", help="models run with activation checkpointing per block")
-    p.add_argument("--flops-derate", type=float, default=0.75)
-    p.add_argument("--net-derate", type=float, default=0.8)
+    p.add_argument("--flops-derate", type=float, default=1.0)
+    p.add_argument("--net-derate", type=float, default=1.0)
     p.add_argument("--no-search", action="store_true")
     args = p.parse_args(argv)
     args.models = args.models.split(",")

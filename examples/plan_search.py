@@ -63,7 +63,7 @@ def hardware(args) -> sim.Hardware:
             intra=sim.Link(args.alpha_us * 1e-6, args.intra_gbps * 1e9),
             inter=sim.Link(args.alpha_us * 1e-6, args.inter_gbps * 1e9),
         )
-    # Datasheet peaks derated to what kernels and NCCL typically reach.
+    # The preset's kernel model already prices what kernels reach; the derates scale it further.
     return sim.PRESETS[args.hardware].scaled(flops=args.flops_derate, bandwidth=args.net_derate)
 
 
@@ -103,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefetch", default="0,1,2", help="the runtime's prefetch depths to search, comma-separated")
     g = p.add_argument_group("hardware: a preset, your own numbers, or measured here")
     g.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"],
-                   help="a preset (its datasheet peaks scaled by --flops-derate and --net-derate), or measure: fitted "
+                   help="a preset (its kernel model, scaled by --flops-derate and --net-derate), or measure: fitted "
                         "on --gpus gloo ranks of this machine")
-    g.add_argument("--flops-derate", type=float, default=0.75,
-                   help="fraction of the preset's peak matmul FLOP/s that kernels reach")
-    g.add_argument("--net-derate", type=float, default=0.8,
-                   help="fraction of the preset's link bandwidth that collectives reach")
+    g.add_argument("--flops-derate", type=float, default=1.0,
+                   help="scale of the preset's matmul FLOP/s (its kernel model already derates the peak)")
+    g.add_argument("--net-derate", type=float, default=1.0,
+                   help="scale of the preset's link bandwidth")
     g.add_argument("--flops", type=float, default=None,
                    help="your hardware: bf16 matmul FLOP/s (replaces the preset; needs --intra-gbps and --inter-gbps)")
     g.add_argument("--intra-gbps", type=float, default=None, help="your hardware: GB/s each rank sends within a node")

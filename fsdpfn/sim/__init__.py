@@ -4,7 +4,8 @@
 timeline of compute and communication streams with the overlap the schedule allows, exposed
 communication, bytes per link level, memory per rank -- for plans that run here and for
 abstract ones (``fsdpfn.plan(meta_model, (16, 64))``) that nobody can run. ``measure()`` fits a
-:class:`Hardware` on the ranks at hand; ``H100_SXM`` & co. are presets from datasheets;
+:class:`Hardware` on the ranks at hand; ``H100_SXM`` & co. are presets from datasheets and
+published kernel benchmarks (:class:`Kernels`), checked against published training runs;
 ``search()`` finds the fastest plan that fits a memory budget.
 
 Example:
@@ -22,6 +23,7 @@ from fsdpfn.sim._hardware import H200_SXM as H200_SXM
 from fsdpfn.sim._hardware import PRESETS as PRESETS
 from fsdpfn.sim._hardware import Hardware as Hardware
 from fsdpfn.sim._hardware import Link as Link
+from fsdpfn.sim._kernels import Kernels as Kernels
 from fsdpfn.sim._hardware import collective_steps as collective_steps
 from fsdpfn.sim._hardware import wire_bytes as wire_bytes
 from fsdpfn.sim._measure import Timings as Timings
@@ -56,6 +58,7 @@ __all__ = [
     "H100_SXM",
     "H200_SXM",
     "Hardware",
+    "Kernels",
     "Link",
     "Muon",
     "OptimizerCost",

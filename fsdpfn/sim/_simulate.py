@@ -108,7 +108,10 @@ class SimResult:
       level_bytes: ``{"intra": bytes, "inter": bytes}`` sent per rank per level.
       memory: bytes per rank: ``params``, ``grads``, ``optimizer_state`` (held between
         steps), ``unsharded_peak`` (the runtime's high-water mark), ``activations_peak``,
-        ``peak`` (everything at the worst moment of the step).
+        ``peak`` (everything allocated at the worst moment of the step: comparable with
+        ``torch.cuda.max_memory_allocated()``), ``reserved`` (``peak`` with the caching
+        allocator's reserve, ``Hardware.memory_reserve``: comparable with
+        ``max_memory_reserved()``, the figure training logs report).
       spans: the timeline.
       plan, schedule, hardware: what was simulated.
       notes: what the model assumed that a reader should know.
@@ -489,8 +492,9 @@ def simulate(
     static = _static_memory(plan, opt_cost)
     if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != len(listed):
         raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {len(listed)} listed collectives")
+    peak = sum(static.values()) + b.peak["total"]
     memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
-              "peak": sum(static.values()) + b.peak["total"]}
+              "peak": peak, "reserved": int(peak * (1.0 + hardware.memory_reserve))}
     notes = []
     if plan.hsdp:
         notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")

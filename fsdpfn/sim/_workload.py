@@ -48,7 +48,8 @@ class Work:
 
     Attributes:
       matmuls: ``(rate, flops, bytes, count)`` per distinct matmul-like operator: each takes
-        ``max(flops / Hardware.flops(rate), bytes / memory bandwidth)``; ``rate`` is the dtype
+        ``Hardware.kernel_seconds(rate, flops, bytes)`` (without a kernel model
+        ``max(flops / Hardware.flops(rate), bytes / memory bandwidth)``); ``rate`` is the dtype
         (``"bfloat16"``), or ``"attention <dtype>"`` for fused attention kernels.
       bytes: bytes read and written by every other operator (memory-bound).
       ops: operators dispatched (each pays ``Hardware.op_overhead``).
@@ -75,8 +76,9 @@ class Work:
     def seconds(self, hw) -> float:
         if self.measured is not None:  # the kernels' own time; the framework's per-operator cost on top
             return self.measured + self.ops * hw.op_overhead
-        mm = sum(c * max(f / hw.flops(d), b / hw.memory_bandwidth) for d, f, b, c in self.matmuls)
-        return mm + self.bytes / hw.memory_bandwidth + self.ops * hw.op_overhead
+        # Hardware prices each kernel (its kernel model, or the plain roofline without one).
+        mm = sum(c * hw.kernel_seconds(d, f, b) for d, f, b, c in self.matmuls)
+        return mm + hw.memory_seconds(self.bytes) + self.ops * hw.op_overhead
 
     def __add__(self, other: "Work") -> "Work":
         counts = collections.Counter()
@@ -394,14 +396,39 @@ class _Events:
         self._emit(OpKind.END, ROOT)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """CUDA's fused RMSNorm, for counting on meta: forward reads ``x`` and writes the output,
+    saving ``x`` and the reciprocal RMS; backward reads the gradient and ``x`` and writes
+    ``dx`` (the weight's gradient is a per-feature sum, small)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims):
+        rstd = x.new_empty(x.shape[: x.dim() - dims] + (1,) * dims, dtype=torch.float32)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.mul(x, 1.0)  # one read of x, one write: the fused kernel's bytes
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, _, weight = ctx.saved_tensors
+        return torch.add(grad, x), (None if weight is None else torch.empty_like(weight)), None
+
+
 class _FusedAttentionOnMeta(TorchFunctionMode):
-    """On the meta device ``scaled_dot_product_attention`` would take its unfused math path
+    """Fused kernels on meta, as a GPU runs them. RMSNorm: see below. Attention: on the meta device ``scaled_dot_product_attention`` would take its unfused math path
     (matmuls over the whole score matrix); a GPU or CPU run takes a fused kernel. Route it to
     the CPU flash kernel's meta function, so the profile counts one fused attention operator
     forward and one backward, as on real hardware."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.nn.functional.rms_norm and args and args[0].device.type == "meta":
+            # On CUDA, rms_norm runs one fused kernel that saves its input and the reciprocal
+            # RMS; on meta it would take the composite path, which saves float32 copies
+            # (4x the bytes of a bf16 input) and counts a dozen memory-bound operators.
+            shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            eps = kwargs.get("eps", args[3] if len(args) > 3 else None)
+            return _FusedRMSNorm.apply(args[0], weight, len(shape))
         if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)

@@ -1,0 +1,316 @@
+"""fsdpfn.sim against published FSDP training runs: published throughput (and memory, where a
+table gives it) beside the simulator's prediction for the same model, GPUs, batch and
+activation checkpointing, with the ratio per row.
+
+Two sets of rows, kept apart:
+
+- calibration: torchtitan's published FSDP2 tables (pytorch/torchtitan, docs/performance.md:
+  Llama 2 and 3 on 64 A100 80GB; benchmarks/: H100 and H200). The presets' kernel and network
+  figures come from datasheets and published kernel benchmarks (see ``fsdpfn/sim/_hardware.py``);
+  these rows check them, and no term of the simulator is set from any one of them;
+- held-out: MosaicML llm-foundry's MPT throughput tables (mosaicml/llm-foundry,
+  scripts/train/benchmarking/README.md, H100 80GB BF16 and A100 80GB BF16). Nothing was tuned
+  on them.
+
+Rows the simulator cannot express are printed with the reason (torch.compile, FP8 compute,
+per-operator selective checkpointing, context/pipeline parallelism, other hardware).
+
+Everything runs on the meta device: models are built there, profiled there
+(``fsdpfn.sim.profile``), and simulated on the presets. A prediction is a sustained step of
+``micro-batches`` micro-batches (``accumulate="reduce"``: each micro-batch reduces, as FSDP does
+without ``no_sync``), AdamW, default schedule with one unit of prefetch.
+
+Usage:
+  python benchmarks/sim_published.py               # every row
+  python benchmarks/sim_published.py --only calibration
+  python benchmarks/sim_published.py --max-rows 5  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fsdpfn
+from fsdpfn import runtime, sim
+from fsdpfn.models import GPT, LLAMA3_70B, LLAMA3_8B, GPTConfig, LlamaConfig
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------
+
+TT_A100 = ("pytorch/torchtitan", "docs/performance.md", "041336434916bdc0f88c1f89fda176fd3c2092e4")
+TT_H100 = ("pytorch/torchtitan", "benchmarks/llama3_h100_202412_torchtitan.md", "31a17bfdb70bab6f62a13d21816a5339b911d6e3")
+TT_H200 = ("pytorch/torchtitan", "benchmarks/llama3_8b_h200_2025-06_torchtitan.md", "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af")
+NEMO = ("NVIDIA/NeMo", "docs/source/performance/performance_summary.md", "070a0bb168d405d653b9734c0017cf5078e77c0d")
+FOUNDRY = ("mosaicml/llm-foundry", "scripts/train/benchmarking/README.md", "061f2c7ce64e655100286584a7629e2a09f827ba")
+
+LLAMA2_13B = LlamaConfig(dim=5120, layers=40, heads=40, kv_heads=40, ffn=13824, vocab=32000)
+LLAMA2_70B = LlamaConfig(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+LLAMAS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama2-13b": LLAMA2_13B, "llama2-70b": LLAMA2_70B}
+
+# MPT shapes of llm-foundry's benchmark yamls (scripts/train/yamls/pretrain/mpt-*.yaml): width,
+# depth, heads; 4x GELU MLP, no biases, tied embeddings, vocabulary 50,368, learned positions
+# (the tables' parameter counts grow by width x sequence length with the sequence).
+MPT = {"760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32),
+       "13b": (5120, 40, 40), "30b": (7168, 48, 64), "70b": (8192, 80, 64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One published run. ``ac``: ``"none"``, ``"full"`` (every block) or ``"every 2"``
+    (every other block, torchtitan's "selective layer"). ``tps``: tokens/s per GPU."""
+
+    group: str  # "calibration" or "held-out"
+    source: tuple[str, str, str]
+    model: str
+    hardware: str
+    gpus: int
+    seq: int
+    micro_batch: int
+    accum: int
+    ac: str
+    tps: float
+    memory_gib: float | None = None
+    why_not: str = ""  # set: the simulator cannot express this run
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} s{self.seq} {self.gpus}x{self.hardware} mb{self.micro_batch}x{self.accum} ac:{self.ac}"
+
+
+def _tt_a100(model, seq, mb, ac, wps, why=""):
+    return Row("calibration", TT_A100, model, "A100_SXM", 64, seq, mb, 1, ac, wps, None, why)
+
+
+SELECTIVE_OP = "per-operator selective checkpointing (torchtitan's 'op' policy) is not expressible yet"
+CALIBRATION = [
+    _tt_a100("llama3-8b", 8192, 1, "every 2", 2904),
+    _tt_a100("llama3-8b", 8192, 1, "op", 2973, SELECTIVE_OP),
+    _tt_a100("llama3-70b", 8192, 1, "full", 331),
+    _tt_a100("llama2-13b", 4096, 2, "none", 2162),
+    _tt_a100("llama2-13b", 4096, 2, "every 2", 1914),
+    _tt_a100("llama2-13b", 4096, 2, "op", 1904, SELECTIVE_OP),
+    _tt_a100("llama2-70b", 4096, 1, "op", 355, SELECTIVE_OP),
+    _tt_a100("llama2-70b", 4096, 2, "full", 353),
+    Row("calibration", TT_H100, "llama3-8b", "H100 96GB 500W", 8, 8192, 2, 1, "op", 5762, 82.4,
+        "H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W limit (no preset; its peak is unknown), and " + SELECTIVE_OP),
+    Row("calibration", TT_H100, "llama3-8b", "H100 96GB 500W", 128, 8192, 2, 1, "op", 5605, 67.0,
+        "H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W limit (no preset; its peak is unknown), and " + SELECTIVE_OP),
+    Row("calibration", TT_H100, "llama3-8b", "H100 96GB 500W", 8, 8192, 2, 1, "op", 6667, 77.0, "torch.compile (fused kernels)"),
+    Row("calibration", TT_H100, "llama3-70b", "H100 96GB 500W", 256, 8192, 16, 1, "full", 829, 71.9,
+        "torch.compile and Float8 compute (torchao) with TP 8"),
+    Row("calibration", TT_H200, "llama3-8b", "H200_SXM", 32, 8192, 2, 1, "full", 10938, 47.96,
+        "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
+    Row("calibration", NEMO, "llama2-7b", "H100_SXM", 8, 4096, 1, 16, "none", 16847, None,
+        "Transformer Engine FP8 compute and Megatron's fused kernels"),
+]
+
+# llm-foundry H100 80GB BF16 table: (model, seq, gpus, micro batch, grad accum, act. ckpt, tokens/s/GPU)
+_FOUNDRY_H100 = [
+    ("70b", 2048, 64, 8, 4, True, 1039), ("70b", 2048, 32, 2, 16, True, 882),
+    ("30b", 8192, 8, 1, 21, True, 1384), ("30b", 4096, 8, 1, 21, True, 1802), ("30b", 2048, 32, 14, 3, True, 2308),
+    ("30b", 2048, 16, 10, 3, True, 2263), ("30b", 2048, 8, 3, 21, True, 2002), ("30b", 1024, 8, 6, 21, True, 2084),
+    ("13b", 32768, 8, 1, 3, True, 1976), ("13b", 16384, 8, 3, 3, True, 2985), ("13b", 4096, 8, 10, 3, True, 4717),
+    ("13b", 2048, 64, 2, 1, False, 4800), ("13b", 2048, 32, 2, 1, False, 4811), ("13b", 2048, 16, 2, 1, False, 4767),
+    ("13b", 2048, 8, 2, 1, False, 4792), ("13b", 1024, 8, 40, 3, True, 5502),
+    ("7b", 65536, 8, 1, 2, True, 1956), ("7b", 32768, 8, 2, 2, True, 3318), ("7b", 8192, 8, 8, 2, True, 6935),
+    ("7b", 4096, 8, 16, 2, True, 8611), ("7b", 2048, 8, 6, 1, False, 10643), ("7b", 1024, 8, 64, 2, True, 10203),
+    ("3b", 65536, 8, 1, 2, True, 3262), ("3b", 32768, 8, 3, 6, True, 5873), ("3b", 16384, 8, 1, 6, False, 11152),
+    ("3b", 8192, 8, 3, 6, False, 16578), ("3b", 4096, 8, 5, 6, False, 20964), ("3b", 2048, 64, 6, 3, False, 22525),
+    ("3b", 2048, 32, 6, 3, False, 23021), ("3b", 2048, 16, 10, 3, False, 24142), ("3b", 1024, 8, 20, 6, False, 27046),
+    ("3b", 512, 8, 40, 6, False, 27965),
+    ("1b", 65536, 8, 1, 2, True, 5506), ("1b", 32768, 8, 1, 4, False, 12025), ("1b", 16384, 8, 2, 4, False, 19649),
+    ("1b", 8192, 8, 3, 4, False, 29157), ("1b", 4096, 8, 7, 4, False, 38535), ("1b", 2048, 64, 20, 1, False, 44402),
+    ("1b", 2048, 32, 20, 1, False, 45130), ("1b", 2048, 16, 20, 1, False, 46037), ("1b", 2048, 8, 14, 1, False, 45455),
+    ("1b", 1024, 8, 18, 4, False, 48910), ("1b", 512, 8, 56, 4, False, 52275),
+    ("760m", 32768, 8, 1, 2, False, 16291), ("760m", 16384, 8, 3, 2, False, 27815), ("760m", 8192, 8, 6, 2, False, 41825),
+    ("760m", 4096, 8, 12, 2, False, 55459), ("760m", 2048, 32, 24, 1, False, 67971), ("760m", 2048, 16, 24, 1, False, 68551),
+    ("760m", 2048, 8, 24, 2, False, 63147), ("760m", 1024, 8, 48, 2, False, 78581), ("760m", 512, 8, 96, 2, False, 83749),
+]
+HELD_OUT = [Row("held-out", FOUNDRY, f"mpt-{m}", "H100_SXM", g, s, mb, acc, "full" if ac else "none", tps)
+            for m, s, g, mb, acc, ac, tps in _FOUNDRY_H100]
+HELD_OUT += [Row("held-out", FOUNDRY, "mpt-3b", "H100_SXM", 8, 2048, 10, 6, "none", 30586, None,
+                 "FP8 compute (Transformer Engine amp_fp8): fsdpfn's FP8 is for gathers only")]
+
+ROWS = CALIBRATION + HELD_OUT
+
+
+# ---------------------------------------------------------------------------------------------
+# Prediction
+# ---------------------------------------------------------------------------------------------
+
+MP = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchtitan's Llama as it ran for those tables (torchtitan/models/llama/model.py, 2024): the
+# simulator profiles the model's own operators, so the model is written the way that code was:
+# RMSNorm computed in float32 by separate operators, rotary embeddings applied in complex64,
+# grouped-query heads repeated before attention. (fsdpfn.models.Llama uses nn.RMSNorm, one fused
+# kernel on CUDA, and no rotary embedding: fewer bytes moved and saved.)
+# ---------------------------------------------------------------------------------------------
+
+
+class TitanRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _rope(x, freqs):
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.dim // c.heads
+        self.wq = nn.Linear(c.dim, c.dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+
+    def forward(self, x, freqs):
+        b, t, _ = x.shape
+        q = _rope(self.wq(x).view(b, t, self.heads, self.head_dim), freqs)
+        k = _rope(self.wk(x).view(b, t, self.kv_heads, self.head_dim), freqs)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attention_norm, self.attention = TitanRMSNorm(c.dim), TitanAttention(c)
+        self.ffn_norm = TitanRMSNorm(c.dim)
+        self.w1, self.w2, self.w3 = nn.Linear(c.dim, c.ffn, bias=False), nn.Linear(c.ffn, c.dim, bias=False), nn.Linear(c.dim, c.ffn, bias=False)
+
+    def forward(self, x, freqs):
+        h = x + self.attention(self.attention_norm(x), freqs)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class TitanLlama(nn.Module):
+    def __init__(self, c: LlamaConfig, seq: int):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(TitanBlock(c) for _ in range(c.layers))
+        self.norm, self.output = TitanRMSNorm(c.dim), nn.Linear(c.dim, c.vocab, bias=False)
+        self.register_buffer("freqs", torch.zeros(seq, 1, c.dim // c.heads // 2, dtype=torch.complex64), persistent=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.freqs[: tokens.shape[1]])
+        return self.output(self.norm(x))
+
+
+def build(model: str, seq: int) -> tuple[torch.nn.Module, str]:
+    """The meta model and the prefix of its block units."""
+    with torch.device("meta"):
+        if model in LLAMAS:
+            return TitanLlama(LLAMAS[model], seq), "layers"
+        width, depth, heads = MPT[model.removeprefix("mpt-")]
+        cfg = GPTConfig(vocab_size=50368, seq_len=seq, width=width, depth=depth, heads=heads, mlp_ratio=4, tie_embeddings=True, bias=False)
+        return GPT(cfg), "blocks"
+
+
+_WORKLOADS: dict = {}
+
+
+def workload(row: Row, model, plan, prefix: str) -> sim.Workload:
+    key = (row.model, row.seq, row.micro_batch, row.ac)
+    if key not in _WORKLOADS:
+        x = torch.zeros(row.micro_batch, row.seq, dtype=torch.long, device="meta")
+        wl = sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()))
+        blocks = [u.name for u in plan.units if u.name.startswith(prefix + ".")]
+        # A checkpointed block keeps its input: one hidden state in bf16.
+        hidden = row.micro_batch * row.seq * model.get_submodule(blocks[0]).ffn_norm.weight.numel() * 2 if prefix == "layers" else \
+            row.micro_batch * row.seq * model.get_submodule(blocks[0]).norm1.weight.numel() * 2
+        if row.ac == "full":
+            wl = wl.with_activation_checkpointing(blocks, {b: hidden for b in blocks})
+        elif row.ac == "every 2":  # torchtitan's selective layer checkpointing: every other block
+            chosen = [b for b in blocks if int(b.split(".")[1]) % 2 == 0]
+            wl = wl.with_activation_checkpointing(chosen, {b: hidden for b in chosen})
+        _WORKLOADS.clear()  # one model's profile at a time: they are large
+        _WORKLOADS[key] = wl
+    return _WORKLOADS[key]
+
+
+def predict(row: Row) -> sim.SimResult:
+    model, prefix = build(row.model, row.seq)
+    plan = fsdpfn.plan(model, (row.gpus,), mp=MP)
+    wl = workload(row, model, plan, prefix)
+    hw = sim.PRESETS[row.hardware]
+    return sim.simulate(plan, runtime.schedule(plan, prefetch=1), wl, sim.AdamW(), hw, micro_batches=row.accum)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", choices=("calibration", "held-out"), default=None)
+    p.add_argument("--max-rows", type=int, default=None)
+    args = p.parse_args(argv)
+    print("$ python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
+    for hw in (sim.H100_SXM, sim.A100_SXM):
+        print(hw)
+    rows = [r for r in ROWS if args.only in (None, r.group)]
+    done = 0
+    ratios: dict[str, list[float]] = {"calibration": [], "held-out": []}
+    skipped = []
+    t0 = time.perf_counter()
+    for group in ("calibration", "held-out"):
+        todo = [r for r in rows if r.group == group]
+        if not todo:
+            continue
+        print(f"\n## {group}\n")
+        print("| run | source | published tok/s/GPU | predicted | predicted / published | memory published | predicted reserved |")
+        print("|---|---|---|---|---|---|---|")
+        for r in todo:
+            if r.why_not:
+                skipped.append(r)
+                continue
+            if args.max_rows is not None and done >= args.max_rows:
+                break
+            res = predict(r)
+            tps = r.micro_batch * r.accum * r.seq / res.step_time
+            ratio = tps / r.tps
+            ratios[group].append(ratio)
+            done += 1
+            mem = f"{r.memory_gib:.1f} GiB" if r.memory_gib else "-"
+            print(f"| {r.label} | {r.source[0]} | {r.tps:,.0f} | {tps:,.0f} | {ratio:.2f}{'' if abs(ratio - 1) <= 0.15 else ' *'} | {mem} | "
+                  f"{res.memory['reserved'] / 2**30:.1f} GiB |", flush=True)
+    print("\n(* outside 15%)")
+    for group, rs in ratios.items():
+        if rs:
+            within = sum(abs(x - 1) <= 0.15 for x in rs)
+            print(f"{group}: {len(rs)} rows, median predicted/published {statistics.median(rs):.2f}, "
+                  f"range {min(rs):.2f}-{max(rs):.2f}, {within} within 15%")
+    if skipped:
+        print("\n## rows the simulator cannot express\n")
+        for r in skipped:
+            print(f"- {r.group}: {r.label} ({r.source[0]} {r.source[1]}): {r.tps:,.0f} tok/s/GPU -- {r.why_not}")
+    print("\nsources: " + "; ".join(sorted({f"{s[0]} {s[1]} @ {s[2]}" for s in (r.source for r in rows)})))
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

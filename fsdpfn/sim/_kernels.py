@@ -1,0 +1,128 @@
+"""The kernel model: what one GPU kernel of a training step takes, from its FLOPs and bytes.
+
+[Note: the kernel model]
+A datasheet's peak is what the tensor cores could do at their boost clock; kernels reach a
+fraction of it that depends on what they compute. :class:`Kernels` holds that fraction and the
+fixed costs, per device, and :meth:`Kernels.seconds` prices one operator:
+
+- a matmul of ``m x k`` by ``k x n`` (``flops = 2 m n k``, ``bytes`` its operands and result)
+  takes ``max(flops / (matmul_efficiency * peak), bytes / (memory_efficiency * bandwidth)) +
+  matmul_latency``: a roofline whose compute roof is what the best-shaped large GEMMs sustain
+  (the "maximum achievable matmul FLOPS", measured), plus a fixed per-kernel cost that makes
+  small matmuls slow (launch, the first and last wave of tiles). A matmul of ``F`` FLOPs thus
+  reaches ``F / (F + matmul_latency * rate)`` of the large-GEMM rate; :meth:`matmul_seconds`
+  takes ``(m, n, k, dtype)``;
+- a fused attention kernel (FlashAttention-style; its FLOPs counted as
+  :func:`fsdpfn.sim.profile` counts them, causal half) runs at ``attention_efficiency`` of the
+  dtype's peak at long sequences, and less at short ones: its arithmetic intensity (FLOPs per
+  byte of q, k, v, output and their gradients) grows with the sequence length (about ``s / 4``
+  FLOP/byte for a causal bf16 forward), and the rate is ``attention_efficiency * I / (I +
+  attention_half_intensity)``: the per-tile setup and the causal diagonal weigh more when a row
+  of tiles is short. Head dimension and GQA enter only through FLOPs and bytes;
+- every other operator is memory-bound: ``bytes / (memory_efficiency * bandwidth)``;
+- every dispatched operator costs ``Hardware.op_overhead`` on top (the framework's dispatch and
+  launch; a GPU runs ahead of the host, so it is small there);
+- all of the above run at ``sustained`` of those rates through a whole training step: the
+  kernel benchmarks run one kernel at a time at boost clocks, a training step runs for seconds
+  at the power limit with NCCL's kernels holding SMs beside the compute. This is the one term
+  the presets *fit*: the median ratio of published to predicted throughput over the calibration
+  runs of ``benchmarks/sim_published.py`` (torchtitan's FSDP2 runs; never over the held-out
+  runs), the same value for every preset.
+
+Without a :class:`Kernels` (``Hardware.kernels=None``: CPU hardware fitted by
+:func:`fsdpfn.sim.measure`) a matmul takes ``max(flops / rate, bytes / bandwidth)`` and the
+rates are taken as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = ["Kernels"]
+
+
+def _dtype_key(dtype) -> str:
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+
+
+def _itemsize(key: str) -> int:
+    """Bytes per element of dtype name ``key`` (``"bfloat16"`` -> 2)."""
+    dtype = getattr(torch, key, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {key!r}: give a torch dtype or its name ('bfloat16', 'float32', ...)")
+    return dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Achieved fractions of a device's peaks and fixed per-kernel costs (see [Note: the kernel
+    model]).
+
+    Attributes:
+      matmul_efficiency: fraction of ``Hardware.matmul_flops`` that large, well-shaped GEMMs
+        sustain (measured maximum achievable matmul FLOPS over the datasheet peak).
+      matmul_latency: seconds every matmul kernel costs beyond its FLOPs (launch, wave
+        quantisation of small problems).
+      attention_efficiency: fraction of the dtype's peak a fused attention kernel reaches at long
+        sequences, forward and backward together.
+      attention_half_intensity: arithmetic intensity (FLOP per byte) at which attention reaches
+        half of that rate.
+      memory_efficiency: fraction of ``Hardware.memory_bandwidth`` that streaming kernels reach.
+      sustained: fraction of all those rates a whole training step sustains (clocks under the
+        power limit, SMs shared with communication kernels); 1: the kernels' own benchmarks.
+
+    Example:
+      >>> k = Kernels(matmul_efficiency=0.8, matmul_latency=5e-6, attention_efficiency=0.4,
+      ...             attention_half_intensity=100.0, memory_efficiency=0.9)
+      >>> hw = fsdpfn.sim.Hardware("toy", {"bfloat16": 1e15}, 1e12, 2**30, 1, fsdpfn.sim.Link(0, 1e9), fsdpfn.sim.Link(0, 1e9), kernels=k)
+      >>> round(k.matmul_seconds(8192, 8192, 8192, "bfloat16", hw) * 1e3, 4)   # 1.1e12 FLOPs at 0.8 PFLOP/s, + 5 us
+      1.3794
+    """
+
+    matmul_efficiency: float
+    matmul_latency: float
+    attention_efficiency: float
+    attention_half_intensity: float
+    memory_efficiency: float
+    sustained: float = 1.0
+
+    def __post_init__(self):
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "sustained"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"Kernels.{name} must be a fraction in (0, 1], got {v!r}")
+        for name in ("matmul_latency", "attention_half_intensity"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"Kernels.{name} must be a finite number >= 0, got {v!r}")
+
+    def memory_seconds(self, nbytes: float, hw) -> float:
+        """Seconds of memory-bound work moving ``nbytes``."""
+        return nbytes / (self.sustained * self.memory_efficiency * hw.memory_bandwidth)
+
+    def attention_rate(self, dtype: str, flops: float, nbytes: float, hw) -> float:
+        """FLOP/s of a fused attention kernel of ``flops`` over ``nbytes`` in ``dtype``."""
+        intensity = flops / nbytes if nbytes > 0 else math.inf
+        ramp = 1.0 if math.isinf(intensity) else intensity / (intensity + self.attention_half_intensity)
+        return self.sustained * self.attention_efficiency * hw.peak(dtype) * ramp
+
+    def seconds(self, rate: str, flops: float, nbytes: float, hw) -> float:
+        """Seconds of one matmul-like kernel: ``rate`` is its dtype (``"bfloat16"``) or
+        ``"attention <dtype>"`` (see [Note: the kernel model])."""
+        memory = self.memory_seconds(nbytes, hw)
+        if rate.startswith("attention "):
+            return max(flops / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory) + self.matmul_latency
+        return max(flops / (self.sustained * self.matmul_efficiency * hw.peak(rate)), memory) + self.matmul_latency
+
+    def matmul_seconds(self, m: int, n: int, k: int, dtype, hw) -> float:
+        """Seconds of an ``(m x k) @ (k x n)`` matmul in ``dtype`` (operands and result read and
+        written once)."""
+        key = _dtype_key(dtype)
+        return self.seconds(key, 2.0 * m * n * k, (m * k + k * n + m * n) * _itemsize(key), hw)
+
+    def achieved(self, m: int, n: int, k: int, dtype, hw) -> float:
+        """FLOP/s an ``(m x k) @ (k x n)`` matmul reaches: the efficiency curve of this device."""
+        return 2.0 * m * n * k / self.matmul_seconds(m, n, k, dtype, hw)
