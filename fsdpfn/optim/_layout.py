@@ -148,7 +148,7 @@ def holdings(x: DTensor, name: str, coords: Sequence[dict[int, int]]) -> tuple[B
         for dim, dims in order.items():
             lo, hi = 0, shape[dim]
             for d in dims:
-                a, b = chunk_bounds(hi - lo, mesh.size(d), c[d])
+                a, b = chunk_bounds(hi - lo, mesh.size(d), c.get(d, 0))  # a dim of size 1 is not in the work group
                 lo, hi = lo + a, lo + b
             spans[dim] = (lo, hi)
         out.append(box_of(shape, spans))
