@@ -1,33 +1,48 @@
-"""Newton–Schulz on sharded matrices: the ``"gather"`` and ``"owner"`` layouts.
+"""Newton–Schulz on sharded matrices: the ``"owner"``, ``"duplicated"`` and ``"blockwise"`` layouts.
 
-Muon leaves arrive as DTensors sharded ``Shard(0)`` over one mesh dimension (the shard group;
-under HSDP the other dimension is ``Replicate()`` and each replicate group computes the same
-thing) or replicated, or as plain tensors. Local rows follow ``torch.chunk``
-(:func:`fsdpfn._plan.chunk_bounds`, the one definition of the split): ``R`` rows over ``W`` ranks
-give rank ``r`` rows ``[min(r c, R), min((r+1) c, R))`` with ``c = ceil(R / W)``, so shards can
-be uneven or empty. A leaf may be orthogonalised as independent blocks
-(``fsdpfn/optim/_blocks.py``, [Note: blocks]).
+Muon leaves arrive as DTensors split over any of a mesh's dims: rows over the data-parallel
+shard axis, rows or columns over a tensor-parallel axis, both (``_StridedShard`` for data-parallel
+rows cut from each tensor-parallel slice), replicated over the rest (HSDP's replicate axis, tp
+for weights it does not split); or as plain tensors. Each rank's piece is a box of the leaf
+(``fsdpfn/optim/_layout.py``, [Note: holdings]); local rows and columns follow ``torch.chunk``
+(:func:`fsdpfn._plan.chunk_bounds`), so pieces can be uneven or empty. The ranks that share the
+work (the *work group*) are the mesh dims along which any leaf is split, one process group
+(flattened when several dims); every group of the other axes computes the same thing. A leaf
+may be orthogonalised as independent blocks (``fsdpfn/optim/_blocks.py``, [Note: blocks]).
 
 [Note: the two layouts]
-``"gather"`` (the simple baseline): one all-gather brings every full matrix to every rank (local
-shards padded to ``c`` rows inside the flat buffer, trimmed after), every rank runs Newton–Schulz
-on all of them (block by block where a leaf has blocks) and keeps its rows. Per rank it moves
-``(W-1)/W`` of the Muon bytes and the ranks together do ``W`` times the one-process FLOPs.
+(Three with ``"blockwise"``, which changes what is computed; ``"gather"`` is the old name of
+``"duplicated"``.) ``W`` is the work group's size, ``N`` the Muon elements.
+
+``"duplicated"`` (the simple baseline, Megatron's name): one all-gather brings every full matrix
+to every rank (local pieces padded to the largest piece inside the flat buffer), every rank runs
+Newton–Schulz on all of them (block by block where a leaf has blocks) and keeps its piece. Per
+rank it receives ``(W-1)/W`` of the Muon bytes and the ranks together do ``W`` times the
+one-process FLOPs.
 
 ``"owner"``: every block (a whole matrix unless the leaf has blocks) gets one owner rank, chosen
 greedily (largest first, to the least loaded rank) so that Newton–Schulz FLOPs balance. An
-all-to-all (uneven splits) sends each rank's rows of each block to its owner, which assembles
-the block, orthogonalises it (same shapes stacked into one batched call), and a second
-all-to-all, the first's transpose, sends the rows back. The blocks travel in buckets, each
-bucket's communication running under another bucket's Newton–Schulz (``fsdpfn/optim/_owner.py``,
-[Note: the pipelined owner layout]). Per rank that moves ``2 (W-1)/W^2`` of the Muon bytes on
-average, and the FLOPs summed over ranks equal the one-process FLOPs. Leaves with 3 or more
-dimensions (e.g. experts ``[E, m, n]``) are sharded along the batch dimension, so every rank
-already holds whole matrices: it orthogonalises its own, with no communication, and they count
-towards its load first.
+all-to-all (uneven splits) sends each piece of each block to its owner (one sender per distinct
+piece, so replicas do not send twice), which assembles the block, orthogonalises it (same shapes
+stacked into one batched call), and a second all-to-all sends every holder its part back. The
+blocks travel in buckets, each bucket's communication running under another bucket's
+Newton–Schulz (``fsdpfn/optim/_owner.py``, [Note: the pipelined owner layout]). Per rank that
+moves ``2 (W-1)/W^2`` of the Muon bytes on average when no leaf is replicated inside the work
+group (``2/W`` of ``"duplicated"``: 0.25x at ``W = 8``), and the FLOPs summed over the work group
+equal the one-process FLOPs. A block one rank holds whole and no other rank touches (an expert
+of a batch ``[E, m, n]`` split over experts, a head inside a tensor-parallel slice) is
+orthogonalised there with no communication and counts towards that rank's load first.
 
-Both layouts send in the Newton–Schulz compute dtype: Newton–Schulz casts its input first, so
-casting before sending changes no bit and halves the bytes in bf16.
+``"blockwise"``: ``"owner"`` on blocks that never cross a tensor-parallel piece: each tp piece of
+a matrix (and each of the user's blocks inside it) is orthogonalised alone, Megatron's blockwise
+mode. Without data-parallel sharding nothing travels. The update then depends on the tp degree
+(a matrix split in 2 and in 4 gives different orthogonal pieces), which is why it is not the
+default: use it to compare, or where a mesh is fixed for the whole run.
+
+All layouts send in the Newton–Schulz compute dtype: Newton–Schulz casts its input first, so
+casting before sending changes no bit and halves the bytes in bf16. ``"owner"`` and
+``"duplicated"`` give the one-process update bit for bit whatever the mesh (each block is
+assembled from copied bits and orthogonalised by the same calls).
 """
 
 from __future__ import annotations
