@@ -157,7 +157,8 @@ def owner_schedule(
     A block held whole by one rank and touched by no other is *kept*: orthogonalised there, no
     communication, counted towards that rank's load first. A block held whole by several ranks
     (replicas) is owned by the least loaded of them, so only its result travels. Every other
-    block goes to an owner chosen greedily (largest first, least loaded rank), and every
+    block goes to an owner chosen greedily (largest first, to the least loaded of the ranks
+    holding part of it), and every
     distinct piece of it is sent by one of the ranks holding it (the owner itself if it can,
     else one chosen by the block's number, spreading the sending over replicas).
 
@@ -204,7 +205,9 @@ def owner_schedule(
             owners[j] = hs[0]
             loads[hs[0]] += blocks[j].flops
     for j in sorted((j for j in range(len(blocks)) if owners[j] < 0), key=lambda j: (-blocks[j].flops, j)):
-        r = min(holders[j] or range(world), key=lambda q: (loads[q], q))
+        # Among the ranks holding it whole, else among those holding part of it (their own part
+        # then stays put, and a block inside one tensor-parallel slice stays in its dp group).
+        r = min(holders[j] or [q for q, _ in touch[j]], key=lambda q: (loads[q], q))
         owners[j] = r
         loads[r] += blocks[j].flops
     kept = tuple(j for j in range(len(blocks)) if [q for q, _ in touch[j]] == [owners[j]])
