@@ -213,8 +213,8 @@ def orthogonalize(
             mine = h[wg.rank]
             if loc.numel() != mine.numel:
                 raise ValueError(
-                    f"Muon leaf {names[i]!r} on rank {C.rank()} holds {tuple(loc.shape)} elements' worth of local tensor, but its "
-                    f"placements {x.placements} give this rank matrices {mine.mats}, rows {mine.rows}, cols {mine.cols} of "
+                    f"Muon leaf {names[i]!r} on rank {C.rank()} has local shape {tuple(loc.shape)}, but its placements "
+                    f"{x.placements} give this rank matrices {mine.mats}, rows {mine.rows}, cols {mine.cols} of "
                     f"{tuple(x.shape)}; build the DTensor with torch.chunk splits (fsdpfn.shard or DTensor.from_local)"
                 )
         if layout in ("gather", "duplicated"):

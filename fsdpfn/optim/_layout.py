@@ -164,7 +164,7 @@ class WorkGroup(NamedTuple):
     coords: tuple[dict[int, int], ...]  # per member, in group order: its mesh coordinates
 
 
-_GROUPS: dict[tuple, WorkGroup] = {}
+_GROUPS: dict[tuple, tuple[Any, WorkGroup]] = {}
 
 
 def work_group(mesh, dims: tuple[int, ...]) -> WorkGroup:
@@ -173,8 +173,9 @@ def work_group(mesh, dims: tuple[int, ...]) -> WorkGroup:
     Created once per mesh and dims (a new process group when several dims: every rank of the mesh
     calls this at the same step, as every rank runs the same optimizer on the same leaves)."""
     key = (id(mesh), dims)
-    if key in _GROUPS and _GROUPS[key][0] is not None:
-        return _GROUPS[key]
+    cached = _GROUPS.get(key)
+    if cached is not None and cached[0] is mesh:  # the same mesh, not a new one at a reused id
+        return cached[1]
     if len(dims) == 1:
         group = mesh.get_group(dims[0])
     else:
@@ -192,5 +193,5 @@ def work_group(mesh, dims: tuple[int, ...]) -> WorkGroup:
         where = (grid == r).nonzero()[0].tolist()
         coords.append({d: where[d] for d in dims})
     wg = WorkGroup(group, len(ranks), ranks.index(C.rank()), tuple(coords))
-    _GROUPS[key] = wg
+    _GROUPS[key] = (mesh, wg)
     return wg

@@ -3,14 +3,18 @@ communication of one bucket runs under the Newton–Schulz of another.
 
 [Note: the pipelined owner layout]
 The unit of work is a block (``fsdpfn/optim/_blocks.py``, [Note: blocks]; a whole matrix is one
-block). :func:`owner_schedule` gives every block of the group's 2-D leaves an owner, greedily,
-largest Newton–Schulz FLOPs first to the least loaded rank (leaves of 3 or more dimensions stay
-with the rank holding them and count towards its load first), then cuts every owner's blocks
-into ``B`` buckets of about equal FLOPs, so that each bucket keeps every rank about equally
-busy. Bucket ``k`` is a set of blocks; its rows go to their owners in one all-to-all ("out
-k") and come back orthogonalised in another ("back k"). The ranks run::
+block; a batch of matrices ``[E, m, n]`` is ``E`` of them). Each rank holds a box of every leaf
+(rows over data parallel, rows or columns over tensor parallel: ``fsdpfn/optim/_layout.py``,
+[Note: holdings]). :func:`owner_schedule` keeps a block where it lies when one rank holds it
+whole and no other rank holds any of it (an expert of a batch split over experts, a head inside
+a tensor-parallel slice), counting it towards that rank's load first; gives every other block an
+owner, greedily, largest Newton–Schulz FLOPs first to the least loaded of the ranks holding it
+(whole, else in part); then cuts every owner's travelling blocks into ``B`` buckets of about
+equal FLOPs, so that each bucket keeps every rank about equally busy. Bucket ``k`` is a set of
+blocks; their pieces go to their owners in one all-to-all ("out k") and come back orthogonalised
+to every rank holding a part in another ("back k"). The ranks run::
 
-    launch out 0; orthogonalise the local (3-D) leaves
+    launch out 0; orthogonalise the kept blocks
     for k in 0 .. B-1:
         wait out k; launch out k+1
         Newton–Schulz of bucket k        # in flight: out k+1 and back k-1
