@@ -182,3 +182,24 @@ def _bad_strided(rank, world):
     except NotImplementedError as e:
         return "ok" if "'w'" in str(e) and "split_factor" in str(e) else str(e)
     return "no error"
+
+
+def _buckets(rank, world):
+    """The pipelined owner layout on (dp, tp): 3 buckets give the bits of 1, in 6 all-to-alls."""
+    model, plan = _plan((2, 2), ("dp", "tp"))
+    g = _grads(model, 11)
+    grads = fsdpfn.shard(g, plan, check=False)
+    names = [n for n in grads if grads[n].dim() >= 2]
+    specs = [(4, 1) if n == "qkv.weight" else (1, 1) for n in names]
+    out = {}
+    for b in (1, 3):
+        with fsdpfn.count_collectives() as counter, optim.record_pipeline() as rec:
+            got = optim.orthogonalize([grads[n] for n in names], names, dtype=torch.float32, blocks=specs, buckets=b)
+        out[b] = ([o.full_tensor() for o in got], counter.counts(), rec.overlapped())
+    same = all(torch.equal(a, c) for a, c in zip(out[1][0], out[3][0]))
+    return same, out[1][1], out[3][1], out[3][2]
+
+
+def test_buckets_on_a_tp_mesh_give_the_bits_of_one_bucket(run_on_ranks):
+    for same, one, three, overlapped in run_on_ranks(_buckets, 4):
+        assert same and one == {"all_to_all": 2} and three == {"all_to_all": 6} and overlapped >= 3, (one, three, overlapped)
