@@ -403,7 +403,7 @@ def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buck
     flops = lambda shape: optim.newton_schulz_flops(shape)  # noqa: E731
     sched = optim.owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=dtype.itemsize)
     n_buckets = len(sched.buckets)
-    plans = [_Bucket(sched, k, shapes, rank, dtype, torch.device("cpu")) for k in range(n_buckets)]
+    plans = [_Bucket(sched, k, rank, dtype, torch.device("cpu")) for k in range(n_buckets)]
     group = mesh.get_group(0)
 
     def step(b):
@@ -424,14 +424,17 @@ def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buck
     # Communication alone: both trips of every bucket, blocking, in the pipeline's order.
     bufs = []
     for p in plans:
-        out_splits, in_splits = p.splits_to(), p.splits_from()
-        bufs.append((torch.randn(sum(out_splits)).to(dtype), torch.empty(sum(in_splits), dtype=dtype), out_splits, in_splits))
+        trips = []
+        for way in ("out", "back"):
+            send_splits, recv_splits = p.splits(way)
+            trips.append((torch.randn(sum(send_splits)).to(dtype), torch.empty(sum(recv_splits), dtype=dtype), send_splits, recv_splits))
+        bufs.append(trips)
 
     def communicate():
-        for send, recv, out_splits, in_splits in bufs:
-            comm.all_to_all(recv, send, group, output_splits=in_splits, input_splits=out_splits, tag="muon_owner").wait()
-        for send, recv, out_splits, in_splits in bufs:
-            comm.all_to_all(send, recv, group, output_splits=out_splits, input_splits=in_splits, tag="muon_owner").wait()
+        for way in (0, 1):
+            for trips in bufs:
+                send, recv, send_splits, recv_splits = trips[way]
+                comm.all_to_all(recv, send, group, output_splits=recv_splits, input_splits=send_splits, tag="muon_owner").wait()
 
     with fsdpfn.count_collectives() as c1, FlopCounterMode(display=False) as f1:
         step(1)
@@ -509,6 +512,172 @@ def _print_pipeline(res, args, cfg_kw):
         print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |")
 
 
+# ---------------------------------------------------------------------------------------------
+# --mesh DxT: the layouts on a (dp, tp) mesh, and --project: the same arithmetic at scale
+# ---------------------------------------------------------------------------------------------
+
+MESH_LAYOUTS = ("owner", "duplicated", "blockwise")
+
+
+def _tp_boxes(shape, tp_dim, dp, tp):
+    """Each rank's box of a matrix on a (dp, tp) mesh (rank = s * tp + t), as fsdpfn.shard lays
+    it out: the tp slice along ``tp_dim``, then dp rows of it with torch.chunk."""
+    from fsdpfn.optim._layout import Box
+
+    rows, cols = shape
+    out = []
+    for s in range(dp):
+        for t in range(tp):
+            r, c = (0, rows), (0, cols)
+            if tp_dim == 0:
+                r = (t * rows // tp, (t + 1) * rows // tp)
+            elif tp_dim == 1:
+                c = (t * cols // tp, (t + 1) * cols // tp)
+            a, b = chunk_bounds(r[1] - r[0], dp, s)
+            out.append(Box((0, 1), (r[0] + a, r[0] + b), c))
+    return tuple(out)
+
+
+def layout_costs(shapes, tp_dims, dp, tp, itemsize, flops=optim.newton_schulz_flops):
+    """Per layout: bytes each rank receives from other ranks per step (list over ranks), the
+    collectives, and the Newton–Schulz FLOPs each rank runs, from the schedules the optimizer
+    runs (``owner_schedule`` on the same boxes): exact, no ranks needed."""
+    w = dp * tp
+    held = [_tp_boxes(s, d, dp, tp) for s, d in zip(shapes, tp_dims)]
+    out = {}
+    for layout in MESH_LAYOUTS:
+        specs = [(1, 1)] * len(shapes)
+        if layout == "blockwise":
+            specs = [(tp, 1) if d == 0 else (1, tp) if d == 1 else (1, 1) for d in tp_dims]
+        if layout == "duplicated":
+            pad = sum(max(b.numel for b in h) for h in held)
+            got = [(w - 1) * pad * itemsize] * w
+            ns = [sum(flops(s) for s in shapes)] * w
+            out[layout] = dict(received=got, calls=1 if w > 1 else 0, kind="all_gather", flops=ns)
+            continue
+        sched = optim.owner_schedule(shapes, w, flops, specs=specs, buckets=1, itemsize=itemsize, held=held)
+        got = [0] * w
+        for j in range(len(sched.blocks)):
+            o = sched.owners[j]
+            if j in sched.kept:
+                continue
+            got[o] += sum(b.numel for src, b in sched.pieces[j] if src != o) * itemsize
+            for dst, b in sched.returns[j]:
+                if dst != o:
+                    got[dst] += b.numel * itemsize
+        out[layout] = dict(received=got, calls=2 * len(sched.buckets), kind="all_to_all", flops=list(sched.loads))
+    return out
+
+
+def _mesh_bench(rank, world, dp, tp, cfg_kw, steps, warmup, ns_dtype):
+    from fsdpfn.models import GPT_TP_PLAN
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = GPT(cfg)
+    mesh = testing.mesh((dp, tp), ("dp", "tp"))
+    plan = fsdpfn.plan(model, mesh, strategy="zero3", tp=GPT_TP_PLAN)
+    params = fsdpfn.shard(model, plan)
+    gen = torch.Generator().manual_seed(7)  # the same full gradients on every rank
+    full = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    grads = fsdpfn.shard(full, plan, check=False)
+    dtype = getattr(torch, ns_dtype)
+    names = [n for n, p in params.items() if optim.muon_labels(n, p) == "muon"]
+    opts = {k: optim.muon(0.02, ns_dtype=dtype, layout=k) for k in MESH_LAYOUTS}
+    states = {k: o.init(params) for k, o in opts.items()}
+    counted = {}
+    for k, o in opts.items():
+        with fsdpfn.count_collectives() as c, FlopCounterMode(display=False) as f:
+            up, _ = o.update(grads, states[k], params)
+        counted[k] = dict(calls=c.counts(), flops=f.get_total_flops(), update=up)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with FlopCounterMode(display=False) as f:
+        ref, _ = opts["owner"].update(full, opts["owner"].init(weights), weights)
+    one = f.get_total_flops()
+    for k in MESH_LAYOUTS:
+        up = counted[k].pop("update")
+        counted[k]["bitwise"] = all(torch.equal(up[n].full_tensor(), ref[n]) for n in names) if k != "blockwise" else "n/a (per piece)"
+    times = {k: [] for k in MESH_LAYOUTS}
+    for i in range(warmup + steps):
+        for k, o in opts.items():
+            _, t = _timed(lambda: o.update(grads, states[k], params))
+            if i >= warmup:
+                times[k].append(t)
+    shapes = [tuple(params[n].shape) for n in names]
+    tp_dims = [plan.param(n).tp_dim for n in names]
+    # The boxes the optimizer read from the DTensors, to check layout_costs' own derivation.
+    from fsdpfn.optim._layout import holdings, work_group
+
+    wg = work_group(mesh, (0, 1))
+    boxes = [holdings(grads[n], n, wg.coords) for n in names]
+    return dict(counted=counted, one=one, times=times, shapes=shapes, tp_dims=tp_dims, boxes=boxes)
+
+
+def _mib(x):
+    return f"{x / 2**20:.2f} MiB"
+
+
+def _print_costs(costs, psi, w, dp, tp, one_flops):
+    theory = {"owner": 2 * (w - 1) / w**2 * psi, "duplicated": (w - 1) / w * psi, "blockwise": 2 * (dp - 1) / dp**2 * psi / tp}
+    formula = {"owner": "2(W-1)/W² Ψ_M", "duplicated": "(W-1)/W Ψ_M", "blockwise": "2(D-1)/D² Ψ_M/T"}
+    print("| layout | received bytes per rank per step: mean [max] | theory | collectives | NS FLOPs summed / one process | busiest rank / mean |")
+    print("|---|---|---|---|---|---|")
+    for k in MESH_LAYOUTS:
+        c = costs[k]
+        mean = statistics.mean(c["received"])
+        fl = c["flops"]
+        print(f"| {k} | {_mib(mean)} [{_mib(max(c['received']))}] | {_mib(theory[k])} = {formula[k]} | {c['calls']} {c['kind']} | "
+              f"{sum(fl) / one_flops:.3f} | {max(fl) / statistics.mean(fl):.3f} |")
+    dup = statistics.mean(costs["duplicated"]["received"])
+    print(f"owner / duplicated bytes: {statistics.mean(costs['owner']['received']) / dup:.3f}x (formula 2/W = {2 / w:.3f})")
+
+
+def _run_mesh(args, cfg_kw):
+    dp, tp = (int(v) for v in args.mesh.lower().split("x"))
+    w = dp * tp
+    res = testing.run_on_ranks(_mesh_bench, w, dp, tp, cfg_kw, args.steps, args.warmup, args.ns_dtype, timeout=7200)
+    r0 = res[0]
+    item = getattr(torch, args.ns_dtype).itemsize
+    psi = sum(math.prod(s) for s in r0["shapes"]) * item
+    print(f"model: GPTConfig({cfg_kw}), mesh dp={dp} x tp={tp} ({w} gloo ranks), GPT tp plan, zero3, {args.ns_dtype} Newton-Schulz, "
+          f"1 thread/rank, torch {torch.__version__}")
+    print(f"Muon matrices: {len(r0['shapes'])}, Psi_M = {_mib(psi)} ({args.ns_dtype}, as sent)\n")
+    print("Counted on the ranks (fsdpfn.count_collectives, FlopCounterMode around opt.update):\n")
+    print("| layout | update == one process, bitwise | collectives per rank per step | NS FLOPs summed over ranks / one process |")
+    print("|---|---|---|---|")
+    for k in MESH_LAYOUTS:
+        c = r0["counted"][k]
+        total = sum(r["counted"][k]["flops"] for r in res)
+        print(f"| {k} | {c['bitwise']} | {c['calls']} | {total / r0['one']:.3f} |")
+    assert [list(b) for b in r0["boxes"]] == [list(_tp_boxes(s, d, dp, tp)) for s, d in zip(r0["shapes"], r0["tp_dims"])]
+    costs = layout_costs(r0["shapes"], r0["tp_dims"], dp, tp, item)
+    one_ns = sum(optim.newton_schulz_flops(s) for s in r0["shapes"])
+    print("\nFrom the schedules the ranks ran (the same owner_schedule on the same boxes; bytes each rank receives from the others):\n")
+    _print_costs(costs, psi, w, dp, tp, one_ns)
+    print(f"\n| timed ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
+    print("|---|---|---|---|---|")
+    t = r0["times"]
+    print(_ratio_line("optimizer step: owner (A) vs duplicated (B)", t["owner"], t["duplicated"]))
+    print(_ratio_line("optimizer step: blockwise (A) vs owner (B)", t["blockwise"], t["owner"]))
+
+
+def _project(args):
+    """Llama-3-8B-like matrices (hidden 4096, MLP 14336, 8 KV heads of 128, 32 layers), colwise
+    q/k/v/gate/up and rowwise o/down, at tp = 8: the layouts' bytes and FLOPs per rank."""
+    h, f, kv = 4096, 14336, 1024
+    layer = [((h, h), 0), ((kv, h), 0), ((kv, h), 0), ((h, h), 1), ((f, h), 0), ((f, h), 0), ((h, f), 1)]
+    shapes = [s for s, _ in layer] * 32
+    tp_dims = [d for _, d in layer] * 32
+    item = 2
+    psi = sum(math.prod(s) for s in shapes) * item
+    one = sum(optim.newton_schulz_flops(s) for s in shapes)
+    print(f"Llama-3-8B-like Muon matrices: {len(shapes)}, Psi_M = {psi / 2**30:.2f} GiB in bf16, one-process NS {one / 1e12:.1f} TFLOP/step\n")
+    for dp, tp in ((1, 8), (2, 8)):
+        print(f"dp={dp} x tp={tp}:\n")
+        _print_costs(layout_costs(shapes, tp_dims, dp, tp, item), psi, dp * tp, dp, tp, one)
+        print()
+
+
 def _ratio_line(name, a, b):
     ratios = [x / y for x, y in zip(a, b)]
     return (
@@ -537,9 +706,19 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=None, help="--pipeline: buckets (default: the automatic choice)")
     ap.add_argument("--per-head", action="store_true", help="--pipeline: per-head blocks on qkv and proj (optim.head_blocks(--heads))")
     ap.add_argument("--per-expert", type=int, default=0, help="--pipeline: read the MLP as N packed experts (fc: N row blocks, out: N column blocks)")
+    ap.add_argument("--mesh", default=None, help="DxT: the owner, duplicated and blockwise layouts on a (dp=D, tp=T) mesh of D*T ranks")
+    ap.add_argument("--project", action="store_true", help="the layouts' bytes and FLOPs for Llama-3-8B-like matrices at tp=8 (no ranks)")
     args = ap.parse_args()
     cfg_kw = dict(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads)
     w = args.world
+    if args.project:
+        print(f"command: python {' '.join(sys.argv)}")
+        _project(args)
+        return
+    if args.mesh:
+        print(f"command: python {' '.join(sys.argv)}")
+        _run_mesh(args, cfg_kw)
+        return
     if args.pipeline:
         print(f"command: python {' '.join(sys.argv)}")
         heads = args.heads if args.per_head else 0

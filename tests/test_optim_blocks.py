@@ -165,15 +165,21 @@ def test_spectral_norm_rule_is_sqrt_fan_out_over_fan_in_without_clamp():
 
 def test_owner_balancing_counts_blocks():
     flops = optim.newton_schulz_flops
-    # One 24 x 8 matrix as 8 heads over 4 ranks: 2 blocks each, not the whole matrix on one rank.
+    # One 24 x 8 matrix as 8 heads over 4 ranks: each rank holds 2 heads whole and keeps them
+    # (no communication), not the whole matrix on one rank.
     s = optim.owner_schedule([(24, 8)], 4, flops, specs=[(8, 1)], buckets=1)
-    assert sorted(s.owners) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert s.owners == (0, 0, 1, 1, 2, 2, 3, 3) and s.kept == tuple(range(8)) and s.buckets == ()
     assert len(set(s.loads)) == 1
     whole = optim.owner_schedule([(24, 8)], 4, flops, buckets=1)
-    assert whole.loads.count(0) == 3
+    assert whole.loads.count(0) == 3 and whole.kept == ()
+    # 24 rows over 3 ranks (8 each) in heads of 3 rows: heads 2 and 5 straddle two ranks and
+    # travel; the others stay where they are.
+    s3 = optim.owner_schedule([(24, 8)], 3, flops, specs=[(8, 1)], buckets=1)
+    assert s3.kept == (0, 1, 3, 4, 6, 7) and s3.buckets == ((2, 5),)
     # Buckets cut every owner's work in about equal parts, keeping the owners.
-    s2 = optim.owner_schedule([(24, 8)], 4, flops, specs=[(8, 1)], buckets=2)
-    assert s2.owners == s.owners and len(s2.buckets) == 2
+    s1 = optim.owner_schedule([(24, 8)] * 8, 4, flops, buckets=1)
+    s2 = optim.owner_schedule([(24, 8)] * 8, 4, flops, buckets=2)
+    assert s2.owners == s1.owners and len(s2.buckets) == 2
     for bucket in s2.buckets:
         assert sorted(s2.owners[j] for j in bucket) == [0, 1, 2, 3]
     # The automatic choice: one bucket for small models, up to 4 once a rank sends >= 4 MiB each.
@@ -262,14 +268,17 @@ def _pipeline_record(rank, world):
 
 
 def test_pipeline_has_the_next_buckets_rows_and_the_last_results_in_flight_while_computing(run_on_ranks):
-    for buckets, overlapped in run_on_ranks(_pipeline_record, 2):
-        assert buckets == [
-            ("local", ("out 0/3",), False),  # the 3-D leaf, under the first all-to-all
-            ("0/3", ("out 1/3",), True),
-            ("1/3", ("out 2/3", "back 0/3"), True),
-            ("2/3", ("back 1/3",), True),
+    results = run_on_ranks(_pipeline_record, 2)
+    for buckets, overlapped in results:
+        assert [(b, flying) for b, flying, _ in buckets] == [
+            ("local", ("out 0/3",)),  # the 3-D leaf and the blocks held whole, under the first all-to-all
+            ("0/3", ("out 1/3",)),
+            ("1/3", ("out 2/3", "back 0/3")),
+            ("2/3", ("back 1/3",)),
         ]
-        assert overlapped == 4
+        assert buckets[0][2] and overlapped == 4
+    # Every bucket orthogonalises something on some rank (a rank may own nothing in one).
+    assert all(any(r[0][i][2] for r in results) for i in range(4))
 
 
 def _muon_steps(rank, world, mesh_shape, buckets):

@@ -170,12 +170,18 @@ def test_global_norm_spans_shards_and_ranks(run_on_ranks, mesh_shape):
 
 
 def _bad_placement(rank, world):
+    from torch.distributed.tensor import Partial
+
     mesh = _mesh((world,))
-    x = DTensor.from_local(torch.randn(4, 3), mesh, (Shard(1),), run_check=False)
+    x = DTensor.from_local(torch.randn(4, 3), mesh, (Partial(),), run_check=False)
     opt = optim.scale_by_muon()
-    with pytest.raises(NotImplementedError, match="'w'"):
+    with pytest.raises(NotImplementedError, match="'w'.*Partial"):
         opt.update({"w": x}, opt.init({"w": x}))
-    return True
+    # Columns split over the mesh (Shard(1)) are read as boxes like rows: the one-process bits.
+    full = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
+    cols = DTensor.from_local(full[:, slice(*chunk_bounds(7, world, rank))].clone(), mesh, (Shard(1),), run_check=False, shape=full.shape, stride=full.stride())
+    got = optim.orthogonalize([cols], ["w"], dtype=torch.float32)[0]
+    return got.placements == (Shard(1),) and torch.equal(got.full_tensor(), optim.newton_schulz(full, dtype=torch.float32))
 
 
 def test_unsupported_placement_names_the_leaf(run_on_ranks):

@@ -174,21 +174,26 @@ def test_fp8_gather_under_tp_is_the_slice_of_the_whole_weight_bitwise(run_on_ran
 
 
 def _muon_on_tp(rank, world):
+    """Muon on the GPT's tp-split weights (colwise qkv/fc, rowwise proj/out) over (dp=2, tp=2),
+    given the same gradients as one process: the same update, bit for bit (each matrix is
+    assembled from its dp and tp pieces on one owner; fsdpfn/optim/_layout.py)."""
+    torch.manual_seed(0)
     model = GPT(CFG)
     plan = fsdpfn.plan(model, testing.mesh((2, 2), ("dp", "tp")), tp=GPT_TP_PLAN)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(5)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in full.items()}
+    opt = fsdpfn.optim.muon(lr=0.02, ns_dtype=torch.float32)
     params = fsdpfn.shard(model, plan)
-    opt = fsdpfn.optim.muon(lr=0.02)
-    try:
-        state = opt.init(params)
-        opt.update(params, state, params)
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
+    updates, _ = opt.update(fsdpfn.shard(grads, plan, check=False), opt.init(params), params)
+    ref, _ = opt.update(grads, opt.init(full), full)
+    split = [n for n in full if plan.param(n).tp in ("shard0", "shard1") and n.endswith("weight")]
+    return len(split), all(torch.equal(updates[n].full_tensor(), ref[n]) for n in full)
 
 
-def test_muon_refuses_tensor_parallel_weights_by_name(run_on_ranks):
-    for msg in run_on_ranks(_muon_on_tp, 4):
-        assert "Muon leaf 'blocks.0." in msg and "tensor-parallel weights is not supported yet" in msg, msg
+def test_muon_on_tensor_parallel_weights_equals_one_process(run_on_ranks):
+    for n_split, same in run_on_ranks(_muon_on_tp, 4):
+        assert n_split == 4 * CFG.depth and same
 
 
 def _tp_accumulate(rank, world, accumulate, style, micro=3, steps=3):

@@ -53,6 +53,8 @@ from fsdpfn.comm._record import flight_records as flight_records
 from fsdpfn.comm._record import group_info as group_info
 from fsdpfn.comm._record import set_flight_dir as set_flight_dir
 from fsdpfn.comm._record import set_job as set_job
+from fsdpfn.comm._ep import ep_all_to_all as ep_all_to_all
+from fsdpfn.comm._ep import ep_counts as ep_counts
 from fsdpfn.comm._tp import tp_copy as tp_copy
 from fsdpfn.comm._tp import tp_gather_last as tp_gather_last
 from fsdpfn.comm._tp import tp_reduce as tp_reduce
@@ -102,4 +104,6 @@ __all__ = [
     "tp_reduce",
     "tp_split_last",
     "world_size",
+    "ep_all_to_all",
+    "ep_counts",
 ]

@@ -1,33 +1,48 @@
-"""Newton–Schulz on sharded matrices: the ``"gather"`` and ``"owner"`` layouts.
+"""Newton–Schulz on sharded matrices: the ``"owner"``, ``"duplicated"`` and ``"blockwise"`` layouts.
 
-Muon leaves arrive as DTensors sharded ``Shard(0)`` over one mesh dimension (the shard group;
-under HSDP the other dimension is ``Replicate()`` and each replicate group computes the same
-thing) or replicated, or as plain tensors. Local rows follow ``torch.chunk``
-(:func:`fsdpfn._plan.chunk_bounds`, the one definition of the split): ``R`` rows over ``W`` ranks
-give rank ``r`` rows ``[min(r c, R), min((r+1) c, R))`` with ``c = ceil(R / W)``, so shards can
-be uneven or empty. A leaf may be orthogonalised as independent blocks
-(``fsdpfn/optim/_blocks.py``, [Note: blocks]).
+Muon leaves arrive as DTensors split over any of a mesh's dims: rows over the data-parallel
+shard axis, rows or columns over a tensor-parallel axis, both (``_StridedShard`` for data-parallel
+rows cut from each tensor-parallel slice), replicated over the rest (HSDP's replicate axis, tp
+for weights it does not split); or as plain tensors. Each rank's piece is a box of the leaf
+(``fsdpfn/optim/_layout.py``, [Note: holdings]); local rows and columns follow ``torch.chunk``
+(:func:`fsdpfn._plan.chunk_bounds`), so pieces can be uneven or empty. The ranks that share the
+work (the *work group*) are the mesh dims along which any leaf is split, one process group
+(flattened when several dims); every group of the other axes computes the same thing. A leaf
+may be orthogonalised as independent blocks (``fsdpfn/optim/_blocks.py``, [Note: blocks]).
 
 [Note: the two layouts]
-``"gather"`` (the simple baseline): one all-gather brings every full matrix to every rank (local
-shards padded to ``c`` rows inside the flat buffer, trimmed after), every rank runs Newton–Schulz
-on all of them (block by block where a leaf has blocks) and keeps its rows. Per rank it moves
-``(W-1)/W`` of the Muon bytes and the ranks together do ``W`` times the one-process FLOPs.
+(Three with ``"blockwise"``, which changes what is computed; ``"gather"`` is the old name of
+``"duplicated"``.) ``W`` is the work group's size, ``N`` the Muon elements.
+
+``"duplicated"`` (the simple baseline, Megatron's name): one all-gather brings every full matrix
+to every rank (local pieces padded to the largest piece inside the flat buffer), every rank runs
+Newton–Schulz on all of them (block by block where a leaf has blocks) and keeps its piece. Per
+rank it receives ``(W-1)/W`` of the Muon bytes and the ranks together do ``W`` times the
+one-process FLOPs.
 
 ``"owner"``: every block (a whole matrix unless the leaf has blocks) gets one owner rank, chosen
 greedily (largest first, to the least loaded rank) so that Newton–Schulz FLOPs balance. An
-all-to-all (uneven splits) sends each rank's rows of each block to its owner, which assembles
-the block, orthogonalises it (same shapes stacked into one batched call), and a second
-all-to-all, the first's transpose, sends the rows back. The blocks travel in buckets, each
-bucket's communication running under another bucket's Newton–Schulz (``fsdpfn/optim/_owner.py``,
-[Note: the pipelined owner layout]). Per rank that moves ``2 (W-1)/W^2`` of the Muon bytes on
-average, and the FLOPs summed over ranks equal the one-process FLOPs. Leaves with 3 or more
-dimensions (e.g. experts ``[E, m, n]``) are sharded along the batch dimension, so every rank
-already holds whole matrices: it orthogonalises its own, with no communication, and they count
-towards its load first.
+all-to-all (uneven splits) sends each piece of each block to its owner (one sender per distinct
+piece, so replicas do not send twice), which assembles the block, orthogonalises it (same shapes
+stacked into one batched call), and a second all-to-all sends every holder its part back. The
+blocks travel in buckets, each bucket's communication running under another bucket's
+Newton–Schulz (``fsdpfn/optim/_owner.py``, [Note: the pipelined owner layout]). Per rank that
+moves ``2 (W-1)/W^2`` of the Muon bytes on average when no leaf is replicated inside the work
+group (``2/W`` of ``"duplicated"``: 0.25x at ``W = 8``), and the FLOPs summed over the work group
+equal the one-process FLOPs. A block one rank holds whole and no other rank touches (an expert
+of a batch ``[E, m, n]`` split over experts, a head inside a tensor-parallel slice) is
+orthogonalised there with no communication and counts towards that rank's load first.
 
-Both layouts send in the Newton–Schulz compute dtype: Newton–Schulz casts its input first, so
-casting before sending changes no bit and halves the bytes in bf16.
+``"blockwise"``: ``"owner"`` on blocks that never cross a tensor-parallel piece: each tp piece of
+a matrix (and each of the user's blocks inside it) is orthogonalised alone, Megatron's blockwise
+mode. Without data-parallel sharding nothing travels. The update then depends on the tp degree
+(a matrix split in 2 and in 4 gives different orthogonal pieces), which is why it is not the
+default: use it to compare, or where a mesh is fixed for the whole run.
+
+All layouts send in the Newton–Schulz compute dtype: Newton–Schulz casts its input first, so
+casting before sending changes no bit and halves the bytes in bf16. ``"owner"`` and
+``"duplicated"`` give the one-process update bit for bit whatever the mesh (each block is
+assembled from copied bits and orthogonalised by the same calls).
 """
 
 from __future__ import annotations
@@ -36,19 +51,20 @@ import math
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
-from fsdpfn._rows import chunk_bounds, chunk_size
+from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, block_shape
 from fsdpfn.optim._checks import check_choice, check_int
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops
+from fsdpfn.optim._layout import holdings, split_dims, work_group
 from fsdpfn.optim._owner import assign_owners, local_blocks_ns, owner_schedule, run_owner
 from fsdpfn.optim._tree import like
 from fsdpfn import comm as C
 
 __all__ = ["LAYOUTS", "assign_owners", "check_buckets", "orthogonalize", "owner_plan"]
 
-LAYOUTS = ("gather", "owner")
+LAYOUTS = ("owner", "duplicated", "blockwise", "gather")
 
 
 def check_buckets(who: str, buckets: Any, name: str = "buckets") -> int | None:
@@ -78,32 +94,37 @@ class _NS(NamedTuple):
         return self.dtype or x.dtype
 
 
-_TP_HINT = (
-    "Muon on tensor-parallel weights is not supported yet: orthogonalise them with another optimizer, e.g. "
-    "optim.partition({'muon': optim.muon(...), 'adamw': optim.adamw(...)}, labels) with the tp-split weights labelled 'adamw'."
-)
-
-
-def _shard_dim(x: torch.Tensor, name: str) -> int | None:
-    """The mesh dimension ``x`` is sharded on (``Shard(0)``), or ``None`` if ``x`` is whole here."""
-    if not isinstance(x, DTensor):
-        return None
-    dims = []
-    for d, p in enumerate(x.placements):
-        if isinstance(p, Shard) and p.dim == 0:
-            dims.append(d)
-        elif not isinstance(p, Replicate):
-            raise NotImplementedError(
-                f"Muon leaf {name!r} has placements {x.placements}; distributed Newton–Schulz supports "
-                f"Shard(0) on one mesh dimension and Replicate() elsewhere (what fsdpfn.shard produces). {_TP_HINT}"
-            )
-    if len(dims) > 1:
-        raise NotImplementedError(
-            f"Muon leaf {name!r} is sharded on {len(dims)} mesh dimensions ({x.placements}); only one is supported. {_TP_HINT}"
+def _blockwise_spec(x: torch.Tensor, name: str, spec: BlockSpec) -> BlockSpec:
+    """``spec`` refined so that no block crosses a tensor-parallel piece of ``x`` (the
+    ``"blockwise"`` layout): the tp pieces are the blocks, or the user's blocks inside them."""
+    if not isinstance(x, DTensor) or x.dim() < 2:
+        return spec
+    mesh = x.device_mesh
+    try:
+        axes = MeshAxes.from_mesh(mesh)
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(
+            f"layout='blockwise' orthogonalises each tensor-parallel piece of Muon leaf {name!r} alone, so it must know which "
+            f"mesh dim is tensor parallel, and the mesh's dim names do not say ({e}); name that dim 'tp'"
+        ) from None
+    d = axes.dim(Role.TP)
+    if d is None or mesh.size(d) == 1 or not isinstance(x.placements[d], Shard):
+        return spec
+    tdim = x.placements[d].dim % x.dim()
+    if x.dim() > 2 and tdim == 0:
+        return spec  # whole matrices per piece already
+    axis = 0 if tdim == x.dim() - 2 else 1
+    tp = mesh.size(d)
+    m = list(spec)
+    if max(m[axis], tp) % min(m[axis], tp):
+        raise ValueError(
+            f"Muon leaf {name!r}: its blocks {spec} cut across its {tp} tensor-parallel pieces along dim {tdim} "
+            f"(layout='blockwise' needs every block inside one piece, or every piece a union of blocks); use a block count "
+            f"that divides or is a multiple of {tp} along that dim"
         )
-    if not dims or x.device_mesh.size(dims[0]) == 1:
-        return None
-    return dims[0]
+    m[axis] = max(m[axis], tp)
+    block_shape(name, tuple(x.shape), (m[0], m[1]))
+    return (m[0], m[1])
 
 
 def orthogonalize(
@@ -123,10 +144,15 @@ def orthogonalize(
     """:func:`newton_schulz` of every leaf's full matrices (or of their blocks), returned placed
     like the leaf.
 
+    Leaves may be split over any mesh dims (data parallel, tensor parallel, both: see
+    ``fsdpfn/optim/_layout.py``, [Note: holdings]); the result does not depend on how, except
+    with ``layout="blockwise"``.
+
     Args:
       leaves: tensors or DTensors with at least 2 dimensions (the last two are the matrix).
       names: one name per leaf, for error messages.
-      layout: ``"gather"`` or ``"owner"`` (see [Note: the two layouts]).
+      layout: ``"owner"``, ``"duplicated"`` (alias ``"gather"``) or ``"blockwise"`` (see
+        [Note: the layouts]).
       steps, coeffs, eps, dtype, method, gram_restarts: as :func:`newton_schulz`.
       blocks: per leaf, ``(m, n)``: orthogonalise each matrix as ``m`` row blocks times ``n``
         column blocks, each alone (``fsdpfn/optim/_blocks.py``); default whole matrices.
@@ -137,12 +163,13 @@ def orthogonalize(
     Returns:
       One tensor per leaf in the compute dtype: DTensors with the input's placements, plain
       tensors for plain inputs. Equals :func:`newton_schulz` of the full tensor (of each block
-      of it), row for row.
+      of it), piece for piece.
 
     Raises:
       ValueError: a setting is invalid (see :func:`check_settings`), on every rank before any
-        collective; or a leaf is not a matrix or its blocks do not divide it (every rank holds
-        the same leaves, so every rank).
+        collective; or a leaf is not a matrix, its blocks do not divide it, or (blockwise) they
+        cut across its tensor-parallel pieces (every rank holds the same leaves, so every rank).
+      NotImplementedError: a leaf's placements are not Shard/Replicate (e.g. ``Partial``), named.
 
     Example:
       >>> w = torch.randn(12, 8)
@@ -158,30 +185,42 @@ def orthogonalize(
     ns = _NS(steps, tuple(coeffs), eps, dtype, method, tuple(gram_restarts))
     out: list[Any] = [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
-    meshes: dict[tuple, tuple[Any, int]] = {}
+    meshes: dict[tuple, Any] = {}
+    dims_of: dict[int, tuple[int, ...]] = {}
     for i, (x, name) in enumerate(zip(leaves, names)):
         if x.dim() < 2:
             raise ValueError(f"Muon leaf {name!r} has shape {tuple(x.shape)}; Muon needs matrices (>= 2-D). Label it for AdamW instead.")
         block_shape(name, tuple(x.shape), specs[i])
+        dims_of[i] = split_dims(x, name)
+        if layout == "blockwise":
+            specs[i] = _blockwise_spec(x, name, specs[i])
     for i, (x, name) in enumerate(zip(leaves, names)):
-        d = _shard_dim(x, name)
-        if d is None:
+        if not dims_of[i]:
             loc = x._local_tensor if isinstance(x, DTensor) else x
             out[i] = like(x, local_blocks_ns(loc, specs[i], ns))
             continue
-        key = (id(x.device_mesh), d, ns.send_dtype(x))
+        key = (id(x.device_mesh), ns.send_dtype(x))
         groups.setdefault(key, []).append(i)
-        meshes[key] = (x.device_mesh, d)
+        meshes[key] = x.device_mesh
     for key, idx in groups.items():  # insertion order: the same on every rank
-        mesh, d = meshes[key]
+        mesh = meshes[key]
+        dims = tuple(sorted({d for i in idx for d in dims_of[i]}))
+        wg = work_group(mesh, dims)
         xs, sp = [leaves[i] for i in idx], [specs[i] for i in idx]
-        if layout == "gather":
-            results = _gather(xs, sp, mesh, d, ns, key[2])
+        held = [holdings(x, names[i], wg.coords) for x, i in zip(xs, idx)]
+        locs = [x._local_tensor for x in xs]
+        for x, i, h, loc in zip(xs, idx, held, locs):
+            mine = h[wg.rank]
+            if loc.numel() != mine.numel:
+                raise ValueError(
+                    f"Muon leaf {names[i]!r} on rank {C.rank()} has local shape {tuple(loc.shape)}, but its placements "
+                    f"{x.placements} give this rank matrices {mine.mats}, rows {mine.rows}, cols {mine.cols} of "
+                    f"{tuple(x.shape)}; build the DTensor with torch.chunk splits (fsdpfn.shard or DTensor.from_local)"
+                )
+        if layout in ("gather", "duplicated"):
+            results = _gather(xs, held, sp, wg, ns, key[1])
         else:
-            locs = [x._local_tensor for x in xs]
-            results = run_owner(
-                locs, [tuple(x.shape) for x in xs], sp, mesh.get_group(d), mesh.size(d), mesh.get_local_rank(d), ns, ns.flops, key[2], buckets
-            )
+            results = run_owner(locs, [tuple(x.shape) for x in xs], sp, wg.group, wg.size, wg.rank, ns, ns.flops, key[1], buckets, held)
         for i, r in zip(idx, results):
             out[i] = like(leaves[i], r)
     return out
@@ -203,7 +242,8 @@ def owner_plan(
     sched = owner_schedule(shapes, world, flops, buckets=1)
     owners: list[int | None] = [None] * len(shapes)
     for b, o in zip(sched.blocks, sched.owners):
-        owners[b.leaf] = o
+        if len(shapes[b.leaf]) == 2:
+            owners[b.leaf] = o
     return owners, list(sched.loads)
 
 
@@ -212,32 +252,32 @@ def owner_plan(
 # ---------------------------------------------------------------------------------------------
 
 
-def _gather(xs: list[DTensor], specs: list[BlockSpec], mesh, dim: int, ns: _NS, send: torch.dtype) -> list[torch.Tensor]:
-    world, rank, group = mesh.size(dim), mesh.get_local_rank(dim), mesh.get_group(dim)
-    chunks = []
-    for x in xs:
-        rows = x.shape[0]
-        c = chunk_size(rows, world)
-        row_numel = math.prod(x.shape[1:])
-        chunks.append((rows, c, row_numel))
-    total = sum(c * rn for _, c, rn in chunks)
+def _gather(xs: list[DTensor], held, specs: list[BlockSpec], wg, ns: _NS, send: torch.dtype) -> list[torch.Tensor]:
+    pads = [max(h.numel for h in hs) for hs in held]
+    total = sum(pads)
     device = xs[0]._local_tensor.device  # every buffer on the device of the tensors it serves
     buf = torch.zeros(total, dtype=send, device=device)
     off = 0
-    for x, (rows, c, rn) in zip(xs, chunks):
+    for x, pad in zip(xs, pads):
         loc = x._local_tensor.reshape(-1)
         buf[off : off + loc.numel()].copy_(loc)
-        off += c * rn
-    gathered = torch.empty(world * total, dtype=send, device=device)
+        off += pad
+    gathered = torch.empty(wg.size * total, dtype=send, device=device)
     if total:
-        C.all_gather(gathered, buf, group, tag="muon_gather")
-    stacked = gathered.view(world, total)
+        C.all_gather(gathered, buf, wg.group, tag="muon_gather")
+    stacked = gathered.view(wg.size, total)
     results, off = [], 0
-    for x, spec, (rows, c, rn) in zip(xs, specs, chunks):
-        full = stacked[:, off : off + c * rn].reshape(world * c, *x.shape[1:])[:rows]
-        off += c * rn
-        start, stop = chunk_bounds(rows, world, rank)
-        results.append(local_blocks_ns(full, spec, ns)[start:stop].clone())
+    for x, hs, spec, pad in zip(xs, held, specs, pads):
+        shape = tuple(x.shape)
+        full = torch.empty((math.prod(shape[:-2]), *shape[-2:]), dtype=send, device=device)
+        seen = set()
+        for q, h in enumerate(hs):
+            if h.numel and h not in seen:  # replicas hold the same values: one of them is enough
+                seen.add(h)
+                dst = full[h.mats[0] : h.mats[1], h.rows[0] : h.rows[1], h.cols[0] : h.cols[1]]
+                dst.copy_(stacked[q, off : off + h.numel].view(dst.shape))
+        off += pad
+        o = local_blocks_ns(full.view(shape), spec, ns).reshape(full.shape)
+        h = hs[wg.rank]
+        results.append(o[h.mats[0] : h.mats[1], h.rows[0] : h.rows[1], h.cols[0] : h.cols[1]].reshape(x._local_tensor.shape).clone())
     return results
-
-

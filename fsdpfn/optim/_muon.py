@@ -86,8 +86,11 @@ def scale_by_muon(
       ns_steps, ns_coeffs, eps: Newton–Schulz iterations, coefficients and norm floor.
       ns_dtype: Newton–Schulz compute dtype: ``torch.bfloat16`` (as ``torch.optim.Muon``) or
         ``torch.float32``; ``None`` keeps the gradient's dtype.
-      layout: ``"owner"`` (each matrix orthogonalised once, by one rank) or ``"gather"``
-        (every rank orthogonalises every matrix).
+      layout: ``"owner"`` (each matrix orthogonalised once, by one rank, assembled there from
+        its data- and tensor-parallel pieces), ``"duplicated"`` (every rank orthogonalises
+        every matrix; ``"gather"`` is the same) or ``"blockwise"`` (each tensor-parallel piece
+        orthogonalised alone: the update then depends on the tp degree). ``"owner"`` and
+        ``"duplicated"`` give the one-process update bit for bit on any mesh.
       ns_method, gram_restarts: ``"standard"`` (``torch.optim.Muon``'s iteration) or ``"gram"``
         (the same polynomial computed on the Gram matrix: fewer FLOPs on matrices wider than
         1.5:1, equal up to rounding); see :func:`newton_schulz`.
@@ -320,7 +323,8 @@ def muon(
       ns_steps, ns_coeffs, eps, ns_dtype: Newton–Schulz settings (see :func:`newton_schulz`).
       adjust_lr_fn: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_norm"`` (see
         :func:`scale_by_muon_lr`).
-      layout: distributed Newton–Schulz, ``"owner"`` or ``"gather"``.
+      layout: distributed Newton–Schulz, ``"owner"``, ``"duplicated"`` (alias ``"gather"``) or
+        ``"blockwise"`` (see :func:`scale_by_muon`).
       ns_method, gram_restarts: ``"standard"`` or ``"gram"`` and the latter's restart
         iterations (see :func:`newton_schulz`; ``"gram"`` is not bitwise ``torch.optim.Muon``).
       labels: ``None`` (:func:`muon_labels`), a function ``(name, param) -> "muon" | "adamw"``,

@@ -3,14 +3,18 @@ communication of one bucket runs under the Newton–Schulz of another.
 
 [Note: the pipelined owner layout]
 The unit of work is a block (``fsdpfn/optim/_blocks.py``, [Note: blocks]; a whole matrix is one
-block). :func:`owner_schedule` gives every block of the group's 2-D leaves an owner, greedily,
-largest Newton–Schulz FLOPs first to the least loaded rank (leaves of 3 or more dimensions stay
-with the rank holding them and count towards its load first), then cuts every owner's blocks
-into ``B`` buckets of about equal FLOPs, so that each bucket keeps every rank about equally
-busy. Bucket ``k`` is a set of blocks; its rows go to their owners in one all-to-all ("out
-k") and come back orthogonalised in another ("back k"). The ranks run::
+block; a batch of matrices ``[E, m, n]`` is ``E`` of them). Each rank holds a box of every leaf
+(rows over data parallel, rows or columns over tensor parallel: ``fsdpfn/optim/_layout.py``,
+[Note: holdings]). :func:`owner_schedule` keeps a block where it lies when one rank holds it
+whole and no other rank holds any of it (an expert of a batch split over experts, a head inside
+a tensor-parallel slice), counting it towards that rank's load first; gives every other block an
+owner, greedily, largest Newton–Schulz FLOPs first to the least loaded of the ranks holding it
+(whole, else in part); then cuts every owner's travelling blocks into ``B`` buckets of about
+equal FLOPs, so that each bucket keeps every rank about equally busy. Bucket ``k`` is a set of
+blocks; their pieces go to their owners in one all-to-all ("out k") and come back orthogonalised
+to every rank holding a part in another ("back k"). The ranks run::
 
-    launch out 0; orthogonalise the local (3-D) leaves
+    launch out 0; orthogonalise the kept blocks
     for k in 0 .. B-1:
         wait out k; launch out k+1
         Newton–Schulz of bucket k        # in flight: out k+1 and back k-1
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -48,8 +53,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from fsdpfn import comm as C
-from fsdpfn._rows import chunk_bounds
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, merge_blocks, split_blocks
+from fsdpfn.optim._layout import Box, whole_holdings
 
 __all__ = [
     "AUTO_BUCKET_BYTES",
@@ -88,28 +93,38 @@ def assign_owners(flops: list[int], world: int, base_load: list[int] | None = No
 
 class Block(NamedTuple):
     """One unit of Newton–Schulz work: rows ``rows`` and columns ``cols`` (global, half-open) of
-    leaf ``leaf``'s matrix, costing ``flops``."""
+    matrix ``mat`` of leaf ``leaf`` (seen as ``[B, R, C]``; 0 for a 2-D leaf), costing ``flops``."""
 
     leaf: int
     rows: tuple[int, int]
     cols: tuple[int, int]
     flops: int
+    mat: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows[1] - self.rows[0], self.cols[1] - self.cols[0])
+
+    @property
+    def box(self) -> Box:
+        return Box((self.mat, self.mat + 1), self.rows, self.cols)
 
 
 class OwnerSchedule(NamedTuple):
     """Who orthogonalises what, and in which bucket (see [Note: the pipelined owner layout]).
 
     Attributes:
-      world: ranks in the shard group.
-      blocks: the 2-D leaves' blocks, leaf by leaf, row-major within a leaf.
+      world: ranks in the work group.
+      blocks: every leaf's blocks, leaf by leaf, matrix by matrix, row-major within a matrix.
       owners: the owner rank of each block.
-      buckets: the blocks of each bucket, in the order they are sent.
-      loads: Newton–Schulz FLOPs each rank runs, its local (3-D) leaves included.
-      local: the leaves orthogonalised where they are (3 or more dimensions).
+      buckets: the travelling blocks of each bucket, in the order they are sent.
+      loads: Newton–Schulz FLOPs each rank runs, kept blocks included.
+      local: the leaves with 3 or more dimensions (batches of matrices).
+      kept: the blocks orthogonalised where they lie: their owner holds them whole and no
+        other rank holds any part of them (no communication).
+      held: per leaf, the box each rank holds (``fsdpfn/optim/_layout.py``, [Note: holdings]).
+      pieces: per block, ``((source rank, box), ...)``: who sends which part to its owner.
+      returns: per block, ``((rank, box), ...)``: which part of the result goes back to whom.
     """
 
     world: int
@@ -118,6 +133,10 @@ class OwnerSchedule(NamedTuple):
     buckets: tuple[tuple[int, ...], ...]
     loads: tuple[int, ...]
     local: tuple[int, ...]
+    kept: tuple[int, ...] = ()
+    held: tuple[tuple[Box, ...], ...] = ()
+    pieces: tuple[tuple[tuple[int, Box], ...], ...] = ()
+    returns: tuple[tuple[tuple[int, Box], ...], ...] = ()
 
 
 def _auto_buckets(blocks: Sequence[Block], owners: Sequence[int], world: int, itemsize: int) -> int:
@@ -134,60 +153,92 @@ def owner_schedule(
     specs: Sequence[BlockSpec] | None = None,
     buckets: int | None = None,
     itemsize: int = 2,
+    held: Sequence[Sequence[Box]] | None = None,
 ) -> OwnerSchedule:
-    """The owner layout's schedule for leaves of global ``shapes`` sharded over ``world`` ranks.
+    """The owner layout's schedule for leaves of global ``shapes`` spread over ``world`` ranks.
 
-    Pure and deterministic: every rank computes the same one from the shapes alone.
+    Pure and deterministic: every rank computes the same one from the shapes and holdings alone.
+    A block held whole by one rank and touched by no other is *kept*: orthogonalised there, no
+    communication, counted towards that rank's load first. A block held whole by several ranks
+    (replicas) is owned by the least loaded of them, so only its result travels. Every other
+    block goes to an owner chosen greedily (largest first, to the least loaded of the ranks
+    holding part of it), and every
+    distinct piece of it is sent by one of the ranks holding it (the owner itself if it can,
+    else one chosen by the block's number, spreading the sending over replicas).
 
     Args:
-      shapes: global shapes (2-D: matrices to distribute; more dimensions: batches of matrices
-        sharded along the first, orthogonalised where they are).
+      shapes: global shapes (2-D: matrices; more dimensions: batches of matrices).
       world: ranks.
       flops: Newton–Schulz FLOPs of a ``(rows, cols)`` or ``(batch, rows, cols)`` shape.
       specs: block spec ``(m, n)`` per leaf (default: whole matrices).
       buckets: number of buckets, or ``None`` for the automatic choice (see the Note).
       itemsize: bytes per element sent (for the automatic choice).
+      held: per leaf, the :class:`Box` each rank holds (default: rows split along dim 0 with
+        ``torch.chunk`` semantics, the 1-D data-parallel layout).
 
     Example:
       >>> s = owner_schedule([(8, 4), (4, 4), (4, 4)], 2, lambda shape: shape[-2] * shape[-1], specs=[(2, 1), (1, 1), (1, 1)], buckets=2)
       >>> [(b.leaf, b.rows) for b in s.blocks]
       [(0, (0, 4)), (0, (4, 8)), (1, (0, 4)), (2, (0, 4))]
-      >>> s.owners, s.buckets, s.loads
-      ((0, 1, 0, 1), ((0, 1), (2, 3)), (32, 32))
+      >>> s.owners, s.kept, s.buckets, s.loads
+      ((0, 1, 0, 1), (0, 1), ((2, 3),), (32, 32))
     """
     specs = list(specs) if specs is not None else [WHOLE] * len(shapes)
-    loads = [0] * world
+    held = tuple(tuple(h) for h in held) if held is not None else tuple(whole_holdings(s, world) for s in shapes)
     local = tuple(i for i, s in enumerate(shapes) if len(s) > 2)
-    for i in local:
-        m, n = specs[i]
-        *_, rows, cols = shapes[i]
-        for q in range(world):
-            start, stop = chunk_bounds(shapes[i][0], world, q)
-            loads[q] += flops(((stop - start) * m * n, rows // m, cols // n))
     blocks = []
     for i, shape in enumerate(shapes):
-        if len(shape) != 2:
-            continue
-        (m, n), (rows, cols) = specs[i], shape
+        (m, n), rows, cols = specs[i], shape[-2], shape[-1]
         br, bc = rows // m, cols // n
-        for a in range(m):
-            for b in range(n):
-                blocks.append(Block(i, (a * br, (a + 1) * br), (b * bc, (b + 1) * bc), flops((br, bc))))
-    owners = assign_owners([b.flops for b in blocks], world, loads)
-    count = _auto_buckets(blocks, owners, world, itemsize) if buckets is None else buckets
-    bucket_of = [0] * len(blocks)
+        cost = flops((br, bc))
+        for e in range(math.prod(shape[:-2])):
+            for a in range(m):
+                for b in range(n):
+                    blocks.append(Block(i, (a * br, (a + 1) * br), (b * bc, (b + 1) * bc), cost, e))
+    touch, holders = [], []
+    for blk in blocks:
+        box = blk.box
+        parts = [(q, h.intersect(box)) for q, h in enumerate(held[blk.leaf])]
+        parts = [(q, p) for q, p in parts if p.numel]
+        touch.append(parts)
+        holders.append([q for q, p in parts if p == box])
+    loads = [0] * world
+    owners: list[int] = [-1] * len(blocks)
+    for j, hs in enumerate(holders):
+        if len(hs) == 1:
+            owners[j] = hs[0]
+            loads[hs[0]] += blocks[j].flops
+    for j in sorted((j for j in range(len(blocks)) if owners[j] < 0), key=lambda j: (-blocks[j].flops, j)):
+        # Among the ranks holding it whole, else among those holding part of it (their own part
+        # then stays put, and a block inside one tensor-parallel slice stays in its dp group).
+        r = min(holders[j] or [q for q, _ in touch[j]], key=lambda q: (loads[q], q))
+        owners[j] = r
+        loads[r] += blocks[j].flops
+    kept = tuple(j for j in range(len(blocks)) if [q for q, _ in touch[j]] == [owners[j]])
+    pieces, returns = [], []
+    for j in range(len(blocks)):
+        by_box: dict[Box, list[int]] = {}
+        for q, p in touch[j]:
+            by_box.setdefault(p, []).append(q)
+        pieces.append(tuple((owners[j] if owners[j] in qs else qs[j % len(qs)], p) for p, qs in by_box.items()))
+        returns.append(tuple(touch[j]))
+        assert sum(p.numel for _, p in pieces[-1]) == blocks[j].shape[0] * blocks[j].shape[1], "holdings do not tile the leaf"
+    kept_set = set(kept)
+    travel = [j for j in range(len(blocks)) if j not in kept_set]
+    count = _auto_buckets([blocks[j] for j in travel], [owners[j] for j in travel], world, itemsize) if buckets is None else buckets
+    bucket_of = {}
     for r in range(world):
-        mine = sorted((j for j, o in enumerate(owners) if o == r), key=lambda j: (-blocks[j].flops, j))
+        mine = sorted((j for j in travel if owners[j] == r), key=lambda j: (-blocks[j].flops, j))
         total = sum(blocks[j].flops for j in mine)
         done = 0
         for j in mine:
             # The bucket holding this block's FLOP midpoint: every owner's work cut in equal parts.
             bucket_of[j] = min(count - 1, int((done + blocks[j].flops / 2) * count / total)) if total else 0
             done += blocks[j].flops
-    for j, o in enumerate(owners):
-        loads[o] += blocks[j].flops
-    grouped = tuple(tuple(j for j in range(len(blocks)) if bucket_of[j] == k) for k in range(count))
-    return OwnerSchedule(world, tuple(blocks), tuple(owners), tuple(g for g in grouped if g), tuple(loads), local)
+    grouped = tuple(tuple(j for j in travel if bucket_of[j] == k) for k in range(count))
+    return OwnerSchedule(
+        world, tuple(blocks), tuple(owners), tuple(g for g in grouped if g), tuple(loads), local, kept, held, tuple(pieces), tuple(returns)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,90 +331,131 @@ def local_blocks_ns(x: torch.Tensor, spec: BlockSpec, ns: Callable[[torch.Tensor
     return merge_blocks(ns(split_blocks(x, spec)), spec, tuple(x.shape))
 
 
-class _Bucket:
-    """One bucket as this rank sees it: which rows it sends where and receives from whom, and
-    how they are packed into the flat all-to-all buffers (by destination, then block)."""
+def _piece(h: Box, x: torch.Tensor, box: Box) -> torch.Tensor:
+    """``box`` (global) of a leaf in ``x``, the piece ``h`` of it a rank holds, as ``[b, r, c]``."""
+    v = x.view(-1, h.rows[1] - h.rows[0], h.cols[1] - h.cols[0]) if x.numel() else x.reshape(0, 0, 0)
+    return v[
+        box.mats[0] - h.mats[0] : box.mats[1] - h.mats[0],
+        box.rows[0] - h.rows[0] : box.rows[1] - h.rows[0],
+        box.cols[0] - h.cols[0] : box.cols[1] - h.cols[0],
+    ]
 
-    def __init__(self, sched: OwnerSchedule, k: int, shapes, rank: int, dtype: torch.dtype, device: torch.device):
-        self.world, self.rank, self.dtype, self.device = sched.world, rank, dtype, device
-        blocks = [(j, sched.blocks[j]) for j in sched.buckets[k]]
-        self.to = [[b for j, b in blocks if sched.owners[j] == dst] for dst in range(sched.world)]
-        self.mine = self.to[rank]
-        self.bounds = {b.leaf: [chunk_bounds(shapes[b.leaf][0], sched.world, q) for q in range(sched.world)] for _, b in blocks}
+
+class _Bucket:
+    """One bucket as this rank sees it: which pieces it sends where and receives from whom, and
+    how they are packed into the flat all-to-all buffers (by peer, then block, then piece)."""
+
+    def __init__(self, sched: OwnerSchedule, k: int, rank: int, dtype: torch.dtype, device: torch.device):
+        self.world, self.rank, self.dtype, self.device, self.sched = sched.world, rank, dtype, device, sched
+        w = sched.world
+        self.send_out: list[list[tuple[int, Box]]] = [[] for _ in range(w)]
+        self.recv_out: list[list[tuple[int, Box]]] = [[] for _ in range(w)]
+        self.send_back: list[list[tuple[int, Box]]] = [[] for _ in range(w)]
+        self.recv_back: list[list[tuple[int, Box]]] = [[] for _ in range(w)]
+        idx = sched.buckets[k]
+        for j in idx:
+            o = sched.owners[j]
+            for src, box in sched.pieces[j]:
+                if src == rank:
+                    self.send_out[o].append((j, box))
+                if o == rank:
+                    self.recv_out[src].append((j, box))
+            for dst, box in sched.returns[j]:
+                if o == rank:
+                    self.send_back[dst].append((j, box))
+                if dst == rank:
+                    self.recv_back[o].append((j, box))
+        self.idx = [j for j in idx if sched.owners[j] == rank]
+        self.mine = [sched.blocks[j] for j in self.idx]
         self.label = f"{k}/{len(sched.buckets)}"
 
-    def rows(self, b: Block, src: int) -> tuple[int, int]:
-        """Global rows of block ``b`` that rank ``src`` holds (possibly none)."""
-        start, stop = self.bounds[b.leaf][src]
-        lo = max(start, b.rows[0])
-        return lo, max(lo, min(stop, b.rows[1]))
+    @staticmethod
+    def _splits(lists: list[list[tuple[int, Box]]]) -> list[int]:
+        return [sum(box.numel for _, box in items) for items in lists]
 
-    def numel(self, b: Block, src: int) -> int:
-        lo, hi = self.rows(b, src)
-        return (hi - lo) * b.shape[1]
+    def splits(self, way: str) -> tuple[list[int], list[int]]:
+        """``(input splits, output splits)`` of the ``"out"`` or ``"back"`` all-to-all."""
+        if way == "out":
+            return self._splits(self.send_out), self._splits(self.recv_out)
+        return self._splits(self.send_back), self._splits(self.recv_back)
 
-    def splits_to(self) -> list[int]:
-        """Elements this rank sends each owner on the way out (receives on the way back)."""
-        return [sum(self.numel(b, self.rank) for b in self.to[dst]) for dst in range(self.world)]
+    def _view(self, leaf: int, x: torch.Tensor, box: Box) -> torch.Tensor:
+        return _piece(self.sched.held[leaf][self.rank], x, box)
 
-    def splits_from(self) -> list[int]:
-        """Elements this rank receives from each rank on the way out (sends on the way back)."""
-        return [sum(self.numel(b, src) for b in self.mine) for src in range(self.world)]
-
-    def _mine(self, b: Block, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of block ``b`` in ``x``, this rank's rows of ``b``'s leaf."""
-        lo, hi = self.rows(b, self.rank)
-        start = self.bounds[b.leaf][self.rank][0]
-        return x[lo - start : hi - start, b.cols[0] : b.cols[1]]
+    def _in_block(self, stacks, slot, j: int, box: Box) -> torch.Tensor:
+        b = self.sched.blocks[j]
+        s, i = slot[j]
+        return stacks[s][i, box.rows[0] - b.rows[0] : box.rows[1] - b.rows[0], box.cols[0] - b.cols[0] : box.cols[1] - b.cols[0]]
 
     def pack_out(self, locals_: list[torch.Tensor]) -> torch.Tensor:
-        """My rows of every block, grouped by owner, cast to the send dtype while copied."""
-        buf = torch.empty(sum(self.splits_to()), dtype=self.dtype, device=self.device)
+        """My pieces of every block, grouped by owner, cast to the send dtype while copied."""
+        buf = torch.empty(sum(self._splits(self.send_out)), dtype=self.dtype, device=self.device)
         off = 0
-        for dst in range(self.world):
-            for b in self.to[dst]:
-                piece = self._mine(b, locals_[b.leaf])
-                buf[off : off + piece.numel()].view(piece.shape).copy_(piece)
-                off += piece.numel()
+        for items in self.send_out:
+            for j, box in items:
+                piece = self._view(self.sched.blocks[j].leaf, locals_[self.sched.blocks[j].leaf], box)
+                buf[off : off + box.numel].view(piece.shape).copy_(piece)
+                off += box.numel
         return buf
 
-    def assemble(self, got: torch.Tensor) -> tuple[dict[tuple[int, int], torch.Tensor], dict[Block, tuple[tuple[int, int], int]]]:
-        """The blocks I own, from every rank's rows, stacked by shape: ``(stacks, slot)``."""
-        by_shape: dict[tuple[int, int], list[Block]] = {}
-        for b in self.mine:
-            by_shape.setdefault(b.shape, []).append(b)
-        stacks = {s: torch.empty((len(bs), *s), dtype=self.dtype, device=self.device) for s, bs in by_shape.items()}
-        slot = {b: (s, j) for s, bs in by_shape.items() for j, b in enumerate(bs)}
+    def assemble(self, got: torch.Tensor):
+        """The blocks I own, from every rank's pieces, stacked by shape: ``(stacks, slot)``."""
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for j in self.idx:
+            by_shape.setdefault(self.sched.blocks[j].shape, []).append(j)
+        stacks = {s: torch.empty((len(js), *s), dtype=self.dtype, device=self.device) for s, js in by_shape.items()}
+        slot = {j: (s, i) for s, js in by_shape.items() for i, j in enumerate(js)}
         off = 0
-        for src in range(self.world):
-            for b in self.mine:
-                lo, hi = self.rows(b, src)
-                n = (hi - lo) * b.shape[1]
-                s, j = slot[b]
-                stacks[s][j, lo - b.rows[0] : hi - b.rows[0]].copy_(got[off : off + n].view(hi - lo, b.shape[1]))
-                off += n
+        for items in self.recv_out:
+            for j, box in items:
+                dst = self._in_block(stacks, slot, j, box)
+                dst.copy_(got[off : off + box.numel].view(dst.shape))
+                off += box.numel
         return stacks, slot
 
-    def pack_back(self, ortho: dict[tuple[int, int], torch.Tensor], slot) -> torch.Tensor:
-        """Every rank's rows of the blocks I orthogonalised: the first trip, transposed."""
-        buf = torch.empty(sum(self.splits_from()), dtype=self.dtype, device=self.device)
+    def pack_back(self, ortho, slot) -> torch.Tensor:
+        """Every holder's part of the blocks I orthogonalised."""
+        buf = torch.empty(sum(self._splits(self.send_back)), dtype=self.dtype, device=self.device)
         off = 0
-        for src in range(self.world):
-            for b in self.mine:
-                lo, hi = self.rows(b, src)
-                n = (hi - lo) * b.shape[1]
-                s, j = slot[b]
-                buf[off : off + n].view(hi - lo, b.shape[1]).copy_(ortho[s][j, lo - b.rows[0] : hi - b.rows[0]])
-                off += n
+        for items in self.send_back:
+            for j, box in items:
+                src = self._in_block(ortho, slot, j, box)
+                buf[off : off + box.numel].view(src.shape).copy_(src)
+                off += box.numel
         return buf
 
     def unpack_back(self, got: torch.Tensor, results: list[torch.Tensor]) -> None:
         off = 0
-        for dst in range(self.world):
-            for b in self.to[dst]:
-                out = self._mine(b, results[b.leaf])
-                out.copy_(got[off : off + out.numel()].view(out.shape))
-                off += out.numel()
+        for items in self.recv_back:
+            for j, box in items:
+                leaf = self.sched.blocks[j].leaf
+                out = self._view(leaf, results[leaf], box)
+                out.copy_(got[off : off + box.numel].view(out.shape))
+                off += box.numel
+
+
+def _kept_ns(sched: OwnerSchedule, rank: int, locals_, results, ns, dtype, device) -> tuple[int, int]:
+    """Newton–Schulz of the blocks this rank keeps, same shapes stacked; ``(blocks, flops)``."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for j in sched.kept:
+        if sched.owners[j] == rank:
+            by_shape.setdefault(sched.blocks[j].shape, []).append(j)
+    count = flops = 0
+    for shape, js in by_shape.items():
+        stack = torch.empty((len(js), *shape), dtype=dtype, device=device)
+        for i, j in enumerate(js):
+            b = sched.blocks[j]
+            stack[i].copy_(_piece(sched.held[b.leaf][rank], locals_[b.leaf], b.box)[0])
+        ortho = ns(stack)
+        for i, j in enumerate(js):
+            b = sched.blocks[j]
+            _piece(sched.held[b.leaf][rank], results[b.leaf], b.box)[0].copy_(ortho[i])
+            flops += b.flops
+        count += len(js)
+    return count, flops
+
+
+_SCHEDULES: dict[tuple, OwnerSchedule] = {}
 
 
 def run_owner(
@@ -377,18 +469,27 @@ def run_owner(
     flops: Callable[[tuple[int, ...]], int],
     send: torch.dtype,
     buckets: int | None,
+    held: Sequence[Sequence[Box]] | None = None,
 ) -> list[torch.Tensor]:
     """Newton–Schulz of every leaf's blocks in the pipelined owner layout (see [Note: the
-    pipelined owner layout]); returns this rank's rows of each result in ``send`` (the compute
-    dtype), given this rank's rows ``locals_`` of every leaf."""
-    sched = owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=send.itemsize)
+    pipelined owner layout]); returns this rank's piece of each result in ``send`` (the compute
+    dtype), given this rank's pieces ``locals_`` of every leaf (boxes ``held``, default rows
+    split along dim 0)."""
+    held = tuple(tuple(h) for h in held) if held is not None else tuple(whole_holdings(s, world) for s in shapes)
+    key = (tuple(map(tuple, shapes)), world, flops, tuple(specs), buckets, send.itemsize, held)
+    sched = _SCHEDULES.get(key)
+    if sched is None:
+        if len(_SCHEDULES) > 64:
+            _SCHEDULES.clear()
+        sched = _SCHEDULES[key] = owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=send.itemsize, held=held)
+    locals_ = [x.contiguous() for x in locals_]
     device = locals_[0].device  # every buffer on the device of the tensors it serves
-    results: list[Any] = [torch.empty(x.shape, dtype=send, device=device) if len(s) == 2 else None for x, s in zip(locals_, shapes)]
-    plans = [_Bucket(sched, k, shapes, rank, send, device) for k in range(len(sched.buckets))]
+    results: list[Any] = [torch.empty(x.shape, dtype=send, device=device) for x in locals_]
+    plans = [_Bucket(sched, k, rank, send, device) for k in range(len(sched.buckets))]
 
     def trip(p: _Bucket, buf: torch.Tensor, way: str):
         # The buffer stays referenced with the pending work until it is waited for.
-        out_splits, in_splits = (p.splits_from(), p.splits_to()) if way == "out" else (p.splits_to(), p.splits_from())
+        in_splits, out_splits = p.splits(way)
         got = torch.empty(sum(out_splits), dtype=send, device=device)
         return C.all_to_all(got, buf, group, output_splits=out_splits, input_splits=in_splits, async_op=True, tag="muon_owner"), buf
 
@@ -400,11 +501,9 @@ def run_owner(
 
     out = trip(plans[0], plans[0].pack_out(locals_), "out") if plans else None
     t0 = time.perf_counter()
-    for i in sched.local:  # under the first bucket's rows travelling
-        results[i] = local_blocks_ns(locals_[i], specs[i], ns)
-    if sched.local:
-        owned = sum(b.flops for p in plans for b in p.mine)
-        _note(BucketRecord("local", 0, sched.loads[rank] - owned, (f"out {plans[0].label}",) if plans else (), 0.0, time.perf_counter() - t0))
+    kept, kept_flops = _kept_ns(sched, rank, locals_, results, ns, send, device)  # under the first bucket's pieces travelling
+    if kept:
+        _note(BucketRecord("local", kept, kept_flops, (f"out {plans[0].label}",) if plans else (), 0.0, time.perf_counter() - t0))
     back: dict[int, Any] = {}
     for k, p in enumerate(plans):
         t0 = time.perf_counter()

@@ -185,7 +185,8 @@ def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tupl
     sched = optim.owner_schedule(shapes, world, flops, buckets=1)
     owners: list[int | None] = [None] * len(shapes)
     for b, o in zip(sched.blocks, sched.owners):
-        owners[b.leaf] = o
+        if len(shapes[b.leaf]) == 2:  # a batch's matrices are blocks of their own, kept where they lie
+            owners[b.leaf] = o
     return owners, list(sched.loads)
 
 

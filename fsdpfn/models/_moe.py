@@ -1,0 +1,128 @@
+"""A small mixture-of-experts MLP: top-k router, packed expert weights, load-balancing loss, and
+experts optionally sharded over an expert-parallel group with the tokens exchanged by
+differentiable all-to-alls (:func:`fsdpfn.comm.ep_all_to_all`).
+
+[Note: expert-parallel dispatch]
+Each rank routes its own tokens. Every (token, choice) pair goes to the rank holding its expert
+(experts ``[r E/ep, (r+1) E/ep)`` live on rank ``r``): pairs are sorted by expert (stable, so
+ties keep token order), the per-expert counts are exchanged (one small all-to-all of integers),
+the rows travel by one all-to-all, each rank runs its experts on the rows it received (grouped
+by expert), and the outputs go back by the transposed all-to-all and are summed per token with
+the router's weights. Gradients follow the same path backwards, so an expert's weight gradient
+on its rank is the sum over every rank's tokens routed to it. With ``ep = 1`` (no group) the
+same code runs with every expert local and the all-to-alls exchange nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdpfn import comm as C
+
+__all__ = ["MoE", "MoEConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sizes of :class:`MoE`.
+
+    Attributes:
+      width: token width.
+      hidden: each expert's hidden width.
+      experts: number of experts.
+      top_k: experts per token.
+      aux_weight: weight of the load-balancing loss in :meth:`MoE.forward`'s second output.
+    """
+
+    width: int = 16
+    hidden: int = 32
+    experts: int = 4
+    top_k: int = 2
+    aux_weight: float = 0.01
+
+
+class MoE(nn.Module):
+    """Top-k mixture-of-experts MLP over a token matrix ``[N, width]``.
+
+    Expert ``e`` computes ``gelu(x @ w1[e].T) @ w2[e].T``; ``w1`` (``[E, hidden, width]``) and
+    ``w2`` (``[E, width, hidden]``) pack the experts along dim 0, so Muon orthogonalises each
+    expert's matrices alone (a batch of matrices). The router is a bias-free linear layer; a
+    token's ``top_k`` experts are weighted by their softmax probabilities renormalised over the
+    chosen ones. The load-balancing loss is Switch Transformer's, ``E * sum_e f_e P_e`` (``f_e``
+    the fraction of (token, choice) pairs sent to expert ``e``, ``P_e`` its mean probability),
+    times ``aux_weight``.
+
+    Args:
+      cfg: sizes.
+      ep_group: an expert-parallel process group: this rank holds experts
+        ``[r E/ep, (r+1) E/ep)`` only (``r`` its rank in the group), and tokens are exchanged
+        with the other ranks ([Note: expert-parallel dispatch]). ``None``: every expert here.
+
+    Raises:
+      ValueError: ``experts`` does not divide over the group, or ``top_k`` is not in
+        ``1 .. experts`` (named, when built, before any collective).
+
+    Example:
+      >>> moe = fsdpfn.models.MoE(fsdpfn.models.MoEConfig(width=8, hidden=16, experts=4, top_k=2))
+      >>> y, aux = moe(torch.randn(5, 8))
+      >>> y.shape, aux.dim()
+      (torch.Size([5, 8]), 0)
+    """
+
+    def __init__(self, cfg: MoEConfig = MoEConfig(), ep_group=None):
+        super().__init__()
+        ep = C.group_size(ep_group) if ep_group is not None else 1
+        if cfg.experts < 1 or cfg.experts % ep:
+            raise ValueError(
+                f"MoE: experts={cfg.experts} does not divide over the {ep} expert-parallel ranks; choose a number of experts that "
+                f"is a multiple of ep (e.g. {max(ep, cfg.experts - cfg.experts % ep)}) or a smaller ep"
+            )
+        if not 1 <= cfg.top_k <= cfg.experts:
+            raise ValueError(f"MoE: top_k={cfg.top_k} must be in 1 .. experts ({cfg.experts})")
+        self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
+        self.local = cfg.experts // ep
+        self.first = (C.group_rank(ep_group) if ep_group is not None else 0) * self.local
+        self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(self.local, cfg.hidden, cfg.width) * cfg.width**-0.5)
+        self.w2 = nn.Parameter(torch.randn(self.local, cfg.width, cfg.hidden) * cfg.hidden**-0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output [N, width], load-balancing loss)``."""
+        cfg, n = self.cfg, x.shape[0]
+        probs = F.softmax(self.router(x), dim=-1)
+        weights, experts = probs.topk(cfg.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        flat = experts.reshape(-1)
+        with torch.no_grad():
+            f = torch.bincount(flat, minlength=cfg.experts).to(probs.dtype) / max(1, flat.numel())
+        aux = cfg.aux_weight * cfg.experts * (f * probs.mean(0)).sum()
+        # Dispatch: (token, choice) pairs sorted by expert, stable (ties keep token order).
+        order = torch.sort(flat, stable=True).indices
+        rows = x[order // cfg.top_k]
+        per_expert = torch.bincount(flat, minlength=cfg.experts).tolist()
+        send = [sum(per_expert[r * self.local : (r + 1) * self.local]) for r in range(self.ep)]
+        got_per_expert = C.ep_counts(per_expert, self.ep_group) if self.ep > 1 else per_expert
+        recv = [sum(got_per_expert[s * self.local : (s + 1) * self.local]) for s in range(self.ep)]
+        inbox = C.ep_all_to_all(rows, send, recv, self.ep_group, tag="moe_dispatch") if self.ep > 1 else rows
+        # Received rows come by source rank, then by expert; run each local expert on its rows.
+        counts = torch.tensor(got_per_expert).view(self.ep, self.local)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.reshape(-1).cumsum(0)[:-1]]).view(self.ep, self.local)
+        outs = [None] * (self.ep * self.local)
+        for e in range(self.local):
+            idx = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e])) for s in range(self.ep)])
+            h = F.gelu(inbox[idx] @ self.w1[e].T) @ self.w2[e].T
+            off = 0
+            for s in range(self.ep):
+                c = int(counts[s, e])
+                outs[s * self.local + e] = h[off : off + c]
+                off += c
+        outbox = torch.cat(outs) if outs else inbox
+        back = C.ep_all_to_all(outbox, recv, send, self.ep_group, tag="moe_combine") if self.ep > 1 else outbox
+        # Combine: undo the sort, weight each choice, sum per token.
+        y = torch.zeros(n * cfg.top_k, cfg.width, dtype=back.dtype, device=back.device).index_copy(0, order, back)
+        y = (y.view(n, cfg.top_k, cfg.width) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+        return y, aux
