@@ -54,6 +54,10 @@ from fsdpfn.comm._record import group_info as group_info
 from fsdpfn.comm._record import set_flight_dir as set_flight_dir
 from fsdpfn.comm._record import set_job as set_job
 from fsdpfn.comm._tp import tp_copy as tp_copy
+from fsdpfn.comm._traceable import compiling as compiling
+from fsdpfn.comm._traceable import traced_all_gather as traced_all_gather
+from fsdpfn.comm._traceable import traced_all_reduce as traced_all_reduce
+from fsdpfn.comm._traceable import traced_reduce_scatter as traced_reduce_scatter
 from fsdpfn.comm._tp import tp_gather_last as tp_gather_last
 from fsdpfn.comm._tp import tp_reduce as tp_reduce
 from fsdpfn.comm._tp import tp_split_last as tp_split_last
@@ -76,6 +80,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "compiling",
     "count_collectives",
     "destroy_process_group",
     "exchange_problems",
@@ -98,6 +103,9 @@ __all__ = [
     "timeout",
     "timeout_scope",
     "tp_copy",
+    "traced_all_gather",
+    "traced_all_reduce",
+    "traced_reduce_scatter",
     "tp_gather_last",
     "tp_reduce",
     "tp_split_last",
