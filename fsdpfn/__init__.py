@@ -25,7 +25,9 @@ from fsdpfn._plan import plan as plan
 from fsdpfn._steps import Collective as Collective
 from fsdpfn._steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
+from fsdpfn.transforms import CompileUnsupportedError as CompileUnsupportedError
 from fsdpfn.transforms import apply_tp as apply_tp
+from fsdpfn.transforms import compile as compile
 from fsdpfn.transforms import init_full as init_full
 from fsdpfn.transforms import init_shards as init_shards
 from fsdpfn.transforms import load_safetensors as load_safetensors
@@ -46,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Collective",
+    "CompileUnsupportedError",
     "MeshAxes",
     "MixedPrecision",
     "ParamSpec",
@@ -57,6 +60,7 @@ __all__ = [
     "apply_tp",
     "checkpoint",
     "comm",
+    "compile",
     "count_collectives",
     "fp8",
     "init_full",

@@ -55,6 +55,8 @@ from fsdpfn.comm._record import set_flight_dir as set_flight_dir
 from fsdpfn.comm._record import set_job as set_job
 from fsdpfn.comm._tp import tp_copy as tp_copy
 from fsdpfn.comm._traceable import compiling as compiling
+from fsdpfn.comm._traceable import count_compiled as count_compiled
+from fsdpfn.comm._traceable import graph_collectives as graph_collectives
 from fsdpfn.comm._traceable import traced_all_gather as traced_all_gather
 from fsdpfn.comm._traceable import traced_all_reduce as traced_all_reduce
 from fsdpfn.comm._traceable import traced_reduce_scatter as traced_reduce_scatter
@@ -82,10 +84,12 @@ __all__ = [
     "broadcast_object",
     "compiling",
     "count_collectives",
+    "count_compiled",
     "destroy_process_group",
     "exchange_problems",
     "flight_records",
     "full_tensor",
+    "graph_collectives",
     "group_info",
     "group_rank",
     "group_ranks",

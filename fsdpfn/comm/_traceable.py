@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
-__all__ = ["compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter"]
+__all__ = ["compiling", "count_compiled", "graph_collectives", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter"]
 
 
 def compiling() -> bool:
@@ -74,3 +74,55 @@ def traced_all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     if group is None:
         return x.clone()
     return funcol.wait_tensor(funcol.all_reduce(x, op, group))
+
+
+_OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+        "all_to_all_single": "all_to_all"}
+
+
+def graph_collectives(gm) -> list:
+    """The collectives a traced graph (``torch.fx.GraphModule``) holds, in graph order, as
+    :class:`~fsdpfn.comm.CollectiveCall` s tagged ``"compiled"``: what every call of the graph
+    runs.
+
+    Example:
+      >>> gm = torch.fx.symbolic_trace(lambda x: x + 1)
+      >>> fsdpfn.comm.graph_collectives(gm)
+      []
+    """
+    from fsdpfn.comm._record import _WIRE_FACTOR, CollectiveCall
+
+    calls = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if getattr(node.target, "namespace", None) != "_c10d_functional" or name not in _OPS:
+            continue
+        kind = _OPS[name]
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if src is None or out is None:
+            continue
+        big = max(src.numel(), out.numel()) * src.element_size()
+        w = _group_size_of(node.args[-1])
+        factor = _WIRE_FACTOR.get(kind, 1.0)
+        calls.append(CollectiveCall(kind, w, big, factor * (w - 1) / w * big if w else 0.0, src.dtype, "compiled"))
+    return calls
+
+
+def _group_size_of(group_name) -> int:
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._resolve_process_group(group_name).size()
+    except Exception:  # noqa: BLE001 - a graph traced without a live group: size unknown
+        return 0
+
+
+def count_compiled(calls) -> None:
+    """Adds ``calls`` (a compiled graph's collectives) to every active
+    :func:`~fsdpfn.comm.count_collectives` block of this thread: one call of the graph."""
+    from fsdpfn.comm._record import _active
+
+    for counter in _active():
+        counter.calls.extend(calls)

@@ -34,7 +34,7 @@ from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn._rows import chunk_bounds
 
-__all__ = ["CompileUnsupportedError", "check_compilable", "reduce_traced", "unshard_traced"]
+__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "reduce_traced", "unshard_traced"]
 
 
 class CompileUnsupportedError(RuntimeError):
@@ -70,6 +70,11 @@ def check_compilable(plan: Plan) -> None:
         raise CompileUnsupportedError(
             "tensor-parallel plans do not compile yet (their activation collectives are eager); "
             "compile each unit's forward instead, or run this plan eagerly")
+    fp8 = [u.name for u in plan.units if u.fp8]
+    if fp8:
+        raise CompileUnsupportedError(
+            f"units {fp8[:3]} gather in FP8, which does not compile yet (the compiled gather would ship "
+            "param_dtype rows, not the eager bytes); compile each unit's forward instead, or run eagerly")
 
 
 def _refuse_functorch(where: str) -> None:
@@ -205,3 +210,76 @@ def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[st
 def _shard_rank(plan: Plan) -> int:
     d = _cached(plan, "axes").dim(Role.SHARD)
     return 0 if d is None else plan.mesh.get_local_rank(d)
+
+
+class CompiledStep:
+    """``(grads, loss)`` of ``loss_fn(params, *args)``, compiled as one graph per step (see
+    :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
+    backward graphs when they were compiled."""
+
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, options: dict):
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        self._graphs: dict[str, list] = {}
+
+        def inner(gm, example_inputs, **kwargs):
+            self._graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+        def backend(gm, example_inputs):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+
+        self.loss_fn, self.has_aux = loss_fn, has_aux
+        self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
+
+    @property
+    def collectives(self) -> list:
+        """:class:`~fsdpfn.comm.CollectiveCall` s of one step: the forward graph's, then the
+        backward graph's (empty before the first call compiled them)."""
+        return self._graphs.get("forward", []) + self._graphs.get("backward", [])
+
+    def __call__(self, params, *args, **kwargs):
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        with torch.enable_grad():
+            out = self._compiled(leaves, *args, **kwargs)
+            loss, aux = out if self.has_aux else (out, None)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"fsdpfn.compile: loss_fn must return a scalar tensor{' (and aux)' if self.has_aux else ''}, "
+                                 f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+            names = list(leaves)
+            got = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        C.count_compiled(self.collectives)
+        grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(names, got)}
+        return ((grads, aux) if self.has_aux else grads), loss.detach()
+
+
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options) -> CompiledStep:
+    """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
+    backward, with every unit's all-gather and reduce-scatter inside them where inductor
+    schedules them (see [Note: unshard under torch.compile]).
+
+    ``loss_fn(params, *args)`` is written as for ``torch.func.grad``, with :func:`fsdpfn.unshard`
+    inside. The returned step differentiates with ``torch.autograd.grad`` (``torch.compile`` of
+    ``torch.func.grad`` is not safe with fsdpfn, see :class:`fsdpfn.CompileUnsupportedError`),
+    returns the same sharded, reduced gradients as the eager pure loop, and counts its
+    collectives (listed once, when compiled) in any :func:`fsdpfn.count_collectives` block.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (``(loss, aux)`` with ``has_aux``).
+      has_aux: as in ``torch.func.grad_and_value``.
+      fullgraph: refuse graph breaks (the default; a break raises instead of splitting the step).
+      **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
+
+    Returns:
+      a :class:`CompiledStep`: ``step(params, *args) -> (grads, loss)``.
+
+    Example:
+      >>> def loss_fn(params, x, y):
+      ...     out = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+      ...     return F.cross_entropy(out.flatten(0, 1), y.flatten())
+      >>> step = fsdpfn.compile(loss_fn)
+      >>> grads, loss = step(params, x, y)  # doctest: +SKIP
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
+    return CompiledStep(loss_fn, has_aux, fullgraph, options)
