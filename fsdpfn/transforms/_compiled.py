@@ -25,6 +25,8 @@ eager (correct) gradients.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -218,7 +220,9 @@ class CompiledStep:
     backward graphs when they were compiled."""
 
     def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, options: dict):
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         self._graphs: dict[str, list] = {}
 
