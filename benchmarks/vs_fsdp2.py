@@ -8,8 +8,13 @@ peak-resident-memory ratio (each side measured in a fresh 2-rank launch per conf
 first table compares gloo's native reduce-scatter with fsdpfn's all-to-all + local sum, which
 picks fsdpfn's CPU reduce-scatter path.
 
+With ``--compile``: four sides interleaved, fsdpfn eager (the runtime), fsdpfn compiled whole-step
+(``fsdpfn.compile``), FSDP2 eager and FSDP2 with each block compiled (torchtitan's per-block
+recipe), with each side's first step (where it compiles) reported apart.
+
 Usage:
   OMP_NUM_THREADS=1 python benchmarks/vs_fsdp2.py                # 25 measured steps each
+  OMP_NUM_THREADS=1 python benchmarks/vs_fsdp2.py --compile --steps 12   # compiled vs eager
   OMP_NUM_THREADS=1 python benchmarks/vs_fsdp2.py --steps 3 --warmup 1 --width 128   # smoke run
 
 bf16 on this kind of CPU (no native bf16 matmul) runs the full-size model at ~70 s per step on
@@ -171,6 +176,28 @@ class Fsdp2Side:
         return dict(c.calls), dict(c.wire)
 
 
+class FsdpfnCompiledSide(FsdpfnSide):
+    """fsdpfn's whole step compiled: ``fsdpfn.compile`` of the loss over ``rt.apply`` (one forward
+    and one backward graph, every collective inside, scheduled by inductor)."""
+
+    name = "fsdpfn compiled"
+
+    def __init__(self, model, mesh, strategy, precision, lr):
+        import fsdpfn
+
+        super().__init__(model, mesh, strategy, precision, lr)
+        self.params = {n: p.detach() for n, p in self.params.items()}
+        rt = self.rt
+        self.compiled = fsdpfn.compile(lambda params, x, y: _ce(rt.apply(params, x), y))
+
+    def step(self, x, y):
+        grads, loss = self.compiled(self.params, x, y)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p._local_tensor.sub_(self.lr * grads[n]._local_tensor)
+        return loss.item()
+
+
 def _build(side, args, strategy, precision, mesh, counter):
     from fsdpfn.models import GPT
 
@@ -178,6 +205,14 @@ def _build(side, args, strategy, precision, mesh, counter):
     model = GPT(_cfg(args))
     if side == "fsdpfn":
         return FsdpfnSide(model, mesh, strategy, precision, args.lr)
+    if side == "fsdpfn compiled":
+        return FsdpfnCompiledSide(model, mesh, strategy, precision, args.lr)
+    if side == "FSDP2 per-block compiled":  # torchtitan's recipe: compile each block, then fully_shard
+        for block in model.blocks:
+            block.compile(fullgraph=True)
+        out = Fsdp2Side(model, mesh, strategy, precision, args.lr, counter)
+        out.name = side
+        return out
     return Fsdp2Side(model, mesh, strategy, precision, args.lr, counter)
 
 
@@ -251,6 +286,67 @@ def _timing_rank(rank, world, args):
     return results
 
 
+COMPILE_SIDES = ("fsdpfn", "fsdpfn compiled", "FSDP2", "FSDP2 per-block compiled")
+
+
+def _compile_rank(rank, world, args):
+    """The four sides of ``--compile``, interleaved in a rotating order; the first step of each
+    side (where compilation happens) is timed apart."""
+    import warnings
+
+    warnings.simplefilter("ignore")  # dynamo's and inductor's own warnings
+    CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
+    mesh = _mesh()
+    counter = _Fsdp2Counter()
+    x, y = _batch(args, rank)
+    results = {}
+    for strategy, precision in CONFIGS:
+        sides = [_build(s, args, strategy, precision, mesh, counter) for s in COMPILE_SIDES]
+        first, losses = {}, {s.name: [] for s in sides}
+        for s in sides:
+            dist.barrier()
+            t = time.perf_counter()
+            losses[s.name].append(s.step(x, y))
+            first[s.name] = time.perf_counter() - t
+        for _ in range(args.warmup):
+            for s in sides:
+                s.step(x, y)
+        times = {s.name: [] for s in sides}
+        for i in range(args.steps):
+            k = i % len(sides)
+            for s in sides[k:] + sides[:k]:  # every side goes first as often
+                dist.barrier()
+                t = time.perf_counter()
+                losses[s.name].append(s.step(x, y))
+                times[s.name].append(time.perf_counter() - t)
+        counts = {s.name: s.count(x, y) for s in sides}
+        results[(strategy, precision)] = {"times": times, "first": first, "losses": losses, "counts": counts}
+        if rank == 0:
+            print(f"  [{strategy} {precision}: done]", flush=True)
+        del sides
+    return results
+
+
+def _report_compile(res, args):
+    print(f"\nwhole-step compile ({args.steps} measured steps after {args.warmup} warm-up, rotating order); "
+          "step-time ratios, median [min-max] of pair-by-pair ratios (slower rank of each step):")
+    for strategy, precision in CONFIGS:
+        r = [res[k][(strategy, precision)] for k in sorted(res)]
+        t = {s: [max(x["times"][s][i] for x in r) for i in range(args.steps)] for s in COMPILE_SIDES}
+        print(f"  {strategy} {precision}:")
+        for a, b in [("fsdpfn compiled", "FSDP2"), ("fsdpfn compiled", "FSDP2 per-block compiled"),
+                     ("fsdpfn compiled", "fsdpfn"), ("FSDP2 per-block compiled", "FSDP2"), ("fsdpfn", "FSDP2")]:
+            ratios = [x / y for x, y in zip(t[a], t[b])]
+            print(f"    {a} / {b}: {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]")
+        base = statistics.median(t["FSDP2"])
+        for s in COMPILE_SIDES:
+            first = max(x["first"][s] for x in r)
+            print(f"    {s}: first step (compiles) {first:.1f} s = {first / base:.0f}x an FSDP2 eager step; "
+                  f"collectives {_fmt_counts(r[0]['counts'][s][0])}")
+        gap = max(abs(a - b) for a, b in zip(r[0]["losses"]["fsdpfn compiled"], r[0]["losses"]["fsdpfn"]))
+        print(f"    max |loss compiled - loss eager| (fsdpfn) over steps: {gap:.2e}")
+
+
 def _memory_rank(rank, world, args, side, strategy, precision):
     mesh = _mesh()
     counter = _Fsdp2Counter()
@@ -288,13 +384,20 @@ def main():
     ap.add_argument("--memory-steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma-separated strategy:precision")
+    ap.add_argument("--configs", default=None, help="comma-separated strategy:precision "
+                    f"(default {','.join(ALL_CONFIGS)}; with --compile zero3:fp32)")
+    ap.add_argument("--compile", action="store_true", help="fsdpfn compiled whole-step vs fsdpfn eager vs FSDP2 "
+                    "eager vs FSDP2 with per-block compile, instead of the default tables")
     args = ap.parse_args()
+    args.configs = args.configs or ("zero3:fp32" if args.compile else ",".join(ALL_CONFIGS))
     CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
 
     print("command:", "OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
     print(f"model: GPT width {args.width}, {args.depth} blocks, vocab {args.vocab}, seq {args.seq}, "
           f"batch {args.batch}/rank; {WORLD} gloo ranks, 1 thread each; torch {torch.__version__}")
+    if args.compile:
+        _report_compile(_launch(_compile_rank, args), args)
+        return
     res = _launch(_timing_rank, args)
     r0 = res[0]
 

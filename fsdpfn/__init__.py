@@ -29,7 +29,9 @@ from fsdpfn._remat import remat_policies as remat_policies
 from fsdpfn._steps import Collective as Collective
 from fsdpfn._steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
+from fsdpfn.transforms import CompileUnsupportedError as CompileUnsupportedError
 from fsdpfn.transforms import apply_tp as apply_tp
+from fsdpfn.transforms import compile as compile
 from fsdpfn.transforms import init_full as init_full
 from fsdpfn.transforms import init_shards as init_shards
 from fsdpfn.transforms import load_safetensors as load_safetensors
@@ -54,6 +56,7 @@ __all__ = [
     "register_remat_policy",
     "remat_policies",
     "Collective",
+    "CompileUnsupportedError",
     "MeshAxes",
     "MixedPrecision",
     "ParamSpec",
@@ -65,6 +68,7 @@ __all__ = [
     "apply_tp",
     "checkpoint",
     "comm",
+    "compile",
     "count_collectives",
     "fp8",
     "init_full",

@@ -56,6 +56,12 @@ from fsdpfn.comm._record import set_job as set_job
 from fsdpfn.comm._ep import ep_all_to_all as ep_all_to_all
 from fsdpfn.comm._ep import ep_counts as ep_counts
 from fsdpfn.comm._tp import tp_copy as tp_copy
+from fsdpfn.comm._traceable import compiling as compiling
+from fsdpfn.comm._traceable import count_compiled as count_compiled
+from fsdpfn.comm._traceable import graph_collectives as graph_collectives
+from fsdpfn.comm._traceable import traced_all_gather as traced_all_gather
+from fsdpfn.comm._traceable import traced_all_reduce as traced_all_reduce
+from fsdpfn.comm._traceable import traced_reduce_scatter as traced_reduce_scatter
 from fsdpfn.comm._tp import tp_gather_last as tp_gather_last
 from fsdpfn.comm._tp import tp_reduce as tp_reduce
 from fsdpfn.comm._tp import tp_split_last as tp_split_last
@@ -78,11 +84,14 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "compiling",
     "count_collectives",
+    "count_compiled",
     "destroy_process_group",
     "exchange_problems",
     "flight_records",
     "full_tensor",
+    "graph_collectives",
     "group_info",
     "group_rank",
     "group_ranks",
@@ -100,6 +109,9 @@ __all__ = [
     "timeout",
     "timeout_scope",
     "tp_copy",
+    "traced_all_gather",
+    "traced_all_reduce",
+    "traced_reduce_scatter",
     "tp_gather_last",
     "tp_reduce",
     "tp_split_last",

@@ -15,7 +15,9 @@ from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.runtime._schedule import OpKind, Schedule, validate
 from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn.transforms import apply_tp, check_params
+from fsdpfn._steps import reduces_now
+from fsdpfn.comm import compiling
+from fsdpfn.transforms import CompileUnsupportedError, apply_tp, check_params, unshard
 
 __all__ = ["Runtime"]
 
@@ -138,6 +140,8 @@ class Runtime:
           >>> with torch.no_grad():  # evaluation: gathers, frees, no reduce
           ...     logits = rt.apply(params, x)
         """
+        if compiling():  # see [Note: the runtime under torch.compile]
+            return self._apply_traced(params, *args, **kwargs)
         check_params(params, self.plan, "Runtime.apply(params)")
         ex = self._ex
         grad = torch.is_grad_enabled()
@@ -163,6 +167,27 @@ class Runtime:
         if not grad:
             ex.forward_only_done()
         return optree.tree_unflatten(tree, flat)
+
+    def _apply_traced(self, params, *args, **kwargs):
+        """[Note: the runtime under torch.compile]
+        While dynamo traces, the schedule's events (autograd Functions that leave functorch, async
+        work, a state machine on the executor) cannot become graph nodes. So a compiled
+        ``apply`` is the pure path: every unit gathered with traceable collectives
+        (:func:`fsdpfn.unshard` under compile), the model called on the full parameters, and each
+        unit's reduce in the backward graph; the numbers are the runtime's. The order and overlap
+        of the collectives are then inductor's (its scheduler, and its bucketing and reordering
+        passes where enabled), not the schedule's: no reshard-after-forward (the backward graph
+        keeps what it saves), and ``prefetch`` does not apply. Micro-batches that would not reduce
+        (``accumulating()`` with ``accumulate="local"``, ``zero1`` units) are refused: the compiled
+        step reduces every call."""
+        if self._local_only and (self._ex.accumulate == "local" or any(not reduces_now(u, False, self._ex.accumulate)
+                                                                        for u in self.plan.units)):
+            raise CompileUnsupportedError(
+                "a micro-batch that accumulates locally (accumulating() with accumulate='local', or zero1 units) "
+                "does not compile: the compiled step reduces on every call. Use accumulate='reduce' or run "
+                "the accumulating micro-batches eagerly")
+        full = unshard(params, self.plan)
+        return torch.func.functional_call(self.model, full, args, kwargs, strict=False)
 
     def value_and_grad(self, loss_fn: Callable[..., torch.Tensor], has_aux: bool = False):
         """``torch.func.grad_and_value`` of ``loss_fn(params, *args)`` (which calls

@@ -13,6 +13,9 @@ from fsdpfn.transforms._init import init_full as init_full
 from fsdpfn.transforms._init import init_shards as init_shards
 from fsdpfn.transforms._init import param_seed as param_seed
 from fsdpfn.transforms._safetensors import load_safetensors as load_safetensors
+from fsdpfn.transforms._compiled import CompiledStep as CompiledStep
+from fsdpfn.transforms._compiled import CompileUnsupportedError as CompileUnsupportedError
+from fsdpfn.transforms._compiled import compile as compile
 from fsdpfn.transforms._sharding import check_params as check_params
 from fsdpfn.transforms._sharding import dp_rank as dp_rank
 from fsdpfn.transforms._sharding import from_local as from_local
@@ -35,9 +38,12 @@ __all__ = [
     "apply_remat",
     "apply_tp",
     "CollectiveCall",
+    "CompiledStep",
+    "CompileUnsupportedError",
     "CollectiveCounter",
     "count_collectives",
     "check_params",
+    "compile",
     "dp_rank",
     "from_local",
     "gather_unit",

@@ -37,6 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
+from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
 from fsdpfn.transforms._axes import _mesh, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
@@ -452,6 +453,8 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
       >>> grads["blocks.0.fc.weight"].placements  # sharded DTensors, reduced
       (Shard(dim=0),)
     """
+    if C.compiling():  # see [Note: unshard under torch.compile]
+        return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
     _check_op(grad_op)
     out: dict[str, torch.Tensor] = {}
@@ -488,6 +491,8 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       >>> gshards["blocks.0.fc.weight"].placements
       (Shard(dim=0),)
     """
+    if C.compiling():  # see [Note: unshard under torch.compile]
+        return reduce_traced(full_grads, plan, op, scale, from_local)
     _check_op(op)
     check_params(full_grads, plan, "reduce(full_grads)", allow_none=True, tp_local=True)
     out: dict[str, DTensor] = {}

@@ -1,0 +1,128 @@
+"""Traceable collectives: what :mod:`fsdpfn.comm` runs inside ``torch.compile``.
+
+[Note: collectives under torch.compile]
+The eager collectives (:mod:`fsdpfn.comm._collectives`) launch gloo/NCCL work asynchronously and
+wait in slices so that a peer's announced failure ends the wait; each call is counted and gets a
+flight record. None of that can be traced: dynamo breaks the graph at the wait loop's clock, at the
+flight recorder's process id and store write, at the async work handle. Inside a compiled region
+the same collectives are therefore the functional ones of ``torch.distributed`` (``_c10d_functional``
+ops: a value in, a value out), which dynamo records as graph nodes and inductor emits between its
+fused kernels, where its bucketing and reordering passes may move them. What changes:
+
+- counting: a compiled graph's collectives are listed once, when it is compiled, and counted on
+  every call of the graph (:func:`fsdpfn.compile` does both); plain ``torch.compile`` counts
+  nothing;
+- the flight recorder: no record per collective of a compiled graph (its sequence numbers stay
+  those of the eager collectives);
+- the timeout: the process group's own operation timeout (set from :func:`fsdpfn.comm.timeout`
+  when the group was created by fsdpfn), not the sliced wait; a stuck peer fails the collective
+  without naming the rank that is behind.
+
+Every function here takes a group as ``(DeviceMesh, dim)`` (or a process group) and returns the
+waited result, so eager calls outside ``torch.compile`` give the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+__all__ = ["compiling", "count_compiled", "graph_collectives", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter"]
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the caller (``torch.compile``, ``torch._dynamo.explain``).
+
+    Example:
+      >>> fsdpfn.comm.compiling()
+      False
+    """
+    return torch.compiler.is_compiling()
+
+
+def traced_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's flat ``x`` concatenated in rank order (functional all-gather).
+
+    Example:
+      >>> fsdpfn.comm.traced_all_gather(torch.arange(3.0), None)   # no group: one rank
+      tensor([0., 1., 2.])
+    """
+    if group is None:
+        return x.clone()
+    return funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
+
+
+def traced_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ranks of flat ``x``, rank r keeping its r-th contiguous part.
+
+    Example:
+      >>> fsdpfn.comm.traced_reduce_scatter(torch.arange(3.0), None)
+      tensor([0., 1., 2.])
+    """
+    if group is None:
+        return x.clone()
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
+
+
+def traced_all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over ranks (``op``: ``"sum"``, ``"max"`` or ``"min"``), out of place.
+
+    Example:
+      >>> fsdpfn.comm.traced_all_reduce(torch.ones(2), None)
+      tensor([1., 1.])
+    """
+    if group is None:
+        return x.clone()
+    return funcol.wait_tensor(funcol.all_reduce(x, op, group))
+
+
+_OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+        "all_to_all_single": "all_to_all"}
+
+
+def graph_collectives(gm) -> list:
+    """The collectives a traced graph (``torch.fx.GraphModule``) holds, in graph order, as
+    :class:`~fsdpfn.comm.CollectiveCall` s tagged ``"compiled"``: what every call of the graph
+    runs.
+
+    Example:
+      >>> gm = torch.fx.symbolic_trace(lambda x: x + 1)
+      >>> fsdpfn.comm.graph_collectives(gm)
+      []
+    """
+    from fsdpfn.comm._record import _WIRE_FACTOR, CollectiveCall
+
+    calls = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if getattr(node.target, "namespace", None) != "_c10d_functional" or name not in _OPS:
+            continue
+        kind = _OPS[name]
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if src is None or out is None:
+            continue
+        big = max(src.numel(), out.numel()) * src.element_size()
+        w = _group_size_of(node.args[-1])
+        factor = _WIRE_FACTOR.get(kind, 1.0)
+        calls.append(CollectiveCall(kind, w, big, factor * (w - 1) / w * big if w else 0.0, src.dtype, "compiled"))
+    return calls
+
+
+def _group_size_of(group_name) -> int:
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._resolve_process_group(group_name).size()
+    except Exception:  # noqa: BLE001 - a graph traced without a live group: size unknown
+        return 0
+
+
+def count_compiled(calls) -> None:
+    """Adds ``calls`` (a compiled graph's collectives) to every active
+    :func:`~fsdpfn.comm.count_collectives` block of this thread: one call of the graph."""
+    from fsdpfn.comm._record import _active
+
+    for counter in _active():
+        counter.calls.extend(calls)

@@ -1,0 +1,289 @@
+"""unshard and reduce inside ``torch.compile``: the same numbers as the eager transforms, written
+with traceable collectives so that a whole training step is one graph.
+
+[Note: unshard under torch.compile]
+The eager :class:`~fsdpfn.transforms._sharding._UnshardUnit` leaves functorch with
+``torch._C._DisableFuncTorch()``, starts asynchronous work and packs buffers in place: each of
+these breaks a dynamo graph. While dynamo traces (:func:`fsdpfn.comm.compiling`), :func:`unshard`
+and :func:`reduce` take this path instead: the shards are packed with ``cat``/``pad`` (the same
+flat layout, [Note: flat-buffer layout]), moved with the functional collectives of
+:mod:`fsdpfn.comm` (see [Note: collectives under torch.compile]) and unpacked with views. The
+per-unit autograd Function keeps its meaning (backward = reduce: one reduce-scatter in
+``reduce_dtype``, an all-reduce over ``replicate`` under HSDP, the mean/scale, the cast to the
+master dtype), and dynamo traces both of its halves into the forward and backward graphs.
+
+``torch.func.grad`` is refused here. In torch 2.13 ``torch.compile`` of a ``torch.func.grad``
+silently drops a custom ``autograd.Function``'s backward (the compiled gradient is the
+unreduced one), and autograd through functional collectives fails under ``torch.func``; a
+silently wrong gradient is the one outcome we cannot allow, so :class:`CompileUnsupportedError`
+says what to write instead (:func:`fsdpfn.compile`, or ``loss.backward()`` in the compiled
+step). The check asks functorch for its current level: outside a transform dynamo traces the answer
+(``None``); inside ``torch.func.grad`` it cannot, so under ``fullgraph=True`` dynamo raises its
+``Unsupported`` error there, and without it the graph breaks and the step runs eagerly, with the
+eager (correct) gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from fsdpfn import comm as C
+from fsdpfn._mesh import Role
+from fsdpfn._plan import Plan, Unit
+from fsdpfn._rows import chunk_bounds
+
+__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "reduce_traced", "unshard_traced"]
+
+
+class CompileUnsupportedError(RuntimeError):
+    """A compiled region asked for something fsdpfn cannot compile correctly (``torch.func.grad``
+    under ``torch.compile``, tensor parallelism); the message says what works instead."""
+
+
+CompileUnsupportedError.__module__ = "fsdpfn"
+
+
+def _cached(obj, name: str):
+    """``obj.name`` of a ``functools.cached_property`` without its lock, which dynamo cannot
+    enter: the cached value if there is one, else the value computed afresh (pure functions of
+    the frozen plan, so both are the same)."""
+    value = obj.__dict__.get(name)
+    return value if value is not None else getattr(type(obj), name).func(obj)
+
+
+def _slots(unit: Unit):
+    return _cached(unit, "slots")
+
+
+def _group(plan: Plan, role: Role):
+    d = _cached(plan, "axes").dim(role)
+    return None if d is None else (plan.mesh, d)
+
+
+def check_compilable(plan: Plan) -> None:
+    """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
+    if plan.mesh is None:
+        raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
+    if _cached(plan, "axes").tp_size > 1:
+        raise CompileUnsupportedError(
+            "tensor-parallel plans do not compile yet (their activation collectives are eager); "
+            "compile each unit's forward instead, or run this plan eagerly")
+    fp8 = [u.name for u in plan.units if u.fp8]
+    if fp8:
+        raise CompileUnsupportedError(
+            f"units {fp8[:3]} gather in FP8, which does not compile yet (the compiled gather would ship "
+            "param_dtype rows, not the eager bytes); compile each unit's forward instead, or run eagerly")
+
+
+def _refuse_functorch(where: str) -> None:
+    # dynamo cannot trace this call inside torch.func.grad (an error under fullgraph=True, else a
+    # graph break after which the step runs eagerly, and correctly); outside it returns None.
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise CompileUnsupportedError(
+            f"{where} inside torch.func.grad/vjp under torch.compile: torch drops the backward of the "
+            "gather (the gradients would come back unreduced). Compile the loss and differentiate with "
+            "loss.backward() or torch.autograd.grad, e.g. step = fsdpfn.compile(loss_fn) gives "
+            "(grads, loss) like torch.func.grad_and_value; or call torch.func.grad without torch.compile.")
+
+
+def _pack_gather(unit: Unit, locals_: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    parts = []
+    for p, local in zip(unit.params, locals_):
+        slot = _slots(unit)[p.name]
+        if slot.sharded:
+            flat = local.reshape(-1).to(dtype)
+            pad = slot.size - flat.numel()
+            parts.append(F.pad(flat, (0, pad)) if pad else flat)
+    return torch.cat(parts)
+
+
+def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
+    dtype = plan.gather_dtype(unit)
+    w = _cached(plan, "axes").shard_size
+    numel = sum(s.size for s in _slots(unit).values() if s.sharded) if unit.sharded else 0
+    stacked = None
+    if numel:
+        buf = _pack_gather(unit, locals_, dtype)
+        stacked = C.traced_all_gather(buf, _group(plan, Role.SHARD)).view(w, numel)
+    fulls = []
+    for p, local in zip(unit.params, locals_):
+        slot = _slots(unit)[p.name]
+        if slot.sharded:
+            # torch.chunk rows: every rank's padding lies after the parameter's last row.
+            n = 1
+            for s in p.local_shape:
+                n *= s
+            full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)
+        else:
+            full = local.to(dtype)
+        fulls.append(full)
+    return fulls
+
+
+def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op: str, scale) -> list[torch.Tensor]:
+    rdtype = plan.reduce_dtype(unit)
+    axes = _cached(plan, "axes")
+    w = axes.shard_size
+    factor = (1.0 / axes.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
+    if unit.sharded:
+        cols = []
+        for p, g in zip(unit.params, grads):
+            slot = _slots(unit)[p.name]
+            if not slot.size:
+                continue
+            if g is None:
+                cols.append(torch.zeros(w, slot.size, dtype=rdtype))
+            elif slot.sharded:
+                flat = g.reshape(-1).to(rdtype)
+                pad = w * slot.size - flat.numel()
+                cols.append((F.pad(flat, (0, pad)) if pad else flat).view(w, slot.size))
+            else:
+                cols.append(g.reshape(1, -1).to(rdtype).expand(w, -1))
+        buf = torch.cat(cols, dim=1).reshape(-1)
+        reduced = C.traced_reduce_scatter(buf, _group(plan, Role.SHARD))
+    else:
+        parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=rdtype)).reshape(-1).to(rdtype)
+                 for p, g in zip(unit.params, grads)]
+        reduced = C.traced_all_reduce(torch.cat(parts), _group(plan, Role.SHARD))
+    if axes.hsdp:
+        reduced = C.traced_all_reduce(reduced, _group(plan, Role.REPLICATE))
+    out = []
+    for p, shape, dt in zip(unit.params, shapes, dtypes):
+        slot = _slots(unit)[p.name]
+        n = 1
+        for s in shape:
+            n *= s
+        local = reduced[slot.offset : slot.offset + n].view(shape).to(dt)
+        out.append(local * factor if factor != 1.0 else local)
+    return out
+
+
+class _TracedUnshardUnit(torch.autograd.Function):
+    """One unit's all-gather; backward: its reduce (see [Note: unshard under torch.compile])."""
+
+    @staticmethod
+    def forward(ctx, info, *locals_):
+        plan, unit, op, scale = info
+        ctx.info = info
+        ctx.shapes = [tuple(t.shape) for t in locals_]
+        ctx.dtypes = [t.dtype for t in locals_]
+        return tuple(_gather(plan, unit, list(locals_)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan, unit, op, scale = ctx.info
+        return (None, *_reduce(plan, unit, list(grads), ctx.shapes, ctx.dtypes, op, scale))
+
+
+def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, torch.Tensor]:
+    """:func:`fsdpfn.unshard` while dynamo traces."""
+    _refuse_functorch("fsdpfn.unshard")
+    check_compilable(plan)
+    out: dict[str, torch.Tensor] = {}
+    for unit in plan.units:
+        locals_ = [params[p.name].to_local() if isinstance(params[p.name], DTensor) else params[p.name] for p in unit.params]
+        fulls = _TracedUnshardUnit.apply((plan, unit, grad_op, grad_scale), *locals_)
+        out.update(zip((p.name for p in unit.params), fulls))
+    return out
+
+
+def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[str, DTensor]:
+    """:func:`fsdpfn.reduce` while dynamo traces."""
+    check_compilable(plan)
+    axes = _cached(plan, "axes")
+    out: dict[str, DTensor] = {}
+    for unit in plan.units:
+        grads = [full_grads[p.name] for p in unit.params]
+        shapes, dtypes = [], []
+        for p in unit.params:
+            slot = _slots(unit)[p.name]
+            start, stop = chunk_bounds(p.rows, axes.shard_size, _shard_rank(plan)) if slot.sharded else (0, p.rows)
+            shapes.append((stop - start, *p.local_shape[1:]) if p.local_shape else ())
+            dtypes.append(p.dtype)
+        for p, g in zip(unit.params, _reduce(plan, unit, grads, shapes, dtypes, op, scale)):
+            out[p.name] = from_local(plan, p.name, g)
+    return out
+
+
+def _shard_rank(plan: Plan) -> int:
+    d = _cached(plan, "axes").dim(Role.SHARD)
+    return 0 if d is None else plan.mesh.get_local_rank(d)
+
+
+class CompiledStep:
+    """``(grads, loss)`` of ``loss_fn(params, *args)``, compiled as one graph per step (see
+    :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
+    backward graphs when they were compiled."""
+
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, options: dict):
+        with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        self._graphs: dict[str, list] = {}
+
+        def inner(gm, example_inputs, **kwargs):
+            self._graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+        def backend(gm, example_inputs):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+
+        self.loss_fn, self.has_aux = loss_fn, has_aux
+        self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
+
+    @property
+    def collectives(self) -> list:
+        """:class:`~fsdpfn.comm.CollectiveCall` s of one step: the forward graph's, then the
+        backward graph's (empty before the first call compiled them)."""
+        return self._graphs.get("forward", []) + self._graphs.get("backward", [])
+
+    def __call__(self, params, *args, **kwargs):
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        with torch.enable_grad():
+            out = self._compiled(leaves, *args, **kwargs)
+            loss, aux = out if self.has_aux else (out, None)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"fsdpfn.compile: loss_fn must return a scalar tensor{' (and aux)' if self.has_aux else ''}, "
+                                 f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+            names = list(leaves)
+            got = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        C.count_compiled(self.collectives)
+        grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(names, got)}
+        return ((grads, aux) if self.has_aux else grads), loss.detach()
+
+
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options) -> CompiledStep:
+    """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
+    backward, with every unit's all-gather and reduce-scatter inside them where inductor
+    schedules them (see [Note: unshard under torch.compile]).
+
+    ``loss_fn(params, *args)`` is written as for ``torch.func.grad``, with :func:`fsdpfn.unshard`
+    inside. The returned step differentiates with ``torch.autograd.grad`` (``torch.compile`` of
+    ``torch.func.grad`` is not safe with fsdpfn, see :class:`fsdpfn.CompileUnsupportedError`),
+    returns the same sharded, reduced gradients as the eager pure loop, and counts its
+    collectives (listed once, when compiled) in any :func:`fsdpfn.count_collectives` block.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (``(loss, aux)`` with ``has_aux``).
+      has_aux: as in ``torch.func.grad_and_value``.
+      fullgraph: refuse graph breaks (the default; a break raises instead of splitting the step).
+      **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
+
+    Returns:
+      a :class:`CompiledStep`: ``step(params, *args) -> (grads, loss)``.
+
+    Example:
+      >>> def loss_fn(params, x, y):
+      ...     out = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+      ...     return F.cross_entropy(out.flatten(0, 1), y.flatten())
+      >>> step = fsdpfn.compile(loss_fn)
+      >>> grads, loss = step(params, x, y)  # doctest: +SKIP
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
+    return CompiledStep(loss_fn, has_aux, fullgraph, options)
