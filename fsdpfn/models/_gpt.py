@@ -13,7 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdpfn._remat import checkpoint_name
+try:
+    from fsdpfn._remat import checkpoint_name
+except ImportError:  # this file also runs on its own, without fsdpfn (exported checkpoints load into it)
+
+    def checkpoint_name(x, name):
+        return x
 
 
 # fsdpfn.plan(model, mesh, tp=TP_PLAN): qkv and fc split by output features, proj and out by
