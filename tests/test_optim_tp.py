@@ -203,3 +203,21 @@ def _buckets(rank, world):
 def test_buckets_on_a_tp_mesh_give_the_bits_of_one_bucket(run_on_ranks):
     for same, one, three, overlapped in run_on_ranks(_buckets, 4):
         assert same and one == {"all_to_all": 2} and three == {"all_to_all": 6} and overlapped >= 3, (one, three, overlapped)
+
+
+def _full_tensor_after_a_work_group(rank, world):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdpfn.optim._layout import work_group
+
+    mesh = testing.mesh((2, 2), ("dp", "tp"))
+    wg = work_group(mesh, (0, 1))  # the group Muon forms over both dims of a (dp, tp) mesh
+    x = torch.arange(29 * 5, dtype=torch.float32).view(29, 5)
+    d = distribute_tensor(x, mesh, (Shard(0), Shard(0)))  # uneven along both dims
+    return wg.size, torch.equal(d.full_tensor(), x)
+
+
+def test_the_muon_work_group_leaves_the_users_mesh_alone(run_on_ranks):
+    """torch 2.13 gathers nested uneven Shard(0) wrongly on a mesh with a flattened dim; the
+    group Muon needs over (dp, tp) is made without flattening the user's mesh."""
+    assert run_on_ranks(_full_tensor_after_a_work_group, 4) == [(4, True)] * 4

@@ -35,6 +35,7 @@ from fsdpfn.comm._groups import group_ranks as group_ranks
 from fsdpfn.comm._groups import group_size as group_size
 from fsdpfn.comm._groups import init_process_group as init_process_group
 from fsdpfn.comm._groups import is_initialized as is_initialized
+from fsdpfn.comm._groups import mesh_subgroup as mesh_subgroup
 from fsdpfn.comm._groups import rank as rank
 from fsdpfn.comm._groups import set_timeout as set_timeout
 from fsdpfn.comm._groups import timeout as timeout
@@ -67,6 +68,7 @@ from fsdpfn.comm._tp import tp_reduce as tp_reduce
 from fsdpfn.comm._tp import tp_split_last as tp_split_last
 
 __all__ = [
+    "mesh_subgroup",
     "DEFAULT_TIMEOUT",
     "CollectiveCall",
     "CollectiveCounter",

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from typing import Iterator
 
 import torch.distributed as dist
 
 __all__ = [
+    "mesh_subgroup",
     "DEFAULT_TIMEOUT",
     "backend",
     "group_rank",
@@ -118,6 +120,35 @@ def group_ranks(group=None) -> list[int]:
     if not is_initialized():
         return [0]
     return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def mesh_subgroup(mesh, dims: tuple[int, ...]):
+    """The process group of this rank's ranks along mesh dims ``dims`` (several dims joined),
+    made with ``new_group`` rather than ``DeviceMesh._flatten()``: a flattened dim changes how
+    torch 2.13's ``DTensor.full_tensor()`` gathers nested ``Shard(0)`` placements on that mesh, and
+    it gets uneven shards wrong afterwards. Every rank of the default group calls it, in the same
+    order (as every rank runs the same optimizer), when the mesh spans them all.
+
+    Example:
+      >>> g = fsdpfn.comm.mesh_subgroup(mesh, (0,))
+      >>> fsdpfn.comm.group_ranks(g)
+      [0]
+    """
+    import torch
+
+    grid = mesh.mesh
+    if grid.numel() != dist.get_world_size():  # a sub-mesh: only its ranks call; torch's flattening is what they share
+        names = mesh.mesh_dim_names
+        return mesh[tuple(names[d] for d in dims)]._flatten().get_group(0)
+    rest = [d for d in range(grid.dim()) if d not in dims]
+    moved = grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
+    mine = None
+    for row in moved.tolist():  # every subgroup, in the same order on every rank
+        group = dist.new_group(row)
+        if dist.get_rank() in row:
+            mine = group
+    assert mine is not None and isinstance(grid, torch.Tensor)
+    return mine
 
 
 def backend(group=None) -> str:

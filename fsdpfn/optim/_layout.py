@@ -185,7 +185,7 @@ def work_group(mesh, dims: tuple[int, ...]) -> WorkGroup:
                 f"Muon leaves are split over mesh dims {dims} of a mesh without dim names; name the mesh's dims "
                 "(init_device_mesh(..., mesh_dim_names=...)) so that their ranks can form one group"
             )
-        group = mesh[tuple(names[d] for d in dims)]._flatten().get_group(0)
+        group = C.mesh_subgroup(mesh, dims)
     ranks = C.group_ranks(group)
     grid = mesh.mesh
     coords = []
