@@ -74,13 +74,13 @@ def _expected_counts(plan):
     return out
 
 
-def _compiled_vs_eager(rank, world, strategy, mesh_shape):
+def _compiled_vs_eager(rank, world, strategy, mesh_shape, overlap=False):
     warnings.simplefilter("ignore")  # dynamo's and inductor's own warnings, not ours
     torch._dynamo.reset()
     model, plan, params, loss_fn = _setup(world, strategy, mesh_shape)
     x, y = _batch(rank, 0)
     explained = torch._dynamo.explain(loss_fn)(params, x, y)
-    step = fsdpfn.compile(loss_fn)
+    step = fsdpfn.compile(loss_fn, overlap=overlap)
     eager, compiled = dict(params), dict(params)
     grad_err, loss_err, counts = 0.0, 0.0, None
     for i in range(STEPS):
@@ -100,11 +100,12 @@ def _compiled_vs_eager(rank, world, strategy, mesh_shape):
             grad_err, loss_err, param_err, counts, _expected_counts(plan))
 
 
-@pytest.mark.parametrize("strategy, mesh_shape", [("zero3", (2,)), ("replicate", (2,)), ("zero3", (2, 1))],
-                         ids=["zero3", "replicate", "hsdp"])
-def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape):
+@pytest.mark.parametrize("strategy, mesh_shape, overlap", [("zero3", (2,), False), ("replicate", (2,), False),
+                                                           ("zero3", (2, 1), False), ("zero3", (2,), True)],
+                         ids=["zero3", "replicate", "hsdp", "zero3-inductor-overlap"])
+def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape, overlap):
     for graphs, breaks, reasons, grad_err, loss_err, param_err, counts, expected in run_on_ranks(
-            _compiled_vs_eager, 2, strategy, mesh_shape):
+            _compiled_vs_eager, 2, strategy, mesh_shape, overlap):
         assert (graphs, breaks) == (1, 0), reasons
         assert grad_err <= _tol(2), grad_err
         assert loss_err <= _tol(2), loss_err

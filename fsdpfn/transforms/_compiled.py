@@ -219,7 +219,7 @@ class CompiledStep:
     :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
     backward graphs when they were compiled."""
 
-    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, options: dict):
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict):
         with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
             warnings.simplefilter("ignore", DeprecationWarning)
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -230,8 +230,10 @@ class CompiledStep:
             self._graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
+        patches = dict(OVERLAP_PASSES) if overlap else None
+
         def backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, inner_compile=inner)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
@@ -257,7 +259,15 @@ class CompiledStep:
         return ((grads, aux) if self.has_aux else grads), loss.detach()
 
 
-def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options) -> CompiledStep:
+# inductor's passes that move collectives: waits sunk to their first use, collectives raised to
+# where their inputs are ready, compute reordered to fill the time between a collective and its wait.
+OVERLAP_PASSES = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"],
+}
+
+
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, **options) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).
@@ -272,6 +282,9 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (``(loss, aux)`` with ``has_aux``).
       has_aux: as in ``torch.func.grad_and_value``.
       fullgraph: refuse graph breaks (the default; a break raises instead of splitting the step).
+      overlap: turn on inductor's passes that reorder collectives and compute for overlap
+        (:data:`OVERLAP_PASSES`: ``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``);
+        the numbers do not change, only the order.
       **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
 
     Returns:
@@ -286,4 +299,4 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options
     """
     if not callable(loss_fn):
         raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
-    return CompiledStep(loss_fn, has_aux, fullgraph, options)
+    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options)
