@@ -15,6 +15,9 @@ from fsdpfn.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=12, depth=2, heads=2)  # 29 rows: uneven shards
 STEPS, LR, PER_RANK = 5, 0.2, 2
+# Compiling takes a minute or more per step function on 2 shared CPU cores: a hung rank is one
+# that takes longer than this, not the plugin's default 180 s.
+COMPILE_TIMEOUT = 900
 
 # float32's unit roundoff.
 U32 = 2.0**-24
@@ -105,7 +108,7 @@ def _compiled_vs_eager(rank, world, strategy, mesh_shape, overlap=False):
                          ids=["zero3", "replicate", "hsdp", "zero3-inductor-overlap"])
 def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape, overlap):
     for graphs, breaks, reasons, grad_err, loss_err, param_err, counts, expected in run_on_ranks(
-            _compiled_vs_eager, 2, strategy, mesh_shape, overlap):
+            _compiled_vs_eager, 2, strategy, mesh_shape, overlap, timeout=COMPILE_TIMEOUT):
         assert (graphs, breaks) == (1, 0), reasons
         assert grad_err <= _tol(2), grad_err
         assert loss_err <= _tol(2), loss_err
@@ -130,7 +133,7 @@ def _func_grad_under_compile(rank, world, fullgraph):
 def test_compiled_func_grad_is_refused_or_eager_exact(run_on_ranks, fullgraph):
     """torch 2.13 drops a custom autograd.Function's backward under torch.compile(torch.func.grad):
     fsdpfn must raise (fullgraph) or fall back to the eager, exact gradients (graph break)."""
-    for what, detail in run_on_ranks(_func_grad_under_compile, 2, fullgraph):
+    for what, detail in run_on_ranks(_func_grad_under_compile, 2, fullgraph, timeout=COMPILE_TIMEOUT):
         if fullgraph:
             assert what == "error", detail
             assert "maybe_current_level" in detail or "CompileUnsupportedError" in detail, detail
@@ -148,7 +151,7 @@ def _fp8_refused(rank, world):
 
 
 def test_fp8_gather_is_refused_under_compile(run_on_ranks):
-    assert all(run_on_ranks(_fp8_refused, 2))
+    assert all(run_on_ranks(_fp8_refused, 2, timeout=COMPILE_TIMEOUT))
 
 
 def _runtime_compiled_vs_eager(rank, world, style, prefetches):
@@ -169,11 +172,15 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
             step = fsdpfn.compile(rt_loss)
         else:
             def fwd(x, y):
-                return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                if style == "whole-step":  # loss.backward() inside the compiled step
+                    loss.backward()
+                    loss = loss.detach()
+                return loss
 
             compiled_fwd = torch.compile(fwd, fullgraph=True)
             leaves = fsdpfn.shard(model, plan, requires_grad=True)
-            with rt.bind(leaves):
+            with rt.bind(leaves), torch._dynamo.config.patch(trace_autograd_ops=style == "whole-step"):
                 explained = torch._dynamo.explain(fwd)(x, y)
             torch._dynamo.reset()
 
@@ -183,9 +190,10 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
                 with torch.no_grad():
                     for n, p in leaves.items():
                         p.to_local().copy_(params[n].to_local())
-                with rt.bind(leaves):
+                with rt.bind(leaves), torch._dynamo.config.patch(trace_autograd_ops=style == "whole-step"):
                     loss = compiled_fwd(x, y)
-                loss.backward()
+                if style != "whole-step":
+                    loss.backward()
                 return rt.grads(leaves), loss.detach()
 
         eager, compiled = dict(params), dict(params)
@@ -207,12 +215,14 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
     return out
 
 
-@pytest.mark.parametrize("style, prefetches", [("func", (1,)), ("backward", (0, 2))])
-def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetches):
+@pytest.mark.parametrize("style, prefetch", [("func", 1), ("backward", 0), ("backward", 2), ("whole-step", 1)])
+def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetch):
     """Under compile the runtime runs the pure path (the compiler orders the collectives, see
     [Note: the runtime under torch.compile]); prefetch changes nothing in the numbers.
-    ``loss.backward()`` outside fsdpfn.compile is not counted (plain torch.compile counts nothing)."""
-    for rank_result in run_on_ranks(_runtime_compiled_vs_eager, 2, style, prefetches):
+    ``loss.backward()`` outside fsdpfn.compile is not counted (plain torch.compile counts nothing).
+    "whole-step": forward and ``loss.backward()`` in one compiled function, one graph, with
+    dynamo's ``trace_autograd_ops``."""
+    for rank_result in run_on_ranks(_runtime_compiled_vs_eager, 2, style, (prefetch,), timeout=COMPILE_TIMEOUT):
         for prefetch, graphs, breaks, reasons, grad_err, param_err, counts, expected in rank_result:
             assert (graphs, breaks) == (1, 0), (prefetch, reasons)
             assert grad_err <= _tol(2), (prefetch, grad_err)
