@@ -126,6 +126,7 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.T
 
 def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op: str, scale) -> list[torch.Tensor]:
     rdtype = plan.reduce_dtype(unit)
+    device = next((g.device for g in grads if g is not None), None)  # a missing gradient's zeros live beside the others
     axes = _cached(plan, "axes")
     w = axes.shard_size
     factor = (1.0 / axes.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
@@ -136,7 +137,7 @@ def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op:
             if not slot.size:
                 continue
             if g is None:
-                cols.append(torch.zeros(w, slot.size, dtype=rdtype))
+                cols.append(torch.zeros(w, slot.size, dtype=rdtype, device=device))
             elif slot.sharded:
                 flat = g.reshape(-1).to(rdtype)
                 pad = w * slot.size - flat.numel()
@@ -146,7 +147,7 @@ def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op:
         buf = torch.cat(cols, dim=1).reshape(-1)
         reduced = C.traced_reduce_scatter(buf, _group(plan, Role.SHARD))
     else:
-        parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=rdtype)).reshape(-1).to(rdtype)
+        parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
                  for p, g in zip(unit.params, grads)]
         reduced = C.traced_all_reduce(torch.cat(parts), _group(plan, Role.SHARD))
     if axes.hsdp:
