@@ -3,6 +3,8 @@ is one graph with no break, holds the expected collectives, and gives the eager 
 after 5 SGD steps, the eager parameters; torch.compile(torch.func.grad(...)) never returns a
 silently wrong gradient."""
 
+import os
+import tempfile
 import warnings
 
 import pytest
@@ -36,6 +38,17 @@ def _tol(world):
     steps the parameters differ by at most STEPS times that, to first order.
     """
     return 2 * (world * PER_RANK * CFG.seq_len) * U32
+
+
+def _fresh_compile():
+    """Each worker call starts from a clean dynamo state, with warnings of dynamo and inductor
+    (not ours) silenced, and an inductor kernel cache per ``ATEN_CPU_CAPABILITY``: inductor's
+    on-disk cache does not key on it, and kernels built under another capability were seen to
+    fail to compile or to give NaN gradients."""
+    warnings.simplefilter("ignore")
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"fsdpfn-inductor-{capability}")
+    torch._dynamo.reset()
 
 
 def _rel(a, b):
@@ -78,8 +91,7 @@ def _expected_counts(plan):
 
 
 def _compiled_vs_eager(rank, world, strategy, mesh_shape, overlap=False):
-    warnings.simplefilter("ignore")  # dynamo's and inductor's own warnings, not ours
-    torch._dynamo.reset()
+    _fresh_compile()
     model, plan, params, loss_fn = _setup(world, strategy, mesh_shape)
     x, y = _batch(rank, 0)
     explained = torch._dynamo.explain(loss_fn)(params, x, y)
@@ -117,8 +129,7 @@ def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strate
 
 
 def _func_grad_under_compile(rank, world, fullgraph):
-    warnings.simplefilter("ignore")
-    torch._dynamo.reset()
+    _fresh_compile()
     model, plan, params, loss_fn = _setup(world, "zero3", (2,))
     x, y = _batch(rank, 0)
     want = torch.func.grad(loss_fn)(params, x, y)
@@ -142,7 +153,7 @@ def test_compiled_func_grad_is_refused_or_eager_exact(run_on_ranks, fullgraph):
 
 
 def _fp8_refused(rank, world):
-    torch._dynamo.reset()
+    _fresh_compile()
     _, plan, params, loss_fn = _setup(world, "zero3", (2,), fsdpfn.MixedPrecision(fp8=True))
     x, y = _batch(rank, 0)
     with pytest.raises(Exception, match="FP8"):
@@ -157,10 +168,9 @@ def test_fp8_gather_is_refused_under_compile(run_on_ranks):
 def _runtime_compiled_vs_eager(rank, world, style, prefetches):
     """The runtime compiled (``fsdpfn.compile`` of a loss over ``rt.apply``, or ``torch.compile``
     of the forward under ``rt.bind`` then ``loss.backward()``) against the eager pure loop."""
-    warnings.simplefilter("ignore")
     out = []
     for prefetch in prefetches:
-        torch._dynamo.reset()
+        _fresh_compile()
         model, plan, params, loss_fn = _setup(world, "zero3", (2,))
         rt = fsdpfn.runtime.Runtime(model, plan, prefetch=prefetch)
         x, y = _batch(rank, 0)

@@ -183,6 +183,7 @@ class _TracedUnshardUnit(torch.autograd.Function):
 def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, torch.Tensor]:
     """:func:`fsdpfn.unshard` while dynamo traces."""
     _refuse_functorch("fsdpfn.unshard")
+    _check_op(grad_op)
     check_compilable(plan)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
@@ -194,6 +195,7 @@ def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, to
 
 def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[str, DTensor]:
     """:func:`fsdpfn.reduce` while dynamo traces."""
+    _check_op(op)
     check_compilable(plan)
     axes = _cached(plan, "axes")
     out: dict[str, DTensor] = {}
@@ -208,6 +210,11 @@ def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[st
         for p, g in zip(unit.params, _reduce(plan, unit, grads, shapes, dtypes, op, scale)):
             out[p.name] = from_local(plan, p.name, g)
     return out
+
+
+def _check_op(op: str) -> None:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
 
 
 def _shard_rank(plan: Plan) -> int:
