@@ -32,7 +32,8 @@ def _census(fn, *args):
     ex = torch._dynamo.explain(fn)(*args)
     reasons = collections.Counter()
     for b in ex.break_reasons:
-        where = b.user_stack[-1] if b.user_stack else None
+        ours = [f for f in b.user_stack or () if "/fsdpfn/" in f.filename]
+        where = ours[-1] if ours else (b.user_stack[-1] if b.user_stack else None)  # the library line that broke
         at = f"{os.path.relpath(where.filename)}:{where.lineno} ({where.name})" if where else "?"
         lines = [ln.strip() for ln in str(b.reason).strip().splitlines()]
         detail = next((ln for ln in lines if ln.startswith("Explanation:")), "")

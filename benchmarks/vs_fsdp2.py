@@ -182,13 +182,15 @@ class FsdpfnCompiledSide(FsdpfnSide):
 
     name = "fsdpfn compiled"
 
-    def __init__(self, model, mesh, strategy, precision, lr):
+    def __init__(self, model, mesh, strategy, precision, lr, overlap=False):
         import fsdpfn
 
         super().__init__(model, mesh, strategy, precision, lr)
         self.params = {n: p.detach() for n, p in self.params.items()}
         rt = self.rt
-        self.compiled = fsdpfn.compile(lambda params, x, y: _ce(rt.apply(params, x), y))
+        self.compiled = fsdpfn.compile(lambda params, x, y: _ce(rt.apply(params, x), y), overlap=overlap)
+        if overlap:
+            self.name = "fsdpfn compiled + overlap passes"
 
     def step(self, x, y):
         grads, loss = self.compiled(self.params, x, y)
@@ -205,8 +207,8 @@ def _build(side, args, strategy, precision, mesh, counter):
     model = GPT(_cfg(args))
     if side == "fsdpfn":
         return FsdpfnSide(model, mesh, strategy, precision, args.lr)
-    if side == "fsdpfn compiled":
-        return FsdpfnCompiledSide(model, mesh, strategy, precision, args.lr)
+    if side.startswith("fsdpfn compiled"):
+        return FsdpfnCompiledSide(model, mesh, strategy, precision, args.lr, overlap="overlap" in side)
     if side == "FSDP2 per-block compiled":  # torchtitan's recipe: compile each block, then fully_shard
         for block in model.blocks:
             block.compile(fullgraph=True)
@@ -286,7 +288,8 @@ def _timing_rank(rank, world, args):
     return results
 
 
-COMPILE_SIDES = ("fsdpfn", "fsdpfn compiled", "FSDP2", "FSDP2 per-block compiled")
+COMPILE_SIDES = ["fsdpfn", "fsdpfn compiled", "FSDP2", "FSDP2 per-block compiled"]
+OVERLAP_SIDE = "fsdpfn compiled + overlap passes"
 
 
 def _compile_rank(rank, world, args):
@@ -296,6 +299,8 @@ def _compile_rank(rank, world, args):
 
     warnings.simplefilter("ignore")  # dynamo's and inductor's own warnings
     CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
+    if args.inductor_overlap and OVERLAP_SIDE not in COMPILE_SIDES:
+        COMPILE_SIDES.append(OVERLAP_SIDE)
     mesh = _mesh()
     counter = _Fsdp2Counter()
     x, y = _batch(args, rank)
@@ -328,14 +333,19 @@ def _compile_rank(rank, world, args):
 
 
 def _report_compile(res, args):
+    if args.inductor_overlap and OVERLAP_SIDE not in COMPILE_SIDES:
+        COMPILE_SIDES.append(OVERLAP_SIDE)
     print(f"\nwhole-step compile ({args.steps} measured steps after {args.warmup} warm-up, rotating order); "
           "step-time ratios, median [min-max] of pair-by-pair ratios (slower rank of each step):")
     for strategy, precision in CONFIGS:
         r = [res[k][(strategy, precision)] for k in sorted(res)]
         t = {s: [max(x["times"][s][i] for x in r) for i in range(args.steps)] for s in COMPILE_SIDES}
         print(f"  {strategy} {precision}:")
-        for a, b in [("fsdpfn compiled", "FSDP2"), ("fsdpfn compiled", "FSDP2 per-block compiled"),
-                     ("fsdpfn compiled", "fsdpfn"), ("FSDP2 per-block compiled", "FSDP2"), ("fsdpfn", "FSDP2")]:
+        pairs = [("fsdpfn compiled", "FSDP2"), ("fsdpfn compiled", "FSDP2 per-block compiled"),
+                 ("fsdpfn compiled", "fsdpfn"), ("FSDP2 per-block compiled", "FSDP2"), ("fsdpfn", "FSDP2")]
+        if OVERLAP_SIDE in COMPILE_SIDES:
+            pairs += [(OVERLAP_SIDE, "fsdpfn compiled"), (OVERLAP_SIDE, "FSDP2")]
+        for a, b in pairs:
             ratios = [x / y for x, y in zip(t[a], t[b])]
             print(f"    {a} / {b}: {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]")
         base = statistics.median(t["FSDP2"])
@@ -388,6 +398,8 @@ def main():
                     f"(default {','.join(ALL_CONFIGS)}; with --compile zero3:fp32)")
     ap.add_argument("--compile", action="store_true", help="fsdpfn compiled whole-step vs fsdpfn eager vs FSDP2 "
                     "eager vs FSDP2 with per-block compile, instead of the default tables")
+    ap.add_argument("--inductor-overlap", action="store_true", help="with --compile: a fifth side, fsdpfn compiled "
+                    "with inductor's comm/compute reordering passes (fsdpfn.compile(..., overlap=True))")
     args = ap.parse_args()
     args.configs = args.configs or ("zero3:fp32" if args.compile else ",".join(ALL_CONFIGS))
     CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]

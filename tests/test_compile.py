@@ -3,6 +3,8 @@ is one graph with no break, holds the expected collectives, and gives the eager 
 after 5 SGD steps, the eager parameters; torch.compile(torch.func.grad(...)) never returns a
 silently wrong gradient."""
 
+import os
+import tempfile
 import warnings
 
 import pytest
@@ -15,6 +17,9 @@ from fsdpfn.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=12, depth=2, heads=2)  # 29 rows: uneven shards
 STEPS, LR, PER_RANK = 5, 0.2, 2
+# Compiling takes a minute or more per step function on 2 shared CPU cores: a hung rank is one
+# that takes longer than this, not the plugin's default 180 s.
+COMPILE_TIMEOUT = 900
 
 # float32's unit roundoff.
 U32 = 2.0**-24
@@ -33,6 +38,17 @@ def _tol(world):
     steps the parameters differ by at most STEPS times that, to first order.
     """
     return 2 * (world * PER_RANK * CFG.seq_len) * U32
+
+
+def _fresh_compile():
+    """Each worker call starts from a clean dynamo state, with warnings of dynamo and inductor
+    (not ours) silenced, and an inductor kernel cache per ``ATEN_CPU_CAPABILITY``: inductor's
+    on-disk cache does not key on it, and kernels built under another capability were seen to
+    fail to compile or to give NaN gradients."""
+    warnings.simplefilter("ignore")
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"fsdpfn-inductor-{capability}")
+    torch._dynamo.reset()
 
 
 def _rel(a, b):
@@ -74,13 +90,12 @@ def _expected_counts(plan):
     return out
 
 
-def _compiled_vs_eager(rank, world, strategy, mesh_shape):
-    warnings.simplefilter("ignore")  # dynamo's and inductor's own warnings, not ours
-    torch._dynamo.reset()
+def _compiled_vs_eager(rank, world, strategy, mesh_shape, overlap=False):
+    _fresh_compile()
     model, plan, params, loss_fn = _setup(world, strategy, mesh_shape)
     x, y = _batch(rank, 0)
     explained = torch._dynamo.explain(loss_fn)(params, x, y)
-    step = fsdpfn.compile(loss_fn)
+    step = fsdpfn.compile(loss_fn, overlap=overlap)
     eager, compiled = dict(params), dict(params)
     grad_err, loss_err, counts = 0.0, 0.0, None
     for i in range(STEPS):
@@ -100,11 +115,12 @@ def _compiled_vs_eager(rank, world, strategy, mesh_shape):
             grad_err, loss_err, param_err, counts, _expected_counts(plan))
 
 
-@pytest.mark.parametrize("strategy, mesh_shape", [("zero3", (2,)), ("replicate", (2,)), ("zero3", (2, 1))],
-                         ids=["zero3", "replicate", "hsdp"])
-def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape):
+@pytest.mark.parametrize("strategy, mesh_shape, overlap", [("zero3", (2,), False), ("replicate", (2,), False),
+                                                           ("zero3", (2, 1), False), ("zero3", (2,), True)],
+                         ids=["zero3", "replicate", "hsdp", "zero3-inductor-overlap"])
+def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape, overlap):
     for graphs, breaks, reasons, grad_err, loss_err, param_err, counts, expected in run_on_ranks(
-            _compiled_vs_eager, 2, strategy, mesh_shape):
+            _compiled_vs_eager, 2, strategy, mesh_shape, overlap, timeout=COMPILE_TIMEOUT):
         assert (graphs, breaks) == (1, 0), reasons
         assert grad_err <= _tol(2), grad_err
         assert loss_err <= _tol(2), loss_err
@@ -113,8 +129,7 @@ def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strate
 
 
 def _func_grad_under_compile(rank, world, fullgraph):
-    warnings.simplefilter("ignore")
-    torch._dynamo.reset()
+    _fresh_compile()
     model, plan, params, loss_fn = _setup(world, "zero3", (2,))
     x, y = _batch(rank, 0)
     want = torch.func.grad(loss_fn)(params, x, y)
@@ -129,7 +144,7 @@ def _func_grad_under_compile(rank, world, fullgraph):
 def test_compiled_func_grad_is_refused_or_eager_exact(run_on_ranks, fullgraph):
     """torch 2.13 drops a custom autograd.Function's backward under torch.compile(torch.func.grad):
     fsdpfn must raise (fullgraph) or fall back to the eager, exact gradients (graph break)."""
-    for what, detail in run_on_ranks(_func_grad_under_compile, 2, fullgraph):
+    for what, detail in run_on_ranks(_func_grad_under_compile, 2, fullgraph, timeout=COMPILE_TIMEOUT):
         if fullgraph:
             assert what == "error", detail
             assert "maybe_current_level" in detail or "CompileUnsupportedError" in detail, detail
@@ -138,7 +153,7 @@ def test_compiled_func_grad_is_refused_or_eager_exact(run_on_ranks, fullgraph):
 
 
 def _fp8_refused(rank, world):
-    torch._dynamo.reset()
+    _fresh_compile()
     _, plan, params, loss_fn = _setup(world, "zero3", (2,), fsdpfn.MixedPrecision(fp8=True))
     x, y = _batch(rank, 0)
     with pytest.raises(Exception, match="FP8"):
@@ -147,16 +162,15 @@ def _fp8_refused(rank, world):
 
 
 def test_fp8_gather_is_refused_under_compile(run_on_ranks):
-    assert all(run_on_ranks(_fp8_refused, 2))
+    assert all(run_on_ranks(_fp8_refused, 2, timeout=COMPILE_TIMEOUT))
 
 
 def _runtime_compiled_vs_eager(rank, world, style, prefetches):
     """The runtime compiled (``fsdpfn.compile`` of a loss over ``rt.apply``, or ``torch.compile``
     of the forward under ``rt.bind`` then ``loss.backward()``) against the eager pure loop."""
-    warnings.simplefilter("ignore")
     out = []
     for prefetch in prefetches:
-        torch._dynamo.reset()
+        _fresh_compile()
         model, plan, params, loss_fn = _setup(world, "zero3", (2,))
         rt = fsdpfn.runtime.Runtime(model, plan, prefetch=prefetch)
         x, y = _batch(rank, 0)
@@ -168,11 +182,15 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
             step = fsdpfn.compile(rt_loss)
         else:
             def fwd(x, y):
-                return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                if style == "whole-step":  # loss.backward() inside the compiled step
+                    loss.backward()
+                    loss = loss.detach()
+                return loss
 
             compiled_fwd = torch.compile(fwd, fullgraph=True)
             leaves = fsdpfn.shard(model, plan, requires_grad=True)
-            with rt.bind(leaves):
+            with rt.bind(leaves), torch._dynamo.config.patch(trace_autograd_ops=style == "whole-step"):
                 explained = torch._dynamo.explain(fwd)(x, y)
             torch._dynamo.reset()
 
@@ -182,9 +200,10 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
                 with torch.no_grad():
                     for n, p in leaves.items():
                         p.to_local().copy_(params[n].to_local())
-                with rt.bind(leaves):
+                with rt.bind(leaves), torch._dynamo.config.patch(trace_autograd_ops=style == "whole-step"):
                     loss = compiled_fwd(x, y)
-                loss.backward()
+                if style != "whole-step":
+                    loss.backward()
                 return rt.grads(leaves), loss.detach()
 
         eager, compiled = dict(params), dict(params)
@@ -206,12 +225,14 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
     return out
 
 
-@pytest.mark.parametrize("style, prefetches", [("func", (1,)), ("backward", (0, 2))])
-def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetches):
+@pytest.mark.parametrize("style, prefetch", [("func", 1), ("backward", 0), ("backward", 2), ("whole-step", 1)])
+def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetch):
     """Under compile the runtime runs the pure path (the compiler orders the collectives, see
     [Note: the runtime under torch.compile]); prefetch changes nothing in the numbers.
-    ``loss.backward()`` outside fsdpfn.compile is not counted (plain torch.compile counts nothing)."""
-    for rank_result in run_on_ranks(_runtime_compiled_vs_eager, 2, style, prefetches):
+    ``loss.backward()`` outside fsdpfn.compile is not counted (plain torch.compile counts nothing).
+    "whole-step": forward and ``loss.backward()`` in one compiled function, one graph, with
+    dynamo's ``trace_autograd_ops``."""
+    for rank_result in run_on_ranks(_runtime_compiled_vs_eager, 2, style, (prefetch,), timeout=COMPILE_TIMEOUT):
         for prefetch, graphs, breaks, reasons, grad_err, param_err, counts, expected in rank_result:
             assert (graphs, breaks) == (1, 0), (prefetch, reasons)
             assert grad_err <= _tol(2), (prefetch, grad_err)

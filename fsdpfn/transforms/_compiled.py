@@ -126,6 +126,7 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.T
 
 def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op: str, scale) -> list[torch.Tensor]:
     rdtype = plan.reduce_dtype(unit)
+    device = next((g.device for g in grads if g is not None), None)  # a missing gradient's zeros live beside the others
     axes = _cached(plan, "axes")
     w = axes.shard_size
     factor = (1.0 / axes.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
@@ -136,7 +137,7 @@ def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op:
             if not slot.size:
                 continue
             if g is None:
-                cols.append(torch.zeros(w, slot.size, dtype=rdtype))
+                cols.append(torch.zeros(w, slot.size, dtype=rdtype, device=device))
             elif slot.sharded:
                 flat = g.reshape(-1).to(rdtype)
                 pad = w * slot.size - flat.numel()
@@ -146,7 +147,7 @@ def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op:
         buf = torch.cat(cols, dim=1).reshape(-1)
         reduced = C.traced_reduce_scatter(buf, _group(plan, Role.SHARD))
     else:
-        parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=rdtype)).reshape(-1).to(rdtype)
+        parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
                  for p, g in zip(unit.params, grads)]
         reduced = C.traced_all_reduce(torch.cat(parts), _group(plan, Role.SHARD))
     if axes.hsdp:
@@ -182,6 +183,7 @@ class _TracedUnshardUnit(torch.autograd.Function):
 def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, torch.Tensor]:
     """:func:`fsdpfn.unshard` while dynamo traces."""
     _refuse_functorch("fsdpfn.unshard")
+    _check_op(grad_op)
     check_compilable(plan)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
@@ -193,6 +195,7 @@ def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, to
 
 def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[str, DTensor]:
     """:func:`fsdpfn.reduce` while dynamo traces."""
+    _check_op(op)
     check_compilable(plan)
     axes = _cached(plan, "axes")
     out: dict[str, DTensor] = {}
@@ -209,6 +212,11 @@ def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[st
     return out
 
 
+def _check_op(op: str) -> None:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+
+
 def _shard_rank(plan: Plan) -> int:
     d = _cached(plan, "axes").dim(Role.SHARD)
     return 0 if d is None else plan.mesh.get_local_rank(d)
@@ -219,7 +227,7 @@ class CompiledStep:
     :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
     backward graphs when they were compiled."""
 
-    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, options: dict):
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict):
         with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
             warnings.simplefilter("ignore", DeprecationWarning)
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -230,8 +238,10 @@ class CompiledStep:
             self._graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
+        patches = dict(OVERLAP_PASSES) if overlap else None
+
         def backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, inner_compile=inner)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
@@ -257,7 +267,15 @@ class CompiledStep:
         return ((grads, aux) if self.has_aux else grads), loss.detach()
 
 
-def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options) -> CompiledStep:
+# inductor's passes that move collectives: waits sunk to their first use, collectives raised to
+# where their inputs are ready, compute reordered to fill the time between a collective and its wait.
+OVERLAP_PASSES = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"],
+}
+
+
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, **options) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).
@@ -272,6 +290,9 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (``(loss, aux)`` with ``has_aux``).
       has_aux: as in ``torch.func.grad_and_value``.
       fullgraph: refuse graph breaks (the default; a break raises instead of splitting the step).
+      overlap: turn on inductor's passes that reorder collectives and compute for overlap
+        (:data:`OVERLAP_PASSES`: ``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``);
+        the numbers do not change, only the order.
       **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
 
     Returns:
@@ -286,4 +307,4 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, **options
     """
     if not callable(loss_fn):
         raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
-    return CompiledStep(loss_fn, has_aux, fullgraph, options)
+    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options)
