@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,14 +24,17 @@ CFG = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=3, heads=4)
 PER_RANK = 2
 
 
-def _train(rank, world, strategy, style, offload, steps=5):
+def _train(rank, world, strategy, style, offload, steps=5, streamed=False):
     torch.manual_seed(0)
     model = GPT(CFG)
     plan = fsdpfn.plan(model, testing.mesh((world,)), strategy=strategy, offload=offload)
     rt = Runtime(model, plan)
     params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
     opt = fsdpfn.optim.adamw(lr=1e-3)
+    if streamed:  # the step runs on the "device" (the CPU here) and the state is written back to host buffers
+        opt = fsdpfn.optim.streamed(opt, device="cpu")
     state = opt.init(params)
+    state_buffers = [t._local_tensor.untyped_storage()._cdata for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)]
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     copies, between = [], []
     for step in range(steps):
@@ -49,6 +53,8 @@ def _train(rank, world, strategy, style, offload, steps=5):
         params = fsdpfn.optim.apply_updates(params, updates)
         params = {n: p.detach().requires_grad_(style == "eager") for n, p in params.items()}
     devices = {str(t._local_tensor.device) for t in [*params.values(), *g.values()]}
+    same = [t._local_tensor.untyped_storage()._cdata for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)] == state_buffers
+    assert same or not streamed, "streamed must write the new state into the host state's buffers"
     return {n: p._local_tensor for n, p in params.items()}, copies, between, devices, plan
 
 
@@ -73,6 +79,14 @@ def test_offload_is_bitwise_the_run_without_it(run_on_ranks, strategy, style):
         gathers = [op.unit for op in sched.ops if op.kind.value == "gather"]
         assert [c[1] for c in expected if c[0] == "copy_in"] == gathers
         assert all(c == expected for c in copies), [(a, b) for a, b in zip(copies[0], expected) if a != b]
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_the_streamed_optimizer_step_is_bitwise_the_host_step(run_on_ranks, style):
+    host = run_on_ranks(_train, 2, "zero3", style, True)
+    streamed = run_on_ranks(_train, 2, "zero3", style, True, 5, True)
+    for (p0, *_), (p1, *_) in zip(host, streamed):
+        assert all(torch.equal(p0[n], p1[n]) for n in p0)
 
 
 def test_offload_per_unit_and_in_the_plan_json():
