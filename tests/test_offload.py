@@ -133,7 +133,8 @@ def _sim_vs_run(rank, world, strategy):
     wl = fsdpfn.sim.profile(model, plan, x)
     res = fsdpfn.sim.simulate(plan, rt.schedule, wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
     plain = fsdpfn.sim.simulate(fsdpfn.plan(model, (world,), strategy=strategy), None, wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
-    return counted, res.host_copies, res.memory, plain.memory, res.step_time, plain.step_time
+    streamed = fsdpfn.sim.simulate(plan, rt.schedule, wl, fsdpfn.sim.AdamW(streamed=True), fsdpfn.sim.H100_SXM)
+    return counted, res.host_copies, res.memory, plain.memory, res.step_time, plain.step_time, streamed.host_copies
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
@@ -141,8 +142,11 @@ def test_the_simulator_costs_offload_as_it_runs(run_on_ranks, strategy):
     """The simulator's host-device bytes per step are the runtime's counts; the offloaded units'
     shards, gradients and optimizer state leave the device (reported as host memory); the step
     pays for the copies and the host optimizer."""
-    (counted, predicted, mem, plain, t, t_plain), _ = run_on_ranks(_sim_vs_run, 2, strategy)
+    (counted, predicted, mem, plain, t, t_plain, streamed), _ = run_on_ranks(_sim_vs_run, 2, strategy)
     assert predicted == counted and counted["copy_in"] > 0, (predicted, counted)
+    # streamed AdamW: parameters, gradients and two state slots in; two slots and the updates out
+    shards = mem["host"] // (2 + 2)  # host: params + grads (sharded here) + two fp32 slots, all shard-sized
+    assert (streamed["stream_in"], streamed["stream_out"]) == (4 * shards, 3 * shards), streamed
     device = lambda m: m["params"] + m["grads"] + m["optimizer_state"]  # noqa: E731
     assert device(mem) + mem["host"] == device(plain) and mem["host"] > 0
     assert t > t_plain

@@ -118,7 +118,8 @@ class SimResult:
       plan, schedule, hardware: what was simulated.
       notes: what the model assumed that a reader should know.
       host_copies: ``{"copy_in": bytes, "copy_out": bytes}`` of offloaded units' host-device
-        copies per step (the runtime's ``StepRecord.copies`` summed).
+        copies per step (the runtime's ``StepRecord.copies`` summed), and ``stream_in`` /
+        ``stream_out`` with a streamed optimizer step.
       calls: every collective timed (:class:`fsdpfn.Collective`): the schedule's, from
         :func:`fsdpfn.step_collectives`, then the optimizer's (phase ``"optimizer"``);
         ``traffic`` sums them.
@@ -247,6 +248,7 @@ class _Builder:
         # memory, in op order
         self.live = {"unsharded": 0, "buffers": 0, "activations": 0, "grads": 0}
         total = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units) or 1
+        self.streamed, self.streamed_bytes = False, (0, 0)
         self.host_fraction = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units if u.offload) / total
         self.peak = {"unsharded": 0, "total": 0, "activations": 0}
         self.held: dict[tuple[str, str], int] = {}
@@ -275,9 +277,9 @@ class _Builder:
     def copy(self, kind: str, name: str, nbytes: int) -> int:
         """A host-device copy of an offloaded unit on its own stream (a copy engine each way)."""
         deps = (self.last_compute,) if self.last_compute is not None else ()
-        stream = "h2d" if kind == "copy_in" else "d2h"
+        stream = "h2d" if kind in ("copy_in", "stream_in") else "d2h"
         self.tasks.append(Task(stream, "host", self.hw.copy_seconds(nbytes), deps, kind, name, float(nbytes), self.op, self.micro_batch))
-        self.copied[kind] += nbytes
+        self.copied[kind] = self.copied.get(kind, 0) + nbytes
         return len(self.tasks) - 1
 
     def blocking(self, c: Collective, stream: str) -> None:
@@ -454,6 +456,11 @@ class _Builder:
                 if phase.tag not in launched:
                     raise ValueError(f"optimizer phase waits for {phase.tag!r}, which was not launched before it")
                 self.compute(EMPTY, "wait", phase.tag, after=launched.pop(phase.tag))
+            elif self.host_fraction and self.streamed:  # offloaded units' step streamed through the device
+                nbytes = self.streamed_bytes
+                copied_in = self.copy("stream_in", "", nbytes[0])
+                self.compute(phase, "optimizer", "", after=copied_in)
+                self.compute(EMPTY, "wait", "", after=self.copy("stream_out", "", nbytes[1]))
             elif self.host_fraction:  # offloaded units step on the host, at its memory bandwidth
                 host = dataclasses.replace(self.hw, memory_bandwidth=self.hw.host_memory_bandwidth or self.hw.memory_bandwidth, kernels=None)
                 seconds = (1 - self.host_fraction) * phase.seconds(self.hw) + self.host_fraction * phase.seconds(host)
@@ -524,6 +531,11 @@ def simulate(
     for i in range(micro_batches):
         b.step(sched, i == micro_batches - 1, accumulate)
     opt_cost = optimizer.cost(plan, rank) if optimizer is not None else None
+    b.streamed = bool(getattr(optimizer, "streamed", False))
+    if b.streamed and opt_cost is not None:  # in: params, grads, state; out: state, updates (offloaded units)
+        shards = sum(_shard_bytes(u) for u in plan.units if u.offload)
+        state = int(round(opt_cost.state_bytes * b.host_fraction))
+        b.streamed_bytes = (2 * shards + state, shards + state)
     first_opt = len(b.tasks)
     if opt_cost is not None:
         b.optimizer(opt_cost)
