@@ -10,9 +10,12 @@ Per configuration, in one launch, interleaved (A B C ... A B C ...):
 - step time: the median over the measured steps, and the simulator's prediction with this
   machine's fitted hardware and the timed profile (``fsdpfn.sim.measure``,
   ``profile(timed=True)``), both as ratios to the run without any lever;
-- offload: bytes copied in and out per step (counted), the device bytes an offloaded unit holds
-  between steps (counted: 0), and the step-time ratio. The simulator does not cost host copies,
-  so its offload column is the same as "none".
+- offload, the optimizer (AdamW) stepping on the host or streamed through the device
+  (``fsdpfn.optim.streamed``): bytes copied in and out per step (counted), the device bytes an
+  offloaded unit holds between steps (counted: 0), and the step-time ratio beside the
+  simulator's (here host and device are one memory, so the host-device link is a memory copy).
+
+Then the same levers projected by the simulator for a Llama-3-8B-like model on 64 H100s.
 
 Usage: python benchmarks/memory_levers.py [--steps 6]
 """
@@ -32,12 +35,13 @@ from fsdpfn import sim, testing
 from fsdpfn.models import GPT, GPTConfig
 from fsdpfn.runtime import Runtime, schedule
 
-CONFIGS = {
-    "none": {},
-    "full": {"remat": "full"},
-    "save_dots": {"remat": "save_dots"},
-    "save_names": {"remat": "save_names:attention,mlp_up"},
-    "offload": {"offload": True},
+CONFIGS = {  # name: (plan arguments, optimizer step streamed through the device)
+    "none": ({}, False),
+    "full": ({"remat": "full"}, False),
+    "save_dots": ({"remat": "save_dots"}, False),
+    "save_names": ({"remat": "save_names:attention,mlp_up"}, False),
+    "offload": ({"offload": True}, False),
+    "offload, streamed step": ({"offload": True}, True),
 }
 
 
@@ -70,14 +74,16 @@ def _rank(rank, world, steps):
     loss_fn = lambda o: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
     mesh = testing.mesh((world,))
     runs = {}
-    for name, kw in CONFIGS.items():
+    for name, (kw, streamed) in CONFIGS.items():
         plan = fsdpfn.plan(model, mesh, **kw)
         rt = Runtime(model, plan, prefetch=1)
         params = fsdpfn.shard(model, plan, requires_grad=True)
+        opt = fsdpfn.optim.adamw(1e-3)
+        opt = fsdpfn.optim.streamed(opt, device="cpu") if streamed else opt
         wl = sim.profile(model, plan, x, loss_fn=loss_fn)
         timed = sim.profile(model, plan, x, loss_fn=loss_fn, timed=True, repeats=2)
-        predicted = sim.simulate(plan, schedule(plan, prefetch=1), timed, None, hw).step_time
-        runs[name] = dict(plan=plan, rt=rt, params=params, times=[], predicted_time=predicted,
+        predicted = sim.simulate(plan, schedule(plan, prefetch=1), timed, sim.AdamW(streamed=streamed), hw).step_time
+        runs[name] = dict(plan=plan, rt=rt, params=params, opt=opt, state=opt.init(params), times=[], predicted_time=predicted,
                           predicted_acts=sum(b for _, b in wl.activations))
     for name, r in runs.items():  # warm-up, and the counted activation bytes
         r["held"] = _held_for_backward(model, r["rt"], r["params"], x, y)
@@ -88,11 +94,34 @@ def _rank(rank, world, steps):
             t0 = time.perf_counter()
             with r["rt"].bind(r["params"]):
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            grads = Runtime.grads(r["params"])
+            updates, r["state"] = r["opt"].update(grads, r["state"], r["params"])
+            r["params"] = {n: p.detach().requires_grad_() for n, p in fsdpfn.optim.apply_updates(r["params"], updates).items()}
             r["times"].append(time.perf_counter() - t0)
             r["between"] = sum(r["rt"].memory.offloaded.values())
-            for p in r["params"].values():
-                p.grad = None
-    return {name: {k: v for k, v in r.items() if k not in ("plan", "rt", "params")} for name, r in runs.items()}
+    return {name: {k: v for k, v in r.items() if k in ("times", "predicted_time", "predicted_acts", "held", "copies", "between")}
+            for name, r in runs.items()}
+
+
+def project(hw: sim.Hardware, gpus: int = 64, seq: int = 8192):
+    """Each lever on a Llama-3-8B-like model (meta device) on ``gpus`` ranks of ``hw``, zero3,
+    prefetch 1, AdamW: predicted step time, peak memory per rank, host memory per rank."""
+    from fsdpfn.models import LLAMA3_8B, Llama
+
+    with torch.device("meta"):
+        model = Llama(LLAMA3_8B)
+    x = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    base = fsdpfn.plan(model, (gpus,), mp=mp)
+    wl = sim.profile(model, base, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()))
+    rows = []
+    for name, (kw, streamed) in CONFIGS.items():
+        if name == "save_names":  # Llama tags no tensors
+            continue
+        plan = fsdpfn.plan(model, (gpus,), mp=mp, **kw)
+        res = sim.simulate(plan, schedule(plan, prefetch=1), wl.with_remat(plan), sim.AdamW(streamed=streamed), hw)
+        rows.append((name, res.step_time, res.memory["reserved"], res.memory.get("host", 0)))
+    return rows
 
 
 def main(argv=None):
@@ -112,6 +141,12 @@ def main(argv=None):
         print(f"| {name} | {r['held'] / 2**20:.2f} MiB | {r['predicted_acts'] / 2**20:.2f} MiB | {base['held'] / r['held']:.2f}x | "
               f"{t * 1e3:.0f} ms | {ratio:.2f}x | {pred:.2f}x | {100 * (pred / ratio - 1):+.0f}% | "
               f"{r['copies'] / 2**20:.2f} MiB | {r['between']} |")
+    hw = sim.H100_SXM
+    print(f"\nProjected with fsdpfn.sim: Llama-3-8B-like, sequence 8192, 1 per rank, 64 x {hw.name}, zero3, prefetch 1, AdamW\n")
+    print("| lever | step time | reserved per rank | host per rank |")
+    print("|---|---|---|---|")
+    for name, t, reserved, host in project(hw):
+        print(f"| {name} | {t * 1e3:.0f} ms | {reserved / 2**30:.1f} GiB | {host / 2**30:.1f} GiB |")
     testing.shutdown_pools()
 
 

@@ -22,6 +22,7 @@ from fsdpfn.optim._base import apply_updates as apply_updates
 from fsdpfn.optim._base import chain as chain
 from fsdpfn.optim._base import identity as identity
 from fsdpfn.optim._base import partition as partition
+from fsdpfn.optim._streamed import streamed as streamed
 from fsdpfn.optim._blocks import head_blocks as head_blocks
 from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
 from fsdpfn.optim._clip import global_norm as global_norm
@@ -50,6 +51,7 @@ from fsdpfn.optim._sgd_adamw import sgd as sgd
 from fsdpfn.optim._torch_optim import TorchOptimizer as TorchOptimizer
 
 __all__ = [
+    "streamed",
     "AdamWState",
     "ApplyIfFiniteState",
     "BucketRecord",

@@ -155,6 +155,11 @@ class Hardware:
         ``None``: ``matmul_flops`` and ``memory_bandwidth`` are what kernels reach (fitted).
       nics_per_node: network cards per node, ``inter`` being the Link of one of them (see
         [Note: the network per node]); 0: ``inter`` is one rank's bandwidth across nodes.
+      host: the :class:`Link` of host-device copies (PCIe) that offloaded units' shards and
+        gradients cross; ``None``: copies at half of ``memory_bandwidth`` (read and write, as on
+        a CPU, where host and device memory are one).
+      host_memory_bandwidth: bytes/s of memory-bound work on the host (the optimizer step of
+        offloaded units runs there); ``None``: ``memory_bandwidth``.
       memory_reserve: the caching allocator's reserve over the bytes allocated at the peak
         (fragmentation, rounding of blocks), as a fraction: ``SimResult.memory["reserved"]`` is
         ``peak * (1 + memory_reserve)``, comparable with ``torch.cuda.max_memory_reserved()``.
@@ -180,6 +185,8 @@ class Hardware:
     kernels: Kernels | None = None
     nics_per_node: int = 0
     memory_reserve: float = 0.0
+    host: Link | None = None
+    host_memory_bandwidth: float | None = None
 
     def __post_init__(self):
         flops = self.matmul_flops.items() if isinstance(self.matmul_flops, Mapping) else self.matmul_flops
@@ -199,6 +206,16 @@ class Hardware:
             raise ValueError(f"Hardware.nics_per_node must be an int >= 0 (0: inter is one rank's bandwidth), got {self.nics_per_node!r}")
         if not 0.0 <= self.memory_reserve < 1.0:
             raise ValueError(f"Hardware.memory_reserve must be a fraction in [0, 1), got {self.memory_reserve!r}")
+        if self.host is not None and not isinstance(self.host, Link):
+            raise ValueError(f"Hardware.host must be a fsdpfn.sim.Link (the PCIe link of host-device copies) or None, got {self.host!r}")
+        if self.host_memory_bandwidth is not None and not self.host_memory_bandwidth > 0:
+            raise ValueError(f"Hardware.host_memory_bandwidth must be bytes/s > 0 or None, got {self.host_memory_bandwidth!r}")
+
+    def copy_seconds(self, nbytes: float) -> float:
+        """Seconds of one host-device copy of ``nbytes`` (see ``host``)."""
+        if self.host is None:
+            return 2.0 * nbytes / self.memory_bandwidth
+        return self.host.alpha + nbytes / self.host.bandwidth
 
     def flops(self, dtype) -> float:
         """Matmul FLOP/s in ``dtype`` (``"float32"``'s for a dtype not listed). ``"attention
@@ -363,6 +380,17 @@ _H100_KERNELS = Kernels(matmul_efficiency=0.801, matmul_latency=_MATMUL_LATENCY,
 _A100_KERNELS = Kernels(matmul_efficiency=0.859, matmul_latency=_MATMUL_LATENCY, attention_efficiency=0.62,
                         attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED)
 
+# Host-device copies and the host's memory (offload). PCIe 5.0 x16 (H100/H200): 64 GB/s each way,
+# pinned copies reach about 55 GB/s; PCIe 4.0 x16 (A100): 32 GB/s, about 25 GB/s reached
+# (bandwidthTest-style measurements). Host memory per rank: a DGX H100's two sockets of 8 DDR5-4800
+# channels (614 GB/s), a DGX A100's of 8 DDR4-3200 channels (410 GB/s), shared by 8 ranks, of which
+# PyTorch's CPU optimizers sustain about 0.3 (an assumption, not a published figure).
+_PCIE_ALPHA = 10e-6
+_PCIE5 = Link(_PCIE_ALPHA, 55e9)
+_PCIE4 = Link(_PCIE_ALPHA, 25e9)
+_HOST_H100 = 614e9 / 8 * 0.3
+_HOST_A100 = 410e9 / 8 * 0.3
+
 # A kernel launched back to back after another still leaves a gap of about a microsecond on the
 # device; the host's dispatch (several us per operator in eager PyTorch) runs ahead of it.
 _GPU_OP_OVERHEAD = 1e-6
@@ -379,6 +407,8 @@ H100_SXM = Hardware(
     kernels=_H100_KERNELS,
     nics_per_node=8,
     memory_reserve=_RESERVE,
+    host=_PCIE5,
+    host_memory_bandwidth=_HOST_H100,
 )
 """H100 SXM in DGX H100 nodes. NVIDIA H100 datasheet: 989 TFLOP/s dense BF16/FP16 Tensor Core
 (1,979 with sparsity), 1,979 dense FP8, 67 TFLOP/s FP32, 80 GB HBM3 at 3.35 TB/s (81,559 MiB
@@ -399,6 +429,8 @@ H200_SXM = Hardware(
     kernels=_H100_KERNELS,
     nics_per_node=8,
     memory_reserve=_RESERVE,
+    host=_PCIE5,
+    host_memory_bandwidth=_HOST_H100,
 )
 """H200 SXM: NVIDIA H200 datasheet: the H100's Tensor Core rates (989 TFLOP/s dense BF16),
 141 GB HBM3e at 4.8 TB/s (143,771 MiB); NVLink 4 (450 GB/s each way); eight 400 Gb/s NDR
@@ -416,6 +448,8 @@ A100_SXM = Hardware(
     kernels=_A100_KERNELS,
     nics_per_node=8,
     memory_reserve=_RESERVE,
+    host=_PCIE4,
+    host_memory_bandwidth=_HOST_A100,
 )
 """A100 SXM 80 GB in DGX A100 nodes. NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor
 Core, 19.5 TFLOP/s FP32, 80 GB HBM2e at 2,039 GB/s (81,920 MiB). NVLink 3: 600 GB/s per GPU both

@@ -150,13 +150,17 @@ def _state_bytes(plan: Plan, shapes: dict[str, tuple[int, ...]], slots: Callable
 @dataclasses.dataclass(frozen=True)
 class AdamW:
     """``fsdpfn.optim.adamw`` on every parameter: elementwise on local shards, two state slots,
-    no communication.
+    no communication. Offloaded units step on the host, or with ``streamed=True`` as
+    ``fsdpfn.optim.streamed`` runs them: on the device, parameters, gradients and state copied in
+    over ``Hardware.host`` and state and updates copied back.
 
     Example:
       >>> c = fsdpfn.sim.AdamW().cost(plan)
       >>> c.state_bytes == 2 * plan.cost().memory["optimizer_state_per_slot"], len(c.phases)
       (True, 1)
     """
+
+    streamed: bool = False
 
     def labels(self, plan: Plan) -> dict[str, str]:
         return {n: "adamw" for n in plan.param_names}
@@ -167,7 +171,7 @@ class AdamW:
         return OptimizerCost((work,), _state_bytes(plan, shapes, lambda n: 2))
 
     def __str__(self) -> str:
-        return "adamw"
+        return "adamw (streamed)" if self.streamed else "adamw"
 
 
 def _adamw(labels=None):

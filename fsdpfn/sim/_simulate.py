@@ -41,6 +41,7 @@ tests compare with a ``count_collectives()`` record of a real step); the simulat
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, NamedTuple
 
 from fsdpfn import Plan
@@ -106,8 +107,9 @@ class SimResult:
       traffic: ``{"step": {kind: Traffic}, "optimizer": {kind: Traffic}}`` per rank: the
         schedule's collectives and the optimizer's.
       level_bytes: ``{"intra": bytes, "inter": bytes}`` sent per rank per level.
-      memory: bytes per rank: ``params``, ``grads``, ``optimizer_state`` (held between
-        steps), ``unsharded_peak`` (the runtime's high-water mark), ``activations_peak``,
+      memory: bytes per rank: ``params``, ``grads``, ``optimizer_state`` (held on the device
+        between steps), ``host`` (what offloaded units hold in host memory instead; only when
+        some are), ``unsharded_peak`` (the runtime's high-water mark), ``activations_peak``,
         ``peak`` (everything allocated at the worst moment of the step: comparable with
         ``torch.cuda.max_memory_allocated()``), ``reserved`` (``peak`` with the caching
         allocator's reserve, ``Hardware.memory_reserve``: comparable with
@@ -115,6 +117,9 @@ class SimResult:
       spans: the timeline.
       plan, schedule, hardware: what was simulated.
       notes: what the model assumed that a reader should know.
+      host_copies: ``{"copy_in": bytes, "copy_out": bytes}`` of offloaded units' host-device
+        copies per step (the runtime's ``StepRecord.copies`` summed), and ``stream_in`` /
+        ``stream_out`` with a streamed optimizer step.
       calls: every collective timed (:class:`fsdpfn.Collective`): the schedule's, from
         :func:`fsdpfn.step_collectives`, then the optimizer's (phase ``"optimizer"``);
         ``traffic`` sums them.
@@ -139,6 +144,7 @@ class SimResult:
     hardware: Hardware = dataclasses.field(repr=False, compare=False, default=None)
     notes: tuple[str, ...] = ()
     calls: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    host_copies: dict = dataclasses.field(default_factory=dict)
 
     @property
     def collectives(self) -> dict[str, Traffic]:
@@ -233,12 +239,17 @@ class _Builder:
         self.last_compute: int | None = None
         self.gathers: dict[str, int] = {}
         self.reduces: dict[str, int] = {}
+        self.copies: dict[str, int] = {}  # offloaded unit -> its copy_in task, which its gather waits for
+        self.copied = {"copy_in": 0, "copy_out": 0}
         self.calls: list[Collective] = []
         self.level_bytes = {"intra": 0.0, "inter": 0.0}
         self.groups = _mesh_groups(plan, rank)
         self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
         # memory, in op order
         self.live = {"unsharded": 0, "buffers": 0, "activations": 0, "grads": 0}
+        total = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units) or 1
+        self.streamed, self.streamed_bytes = False, (0, 0)
+        self.host_fraction = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units if u.offload) / total
         self.peak = {"unsharded": 0, "total": 0, "activations": 0}
         self.held: dict[tuple[str, str], int] = {}
 
@@ -252,15 +263,23 @@ class _Builder:
         self.last_compute = len(self.tasks) - 1
         return self.last_compute
 
-    def collective(self, c: Collective, stream: str, sent: float | None = None) -> int:
-        """Times one listed collective on ``stream``, after the compute before it."""
+    def collective(self, c: Collective, stream: str, sent: float | None = None, after: int | None = None) -> int:
+        """Times one listed collective on ``stream``, after the compute before it (and ``after``)."""
         ranks = self.groups[c.role.value]
         level = self.level[c.role.value]
         seconds = self.hw.collective_seconds(c.kind, ranks, c.nbytes, sent)
         self.calls.append(c)
         self.level_bytes[level] += c.wire_bytes
-        deps = (self.last_compute,) if self.last_compute is not None else ()
+        deps = ((self.last_compute,) if self.last_compute is not None else ()) + ((after,) if after is not None else ())
         self.tasks.append(Task(stream, level, seconds, deps, c.kind, c.tag, c.nbytes, self.op, self.micro_batch))
+        return len(self.tasks) - 1
+
+    def copy(self, kind: str, name: str, nbytes: int) -> int:
+        """A host-device copy of an offloaded unit on its own stream (a copy engine each way)."""
+        deps = (self.last_compute,) if self.last_compute is not None else ()
+        stream = "h2d" if kind in ("copy_in", "stream_in") else "d2h"
+        self.tasks.append(Task(stream, "host", self.hw.copy_seconds(nbytes), deps, kind, name, float(nbytes), self.op, self.micro_batch))
+        self.copied[kind] = self.copied.get(kind, 0) + nbytes
         return len(self.tasks) - 1
 
     def blocking(self, c: Collective, stream: str) -> None:
@@ -292,9 +311,10 @@ class _Builder:
         self.hold("unsharded", name, unit.numel * item)
         for c in self.listed("amax"):  # the per-tensor FP8 scales need the whole tensor's amax first
             self.blocking(c, "all_gather")
+        copied = self.copies.pop(name, None)
         for c in self.listed("gather"):
             segment = c.nbytes // w
-            self.compute(Work(bytes=2 * segment, ops=2 * len(unit.params)), "copy", name)
+            self.compute(Work(bytes=2 * segment, ops=2 * len(unit.params)), "copy", name, after=copied)
             self.hold("buffers", "gather " + name, c.nbytes + segment)
             self.gathers[name] = self.collective(c, "all_gather")
 
@@ -303,6 +323,22 @@ class _Builder:
         item = self.plan.gather_dtype(unit).itemsize
         self.compute(Work(bytes=2 * unit.numel * item, ops=len(unit.params)), "copy", name, after=self.gathers.pop(name, None))
         self.drop("buffers", "gather " + name)
+        self.drop("buffers", "staged " + name)  # an offloaded unit's device copy of its shards
+
+    def copy_in(self, name: str) -> None:
+        nbytes = _shard_bytes(self.units[name])
+        self.hold("buffers", "staged " + name, nbytes)
+        self.copies[name] = self.copy("copy_in", name, nbytes)
+
+    def copy_out(self, name: str, last: bool, accumulate: str) -> None:
+        unit = self.units[name]
+        if not reduces_now(unit, last, accumulate):
+            return
+        nbytes = _shard_bytes(unit, self.plan.reduce_dtype(unit).itemsize)
+        self.hold("buffers", "grad out " + name, nbytes)
+        done = self.copy("copy_out", name, nbytes)
+        self.compute(EMPTY, "wait", name, after=done)  # the runtime's device-to-host copy is blocking
+        self.drop("buffers", "grad out " + name)
 
     def free(self, name: str) -> None:
         self.drop("unsharded", name)
@@ -391,6 +427,10 @@ class _Builder:
                 self.reduce(name, last, accumulate)
             elif op.kind is OpKind.WAIT_REDUCE:
                 self.wait_reduce(name, last, accumulate)
+            elif op.kind is OpKind.COPY_IN:
+                self.copy_in(name)
+            elif op.kind is OpKind.COPY_OUT:
+                self.copy_out(name, last, accumulate)
         if pending is not None:
             self.op = pending[3]
             self.compute(*pending[:3])
@@ -416,6 +456,16 @@ class _Builder:
                 if phase.tag not in launched:
                     raise ValueError(f"optimizer phase waits for {phase.tag!r}, which was not launched before it")
                 self.compute(EMPTY, "wait", phase.tag, after=launched.pop(phase.tag))
+            elif self.host_fraction and self.streamed:  # offloaded units' step streamed through the device
+                nbytes = self.streamed_bytes
+                copied_in = self.copy("stream_in", "", nbytes[0])
+                self.compute(phase, "optimizer", "", after=copied_in)
+                self.compute(EMPTY, "wait", "", after=self.copy("stream_out", "", nbytes[1]))
+            elif self.host_fraction:  # offloaded units step on the host, at its memory bandwidth
+                host = dataclasses.replace(self.hw, memory_bandwidth=self.hw.host_memory_bandwidth or self.hw.memory_bandwidth, kernels=None)
+                seconds = (1 - self.host_fraction) * phase.seconds(self.hw) + self.host_fraction * phase.seconds(host)
+                self.tasks.append(Task("compute", "compute", seconds, (), "optimizer", "", 0.0, self.op, self.micro_batch))
+                self.last_compute = len(self.tasks) - 1
             else:
                 self.compute(phase, "optimizer", "")
         if launched:
@@ -481,6 +531,11 @@ def simulate(
     for i in range(micro_batches):
         b.step(sched, i == micro_batches - 1, accumulate)
     opt_cost = optimizer.cost(plan, rank) if optimizer is not None else None
+    b.streamed = bool(getattr(optimizer, "streamed", False))
+    if b.streamed and opt_cost is not None:  # in: params, grads, state; out: state, updates (offloaded units)
+        shards = sum(_shard_bytes(u) for u in plan.units if u.offload)
+        state = int(round(opt_cost.state_bytes * b.host_fraction))
+        b.streamed_bytes = (2 * shards + state, shards + state)
     first_opt = len(b.tasks)
     if opt_cost is not None:
         b.optimizer(opt_cost)
@@ -492,7 +547,7 @@ def simulate(
     static = _static_memory(plan, opt_cost)
     if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != len(listed):
         raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {len(listed)} listed collectives")
-    peak = sum(static.values()) + b.peak["total"]
+    peak = sum(v for k, v in static.items() if k != "host") + b.peak["total"]
     memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
               "peak": peak, "reserved": int(peak * (1.0 + hardware.memory_reserve))}
     notes = []
@@ -504,7 +559,7 @@ def simulate(
                      "compute is the workload's as profiled")
     traffic = {"step": _traffic(c for c in b.calls if c.phase != "optimizer"), "optimizer": _traffic(c for c in b.calls if c.phase == "optimizer")}
     return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, in_flight,
-                     plan, sched, hardware, tuple(notes), tuple(b.calls))
+                     plan, sched, hardware, tuple(notes), tuple(b.calls), dict(b.copied))
 
 
 def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank) -> SimResult:
@@ -530,6 +585,7 @@ def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, acc
         traffic=traffic,
         calls=calls,
         level_bytes={lv: ext(r2.level_bytes[lv], v) for lv, v in r3.level_bytes.items()},
+        host_copies={k: ext(r2.host_copies[k], v) for k, v in r3.host_copies.items()},
         notes=r3.notes + (f"{micro_batches} micro-batches: times and bytes extended from simulations of 2 and 3 "
                           "(each further micro-batch repeats the same ops); the spans show 3",),
     )
@@ -540,8 +596,23 @@ def _traffic(calls) -> dict[str, Traffic]:
     return {k: Traffic(t.calls, t.nbytes, t.wire_bytes) for k, t in sorted(totals(calls).items())}
 
 
+def _shard_bytes(unit, itemsize: int | None = None) -> int:
+    """Bytes of one rank's shards of ``unit`` (the largest rank's), in its master dtype or ``itemsize``."""
+    item = itemsize or (unit.params[0].dtype.itemsize if unit.params else 4)
+    return (unit.reduce_numel if unit.sharded else unit.numel) * item
+
+
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
-    """Bytes held between steps: sharded masters and gradients (:func:`fsdpfn._steps.static_memory`,
-    as ``plan.cost()`` counts them) and the optimizer's state."""
+    """Bytes held on the device between steps: sharded masters and gradients
+    (:func:`fsdpfn._steps.static_memory`, as ``plan.cost()`` counts them) and the optimizer's
+    state, less what offloaded units keep in host memory (``host``)."""
     m = static_memory(plan)
-    return {"params": m["params"], "grads": m["grads"], "optimizer_state": opt_cost.state_bytes if opt_cost is not None else 0}
+    state = opt_cost.state_bytes if opt_cost is not None else 0
+    offloaded = [u for u in plan.units if u.offload]
+    if not offloaded:
+        return {"params": m["params"], "grads": m["grads"], "optimizer_state": state}
+    off = static_memory(types.SimpleNamespace(units=tuple(offloaded)))  # it reads the units alone
+    frac = off["params"] / m["params"] if m["params"] else 0.0
+    host_state = int(round(state * frac))
+    return {"params": m["params"] - off["params"], "grads": m["grads"] - off["grads"], "optimizer_state": state - host_state,
+            "host": off["params"] + off["grads"] + host_state}
