@@ -98,7 +98,12 @@ class Work:
             if counts[(d, f, b)] < c:
                 raise ValueError(f"Work.minus: {c} x {d} matmul of {f:g} FLOPs is not part of this work")
             counts[(d, f, b)] -= c
-        measured = None if self.measured is None else max(0.0, self.measured - (other.measured or 0.0))
+        if self.measured is None:
+            measured = None
+        elif other.measured is not None:
+            measured = max(0.0, self.measured - other.measured)
+        else:  # the part's own time was not measured: take its share of the FLOPs (matmuls dominate timed stretches)
+            measured = self.measured * (1.0 - other.flops / self.flops) if self.flops else self.measured
         return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items()) if c), max(0.0, self.bytes - other.bytes),
                     max(0, self.ops - other.ops), measured)
 
