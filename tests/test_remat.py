@@ -196,10 +196,10 @@ def _pure(rank, world, remat, style, model_kind, steps=3):
 
 
 @pytest.mark.parametrize("style", ["func", "eager"])
-@pytest.mark.parametrize("model_kind", ["gpt", "dropout"])
-def test_full_remat_in_the_pure_loop_is_bitwise_the_run_without_it(run_on_ranks, style, model_kind):
+@pytest.mark.parametrize("model_kind, policy", [("gpt", p) for p in POLICIES] + [("dropout", "full"), ("dropout", "save_dots")])
+def test_remat_in_the_pure_loop_is_bitwise_the_run_without_it(run_on_ranks, style, model_kind, policy):
     plain = run_on_ranks(_pure, 2, None, style, model_kind)
-    remat = run_on_ranks(_pure, 2, "full", style, model_kind)
+    remat = run_on_ranks(_pure, 2, policy, style, model_kind)
     for p0, p1 in zip(plain, remat):
         assert all(torch.equal(p0[n], p1[n]) for n in p0), [n for n in p0 if not torch.equal(p0[n], p1[n])]
 
