@@ -90,3 +90,28 @@ def _not_divisible(rank, world):
 def test_experts_not_divisible_by_ep_is_named_before_any_collective(run_on_ranks):
     for msg, counts in run_on_ranks(_not_divisible, 4):
         assert "experts=6 does not divide over the 4 expert-parallel ranks" in msg and counts == {}, (msg, counts)
+
+
+def _muon_experts(rank, world):
+    """Muon on the experts a rank holds: each expert's matrices orthogonalised alone, here, with
+    no communication; bitwise the slice of the one-process update (fp32 and bf16)."""
+    group = testing.mesh((world,)).get_group(0)
+    torch.manual_seed(0)
+    full = MoE(CFG)
+    moe = MoE(CFG, ep_group=group)
+    sl = slice(rank * moe.local, (rank + 1) * moe.local)
+    gen = torch.Generator().manual_seed(3)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in full.named_parameters() if n != "router.weight"}
+    ok = []
+    for dtype in (torch.float32, torch.bfloat16):
+        opt = fsdpfn.optim.scale_by_muon(ns_dtype=dtype)
+        want, _ = opt.update(grads, opt.init(grads))
+        mine = {n: g[sl] for n, g in grads.items()}
+        with fsdpfn.count_collectives() as counter:
+            got, _ = opt.update(mine, opt.init(mine))
+        ok.append(counter.counts() == {} and all(torch.equal(got[n], want[n][sl]) for n in mine))
+    return ok
+
+
+def test_muon_orthogonalises_each_local_expert_alone(run_on_ranks):
+    assert run_on_ranks(_muon_experts, 4) == [[True, True]] * 4
