@@ -56,6 +56,11 @@ class MoE(nn.Module):
     the fraction of (token, choice) pairs sent to expert ``e``, ``P_e`` its mean probability),
     times ``aux_weight``.
 
+    Under :func:`fsdpfn.plan` on a mesh with an ``ep`` axis, build the whole model (no
+    ``ep_group``): ``w1`` and ``w2`` are listed in :attr:`expert_params`, so the plan splits
+    them over ``ep``, and :func:`fsdpfn.shard` / :class:`fsdpfn.runtime.Runtime` point the layer
+    at the ``ep`` group (:meth:`set_ep_group`).
+
     Args:
       cfg: sizes.
       ep_group: an expert-parallel process group: this rank holds experts
@@ -73,8 +78,28 @@ class MoE(nn.Module):
       (torch.Size([5, 8]), 0)
     """
 
+    # The packed expert weights (dim 0: the expert index), which a plan splits over ``ep``.
+    expert_params = ("w1", "w2")
+
     def __init__(self, cfg: MoEConfig = MoEConfig(), ep_group=None):
         super().__init__()
+        self._route(cfg, ep_group)
+        self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(self.local, cfg.hidden, cfg.width) * cfg.width**-0.5)
+        self.w2 = nn.Parameter(torch.randn(self.local, cfg.width, cfg.hidden) * cfg.hidden**-0.5)
+
+    @property
+    def num_experts(self) -> int:
+        """All experts of the layer, over every ep rank."""
+        return self.cfg.experts
+
+    def set_ep_group(self, ep_group) -> None:
+        """Dispatch tokens over ``ep_group`` from now on; the weights this layer is called with
+        (``torch.func.functional_call``) must then be this rank's ``experts / ep`` experts, as
+        :func:`fsdpfn.unshard` gives them. ``None``: every expert local again."""
+        self._route(self.cfg, ep_group)
+
+    def _route(self, cfg: MoEConfig, ep_group) -> None:
         ep = C.group_size(ep_group) if ep_group is not None else 1
         if cfg.experts < 1 or cfg.experts % ep:
             raise ValueError(
@@ -86,13 +111,15 @@ class MoE(nn.Module):
         self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
         self.local = cfg.experts // ep
         self.first = (C.group_rank(ep_group) if ep_group is not None else 0) * self.local
-        self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
-        self.w1 = nn.Parameter(torch.randn(self.local, cfg.hidden, cfg.width) * cfg.width**-0.5)
-        self.w2 = nn.Parameter(torch.randn(self.local, cfg.width, cfg.hidden) * cfg.hidden**-0.5)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output [N, width], load-balancing loss)``."""
         cfg, n = self.cfg, x.shape[0]
+        if self.w1.shape[0] != self.local:
+            raise ValueError(
+                f"MoE: called with {self.w1.shape[0]} experts' weights, but this rank holds {self.local} of {cfg.experts} "
+                f"(ep={self.ep}); call it with the weights fsdpfn.unshard gives, or set_ep_group(None) for the whole layer"
+            )
         probs = F.softmax(self.router(x), dim=-1)
         weights, experts = probs.topk(cfg.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
