@@ -129,3 +129,73 @@ def test_moe_trains_like_one_process(run_on_ranks, mesh_shape, names, kind):
 def test_moe_runtime_backward_trains_like_one_process(run_on_ranks, kind):
     for r in run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), kind, "backward"):
         assert max(r.values()) < 1e-6, r
+
+
+def test_plan_puts_each_layers_experts_in_a_unit_of_their_own():
+    plan = fsdpfn.plan(_model(), {"ep": 2, "edp": 2})
+    assert [(u.label, u.experts, u.shard_size) for u in plan.units] == [
+        ("<root>", False, 4), ("blocks.0", False, 4), ("blocks.0.moe.experts", True, 2),
+        ("blocks.1", False, 4), ("blocks.1.moe.experts", True, 2),
+    ]
+    w1 = plan.param("blocks.0.moe.experts.w1")
+    assert (w1.expert, w1.shape, w1.local_shape) == (True, (4, 12, 8), (2, 12, 8))
+    assert plan.unit_of("blocks.0.moe.router.weight").name == "blocks.0"
+    assert plan.dp_size == 4 and plan.ep_size == 2
+    # The same model on a mesh without ep: experts are ordinary parameters of their block.
+    flat = fsdpfn.plan(_model(), (4,))
+    assert [u.label for u in flat.units] == ["<root>", "blocks.0", "blocks.1"] and not flat.param("blocks.0.moe.experts.w1").expert
+
+
+def test_plan_json_round_trips_experts():
+    plan = fsdpfn.plan(_model(), {"ep": 2, "edp": 2}, strategy={"*": "zero3", "blocks.1.moe.experts": "zero2"})
+    d = plan.to_dict()
+    assert d["format"] == 3 and d["mesh"]["roles"] == ["ep", "shard"]
+    unit = next(u for u in d["units"] if u["name"] == "blocks.0.moe.experts")
+    assert unit["experts"] is True and all(p["expert"] for p in unit["params"])
+    same = fsdpfn.Plan.from_json(plan.to_json())
+    assert same == plan and same.fingerprint == plan.fingerprint
+    assert same.unit("blocks.1.moe.experts").strategy == "zero2"
+
+
+def _bad_ep(rank, world):
+    from fsdpfn.models import GPT, GPTConfig
+
+    mesh = testing.mesh((4, 1), ("ep", "edp"))
+
+    class Six(Net):
+        def __init__(self):
+            super().__init__(depth=1)
+            self.blocks[0].moe = MoE(MoEConfig(width=8, hidden=12, experts=6))
+
+    class Split(Net):
+        def __init__(self):
+            super().__init__(depth=1)
+            self.blocks[0].moe = MoE(CFG, ep_group=mesh.get_group(0))
+
+    cases = {
+        "divisible": lambda: fsdpfn.plan(Six(), mesh),
+        "no_experts": lambda: fsdpfn.plan(GPT(GPTConfig(vocab_size=32, width=16, depth=1, heads=2)), mesh),
+        "split": lambda: fsdpfn.plan(Split(), mesh),
+        "pattern": lambda: fsdpfn.plan(_model(), mesh, experts=["blocks.*.moe.w9"]),
+        "tp": lambda: fsdpfn.plan(_model(), {"ep": 2, "edp": 1, "tp": 2}),
+    }
+    out = {}
+    with fsdpfn.count_collectives() as counter:
+        for key, build in cases.items():
+            try:
+                build()
+                out[key] = "no error"
+            except (ValueError, NotImplementedError) as e:
+                out[key] = f"{type(e).__name__}: {e}"
+    out["collectives"] = sum(counter.counts().values())
+    return out
+
+
+def test_bad_expert_plans_are_named_on_every_rank_before_any_collective(run_on_ranks):
+    for out in run_on_ranks(_bad_ep, 4):
+        assert out["collectives"] == 0, out
+        assert "'blocks.0.moe.experts.w1' packs 6 experts (dim 0 of (6, 12, 8)), which do not divide over ep=4" in out["divisible"], out
+        assert "has an expert-parallel axis, but GPT has no expert weights" in out["no_experts"], out
+        assert "built with its experts already split" in out["split"], out
+        assert "experts pattern 'blocks.*.moe.w9' matches no parameter" in out["pattern"], out
+        assert out["tp"].startswith("NotImplementedError") and "cannot be combined" in out["tp"], out

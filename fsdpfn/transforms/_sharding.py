@@ -38,7 +38,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
-from fsdpfn.transforms._axes import (dp_rank, ep_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
+from fsdpfn.transforms._axes import (_mesh, dp_rank, ep_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
                                      unit_mesh, unit_rank)
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
@@ -256,6 +256,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
             f"shard: parameters {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device (no values); "
             "build their shards with fsdpfn.init_shards(model, plan) or fsdpfn.load_safetensors(model, plan, path)"
         )
+    _mesh(plan)  # an unbound plan is named here, before anything runs
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
         check_ranks_agree(plan, full)
