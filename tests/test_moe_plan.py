@@ -199,3 +199,59 @@ def test_bad_expert_plans_are_named_on_every_rank_before_any_collective(run_on_r
         assert "built with its experts already split" in out["split"], out
         assert "experts pattern 'blocks.*.moe.w9' matches no parameter" in out["pattern"], out
         assert out["tp"].startswith("NotImplementedError") and "cannot be combined" in out["tp"], out
+
+
+# ---- checkpoints across ep degrees ----------------------------------------------------------
+
+
+def _state(mesh_shape, names, seed, steps):
+    """Params and AdamW state of a plan on ``mesh_shape`` after ``steps`` steps of the pure loop."""
+    model = _model()
+    if seed:  # different values: a load must overwrite every one
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(seed)
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names) if len(mesh_shape) > 1 else testing.mesh(mesh_shape))
+    params = fsdpfn.shard(model, plan)
+    opt = _opt("adamw")
+    state = opt.init(params)
+    me = fsdpfn.transforms.dp_rank(plan)
+    for step in range(steps):
+        x = _tokens(me, step)
+        grads = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)))(params)
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return plan, {"params": params, "opt": state, "step": steps}
+
+
+def _full_state(state):
+    entries, _ = fsdpfn.checkpoint.flatten_state(state)
+    return {k: (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v) for k, v in entries.items()}
+
+
+def _save_ep(rank, world, root):
+    plan, state = _state((2, 2), ("ep", "edp"), 0, 2)
+    fsdpfn.checkpoint.save(root, state, plan)
+    return _full_state(state)
+
+
+def _load_ep(rank, world, root, mesh_shape, names):
+    plan, template = _state(mesh_shape, names, 3.0, 0)
+    loaded = fsdpfn.checkpoint.load(root, template, plan)
+    w1 = loaded["params"]["blocks.0.moe.experts.w1"]
+    return _full_state(loaded), (tuple(w1.placements), tuple(w1.to_local().shape))
+
+
+def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
+    """Saved on (ep, edp) = (2, 2); loaded on ep = 4, on (edp, ep) = (2, 2), and on one rank:
+    every parameter and AdamW moment identical."""
+    root = str(tmp_path / "ckpt")
+    saved = run_on_ranks(_save_ep, 4, root)[0]
+    ep4 = run_on_ranks(_load_ep, 4, root, (4, 1), ("ep", "edp"))
+    swapped = run_on_ranks(_load_ep, 4, root, (2, 2), ("edp", "ep"))
+    one = run_on_ranks(_load_ep, 1, root, (1,), None)
+    assert ep4[0][1][1] == (1, 12, 8) and one[0][1][1] == (4, 12, 8)
+    for loaded, _ in [*ep4, *swapped, *one]:
+        assert loaded.keys() == saved.keys()
+        for k in saved:
+            assert (torch.equal(loaded[k], saved[k]) if isinstance(saved[k], torch.Tensor) else loaded[k] == saved[k]), k
