@@ -67,6 +67,8 @@ def _tokens(rank, step):
 def _opt(kind):
     if kind == "adamw":
         return optim.adamw(lr=1e-2, weight_decay=0.1)
+    if kind == "clip":  # clipping by the global norm: below the gradients' norm, so every step clips
+        return optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(lr=1e-2, weight_decay=0.1))
     # Muon on the >= 2-D weights (the packed experts are batches of matrices), AdamW on the rest
     # and on the router: a router's gradient has an exact null direction (a softmax's gradient
     # over the experts sums to zero per token), which holds only rounding noise, and
@@ -91,6 +93,7 @@ def _train(rank, world, mesh_shape, names, kind, style):
     me = fsdpfn.transforms.dp_rank(plan)
     rt = fsdpfn.runtime.Runtime(model, plan) if style == "backward" else None
     ref_model = _model()  # a second copy, never pointed at the ep group
+    norms = []
     for step in range(STEPS):
         x = _tokens(me, step)
         if style == "func":
@@ -98,6 +101,7 @@ def _train(rank, world, mesh_shape, names, kind, style):
         else:
             rt.apply(params, x).backward()
             grads = {n: p.grad for n, p in params.items()}
+        norm = optim.global_norm(grads)
         updates, state = opt.update(grads, state, params)
         params = optim.apply_updates(params, updates)
         if style == "backward":
@@ -108,7 +112,11 @@ def _train(rank, world, mesh_shape, names, kind, style):
         )(ref)
         ref_updates, ref_state = ref_opt.update(ref_grads, ref_state, ref)
         ref = optim.apply_updates(ref, ref_updates)
-    return {n: _rel(params[n].full_tensor(), ref[n]) for n in ref}
+        want = torch.cat([g.reshape(-1) for g in ref_grads.values()]).norm()
+        norms.append((norm / want - 1).abs().item())
+        assert want > 0.05  # the clip is active
+    # Dense and expert shards each counted once: the norm of the one-process gradients.
+    return {"grad norm": max(norms), **{n: _rel(params[n].full_tensor(), ref[n]) for n in ref}}
 
 
 MESHES = [
@@ -119,7 +127,7 @@ MESHES = [
 
 
 @pytest.mark.parametrize("mesh_shape,names", MESHES)
-@pytest.mark.parametrize("kind", ["adamw", "muon"])
+@pytest.mark.parametrize("kind", ["adamw", "muon", "clip"])
 def test_moe_trains_like_one_process(run_on_ranks, mesh_shape, names, kind):
     for r in run_on_ranks(_train, 4, mesh_shape, names, kind, "func"):
         assert max(r.values()) < 1e-6, r
