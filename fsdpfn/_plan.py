@@ -216,7 +216,7 @@ def plan(
     axes: Mapping[str, Any] | None = None,
     remat: StrategyArg | None = None,
     offload: bool | Mapping[str, bool] | None = None,
-    experts: Sequence[str] | None = None,
+    experts: Sequence[str] | Mapping[str, int] | None = None,
 ) -> Plan:
     """Builds a validated :class:`Plan` for ``model`` on ``mesh``.
 
@@ -253,8 +253,10 @@ def plan(
         or a dict ``{unit name or fnmatch pattern: bool}``.
       experts: on a mesh with an ``ep`` axis (expert parallelism, e.g. ``("ep", "edp")``), the
         packed expert weights (dim 0 the expert index), as fnmatch patterns over parameter
-        names. ``None``: the parameters each module lists in its ``expert_params`` attribute
-        (:class:`fsdpfn.models.MoE` lists ``w1`` and ``w2``). Experts are split over ``ep`` and
+        names, or a dict ``{pattern: top_k}`` that also says how many experts each token visits
+        (for the cost of the expert all-to-alls). ``None``: the parameters each module lists
+        in its ``expert_params`` attribute, with its ``top_k`` (:class:`fsdpfn.models.Experts`
+        lists ``w1`` and ``w2``). Experts are split over ``ep`` and
         sharded over the other data-parallel axis; each module's expert weights form their own
         unit, named after the module. Ignored on meshes without ``ep``.
 
@@ -300,7 +302,7 @@ def plan(
             "add one, e.g. init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))"
         )
     tp_size, ep_size = mesh_axes.tp_size, mesh_axes.ep_size
-    expert_of = _expert_params(model, experts) if Role.EP in mesh_axes.roles else {}
+    expert_of, top_k = _expert_params(model, experts) if Role.EP in mesh_axes.roles else ({}, {})
 
     unit_names = _select_units(model, units)
     # Each module with expert weights is their unit (see [Note: expert units]); its other
@@ -342,7 +344,7 @@ def plan(
     offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
         Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
-             fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units)
+             fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units, top_k.get(u, 0))
         for u in unit_names
         if owned[u]
     )
@@ -350,9 +352,10 @@ def plan(
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
 
 
-def _expert_params(model: nn.Module, experts: Sequence[str] | None) -> dict[str, str]:
-    """``{expert parameter name: its module's name}`` from ``experts``' patterns or, without
-    them, from the modules' ``expert_params`` attributes; an ep axis with none is refused."""
+def _expert_params(model: nn.Module, experts) -> tuple[dict[str, str], dict[str, int]]:
+    """``({expert parameter name: its module's name}, {module: top_k})`` from ``experts``'
+    patterns or, without them, from the modules' ``expert_params`` and ``top_k`` attributes;
+    an ep axis with none is refused."""
     modules = dict(model.named_modules())
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     if experts is None:
@@ -361,15 +364,20 @@ def _expert_params(model: nn.Module, experts: Sequence[str] | None) -> dict[str,
             for m, mod in modules.items()
             for leaf in getattr(mod, "expert_params", ())
         }
+        top_k = {m: int(getattr(modules[m], "top_k", 0) or 0) for m in set(found.values())}
     else:
         if isinstance(experts, str) or not all(isinstance(e, str) for e in experts):
             raise ValueError(f"experts must be a list of parameter name patterns (str), e.g. ['blocks.*.moe.w1'], got {experts!r}")
-        found = {}
-        for pattern in experts:
+        found, top_k = {}, {}
+        ks = experts if isinstance(experts, Mapping) else dict.fromkeys(experts, 0)
+        for pattern, k in ks.items():
+            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise ValueError(f"experts[{pattern!r}] = {k!r}: give each pattern the top_k of its router (an int >= 1)")
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not matched:
                 raise ValueError(f"experts pattern {pattern!r} matches no parameter of {type(model).__name__}{_did_you_mean(pattern, names)}")
             found.update({n: n.rpartition(".")[0] for n in matched})
+            top_k.update({n.rpartition(".")[0]: k for n in matched})
     if not found:
         raise ValueError(
             f"the mesh has an expert-parallel axis, but {type(model).__name__} has no expert weights (no module lists "
@@ -386,7 +394,7 @@ def _expert_params(model: nn.Module, experts: Sequence[str] | None) -> dict[str,
                 f"expert parameter {name!r} has shape {shape}, but its layer has {whole} experts: the layer was built with its "
                 "experts already split. Build the whole model (e.g. MoE(cfg) without ep_group); the plan splits the experts"
             )
-    return found
+    return found, top_k
 
 
 def _with_expert_units(dense: list[str], expert_units: list[str]) -> list[str]:

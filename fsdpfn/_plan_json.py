@@ -56,6 +56,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 **({"remat": u.remat} if u.remat != "none" else {}),
                 **({"offload": True} if u.offload else {}),
                 **({"experts": True} if u.experts else {}),
+                **({"top_k": u.top_k} if u.top_k else {}),
             }
             for u in plan.units
         ],
@@ -94,6 +95,7 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
             u.get("remat", "none"),
             bool(u.get("offload", False)),
             bool(u.get("experts", False)),
+            int(u.get("top_k", 0)),
         )
         for u in d["units"]
     )

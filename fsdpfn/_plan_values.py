@@ -343,6 +343,8 @@ class Unit:
         with an ``ep`` axis): it is gathered and reduced over the expert data-parallel (``shard``)
         axis only, and ``shard_size`` is that axis's size; every other unit is sharded over
         ``ep`` x ``shard`` (see [Note: expert units]).
+      top_k: for an expert unit, the experts each token visits (its layer's router's top-k):
+        what the expert all-to-alls move (:func:`fsdpfn.step_collectives`); 0 if unknown.
     """
 
     name: str
@@ -353,6 +355,7 @@ class Unit:
     remat: str = "none"
     offload: bool = False
     experts: bool = False
+    top_k: int = 0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -367,6 +370,8 @@ class Unit:
             raise ValueError(f"unit {self.label!r}: offload must be True or False, got {self.offload!r}")
         if not isinstance(self.experts, bool):
             raise ValueError(f"unit {self.label!r}: experts must be True or False, got {self.experts!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0 or (self.top_k and not self.experts):
+            raise ValueError(f"unit {self.label!r}: top_k must be an int >= 0, and 0 unless the unit holds experts; got {self.top_k!r}")
         mixed = [p.name for p in self.params if p.expert != self.experts]
         if mixed:
             raise ValueError(

@@ -263,3 +263,44 @@ def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
         assert loaded.keys() == saved.keys()
         for k in saved:
             assert (torch.equal(loaded[k], saved[k]) if isinstance(saved[k], torch.Tensor) else loaded[k] == saved[k]), k
+
+
+# ---- the step's collectives ------------------------------------------------------------------
+
+
+def _counted_step(rank, world):
+    """One Runtime step on (ep, edp) = (2, 2), every collective counted, beside the list."""
+    from fsdpfn import step_collectives
+
+    model = _model()
+    plan = fsdpfn.plan(model, testing.mesh((2, 2), ("ep", "edp")))
+    params = fsdpfn.shard(model, plan, requires_grad=True)
+    rt = fsdpfn.runtime.Runtime(model, plan, prefetch=0)
+    x = _tokens(fsdpfn.transforms.dp_rank(plan), 0)
+    with fsdpfn.count_collectives() as fwd:
+        loss = rt.apply(params, x)
+    with fsdpfn.count_collectives() as bwd:
+        loss.backward()
+
+    def key(phase, kind, size, nbytes, dtype, tag):
+        # The row exchanges move what the routing sends (max of in and out): compared by call only.
+        return (phase, kind, size, None if tag.startswith("moe_") else nbytes, str(dtype), tag)
+
+    counted = [key(p, c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for p, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls]
+    listed_calls = step_collectives(plan, schedule=rt.schedule, tokens=TOKENS)
+    listed = [key(c.phase, c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for c in listed_calls]
+    dispatch = [c.nbytes for c in fwd.calls if c.tag == "moe_dispatch"]
+    listed_dispatch = [c.nbytes for c in listed_calls if c.tag == "moe_dispatch" and c.phase == "forward"]
+    default = step_collectives(plan, tokens=TOKENS)
+    return counted == listed, (counted, listed), min(dispatch) >= listed_dispatch[0], len(default) == len(listed_calls)
+
+
+def test_step_collectives_list_the_expert_all_to_alls(run_on_ranks):
+    for same, lists, dispatch_ok, default_ok in run_on_ranks(_counted_step, 4):
+        assert same, lists
+        assert dispatch_ok and default_ok
+    plan = fsdpfn.plan(_model(), {"ep": 2, "edp": 2})
+    cost = plan.cost(tokens=TOKENS)
+    # Per MoE layer: counts, dispatch and combine forward, both transposed backward.
+    assert cost.collectives["all_to_all"].calls == 2 * 5
+    assert cost.by(lambda c: c.tag)["moe_dispatch"].nbytes == 2 * 2 * TOKENS * CFG.top_k * CFG.width * 4

@@ -62,9 +62,10 @@ class Experts(nn.Module):
     # The packed expert weights (dim 0: the expert index), which a plan splits over ``ep``.
     expert_params = ("w1", "w2")
 
-    def __init__(self, experts: int, width: int, hidden: int, total: int | None = None):
+    def __init__(self, experts: int, width: int, hidden: int, total: int | None = None, top_k: int = 0):
         super().__init__()
         self.num_experts = experts if total is None else total  # over every ep rank
+        self.top_k = top_k  # experts per token, for the cost of the token exchange (0: unknown)
         self.w1 = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
         self.w2 = nn.Parameter(torch.randn(experts, width, hidden) * hidden**-0.5)
 
@@ -130,7 +131,7 @@ class MoE(nn.Module):
         super().__init__()
         self._route(cfg, ep_group)
         self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
-        self.experts = Experts(self.local, cfg.width, cfg.hidden, total=cfg.experts)
+        self.experts = Experts(self.local, cfg.width, cfg.hidden, total=cfg.experts, top_k=cfg.top_k)
 
     def set_ep_group(self, ep_group) -> None:
         """Dispatch tokens over ``ep_group`` from now on; the weights this layer is called with
