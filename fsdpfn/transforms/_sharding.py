@@ -473,6 +473,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
       (Shard(dim=0),)
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
+        _no_ep_compiled(plan)
         return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
     _check_op(grad_op)
@@ -481,6 +482,14 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))
         out.update(zip((p.name for p in unit.params), fulls))
     return out
+
+
+def _no_ep_compiled(plan: Plan) -> None:
+    if plan.axes.dim(Role.EP) is not None:
+        raise NotImplementedError(
+            f"the plan's mesh ({plan.axes.describe()}) has an expert-parallel axis, which torch.compile does not trace yet; "
+            "run the expert-parallel step eagerly"
+        )
 
 
 def _check_op(op: str) -> None:
@@ -511,6 +520,7 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       (Shard(dim=0),)
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
+        _no_ep_compiled(plan)
         return reduce_traced(full_grads, plan, op, scale, from_local)
     _check_op(op)
     check_params(full_grads, plan, "reduce(full_grads)", allow_none=True, tp_local=True)
