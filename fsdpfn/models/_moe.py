@@ -136,7 +136,13 @@ class MoE(nn.Module):
     def set_ep_group(self, ep_group) -> None:
         """Dispatch tokens over ``ep_group`` from now on; the weights this layer is called with
         (``torch.func.functional_call``) must then be this rank's ``experts / ep`` experts, as
-        :func:`fsdpfn.unshard` gives them. ``None``: every expert local again."""
+        :func:`fsdpfn.unshard` gives them. ``None``: every expert local again.
+
+        Example:
+          >>> moe = fsdpfn.models.MoE(fsdpfn.models.MoEConfig(experts=4))
+          >>> moe.set_ep_group(None); (moe.ep, moe.local)
+          (1, 4)
+        """
         self._route(self.cfg, ep_group)
 
     def _route(self, cfg: MoEConfig, ep_group) -> None:

@@ -47,12 +47,23 @@ def shard_rank(plan: Plan) -> int:
 
 
 def ep_group(plan: Plan):
-    """The process group of the plan's expert-parallel axis (``None`` without one)."""
+    """The process group of the plan's expert-parallel axis (``None`` without one).
+
+    Example:
+      >>> fsdpfn.transforms.ep_group(plan) is None  # a plan without an ep axis
+      True
+    """
     return _group(plan, Role.EP)
 
 
 def ep_rank(plan: Plan) -> int:
-    """This process's index on the expert-parallel axis (0 without one)."""
+    """This process's index on the expert-parallel axis (0 without one): which ``experts / ep``
+    of each expert layer it holds.
+
+    Example:
+      >>> fsdpfn.transforms.ep_rank(plan)
+      0
+    """
     return _axis_rank(plan, Role.EP)
 
 
@@ -76,7 +87,12 @@ def _dense_mesh(plan: Plan):
 
 def unit_mesh(plan: Plan, unit) -> object:
     """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for dense units
-    beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened."""
+    beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened.
+
+    Example:
+      >>> fsdpfn.transforms.unit_mesh(plan, plan.units[0]) is plan.mesh
+      True
+    """
     if plan.axes.dim(Role.EP) is None or unit.experts:
         return _mesh(plan)
     return _dense_mesh(plan)
@@ -85,14 +101,24 @@ def unit_mesh(plan: Plan, unit) -> object:
 def unit_group(plan: Plan, unit):
     """The process group ``unit`` is gathered and reduced over: the shard axis, or, for dense
     units beside an ``ep`` axis, the ``ep`` x ``shard`` axes flattened (see [Note: expert
-    units] in ``fsdpfn/_plan_values.py``)."""
+    units] in ``fsdpfn/_plan_values.py``).
+
+    Example:
+      >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)
+      True
+    """
     if plan.axes.dim(Role.EP) is None or unit.experts:
         return shard_group(plan)
     return _dense_mesh(plan).get_group(0)
 
 
 def unit_rank(plan: Plan, unit) -> int:
-    """This process's index in :func:`unit_group`."""
+    """This process's index in :func:`unit_group`.
+
+    Example:
+      >>> fsdpfn.transforms.unit_rank(plan, plan.units[0])
+      0
+    """
     if plan.axes.dim(Role.EP) is None or unit.experts:
         return shard_rank(plan)
     return _dense_mesh(plan).get_local_rank(0)
