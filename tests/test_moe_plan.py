@@ -304,3 +304,28 @@ def test_step_collectives_list_the_expert_all_to_alls(run_on_ranks):
     # Per MoE layer: counts, dispatch and combine forward, both transposed backward.
     assert cost.collectives["all_to_all"].calls == 2 * 5
     assert cost.by(lambda c: c.tag)["moe_dispatch"].nbytes == 2 * 2 * TOKENS * CFG.top_k * CFG.width * 4
+
+
+def _muon_experts_local(rank, world, mesh_shape, names):
+    """Muon on an ep plan's expert weights: dim 0 (the expert index) is never cut, so every rank
+    holds whole experts and orthogonalises them where they lie, with no collective; bitwise the
+    one-process update (fp32 and bf16)."""
+    model = _model()
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names))
+    gen = torch.Generator().manual_seed(5)
+    full = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters() if plan.param(n).expert}
+    sharded = {n: v for n, v in fsdpfn.shard({**{n: p.detach() for n, p in model.named_parameters()}, **full}, plan, check=False).items() if n in full}
+    ok = []
+    for dtype in (torch.float32, torch.bfloat16):
+        opt = optim.scale_by_muon(ns_dtype=dtype)
+        want, _ = opt.update(full, opt.init(full))
+        with fsdpfn.count_collectives() as counter:
+            got, _ = opt.update(sharded, opt.init(sharded))
+        ok.append((counter.counts(), all(torch.equal(got[n].full_tensor(), want[n]) for n in full)))
+    return ok
+
+
+@pytest.mark.parametrize("mesh_shape,names", MESHES)
+def test_muon_orthogonalises_experts_where_they_lie(run_on_ranks, mesh_shape, names):
+    for r in run_on_ranks(_muon_experts_local, 4, mesh_shape, names):
+        assert r == [({}, True), ({}, True)], r
