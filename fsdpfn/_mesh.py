@@ -159,7 +159,7 @@ class MeshAxes:
                 known = ", ".join(sorted(DEFAULT_ROLES))
                 raise ValueError(
                     f"mesh axis {name!r} has no role. Name it one of {known}, or say what it is for with "
-                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp'}})"
+                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp' | 'ep'}})"
                 )
         return cls(shape, names, tuple(roles))
 

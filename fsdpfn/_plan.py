@@ -226,7 +226,8 @@ def plan(
         ``shard`` (data parallel, sharded), ``replicate`` (data parallel, replicated) and
         ``tp`` (tensor parallel). 1-D: shard over it, whatever its name. 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
-        ``("replicate", "shard", "tp")``: HSDP x tensor parallel. A shape such as ``(1024,)``,
+        ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
+        parallel x expert data parallel (see ``experts``). A shape such as ``(1024,)``,
         ``(16, 64)`` (HSDP) or ``{"dp": 64, "tp": 8}`` gives an unbound plan that can be
         printed, saved and costed but not executed; ``plan.bind(mesh)`` binds it.
       units: ``None`` (every child of every ``nn.ModuleList`` is a unit, the rest is the root

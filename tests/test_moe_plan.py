@@ -329,3 +329,17 @@ def _muon_experts_local(rank, world, mesh_shape, names):
 def test_muon_orthogonalises_experts_where_they_lie(run_on_ranks, mesh_shape, names):
     for r in run_on_ranks(_muon_experts_local, 4, mesh_shape, names):
         assert r == [({}, True), ({}, True)], r
+
+
+def _init_ep(rank, world):
+    """fsdpfn.init_shards on an ep plan makes the shards of the values it makes on a plain plan."""
+    with torch.device("meta"):
+        model = _model()
+    ep = fsdpfn.init_shards(model, fsdpfn.plan(model, testing.mesh((2, 2), ("ep", "edp"))), seed=4)
+    flat = fsdpfn.init_shards(model, fsdpfn.plan(model, testing.mesh((4,))), seed=4)
+    return {n: torch.equal(ep[n].full_tensor(), flat[n].full_tensor()) for n in flat}
+
+
+def test_init_shards_on_an_ep_plan(run_on_ranks):
+    for r in run_on_ranks(_init_ep, 4):
+        assert all(r.values()), r

@@ -69,6 +69,12 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
         self.w2 = nn.Parameter(torch.randn(experts, width, hidden) * hidden**-0.5)
 
+    def reset_parameters(self) -> None:
+        """Draws the weights again, as built: normal with std ``1 / sqrt(fan_in)``."""
+        with torch.no_grad():
+            self.w1.normal_(0.0, self.w1.shape[-1] ** -0.5)
+            self.w2.normal_(0.0, self.w2.shape[-1] ** -0.5)
+
     def forward(self, inbox: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Rows ``inbox`` grouped by source, then by expert: ``counts[s][e]`` rows of source ``s``
         for local expert ``e``. Returns each row's expert output, in the same order."""
