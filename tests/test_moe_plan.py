@@ -82,10 +82,10 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _train(rank, world, mesh_shape, names, kind, style):
+def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3"):
     mesh = testing.mesh(mesh_shape, names)
     model = _model()
-    plan = fsdpfn.plan(model, mesh)
+    plan = fsdpfn.plan(model, mesh, strategy=strategy)
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = fsdpfn.shard(model, plan, requires_grad=style == "backward")
     opt, ref_opt = _opt(kind), _opt(kind)
@@ -133,9 +133,12 @@ def test_moe_trains_like_one_process(run_on_ranks, mesh_shape, names, kind):
         assert max(r.values()) < 1e-6, r
 
 
-@pytest.mark.parametrize("kind", ["adamw", "muon"])
-def test_moe_runtime_backward_trains_like_one_process(run_on_ranks, kind):
-    for r in run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), kind, "backward"):
+MIXED = {"*": "zero2", "<root>": "zero3", "blocks.0.moe.experts": "replicate", "blocks.1.moe.experts": "zero1"}
+
+
+@pytest.mark.parametrize("kind,strategy", [("adamw", "zero3"), ("muon", "zero3"), ("adamw", MIXED)], ids=["adamw", "muon", "mixed"])
+def test_moe_runtime_backward_trains_like_one_process(run_on_ranks, kind, strategy):
+    for r in run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), kind, "backward", strategy):
         assert max(r.values()) < 1e-6, r
 
 
