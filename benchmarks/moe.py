@@ -8,7 +8,8 @@ Prints, per mesh, per rank per training step (Runtime, loss.backward(), AdamW):
    counted ones are what this routing sent, the larger of what a rank sent and received);
 2. Muon's collectives for the expert weights alone (owner layout): none, on every mesh: dim 0 of
    a packed ``[experts, ...]`` weight is the expert index, so every rank's rows are whole experts;
-3. step time, median over interleaved repetitions, and its ratio to plain FSDP.
+3. step time, median over interleaved rounds, and the median [min-max] of its round-by-round
+   ratio to plain FSDP.
 
 Usage:
   python benchmarks/moe.py                      # width 256, 8 experts, top-2, 2 blocks, 512 tokens/rank
@@ -117,10 +118,12 @@ def main():
     args = p.parse_args()
     res = testing.run_on_ranks(_run, 4, args)[0]
     print(f"4 gloo ranks, width {args.width}, {args.experts} experts top-2, {args.depth} blocks, {args.tokens} tokens/rank")
-    base = statistics.median(res["dp=4"]["times"])
+    base = res["dp=4"]["times"]
     for label, r in res.items():
         t = statistics.median(r["times"])
-        print(f"\n{label}: step {t * 1e3:.1f} ms ({t / base:.2f}x dp=4); Muon on the experts: {r['muon'] or 'no collective'}")
+        ratios = [a / b for a, b in zip(r["times"], base)]  # pair by pair: the same round of the machine
+        print(f"\n{label}: step {t * 1e3:.1f} ms, {statistics.median(ratios):.2f}x dp=4 [{min(ratios):.2f}-{max(ratios):.2f}]; "
+              f"Muon on the experts: {r['muon'] or 'no collective'}")
         for kind in sorted(set(r["counted"]) | set(r["listed"])):
             c, lst = r["counted"].get(kind, (0, 0)), r["listed"].get(kind, (0, 0))
             print(f"  {kind:15s} counted {c[0]:3d} calls {c[1] / 2**10:9.1f} KiB   listed {lst[0]:3d} calls {lst[1] / 2**10:9.1f} KiB")
