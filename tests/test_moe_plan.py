@@ -11,7 +11,10 @@ sums are taken (an expert's gradient sums its rows by source rank, then over edp
 gradient is reduce-scattered over 4 ranks instead of summed in one). Each is a reassociation of
 fp32 sums of at most a few hundred terms of size ~1: ~1e-7 relative per step; AdamW divides by
 sqrt(v) ~ |g|, so an update's relative error is the gradient's, and after 10 steps of lr 1e-2
-the parameters differ by ~1e-8 relative. The router sees the same inputs to ~1e-7, so no token
+the parameters differ by ~1e-8 relative. Muon (fp32 Newton-Schulz) maps equal inputs to equal
+bits and near inputs to near outputs for well-conditioned matrices; the router, whose gradient
+has an exact null direction, trains with AdamW (see _opt). Clipping scales every gradient by the
+global norm, which is a sum of squares over ranks: ~1e-7 relative as well. The router sees the same inputs to ~1e-7, so no token
 changes experts (the router logits are far from ties at this size: checked by the reference
 and the run choosing the same experts, which the 1e-6 agreement of the outputs implies).
 """
