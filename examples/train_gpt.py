@@ -7,6 +7,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py                                 # 300 steps, ~3 minutes on 2 CPU cores
     python examples/train_gpt.py --resume --steps 400            # continue the run to step 400
     python examples/train_gpt.py --resume --steps 500 --world-size 1 --strategy zero2  # resharded
+    python examples/train_gpt.py --world-size 4 --tp 2                # FSDP x tensor parallel
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
 
@@ -47,7 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdpfn
 from fsdpfn import checkpoint, comm, optim
 from fsdpfn.launch import RankError, cuda_problem, launch, under_torchrun
-from fsdpfn.models import GPT, GPTConfig
+from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "tiny_tales.txt")
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"], help="sharding strategy of every unit")
     g.add_argument("--replicas", type=int, default=1,
                    help="HSDP: replicate over this many groups, shard within each (mesh (replicas, world/replicas))")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: attention and MLP matmuls split over tp ranks (mesh (dp, tp), or "
+                        "(replicate, shard, tp) with --replicas); ranks differing only in tp read the same batch")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, NCCL")
     g.add_argument("--executor", default="runtime", choices=["runtime", "pure"],
                    help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad")
@@ -148,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a message naming it, or ``None``."""
-    positive = ("world_size", "replicas", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
+    positive = ("world_size", "replicas", "tp", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
                 "keep", "log_every", "max_nonfinite")
     for name in positive:
         if getattr(args, name) < 1:
@@ -168,6 +172,10 @@ def check_args(args) -> str | None:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     if world % args.replicas:
         return f"--replicas {args.replicas} must divide the world size {world} (the mesh is (replicas, world / replicas))"
+    if world % (args.replicas * args.tp):
+        return f"--tp {args.tp} x --replicas {args.replicas} must divide the world size {world}"
+    if args.heads % args.tp:
+        return f"--tp {args.tp} must divide --heads {args.heads} (each tp rank computes whole heads)"
     if args.fp8 and args.strategy == "replicate":
         return "--fp8 needs a sharded --strategy (zero1, zero2 or zero3): 'replicate' has no all-gather to carry FP8 weights"
     for name in ("lr", "adamw_lr"):  # peaks of warm-up schedules, which start at 0 whatever the sign
@@ -425,6 +433,7 @@ class Job:
     model: torch.nn.Module  # a skeleton on the meta device: the parameters live in the state
     plan: fsdpfn.Plan
     opt: optim.GradientTransformation
+    data_rank: int  # which batches this rank reads: its data-parallel index (tp ranks share one)
 
 
 OUTPUTS = dict(metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt")
@@ -445,11 +454,16 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     else:  # shapes only: no rank ever holds the whole model
         with torch.device("meta"):
             model = GPT(cfg)
-    if args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
+    if args.tp > 1:  # named axes: data parallel (HSDP with --replicas) x tensor parallel
+        shard = world // (args.replicas * args.tp)
+        mesh = init_device_mesh(device.type, (args.replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp")) \
+            if args.replicas > 1 else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
+    elif args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    plan = fsdpfn.plan(model, mesh, strategy=args.strategy, mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None)
+    plan = fsdpfn.plan(model, mesh, strategy=args.strategy, mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None,
+                       tp=GPT_TP_PLAN if args.tp > 1 else None)
     opt = make_optimizer(args)
     if args.init == "full":
         params = fsdpfn.shard(model, plan)
@@ -457,7 +471,9 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         params = fsdpfn.init_shards(model, plan, seed=args.seed, device=device)
     state = {"params": params, "opt_state": opt.init(params), "step": 0}
     model = model.to("meta")  # the shards are copies: keep only a skeleton for functional_call
-    return Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt), state
+    job = Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt,
+              fsdpfn.transforms.dp_rank(plan))
+    return job, state
 
 
 def announce(job: Job) -> None:
@@ -466,7 +482,7 @@ def announce(job: Job) -> None:
         args = job.args
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
               f"training characters; {job.world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; "
-              f"{args.strategy}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
+              f"{args.strategy}{f' x tp={args.tp}' if args.tp > 1 else ''}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
 
 def resume(job: Job, state: dict) -> tuple[dict, dict | None]:
@@ -550,9 +566,10 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
     """Steps from ``state["step"]`` to ``--steps`` (or ``--stop-at``): logs, evaluates and saves
     checkpoints on the way. Returns the state and the last logged loss."""
     args, rank, world, device = job.args, job.rank, job.world, job.device
+    data_rank = job.data_rank
     step_fn = make_step(loss_fn, job.opt)
     progress = Progress(args.steps, state["step"], enabled=rank == 0 and not args.no_progress)
-    tokens_per_step = world * args.batch_size * args.seq_len
+    tokens_per_step = job.plan.dp_size * args.batch_size * args.seq_len
     t_start = t_window = time.perf_counter()
     window_steps, loss_sum, last_loss = 0, torch.zeros((), device=device), float("nan")
     stop = stop_step(args)
@@ -560,7 +577,7 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
     # Saved beside the state: a resume keeps this horizon (see --schedule-steps).
     horizon = {"schedule_steps": schedule_steps(args)}
     for step in range(state["step"], stop):
-        x, y = get_batch(job.train_data, step, rank, args.batch_size, args.seq_len, args.seed, device)
+        x, y = get_batch(job.train_data, step, data_rank, args.batch_size, args.seq_len, args.seed, device)
         log = (step + 1) % args.log_every == 0 or step + 1 == stop
         state, loss, grad_norm = step_fn(state, x, y, norm=log)
         finite = state["opt_state"]  # optim.ApplyIfFiniteState: the same on every rank
@@ -579,7 +596,7 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
                    "skipped": finite.total_notfinite, "tokens_per_s": round(tok_s, 1),
                    "elapsed_s": round(time.perf_counter() - t_start, 2)}
             if args.eval_every and done % args.eval_every == 0 or done == stop:
-                row["val_loss"] = round(evaluate(state, loss_fn, job.val_data, args, world, rank, device), 5)
+                row["val_loss"] = round(evaluate(state, loss_fn, job.val_data, args, world, data_rank, device), 5)
             if rank == 0:
                 with open(job.paths["metrics"], "a") as f:
                     f.write(json.dumps(row) + "\n")
@@ -601,8 +618,10 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
     checkpoint.export_full(paths["model"], state["params"], job.plan, model=job.model)  # collective
     with torch.no_grad():
         full = fsdpfn.unshard(state["params"], job.plan)  # collective
-    if job.rank == 0:
+    # Under tp the model's layers run tp collectives: every rank samples (the same text, same seed).
+    if job.rank == 0 or job.plan.tp_size > 1:
         text = sample(job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device, args.seed)
+    if job.rank == 0:
         with open(paths["sample"], "w") as f:
             f.write(text + "\n")
         png = plot_loss(paths["metrics"], paths["png"])

@@ -81,7 +81,7 @@ class PlanCost:
                 lines.append(f"  of which {t.calls} tensor-parallel activation collectives, listed with 0 bytes: "
                              "pass cost(tokens=...) (tokens per rank per micro-batch) to count them")
             else:
-                lines.append(f"  of which tensor-parallel activations ({self.tokens:,} tokens per rank per micro-batch): "
+                lines.append(f"  of which tensor- and expert-parallel activations ({self.tokens:,} tokens per rank per micro-batch): "
                              f"{t.calls} calls, {_human(t.nbytes)} buffers, {_human(t.wire_bytes)} sent")
         lines.append("memory per rank: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
         return "\n".join(lines)

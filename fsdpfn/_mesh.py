@@ -11,11 +11,16 @@ role               what the axis does
                    (DDP; the outer axis of HSDP).
 ``tp``             tensor parallel; matmul weights are split over it (``colwise``/``rowwise``),
                    the activation collectives run here, gradients are never averaged over it.
-``ep``             expert parallel (reserved: refused for now).
+``ep``             expert parallel; the packed experts of a mixture-of-experts layer are split
+                   over it (dim 0, the expert index) and tokens travel to their experts by
+                   all-to-all. It is data parallel too: every rank reads its own batch, so
+                   gradients are averaged over it. The ``shard`` axis beside it is then the
+                   *expert data-parallel* axis: each expert's weights are sharded over it, while
+                   dense parameters are sharded over ``ep`` x ``shard`` flattened.
 =================  ==============================================================================
 
-Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp`` ->
-``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
+Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,
+``edp``, ``efsdp`` -> ``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
 -> ``ep``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
 its name, and a 2-D mesh named ``("replicate", "shard")`` is HSDP, as they always were.
 
@@ -48,15 +53,15 @@ class Role(str, enum.Enum):
 
     @property
     def is_data_parallel(self) -> bool:
-        """Gradients are averaged over this axis (``shard`` and ``replicate``)."""
-        return self in (Role.SHARD, Role.REPLICATE)
+        """Gradients are averaged over this axis (``shard``, ``replicate`` and ``ep``)."""
+        return self in (Role.SHARD, Role.REPLICATE, Role.EP)
 
     def __str__(self) -> str:
         return self.value
 
 
 DEFAULT_ROLES: Mapping[str, Role] = {
-    "shard": Role.SHARD, "dp_shard": Role.SHARD, "dp": Role.SHARD, "fsdp": Role.SHARD,
+    "shard": Role.SHARD, "dp_shard": Role.SHARD, "dp": Role.SHARD, "fsdp": Role.SHARD, "edp": Role.SHARD, "efsdp": Role.SHARD,
     "replicate": Role.REPLICATE, "dp_replicate": Role.REPLICATE, "ddp": Role.REPLICATE,
     "tp": Role.TP, "ep": Role.EP,
 }
@@ -110,10 +115,14 @@ class MeshAxes:
                 "e.g. init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))"
             )
         if Role.EP in self.roles:
-            raise NotImplementedError(
-                f"mesh axis {self.names[self.roles.index(Role.EP)]!r} has role 'ep': expert parallelism is not supported yet; "
-                "drop the axis or give it another role"
-            )
+            ep = self.names[self.roles.index(Role.EP)]
+            others = [n for n, r in zip(self.names, self.roles) if r in (Role.REPLICATE, Role.TP)]
+            if others:
+                raise NotImplementedError(
+                    f"mesh {dict(zip(self.names, self.shape))}: expert parallelism (axis {ep!r}) runs beside one data-parallel "
+                    f"shard axis only for now; axes {others} (replicate / tp) cannot be combined with it yet. Use a mesh "
+                    f"such as init_device_mesh('cpu', (ep, edp), mesh_dim_names=('ep', 'edp'))"
+                )
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -150,7 +159,7 @@ class MeshAxes:
                 known = ", ".join(sorted(DEFAULT_ROLES))
                 raise ValueError(
                     f"mesh axis {name!r} has no role. Name it one of {known}, or say what it is for with "
-                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp'}})"
+                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp' | 'ep'}})"
                 )
         return cls(shape, names, tuple(roles))
 
@@ -197,9 +206,19 @@ class MeshAxes:
         return self.size(Role.TP)
 
     @property
+    def ep_size(self) -> int:
+        return self.size(Role.EP)
+
+    @property
+    def dense_shard_size(self) -> int:
+        """Ranks a dense (non-expert) parameter is sharded over: the shard axis, times the ``ep``
+        axis when there is one (both flattened into one group)."""
+        return self.shard_size * self.ep_size
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: gradients are averaged over these (shard x replicate)."""
-        return self.shard_size * self.replicate_size
+        """Data-parallel ranks: gradients are averaged over these (shard x replicate x ep)."""
+        return self.shard_size * self.replicate_size * self.ep_size
 
     @property
     def world_size(self) -> int:

@@ -216,6 +216,7 @@ def plan(
     axes: Mapping[str, Any] | None = None,
     remat: StrategyArg | None = None,
     offload: bool | Mapping[str, bool] | None = None,
+    experts: Sequence[str] | Mapping[str, int] | None = None,
 ) -> Plan:
     """Builds a validated :class:`Plan` for ``model`` on ``mesh``.
 
@@ -225,7 +226,8 @@ def plan(
         ``shard`` (data parallel, sharded), ``replicate`` (data parallel, replicated) and
         ``tp`` (tensor parallel). 1-D: shard over it, whatever its name. 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
-        ``("replicate", "shard", "tp")``: HSDP x tensor parallel. A shape such as ``(1024,)``,
+        ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
+        parallel x expert data parallel (see ``experts``). A shape such as ``(1024,)``,
         ``(16, 64)`` (HSDP) or ``{"dp": 64, "tp": 8}`` gives an unbound plan that can be
         printed, saved and costed but not executed; ``plan.bind(mesh)`` binds it.
       units: ``None`` (every child of every ``nn.ModuleList`` is a unit, the rest is the root
@@ -250,6 +252,14 @@ def plan(
       offload: keep sharded parameters, gradients and optimizer state in host memory between
         uses (:class:`fsdpfn.runtime.Runtime` copies them in and out): ``True`` for every unit
         or a dict ``{unit name or fnmatch pattern: bool}``.
+      experts: on a mesh with an ``ep`` axis (expert parallelism, e.g. ``("ep", "edp")``), the
+        packed expert weights (dim 0 the expert index), as fnmatch patterns over parameter
+        names, or a dict ``{pattern: top_k}`` that also says how many experts each token visits
+        (for the cost of the expert all-to-alls). ``None``: the parameters each module lists
+        in its ``expert_params`` attribute, with its ``top_k`` (:class:`fsdpfn.models.Experts`
+        lists ``w1`` and ``w2``). Experts are split over ``ep`` and
+        sharded over the other data-parallel axis; each module's expert weights form their own
+        unit, named after the module. Ignored on meshes without ``ep``.
 
     Returns:
       the plan.
@@ -258,7 +268,8 @@ def plan(
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
         across units), a mesh axis without a role, a tp pattern matching no module, a dim that
         does not divide over tp, an unknown strategy.
-      NotImplementedError: tensor-parallel embeddings, an expert-parallel axis.
+      NotImplementedError: tensor-parallel embeddings, expert parallelism beside replicate or tp
+        axes.
 
     Example:
       >>> p = fsdpfn.plan(model, mesh, strategy={"*": "zero3", "<root>": "zero2"})
@@ -291,15 +302,21 @@ def plan(
             f"tp= splits {len(tp_styles)} modules, but the mesh {mesh_axes.describe()} has no tensor-parallel axis; "
             "add one, e.g. init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))"
         )
-    tp_size = mesh_axes.tp_size
+    tp_size, ep_size = mesh_axes.tp_size, mesh_axes.ep_size
+    expert_of, top_k = _expert_params(model, experts) if Role.EP in mesh_axes.roles else ({}, {})
 
     unit_names = _select_units(model, units)
+    # Each module with expert weights is their unit (see [Note: expert units]); its other
+    # parameters belong to the enclosing unit.
+    expert_units = list(dict.fromkeys(expert_of.values()))
+    dense_names = [u for u in unit_names if u not in expert_units]
+    unit_names = _with_expert_units(dense_names, expert_units)
     strategies = _strategy_for(strategy, unit_names)
     # remove_duplicate=False exposes tied weights under every name they have.
     first_name: dict[int, tuple[str, str, str]] = {}
     owned: dict[str, list[ParamSpec]] = {u: [] for u in unit_names}
     for name, p in model.named_parameters(remove_duplicate=False):
-        owner = _owner(name, unit_names)
+        owner = expert_of[name] if name in expert_of else _owner(name, dense_names)
         module, _, leaf = name.rpartition(".")
         placement = _tp_placement(tp_styles.get(module), leaf)
         if id(p) in first_name:
@@ -317,22 +334,80 @@ def plan(
                 )
             continue
         first_name[id(p)] = (name, owner, placement)
-        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size))
+        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size, name in expert_of, ep_size))
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
     if remat is not None and not isinstance(remat, (str, Mapping)):
         raise ValueError(f"remat must be a policy name or a dict {{unit name pattern: policy}}, got {type(remat).__name__}")
     if offload is not None and not isinstance(offload, (bool, Mapping)):
         raise ValueError(f"offload must be True, False or a dict {{unit name pattern: bool}}, got {type(offload).__name__}")
-    remats = _per_unit(remat, unit_names, "remat", "none", "none")  # the root keeps its activations
+    remats = _per_unit(remat, dense_names, "remat", "none", "none")  # the root keeps its activations
     offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
-        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size, fp8.get(u, ()), remats[u], offloads[u])
+        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
+             fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units, top_k.get(u, 0))
         for u in unit_names
         if owned[u]
     )
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
+
+
+def _expert_params(model: nn.Module, experts) -> tuple[dict[str, str], dict[str, int]]:
+    """``({expert parameter name: its module's name}, {module: top_k})`` from ``experts``'
+    patterns or, without them, from the modules' ``expert_params`` and ``top_k`` attributes;
+    an ep axis with none is refused."""
+    modules = dict(model.named_modules())
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    if experts is None:
+        found = {
+            f"{m}.{leaf}" if m else leaf: m
+            for m, mod in modules.items()
+            for leaf in getattr(mod, "expert_params", ())
+        }
+        top_k = {m: int(getattr(modules[m], "top_k", 0) or 0) for m in set(found.values())}
+    else:
+        if isinstance(experts, str) or not all(isinstance(e, str) for e in experts):
+            raise ValueError(f"experts must be a list of parameter name patterns (str), e.g. ['blocks.*.moe.w1'], got {experts!r}")
+        found, top_k = {}, {}
+        ks = experts if isinstance(experts, Mapping) else dict.fromkeys(experts, 0)
+        for pattern, k in ks.items():
+            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise ValueError(f"experts[{pattern!r}] = {k!r}: give each pattern the top_k of its router (an int >= 1)")
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                raise ValueError(f"experts pattern {pattern!r} matches no parameter of {type(model).__name__}{_did_you_mean(pattern, names)}")
+            found.update({n: n.rpartition(".")[0] for n in matched})
+            top_k.update({n.rpartition(".")[0]: k for n in matched})
+    if not found:
+        raise ValueError(
+            f"the mesh has an expert-parallel axis, but {type(model).__name__} has no expert weights (no module lists "
+            "expert_params, and experts= was not given); drop the ep axis, or name the packed expert weights with "
+            "fsdpfn.plan(..., experts=['blocks.*.moe.w1', ...])"
+        )
+    for name, module in found.items():
+        if not module:
+            raise ValueError(f"expert parameter {name!r} belongs to the model itself; expert weights must live in a submodule (their unit)")
+        whole = getattr(modules[module], "num_experts", None)
+        shape = tuple(dict(model.named_parameters(remove_duplicate=False))[name].shape)
+        if whole is not None and shape[:1] != (whole,):
+            raise ValueError(
+                f"expert parameter {name!r} has shape {shape}, but its layer has {whole} experts: the layer was built with its "
+                "experts already split. Build the whole model (e.g. MoE(cfg) without ep_group); the plan splits the experts"
+            )
+    return found, top_k
+
+
+def _with_expert_units(dense: list[str], expert_units: list[str]) -> list[str]:
+    """Unit names in execution order: each expert unit right after the unit enclosing it."""
+    out = list(dense)
+    for e in expert_units:
+        host = _owner(e + ".", dense) if e else ROOT
+        pos = out.index(host) + 1
+        while pos < len(out) and out[pos] in expert_units:
+            pos += 1
+        out.insert(pos, e)
+    return out
 
 
 def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[ParamSpec]], strategies: dict[str, str],

@@ -7,7 +7,8 @@ so their JSON and fingerprints did not change. Format 3 is any plan over named a
 (tensor parallel, or a mesh that is not 1-D / ``("replicate", "shard")``) or with activation
 checkpointing: the mesh carries its roles, every parameter not replicated over tp carries its
 ``tp`` placement, the plan lists its tensor-parallel modules and a rematerialised unit its
-``remat`` policy and an offloaded one ``offload``. A reader refuses formats it does not know, so an older fsdpfn never
+``remat`` policy and an offloaded one ``offload``; on a mesh with an ``ep`` axis an expert weight
+carries ``expert`` and its unit ``experts``. A reader refuses formats it does not know, so an older fsdpfn never
 runs a tensor-parallel plan as if it were a data-parallel one.
 """
 
@@ -29,6 +30,8 @@ def _param_dict(p: ParamSpec) -> dict:
     d = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
     if p.tp != "replicate":
         d["tp"] = p.tp
+    if p.expert:
+        d["expert"] = True
     return d
 
 
@@ -52,6 +55,8 @@ def plan_to_dict(plan: Plan) -> dict:
                 **({"fp8": list(u.fp8)} if u.fp8 else {}),
                 **({"remat": u.remat} if u.remat != "none" else {}),
                 **({"offload": True} if u.offload else {}),
+                **({"experts": True} if u.experts else {}),
+                **({"top_k": u.top_k} if u.top_k else {}),
             }
             for u in plan.units
         ],
@@ -75,19 +80,22 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
     names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
     roles = tuple(d["mesh"]["roles"]) if fmt == FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
-    tp_size, shard = axes.tp_size, axes.shard_size
+    tp_size, ep_size = axes.tp_size, axes.ep_size
     units = tuple(
         Unit(
             u["name"],
             u["strategy"],
             tuple(
-                ParamSpec(p["name"], tuple(p["shape"]), _dtype_from(p["dtype"]), p.get("tp", "replicate"), tp_size)
+                ParamSpec(p["name"], tuple(p["shape"]), _dtype_from(p["dtype"]), p.get("tp", "replicate"), tp_size,
+                          bool(p.get("expert", False)), ep_size)
                 for p in u["params"]
             ),
-            shard,
+            axes.shard_size if u.get("experts") else axes.dense_shard_size,
             tuple(u.get("fp8", ())),
             u.get("remat", "none"),
             bool(u.get("offload", False)),
+            bool(u.get("experts", False)),
+            int(u.get("top_k", 0)),
         )
         for u in d["units"]
     )

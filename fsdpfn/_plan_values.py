@@ -26,6 +26,17 @@ Parameters that cannot be split along dim 0 (0-d tensors) are replicated. They a
 and their gradients ride in the reduce-scatter buffer once in *every* rank's segment, so the
 reduce-scatter hands every rank the sum: an all-reduce folded into the same collective.
 
+[Note: expert units]
+On a mesh with an ``ep`` axis (expert parallelism) the packed expert weights of a
+mixture-of-experts layer (``[experts, ...]``, :attr:`ParamSpec.expert`) are split along dim 0 over
+``ep``: like a tensor-parallel split, each rank's "parameter" is its ``experts / ep`` experts
+(:attr:`ParamSpec.local_shape`), and its rows over the data-parallel ``shard`` axis (the expert
+data-parallel axis, ``edp``) are cut from that part. They form their own unit per layer
+(``Unit.experts``), gathered and reduced over ``edp`` only: an expert's gradient on the rank
+holding it already sums every ``ep`` rank's tokens (the all-to-all's backward). Every other unit
+is sharded over ``ep`` x ``edp`` flattened into one group, and every gradient is averaged over all
+``ep`` x ``edp`` ranks, which each read their own batch.
+
 [Note: FP8 gather layout]
 A unit whose weights gather in FP8 (``Unit.fp8``, chosen by ``MixedPrecision(fp8=...)``) still
 makes one all-gather, of bytes: each rank's segment holds, for every sharded parameter, the same
@@ -207,6 +218,10 @@ class ParamSpec:
         ``"partial"`` (replicated; in forward, tp position 0 uses it and the others use zeros,
         so a sum over tp adds it once).
       tp_size: ranks on the tensor-parallel axis (1 without one).
+      expert: a packed expert weight of a mixture-of-experts layer (dim 0 is the expert
+        index): on a mesh with an ``ep`` axis it is split along dim 0 over ``ep_size`` ranks and
+        sharded over the expert data-parallel (``shard``) axis only.
+      ep_size: ranks on the expert-parallel axis (1 without one).
 
     ``local_shape``, ``rows``, ``row_numel`` and ``numel`` describe the tensor-parallel-local
     part, which is what a unit gathers over the data-parallel axis.
@@ -222,6 +237,8 @@ class ParamSpec:
     dtype: torch.dtype
     tp: str = "replicate"
     tp_size: int = 1
+    expert: bool = False
+    ep_size: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -229,6 +246,21 @@ class ParamSpec:
             raise ValueError(f"parameter {self.name!r}: unknown tensor-parallel placement {self.tp!r}; choose one of {', '.join(TP_STYLES)}")
         if self.tp_size < 1:
             raise ValueError(f"parameter {self.name!r}: tp_size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1:
+            raise ValueError(f"parameter {self.name!r}: ep_size must be >= 1, got {self.ep_size}")
+        if self.expert:
+            if not self.shape:
+                raise ValueError(f"parameter {self.name!r} is 0-d; an expert weight packs its experts along dim 0")
+            if self.tp != "replicate":
+                raise NotImplementedError(
+                    f"parameter {self.name!r} is an expert weight and split over tp ({self.tp}); experts split over both ep "
+                    "and tp are not supported yet. Leave the expert layers out of tp="
+                )
+            if self.shape[0] % self.ep_size:
+                raise ValueError(
+                    f"expert parameter {self.name!r} packs {self.shape[0]} experts (dim 0 of {self.shape}), which do not divide "
+                    f"over ep={self.ep_size} ranks; choose a number of experts that is a multiple of ep, or a smaller ep"
+                )
         d = self.tp_dim
         if d is not None:
             if d >= len(self.shape):
@@ -246,7 +278,10 @@ class ParamSpec:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """The shape of this rank's tensor-parallel part (the global shape without TP)."""
+        """The shape of this rank's tensor- or expert-parallel part (the global shape without
+        TP or EP)."""
+        if self.expert:
+            return (self.shape[0] // self.ep_size, *self.shape[1:])
         d = self.tp_dim
         if d is None:
             return self.shape
@@ -304,6 +339,12 @@ class Unit:
       offload: keep the unit's sharded parameters, gradients and optimizer state in host memory
         between uses; the runtime copies the shards in before each gather and the gradients out
         after their reduce (see [Note: offload]).
+      experts: the unit holds the expert weights of one mixture-of-experts module (on a mesh
+        with an ``ep`` axis): it is gathered and reduced over the expert data-parallel (``shard``)
+        axis only, and ``shard_size`` is that axis's size; every other unit is sharded over
+        ``ep`` x ``shard`` (see [Note: expert units]).
+      top_k: for an expert unit, the experts each token visits (its layer's router's top-k):
+        what the expert all-to-alls move (:func:`fsdpfn.step_collectives`); 0 if unknown.
     """
 
     name: str
@@ -313,6 +354,8 @@ class Unit:
     fp8: tuple[str, ...] = ()
     remat: str = "none"
     offload: bool = False
+    experts: bool = False
+    top_k: int = 0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -325,6 +368,17 @@ class Unit:
         check_policy(self.remat, f"unit {self.label!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"unit {self.label!r}: offload must be True or False, got {self.offload!r}")
+        if not isinstance(self.experts, bool):
+            raise ValueError(f"unit {self.label!r}: experts must be True or False, got {self.experts!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0 or (self.top_k and not self.experts):
+            raise ValueError(f"unit {self.label!r}: top_k must be an int >= 0, and 0 unless the unit holds experts; got {self.top_k!r}")
+        mixed = [p.name for p in self.params if p.expert != self.experts]
+        if mixed:
+            raise ValueError(
+                f"unit {self.label!r} ({'an expert unit' if self.experts else 'a dense unit'}) holds "
+                f"{'dense' if self.experts else 'expert'} parameters {mixed[:3]}; expert weights and dense parameters are "
+                "reduced over different groups and live in separate units"
+            )
         if self.remat != "none" and not self.name:
             raise ValueError(
                 "the root unit cannot be rematerialised: its code wraps every other unit. Give remat= to the "
@@ -448,17 +502,27 @@ class Plan:
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
             raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
         seen: dict[str, str] = {}
+        if Role.EP in axes.roles and not any(u.experts for u in self.units):
+            raise ValueError(
+                f"the mesh {axes.describe()} has an expert-parallel axis, but the model has no expert weights to split over "
+                "it; drop the ep axis (fold it into the data-parallel shard axis), or mark the packed expert weights with "
+                "fsdpfn.plan(..., experts=['*.w1', ...])"
+            )
         for unit in self.units:
-            if unit.shard_size != self.shard_size:
-                raise ValueError(
-                    f"unit {unit.label!r} has shard_size {unit.shard_size}, but the mesh's shard axis has {self.shard_size} ranks"
-                )
+            want = axes.shard_size if unit.experts else axes.dense_shard_size
+            if unit.shard_size != want:
+                what = "the mesh's shard axis" if unit.experts or axes.ep_size == 1 else "the mesh's ep x shard axes"
+                raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
+            if unit.experts and Role.EP not in axes.roles:
+                raise ValueError(f"unit {unit.label!r} holds expert weights, but the mesh {axes.describe()} has no 'ep' axis")
             for p in unit.params:
                 if p.name in seen:
                     raise ValueError(f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit")
                 seen[p.name] = unit.label
                 if p.tp_size != axes.tp_size:
                     raise ValueError(f"parameter {p.name!r} has tp_size {p.tp_size}, but the mesh's tp axis has {axes.tp_size} ranks")
+                if p.expert and p.ep_size != axes.ep_size:
+                    raise ValueError(f"parameter {p.name!r} has ep_size {p.ep_size}, but the mesh's ep axis has {axes.ep_size} ranks")
             if unit.fp8 and self.mp.fp8 is None:
                 raise ValueError(
                     f"unit {unit.label!r} lists FP8 parameters but the plan's MixedPrecision has no fp8 policy; "
@@ -512,8 +576,13 @@ class Plan:
         return self.axes.tp_size
 
     @property
+    def ep_size(self) -> int:
+        """Ranks on the expert-parallel axis (1 without one)."""
+        return self.axes.ep_size
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks (shard x replicate): gradients are averaged over these."""
+        """Data-parallel ranks (shard x replicate x ep): gradients are averaged over these."""
         return self.axes.dp_size
 
     @property
@@ -667,7 +736,7 @@ class Plan:
         for u in self.units:
             per_rank = u.shard_numel + sum(p.numel for p in u.params if not u.slots[p.name].sharded) if u.sharded else u.numel
             itemsize = u.params[0].dtype.itemsize
-            pad = max(u.padding(r) for r in range(self.shard_size)) if u.sharded else 0
+            pad = max(u.padding(r) for r in range(u.shard_size)) if u.sharded else 0
             extra = (str(len(u.fp8)),) if fp8 else ()
             elements = sum(p.global_numel for p in u.params)
             rows.append((u.label, u.strategy.value, str(len(u.params)), f"{elements:,}", _human(per_rank * itemsize), f"{pad:,}") + extra)

@@ -51,6 +51,21 @@ style              forward                                     backward
 
 (``in_features``/``out_features`` are the Linear's global sizes.) Without ``tokens`` these are
 listed with their calls and 0 bytes.
+
+Beside an ``ep`` axis, a dense unit's gather and reduce run over ``ep`` x ``shard`` flattened
+(one group of ``ep * shard`` ranks, named ``"ep_shard"`` after the axes), an expert unit's over
+``shard``; and each mixture-of-experts layer (an expert unit, its router's ``top_k`` = ``k``,
+token width ``d`` = the last dim of its first weight) exchanges tokens over ``ep``:
+
+==========  ===============================================  =================================
+phase       collective                                       bytes
+==========  ===============================================  =================================
+forward     all-to-all of the per-expert counts (int64)      8 x experts
+forward     all-to-all dispatch, then combine                N x k x d each, balanced routing
+backward    the two transposed all-to-alls                   N x k x d each
+==========  ===============================================  =================================
+
+(the dispatch sends exactly ``N k`` rows whatever the routing; what comes back depends on it).
 """
 
 from __future__ import annotations
@@ -119,8 +134,8 @@ class Collective:
 
     @property
     def activation(self) -> bool:
-        """A tensor-parallel activation collective (its bytes need ``tokens``)."""
-        return self.purpose.startswith("tp_")
+        """A tensor- or expert-parallel activation collective (its bytes need ``tokens``)."""
+        return self.purpose.startswith(("tp_", "ep_"))
 
     def describe(self) -> str:
         """One line: phase, kind, tag, axis, size, bytes, dtype."""
@@ -152,7 +167,7 @@ def _axis(plan: Plan, role: Role) -> tuple[str | None, int]:
 
 def _unit_gather(plan: Plan, unit: Unit) -> list[tuple]:
     """``(kind, role, nbytes, dtype, purpose)`` of one gather of ``unit``."""
-    w = plan.shard_size
+    w = unit.shard_size
     out = []
     layout = plan.fp8_layout(unit)
     if layout is not None and layout.amax_params:
@@ -173,7 +188,7 @@ def _unit_reduce(plan: Plan, unit: Unit) -> tuple[list[tuple], list[tuple]]:
     n = unit.reduce_numel if unit.sharded else unit.numel
     if not n:
         return [], []
-    first = ("reduce_scatter", Role.SHARD, plan.shard_size * n * dtype.itemsize, dtype, "reduce") if unit.sharded else \
+    first = ("reduce_scatter", Role.SHARD, unit.shard_size * n * dtype.itemsize, dtype, "reduce") if unit.sharded else \
         ("all_reduce", Role.SHARD, n * dtype.itemsize, dtype, "reduce")
     second = [("all_reduce", Role.REPLICATE, n * dtype.itemsize, dtype, "replicate_reduce")] if plan.hsdp else []
     return [first], second
@@ -214,13 +229,45 @@ def _unit_tp(plan: Plan, modules, phase: str, tokens: int) -> list[tuple]:
     return out
 
 
+def _unit_ep(plan: Plan, unit: Unit, event: str, tokens: int) -> list[tuple]:
+    """``(kind, role, nbytes, dtype, purpose, tag)`` of one expert layer's token exchange at
+    ``event`` of its expert unit: the counts and the dispatch come just before the experts run
+    (``forward``), the combine just after (``forward_done``); backward transposes them."""
+    if plan.ep_size == 1:
+        return []
+    first = unit.params[0]
+    dtype = plan.gather_dtype(unit)
+    rows = tokens * unit.top_k * first.shape[-1] * dtype.itemsize
+    return {
+        "forward": [("all_to_all", Role.EP, 8 * first.shape[0], torch.int64, "ep_counts", "ep_counts"),
+                    ("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch")],
+        "forward_done": [("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")],
+        "backward": [("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")],
+        "backward_done": [("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch")],
+    }[event]
+
+
+def _nested(plan: Plan) -> dict[str, list[str]]:
+    """``{unit: [expert units inside it]}``: an expert unit runs inside the unit enclosing its
+    layer (as :func:`fsdpfn.runtime.schedule` nests it)."""
+    names = [u.name for u in plan.units]
+    out: dict[str, list[str]] = {}
+    for u in plan.units:
+        host = max((h for h in names if h and h != u.name and u.name.startswith(h + ".")), key=len, default=None)
+        if u.experts and host is not None:
+            out.setdefault(host, []).append(u.name)
+    return out
+
+
 def _default_ops(plan: Plan, reshard_after_forward: bool | None) -> list[tuple[str, str]]:
     """The actions and events of ``fsdpfn.runtime.schedule(plan, prefetch=0,
     reshard_after_forward)`` that issue collectives, in its order (prefetch moves gathers
     earlier but never adds or removes one)."""
     units = [u.name for u in plan.units]
     root = ROOT in units
-    blocks = [u for u in units if u != ROOT]
+    inner = _nested(plan)
+    nested = {c for cs in inner.values() for c in cs}
+    blocks = [u for u in units if u != ROOT and u not in nested]
 
     def reshards(name: str) -> bool:
         if plan.unit(name).strategy != "zero3" or reshard_after_forward is False:
@@ -231,7 +278,10 @@ def _default_ops(plan: Plan, reshard_after_forward: bool | None) -> list[tuple[s
     if root:
         ops += [("forward", ROOT), ("gather", ROOT)]
     for name in blocks:
-        ops += [("forward", name), ("gather", name), ("forward_done", name)]
+        ops += [("forward", name), ("gather", name)]
+        for child in inner.get(name, ()):
+            ops += [("forward", child), ("gather", child), ("forward_done", child)]
+        ops.append(("forward_done", name))
     ops.append(("forward_done", ROOT))
     back = list(reversed(blocks))
     if root:
@@ -242,6 +292,11 @@ def _default_ops(plan: Plan, reshard_after_forward: bool | None) -> list[tuple[s
         ops.append(("backward", name))
         if reshards(name):
             ops.append(("gather", name))
+        for child in reversed(inner.get(name, ())):
+            ops.append(("backward", child))
+            if reshards(child):
+                ops.append(("gather", child))
+            ops += [("backward_done", child), ("reduce", child), ("wait_reduce", child)]
         ops += [("backward_done", name), ("reduce", name)]
         if i > 0:  # the runtime waits for a unit's reduce once the next unit's is started
             ops.append(("wait_reduce", back[i - 1]))
@@ -309,13 +364,18 @@ def step_collectives(
         indexed = False
     units = {u.name: u for u in plan.units}
     tp = _tp_modules(plan) if plan.tp else {}
-    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP)}
+    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
+    ep_dim = plan.axes.dim(Role.EP)
+    if ep_dim is not None:  # dense units: the ep and shard axes flattened, in mesh order
+        dense_axis = "_".join(plan.axes.names[d] for d in sorted((ep_dim, plan.axes.dim(Role.SHARD))))
     ntok = 0 if tokens is None else tokens
     out: list[Collective] = []
 
     def add(entries, unit: str, phase: str, m: int, i: int) -> None:
         for kind, role, nbytes, dtype, purpose, *tag in entries:
             name, size = axes[role]
+            if role is Role.SHARD and ep_dim is not None and not units[unit].experts:
+                name, size = dense_axis, plan.axes.dense_shard_size
             out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,
                                   m, i if indexed else -1))
 
@@ -332,6 +392,10 @@ def step_collectives(
                     phase = "backward"
                 if kind in ("forward", "backward") and name in tp:
                     pending = (_unit_tp(plan, tp[name], kind, ntok), name, phase, m, i)
+                elif name in units and units[name].experts and kind in ("forward", "backward"):
+                    add(_unit_ep(plan, units[name], kind, ntok), name, phase, m, i)  # before the experts' gather
+                elif name in units and units[name].experts and kind in ("forward_done", "backward_done"):
+                    pending = (_unit_ep(plan, units[name], kind, ntok), name, phase, m, i)
                 continue
             unit = units.get(name)
             if unit is None:

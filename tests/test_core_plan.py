@@ -144,7 +144,7 @@ def test_bad_meshes():
         fsdpfn.plan(GPT(CFG), (2, 2, 2))
     with pytest.raises(ValueError, match="mesh axis 'model' has no role.*axes="):
         fsdpfn.plan(GPT(CFG), {"dp": 2, "model": 2})
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
+    with pytest.raises(ValueError, match="has an expert-parallel axis, but GPT has no expert weights"):
         fsdpfn.plan(GPT(CFG), {"dp": 2, "ep": 2})
     with pytest.raises(ValueError, match="tuple of positive ints"):
         fsdpfn.plan(GPT(CFG), (0,))

@@ -47,7 +47,7 @@ def test_custom_names_take_roles_from_axes():
         ({"tp": 2, "replicate": 2}, None, ValueError, "no data-parallel shard axis"),
         ({"dp": 2, "tp": 2}, {"tp": "pipeline"}, ValueError, "unknown role 'pipeline'"),
         ({"dp": 2, "tp": 2}, {"xp": "tp"}, ValueError, "names 'xp', which is not a mesh dim"),
-        ({"dp": 2, "ep": 2}, None, NotImplementedError, "expert parallelism"),
+        ({"ep": 2, "dp": 2, "tp": 2}, None, NotImplementedError, r"axes \['tp'\] \(replicate / tp\) cannot be combined"),
         ((2, 2, 2), None, ValueError, "3-D mesh needs dim names"),
     ],
 )

@@ -41,7 +41,8 @@ def _ep(rank, world, style):
     ref = {n: p.detach().clone() for n, p in full.named_parameters()}
     moe = MoE(CFG, ep_group=group)
     sl = slice(rank * moe.local, (rank + 1) * moe.local)
-    params = {"router.weight": ref["router.weight"].clone(), "w1": ref["w1"][sl].clone(), "w2": ref["w2"][sl].clone()}
+    params = {"router.weight": ref["router.weight"].clone(), "experts.w1": ref["experts.w1"][sl].clone(),
+              "experts.w2": ref["experts.w2"][sl].clone()}
     x = _tokens(rank)
     if style == "func":
         def loss_fn(ps):
@@ -65,8 +66,8 @@ def _ep(rank, world, style):
     want_y = torch.func.functional_call(full, ref, (x,))[0]
     return dict(
         y=_rel(y, want_y),
-        w1=_rel(grads["w1"], want["w1"][sl]),
-        w2=_rel(grads["w2"], want["w2"][sl]),
+        w1=_rel(grads["experts.w1"], want["experts.w1"][sl]),
+        w2=_rel(grads["experts.w2"], want["experts.w2"][sl]),
         router=_rel(router, want["router.weight"]),
     )
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from fsdpfn import comm as C
 
-__all__ = ["MoE", "MoEConfig"]
+__all__ = ["Experts", "MoE", "MoEConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +45,76 @@ class MoEConfig:
     aux_weight: float = 0.01
 
 
+class Experts(nn.Module):
+    """The packed expert weights of :class:`MoE` and the experts' computation, a module of its
+    own so that a plan on a mesh with an ``ep`` axis makes it a unit that holds expert weights
+    only (its :attr:`expert_params`).
+
+    Expert ``e`` computes ``gelu(x @ w1[e].T) @ w2[e].T``; ``w1`` is ``[E, hidden, width]`` and
+    ``w2`` ``[E, width, hidden]`` (``E`` the experts held here).
+
+    Example:
+      >>> ex = fsdpfn.models.Experts(experts=2, width=4, hidden=8)
+      >>> ex(torch.randn(5, 4), [[3, 2]]).shape  # 3 rows for expert 0, then 2 for expert 1
+      torch.Size([5, 4])
+    """
+
+    # The packed expert weights (dim 0: the expert index), which a plan splits over ``ep``.
+    expert_params = ("w1", "w2")
+
+    def __init__(self, experts: int, width: int, hidden: int, total: int | None = None, top_k: int = 0):
+        super().__init__()
+        self.num_experts = experts if total is None else total  # over every ep rank
+        self.top_k = top_k  # experts per token, for the cost of the token exchange (0: unknown)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, width, hidden) * hidden**-0.5)
+
+    def reset_parameters(self) -> None:
+        """Draws the weights again, as built: normal with std ``1 / sqrt(fan_in)``."""
+        with torch.no_grad():
+            self.w1.normal_(0.0, self.w1.shape[-1] ** -0.5)
+            self.w2.normal_(0.0, self.w2.shape[-1] ** -0.5)
+
+    def forward(self, inbox: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Rows ``inbox`` grouped by source, then by expert: ``counts[s][e]`` rows of source ``s``
+        for local expert ``e``. Returns each row's expert output, in the same order."""
+        local = self.w1.shape[0]
+        if any(len(row) != local for row in counts):
+            raise ValueError(
+                f"Experts: called with {local} experts' weights for counts of {len(counts[0])} experts per rank; under expert "
+                "parallelism call the layer with this rank's experts (what fsdpfn.unshard gives), or set_ep_group(None) on "
+                "the MoE layer for the whole layer"
+            )
+        flat = [c for row in counts for c in row]
+        starts = [sum(flat[:i]) for i in range(len(flat))]
+        outs: list = [None] * len(flat)
+        for e in range(local):
+            idx = torch.cat([torch.arange(starts[s * local + e], starts[s * local + e] + counts[s][e]) for s in range(len(counts))])
+            h = F.gelu(inbox[idx] @ self.w1[e].T) @ self.w2[e].T
+            off = 0
+            for s in range(len(counts)):
+                c = counts[s][e]
+                outs[s * local + e] = h[off : off + c]
+                off += c
+        return torch.cat(outs) if outs else inbox
+
+
 class MoE(nn.Module):
     """Top-k mixture-of-experts MLP over a token matrix ``[N, width]``.
 
-    Expert ``e`` computes ``gelu(x @ w1[e].T) @ w2[e].T``; ``w1`` (``[E, hidden, width]``) and
-    ``w2`` (``[E, width, hidden]``) pack the experts along dim 0, so Muon orthogonalises each
+    Expert ``e`` computes ``gelu(x @ w1[e].T) @ w2[e].T``; ``experts.w1`` (``[E, hidden, width]``)
+    and ``experts.w2`` (``[E, width, hidden]``, an :class:`Experts` module) pack the experts along
+    dim 0, so Muon orthogonalises each
     expert's matrices alone (a batch of matrices). The router is a bias-free linear layer; a
     token's ``top_k`` experts are weighted by their softmax probabilities renormalised over the
     chosen ones. The load-balancing loss is Switch Transformer's, ``E * sum_e f_e P_e`` (``f_e``
     the fraction of (token, choice) pairs sent to expert ``e``, ``P_e`` its mean probability),
     times ``aux_weight``.
+
+    Under :func:`fsdpfn.plan` on a mesh with an ``ep`` axis, build the whole model (no
+    ``ep_group``): ``experts.w1`` and ``experts.w2`` are listed in ``Experts.expert_params``, so the plan splits
+    them over ``ep``, and :func:`fsdpfn.shard` / :class:`fsdpfn.runtime.Runtime` point the layer
+    at the ``ep`` group (:meth:`set_ep_group`).
 
     Args:
       cfg: sizes.
@@ -75,6 +135,23 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: MoEConfig = MoEConfig(), ep_group=None):
         super().__init__()
+        self._route(cfg, ep_group)
+        self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
+        self.experts = Experts(self.local, cfg.width, cfg.hidden, total=cfg.experts, top_k=cfg.top_k)
+
+    def set_ep_group(self, ep_group) -> None:
+        """Dispatch tokens over ``ep_group`` from now on; the weights this layer is called with
+        (``torch.func.functional_call``) must then be this rank's ``experts / ep`` experts, as
+        :func:`fsdpfn.unshard` gives them. ``None``: every expert local again.
+
+        Example:
+          >>> moe = fsdpfn.models.MoE(fsdpfn.models.MoEConfig(experts=4))
+          >>> moe.set_ep_group(None); (moe.ep, moe.local)
+          (1, 4)
+        """
+        self._route(self.cfg, ep_group)
+
+    def _route(self, cfg: MoEConfig, ep_group) -> None:
         ep = C.group_size(ep_group) if ep_group is not None else 1
         if cfg.experts < 1 or cfg.experts % ep:
             raise ValueError(
@@ -86,9 +163,6 @@ class MoE(nn.Module):
         self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
         self.local = cfg.experts // ep
         self.first = (C.group_rank(ep_group) if ep_group is not None else 0) * self.local
-        self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
-        self.w1 = nn.Parameter(torch.randn(self.local, cfg.hidden, cfg.width) * cfg.width**-0.5)
-        self.w2 = nn.Parameter(torch.randn(self.local, cfg.width, cfg.hidden) * cfg.hidden**-0.5)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output [N, width], load-balancing loss)``."""
@@ -109,18 +183,8 @@ class MoE(nn.Module):
         recv = [sum(got_per_expert[s * self.local : (s + 1) * self.local]) for s in range(self.ep)]
         inbox = C.ep_all_to_all(rows, send, recv, self.ep_group, tag="moe_dispatch") if self.ep > 1 else rows
         # Received rows come by source rank, then by expert; run each local expert on its rows.
-        counts = torch.tensor(got_per_expert).view(self.ep, self.local)
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.reshape(-1).cumsum(0)[:-1]]).view(self.ep, self.local)
-        outs = [None] * (self.ep * self.local)
-        for e in range(self.local):
-            idx = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e])) for s in range(self.ep)])
-            h = F.gelu(inbox[idx] @ self.w1[e].T) @ self.w2[e].T
-            off = 0
-            for s in range(self.ep):
-                c = int(counts[s, e])
-                outs[s * self.local + e] = h[off : off + c]
-                off += c
-        outbox = torch.cat(outs) if outs else inbox
+        counts = [got_per_expert[s * self.local : (s + 1) * self.local] for s in range(self.ep)]
+        outbox = self.experts(inbox, counts)
         back = C.ep_all_to_all(outbox, recv, send, self.ep_group, tag="moe_combine") if self.ep > 1 else outbox
         # Combine: undo the sort, weight each choice, sum per token.
         y = torch.zeros(n * cfg.top_k, cfg.width, dtype=back.dtype, device=back.device).index_copy(0, order, back)

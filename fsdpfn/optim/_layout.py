@@ -96,7 +96,8 @@ def split_dims(x: torch.Tensor, name: str) -> tuple[int, ...]:
     if not isinstance(x, DTensor):
         return ()
     _order(x, name)  # validates
-    return tuple(d for d, p in enumerate(x.placements) if isinstance(p, Shard) and x.device_mesh.size(d) > 1)
+    # _StridedShard is no Shard subclass in recent torch: a leaf cut only by it is still split.
+    return tuple(d for d, p in enumerate(x.placements) if isinstance(p, (Shard, _StridedShard)) and x.device_mesh.size(d) > 1)
 
 
 def _order(x: DTensor, name: str) -> dict[int, list[int]]:

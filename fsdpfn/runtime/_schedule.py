@@ -244,7 +244,15 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     units = [u.name for u in plan.units]
     root_present = ROOT in units
-    blocks = [u for u in units if u != ROOT]
+    # An expert unit (the expert weights of one MoE layer, beside an ep axis) runs inside the
+    # unit that encloses its layer: its ops nest between that unit's events.
+    inner: dict[str, list[str]] = {}
+    for u in plan.units:
+        host = max((h for h in units if h and h != u.name and u.name.startswith(h + ".")), key=len, default=None)
+        if u.experts and host is not None:
+            inner.setdefault(host, []).append(u.name)
+    nested = {c for cs in inner.values() for c in cs}
+    blocks = [u for u in units if u != ROOT and u not in nested]
 
     def reshards(name: str) -> bool:
         if plan.unit(name).strategy != "zero3" or reshard_after_forward is False:
@@ -273,6 +281,12 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
             gathered.add(name)
         prefetch_from(blocks, i + 1, gathered)
         ops.append(Op(OpKind.WAIT, name))
+        for child in inner.get(name, ()):
+            ops += [Op(OpKind.FORWARD, child), Op(OpKind.GATHER, child), Op(OpKind.WAIT, child), Op(OpKind.FORWARD_DONE, child)]
+            gathered.add(child)
+            if reshards(child):
+                ops.append(Op(OpKind.FREE, child))
+                gathered.discard(child)
         ops.append(Op(OpKind.FORWARD_DONE, name))
         if reshards(name):
             ops.append(Op(OpKind.FREE, name))
@@ -303,6 +317,14 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
         prefetch_from(back, i + 1, gathered)
         if name not in live:
             ops.append(Op(OpKind.WAIT, name))
+        for child in reversed(inner.get(name, ())):
+            ops.append(Op(OpKind.BACKWARD, child))
+            if child not in gathered:
+                ops.append(Op(OpKind.GATHER, child))
+                gathered.add(child)
+            if child not in live:
+                ops.append(Op(OpKind.WAIT, child))
+            ops += [Op(OpKind.BACKWARD_DONE, child), Op(OpKind.FREE, child), Op(OpKind.REDUCE, child), Op(OpKind.WAIT_REDUCE, child)]
         ops.append(Op(OpKind.BACKWARD_DONE, name))
         ops.append(Op(OpKind.FREE, name))
         ops.append(Op(OpKind.REDUCE, name))

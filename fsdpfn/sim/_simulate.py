@@ -221,9 +221,11 @@ def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
         strides[d] = strides[d + 1] * shape[d + 1]
     base = sum(c * st for c, st in zip(coords, strides))
     groups = {}
-    for role in (Role.SHARD, Role.REPLICATE, Role.TP):
+    for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP):
         d = plan.axes.dim(role)
         groups[role.value] = [rank] if d is None else [base + (q - coords[d]) * strides[d] for q in range(shape[d])]
+    if plan.axes.dim(Role.EP) is not None:  # dense units beside ep: the ep and shard axes flattened
+        groups["dense"] = sorted({e - rank + s for e in groups["ep"] for s in groups["shard"]})
     return groups
 
 
@@ -265,8 +267,11 @@ class _Builder:
 
     def collective(self, c: Collective, stream: str, sent: float | None = None, after: int | None = None) -> int:
         """Times one listed collective on ``stream``, after the compute before it (and ``after``)."""
-        ranks = self.groups[c.role.value]
-        level = self.level[c.role.value]
+        key = c.role.value
+        if key == "shard" and "dense" in self.groups and c.group_size == len(self.groups["dense"]):
+            key = "dense"
+        ranks = self.groups[key]
+        level = self.level[key]
         seconds = self.hw.collective_seconds(c.kind, ranks, c.nbytes, sent)
         self.calls.append(c)
         self.level_bytes[level] += c.wire_bytes

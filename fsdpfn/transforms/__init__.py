@@ -31,6 +31,11 @@ from fsdpfn.transforms._sharding import unshard as unshard
 from fsdpfn.transforms._sharding import tp_group as tp_group
 from fsdpfn.transforms._sharding import tp_rank as tp_rank
 from fsdpfn.transforms._sharding import tp_slice as tp_slice
+from fsdpfn.transforms._axes import ep_group as ep_group
+from fsdpfn.transforms._axes import ep_rank as ep_rank
+from fsdpfn.transforms._axes import unit_group as unit_group
+from fsdpfn.transforms._axes import unit_mesh as unit_mesh
+from fsdpfn.transforms._axes import unit_rank as unit_rank
 from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
 
@@ -62,5 +67,10 @@ __all__ = [
     "tp_group",
     "tp_rank",
     "tp_slice",
+    "ep_group",
+    "ep_rank",
+    "unit_group",
+    "unit_mesh",
+    "unit_rank",
     "unshard",
 ]

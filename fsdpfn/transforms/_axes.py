@@ -6,7 +6,8 @@ from __future__ import annotations
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan
 
-__all__ = ["dp_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank"]
+__all__ = ["dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
+           "unit_group", "unit_mesh", "unit_rank"]
 
 
 def _mesh(plan: Plan):
@@ -45,6 +46,84 @@ def shard_rank(plan: Plan) -> int:
     return _axis_rank(plan, Role.SHARD)
 
 
+def ep_group(plan: Plan):
+    """The process group of the plan's expert-parallel axis (``None`` without one).
+
+    Example:
+      >>> fsdpfn.transforms.ep_group(plan) is None  # a plan without an ep axis
+      True
+    """
+    return _group(plan, Role.EP)
+
+
+def ep_rank(plan: Plan) -> int:
+    """This process's index on the expert-parallel axis (0 without one): which ``experts / ep``
+    of each expert layer it holds.
+
+    Example:
+      >>> fsdpfn.transforms.ep_rank(plan)
+      0
+    """
+    return _axis_rank(plan, Role.EP)
+
+
+_DENSE = "_fsdpfn_dense_mesh"
+
+
+def _dense_mesh(plan: Plan):
+    """The 1-D mesh of the ``ep`` and ``shard`` axes flattened (in mesh order): what dense
+    parameters are sharded over beside experts. Made once per mesh (its group is created
+    collectively, at the same point of every rank's program)."""
+    mesh = _mesh(plan)
+    cached = getattr(mesh, _DENSE, None)
+    if cached is None:
+        axes = plan.axes
+        dims = tuple(axes.names[d] for d in sorted((axes.dim(Role.EP), axes.dim(Role.SHARD))))
+        sub = mesh[dims]
+        cached = sub._flatten("_".join(dims)) if sub.ndim > 1 else sub
+        setattr(mesh, _DENSE, cached)
+    return cached
+
+
+def unit_mesh(plan: Plan, unit) -> object:
+    """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for dense units
+    beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened.
+
+    Example:
+      >>> fsdpfn.transforms.unit_mesh(plan, plan.units[0]) is plan.mesh
+      True
+    """
+    if plan.axes.dim(Role.EP) is None or unit.experts:
+        return _mesh(plan)
+    return _dense_mesh(plan)
+
+
+def unit_group(plan: Plan, unit):
+    """The process group ``unit`` is gathered and reduced over: the shard axis, or, for dense
+    units beside an ``ep`` axis, the ``ep`` x ``shard`` axes flattened (see [Note: expert
+    units] in ``fsdpfn/_plan_values.py``).
+
+    Example:
+      >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)
+      True
+    """
+    if plan.axes.dim(Role.EP) is None or unit.experts:
+        return shard_group(plan)
+    return _dense_mesh(plan).get_group(0)
+
+
+def unit_rank(plan: Plan, unit) -> int:
+    """This process's index in :func:`unit_group`.
+
+    Example:
+      >>> fsdpfn.transforms.unit_rank(plan, plan.units[0])
+      0
+    """
+    if plan.axes.dim(Role.EP) is None or unit.experts:
+        return shard_rank(plan)
+    return _dense_mesh(plan).get_local_rank(0)
+
+
 def dp_rank(plan: Plan) -> int:
     """This process's index among the data-parallel ranks (``replicate_rank * shard_size +
     shard_rank``), in ``[0, plan.dp_size)``: which slice of the global batch it reads. Ranks
@@ -54,6 +133,8 @@ def dp_rank(plan: Plan) -> int:
       >>> fsdpfn.transforms.dp_rank(plan), plan.dp_size
       (0, 1)
     """
+    if plan.axes.dim(Role.EP) is not None:  # every ep x shard rank reads its own batch
+        return _dense_mesh(plan).get_local_rank(0)
     return _axis_rank(plan, Role.REPLICATE) * plan.shard_size + shard_rank(plan)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from fsdpfn._plan import Plan
-from fsdpfn.transforms._sharding import shard_rank, tp_rank
+from fsdpfn.transforms._axes import ep_rank, unit_rank
+from fsdpfn.transforms._sharding import tp_rank
 
 __all__ = ["local_index", "local_shape"]
 
@@ -34,8 +35,12 @@ def local_index(plan: Plan, name: str, *, rank: int | None = None, tp: int | Non
     if not spec.shape:
         return ()
     unit = plan.unit_of(name)
-    rank = shard_rank(plan) if rank is None else rank
+    rank = unit_rank(plan, unit) if rank is None else rank
     start, stop = unit.local_rows(name, rank)
+    if spec.expert:  # rows of this rank's experts (``tp`` is its ep index here)
+        e = ep_rank(plan) if tp is None else tp
+        n = spec.local_shape[0]
+        return (slice(e * n + start, e * n + stop),)
     d = spec.tp_dim
     if d is None:
         return (slice(start, stop),)

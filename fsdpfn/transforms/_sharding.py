@@ -38,7 +38,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
-from fsdpfn.transforms._axes import _mesh, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank
+from fsdpfn.transforms._axes import (_mesh, dp_rank, ep_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
+                                     unit_mesh, unit_rank)
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
@@ -59,7 +60,10 @@ def placements(plan: Plan, name: str) -> tuple:
     axis also splits dim 0 and comes after the shard axis in the mesh, the data-parallel rows
     are cut from the tp-local rows, which DTensor spells ``_StridedShard(0, split_factor=tp)``
     (as FSDP2 does on a 2-D mesh). Replicate axis: ``Replicate()``. Tp axis: ``Shard(d)`` for a
-    parameter split along dim ``d``, else ``Replicate()``.
+    parameter split along dim ``d``, else ``Replicate()``. Beside an ``ep`` axis an expert weight
+    is ``Shard(0)`` over ``ep`` and its rows are cut over ``shard`` from its ep part the same
+    way, while a dense parameter lives on the ``ep`` x ``shard`` axes flattened into one mesh
+    dim (:func:`fsdpfn.transforms.unit_mesh`), ``Shard(0)`` there.
 
     Example:
       >>> fsdpfn.transforms.placements(plan, "blocks.0.fc.weight")
@@ -72,6 +76,8 @@ def _placements(plan: Plan, name: str) -> tuple:
     unit = plan.unit_of(name)
     spec = unit.param(name)
     axes = plan.axes
+    if axes.dim(Role.EP) is not None and not unit.experts:  # on the flattened ep x shard mesh
+        return (Shard(0) if unit.slots[name].sharded else Replicate(),)
     out = []
     for d, role in enumerate(axes.roles):
         if role is Role.SHARD:
@@ -79,10 +85,14 @@ def _placements(plan: Plan, name: str) -> tuple:
                 out.append(Replicate())
             elif spec.tp_dim == 0 and axes.tp_size > 1 and axes.dim(Role.TP) > d:
                 out.append(_StridedShard(0, split_factor=axes.tp_size))
+            elif spec.expert and axes.ep_size > 1 and axes.dim(Role.EP) > d:
+                out.append(_StridedShard(0, split_factor=axes.ep_size))
             else:
                 out.append(Shard(0))
         elif role is Role.TP and spec.tp_dim is not None:
             out.append(Shard(spec.tp_dim))
+        elif role is Role.EP and spec.expert:
+            out.append(Shard(0))
         else:
             out.append(Replicate())
     return tuple(out)
@@ -99,7 +109,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _spec(plan: Plan, name: str, dtype: torch.dtype) -> DTensorSpec:
     shape = plan.param(name).shape
     meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
-    return DTensorSpec(_mesh(plan), placements(plan, name), tensor_meta=meta)
+    return DTensorSpec(unit_mesh(plan, plan.unit_of(name)), placements(plan, name), tensor_meta=meta)
 
 
 def from_local(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
@@ -125,13 +135,19 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 
 def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
     """This rank's tensor-parallel part of parameter ``name`` (a view of ``full``): the
-    ``rank``-th of ``tp`` equal slices along the parameter's tp dim, or ``full`` itself.
+    ``rank``-th of ``tp`` equal slices along the parameter's tp dim, or ``full`` itself. An
+    expert weight beside an ``ep`` axis gives its ``rank``-th (default: this process's ep index)
+    of ``ep`` equal slices along dim 0: the experts this rank holds.
 
     Example:
       >>> fsdpfn.transforms.tp_slice(plan, "blocks.0.fc.weight", torch.zeros(128, 32)).shape
       torch.Size([128, 32])
     """
     spec = plan.param(name)
+    if spec.expert:
+        rank = ep_rank(plan) if rank is None else rank
+        n = spec.local_shape[0]
+        return full.narrow(0, rank * n, n)
     d = spec.tp_dim
     if d is None:
         return full
@@ -240,7 +256,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
             f"shard: parameters {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device (no values); "
             "build their shards with fsdpfn.init_shards(model, plan) or fsdpfn.load_safetensors(model, plan, path)"
         )
-    rank = shard_rank(plan)
+    _mesh(plan)  # an unbound plan is named here, before anything runs
     full = {n: C.full_tensor(v) for n, v in full.items()}
     if check:
         check_ranks_agree(plan, full)
@@ -250,6 +266,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     out: dict[str, DTensor] = {}
     with torch.no_grad():
         for unit in plan.units:
+            rank = unit_rank(plan, unit)
             for p in unit.params:
                 value = tp_slice(plan, p.name, full[p.name])
                 start, stop = unit.local_rows(p.name, rank)
@@ -281,7 +298,7 @@ def _check_local_rows(plan: Plan, unit: Unit, locals_: list[torch.Tensor], rank:
             start, stop = unit.local_rows(p.name, rank)
             raise ValueError(
                 f"params[{p.name!r}] on shard rank {rank} has local shape {tuple(local.shape)}, but the plan gives this rank "
-                f"rows [{start}, {stop}) of {p.rows} (local shape {expected}; torch.chunk split over {plan.shard_size} ranks). "
+                f"rows [{start}, {stop}) of {p.rows} (local shape {expected}; torch.chunk split over {unit.shard_size} ranks). "
                 "Make shards with fsdpfn.shard(model, plan) (or DTensor Shard(0) / torch.chunk), not tensor_split or "
                 "another world size."
             )
@@ -315,17 +332,18 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], async_op: bool)
     """One path for every unit: its codec packs the shards (plain rows, or FP8 bytes and
     scales, see [Note: FP8 gather]), one all-gather moves them, the codec unpacks them."""
     codec = plan.gather_codec(unit)
-    w = plan.shard_size
-    check_on_every_rank(plan, unit.name, shard_group(plan), lambda: _check_local_rows(plan, unit, locals_, shard_rank(plan)))
+    w = unit.shard_size
+    group = unit_group(plan, unit)
+    check_on_every_rank(plan, unit.name, group, lambda: _check_local_rows(plan, unit, locals_, unit_rank(plan, unit)))
     amax = codec.local_amax(locals_)
     if amax is not None:  # per-tensor scales: the whole tensor's amax, one all-reduce per gather
-        C.all_reduce(amax, shard_group(plan), op="max", tag=unit.name)
+        C.all_reduce(amax, group, op="max", tag=unit.name)
         if any(unit.param(n).tp_dim is not None for n in codec.amax_params):  # the tensor spans tp too
             C.all_reduce(amax, tp_group(plan), op="max", tag=unit.name)
     if codec.numel:
         buf = codec.encode(locals_, amax)
         out = torch.empty(w * codec.numel, dtype=codec.wire_dtype, device=buf.device)
-        pending = C.all_gather(out, buf, shard_group(plan), async_op=async_op, tag=unit.name)
+        pending = C.all_gather(out, buf, group, async_op=async_op, tag=unit.name)
     else:
         pending = C.Pending(torch.empty(0, dtype=codec.wire_dtype, device=_device_of(locals_)))
 
@@ -354,8 +372,9 @@ def reduce_unit(
     """
     rdtype = plan.reduce_dtype(unit)
     device = _device_of(grads)
-    w = plan.shard_size
-    rank = shard_rank(plan)
+    w = unit.shard_size
+    rank = unit_rank(plan, unit)
+    group = unit_group(plan, unit)
     slots = unit.slots
     factor = (1.0 / plan.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
     if unit.sharded:
@@ -374,7 +393,7 @@ def reduce_unit(
                 dst.view(w, slot.chunk_rows, p.row_numel).copy_(rows.view(w, slot.chunk_rows, p.row_numel))
         out = torch.empty(unit.reduce_numel, dtype=rdtype, device=device)
         if unit.reduce_numel:
-            first = C.reduce_scatter(out, buf.view(-1), shard_group(plan), async_op=async_op, tag=unit.name)
+            first = C.reduce_scatter(out, buf.view(-1), group, async_op=async_op, tag=unit.name)
         else:
             first = C.Pending(out)
     else:
@@ -383,7 +402,7 @@ def reduce_unit(
             for p, g in zip(unit.params, grads)
         ]
         out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype, device=device)
-        first = C.all_reduce(out, shard_group(plan), async_op=async_op, tag=unit.name) if out.numel() else C.Pending(out)
+        first = C.all_reduce(out, group, async_op=async_op, tag=unit.name) if out.numel() else C.Pending(out)
 
     def finish() -> list[torch.Tensor]:
         reduced = first.wait()
@@ -454,6 +473,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
       (Shard(dim=0),)
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
+        _no_ep_compiled(plan)
         return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
     _check_op(grad_op)
@@ -462,6 +482,14 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))
         out.update(zip((p.name for p in unit.params), fulls))
     return out
+
+
+def _no_ep_compiled(plan: Plan) -> None:
+    if plan.axes.dim(Role.EP) is not None:
+        raise NotImplementedError(
+            f"the plan's mesh ({plan.axes.describe()}) has an expert-parallel axis, which torch.compile does not trace yet; "
+            "run the expert-parallel step eagerly"
+        )
 
 
 def _check_op(op: str) -> None:
@@ -492,6 +520,7 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       (Shard(dim=0),)
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
+        _no_ep_compiled(plan)
         return reduce_traced(full_grads, plan, op, scale, from_local)
     _check_op(op)
     check_params(full_grads, plan, "reduce(full_grads)", allow_none=True, tp_local=True)

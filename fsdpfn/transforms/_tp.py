@@ -28,11 +28,29 @@ from torch import nn
 
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
-from fsdpfn.transforms._axes import tp_group
+from fsdpfn.transforms._axes import ep_group, tp_group
 
 __all__ = ["apply_tp"]
 
 _ATTR = "_fsdpfn_tp"
+_EP_ATTR = "_fsdpfn_ep"
+
+
+def _apply_ep(model: nn.Module, plan: Plan) -> None:
+    """Points the model's expert modules (those with ``set_ep_group``, e.g.
+    :class:`fsdpfn.models.MoE`) at the plan's ``ep`` group, so their forward dispatches tokens to
+    the ranks holding their experts; a plan without ``ep`` undoes what an earlier plan set."""
+    group = ep_group(plan) if plan.ep_size > 1 else None
+    for mod in model.modules():
+        if not hasattr(mod, "set_ep_group"):
+            continue
+        if plan.ep_size > 1:
+            mod.set_ep_group(group)
+            setattr(mod, _EP_ATTR, True)
+        elif getattr(mod, _EP_ATTR, False):
+            mod.set_ep_group(None)
+            delattr(mod, _EP_ATTR)
+
 
 
 def _pre_copy(group, tag):
@@ -63,6 +81,7 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
 
     :func:`fsdpfn.shard`, :func:`fsdpfn.init_shards`, :func:`fsdpfn.load_safetensors` and
     :class:`fsdpfn.runtime.Runtime` call it when given the model, so most code never does.
+    On a mesh with an ``ep`` axis it also points the model's expert modules at the ``ep`` group.
 
     Args:
       model: the module the plan was built for.
@@ -84,6 +103,9 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
             for handle in installed[2]:
                 handle.remove()
             delattr(mod, _ATTR)
+    if plan.ep_size > 1 and plan.mesh is None:
+        raise ValueError("apply_tp needs a plan bound to a mesh; bind one with plan.bind(mesh)")
+    _apply_ep(model, plan)
     if not plan.tp:
         return model
     group = tp_group(plan) if plan.mesh is not None else None
