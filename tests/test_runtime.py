@@ -486,3 +486,40 @@ def test_cuda_comm_orders_streams():
     x = torch.ones(4, device="cuda")
     h = comm.start("all_gather", lambda: (types.SimpleNamespace(wait=lambda: x * 2), None))
     assert torch.equal(comm.wait(h), torch.full((4,), 2.0, device="cuda"))
+
+
+class _NoRootParams(torch.nn.Module):
+    """Every parameter lives in a block: the plan has no root unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def _no_root(rank, world, style):
+    torch.manual_seed(0)
+    model = _NoRootParams()
+    plan = fsdpfn.plan(model, fsdpfn.testing.mesh((world,)))
+    assert all(u.name for u in plan.units)
+    rt = fsdpfn.runtime.Runtime(model, plan)
+    params = fsdpfn.shard(model, plan, requires_grad=style == "eager")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    ref = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).square().sum())(
+        {n: p.detach() for n, p in params.items()})
+    if style == "func":
+        got = torch.func.grad(lambda ps: rt.apply(ps, x).square().sum())(params)
+    else:
+        with rt.bind(params):
+            model(x).square().sum().backward()
+        got = rt.grads(params)
+    return all(torch.equal(got[n].to_local(), ref[n].to_local()) for n in ref)
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_a_model_whose_root_owns_no_parameters(run_on_ranks, style):
+    assert run_on_ranks(_no_root, 2, style) == [True, True]

@@ -143,6 +143,8 @@ class Executor:
     def event(self, kind: OpKind, unit: str = ROOT) -> None:
         """The model reached event ``kind`` of ``unit``: check it is the schedule's next op, then
         run the actions up to the following event."""
+        if unit == ROOT and kind is not OpKind.END and ROOT not in self.units:
+            return  # the root owns no parameters: the plan has no root unit, its schedule no root events
         ops = self.sched.ops
         got = Op(kind, unit)
         if self.cursor >= len(ops) or ops[self.cursor] != got:
