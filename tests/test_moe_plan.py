@@ -352,12 +352,15 @@ def test_init_shards_on_an_ep_plan(run_on_ranks):
 
 
 def test_the_simulator_times_the_expert_all_to_alls():
-    """fsdpfn.sim.simulate walks the same list: its traffic is plan.cost()'s, all-to-alls
-    included. (Its workload comes from the model on a plan without ep: profile does not time
-    nested expert units yet, so their compute is left out.)"""
+    """fsdpfn.sim.profile follows nested expert units as the runtime's schedule nests them (its
+    events are the schedule's, in order) and simulate walks the same collective list as
+    plan.cost(), all-to-alls included."""
     model = _model()
-    work = fsdpfn.sim.profile(model, fsdpfn.plan(model, (4,)), _tokens(0, 0), loss_fn=lambda out: out)
     plan = fsdpfn.plan(model, {"ep": 2, "edp": 2})
+    work = fsdpfn.sim.profile(model, plan, _tokens(0, 0), loss_fn=lambda out: out)
+    events = [op for op in fsdpfn.runtime.schedule(plan).ops if op.is_event]
+    assert [e for e, _ in work.work] == events
+    assert work.at(fsdpfn.runtime.Op("forward", "blocks.0.moe.experts")).flops > 0
     r = fsdpfn.sim.simulate(plan, workload=work, hardware=fsdpfn.sim.H100_SXM)
     cost = plan.cost()
     assert {k: (t.calls, t.nbytes) for k, t in r.traffic["step"].items()} == {k: (c.calls, c.nbytes) for k, c in cost.collectives.items()}

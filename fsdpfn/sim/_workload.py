@@ -350,6 +350,8 @@ class _Events:
         self.units = sorted((u for u in units if u != ROOT), key=len, reverse=True)
         self.prefix = root_name + "."
         self.current = ROOT
+        self.stack: list[str] = []  # the units running now, outermost first
+        self.ending = False
         self.event = Op(OpKind.FORWARD, ROOT)
         self.order: list[Op] = [self.event]
         self.acc: dict[Op, dict] = {self.event: _new_acc()}
@@ -371,14 +373,33 @@ class _Events:
         self.acc[op] = _new_acc()
         self.event = op
 
+    def _parent(self, unit: str) -> str:
+        """The deepest unit that contains ``unit`` (an expert unit sits inside its block's)."""
+        for u in self.units:  # deepest first
+            if unit.startswith(u + "."):
+                return u
+        return ROOT
+
     def move_to(self, unit: str) -> None:
         if unit == self.current:
             return
+        if self.backward and unit == ROOT and len(self.stack) > 1 and not self.ending:
+            # Inside a nested unit's backward, autograd runs Functions outside any module (the
+            # token exchange of experts): still that unit's work, not the root's.
+            return
         done, start = (OpKind.BACKWARD_DONE, OpKind.BACKWARD) if self.backward else (OpKind.FORWARD_DONE, OpKind.FORWARD)
-        if self.current != ROOT:
-            self._emit(done, self.current)
-        if unit != ROOT:
-            self._emit(start, unit)
+        # Units nest (a block's unit wraps its experts' unit): leave those not containing ``unit``,
+        # enter those between the innermost one left and ``unit``.
+        while self.stack and not (unit == self.stack[-1] or unit.startswith(self.stack[-1] + ".")):
+            self._emit(done, self.stack.pop())
+        path = []
+        u = unit
+        while u != ROOT and (not self.stack or u != self.stack[-1]):
+            path.append(u)
+            u = self._parent(u)
+        for u in reversed(path):
+            self._emit(start, u)
+            self.stack.append(u)
         self.current = unit
 
     def sink(self, tracker: ModuleTracker) -> dict:
@@ -397,6 +418,7 @@ class _Events:
         self._emit(OpKind.BACKWARD, ROOT)
 
     def end(self) -> None:
+        self.ending = True
         self.move_to(ROOT)
         self._emit(OpKind.END, ROOT)
 
