@@ -249,6 +249,12 @@ class Muon:
     def cost(self, plan: Plan, rank: int = 0) -> OptimizerCost:
         shapes = local_shapes(plan, rank)
         labels = self.labels(plan)
+        split = sorted(n for n in plan.param_names if labels[n] == "muon" and plan.param(n).tp != "replicate")
+        if split:  # fsdpfn.optim.muon runs them (over shard x tp groups); this cost model does not have those groups yet
+            raise NotImplementedError(
+                f"fsdpfn.sim.Muon cannot cost Muon on tensor-parallel leaves yet ({split[:3]}{' ...' if len(split) > 3 else ''}); "
+                "the optimizer runs them, benchmarks/muon.py --mesh DxT and --project count its bytes and FLOPs. "
+                "Simulate this plan with fsdpfn.sim.AdamW() or without an optimizer")
         muon_names = sorted(n for n in plan.param_names if labels[n] == "muon")
         # Elementwise work: the real transform on meta local shards, minus its Newton-Schulz there.
         total = _update_work(self._make, _key(plan, shapes), labels)
