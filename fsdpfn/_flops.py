@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["attention_flops", "is_attention", "op_flops"]
+__all__ = ["attention_flops", "is_attention", "op_flops", "tensors_of"]
 
 
 def is_attention(func) -> bool:
@@ -50,12 +50,13 @@ def op_flops(func, args, kwargs, out) -> tuple[float, torch.dtype] | None:
     counted = attention_flops(func, args, kwargs) if is_attention(func) else None
     packet = func._overloadpacket
     if counted is None and packet in flop_registry:
-        ts = (_tensors(args) + _tensors(kwargs)) or _tensors(out)
+        ts = (tensors_of(args) + tensors_of(kwargs)) or tensors_of(out)
         counted = float(flop_registry[packet](*args, **kwargs, out_val=out)), ts[0].dtype
     return counted
 
 
-def _tensors(tree) -> list[torch.Tensor]:
+def tensors_of(tree) -> list[torch.Tensor]:
+    """The tensors in a tree of lists, tuples and dicts (in dispatch-argument order for the FLOP counters)."""
     out, stack = [], [tree]
     while stack:
         x = stack.pop()

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn import Plan
-from fsdpfn._flops import is_attention, op_flops
+from fsdpfn._flops import is_attention, op_flops, tensors_of
 from fsdpfn._remat import SaveMode
 from fsdpfn.runtime import Op, OpKind
 
@@ -265,18 +265,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    out = []
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return out
+_tensors = tensors_of
 
 
 class _Counter(TorchDispatchMode):
