@@ -26,7 +26,13 @@ from fsdpfn.optim._streamed import streamed as streamed
 from fsdpfn.optim._blocks import head_blocks as head_blocks
 from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
 from fsdpfn.optim._clip import global_norm as global_norm
+from fsdpfn.optim._distributed_ns import LAYOUTS as LAYOUTS
+from fsdpfn.optim._distributed_ns import blockwise_spec as blockwise_spec
+from fsdpfn.optim._distributed_ns import gather_pads as gather_pads
 from fsdpfn.optim._distributed_ns import orthogonalize as orthogonalize
+from fsdpfn.optim._layout import Box as Box
+from fsdpfn.optim._layout import leaf_holdings as leaf_holdings
+from fsdpfn.optim._layout import split_mesh_dims as split_mesh_dims
 from fsdpfn.optim._finite import ApplyIfFiniteState as ApplyIfFiniteState
 from fsdpfn.optim._finite import apply_if_finite as apply_if_finite
 from fsdpfn.optim._muon import MuonLRState as MuonLRState
@@ -38,6 +44,7 @@ from fsdpfn.optim._muon import scale_by_muon_lr as scale_by_muon_lr
 from fsdpfn.optim._newton_schulz import newton_schulz as newton_schulz
 from fsdpfn.optim._newton_schulz import newton_schulz_flops as newton_schulz_flops
 from fsdpfn.optim._owner import BucketRecord as BucketRecord
+from fsdpfn.optim._owner import bucket_splits as bucket_splits
 from fsdpfn.optim._owner import OwnerSchedule as OwnerSchedule
 from fsdpfn.optim._owner import PipelineRecord as PipelineRecord
 from fsdpfn.optim._owner import owner_schedule as owner_schedule
@@ -51,8 +58,10 @@ from fsdpfn.optim._sgd_adamw import sgd as sgd
 from fsdpfn.optim._torch_optim import TorchOptimizer as TorchOptimizer
 
 __all__ = [
+    "LAYOUTS",
     "streamed",
     "AdamWState",
+    "Box",
     "ApplyIfFiniteState",
     "BucketRecord",
     "EmptyState",
@@ -67,12 +76,16 @@ __all__ = [
     "adamw",
     "apply_if_finite",
     "apply_updates",
+    "blockwise_spec",
+    "bucket_splits",
     "chain",
     "clip_by_global_norm",
     "constant_schedule",
+    "gather_pads",
     "global_norm",
     "head_blocks",
     "identity",
+    "leaf_holdings",
     "muon",
     "muon_labels",
     "newton_schulz",
@@ -84,5 +97,6 @@ __all__ = [
     "scale_by_muon",
     "scale_by_muon_lr",
     "sgd",
+    "split_mesh_dims",
     "warmup_cosine_schedule",
 ]

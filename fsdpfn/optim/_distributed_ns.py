@@ -48,7 +48,7 @@ assembled from copied bits and orthogonalised by the same calls).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -57,12 +57,12 @@ from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, block_shape
 from fsdpfn.optim._checks import check_choice, check_int
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops
-from fsdpfn.optim._layout import holdings, split_dims, work_group
+from fsdpfn.optim._layout import Box, holdings, split_dims, whole_holdings, work_group
 from fsdpfn.optim._owner import assign_owners, local_blocks_ns, owner_schedule, run_owner
 from fsdpfn.optim._tree import like
 from fsdpfn import comm as C
 
-__all__ = ["LAYOUTS", "assign_owners", "check_buckets", "orthogonalize", "owner_plan"]
+__all__ = ["LAYOUTS", "assign_owners", "blockwise_spec", "check_buckets", "gather_pads", "orthogonalize", "owner_plan"]
 
 LAYOUTS = ("owner", "duplicated", "blockwise", "gather")
 
@@ -108,13 +108,26 @@ def _blockwise_spec(x: torch.Tensor, name: str, spec: BlockSpec) -> BlockSpec:
             f"mesh dim is tensor parallel, and the mesh's dim names do not say ({e}); name that dim 'tp'"
         ) from None
     d = axes.dim(Role.TP)
-    if d is None or mesh.size(d) == 1 or not isinstance(x.placements[d], Shard):
+    if d is None:
         return spec
-    tdim = x.placements[d].dim % x.dim()
-    if x.dim() > 2 and tdim == 0:
+    return blockwise_spec(tuple(x.shape), x.placements[d], mesh.size(d), spec, name)
+
+
+def blockwise_spec(shape: tuple[int, ...], tp_placement: Any, tp: int, spec: BlockSpec = WHOLE, name: str = "") -> BlockSpec:
+    """The blocks ``layout="blockwise"`` orthogonalises a leaf of global ``shape`` in: ``spec``
+    refined so that no block crosses one of the ``tp`` pieces the leaf's placement on the
+    tensor-parallel mesh dim (``tp_placement``) cuts it into.
+
+    Example:
+      >>> blockwise_spec((12, 4), Shard(0), 2), blockwise_spec((12, 4), Shard(1), 2, (4, 1))
+      ((2, 1), (4, 2))
+    """
+    if len(shape) < 2 or tp == 1 or not isinstance(tp_placement, Shard):
+        return spec
+    tdim = tp_placement.dim % len(shape)
+    if len(shape) > 2 and tdim == 0:
         return spec  # whole matrices per piece already
-    axis = 0 if tdim == x.dim() - 2 else 1
-    tp = mesh.size(d)
+    axis = 0 if tdim == len(shape) - 2 else 1
     m = list(spec)
     if max(m[axis], tp) % min(m[axis], tp):
         raise ValueError(
@@ -123,8 +136,19 @@ def _blockwise_spec(x: torch.Tensor, name: str, spec: BlockSpec) -> BlockSpec:
             f"that divides or is a multiple of {tp} along that dim"
         )
     m[axis] = max(m[axis], tp)
-    block_shape(name, tuple(x.shape), (m[0], m[1]))
+    block_shape(name, tuple(shape), (m[0], m[1]))
     return (m[0], m[1])
+
+
+def gather_pads(held: Sequence[Sequence[Box]]) -> list[int]:
+    """Elements each leaf takes in the ``"duplicated"`` layout's all-gather buffer, per rank:
+    the largest piece any rank holds (smaller pieces are padded to it).
+
+    Example:
+      >>> gather_pads([whole_holdings((5, 4), 2)])
+      [12]
+    """
+    return [max(h.numel for h in hs) for hs in held]
 
 
 def orthogonalize(
@@ -253,7 +277,7 @@ def owner_plan(
 
 
 def _gather(xs: list[DTensor], held, specs: list[BlockSpec], wg, ns: _NS, send: torch.dtype) -> list[torch.Tensor]:
-    pads = [max(h.numel for h in hs) for hs in held]
+    pads = gather_pads(held)
     total = sum(pads)
     device = xs[0]._local_tensor.device  # every buffer on the device of the tensors it serves
     buf = torch.zeros(total, dtype=send, device=device)

@@ -32,7 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fsdpfn import comm as C
 from fsdpfn._rows import chunk_bounds
 
-__all__ = ["Box", "WorkGroup", "box_of", "holdings", "split_dims", "whole_holdings", "work_group"]
+__all__ = ["Box", "WorkGroup", "box_of", "holdings", "leaf_holdings", "split_dims", "split_mesh_dims", "whole_holdings", "work_group"]
 
 Span = tuple[int, int]
 
@@ -95,28 +95,40 @@ def split_dims(x: torch.Tensor, name: str) -> tuple[int, ...]:
     a ``NotImplementedError`` naming the leaf for a placement Muon cannot read as boxes."""
     if not isinstance(x, DTensor):
         return ()
-    _order(x, name)  # validates
+    sizes = tuple(x.device_mesh.size(d) for d in range(x.device_mesh.ndim))
+    _order_of(tuple(x.shape), tuple(x.placements), sizes, name)  # validates
+    return split_mesh_dims(tuple(x.placements), sizes)
+
+
+def split_mesh_dims(placements: Sequence[Any], sizes: Sequence[int]) -> tuple[int, ...]:
+    """The mesh dims of size > 1 along which a leaf placed as ``placements`` on a mesh of
+    ``sizes`` is split: the dims its Muon work group spans (see [Note: holdings]).
+
+    Example:
+      >>> split_mesh_dims((Replicate(), Shard(0), Shard(1)), (2, 2, 2))
+      (1, 2)
+    """
     # _StridedShard is no Shard subclass in recent torch: a leaf cut only by it is still split.
-    return tuple(d for d, p in enumerate(x.placements) if isinstance(p, (Shard, _StridedShard)) and x.device_mesh.size(d) > 1)
+    return tuple(d for d, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and sizes[d] > 1)
 
 
-def _order(x: DTensor, name: str) -> dict[int, list[int]]:
+def _order_of(shape: tuple[int, ...], placements: Sequence[Any], sizes: Sequence[int], name: str) -> dict[int, list[int]]:
     """``{tensor dim: mesh dims cutting it, in the order they cut}`` (see [Note: holdings])."""
-    n, mesh = x.dim(), x.device_mesh
+    n = len(shape)
     plain: dict[int, list[int]] = {}
     strided: dict[int, list[tuple[int, int]]] = {}
-    for d, p in enumerate(x.placements):
+    for d, p in enumerate(placements):
         if isinstance(p, Replicate):
             continue
         if not isinstance(p, (Shard, _StridedShard)):
             raise NotImplementedError(
-                f"Muon leaf {name!r} has placements {x.placements}: distributed Newton–Schulz reads Shard, _StridedShard and "
+                f"Muon leaf {name!r} has placements {tuple(placements)}: distributed Newton–Schulz reads Shard, _StridedShard and "
                 f"Replicate placements; mesh dim {d} has {p}. Reduce the partial values first, or label the leaf for AdamW."
             )
         dim = p.dim % n
         if n > 2 and dim not in (0, n - 2, n - 1):
             raise NotImplementedError(
-                f"Muon leaf {name!r} of shape {tuple(x.shape)} is split along dim {dim} on mesh dim {d} ({x.placements}); a batch "
+                f"Muon leaf {name!r} of shape {tuple(shape)} is split along dim {dim} on mesh dim {d} ({tuple(placements)}); a batch "
                 "of matrices may be split along its first dim or its matrices' rows or columns only"
             )
         if isinstance(p, _StridedShard):
@@ -126,10 +138,10 @@ def _order(x: DTensor, name: str) -> dict[int, list[int]]:
     order = {dim: list(ds) for dim, ds in plain.items()}
     for dim, items in strided.items():
         for d, factor in items:
-            after = math.prod(mesh.size(e) for e in plain.get(dim, []) if e > d)
+            after = math.prod(sizes[e] for e in plain.get(dim, []) if e > d)
             if factor != after:
                 raise NotImplementedError(
-                    f"Muon leaf {name!r} has placements {x.placements}: a _StridedShard({dim}, split_factor={factor}) on mesh dim "
+                    f"Muon leaf {name!r} has placements {tuple(placements)}: a _StridedShard({dim}, split_factor={factor}) on mesh dim "
                     f"{d} must cut the pieces of the Shard({dim}) dims after it (split_factor {after}), as fsdpfn.shard and "
                     "FSDP2 lay out 2-D meshes"
                 )
@@ -140,16 +152,29 @@ def _order(x: DTensor, name: str) -> dict[int, list[int]]:
 def holdings(x: DTensor, name: str, coords: Sequence[dict[int, int]]) -> tuple[Box, ...]:
     """The box of ``x`` each rank holds, for ranks at mesh coordinates ``coords`` (one
     ``{mesh dim: index}`` per rank; dims left out must be ones ``x`` is not split along)."""
-    order = _order(x, name)
-    shape = tuple(x.shape)
-    mesh = x.device_mesh
+    sizes = tuple(x.device_mesh.size(d) for d in range(x.device_mesh.ndim))
+    return leaf_holdings(tuple(x.shape), tuple(x.placements), sizes, coords, name)
+
+
+def leaf_holdings(shape: Sequence[int], placements: Sequence[Any], sizes: Sequence[int], coords: Sequence[dict[int, int]],
+                  name: str = "") -> tuple[Box, ...]:
+    """The box each rank holds of a leaf of global ``shape`` placed as ``placements`` on a mesh
+    of ``sizes``, for ranks at mesh coordinates ``coords`` (one ``{mesh dim: index}`` per rank):
+    what Muon reads off a DTensor, from its description alone (see [Note: holdings]).
+
+    Example:
+      >>> [b.rows for b in leaf_holdings((10, 6), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2), [{0: 0, 1: 1}, {0: 1, 1: 1}])]
+      [(5, 8), (8, 10)]
+    """
+    shape = tuple(shape)
+    order = _order_of(shape, placements, sizes, name)
     out = []
     for c in coords:
         spans = {}
         for dim, dims in order.items():
             lo, hi = 0, shape[dim]
             for d in dims:
-                a, b = chunk_bounds(hi - lo, mesh.size(d), c.get(d, 0))  # a dim of size 1 is not in the work group
+                a, b = chunk_bounds(hi - lo, sizes[d], c.get(d, 0))  # a dim of size 1 is not in the work group
                 lo, hi = lo + a, lo + b
             spans[dim] = (lo, hi)
         out.append(box_of(shape, spans))

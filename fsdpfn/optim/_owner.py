@@ -64,6 +64,7 @@ __all__ = [
     "OwnerSchedule",
     "PipelineRecord",
     "assign_owners",
+    "bucket_splits",
     "owner_schedule",
     "record_pipeline",
     "run_owner",
@@ -432,6 +433,23 @@ class _Bucket:
                 out = self._view(leaf, results[leaf], box)
                 out.copy_(got[off : off + box.numel].view(out.shape))
                 off += box.numel
+
+
+def bucket_splits(sched: OwnerSchedule, rank: int) -> tuple[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]], ...]:
+    """Per bucket of ``sched``, the ``(input splits, output splits)`` (elements per peer) of
+    rank ``rank``'s "out" and "back" all-to-alls: what :func:`run_owner` sends, read from the
+    same packing, so that a cost model counts the bytes the optimizer moves.
+
+    Example:
+      >>> s = owner_schedule([(8, 4), (4, 4)], 2, lambda shape: shape[-2] * shape[-1], buckets=1)
+      >>> bucket_splits(s, 0)   # rank 0 owns the 8 x 4 matrix: gets 16 of its elements from rank 1, sends rank 1 its 8 of the 4 x 4
+      (((([16, 8], [16, 16]), ([16, 16], [16, 8])),)
+    """
+    out = []
+    for k in range(len(sched.buckets)):
+        b = _Bucket(sched, k, rank, torch.float32, torch.device("meta"))
+        out.append((b.splits("out"), b.splits("back")))
+    return tuple(out)
 
 
 def _kept_ns(sched: OwnerSchedule, rank: int, locals_, results, ns, dtype, device) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Callable, NamedTuple
 
@@ -48,7 +49,9 @@ class CommCost(NamedTuple):
 
     Attributes:
       kind: collective kind.
-      group: ``"shard"`` (the plan's shard axis) -- the only group optimizers use here.
+      group: the mesh axes it runs over: their roles joined by ``"+"`` (``"shard"``,
+        ``"shard+tp"``: Muon's work group over both), or ``"dense"`` (the ``ep`` x ``shard``
+        axes flattened, where dense units live beside experts).
       nbytes: full-buffer bytes on the costed rank, as ``fsdpfn.comm.CollectiveCall`` records.
       wire_bytes: what the counter records as sent (``(W-1)/W * nbytes``).
       sent: bytes the busiest rank really sends or receives (what sets the time).
@@ -76,33 +79,57 @@ class OptimizerCost(NamedTuple):
     """One optimizer step on one rank: ``phases`` run in order, each a :class:`Work` (compute),
     a :class:`CommCost` (a collective: blocking, or launched asynchronously) or a :class:`Wait`
     for an asynchronous one; ``state_bytes`` of optimizer state;
-    ``ns_flops`` per rank (Newton–Schulz, the busiest rank's in ``phases``)."""
+    ``ns_flops``: Newton–Schulz FLOPs of every rank of the mesh, by global rank (``phases`` time
+    the busiest rank's)."""
 
     phases: tuple
     state_bytes: int
     ns_flops: tuple[float, ...] = ()
 
 
-def _shard_rank(plan: Plan, rank: int) -> int:
-    """``rank``'s index on the shard axis (ranks laid out row-major over the mesh's dims)."""
-    d = plan.axes.dim(Role.SHARD)
-    after = math.prod(plan.mesh_shape[d + 1:])
-    return (rank // after) % plan.mesh_shape[d]
+def _coords(plan: Plan, rank: int) -> tuple[int, ...]:
+    """``rank``'s coordinates on the plan's mesh (ranks laid out row-major over its dims)."""
+    out, rest = [], rank
+    for size in reversed(plan.mesh_shape):
+        rest, c = divmod(rest, size)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def _dense(plan: Plan, unit) -> bool:
+    """A dense unit beside an ``ep`` axis: its parameters live on the ``ep`` x ``shard`` axes
+    flattened in mesh order (``fsdpfn.transforms.unit_mesh``)."""
+    return plan.axes.dim(Role.EP) is not None and not unit.experts
+
+
+def _mesh_of(plan: Plan, unit, rank: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """``(key, sizes, rank's coordinates)`` of the mesh ``unit``'s parameters are placed on."""
+    coords = _coords(plan, rank)
+    if not _dense(plan, unit):
+        return "mesh", tuple(plan.mesh_shape), coords
+    dims = sorted((plan.axes.dim(Role.EP), plan.axes.dim(Role.SHARD)))
+    index = 0
+    for d in dims:
+        index = index * plan.mesh_shape[d] + coords[d]
+    return "dense", (math.prod(plan.mesh_shape[d] for d in dims),), (index,)
 
 
 def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
     """Shapes of ``rank``'s local shards of every parameter (``torch.chunk`` rows over the shard
-    axis of the tensor-parallel-local part; whole tensors for ``replicate`` units and 0-d
-    parameters), in plan order.
+    axis of the tensor- or expert-parallel-local part, over the ``ep`` x ``shard`` axes for dense
+    units beside experts; whole tensors for ``replicate`` units and 0-d parameters), in plan
+    order.
 
     Example:
       >>> fsdpfn.sim.local_shapes(fsdpfn.plan(model, (3,)), rank=2)["head.weight"]
       (20, 32)
     """
-    w = plan.shard_size
-    s = _shard_rank(plan, rank)
     out = {}
     for unit in plan.units:
+        _, sizes, coords = _mesh_of(plan, unit, rank)
+        dense = _dense(plan, unit)
+        w = sizes[0] if dense else plan.shard_size
+        s = coords[0] if dense else coords[plan.axes.dim(Role.SHARD)] if plan.axes.dim(Role.SHARD) is not None else 0
         for p in unit.params:
             if unit.sharded and p.shape:
                 start, stop = chunk_bounds(p.rows, w, s)
@@ -197,10 +224,11 @@ def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tupl
 @dataclasses.dataclass(frozen=True)
 class Muon:
     """``fsdpfn.optim.muon``: hidden matrices by Muon (momentum, distributed Newton–Schulz in
-    ``layout``), the rest by AdamW (see [Note: costing the real optimizer]).
+    ``layout``), the rest by AdamW (see [Note: costing the real optimizer]), on any plan: data
+    parallel, HSDP, tensor parallel (the work group spans the shard and tp axes), experts.
 
     Attributes:
-      layout: ``"owner"`` or ``"gather"``.
+      layout: ``"owner"``, ``"duplicated"`` (alias ``"gather"``) or ``"blockwise"``.
       ns_method: ``"standard"`` or ``"gram"``.
       ns_steps: Newton–Schulz iterations.
       ns_dtype: Newton–Schulz compute (and send) dtype; ``None``: the parameters'.
@@ -222,8 +250,8 @@ class Muon:
     buckets: int | None = None
 
     def __post_init__(self):
-        if self.layout not in ("owner", "gather"):
-            raise ValueError(f"Muon.layout must be 'owner' or 'gather', got {self.layout!r}")
+        if self.layout not in optim.LAYOUTS:
+            raise ValueError(f"Muon.layout must be one of {optim.LAYOUTS} ('gather' is 'duplicated'), got {self.layout!r}")
         if self.ns_method not in ("standard", "gram"):
             raise ValueError(f"Muon.ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
         if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1):
@@ -249,105 +277,182 @@ class Muon:
     def cost(self, plan: Plan, rank: int = 0) -> OptimizerCost:
         shapes = local_shapes(plan, rank)
         labels = self.labels(plan)
-        split = sorted(n for n in plan.param_names if labels[n] == "muon" and plan.param(n).tp != "replicate")
-        if split:  # fsdpfn.optim.muon runs them (over shard x tp groups); this cost model does not have those groups yet
-            raise NotImplementedError(
-                f"fsdpfn.sim.Muon cannot cost Muon on tensor-parallel leaves yet ({split[:3]}{' ...' if len(split) > 3 else ''}); "
-                "the optimizer runs them, benchmarks/muon.py --mesh DxT and --project count its bytes and FLOPs. "
-                "Simulate this plan with fsdpfn.sim.AdamW() or without an optimizer")
-        muon_names = sorted(n for n in plan.param_names if labels[n] == "muon")
+        muon_names = sorted(n for n in plan.param_names if labels[n] == "muon")  # the optimizer's tree order
         # Elementwise work: the real transform on meta local shards, minus its Newton-Schulz there.
         total = _update_work(self._make, _key(plan, shapes), labels)
         for n in muon_names:
             if math.prod(shapes[n]):
                 total = _minus(total, self._ns_work(shapes[n], plan.param(n).dtype))
         state = _state_bytes(plan, shapes, lambda n: 1 if labels[n] == "muon" else 2)
-        w = plan.shard_size
-        distributed = [n for n in muon_names if plan.unit_of(n).sharded and w > 1]
-        local = [n for n in muon_names if n not in distributed]
+        world = plan.world_size
+        flops = [0] * world
         ns_local = EMPTY
-        for n in local:  # whole matrices here (replicate units, one shard rank): every rank runs them
-            if math.prod(shapes[n]):
-                ns_local = ns_local + self._ns_work(shapes[n], plan.param(n).dtype)
-        if not distributed:
-            return OptimizerCost((total + ns_local,), state, (ns_local.flops,) * w)
-        dtype = self.ns_dtype or plan.param(distributed[0]).dtype
-        run = self._owner if self.layout == "owner" else self._gather
-        phases, ns_flops = run(plan, [tuple(plan.param(n).shape) for n in distributed], rank % w, w, dtype)
-        return OptimizerCost((total + ns_local, *phases), state, tuple(f + ns_local.flops for f in ns_flops))
+        phases: list = []
+        for group in self._groups(plan, muon_names, rank):
+            if group.dims is None:  # split along no mesh dim: every rank orthogonalises it where it lies
+                n = group.names[0]
+                shape, spec = group.shapes[0], group.specs[0]
+                ns_local = ns_local + self._blocks_work(shape, spec, group.dtype)
+                for r in range(world):
+                    flops[r] += self._blocks_flops(shape, spec)
+                continue
+            run = self._owner if self.layout in ("owner", "blockwise") else self._gather
+            group_phases, per_member = run(group)
+            phases += group_phases
+            for r in range(world):
+                flops[r] += per_member[group.member(plan, r)]
+        return OptimizerCost((total + ns_local, *phases), state, tuple(flops))
 
-    def _gather(self, plan, full, me, w, dtype):
-        item = dtype.itemsize
-        per_rank = sum(-(-s[0] // w) * math.prod(s[1:]) for s in full)
-        nbytes = w * per_rank * item
-        comm = CommCost("all_gather", "shard", nbytes, (w - 1) / w * nbytes, (w - 1) / w * nbytes, dtype)
+    def _groups(self, plan: Plan, names: list[str], rank: int) -> list["_Group"]:
+        """The optimizer's work groups, in the order ``fsdpfn.optim.orthogonalize`` runs them:
+        leaves split along no mesh dim first (one pseudo-group each), then one group per mesh and
+        send dtype, over the mesh dims any of its leaves is split along."""
+        from fsdpfn.transforms import placements  # plans only: no process group is touched
+
+        axes = plan.axes
+        local: list[_Group] = []
+        grouped: dict[tuple, list] = {}
+        for n in names:
+            unit = plan.unit_of(n)
+            key, sizes, coords = _mesh_of(plan, unit, rank)
+            place = tuple(placements(plan, n))
+            shape = tuple(plan.param(n).shape)
+            spec = _WHOLE
+            if self.layout == "blockwise" and key == "mesh" and axes.dim(Role.TP) is not None:
+                d = axes.dim(Role.TP)
+                spec = optim.blockwise_spec(shape, place[d], sizes[d], spec, n)
+            dtype = self.ns_dtype or plan.param(n).dtype
+            dims = optim.split_mesh_dims(place, sizes)
+            if not dims:
+                local.append(_Group((n,), (shape,), (spec,), (), dtype, None, (), 0, sizes, key, ()))
+                continue
+            grouped.setdefault((key, dtype), []).append((n, shape, spec, place, dims, sizes, coords))
+        out = list(local)
+        for (key, dtype), items in grouped.items():
+            sizes, coords = items[0][5], items[0][6]
+            dims = tuple(sorted({d for it in items for d in it[4]}))
+            members = tuple(dict(zip(dims, idx)) for idx in itertools.product(*(range(sizes[d]) for d in dims)))
+            me = members.index({d: coords[d] for d in dims})
+            held = tuple(optim.leaf_holdings(it[1], it[3], sizes, members, it[0]) for it in items)
+            roles = "+".join(axes.roles[d].value for d in dims) if key == "mesh" else "dense"
+            out.append(_Group(tuple(it[0] for it in items), tuple(it[1] for it in items), tuple(it[2] for it in items), held,
+                              dtype, dims, members, me, sizes, key, roles))
+        return out
+
+    def _blocks_flops(self, shape: tuple[int, ...], spec: tuple[int, int]) -> float:
+        return self.flops(_blocks_shape(shape, spec))
+
+    def _blocks_work(self, shape: tuple[int, ...], spec: tuple[int, int], dtype: torch.dtype) -> Work:
+        return self._ns_work(_blocks_shape(shape, spec), dtype)
+
+    def _gather(self, g: "_Group"):
+        """The duplicated layout: one all-gather of every piece (padded to the largest), then
+        every rank orthogonalises every matrix (``fsdpfn/optim/_distributed_ns.py``)."""
+        w, item = len(g.members), g.dtype.itemsize
+        pads = optim.gather_pads(g.held)
+        per_rank = sum(pads)
         ns = EMPTY
-        for s in full:
-            ns = ns + self._ns_work(s, dtype)
-        local = sum(math.prod(s) for s in full) / w * item
-        copies = Work(bytes=2 * per_rank * item + 2 * sum(math.prod(s) for s in full) * item + 2 * local, ops=3 * len(full))
-        return (comm, ns + copies), (ns.flops,) * w
+        for shape, spec in zip(g.shapes, g.specs):
+            ns = ns + self._blocks_work(shape, spec, g.dtype)
+        full = sum(math.prod(s) for s in g.shapes)
+        mine = sum(h[g.rank].numel for h in g.held)
+        copies = Work(bytes=2 * per_rank * item + 2 * full * item + 2 * mine * item, ops=3 * len(g.shapes))
+        flops = sum(self._blocks_flops(s, spec) for s, spec in zip(g.shapes, g.specs))
+        if not per_rank:
+            return [ns + copies], (flops,) * w
+        nbytes = w * per_rank * item
+        comm = CommCost("all_gather", g.roles, nbytes, (w - 1) / w * nbytes, (w - 1) / w * nbytes, g.dtype)
+        return [comm, ns + copies], (flops,) * w
 
-    def _owner(self, plan, full, me, w, dtype):
-        """Phases of the pipelined owner layout (see [Note: the owner assignment])."""
-        item = dtype.itemsize
-        sched = optim.owner_schedule(full, w, self.flops, buckets=self.buckets, itemsize=item)
-        bounds = [[chunk_bounds(s[0], w, q) for q in range(w)] for s in full]
+    def _owner(self, g: "_Group"):
+        """Phases of the pipelined owner layout (see [Note: the owner assignment]), from the
+        schedule and the all-to-all splits the optimizer runs."""
+        w, item, me = len(g.members), g.dtype.itemsize, g.rank
+        sched = optim.owner_schedule(g.shapes, w, self.flops, specs=list(g.specs), buckets=self.buckets, itemsize=item, held=g.held)
+        splits = [optim.bucket_splits(sched, q) for q in range(w)]  # [rank][bucket] -> (out, back), each (input, output)
 
-        def held(b, q: int) -> int:  # elements of block b on rank q
-            start, stop = bounds[b.leaf][q]
-            return max(0, min(stop, b.rows[1]) - max(start, b.rows[0])) * (b.cols[1] - b.cols[0])
-
-        local_ns: dict[int, Work] = {}
-        for q in range(w):  # batched (3-D) leaves: orthogonalised where they lie
+        def stacked(js) -> Work:  # same shapes batched into one call, as the optimizer stacks them
+            by_shape: dict[tuple[int, int], int] = {}
+            for j in js:
+                by_shape[sched.blocks[j].shape] = by_shape.get(sched.blocks[j].shape, 0) + 1
             ns = EMPTY
-            for i in sched.local:
-                start, stop = bounds[i][q]
-                if stop > start:
-                    ns = ns + self._ns_work((stop - start, *full[i][1:]), dtype)
-            local_ns[q] = ns
+            for s, n in by_shape.items():
+                ns = ns + self._ns_work((n, *s), g.dtype)
+            return ns
+
+        kept = [stacked(j for j in sched.kept if sched.owners[j] == q) for q in range(w)]
         buckets = []
         for k, idx in enumerate(sched.buckets):
-            ins = [sum(held(sched.blocks[j], q) for j in idx) for q in range(w)]  # rows each rank sends out
-            outs = [sum(sched.blocks[j].shape[0] * sched.blocks[j].shape[1] for j in idx if sched.owners[j] == q) for q in range(w)]
-            own = [sum(held(sched.blocks[j], q) for j in idx if sched.owners[j] == q) for q in range(w)]
-            nbytes = max(ins[me], outs[me]) * item  # as fsdpfn.comm records an all-to-all
-            sent = max(max(ins[q], outs[q]) - own[q] for q in range(w)) * item
-            work = []
+            def bytes_of(q: int, way: int) -> tuple[int, int]:  # (recorded, to or from other ranks)
+                ins, outs = splits[q][k][way]
+                return max(sum(ins), sum(outs)), max(sum(ins) - ins[q], sum(outs) - outs[q])
+
+            cost = {way: (bytes_of(me, i)[0] * item, max(bytes_of(q, i)[1] for q in range(w)) * item) for i, way in enumerate(("out", "back"))}
+            work, pack = [], []
             for q in range(w):
-                ns = EMPTY
-                by_shape: dict[tuple[int, int], int] = {}
-                for j in idx:
-                    if sched.owners[j] == q:
-                        by_shape[sched.blocks[j].shape] = by_shape.get(sched.blocks[j].shape, 0) + 1
-                for s, n in by_shape.items():
-                    ns = ns + self._ns_work(s if n == 1 else (n, *s), dtype)
+                owned = [j for j in idx if sched.owners[j] == q]
+                received = sum(splits[q][k][0][1])
                 # assembling the owned blocks from the received rows, and packing them back
-                work.append(ns + Work(bytes=4 * outs[q] * item, ops=2 * sum(1 for j in idx if sched.owners[j] == q)))
-            pack = [Work(bytes=2 * ins[q] * item, ops=sum(1 for j in idx if held(sched.blocks[j], q))) for q in range(w)]
-            buckets.append((nbytes, sent, work, pack))
+                work.append(stacked(owned) + Work(bytes=4 * received * item, ops=2 * len(owned)))
+                pack.append(Work(bytes=2 * sum(splits[q][k][0][0]) * item, ops=sum(1 for x in splits[q][k][0][0] if x)))
+            buckets.append((cost, work, pack))
 
         def busiest(works: list[Work]) -> Work:
             return max(works, key=lambda x: (x.flops, x.bytes))
 
         def a2a(k: int, way: str) -> CommCost:
-            nbytes, sent = buckets[k][0], buckets[k][1]
-            return CommCost("all_to_all", "shard", nbytes, (w - 1) / w * nbytes, sent, dtype, f"{way} {k}")
+            nbytes, sent = buckets[k][0][way]
+            return CommCost("all_to_all", g.roles, nbytes, (w - 1) / w * nbytes, sent, g.dtype, f"{way} {k}")
 
         phases: list = []
         if buckets:
-            phases += [busiest(buckets[0][3]), a2a(0, "out")]
-        phases.append(busiest(list(local_ns.values())))
+            phases += [busiest(buckets[0][2]), a2a(0, "out")]
+        phases.append(busiest(kept))
         for k in range(len(buckets)):
             phases.append(Wait(f"out {k}"))
             if k + 1 < len(buckets):
-                phases += [busiest(buckets[k + 1][3]), a2a(k + 1, "out")]
-            phases += [busiest(buckets[k][2]), a2a(k, "back")]
+                phases += [busiest(buckets[k + 1][2]), a2a(k + 1, "out")]
+            phases += [busiest(buckets[k][1]), a2a(k, "back")]
             if k:
-                phases += [Wait(f"back {k - 1}"), busiest(buckets[k - 1][3])]  # unpacking: the packing's copy, reversed
+                phases += [Wait(f"back {k - 1}"), busiest(buckets[k - 1][2])]  # unpacking: the packing's copy, reversed
         if buckets:
-            phases += [Wait(f"back {len(buckets) - 1}"), busiest(buckets[-1][3])]
+            phases += [Wait(f"back {len(buckets) - 1}"), busiest(buckets[-1][2])]
         return [p for p in phases if not isinstance(p, Work) or p], tuple(sched.loads)
+
+
+_WHOLE = (1, 1)
+
+
+def _blocks_shape(shape: tuple[int, ...], spec: tuple[int, int]) -> tuple[int, ...]:
+    """The shape Newton–Schulz runs on for a leaf of ``shape`` cut into ``spec`` blocks: the
+    leaf itself when whole, else its blocks stacked (``fsdpfn.optim``'s ``split_blocks``)."""
+    if spec == _WHOLE:
+        return tuple(shape)
+    m, n = spec
+    return (math.prod(shape[:-2]) * m * n, shape[-2] // m, shape[-1] // n)
+
+
+class _Group(NamedTuple):
+    """One work group of ``fsdpfn.optim.orthogonalize`` on one rank (``dims`` ``None``: a leaf
+    split along no mesh dim, orthogonalised where it lies)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    specs: tuple[tuple[int, int], ...]
+    held: tuple
+    dtype: torch.dtype
+    dims: tuple[int, ...] | None
+    members: tuple[dict[int, int], ...]  # the members' coordinates on ``dims``, in group order
+    rank: int  # the costed rank's index among them
+    sizes: tuple[int, ...]
+    mesh: str
+    roles: str  # CommCost.group: the roles of ``dims`` joined by "+", or "dense"
+
+    def member(self, plan: Plan, rank: int) -> int:
+        """``rank``'s index in its own group of this shape (every group of the other mesh dims
+        runs the same schedule)."""
+        coords = _mesh_of(plan, plan.unit_of(self.names[0]), rank)[2]
+        return self.members.index({d: coords[d] for d in self.dims})
 
 
 def _minus(a: Work, b: Work) -> Work:

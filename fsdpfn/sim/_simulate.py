@@ -245,6 +245,7 @@ class _Builder:
         self.copied = {"copy_in": 0, "copy_out": 0}
         self.calls: list[Collective] = []
         self.level_bytes = {"intra": 0.0, "inter": 0.0}
+        self.rank = rank
         self.groups = _mesh_groups(plan, rank)
         self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
         # memory, in op order
@@ -265,11 +266,13 @@ class _Builder:
         self.last_compute = len(self.tasks) - 1
         return self.last_compute
 
-    def collective(self, c: Collective, stream: str, sent: float | None = None, after: int | None = None) -> int:
-        """Times one listed collective on ``stream``, after the compute before it (and ``after``)."""
-        key = c.role.value
-        if key == "shard" and "dense" in self.groups and c.group_size == len(self.groups["dense"]):
-            key = "dense"
+    def collective(self, c: Collective, stream: str, sent: float | None = None, after: int | None = None, key: str | None = None) -> int:
+        """Times one listed collective on ``stream``, after the compute before it (and ``after``),
+        over ``rank``'s group ``key`` (default: the collective's role's)."""
+        if key is None:
+            key = c.role.value
+            if key == "shard" and "dense" in self.groups and c.group_size == len(self.groups["dense"]):
+                key = "dense"
         ranks = self.groups[key]
         level = self.level[key]
         seconds = self.hw.collective_seconds(c.kind, ranks, c.nbytes, sent)
@@ -278,6 +281,17 @@ class _Builder:
         deps = ((self.last_compute,) if self.last_compute is not None else ()) + ((after,) if after is not None else ())
         self.tasks.append(Task(stream, level, seconds, deps, c.kind, c.tag, c.nbytes, self.op, self.micro_batch))
         return len(self.tasks) - 1
+
+    def _optimizer_group(self, group: str) -> str:
+        """The ranks of an optimizer collective's group (one role, several joined by ``"+"``:
+        Muon's work group over the shard and tp axes, or ``"dense"``), made once."""
+        if group not in self.groups:
+            ranks = {self.rank}
+            for role in group.split("+"):
+                ranks = {r - self.rank + q for r in ranks for q in self.groups[role]}
+            self.groups[group] = sorted(ranks)
+            self.level[group] = "inter" if self.hw.spans_nodes(self.groups[group]) else "intra"
+        return group
 
     def copy(self, kind: str, name: str, nbytes: int) -> int:
         """A host-device copy of an offloaded unit on its own stream (a copy engine each way)."""
@@ -448,11 +462,12 @@ class _Builder:
         axes = self.plan.axes
         for phase in cost.phases:
             if isinstance(phase, CommCost):
-                role = Role(phase.group)
-                d = axes.dim(role)
-                listed = Collective(phase.kind, ROOT, phase.tag, role, None if d is None else axes.names[d], axes.size(role),
+                key = self._optimizer_group(phase.group)
+                role = Role.SHARD if key == "dense" else Role(key.split("+")[0])
+                names = [axes.names[axes.dim(Role(r))] for r in key.split("+") if axes.dim(Role(r)) is not None] if key != "dense" else []
+                listed = Collective(phase.kind, ROOT, phase.tag, role, "+".join(names) or None, len(self.groups[key]),
                                     phase.nbytes, phase.dtype, "optimizer", phase.tag or "optimizer")
-                c = self.collective(listed, "optimizer", sent=phase.sent)
+                c = self.collective(listed, "optimizer", sent=phase.sent, key=key)
                 if phase.tag:
                     launched[phase.tag] = c
                 else:
