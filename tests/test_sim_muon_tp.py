@@ -1,0 +1,181 @@
+"""fsdpfn.sim.Muon on tensor- and expert-parallel plans: its collectives (calls, bytes, bytes on
+the wire) and Newton–Schulz FLOPs equal what a real ``fsdpfn.optim.muon`` step counts, on every
+rank, for the owner, duplicated and blockwise layouts.
+
+The simulator reads each rank's box of every Muon leaf with the optimizer's own functions
+(``fsdpfn.optim.leaf_holdings`` on ``fsdpfn.transforms.placements``), runs the same
+``owner_schedule`` and takes the all-to-all splits from the same packing (``bucket_splits``), so
+these are equalities of integers: collectives counted by ``fsdpfn.count_collectives`` and FLOPs
+by ``FlopCounterMode`` (exact integer counts of the matmuls the step dispatched).
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import fsdpfn
+from fsdpfn import optim, sim, testing
+from fsdpfn.models import MoE, MoEConfig
+
+TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise"}
+LAYOUTS = [("owner", None), ("owner", 2), ("duplicated", None), ("blockwise", None)]
+
+
+class Net(nn.Module):
+    """Uneven on purpose: rows that split unevenly over dp, a weight tp leaves whole, a batch of
+    expert matrices (dp over the batch), an AdamW norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.col = nn.Linear(6, 10, bias=False)  # (10, 6): tp rows 5 each, over dp 3 + 2
+        self.row = nn.Linear(10, 7, bias=False)  # (7, 10): tp columns 5 each, rows over dp 4 + 3
+        self.whole = nn.Linear(7, 5, bias=False)  # (5, 7): replicated over tp, rows 3 + 2
+        self.qkv = nn.Linear(4, 12, bias=False)  # (12, 4)
+        self.experts = nn.Parameter(torch.randn(5, 4, 6))  # 3 + 2 matrices over dp, whole over tp
+        self.norm = nn.LayerNorm(6)
+
+
+def _label(name, p):
+    return "muon" if p.dim() >= 2 else "adamw"
+
+
+def _grads(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+
+
+def _counted(counter):
+    return {k: (counter.counts()[k], counter.nbytes()[k], round(counter.wire_bytes()[k], 6)) for k in counter.counts()}
+
+
+def _predicted(plan, model_cost, rank, workload):
+    r = sim.simulate(plan, None, workload, model_cost, _HW, rank=rank)
+    return {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["optimizer"].items()}
+
+
+_HW = sim.Hardware("test", {"float32": 1e11, "bfloat16": 1e11}, 1e10, 2**34, 2, intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8))
+
+
+def _step(rank, world, model, plan, labels, layouts, dtype=torch.bfloat16):
+    """One real Muon update per layout, counted, beside the simulator's cost of it on this rank."""
+    params = fsdpfn.shard(model, plan)
+    grads = fsdpfn.shard(_grads(model, 3), plan, check=False)
+    wl = sim.Workload(())  # no compute: only the optimizer's collectives are compared
+    out = {}
+    for layout, buckets in layouts:
+        opt = optim.muon(0.02, ns_dtype=dtype, layout=layout, buckets=buckets, labels=labels)
+        state = opt.init(params)
+        with fsdpfn.count_collectives() as counter, FlopCounterMode(display=False) as flops:
+            opt.update(grads, state, params)
+        cost_model = sim.Muon(layout=layout, ns_dtype=dtype, buckets=buckets, labels_fn=labels)
+        predicted = _predicted(plan, cost_model, rank, wl)
+        out[(layout, buckets)] = dict(counted=_counted(counter), predicted=predicted,
+                                      flops=(flops.get_total_flops(), cost_model.cost(plan, rank).ns_flops[rank]))
+    return out
+
+
+def _tp_case(rank, world, mesh_shape, names):
+    torch.manual_seed(0)
+    model = Net()
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names), tp=TP)
+    return _step(rank, world, model, plan, _label, LAYOUTS)
+
+
+MESHES = [
+    pytest.param((2, 2), ("dp", "tp"), id="dp2xtp2"),
+    pytest.param((2, 2, 2), ("replicate", "shard", "tp"), id="rep2xshard2xtp2"),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,names", MESHES)
+def test_sim_muon_equals_a_real_step_on_tp_meshes(run_on_ranks, mesh_shape, names):
+    results = run_on_ranks(_tp_case, math.prod(mesh_shape), mesh_shape, names)
+    for rank, res in enumerate(results):
+        for (layout, buckets), r in res.items():
+            assert r["counted"] == r["predicted"], (rank, layout, buckets, r)
+            counted_flops, predicted_flops = r["flops"]
+            assert counted_flops == predicted_flops, (rank, layout, buckets)
+    # The cases are not vacuous: every layout but blockwise on these meshes communicates.
+    r0 = results[0]
+    assert r0[("owner", None)]["counted"]["all_to_all"][0] == 2 and r0[("owner", 2)]["counted"]["all_to_all"][0] == 4
+    assert r0[("duplicated", None)]["counted"]["all_gather"][0] == 1
+    assert r0[("owner", None)]["flops"][0] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism: expert leaves are whole matrices on the rank holding them
+# ---------------------------------------------------------------------------------------------
+
+CFG = MoEConfig(width=8, hidden=12, experts=4, top_k=2, aux_weight=0.1)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(CFG.width)
+        self.moe = MoE(CFG)
+        self.fc = nn.Linear(CFG.width, CFG.width)
+
+    def forward(self, h):
+        y, aux = self.moe(self.norm(h))
+        return h + y + 0.5 * torch.tanh(self.fc(h)), aux
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(CFG.width, CFG.width)
+        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
+
+    def forward(self, x):
+        h, aux = self.inp(x), 0.0
+        for b in self.blocks:
+            h, a = b(h)
+            aux = aux + a
+        return (h**2).mean() + aux
+
+
+def _moe_label(name, p):
+    return "muon" if p.dim() >= 2 and "router" not in name else "adamw"
+
+
+def _ep_case(rank, world, mesh_shape, names):
+    torch.manual_seed(0)
+    model = MoENet()
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names))
+    experts = {n for n in plan.param_names if plan.param(n).expert}
+
+    def experts_only(name, p):
+        return "muon" if name in experts else "adamw"
+
+    both = _step(rank, world, model, plan, _moe_label, [("owner", None), ("duplicated", None)], torch.float32)
+    alone = _step(rank, world, model, plan, experts_only, [("owner", None)], torch.float32)
+    return both, alone, sorted(experts)
+
+
+@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("ep", "edp")), ((2, 2), ("edp", "ep"))], ids=["ep2xedp2", "edp2xep2"])
+def test_sim_muon_equals_a_real_step_on_an_ep_plan(run_on_ranks, mesh_shape, names):
+    for rank, (both, alone, experts) in enumerate(run_on_ranks(_ep_case, 4, mesh_shape, names)):
+        assert experts, "the plan has expert leaves"
+        for key, r in {**both, **{("experts", k[1]): v for k, v in alone.items()}}.items():
+            assert r["counted"] == r["predicted"], (rank, key, r)
+            assert r["flops"][0] == r["flops"][1], (rank, key)
+        # Expert matrices are orthogonalised where they lie: Muon on them alone issues nothing.
+        assert alone[("owner", None)]["counted"] == {} and alone[("owner", None)]["flops"][0] > 0, alone
+        # The dense leaves (on the ep x edp ranks flattened) do travel.
+        assert both[("owner", None)]["counted"]["all_to_all"][0] == 2
+
+
+def test_sim_muon_costs_expert_leaves_with_no_collective():
+    model = MoENet()
+    plan = fsdpfn.plan(model, {"ep": 2, "edp": 2})
+    experts = {n for n in plan.param_names if plan.param(n).expert}
+    cost = sim.Muon(labels_fn=lambda n, p: "muon" if n in experts else "adamw").cost(plan, 1)
+    assert not [p for p in cost.phases if isinstance(p, sim.CommCost)]
+    # 4 experts over ep = 2, then edp = 2: every expert matrix lies whole on one rank, which
+    # orthogonalises it, so the ranks together run one process's FLOPs.
+    one = sum(optim.newton_schulz_flops(tuple(plan.param(n).shape)) for n in experts)
+    assert sum(cost.ns_flops) == one and len(set(cost.ns_flops)) == 1
