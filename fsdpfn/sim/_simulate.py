@@ -576,7 +576,7 @@ def simulate(
     if plan.tp:
         notes.append("tensor parallel: activation collectives of " + (f"{workload.tokens:,} tokens per micro-batch" if workload.tokens else
                      "0 tokens (the workload has none: profile it with integer token inputs)") + ", blocking after each unit's compute; "
-                     "compute is the workload's as profiled")
+                     "compute is the workload's as profiled (fsdpfn.sim.profile runs each rank's tp-local layers)")
     traffic = {"step": _traffic(c for c in b.calls if c.phase != "optimizer"), "optimizer": _traffic(c for c in b.calls if c.phase == "optimizer")}
     return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, in_flight,
                      plan, sched, hardware, tuple(notes), tuple(b.calls), dict(b.copied))

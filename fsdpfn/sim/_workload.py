@@ -16,6 +16,16 @@ dispatch mode that sees every operator: matmul-like operators (those
 FLOPs and bytes, every other operator with the bytes it reads and writes, and
 ``torch.utils.module_tracker.ModuleTracker`` to say which unit is running. On the meta device
 nothing is computed, so an 8B or 70B model profiles in seconds.
+
+[Note: tensor parallel]
+Under a plan with a ``tp`` axis every rank runs the layers ``tp=`` splits on its own part of
+their weights (the runtime hands each rank its tp-local weights and a model infers head counts
+from its tensors): :func:`profile` does the same, running the model with each split weight's
+tp-local shape, so the matmuls of a colwise or rowwise ``nn.Linear`` count ``1/tp`` of their
+FLOPs, attention runs ``heads/tp`` heads, and the activations between a colwise and a rowwise
+layer are ``1/tp`` wide, as on one rank of the step. A ``colwise_gather`` output is widened back
+by a copy (the all-gather's unpacking). The activation collectives themselves are not compute:
+the simulator times them from :func:`fsdpfn.step_collectives`.
 """
 
 from __future__ import annotations
@@ -537,6 +547,15 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
     return events.order, events.acc, saved, unit_inputs, kept
 
 
+def _tp_local(p: torch.Tensor, spec) -> torch.Tensor:
+    """The first tp rank's part of parameter ``p`` (every tp rank's has the same shape)."""
+    d = spec.tp_dim
+    if d is None or spec.tp_size == 1:
+        return p
+    part = p.detach().narrow(d, 0, spec.local_shape[d]).contiguous()
+    return part.requires_grad_(p.requires_grad)
+
+
 def profile(
     model: torch.nn.Module,
     plan: Plan,
@@ -555,7 +574,7 @@ def profile(
 
     Args:
       model: the model the plan was made for (real or on ``meta``).
-      plan: its plan (only the unit names are read).
+      plan: its plan (its unit names, and the layers it splits over tp: see [Note: tensor parallel]).
       *inputs: one rank's micro-batch.
       loss_fn: ``output -> scalar``; default the mean of the output.
       param_dtype: dtype the parameters are computed in (default ``plan.mp.param_dtype``, else
@@ -583,21 +602,33 @@ def profile(
     if dtype is not None:
         params = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
     cast = dtype is not None
+    hooks = []
+    if plan.tp:  # each rank runs its tp-local part of the split layers (see [Note: tensor parallel])
+        params = {n: _tp_local(p, plan.param(n)) for n, p in params.items()}
+        cast = True
+        modules = dict(model.named_modules())
+        for name, style in plan.tp:
+            if style == "colwise_gather":
+                hooks.append(modules[name].register_forward_hook(lambda m, args, out, _t=plan.tp_size: torch.cat([out] * _t, -1)))
     selective: dict[str, set] = collections.defaultdict(set)  # the plan's selective policies, profiled besides save_dots
     for u in plan.units:
         if u.remat not in ("none", "full"):
             selective[u.name].add(u.remat)
         selective[u.name].update(p for p in remat_policies if p not in ("none", "full"))
-    order, acc, saved, unit_inputs, kept = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
-    measured: dict[Op, float] = {}
-    if timed:
-        for i in range(repeats + 1):
-            t_order, t_acc, *_ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True)
-            if t_order != order:
-                raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
-            if i:  # the first run warms up
-                for op in order:
-                    measured[op] = min(measured.get(op, math.inf), t_acc[op]["seconds"])
+    try:
+        order, acc, saved, unit_inputs, kept = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
+        measured: dict[Op, float] = {}
+        if timed:
+            for i in range(repeats + 1):
+                t_order, t_acc, *_ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True)
+                if t_order != order:
+                    raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
+                if i:  # the first run warms up
+                    for op in order:
+                        measured[op] = min(measured.get(op, math.inf), t_acc[op]["seconds"])
+    finally:
+        for h in hooks:
+            h.remove()
     tokens = next((t.numel() for t in _tensors(list(inputs)) if not t.is_floating_point()), 0)
     work = tuple((op, dataclasses.replace(_to_work(acc[op]), measured=measured.get(op))) for op in order)
     acts = tuple((u, saved.get(u, 0)) for u in units)
