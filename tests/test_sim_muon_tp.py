@@ -179,3 +179,74 @@ def test_sim_muon_costs_expert_leaves_with_no_collective():
     # orthogonalises it, so the ranks together run one process's FLOPs.
     one = sum(optim.newton_schulz_flops(tuple(plan.param(n).shape)) for n in experts)
     assert sum(cost.ns_flops) == one and len(set(cost.ns_flops)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel compute per rank, and the search over tp degrees
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt(heads=4, vocab=64):
+    from fsdpfn.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=vocab, seq_len=16, width=32, depth=2, heads=heads))
+
+
+def test_profile_under_tp_counts_each_ranks_share_of_the_split_layers():
+    """A block's Linear layers (qkv 3C x C, proj C x C, fc 4C x C, out C x 4C) all split over
+    tp: forward 2 N (3 + 1 + 4 + 4) C^2 FLOPs on one process, half of it on each of tp = 2
+    ranks, attention (heads / tp per rank) halved too; backward twice the forward; the root
+    (embedding, head, loss) is not split."""
+    from fsdpfn.models import GPT_TP_PLAN
+    from fsdpfn.runtime import Op
+
+    model = _gpt()
+    x = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    n, c = x.numel(), 32
+    one = sim.profile(model, fsdpfn.plan(model, (4,)), x)
+    two = sim.profile(model, fsdpfn.plan(model, {"dp": 2, "tp": 2}, tp=GPT_TP_PLAN), x)
+    linear = 2 * n * 12 * c * c
+    fwd = Op("forward", "blocks.0")
+    attention = one.at(fwd).flops - linear  # the fused attention kernel's count, whatever its formula
+    assert attention > 0
+    assert two.at(fwd).flops == linear / 2 + attention / 2
+    assert two.at(Op("backward", "blocks.0")).flops == 2 * two.at(fwd).flops == one.at(Op("backward", "blocks.0")).flops / 2
+    for root in (Op("forward", ""), Op("backward", "")):
+        assert two.at(root).flops == one.at(root).flops
+    # Activations between the colwise and rowwise layers are 1/tp wide on each rank.
+    assert two.activation("blocks.0") < one.activation("blocks.0")
+
+
+def test_search_over_tp_degrees_says_which_it_picked():
+    from fsdpfn.models import GPT_TP_PLAN
+
+    model = _gpt()
+    x = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    cache: dict = {}
+    kw = dict(hardware=sim.H100_SXM, prefetch=(1,), units=[None], tp_plan=GPT_TP_PLAN, workloads=cache, optimizer=sim.Muon())
+    forced = sim.search(model, 4, 2**30, x, tp=(2,), **kw)
+    assert forced.tp == 2 and forced.plan.tp_size == 2 and "(tp 2)" in forced.candidate.describe()
+    assert {c.tp for c in forced.candidates} == {2} and {c.mesh_shape for c in forced.candidates} == {(2, 2), (2, 1, 2)}
+    both = sim.search(model, 4, 2**30, x, tp=(1, 2, 4), **kw)
+    assert {c.tp for c in both.candidates} == {1, 2, 4}
+    assert both.tp == both.candidate.tp == both.plan.tp_size
+    # A tp group reads its ranks' batches together: the same global batch as without tp.
+    tp4 = [wl for key, wl in cache.items() if key[-1] == ("tp", 4)]
+    assert tp4 and tp4[0].tokens == 4 * x.numel()
+
+
+def test_search_names_a_tp_that_does_not_fit():
+    from fsdpfn.models import GPT_TP_PLAN
+
+    model = _gpt(heads=4)
+    x = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    kw = dict(hardware=sim.H100_SXM, tp_plan=GPT_TP_PLAN)
+    with pytest.raises(ValueError, match=r"tp=8 does not divide blocks\.0\.heads = 4"):
+        sim.search(model, 8, 2**30, x, tp=(1, 8), **kw)
+    with pytest.raises(ValueError, match="tp=3 does not divide world=4"):
+        sim.search(model, 4, 2**30, x, tp=(3,), **kw)
+    with pytest.raises(ValueError, match="needs tp_plan"):
+        sim.search(model, 4, 2**30, x, tp=(2,), hardware=sim.H100_SXM)
+    with pytest.raises(ValueError, match="does not divide over tp"):  # a width tp does not divide, named by the plan
+        sim.search(_gpt(vocab=66), 4, 2**30, x, tp=(1, 4), hardware=sim.H100_SXM, tp_plan={**GPT_TP_PLAN, "head": "colwise"})

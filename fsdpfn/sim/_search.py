@@ -4,7 +4,13 @@ budget per rank.
 [Note: the search space]
 For a model and a number of ranks the search tries:
 
-- mesh shapes: ``(W,)`` and every HSDP shape ``(R, W/R)`` (``mesh_shapes=`` narrows it);
+- mesh shapes: ``(W,)`` and every HSDP shape ``(R, W/R)`` (``mesh_shapes=`` narrows it); with
+  ``tp=(1, 2, ...)`` and a ``tp_plan``, every tensor-parallel degree ``T`` too: the same
+  data-parallel shapes of ``W/T`` ranks beside a ``tp`` axis of ``T`` (``{"dp": W/T, "tp": T}``,
+  ``{"replicate": R, "shard": W/(R T), "tp": T}``), each profiled with its tp-local layers (their
+  matmuls run ``1/T`` of the FLOPs) and timed with its activation collectives. ``inputs`` is one
+  rank's micro-batch; the ``T`` ranks of a tp group read one batch together, ``T`` ranks'
+  worth (``inputs`` repeated along dim 0), so every candidate trains the same global batch;
 - unit groupings: the default (each child of every ``nn.ModuleList`` a unit), and one level
   finer (each child module of those), or the policies given in ``units=``;
 - per-unit strategies: units with the same parameter shapes form a class (the blocks of a
@@ -32,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -63,6 +69,7 @@ class Candidate:
     fits: bool
     accumulate: str = "reduce"
     remat: tuple[tuple[str, str], ...] = ()  # (unit, policy) of rematerialised units
+    tp: int = 1  # tensor-parallel degree (the last mesh dim when > 1)
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
@@ -72,7 +79,8 @@ class Candidate:
         strat = strategies[0] if len(strategies) == 1 else _fold(self.strategy)
         acc = ", accumulate local" if self.accumulate == "local" else ""
         remat = f", remat {_fold(self.remat)}" if self.remat else ""
-        return f"mesh {'x'.join(map(str, self.mesh_shape))}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
+        tp = f" (tp {self.tp})" if self.tp > 1 else ""
+        return f"mesh {'x'.join(map(str, self.mesh_shape))}{tp}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
 
 
 def _fold(assignment: tuple[tuple[str, str], ...]) -> str:
@@ -128,6 +136,11 @@ class SearchResult:
     budget: float
     accumulate: str = "reduce"
     candidate: Candidate | None = None
+
+    @property
+    def tp(self) -> int:
+        """The pick's tensor-parallel degree (1: none)."""
+        return self.candidate.tp if self.candidate else 1
 
     @property
     def speedup(self) -> float:
@@ -249,6 +262,8 @@ def search(
     workloads: dict | None = None,
     rel_tol: float = 1e-3,
     remat: Sequence[str] = ("none",),
+    tp: Sequence[int] = (1,),
+    tp_plan: Mapping[str, str] | None = None,
 ) -> SearchResult:
     """The plan and schedule with the lowest predicted step time whose predicted peak memory per
     rank fits ``budget`` (see [Note: the search space]).
@@ -264,7 +279,8 @@ def search(
       strategies, prefetch: the choices per unit class and the prefetch depths.
       units: unit policies to try (``None``: the default and :func:`finer_units`); each is
         what ``fsdpfn.plan(units=...)`` takes.
-      mesh_shapes: mesh shapes to try (default: all for ``world``).
+      mesh_shapes: mesh shapes to try (default: all for ``world``); beside a tp degree ``T``,
+        the data-parallel shapes of ``W/T`` ranks among them (all of them when none is).
       splits: points at which the largest unit class may split between two strategies.
       mp: the mixed-precision policy of every plan.
       micro_batches: as :func:`simulate`.
@@ -276,12 +292,18 @@ def search(
       remat: activation-checkpointing policies to try per unit class (the root keeps its
         activations), e.g. ``("none", "save_dots", "full")``; costed from the same profile as
         the runtime runs them (:meth:`Workload.with_remat`).
+      tp: tensor-parallel degrees to try (each must divide ``world``); ``1`` is no tensor
+        parallelism. ``SearchResult.tp`` says which won.
+      tp_plan: the layers tensor parallelism splits, as ``fsdpfn.plan(tp=...)`` takes them
+        (e.g. ``fsdpfn.models.GPT_TP_PLAN``); needed when ``tp`` has a degree above 1.
 
     Returns:
       a :class:`SearchResult`; ``print(result)`` compares the pick with the default plan.
 
     Raises:
-      ValueError: nothing fits the budget (the message names the smallest peak found).
+      ValueError: nothing fits the budget (the message names the smallest peak found); a tp
+        degree that does not divide ``world``, or a module's attention heads (``heads``,
+        ``kv_heads`` attributes) or a split layer's width (named, before anything is profiled).
 
     Example:
       >>> res = fsdpfn.sim.search(model, 2, 2**30, x, hardware=fsdpfn.sim.H100_SXM, prefetch=(1,), units=[None])
@@ -295,11 +317,18 @@ def search(
     for r in remats:
         check_policy(r, "search(remat=...)")
     extra = tuple(r for r in remats if r not in ("none", "full"))
+    tps = _check_tp(model, world, tp, tp_plan, mp)
     if isinstance(world, int):
-        shapes = list(mesh_shapes) if mesh_shapes is not None else _mesh_shapes(world)
         world_size = world
+        shapes = []
+        for t in tps:
+            if t == 1:
+                dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+            else:  # the given shapes of W/T ranks, else all of them
+                dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // t] or _mesh_shapes(world // t)
+            shapes += [(t, s) for s in dp_shapes]
     else:
-        shapes = [tuple(world)]
+        shapes = [(1, tuple(world))]
         world_size = math.prod(world)
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
@@ -307,15 +336,17 @@ def search(
     seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
-    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None):
+    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1):
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
-        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())))
+        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t)
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-            plan = fsdpfn.plan(model, shape, units=u_opt, strategy=strategy, mp=mp, remat=rm or None)
+            plan = fsdpfn.plan(model, _mesh_arg(shape, t), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
+                               tp=tp_plan if t > 1 else None)
             sched = make_schedule(plan, prefetch=p)
             res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
-            cand = Candidate(shape, label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc, key[5])
+            cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc,
+                             key[5], t)
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -330,23 +361,24 @@ def search(
     default = None
     for u_opt in unit_options:
         label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
-        base = fsdpfn.plan(model, (world_size,), units=u_opt, mp=mp)
-        key = tuple(u.name for u in base.units)
-        if key not in cache:
-            cache[key] = profile(model, base, *inputs, loss_fn=loss_fn, remat_policies=extra)
-        wl: Workload = cache[key]
-        classes = _classes(base)
-        start_p = 1 if 1 in prefetch else prefetch[0]
-        for shape in shapes:
+        for t, shape in shapes:
+            # The workload depends on the units and the tp degree (tp-local layers), not the rest.
+            base = fsdpfn.plan(model, _mesh_arg((world_size // t,), t), units=u_opt, mp=mp, tp=tp_plan if t > 1 else None)
+            key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
+            if key not in cache:
+                cache[key] = profile(model, base, *_tp_batch(inputs, t), loss_fn=loss_fn, remat_policies=extra)
+            wl: Workload = cache[key]
+            classes = _classes(base)
+            start_p = 1 if 1 in prefetch else prefetch[0]
             state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc)
-            if u_opt is None and shape == (world_size,) and start_p == 1:
+            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc, t=t)
+            if u_opt is None and shape == (world_size,) and t == 1 and start_p == 1:
                 default = current
             while True:
                 best_state, best = None, current
                 for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates, remats):
                     entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
-                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls})
+                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t)
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -370,6 +402,52 @@ def search(
     pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
     ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
     return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate, pick[0])
+
+
+def _tp_batch(inputs: tuple, t: int) -> tuple:
+    """One tp group's micro-batch: ``t`` ranks' batches (``inputs`` repeated along dim 0), so
+    that every candidate trains the same global batch."""
+    if t == 1:
+        return inputs
+    return tuple(torch.cat([x] * t) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
+
+
+def _mesh_arg(shape: tuple[int, ...], t: int):
+    """What ``fsdpfn.plan`` takes for data-parallel ``shape`` beside a tp axis of ``t``."""
+    if t == 1:
+        return shape
+    names = ("dp",) if len(shape) == 1 else ("replicate", "shard")
+    return {**dict(zip(names, shape)), "tp": t}
+
+
+_HEAD_ATTRS = ("heads", "kv_heads", "n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
+
+
+def _check_tp(model: torch.nn.Module, world, tp: Sequence[int], tp_plan, mp) -> tuple[int, ...]:
+    """The tp degrees to try, each checked against ``world``, the model's head counts and the
+    split layers' widths, before anything is profiled."""
+    tps = tuple(dict.fromkeys((tp,) if isinstance(tp, int) else tp))
+    if not tps or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tps):
+        raise ValueError(f"search: tp must be tensor-parallel degrees >= 1, e.g. (1, 2, 4), got {tp!r}")
+    if tps == (1,):
+        return tps
+    if not isinstance(world, int):
+        raise ValueError(f"search: tp={tps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
+    if tp_plan is None:
+        raise ValueError(f"search: tp={tps} needs tp_plan, the layers to split, e.g. fsdpfn.models.GPT_TP_PLAN")
+    for t in tps:
+        if world % t:
+            raise ValueError(f"search: tp={t} does not divide world={world}; choose degrees that divide the number of ranks")
+        if t == 1:
+            continue
+        for name, mod in model.named_modules():
+            for attr in _HEAD_ATTRS:
+                n = getattr(mod, attr, None)
+                if isinstance(n, int) and not isinstance(n, bool) and n % t:
+                    raise ValueError(f"search: tp={t} does not divide {name or type(model).__name__}.{attr} = {n}: each tp rank "
+                                     "runs whole attention heads; choose tp degrees that divide every head count")
+        fsdpfn.plan(model, {"dp": world // t, "tp": t}, tp=tp_plan, mp=mp)  # a width tp does not divide: named here
+    return tps
 
 
 def _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits) -> tuple[str, ...]:
