@@ -676,6 +676,58 @@ def _project(args):
         print(f"dp={dp} x tp={tp}:\n")
         _print_costs(layout_costs(shapes, tp_dims, dp, tp, item), psi, dp * tp, dp, tp, one)
         print()
+    _sim_projection()
+
+
+LLAMA_TP_PLAN = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
+                 "layers.*.attn.wo": "rowwise", "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise", "layers.*.mlp.w2": "rowwise"}
+# NVIDIA/Megatron-LM issue #6676 (layer-sharded Muon; implementation in pull request #6683): 32 GB300 GPUs,
+# TP2 x gtp_remat8 dense domain, EP8 x egtp2 experts, "production matrix shapes" (not published).
+PUBLISHED = dict(step_duplicated=0.632, step_layer_sharded=0.157, step_distributed=0.356, calls_duplicated=276, calls_layer_sharded=4)
+
+
+def _sim_projection():
+    """The simulator's cost of the whole ``muon`` optimizer step (fsdpfn.sim.Muon: the optimizer's
+    own boxes, owner schedule and all-to-all splits, timed on the H100 preset) for Llama-3-8B
+    shapes, per layout, beside Megatron's published layer-sharded Muon figures."""
+    from fsdpfn import sim
+    from fsdpfn.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    meshes = {"dp 1 x tp 8 (8 GPUs, one node)": {"dp": 1, "tp": 8},
+              "replicate 2 x shard 8 x tp 2 (32 GPUs: the published run's TP2 x 8-way weight-shard domain)":
+                  {"replicate": 2, "shard": 8, "tp": 2}}
+    empty = sim.Workload(())  # the optimizer step alone
+    print("\nThe simulator's projection (fsdpfn.sim.Muon on the plan, H100 preset, bf16 Newton-Schulz, whole optimizer step "
+          "incl. momentum/AdamW elementwise work; calls and bytes per rank as fsdpfn.count_collectives would record them):\n")
+    rows = {}
+    for label, mesh in meshes.items():
+        plan = fsdpfn.plan(model, mesh, tp=LLAMA_TP_PLAN)
+        print(f"{label}:\n")
+        print("| layout | optimizer step | collectives per rank | bytes per rank (as recorded) | NS TFLOP, busiest rank |")
+        print("|---|---|---|---|---|")
+        for layout, buckets in (("owner", None), ("owner", 1), ("duplicated", None), ("blockwise", None)):
+            opt = sim.Muon(layout=layout, ns_dtype=torch.bfloat16, buckets=buckets)
+            r = sim.simulate(plan, None, empty, opt, sim.H100_SXM)
+            t = r.traffic["optimizer"]
+            calls = sum(x.calls for x in t.values())
+            nbytes = sum(x.nbytes for x in t.values())
+            kinds = ", ".join(f"{x.calls} {k.replace('_', '-')}" for k, x in t.items()) or "none"
+            ns = max(opt.cost(plan).ns_flops)
+            name = layout + (", 1 bucket" if buckets == 1 else "")
+            rows[(label, name)] = (r.optimizer_time, calls)
+            print(f"| {name} | {r.optimizer_time * 1e3:,.1f} ms | {kinds} | {nbytes / 2**30:,.2f} GiB | {ns / 1e12:,.1f} |")
+        pub = PUBLISHED["step_layer_sharded"] / PUBLISHED["step_duplicated"]
+        dup = rows[(label, "duplicated")]
+        for name in ("owner", "owner, 1 bucket"):
+            own = rows[(label, name)]
+            print(f"\n{name} / duplicated step: {own[0] / dup[0]:.3f}x (Megatron layer-sharded / duplicated, published: {pub:.3f}x = "
+                  f"157 / 632 ms; ours / published ratio {own[0] / dup[0] / pub:.2f}); collectives {own[1]} vs {dup[1]} "
+                  f"(published: {PUBLISHED['calls_layer_sharded']} vs {PUBLISHED['calls_duplicated']})")
+        print()
+    return rows
 
 
 def _ratio_line(name, a, b):
@@ -707,7 +759,8 @@ def main() -> None:
     ap.add_argument("--per-head", action="store_true", help="--pipeline: per-head blocks on qkv and proj (optim.head_blocks(--heads))")
     ap.add_argument("--per-expert", type=int, default=0, help="--pipeline: read the MLP as N packed experts (fc: N row blocks, out: N column blocks)")
     ap.add_argument("--mesh", default=None, help="DxT: the owner, duplicated and blockwise layouts on a (dp=D, tp=T) mesh of D*T ranks")
-    ap.add_argument("--project", action="store_true", help="the layouts' bytes and FLOPs for Llama-3-8B-like matrices at tp=8 (no ranks)")
+    ap.add_argument("--project", action="store_true", help="the layouts' bytes and FLOPs for Llama-3-8B-like matrices at tp=8, and the "
+                    "simulator's optimizer step on the H100 preset beside Megatron's published layer-sharded Muon figures (no ranks)")
     args = ap.parse_args()
     cfg_kw = dict(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads)
     w = args.world
