@@ -443,7 +443,7 @@ def bucket_splits(sched: OwnerSchedule, rank: int) -> tuple[tuple[tuple[list[int
     Example:
       >>> s = owner_schedule([(8, 4), (4, 4)], 2, lambda shape: shape[-2] * shape[-1], buckets=1)
       >>> bucket_splits(s, 0)   # rank 0 owns the 8 x 4 matrix: gets 16 of its elements from rank 1, sends rank 1 its 8 of the 4 x 4
-      (((([16, 8], [16, 16]), ([16, 16], [16, 8])),)
+      ((([16, 8], [16, 16]), ([16, 16], [16, 8])),)
     """
     out = []
     for k in range(len(sched.buckets)):

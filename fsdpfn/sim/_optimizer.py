@@ -6,14 +6,23 @@ The elementwise part of a step (moments, momentum, weight decay, ``apply_updates
 by running the real ``fsdpfn.optim`` transform on meta tensors shaped like this rank's local
 shards (:func:`fsdpfn.sim.count_work`): every operator, its bytes, nothing computed. Muon's
 Newton–Schulz is then taken out of that count (on meta it ran on the local shards) and put back
-where the chosen layout runs it, again counted on meta: on every full matrix (``"gather"``), or
-on the matrices this rank owns, same shapes batched (``"owner"``). The collectives and their
+where the chosen layout runs it, again counted on meta: on every full matrix
+(``"duplicated"``), or on the blocks this rank owns, same shapes batched (``"owner"``; and
+``"blockwise"``, whose blocks are the tensor-parallel pieces, ``fsdpfn.optim.blockwise_spec``). The collectives and their
 bytes follow ``fsdpfn/optim/_distributed_ns.py``'s [Note: the two layouts].
 
 [Note: the owner assignment]
-The owner layout's schedule is ``fsdpfn.optim.owner_schedule`` itself, called with the shapes,
-the Newton–Schulz FLOPs and the bucket count the real step uses: owners balanced largest
-first, every owner's blocks cut into buckets of about equal FLOPs. The step is then costed as
+The optimizer's work groups are formed as ``fsdpfn.optim.orthogonalize`` forms them: Muon leaves
+split along no mesh dim are orthogonalised where they lie; the others are grouped per mesh (the
+plan's, or the ``ep`` x ``shard`` axes flattened for dense units beside experts) over the mesh
+dims any of them is split along (shard and tp on a tp plan). Each member's box of every leaf is
+``fsdpfn.optim.leaf_holdings`` of the plan's placements (``fsdpfn.transforms.placements``),
+the boxes the optimizer reads off the DTensors. The owner layout's schedule is
+``fsdpfn.optim.owner_schedule`` itself, called with those boxes, the Newton–Schulz FLOPs and the
+bucket count the real step uses: blocks a rank holds whole and alone kept there (experts, heads
+inside a tp slice), the others balanced largest first, every owner's blocks cut into buckets of
+about equal FLOPs; each bucket's all-to-all splits are ``fsdpfn.optim.bucket_splits``, the
+packing the optimizer sends. The step is then costed as
 ``fsdpfn/optim/_owner.py``'s [Note: the pipelined owner layout] runs it: "out 0" launched,
 the local (3-D) leaves orthogonalised under it, then per bucket ``k``: wait for out ``k``,
 launch out ``k+1``, assemble and orthogonalise bucket ``k``, launch back ``k``, wait for back
@@ -23,7 +32,8 @@ the neighbouring buckets exactly as the dependencies allow. Every all-to-all is 
 ``fsdpfn.comm`` records it (``max(input, output)`` bytes on the rank), and timed by the bytes
 the busiest rank sends or receives; each bucket's compute is the busiest rank's in that bucket
 (an all-to-all waits for every rank). ``tests/test_sim.py`` checks the calls, bytes and FLOPs
-against a real step on every rank, one bucket and several.
+against a real step on every rank, one bucket and several; ``tests/test_sim_muon_tp.py`` on
+tensor-parallel meshes and expert-parallel plans, every layout.
 """
 
 from __future__ import annotations
