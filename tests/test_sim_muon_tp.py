@@ -21,7 +21,9 @@ from fsdpfn import optim, sim, testing
 from fsdpfn.models import MoE, MoEConfig
 
 TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise"}
-LAYOUTS = [("owner", None), ("owner", 2), ("duplicated", None), ("blockwise", None)]
+BLOCKS = {"qkv.weight": 4}  # 4 heads of 3 rows: tp = 2 gives each tp rank 2 whole heads, dp cuts them
+LAYOUTS = [("owner", None, None), ("owner", 2, None), ("duplicated", None, None), ("blockwise", None, None),
+           ("owner", None, BLOCKS), ("duplicated", None, BLOCKS), ("blockwise", None, BLOCKS)]
 
 
 class Net(nn.Module):
@@ -65,14 +67,14 @@ def _step(rank, world, model, plan, labels, layouts, dtype=torch.bfloat16):
     grads = fsdpfn.shard(_grads(model, 3), plan, check=False)
     wl = sim.Workload(())  # no compute: only the optimizer's collectives are compared
     out = {}
-    for layout, buckets in layouts:
-        opt = optim.muon(0.02, ns_dtype=dtype, layout=layout, buckets=buckets, labels=labels)
+    for layout, buckets, blocks in layouts:
+        opt = optim.muon(0.02, ns_dtype=dtype, layout=layout, buckets=buckets, labels=labels, blocks=blocks)
         state = opt.init(params)
         with fsdpfn.count_collectives() as counter, FlopCounterMode(display=False) as flops:
             opt.update(grads, state, params)
-        cost_model = sim.Muon(layout=layout, ns_dtype=dtype, buckets=buckets, labels_fn=labels)
+        cost_model = sim.Muon(layout=layout, ns_dtype=dtype, buckets=buckets, labels_fn=labels, blocks=blocks)
         predicted = _predicted(plan, cost_model, rank, wl)
-        out[(layout, buckets)] = dict(counted=_counted(counter), predicted=predicted,
+        out[(layout, buckets, blocks is not None)] = dict(counted=_counted(counter), predicted=predicted,
                                       flops=(flops.get_total_flops(), cost_model.cost(plan, rank).ns_flops[rank]))
     return out
 
@@ -94,15 +96,16 @@ MESHES = [
 def test_sim_muon_equals_a_real_step_on_tp_meshes(run_on_ranks, mesh_shape, names):
     results = run_on_ranks(_tp_case, math.prod(mesh_shape), mesh_shape, names)
     for rank, res in enumerate(results):
-        for (layout, buckets), r in res.items():
-            assert r["counted"] == r["predicted"], (rank, layout, buckets, r)
+        for key, r in res.items():
+            assert r["counted"] == r["predicted"], (rank, key, r)
             counted_flops, predicted_flops = r["flops"]
-            assert counted_flops == predicted_flops, (rank, layout, buckets)
-    # The cases are not vacuous: every layout but blockwise on these meshes communicates.
+            assert counted_flops == predicted_flops, (rank, key)
+    # The cases are not vacuous: every layout communicates on these meshes (dp > 1).
     r0 = results[0]
-    assert r0[("owner", None)]["counted"]["all_to_all"][0] == 2 and r0[("owner", 2)]["counted"]["all_to_all"][0] == 4
-    assert r0[("duplicated", None)]["counted"]["all_gather"][0] == 1
-    assert r0[("owner", None)]["flops"][0] > 0
+    assert r0[("owner", None, False)]["counted"]["all_to_all"][0] == 2 and r0[("owner", 2, False)]["counted"]["all_to_all"][0] == 4
+    assert r0[("duplicated", None, False)]["counted"]["all_gather"][0] == 1
+    assert r0[("blockwise", None, True)]["counted"]["all_to_all"][0] == 2
+    assert r0[("owner", None, False)]["flops"][0] > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,8 +154,8 @@ def _ep_case(rank, world, mesh_shape, names):
     def experts_only(name, p):
         return "muon" if name in experts else "adamw"
 
-    both = _step(rank, world, model, plan, _moe_label, [("owner", None), ("duplicated", None)], torch.float32)
-    alone = _step(rank, world, model, plan, experts_only, [("owner", None)], torch.float32)
+    both = _step(rank, world, model, plan, _moe_label, [("owner", None, None), ("duplicated", None, None)], torch.float32)
+    alone = _step(rank, world, model, plan, experts_only, [("owner", None, None)], torch.float32)
     return both, alone, sorted(experts)
 
 
@@ -160,13 +163,13 @@ def _ep_case(rank, world, mesh_shape, names):
 def test_sim_muon_equals_a_real_step_on_an_ep_plan(run_on_ranks, mesh_shape, names):
     for rank, (both, alone, experts) in enumerate(run_on_ranks(_ep_case, 4, mesh_shape, names)):
         assert experts, "the plan has expert leaves"
-        for key, r in {**both, **{("experts", k[1]): v for k, v in alone.items()}}.items():
+        for key, r in {**both, **{("experts", *k[1:]): v for k, v in alone.items()}}.items():
             assert r["counted"] == r["predicted"], (rank, key, r)
             assert r["flops"][0] == r["flops"][1], (rank, key)
         # Expert matrices are orthogonalised where they lie: Muon on them alone issues nothing.
-        assert alone[("owner", None)]["counted"] == {} and alone[("owner", None)]["flops"][0] > 0, alone
+        assert alone[("owner", None, False)]["counted"] == {} and alone[("owner", None, False)]["flops"][0] > 0, alone
         # The dense leaves (on the ep x edp ranks flattened) do travel.
-        assert both[("owner", None)]["counted"]["all_to_all"][0] == 2
+        assert both[("owner", None, False)]["counted"]["all_to_all"][0] == 2
 
 
 def test_sim_muon_costs_expert_leaves_with_no_collective():
@@ -250,3 +253,11 @@ def test_search_names_a_tp_that_does_not_fit():
         sim.search(model, 4, 2**30, x, tp=(2,), hardware=sim.H100_SXM)
     with pytest.raises(ValueError, match="does not divide over tp"):  # a width tp does not divide, named by the plan
         sim.search(_gpt(vocab=66), 4, 2**30, x, tp=(1, 4), hardware=sim.H100_SXM, tp_plan={**GPT_TP_PLAN, "head": "colwise"})
+
+
+def test_sim_muon_names_blocks_that_do_not_divide_a_leaf():
+    plan = fsdpfn.plan(Net(), {"dp": 2, "tp": 2}, tp=TP)
+    with pytest.raises(ValueError, match=r"'qkv.weight' of shape \(12, 4\) cannot be cut into 5 x 1 blocks"):
+        sim.Muon(blocks={"qkv.weight": 5}, labels_fn=_label).cost(plan)
+    with pytest.raises(ValueError, match="cut across its 2 tensor-parallel pieces"):  # blockwise: 3 row blocks over tp = 2
+        sim.Muon(layout="blockwise", blocks={"qkv.weight": 3}, labels_fn=_label).cost(plan)

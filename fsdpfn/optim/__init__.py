@@ -23,6 +23,8 @@ from fsdpfn.optim._base import chain as chain
 from fsdpfn.optim._base import identity as identity
 from fsdpfn.optim._base import partition as partition
 from fsdpfn.optim._streamed import streamed as streamed
+from fsdpfn.optim._blocks import block_shape as block_shape
+from fsdpfn.optim._blocks import check_blocks as check_blocks
 from fsdpfn.optim._blocks import head_blocks as head_blocks
 from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
 from fsdpfn.optim._clip import global_norm as global_norm
@@ -76,9 +78,11 @@ __all__ = [
     "adamw",
     "apply_if_finite",
     "apply_updates",
+    "block_shape",
     "blockwise_spec",
     "bucket_splits",
     "chain",
+    "check_blocks",
     "clip_by_global_norm",
     "constant_schedule",
     "gather_pads",

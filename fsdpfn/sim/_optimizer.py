@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -243,6 +243,8 @@ class Muon:
       ns_steps: Newton–Schulz iterations.
       ns_dtype: Newton–Schulz compute (and send) dtype; ``None``: the parameters'.
       labels_fn: ``(name, param) -> "muon" | "adamw"`` (default ``fsdpfn.optim.muon_labels``).
+      blocks: as ``fsdpfn.optim.muon(blocks=...)``: leaves orthogonalised as independent blocks
+        (per head: ``fsdpfn.optim.head_blocks(heads)``); ``None``: whole matrices.
       buckets: owner layout: as ``fsdpfn.optim.muon(buckets=...)`` (``None``: its automatic
         choice, one bucket per 4 MiB each rank sends, at most 4).
 
@@ -258,12 +260,14 @@ class Muon:
     ns_dtype: torch.dtype | None = torch.bfloat16
     labels_fn: Callable | None = None
     buckets: int | None = None
+    blocks: Any = dataclasses.field(default=None, hash=False)  # a dict is not hashable
 
     def __post_init__(self):
         if self.layout not in optim.LAYOUTS:
             raise ValueError(f"Muon.layout must be one of {optim.LAYOUTS} ('gather' is 'duplicated'), got {self.layout!r}")
         if self.ns_method not in ("standard", "gram"):
             raise ValueError(f"Muon.ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
+        object.__setattr__(self, "_spec_fn", optim.check_blocks("fsdpfn.sim.Muon", self.blocks))
         if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1):
             raise ValueError(f"Muon.buckets must be None (automatic) or an int >= 1, got {self.buckets!r}")
 
@@ -327,7 +331,8 @@ class Muon:
             key, sizes, coords = _mesh_of(plan, unit, rank)
             place = tuple(placements(plan, n))
             shape = tuple(plan.param(n).shape)
-            spec = _WHOLE
+            spec = self._spec_fn(n, torch.empty(shape, device="meta"))
+            optim.block_shape(n, shape, spec)  # blocks that do not divide the leaf: named, as the optimizer names them
             if self.layout == "blockwise" and key == "mesh" and axes.dim(Role.TP) is not None:
                 d = axes.dim(Role.TP)
                 spec = optim.blockwise_spec(shape, place[d], sizes[d], spec, n)
