@@ -23,6 +23,11 @@ parameters and get the same gradients (fsdpfn's, copied into ``p.grad``; FSDP2 a
 rows alike), so the first update is compared too. FLOPs are counted twice: FlopCounterMode, and
 the profiler's innermost matmul kernels (the local work, whatever DTensor does above it).
 
+``--project`` prints, without ranks, the layouts' bytes and FLOPs for Llama-3-8B-like matrices at
+tp = 8 from the optimizer's own schedule, then ``fsdpfn.sim.Muon``'s whole optimizer step for the
+same model on the H100 preset (owner, duplicated, blockwise), beside Megatron-LM's published
+layer-sharded Muon figures, with the ratios.
+
 ``--tokens-sweep`` instead prints the whole-step muon/adamw ratio (owner, fp32 Newton–Schulz by
 default) at several batch sizes per rank, beside the FLOP-only prediction.
 
@@ -32,6 +37,7 @@ Usage:
   python benchmarks/muon.py --ns-dtype float32    # fp32 Newton-Schulz (CPUs without native bf16 matmul)
   python benchmarks/muon.py --vs-torch --width 256 --vocab 2048 --seq 128 --steps 12
   python benchmarks/muon.py --tokens-sweep --ns-dtype float32 --batches 4,8,16 --steps 6 --warmup 1
+  python benchmarks/muon.py --project
   python benchmarks/muon.py --tokens-sweep --ns-dtype float32 --ns-method gram --batches 4,8,16 --steps 6 --warmup 1
 """
 
