@@ -12,8 +12,11 @@ Two sets of rows, kept apart:
   scripts/train/benchmarking/README.md, H100 80GB BF16 and A100 80GB BF16). Nothing was tuned
   on them.
 
-Rows the simulator cannot express are printed with the reason (torch.compile, FP8 compute,
-per-operator selective checkpointing, context/pipeline parallelism, other hardware).
+torchtitan's per-operator selective checkpointing is expressed exactly as a ``save_names``
+policy (see ``OP_SAC``). torchtitan's H100 runs used a 500 W H100 with 96 GB HBM2e whose peak is
+published only as lying between two figures: those rows are predicted at both and printed as a
+bracket, apart from the preset rows. Rows the simulator cannot express are printed with the
+reason (torch.compile, FP8 compute, context/pipeline parallelism).
 
 Everything runs on the meta device: models are built there, profiled there
 (``fsdpfn.sim.profile``), and simulated on the presets. A prediction is a sustained step of
@@ -24,6 +27,7 @@ Usage:
   python benchmarks/sim_published.py               # every row
   python benchmarks/sim_published.py --only calibration
   python benchmarks/sim_published.py --max-rows 5  # a quick look
+  python benchmarks/sim_published.py --only calibration --raw   # Kernels.sustained at 1: what it is set from
 """
 
 from __future__ import annotations

@@ -324,8 +324,8 @@ class Hardware:
         if self.kernels is not None:
             k = self.kernels
             lines.append(f"  kernels: matmul {k.matmul_efficiency:.3f} of peak + {k.matmul_latency * 1e6:.1f} us, attention {k.attention_efficiency:.3f} "
-                         f"of peak (half at {k.attention_half_intensity:g} FLOP/B), memory {k.memory_efficiency:.2f} of bandwidth, "
-                         f"all at {k.sustained:.2f} sustained")
+                         f"of peak (half at {k.attention_half_intensity:g} FLOP/B; {k.attention_flop_ratio:.3g} FLOPs run per FLOP counted), "
+                         f"memory {k.memory_efficiency:.2f} of bandwidth, all at {k.sustained:.3g} sustained")
         for level, links in (("intra", self.intra), ("inter", self.inter)):
             for kind, link in links:
                 lines.append(f"  {level:<5} {kind:<14} alpha {link.alpha * 1e6:8.2f} us   bandwidth {link.bandwidth / 1e9:8.3f} GB/s")
