@@ -69,6 +69,97 @@ def test_attention_ramp_by_hand():
     assert hw.kernel_seconds("attention bfloat16", 4e9, 1e7) == pytest.approx(4e9 / (0.25e12 * 0.8) + 1e-5, rel=REL)
 
 
+def test_attention_flop_ratio_by_hand():
+    """A rate published in FlashAttention's FLOP convention (backward counted as 2.5 forwards,
+    3.5 for both) applies to 3.5 / 3 of the FLOPs the profile counts (backward as 2)."""
+    k = sim.Kernels(0.5, 1e-5, 0.25, 100.0, 0.8, attention_flop_ratio=3.5 / 3)
+    hw = _hw(kernels=k)
+    # intensity 4e9 / 1e7 = 400 FLOP/B: ramp 400 / 500; rate 0.25 x 1e12 x 0.8 = 2e11 FLOP/s.
+    assert hw.kernel_seconds("attention bfloat16", 4e9, 1e7) == pytest.approx(3.5 / 3 * 4e9 / 2e11 + 1e-5, rel=REL)
+    # Matmuls are not attention: the ratio does not touch them.
+    assert hw.kernel_seconds("bfloat16", 2e9, 6e6) == pytest.approx(4e-3 + 1e-5, rel=REL)
+    with pytest.raises(ValueError, match="attention_flop_ratio"):
+        sim.Kernels(0.5, 1e-5, 0.25, 100.0, 0.8, attention_flop_ratio=0.0)
+
+
+def _attention_work(b, h, s, d):
+    """The Work the profile counts for a causal bf16 attention forward and backward on meta."""
+    from fsdpfn.sim._workload import _FusedAttentionOnMeta
+
+    q, k, v = (torch.zeros(b, h, s, d, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(3))
+
+    def run():
+        with _FusedAttentionOnMeta():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    return sim.count_work(run)[1]
+
+
+def test_h100_attention_is_the_published_flashattention2_time():
+    """The H100 preset's attention, at the kernel benchmark's own shape (batch 2 x 8,192 tokens,
+    16 heads of 128, causal, bf16) and at the benchmark's clocks (sustained = 1), takes the
+    published FlashAttention-2 time: 1.935 ms forward + 4.788 ms backward (hopper/benchmark_attn.py
+    as posted in Dao-AILab/flash-attention pull request #1791)."""
+    import dataclasses
+
+    w = _attention_work(2, 16, 8192, 128)
+    fwd_flops = 4.0 * 2 * 16 * 8192 * 8192 * 128 / 2  # causal: half
+    assert [(r, f) for r, f, _, _ in w.matmuls] == [("attention bfloat16", fwd_flops), ("attention bfloat16", 2 * fwd_flops)]
+    hw = dataclasses.replace(sim.H100_SXM, kernels=dataclasses.replace(sim.H100_SXM.kernels, sustained=1.0))
+    seconds = sum(c * (hw.kernel_seconds(r, f, b) - hw.kernels.matmul_latency) for r, f, b, c in w.matmuls)
+    # attention_efficiency is 0.2894 / 0.9578 rounded to three digits (0.302 for 0.30215): 0.05%.
+    assert seconds == pytest.approx(1.935e-3 + 4.788e-3, rel=2e-3)
+
+
+def test_attention_ramp_at_short_sequences_from_the_profile():
+    """The ramp reads the profile's own bytes: 512 tokens (~130 FLOP/B) runs at
+    I / (I + 90) of the long-sequence rate, 16k tokens at ~0.98."""
+    for s, lo, hi in ((512, 0.55, 0.62), (16384, 0.97, 0.99)):
+        w = _attention_work(1, 16, s, 128)
+        k = sim.H100_SXM.kernels
+        for r, f, b, _ in w.matmuls:
+            ramp = k.attention_rate("bfloat16", f, b, sim.H100_SXM) / (k.sustained * k.attention_efficiency * 989e12)
+            assert ramp == pytest.approx((f / b) / (f / b + 90.0), rel=REL)
+            assert lo < ramp < hi
+
+
+def test_torchtitan_op_checkpointing_as_save_names_recomputes_three_of_seven_matmuls():
+    """torchtitan's per-operator selective checkpointing keeps the attention output and every
+    other matmul of a Llama block (wq, wv, w1, w2 of wq, wk, wv, wo, w1, w3, w2); tagging those
+    five results and remat="save_names:op_sac" recomputes exactly wk, wo and w3."""
+    d, kv, ffn, heads, b, s = 64, 32, 96, 4, 2, 16
+    hd = d // heads
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, kv, bias=False), torch.nn.Linear(d, kv, bias=False)
+            self.wo = torch.nn.Linear(d, d, bias=False)
+            self.w1, self.w2, self.w3 = torch.nn.Linear(d, ffn, bias=False), torch.nn.Linear(ffn, d, bias=False), torch.nn.Linear(d, ffn, bias=False)
+
+        def forward(self, x):
+            tag = lambda t: fsdpfn.checkpoint_name(t, "op_sac")  # noqa: E731
+            q = tag(self.wq(x)).view(b, s, heads, hd).transpose(1, 2)
+            k = self.wk(x).view(b, s, kv // hd, hd).transpose(1, 2).repeat_interleave(heads * hd // kv, dim=1)
+            v = tag(self.wv(x)).view(b, s, kv // hd, hd).transpose(1, 2).repeat_interleave(heads * hd // kv, dim=1)
+            a = tag(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            h = x + self.wo(a.transpose(1, 2).reshape(b, s, d))
+            return h + tag(self.w2(F.silu(tag(self.w1(h))) * self.w3(h)))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Block(), Block())
+    x = torch.zeros(b, s, d, device="meta")
+    plan = fsdpfn.plan(model, (1,), units=["0", "1"])
+    wl = sim.profile(model, plan, x, remat_policies=("save_names:op_sac",))
+    full = wl.with_remat({"0": "full"}).recompute("0")
+    op = wl.with_remat({"0": "save_names:op_sac"}).recompute("0")
+    tokens = b * s
+    attn_fwd = 4.0 * b * heads * s * s * hd / 2
+    assert full.flops == pytest.approx(2.0 * tokens * (d * d + 2 * d * kv + d * d + 3 * d * ffn) + attn_fwd, rel=REL)
+    assert op.flops == pytest.approx(2.0 * tokens * (d * kv + d * d + d * ffn), rel=REL)  # wk, wo, w3
+
+
 def test_sustained_scales_every_kernel_rate():
     slow = _hw(kernels=sim.Kernels(0.5, 1e-5, 0.25, 100.0, 0.8, sustained=0.5))
     fast = _hw()

@@ -324,8 +324,8 @@ class Hardware:
         if self.kernels is not None:
             k = self.kernels
             lines.append(f"  kernels: matmul {k.matmul_efficiency:.3f} of peak + {k.matmul_latency * 1e6:.1f} us, attention {k.attention_efficiency:.3f} "
-                         f"of peak (half at {k.attention_half_intensity:g} FLOP/B), memory {k.memory_efficiency:.2f} of bandwidth, "
-                         f"all at {k.sustained:.2f} sustained")
+                         f"of peak (half at {k.attention_half_intensity:g} FLOP/B; {k.attention_flop_ratio:.3g} FLOPs run per FLOP counted), "
+                         f"memory {k.memory_efficiency:.2f} of bandwidth, all at {k.sustained:.3g} sustained")
         for level, links in (("intra", self.intra), ("inter", self.inter)):
             for kind, link in links:
                 lines.append(f"  {level:<5} {kind:<14} alpha {link.alpha * 1e6:8.2f} us   bandwidth {link.bandwidth / 1e9:8.3f} GB/s")
@@ -351,14 +351,29 @@ _MIB = 2**20
 # not a measurement of any one run.
 _RESERVE = 0.05
 
-# Fused attention: FlashAttention-2 (Dao, 2023, "FlashAttention-2: Faster Attention with Better
-# Parallelism and Work Partitioning", figures of forward + backward speed, head dim 128, causal)
-# reaches about 190 TFLOP/s on A100 at 8k-16k tokens (0.62 of 312) and about 330 TFLOP/s on H100
-# (0.34 of 989: FlashAttention-2 does not use Hopper's asynchronous tensor-core instructions,
-# and it is the kernel behind torch's scaled_dot_product_attention there); at 512 tokens about
-# 0.6 of its long-sequence rate. A causal bf16 forward and backward average about 0.27 * seq
-# FLOP per byte, so 512 tokens is ~140 FLOP/B and the half point ~90 FLOP/B.
+# Fused attention: FlashAttention-2, the kernel behind torch's scaled_dot_product_attention on
+# A100 and H100 (causal, head dim 128, bf16, forward + backward):
+# - A100: about 190 TFLOP/s at 8k-16k tokens, 0.62 of 312 (Dao, 2023, "FlashAttention-2: Faster
+#   Attention with Better Parallelism and Work Partitioning", arXiv 2307.08691, figure of forward
+#   + backward speed on A100 80GB SXM4);
+# - H100: forward 284.1 TFLOP/s (1.935 ms), backward 287.1 (4.788 ms) at batch 2 x 8192 tokens,
+#   16 heads of 128, causal ("Fav2" lines of hopper/benchmark_attn.py as posted in
+#   Dao-AILab/flash-attention pull request #1791, 2025-07-31): forward + backward 3.5 f / 6.723 ms
+#   = 286 TFLOP/s, 0.289 of 989. FlashAttention-2 does not use Hopper's asynchronous tensor-core
+#   instructions (FlashAttention-3 does: 630 forward, 532 backward in the same post). At that
+#   shape the ramp below stands at 0.958 (the profile's intensity of both kernels is 2,040
+#   FLOP/B), so the long-sequence figure is 0.289 / 0.958 = 0.302.
+# Short sequences: about 0.6 of the long-sequence rate at 512 tokens (the FlashAttention-2
+# figures). A causal bf16 forward and backward average about 0.25 * seq FLOP per byte as the
+# profile counts them, so 512 tokens is ~130 FLOP/B and the half point ~90 FLOP/B.
 _ATTN_HALF = 90.0
+# Those rates are in the FLOPs of FlashAttention's own benchmark, which counts a forward as
+# 4 b h s^2 d (half of it causal) and the backward as 2.5 forwards, forward + backward 3.5
+# (Dao-AILab/flash-attention, benchmarks/benchmark_flash_attention.py, ``flops()``, at commit
+# 0469c72723278048f1b1bd29f6c6155b5ef98369): the backward kernel recomputes the scores, five
+# matmuls against the forward's two. The profile counts the backward as 2 forwards (torch's
+# FLOP counter, the gradient matmuls only), so 3 where the benchmark counts 3.5.
+_ATTN_FLOP_RATIO = 3.5 / 3.0
 
 # Matmul: the "maximum achievable matmul FLOPS" measured with mamf-finder.py over large shapes
 # (stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
@@ -369,16 +384,20 @@ _ATTN_HALF = 90.0
 _MATMUL_LATENCY = 5e-6
 _MEMORY_EFFICIENCY = 0.9
 
-# Sustained: the one fitted term (see [Note: the kernel model]). With it at 1, the five
-# expressible calibration runs (torchtitan's FSDP2 tables on 64 A100s, benchmarks/sim_published.py)
-# were predicted 1.12-1.16x faster than published, median 1.14; 1 / 1.14 = 0.88. Fitted on A100
-# runs only (no H100 FSDP run without torch.compile, FP8 compute or per-operator checkpointing
-# was published in the calibration sources) and used for every preset.
-_SUSTAINED = 0.88
-_H100_KERNELS = Kernels(matmul_efficiency=0.801, matmul_latency=_MATMUL_LATENCY, attention_efficiency=0.34,
-                        attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED)
+# Sustained: the one fitted term (see [Note: the kernel model]). With it at 1
+# (``python benchmarks/sim_published.py --raw``), the eight calibration runs on the presets
+# (torchtitan's FSDP2 tables on 64 A100s, with layer, per-operator and full checkpointing) are
+# predicted 1.11-1.23x faster than published, median 1.127; 1 / 1.127 = 0.887. Fitted on A100 runs
+# and used for every preset: torchtitan's H100 runs (Grand Teton, 96 GB HBM2e, 500 W) ran on a part
+# whose peak is published only as "between SXM and NVL", so they bracket the H100 figures (the
+# script prints them at both peaks) but cannot set them.
+_SUSTAINED = 0.887
+_H100_KERNELS = Kernels(matmul_efficiency=0.801, matmul_latency=_MATMUL_LATENCY, attention_efficiency=0.302,
+                        attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED,
+                        attention_flop_ratio=_ATTN_FLOP_RATIO)
 _A100_KERNELS = Kernels(matmul_efficiency=0.859, matmul_latency=_MATMUL_LATENCY, attention_efficiency=0.62,
-                        attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED)
+                        attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED,
+                        attention_flop_ratio=_ATTN_FLOP_RATIO)
 
 # Host-device copies and the host's memory (offload). PCIe 5.0 x16 (H100/H200): 64 GB/s each way,
 # pinned copies reach about 55 GB/s; PCIe 4.0 x16 (A100): 32 GB/s, about 25 GB/s reached
@@ -415,7 +434,7 @@ H100_SXM = Hardware(
 as nvidia-smi reports it). NVLink 4: 900 GB/s per GPU in both directions, 450 GB/s each way.
 Network: eight 400 Gb/s InfiniBand NDR ConnectX-7 cards per node, one per GPU (DGX H100), 50 GB/s
 each way each. Kernels: large GEMMs at 80.1% of the BF16 peak (measured maximum achievable matmul
-FLOPS), FlashAttention-2 at 34% (see the kernel notes in ``fsdpfn/sim/_hardware.py``)."""
+FLOPS), FlashAttention-2 at 30.2% (see the kernel notes in ``fsdpfn/sim/_hardware.py``)."""
 
 H200_SXM = Hardware(
     name="H200 SXM (DGX H200)",

@@ -18,7 +18,13 @@ fixed costs, per device, and :meth:`Kernels.seconds` prices one operator:
   byte of q, k, v, output and their gradients) grows with the sequence length (about ``s / 4``
   FLOP/byte for a causal bf16 forward), and the rate is ``attention_efficiency * I / (I +
   attention_half_intensity)``: the per-tile setup and the causal diagonal weigh more when a row
-  of tiles is short. Head dimension and GQA enter only through FLOPs and bytes;
+  of tiles is short. Head dimension and GQA enter only through FLOPs and bytes. The published
+  rates count FLOPs their own way: FlashAttention's benchmark counts the backward kernel as 2.5
+  forwards (it recomputes the scores ``Q K^T`` before its four gradient matmuls: five matmuls
+  against the forward's two) and a forward + backward as 3.5, where the profile counts the
+  backward as 2 (torch's FLOP counter: the gradient matmuls only), 3 in all. A kernel therefore
+  takes ``attention_flop_ratio * flops / rate`` (3.5 / 3 for a rate taken from that benchmark's
+  forward + backward figure): the rate applies to the FLOPs the kernels execute;
 - every other operator is memory-bound: ``bytes / (memory_efficiency * bandwidth)``;
 - every dispatched operator costs ``Hardware.op_overhead`` on top (the framework's dispatch and
   launch; a GPU runs ahead of the host, so it is small there);
@@ -68,8 +74,11 @@ class Kernels:
         quantisation of small problems).
       attention_efficiency: fraction of the dtype's peak a fused attention kernel reaches at long
         sequences, forward and backward together.
-      attention_half_intensity: arithmetic intensity (FLOP per byte) at which attention reaches
-        half of that rate.
+      attention_half_intensity: arithmetic intensity (FLOP per byte, FLOPs as the profile
+        counts them) at which attention reaches half of that rate.
+      attention_flop_ratio: FLOPs the ``attention_efficiency`` figure counts per FLOP the
+        profile counts (FlashAttention's benchmark: 3.5 / 3 for forward + backward, see
+        [Note: the kernel model]); 1: the same convention.
       memory_efficiency: fraction of ``Hardware.memory_bandwidth`` that streaming kernels reach.
       sustained: fraction of all those rates a whole training step sustains (clocks under the
         power limit, SMs shared with communication kernels); 1: the kernels' own benchmarks.
@@ -88,12 +97,15 @@ class Kernels:
     attention_half_intensity: float
     memory_efficiency: float
     sustained: float = 1.0
+    attention_flop_ratio: float = 1.0
 
     def __post_init__(self):
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "sustained"):
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"Kernels.{name} must be a fraction in (0, 1], got {v!r}")
+        if not (self.attention_flop_ratio > 0 and math.isfinite(self.attention_flop_ratio)):
+            raise ValueError(f"Kernels.attention_flop_ratio must be a finite number > 0, got {self.attention_flop_ratio!r}")
         for name in ("matmul_latency", "attention_half_intensity"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
@@ -114,7 +126,8 @@ class Kernels:
         ``"attention <dtype>"`` (see [Note: the kernel model])."""
         memory = self.memory_seconds(nbytes, hw)
         if rate.startswith("attention "):
-            return max(flops / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory) + self.matmul_latency
+            executed = self.attention_flop_ratio * flops
+            return max(executed / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory) + self.matmul_latency
         return max(flops / (self.sustained * self.matmul_efficiency * hw.peak(rate)), memory) + self.matmul_latency
 
     def matmul_seconds(self, m: int, n: int, k: int, dtype, hw) -> float:
