@@ -68,10 +68,6 @@ def check_compilable(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
-    if _cached(plan, "axes").tp_size > 1:
-        raise CompileUnsupportedError(
-            "tensor-parallel plans do not compile yet (their activation collectives are eager); "
-            "compile each unit's forward instead, or run this plan eagerly")
     fp8 = [u.name for u in plan.units if u.fp8]
     if fp8:
         raise CompileUnsupportedError(
@@ -120,6 +116,10 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.T
             full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)
         else:
             full = local.to(dtype)
+        if p.tp == "partial" and _role_rank(plan, Role.TP):
+            # a rowwise layer's bias: added on tp position 0 only, so the all-reduce after the layer
+            # adds it once (as the eager gather does); its gradient reaches it whole either way.
+            full = torch.zeros_like(full)
         fulls.append(full)
     return fulls
 
@@ -217,9 +217,13 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
 
 
-def _shard_rank(plan: Plan) -> int:
-    d = _cached(plan, "axes").dim(Role.SHARD)
+def _role_rank(plan: Plan, role: Role) -> int:
+    d = _cached(plan, "axes").dim(role)
     return 0 if d is None else plan.mesh.get_local_rank(d)
+
+
+def _shard_rank(plan: Plan) -> int:
+    return _role_rank(plan, Role.SHARD)
 
 
 class CompiledStep:
@@ -227,7 +231,7 @@ class CompiledStep:
     :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
     backward graphs when they were compiled."""
 
-    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict):
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor"):
         with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
             warnings.simplefilter("ignore", DeprecationWarning)
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -240,8 +244,19 @@ class CompiledStep:
 
         patches = dict(OVERLAP_PASSES) if overlap else None
 
-        def backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        if compiler == "inductor":
+            def backend(gm, example_inputs):
+                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        else:  # AOTAutograd's forward and backward graphs, run as traced (no code generation)
+            from torch._dynamo.backends.common import aot_autograd
+
+            def record(kind):
+                def fn(gm, example_inputs):
+                    self._graphs[kind] = C.graph_collectives(gm)
+                    return gm
+                return fn
+
+            backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
 
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
@@ -275,7 +290,11 @@ OVERLAP_PASSES = {
 }
 
 
-def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, **options) -> CompiledStep:
+COMPILERS = ("inductor", "aot_eager")
+
+
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, backend: str = "inductor",
+            **options) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).
@@ -293,6 +312,9 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
       overlap: turn on inductor's passes that reorder collectives and compute for overlap
         (:data:`OVERLAP_PASSES`: ``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``);
         the numbers do not change, only the order.
+      backend: ``"inductor"`` (the default: generated kernels) or ``"aot_eager"`` (the same
+        traced forward and backward graphs, collectives included, run op by op without code
+        generation: compiles in seconds, for checking a plan compiles).
       **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
 
     Returns:
@@ -307,4 +329,8 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
     """
     if not callable(loss_fn):
         raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
-    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options)
+    if backend not in COMPILERS:
+        raise ValueError(f"fsdpfn.compile: backend must be one of {COMPILERS}, got {backend!r}")
+    if overlap and backend != "inductor":
+        raise ValueError("fsdpfn.compile: overlap=True reorders with inductor's passes; use backend='inductor'")
+    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options, backend)
