@@ -68,11 +68,11 @@ def check_compilable(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
-    fp8 = [u.name for u in plan.units if u.fp8]
-    if fp8:
+    te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8.backend == "te"]
+    if te:
         raise CompileUnsupportedError(
-            f"units {fp8[:3]} gather in FP8, which does not compile yet (the compiled gather would ship "
-            "param_dtype rows, not the eager bytes); compile each unit's forward instead, or run eagerly")
+            f"units {te[:3]} hand FP8 weights to Transformer Engine (backend='te'), whose tensors do not trace; "
+            "use backend='torch' under torch.compile, compile each unit's forward (Runtime.compile_units), or run eagerly")
 
 
 def _refuse_functorch(where: str) -> None:
@@ -97,7 +97,30 @@ def _pack_gather(unit: Unit, locals_: list[torch.Tensor], dtype: torch.dtype) ->
     return torch.cat(parts)
 
 
+def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An FP8 unit's gather, traced: the unit's own codec packs the same E4M3 bytes and scales
+    as the eager gather (per-tensor recipes after the same max all-reduce of the amax, over the
+    shard axis and tp where the tensor spans it), one all-gather of uint8 moves them, the codec
+    dequantizes. The bytes on the wire are the eager path's."""
+    codec = _cached(plan, "_codecs")[unit.name]
+    amax = codec.local_amax(locals_)
+    if amax is not None:
+        amax = C.traced_all_reduce(amax, _group(plan, Role.SHARD), op="max")
+        if _cached(plan, "axes").tp_size > 1 and any(unit.param(n).tp_dim is not None for n in codec.amax_params):
+            amax = C.traced_all_reduce(amax, _group(plan, Role.TP), op="max")
+    w = _cached(plan, "axes").shard_size
+    stacked = None
+    if codec.numel:
+        stacked = C.traced_all_gather(codec.encode(locals_, amax), _group(plan, Role.SHARD)).view(w, codec.numel)
+    return codec.decode(stacked, locals_, None, amax)
+
+
 def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
+    if unit.fp8:
+        fulls = _gather_fp8(plan, unit, locals_)
+        if _role_rank(plan, Role.TP):
+            fulls = [torch.zeros_like(f) if p.tp == "partial" else f for p, f in zip(unit.params, fulls)]
+        return fulls
     dtype = plan.gather_dtype(unit)
     w = _cached(plan, "axes").shard_size
     numel = sum(s.size for s in _slots(unit).values() if s.sharded) if unit.sharded else 0
