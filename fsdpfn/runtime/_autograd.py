@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, unit_label
 from fsdpfn._remat import ReplayMode, SaveMode
+from fsdpfn.comm import count_compiled
 from fsdpfn.runtime._executor import RuntimeScheduleError
 from fsdpfn.runtime._schedule import OpKind
 
@@ -138,7 +139,7 @@ class UnitCall:
 
     __slots__ = ("ex", "step", "unit", "module", "n_shards", "in_tree", "leaves", "tensor_idx", "out_tree", "inner", "needs_grad", "compiled")
 
-    def __init__(self, ex, step, unit, module, n_shards, in_tree, leaves, tensor_idx, needs_grad, compiled=False):
+    def __init__(self, ex, step, unit, module, n_shards, in_tree, leaves, tensor_idx, needs_grad, compiled=None):
         self.ex, self.step, self.unit, self.module = ex, step, unit, module
         self.compiled = compiled
         self.n_shards, self.in_tree, self.leaves, self.tensor_idx = n_shards, in_tree, leaves, tensor_idx
@@ -188,7 +189,7 @@ def _outside_functorch(call: "UnitCall"):
     compiled units the inner forward and the inner ``torch.autograd.grad`` run with the stack
     set aside; the outer transform still sees one ``UnitFn`` node, as without compile. Nothing
     else changes: the unit's gather, reduce and every other schedule op stay eager."""
-    if not call.compiled:
+    if call.compiled is None:
         return contextlib.nullcontext()
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
@@ -275,6 +276,8 @@ class UnitFn(torch.autograd.Function):
                     got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
             else:
                 got = [None] * len(wrt)
+            if call.compiled is not None and pairs:
+                count_compiled(call.compiled.get("backward", []))
             ex.full_grads[name] = list(got[: len(params)])
             x_grads = iter(got[len(params) :])
             out_x = [next(x_grads) if x.requires_grad else None for x in xs]

@@ -36,7 +36,8 @@ from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn._rows import chunk_bounds
 
-__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "reduce_traced", "unshard_traced"]
+__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "recording_backend", "reduce_traced",
+           "unshard_traced"]
 
 
 class CompileUnsupportedError(RuntimeError):
@@ -255,32 +256,8 @@ class CompiledStep:
     backward graphs when they were compiled."""
 
     def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor"):
-        with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
         self._graphs: dict[str, list] = {}
-
-        def inner(gm, example_inputs, **kwargs):
-            self._graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
-            return compile_fx_inner(gm, example_inputs, **kwargs)
-
-        patches = dict(OVERLAP_PASSES) if overlap else None
-
-        if compiler == "inductor":
-            def backend(gm, example_inputs):
-                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
-        else:  # AOTAutograd's forward and backward graphs, run as traced (no code generation)
-            from torch._dynamo.backends.common import aot_autograd
-
-            def record(kind):
-                def fn(gm, example_inputs):
-                    self._graphs[kind] = C.graph_collectives(gm)
-                    return gm
-                return fn
-
-            backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
-
+        backend = recording_backend(compiler, self._graphs, overlap)
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
 
@@ -305,15 +282,48 @@ class CompiledStep:
         return ((grads, aux) if self.has_aux else grads), loss.detach()
 
 
+def recording_backend(compiler: str, graphs: dict, overlap: bool = False):
+    """A ``torch.compile`` backend that compiles with ``compiler`` (:data:`COMPILERS`) and lists
+    the collectives of the forward and backward graphs AOTAutograd makes into
+    ``graphs["forward"]`` / ``graphs["backward"]`` (see [Note: collectives under torch.compile]),
+    so callers can count them on every call of the compiled code."""
+    if compiler not in COMPILERS:
+        raise ValueError(f"backend must be one of {COMPILERS}, got {compiler!r}")
+    if compiler == "aot_eager":  # AOTAutograd's forward and backward graphs, run as traced (no code generation)
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(kind):
+            def fn(gm, example_inputs):
+                graphs[kind] = C.graph_collectives(gm)
+                return gm
+            return fn
+
+        return aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+    with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    patches = dict(OVERLAP_PASSES) if overlap else None
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+    return backend
+
+
+COMPILERS = ("inductor", "aot_eager")
+
+
 # inductor's passes that move collectives: waits sunk to their first use, collectives raised to
 # where their inputs are ready, compute reordered to fill the time between a collective and its wait.
 OVERLAP_PASSES = {
     "reorder_for_compute_comm_overlap": True,
     "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"],
 }
-
-
-COMPILERS = ("inductor", "aot_eager")
 
 
 def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, backend: str = "inductor",
