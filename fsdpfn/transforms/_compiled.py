@@ -255,9 +255,10 @@ class CompiledStep:
     :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
     backward graphs when they were compiled."""
 
-    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor"):
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor",
+                 bucket: bool = False):
         self._graphs: dict[str, list] = {}
-        backend = recording_backend(compiler, self._graphs, overlap)
+        backend = recording_backend(compiler, self._graphs, overlap, bucket)
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
 
@@ -282,7 +283,7 @@ class CompiledStep:
         return ((grads, aux) if self.has_aux else grads), loss.detach()
 
 
-def recording_backend(compiler: str, graphs: dict, overlap: bool = False):
+def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket: bool = False):
     """A ``torch.compile`` backend that compiles with ``compiler`` (:data:`COMPILERS`) and lists
     the collectives of the forward and backward graphs AOTAutograd makes into
     ``graphs["forward"]`` / ``graphs["backward"]`` (see [Note: collectives under torch.compile]),
@@ -304,10 +305,14 @@ def recording_backend(compiler: str, graphs: dict, overlap: bool = False):
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm, example_inputs, **kwargs):
-        graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        kind = "backward" if kwargs.get("is_backward") else "forward"
+        graphs[kind] = C.graph_collectives(gm)
+        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        if bucket:  # the post-grad passes (bucketing among them) rewrote gm in place: list what runs
+            graphs[kind] = C.graph_collectives(gm)
+        return out
 
-    patches = dict(OVERLAP_PASSES) if overlap else None
+    patches = {**(OVERLAP_PASSES if overlap else {}), **(BUCKET_PASSES if bucket else {})} or None
 
     def backend(gm, example_inputs):
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
@@ -318,6 +323,11 @@ def recording_backend(compiler: str, graphs: dict, overlap: bool = False):
 COMPILERS = ("inductor", "aot_eager")
 
 
+# inductor's FX passes that merge collectives of one kind into fewer, larger ones (the kernel
+# cache is off so that the passes run, and the listed collectives are the merged ones, every time).
+BUCKET_PASSES = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "force_disable_caches": True}
+
+
 # inductor's passes that move collectives: waits sunk to their first use, collectives raised to
 # where their inputs are ready, compute reordered to fill the time between a collective and its wait.
 OVERLAP_PASSES = {
@@ -326,8 +336,8 @@ OVERLAP_PASSES = {
 }
 
 
-def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, backend: str = "inductor",
-            **options) -> CompiledStep:
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, bucket: bool = False,
+            backend: str = "inductor", **options) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).
@@ -345,6 +355,9 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
       overlap: turn on inductor's passes that reorder collectives and compute for overlap
         (:data:`OVERLAP_PASSES`: ``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``);
         the numbers do not change, only the order.
+      bucket: turn on inductor's FX bucketing passes (:data:`BUCKET_PASSES`): the all-gathers of
+        several units merged into one, and their reduce-scatters, fewer and larger collectives
+        (``step.collectives`` lists the merged ones). fsdpfn already sends one collective per unit.
       backend: ``"inductor"`` (the default: generated kernels) or ``"aot_eager"`` (the same
         traced forward and backward graphs, collectives included, run op by op without code
         generation: compiles in seconds, for checking a plan compiles).
@@ -364,6 +377,6 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
         raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
     if backend not in COMPILERS:
         raise ValueError(f"fsdpfn.compile: backend must be one of {COMPILERS}, got {backend!r}")
-    if overlap and backend != "inductor":
-        raise ValueError("fsdpfn.compile: overlap=True reorders with inductor's passes; use backend='inductor'")
-    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options, backend)
+    if (overlap or bucket) and backend != "inductor":
+        raise ValueError("fsdpfn.compile: overlap=True and bucket=True are inductor's passes; use backend='inductor'")
+    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options, backend, bucket)
