@@ -8,9 +8,10 @@ peak-resident-memory ratio (each side measured in a fresh 2-rank launch per conf
 first table compares gloo's native reduce-scatter with fsdpfn's all-to-all + local sum, which
 picks fsdpfn's CPU reduce-scatter path.
 
-With ``--compile``: four sides interleaved, fsdpfn eager (the runtime), fsdpfn compiled whole-step
-(``fsdpfn.compile``), FSDP2 eager and FSDP2 with each block compiled (torchtitan's per-block
-recipe), with each side's first step (where it compiles) reported apart.
+With ``--compile``: five sides interleaved, fsdpfn eager (the runtime), fsdpfn compiled whole-step
+(``fsdpfn.compile``), fsdpfn per-unit compiled (``Runtime.compile_units``: the runtime's schedule
+around each block's compiled forward), FSDP2 eager and FSDP2 with each block compiled
+(torchtitan's per-block recipe), with each side's first step (where it compiles) reported apart.
 
 Usage:
   OMP_NUM_THREADS=1 python benchmarks/vs_fsdp2.py                # 25 measured steps each
@@ -207,6 +208,11 @@ def _build(side, args, strategy, precision, mesh, counter):
     model = GPT(_cfg(args))
     if side == "fsdpfn":
         return FsdpfnSide(model, mesh, strategy, precision, args.lr)
+    if side == "fsdpfn per-unit compiled":  # the runtime's schedule around each block's compiled forward
+        out = FsdpfnSide(model, mesh, strategy, precision, args.lr)
+        out.rt.compile_units()
+        out.name = side
+        return out
     if side.startswith("fsdpfn compiled"):
         return FsdpfnCompiledSide(model, mesh, strategy, precision, args.lr, overlap="overlap" in side)
     if side == "FSDP2 per-block compiled":  # torchtitan's recipe: compile each block, then fully_shard
@@ -288,7 +294,7 @@ def _timing_rank(rank, world, args):
     return results
 
 
-COMPILE_SIDES = ["fsdpfn", "fsdpfn compiled", "FSDP2", "FSDP2 per-block compiled"]
+COMPILE_SIDES = ["fsdpfn", "fsdpfn compiled", "fsdpfn per-unit compiled", "FSDP2", "FSDP2 per-block compiled"]
 OVERLAP_SIDE = "fsdpfn compiled + overlap passes"
 
 
@@ -342,7 +348,9 @@ def _report_compile(res, args):
         t = {s: [max(x["times"][s][i] for x in r) for i in range(args.steps)] for s in COMPILE_SIDES}
         print(f"  {strategy} {precision}:")
         pairs = [("fsdpfn compiled", "FSDP2"), ("fsdpfn compiled", "FSDP2 per-block compiled"),
-                 ("fsdpfn compiled", "fsdpfn"), ("FSDP2 per-block compiled", "FSDP2"), ("fsdpfn", "FSDP2")]
+                 ("fsdpfn compiled", "fsdpfn"), ("fsdpfn per-unit compiled", "FSDP2 per-block compiled"),
+                 ("fsdpfn per-unit compiled", "FSDP2"), ("fsdpfn per-unit compiled", "fsdpfn"),
+                 ("FSDP2 per-block compiled", "FSDP2"), ("fsdpfn", "FSDP2")]
         if OVERLAP_SIDE in COMPILE_SIDES:
             pairs += [(OVERLAP_SIDE, "fsdpfn compiled"), (OVERLAP_SIDE, "FSDP2")]
         for a, b in pairs:

@@ -152,17 +152,210 @@ def test_compiled_func_grad_is_refused_or_eager_exact(run_on_ranks, fullgraph):
             assert what == "grads" and detail == 0.0, detail
 
 
-def _fp8_refused(rank, world):
+# aot_eager (fsdpfn.compile(backend="aot_eager"), compile_units(backend="aot_eager")) runs the
+# traced ATen graph op by op with the eager kernels: the same operators on the same inputs in the
+# same order as eager (functionalization only turns in-place writes into fresh buffers into
+# out-of-place ones), so those runs are compared bitwise; only inductor's fused kernels reorder sums.
+
+FP8_CFG = GPTConfig(vocab_size=29, seq_len=8, width=44, depth=2, heads=2)  # FP8-eligible widths, uneven rows
+
+
+def _bitwise(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
+    """fsdpfn.compile (aot_eager) of the pure loop against eager: graphs, breaks, gradients and
+    5 SGD steps (bitwise), and the compiled graph's collectives against the ones eager runs."""
     _fresh_compile()
-    _, plan, params, loss_fn = _setup(world, "zero3", (2,), fsdpfn.MixedPrecision(fp8=True))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names), **plan_kw)
+    params = fsdpfn.shard(model, plan)
+
+    def loss_fn(params, x, y):
+        logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    dp = fsdpfn.transforms.dp_rank(plan)
+    x, y = _batch(dp, 0)
+    explained = torch._dynamo.explain(loss_fn)(params, x, y)
+    torch._dynamo.reset()
+    step = fsdpfn.compile(loss_fn, backend="aot_eager")
+    eager, compiled, same, calls = dict(params), dict(params), True, None
+    for i in range(STEPS):
+        x, y = _batch(dp, i)
+        with fsdpfn.count_collectives() as c_e:
+            g_e, l_e = torch.func.grad_and_value(loss_fn)(eager, x, y)
+        with fsdpfn.count_collectives() as c_c:
+            g_c, l_c = step(compiled, x, y)
+        same &= _bitwise(l_c, l_e) and all(_bitwise(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
+        if i == 0:
+            key = lambda c: (c.kind, c.group_size, c.nbytes, c.dtype)  # noqa: E731
+            calls = (sorted(map(key, c_c.calls), key=str), sorted(map(key, c_e.calls), key=str))
+        eager = {n: (p - LR * g_e[n]).detach() for n, p in eager.items()}
+        compiled = {n: (p - LR * g_c[n]).detach() for n, p in compiled.items()}
+    same &= all(_bitwise(compiled[n].to_local(), eager[n].to_local()) for n in eager)
+    return explained.graph_count, explained.graph_break_count, [str(b.reason)[:200] for b in explained.break_reasons], same, calls
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
+def test_fp8_gathers_compile_with_the_eager_bytes(run_on_ranks, recipe):
+    """FP8 gathers compile: one graph, the same E4M3 bytes and scales on the wire (every
+    collective's kind, size and dtype equal to eager's, the per-tensor amax all-reduce included),
+    gradients and 5 SGD steps bitwise equal to eager."""
+    mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8=recipe)
+    for graphs, breaks, reasons, same, (compiled, eager) in run_on_ranks(
+            _whole_step_vs_eager, 2, dict(strategy="zero3", mp=mp), (2,), None, FP8_CFG, timeout=COMPILE_TIMEOUT):
+        assert (graphs, breaks) == (1, 0), reasons
+        assert same
+        assert compiled == eager and any(c[0] == "all_gather" and c[3] == torch.uint8 for c in compiled)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
+    """(dp=2, tp=2) on 4 ranks: the tp activation all-reduces and the rowwise biases' zeros on tp
+    position 1 are in the graph; gradients and 5 SGD steps bitwise equal to eager, and the
+    compiled graphs hold exactly the collectives eager runs."""
+    from fsdpfn.models import GPT_TP_PLAN
+
+    for graphs, breaks, reasons, same, (compiled, eager) in run_on_ranks(
+            _whole_step_vs_eager, 4, dict(strategy=strategy, tp=GPT_TP_PLAN), (2, 2), ("dp", "tp"), CFG,
+            timeout=COMPILE_TIMEOUT):
+        assert (graphs, breaks) == (1, 0), reasons
+        assert same
+        assert compiled == eager
+
+
+# ---- per-unit compile: Runtime.compile_units ------------------------------------------------
+
+
+def _per_unit_vs_eager(rank, world, configs):
+    """Each config trained 5 AdamW steps by the eager runtime and by the runtime with every unit's
+    forward compiled (aot_eager); per config: the compiled units, the graphs compiled, whether
+    every step's gradients and parameters were bitwise equal, and whether every step counted the
+    same collectives (kinds, sizes) as eager (traced ones inside a unit counted per call)."""
+    from fsdpfn.models import GPT_TP_PLAN
+
+    out = []
+    for strategy, mesh_shape, names, style, prefetch, extra in configs:
+        _fresh_compile()
+        kw = dict(extra)
+        cfg = FP8_CFG if "mp" in kw else CFG
+        if kw.pop("tp", False):
+            kw["tp"] = GPT_TP_PLAN
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names), strategy=strategy, **kw)
+        dp = fsdpfn.transforms.dp_rank(plan)
+        runs, units = [], None
+        for compiled in (False, True):
+            rt = fsdpfn.runtime.Runtime(model, plan, prefetch=prefetch)
+            if compiled:
+                units = rt.compile_units(backend="aot_eager")
+                torch._dynamo.utils.counters.clear()
+            params = fsdpfn.shard(model, plan, requires_grad=style == "backward")
+            opt = fsdpfn.optim.adamw(1e-2)
+            state = opt.init(params)
+            trace = []
+            for i in range(STEPS):
+                x, y = _batch(dp, i)
+                with fsdpfn.count_collectives() as counter:
+                    if style == "func":
+                        grads, loss = rt.value_and_grad(lambda p: F.cross_entropy(rt.apply(p, x).float().flatten(0, 1), y.flatten()))(params)
+                    else:
+                        with rt.bind(params):
+                            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                            loss.backward()
+                        grads = rt.grads(params)
+                with torch.no_grad():
+                    updates, state = opt.update(grads, state, params)
+                    params = fsdpfn.optim.apply_updates(params, updates)
+                if style == "backward":
+                    params = {n: p.detach().requires_grad_() for n, p in params.items()}
+                trace.append((loss.detach(), {n: g.to_local() for n, g in grads.items()}, {n: p.to_local() for n, p in params.items()},
+                              sorted((c.kind, c.nbytes) for c in counter.calls)))
+            runs.append(trace)
+        same = all(_bitwise(a[0], b[0]) and all(_bitwise(a[1][n], b[1][n]) and _bitwise(a[2][n], b[2][n]) for n in a[1])
+                   for a, b in zip(*runs))
+        same_calls = all(a[3] == b[3] for a, b in zip(*runs))
+        out.append((units, torch._dynamo.utils.counters["stats"]["unique_graphs"], same, same_calls))
+    return out
+
+
+PER_UNIT = [
+    # strategy, mesh, names, style, prefetch, plan extras
+    ("zero1", (2,), None, "func", 1, {}),
+    ("zero2", (2,), None, "backward", 1, {}),
+    ("zero3", (2,), None, "func", 0, {}),
+    ("zero3", (2,), None, "backward", 2, {}),
+    ("replicate", (2,), None, "backward", 1, {}),
+    ("zero3", (2, 1), ("replicate", "shard"), "func", 1, {}),
+    ("zero3", (2,), None, "func", 1, {"mp": fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8="mxfp8")}),
+    ("zero3", (2,), None, "backward", 1, {"offload": True}),
+]
+
+
+def test_per_unit_compile_keeps_the_schedule_and_the_eager_numbers(run_on_ranks):
+    """Runtime.compile_units: every block's forward compiled (fullgraph, so no break), the
+    gathers, prefetch, reshard, reduces, FP8 gathers and offload copies the runtime's own. The
+    two GPT blocks share one compiled graph (per grad mode: one); every step bitwise equal to the
+    eager runtime, with the same collectives."""
+    for rank_result in run_on_ranks(_per_unit_vs_eager, 2, PER_UNIT, timeout=COMPILE_TIMEOUT):
+        for config, (units, graphs, same, same_calls) in zip(PER_UNIT, rank_result):
+            assert units == ["blocks.0", "blocks.1"], config
+            assert graphs == 1, (config, graphs)
+            assert same and same_calls, config
+
+
+def test_per_unit_compile_under_tensor_parallelism(run_on_ranks):
+    """(dp=2, tp=2): the blocks' tp all-reduces traced into the compiled unit, both styles."""
+    configs = [("zero3", (2, 2), ("dp", "tp"), style, 1, {"tp": True}) for style in ("func", "backward")]
+    for rank_result in run_on_ranks(_per_unit_vs_eager, 4, configs, timeout=COMPILE_TIMEOUT):
+        for config, (units, graphs, same, same_calls) in zip(configs, rank_result):
+            assert units == ["blocks.0", "blocks.1"] and graphs == 1, (config, units, graphs)
+            assert same and same_calls, config
+
+
+def _per_unit_inductor(rank, world):
+    _fresh_compile()
+    model, plan, params, loss_fn = _setup(world, "zero3", (2,))
+    rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)
+    eager_rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)
+    units = rt.compile_units()
     x, y = _batch(rank, 0)
-    with pytest.raises(Exception, match="FP8"):
-        fsdpfn.compile(loss_fn)(params, x, y)
-    return True
+    want, _ = eager_rt.value_and_grad(lambda p: F.cross_entropy(eager_rt.apply(p, x).flatten(0, 1), y.flatten()))(params)
+    got, _ = rt.value_and_grad(lambda p: F.cross_entropy(rt.apply(p, x).flatten(0, 1), y.flatten()))(params)
+    return units, max(_rel(got[n].to_local(), want[n].to_local()) for n in want)
 
 
-def test_fp8_gather_is_refused_under_compile(run_on_ranks):
-    assert all(run_on_ranks(_fp8_refused, 2, timeout=COMPILE_TIMEOUT))
+def test_per_unit_compile_with_inductor(run_on_ranks):
+    """inductor's kernels reorder the blocks' float32 sums: within the bound of _tol."""
+    for units, err in run_on_ranks(_per_unit_inductor, 2, timeout=COMPILE_TIMEOUT):
+        assert units == ["blocks.0", "blocks.1"]
+        assert err <= _tol(2), err
+
+
+def _per_unit_refusals(rank, world):
+    _fresh_compile()
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, testing.mesh((world,)), remat={"blocks.1": "full"})
+    rt = fsdpfn.runtime.Runtime(model, plan)
+    with pytest.raises(fsdpfn.CompileUnsupportedError, match="blocks.1.*remat"):
+        rt.compile_units(["blocks.1"])
+    with pytest.raises(ValueError, match="'blocks.7' is not a unit"):
+        rt.compile_units(["blocks.7"])
+    with pytest.raises(fsdpfn.CompileUnsupportedError, match="root"):
+        rt.compile_units([""])
+    chosen = rt.compile_units(backend="aot_eager")  # the default skips what cannot compile
+    with pytest.raises(ValueError, match="already"):
+        rt.compile_units()
+    return chosen, rt.compiled_units
+
+
+def test_per_unit_compile_refuses_by_name(run_on_ranks):
+    for chosen, listed in run_on_ranks(_per_unit_refusals, 2, timeout=COMPILE_TIMEOUT):
+        assert chosen == listed == ["blocks.0"]
 
 
 def _runtime_compiled_vs_eager(rank, world, style, prefetches):

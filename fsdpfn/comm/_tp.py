@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from fsdpfn.comm import _groups
+from fsdpfn.comm import _traceable as _traced
 from fsdpfn.comm._collectives import all_gather, all_reduce
 
 __all__ = ["tp_copy", "tp_reduce", "tp_gather_last", "tp_split_last"]
@@ -118,6 +119,74 @@ class _SplitLast(torch.autograd.Function):
             return _gather_last(g, ctx.group, ctx.tag), None, None
 
 
+class _TracedCopy(torch.autograd.Function):
+    """:class:`_Copy` while dynamo traces: functional collectives, no functorch escape (see
+    [Note: TP collectives under torch.compile])."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _traced.traced_all_reduce(g.contiguous(), ctx.group), None
+
+
+class _TracedReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _traced.traced_all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _traced_gather_last(x, group):
+    w = group.size()
+    flat = _traced.traced_all_gather(x.contiguous().view(-1), group)
+    return flat.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], w * x.shape[-1])
+
+
+def _traced_split_last(x, group):
+    w, n = group.size(), x.shape[-1]
+    return x.narrow(-1, group.rank() * (n // w), n // w).contiguous()
+
+
+class _TracedGatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _traced_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _traced_split_last(g, ctx.group), None
+
+
+class _TracedSplitLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _traced_split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _traced_gather_last(g, ctx.group), None
+
+
+def _traceable(group) -> bool:
+    """[Note: TP collectives under torch.compile]
+    While dynamo traces (a unit compiled by ``Runtime.compile_units``), the eager Functions'
+    ``_DisableFuncTorch`` and asynchronous work would break the graph, so each operator has a
+    twin with torch's functional collectives, traced into the forward and backward graphs with
+    the same sums and slices. There is no ``torch.func`` transform inside a compiled unit (the
+    runtime runs it below functorch), so the twins need no functorch escape. They are not
+    counted or flight-recorded per call; the runtime's unit collectives around them still are."""
+    return group is not None and _traced.compiling()
+
+
 def tp_copy(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
     """Identity forward; backward all-reduces (sums) the gradient over ``group``. Transpose of
     :func:`tp_reduce`. Put it on the input of a colwise layer.
@@ -126,6 +195,8 @@ def tp_copy(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
       >>> fsdpfn.comm.tp_copy(torch.ones(2)).tolist()  # one process: tp = 1
       [1.0, 1.0]
     """
+    if _traceable(group):
+        return _TracedCopy.apply(x, group)
     return _Copy.apply(x, group, tag)
 
 
@@ -137,6 +208,8 @@ def tp_reduce(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
       >>> fsdpfn.comm.tp_reduce(torch.ones(2)).tolist()
       [1.0, 1.0]
     """
+    if _traceable(group):
+        return _TracedReduce.apply(x, group)
     return _Reduce.apply(x, group, tag)
 
 
@@ -148,6 +221,8 @@ def tp_gather_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tenso
       >>> fsdpfn.comm.tp_gather_last(torch.ones(2, 3)).shape
       torch.Size([2, 3])
     """
+    if _traceable(group):
+        return _TracedGatherLast.apply(x, group)
     return _GatherLast.apply(x, group, tag)
 
 
@@ -159,4 +234,6 @@ def tp_split_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor
       >>> fsdpfn.comm.tp_split_last(torch.arange(4.0)).tolist()
       [0.0, 1.0, 2.0, 3.0]
     """
+    if _traceable(group):
+        return _TracedSplitLast.apply(x, group)
     return _SplitLast.apply(x, group, tag)

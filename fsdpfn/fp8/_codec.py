@@ -75,7 +75,7 @@ def float8_layout(unit, policy, dtype: torch.dtype) -> Float8Layout:
     for _, name, kind, nbytes in regions:
         offsets[(name, kind)] = (offset, nbytes)
         offset += nbytes
-    align = max((r[0] for r in regions), default=1)
+    align = max([1] + [r[0] for r in regions])  # (no default=: dynamo traces this when a compiled gather builds it)
     slots = {}
     for p in unit.params:
         slot = unit.slots[p.name]

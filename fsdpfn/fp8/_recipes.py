@@ -148,8 +148,9 @@ class Float8Recipe:
         s = self._block_exponents(torch.where(finite, amax, torch.zeros_like(amax)))
         y = blocks * exp2_exact(-s).unsqueeze(-1)  # exact: division by a power of two
         codes = to_e4m3(y).view(torch.uint8)
-        if not bool(finite.all()):
-            codes = torch.where(finite.unsqueeze(-1), codes, torch.full_like(codes, E4M3_NAN))
+        # unconditional (no data-dependent branch, so the quantizer traces under torch.compile):
+        # where every block is finite this is the identity.
+        codes = torch.where(finite.unsqueeze(-1), codes, torch.full_like(codes, E4M3_NAN))
         codes = codes.view(*x.shape[:-1], nb * b)
         data = (codes if nb * b == n else codes[..., :n].contiguous()).view(torch.float8_e4m3fn)
         return Quantized(data, self._encode_scale(s, finite))

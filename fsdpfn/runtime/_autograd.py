@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, unit_label
 from fsdpfn._remat import ReplayMode, SaveMode
+from fsdpfn.comm import count_compiled
 from fsdpfn.runtime._executor import RuntimeScheduleError
 from fsdpfn.runtime._schedule import OpKind
 
@@ -136,10 +137,11 @@ class RootExit(torch.autograd.Function):
 class UnitCall:
     """One call of a unit module: what its Function needs, and the graph it keeps."""
 
-    __slots__ = ("ex", "step", "unit", "module", "n_shards", "in_tree", "leaves", "tensor_idx", "out_tree", "inner", "needs_grad")
+    __slots__ = ("ex", "step", "unit", "module", "n_shards", "in_tree", "leaves", "tensor_idx", "out_tree", "inner", "needs_grad", "compiled")
 
-    def __init__(self, ex, step, unit, module, n_shards, in_tree, leaves, tensor_idx, needs_grad):
+    def __init__(self, ex, step, unit, module, n_shards, in_tree, leaves, tensor_idx, needs_grad, compiled=None):
         self.ex, self.step, self.unit, self.module = ex, step, unit, module
+        self.compiled = compiled
         self.n_shards, self.in_tree, self.leaves, self.tensor_idx = n_shards, in_tree, leaves, tensor_idx
         self.needs_grad = needs_grad
         self.out_tree = None
@@ -179,6 +181,21 @@ def _run_unit(call: "UnitCall", params, xs, grad: bool):
     return params, xs, flat, out_tree
 
 
+def _outside_functorch(call: "UnitCall"):
+    """[Note: per-unit compile]
+    A compiled unit's forward is an AOTAutograd node inside the unit's own plain-tensor graph
+    (:class:`UnitFn` builds it below functorch). AOTAutograd refuses to run a compiled backward
+    while any ``torch.func`` transform is on the interpreter stack, even a disabled one, so for
+    compiled units the inner forward and the inner ``torch.autograd.grad`` run with the stack
+    set aside; the outer transform still sees one ``UnitFn`` node, as without compile. Nothing
+    else changes: the unit's gather, reduce and every other schedule op stay eager."""
+    if call.compiled is None:
+        return contextlib.nullcontext()
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
+
+
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages ``tensors`` hold."""
     seen = {}
@@ -211,7 +228,7 @@ class UnitFn(torch.autograd.Function):
             rng = _rng_state(xs) if remat else None
             kept = SaveMode(policy, call.unit.label) if remat and policy != "full" else contextlib.nullcontext()
             full = ex.full_params(name)
-            with kept:
+            with kept, _outside_functorch(call):
                 params, xs_used, flat, call.out_tree = _run_unit(call, full, xs, call.needs_grad and not remat)
             for o in flat:
                 if not isinstance(o, torch.Tensor):
@@ -255,10 +272,12 @@ class UnitFn(torch.autograd.Function):
             pairs = [(o, _unwrap(g)) for o, g in zip(flat, grads) if o.requires_grad and g is not None]
             wrt = list(params) + [x for x in xs if x.requires_grad]
             if pairs:
-                with torch.enable_grad():
+                with torch.enable_grad(), _outside_functorch(call):
                     got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
             else:
                 got = [None] * len(wrt)
+            if call.compiled is not None and pairs:
+                count_compiled(call.compiled.get("backward", []))
             ex.full_grads[name] = list(got[: len(params)])
             x_grads = iter(got[len(params) :])
             out_x = [next(x_grads) if x.requires_grad else None for x in xs]

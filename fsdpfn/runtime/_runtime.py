@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Mapping
 
 import optree
@@ -16,8 +17,8 @@ from fsdpfn.runtime._executor import Executor
 from fsdpfn.runtime._schedule import OpKind, Schedule, validate
 from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn._steps import reduces_now
-from fsdpfn.comm import compiling
-from fsdpfn.transforms import CompileUnsupportedError, apply_tp, check_params, unshard
+from fsdpfn.comm import compiling, count_compiled
+from fsdpfn.transforms import CompileUnsupportedError, apply_tp, check_params, recording_backend, unshard
 
 __all__ = ["Runtime"]
 
@@ -104,6 +105,7 @@ class Runtime:
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
         self._local_only = False
         self._in_apply = False
+        self._compiled: dict[str, Callable] = {}
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -269,6 +271,75 @@ class Runtime:
         """
         return {n: p.grad for n, p in params.items()}
 
+    def compile_units(self, units=None, *, backend: str = "inductor", fullgraph: bool = True, **options) -> list[str]:
+        """Compiles each unit's own forward with ``torch.compile`` and keeps the schedule around
+        them (per-unit compile, as torchtitan compiles each transformer block under FSDP2).
+
+        The gathers, prefetch, reshard-after-forward, reduces, accumulation, FP8 gathers and
+        offload copies stay the runtime's, eager, exactly as without compile: only the code between
+        a unit's gather and its reduce is compiled (see [Note: per-unit compile]). Both loop
+        styles work. Modules of one class share their compiled code, so a stack of identical
+        blocks compiles once. Collectives inside a unit (tensor-parallel activations) are traced;
+        they are listed when compiled and counted on every call, like :func:`fsdpfn.compile`'s.
+
+        Args:
+          units: names of the units to compile (default: every unit that can be, see below).
+          backend: ``"inductor"`` (generated kernels) or ``"aot_eager"`` (the traced graphs run
+            op by op: compiles in seconds, for checking).
+          fullgraph: refuse graph breaks inside a unit (the default: a break is an error naming
+            its cause, not a silent eager fallback).
+          **options: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ``options``).
+
+        A unit compiles unless it is the root (its code wraps the other units), contains another
+        unit (an expert unit inside a block: compile the inner one), or rematerialises
+        (``remat`` other than ``"none"``: the recompute's replay must see every operator the
+        forward ran); asking for one of those by name is an error.
+
+        Returns:
+          the names of the compiled units.
+
+        Example:
+          >>> rt2 = fsdpfn.runtime.Runtime(model, plan)
+          >>> rt2.compile_units(backend="eager")
+          ['blocks.0', 'blocks.1']
+        """
+        if self._compiled:
+            raise ValueError("compile_units was already called on this Runtime; build a new Runtime to compile other units")
+        reasons = {ROOT: "it is the root unit, whose code wraps every other unit"}
+        for name, module in self._modules.items():
+            inner = [n for n in self._modules if n != name and n.startswith(name + ".")]
+            if inner:
+                reasons[name] = f"it contains unit(s) {inner[:3]}; compile those instead"
+            elif self.plan.unit(name).remat != "none":
+                reasons[name] = (f"its remat policy {self.plan.unit(name).remat!r} replays operators one by one, which compiled "
+                                 "kernels hide; use remat='none' for compiled units")
+        if units is None:
+            chosen = [n for n in self._modules if n not in reasons]
+        else:
+            if isinstance(units, str):
+                units = [units]
+            known = set(self._modules) | {ROOT}
+            chosen = list(units)
+            for n in chosen:
+                if n not in known:
+                    raise ValueError(f"compile_units: {n!r} is not a unit of this plan; units: {sorted(known)[:8]}")
+                if n in reasons:
+                    raise CompileUnsupportedError(f"compile_units: unit {n!r} cannot be compiled on its own: {reasons[n]}")
+        by_class: dict[type, tuple] = {}
+        for n in chosen:
+            cls = type(self._modules[n])
+            if cls not in by_class:
+                graphs: dict[str, list] = {}
+                fn = torch.compile(cls.forward, backend=recording_backend(backend, graphs), fullgraph=fullgraph, **options)
+                by_class[cls] = (fn, graphs)
+            self._compiled[n] = by_class[cls]
+        return chosen
+
+    @property
+    def compiled_units(self) -> list[str]:
+        """Names of the units whose forward :meth:`compile_units` compiled."""
+        return list(self._compiled)
+
     # ---- routing unit modules through UnitFn ---------------------------------------------
 
     @contextlib.contextmanager
@@ -278,14 +349,15 @@ class Runtime:
         for name, module in self._modules.items():
             unit = self.plan.unit(name)
             unit_shards = [shards[p.name] for p in unit.params]
-            original = type(module).forward.__get__(module)
+            compiled = self._compiled.get(name)
+            original = type(module).forward.__get__(module) if compiled is None else functools.partial(_run_compiled, compiled, module)
 
             def forward(*args, _name=name, _module=module, _unit=unit, _shards=unit_shards, _orig=original, **kwargs):
                 if ex.inside == _name:
                     return _orig(*args, **kwargs)
                 leaves, in_tree = optree.tree_flatten((list(args), kwargs), none_is_leaf=True)
                 idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-                call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad)
+                call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad, self._compiled.get(_name, (None, None))[1])
                 outs = UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
                 return optree.tree_unflatten(call.out_tree, list(outs))
 
@@ -300,3 +372,12 @@ class Runtime:
                 del module.forward
                 if previous is not None:
                     module.forward = previous
+
+
+def _run_compiled(compiled, module, *args, **kwargs):
+    """A compiled unit forward; its graph's collectives are counted per call (the backward
+    graph's in ``UnitFn.backward``)."""
+    fn, graphs = compiled
+    out = fn(module, *args, **kwargs)
+    count_compiled(graphs.get("forward", []))
+    return out

@@ -36,7 +36,8 @@ from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn._rows import chunk_bounds
 
-__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "reduce_traced", "unshard_traced"]
+__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "recording_backend", "reduce_traced",
+           "unshard_traced"]
 
 
 class CompileUnsupportedError(RuntimeError):
@@ -68,15 +69,11 @@ def check_compilable(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
-    if _cached(plan, "axes").tp_size > 1:
+    te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8.backend == "te"]
+    if te:
         raise CompileUnsupportedError(
-            "tensor-parallel plans do not compile yet (their activation collectives are eager); "
-            "compile each unit's forward instead, or run this plan eagerly")
-    fp8 = [u.name for u in plan.units if u.fp8]
-    if fp8:
-        raise CompileUnsupportedError(
-            f"units {fp8[:3]} gather in FP8, which does not compile yet (the compiled gather would ship "
-            "param_dtype rows, not the eager bytes); compile each unit's forward instead, or run eagerly")
+            f"units {te[:3]} hand FP8 weights to Transformer Engine (backend='te'), whose tensors do not trace; "
+            "use backend='torch' under torch.compile, compile each unit's forward (Runtime.compile_units), or run eagerly")
 
 
 def _refuse_functorch(where: str) -> None:
@@ -101,7 +98,30 @@ def _pack_gather(unit: Unit, locals_: list[torch.Tensor], dtype: torch.dtype) ->
     return torch.cat(parts)
 
 
+def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An FP8 unit's gather, traced: the unit's own codec packs the same E4M3 bytes and scales
+    as the eager gather (per-tensor recipes after the same max all-reduce of the amax, over the
+    shard axis and tp where the tensor spans it), one all-gather of uint8 moves them, the codec
+    dequantizes. The bytes on the wire are the eager path's."""
+    codec = _cached(plan, "_codecs")[unit.name]
+    amax = codec.local_amax(locals_)
+    if amax is not None:
+        amax = C.traced_all_reduce(amax, _group(plan, Role.SHARD), op="max")
+        if _cached(plan, "axes").tp_size > 1 and any(unit.param(n).tp_dim is not None for n in codec.amax_params):
+            amax = C.traced_all_reduce(amax, _group(plan, Role.TP), op="max")
+    w = _cached(plan, "axes").shard_size
+    stacked = None
+    if codec.numel:
+        stacked = C.traced_all_gather(codec.encode(locals_, amax), _group(plan, Role.SHARD)).view(w, codec.numel)
+    return codec.decode(stacked, locals_, None, amax)
+
+
 def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
+    if unit.fp8:
+        fulls = _gather_fp8(plan, unit, locals_)
+        if _role_rank(plan, Role.TP):
+            fulls = [torch.zeros_like(f) if p.tp == "partial" else f for p, f in zip(unit.params, fulls)]
+        return fulls
     dtype = plan.gather_dtype(unit)
     w = _cached(plan, "axes").shard_size
     numel = sum(s.size for s in _slots(unit).values() if s.sharded) if unit.sharded else 0
@@ -120,6 +140,10 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.T
             full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)
         else:
             full = local.to(dtype)
+        if p.tp == "partial" and _role_rank(plan, Role.TP):
+            # a rowwise layer's bias: added on tp position 0 only, so the all-reduce after the layer
+            # adds it once (as the eager gather does); its gradient reaches it whole either way.
+            full = torch.zeros_like(full)
         fulls.append(full)
     return fulls
 
@@ -217,9 +241,13 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
 
 
-def _shard_rank(plan: Plan) -> int:
-    d = _cached(plan, "axes").dim(Role.SHARD)
+def _role_rank(plan: Plan, role: Role) -> int:
+    d = _cached(plan, "axes").dim(role)
     return 0 if d is None else plan.mesh.get_local_rank(d)
+
+
+def _shard_rank(plan: Plan) -> int:
+    return _role_rank(plan, Role.SHARD)
 
 
 class CompiledStep:
@@ -227,22 +255,10 @@ class CompiledStep:
     :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
     backward graphs when they were compiled."""
 
-    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict):
-        with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
+    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor",
+                 bucket: bool = False):
         self._graphs: dict[str, list] = {}
-
-        def inner(gm, example_inputs, **kwargs):
-            self._graphs["backward" if kwargs.get("is_backward") else "forward"] = C.graph_collectives(gm)
-            return compile_fx_inner(gm, example_inputs, **kwargs)
-
-        patches = dict(OVERLAP_PASSES) if overlap else None
-
-        def backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
-
+        backend = recording_backend(compiler, self._graphs, overlap, bucket)
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
 
@@ -267,6 +283,51 @@ class CompiledStep:
         return ((grads, aux) if self.has_aux else grads), loss.detach()
 
 
+def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket: bool = False):
+    """A ``torch.compile`` backend that compiles with ``compiler`` (:data:`COMPILERS`) and lists
+    the collectives of the forward and backward graphs AOTAutograd makes into
+    ``graphs["forward"]`` / ``graphs["backward"]`` (see [Note: collectives under torch.compile]),
+    so callers can count them on every call of the compiled code."""
+    if compiler not in COMPILERS:
+        raise ValueError(f"backend must be one of {COMPILERS}, got {compiler!r}")
+    if compiler == "aot_eager":  # AOTAutograd's forward and backward graphs, run as traced (no code generation)
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(kind):
+            def fn(gm, example_inputs):
+                graphs[kind] = C.graph_collectives(gm)
+                return gm
+            return fn
+
+        return aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+    with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        kind = "backward" if kwargs.get("is_backward") else "forward"
+        graphs[kind] = C.graph_collectives(gm)
+        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        if bucket:  # the post-grad passes (bucketing among them) rewrote gm in place: list what runs
+            graphs[kind] = C.graph_collectives(gm)
+        return out
+
+    patches = {**(OVERLAP_PASSES if overlap else {}), **(BUCKET_PASSES if bucket else {})} or None
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+    return backend
+
+
+COMPILERS = ("inductor", "aot_eager")
+
+
+# inductor's FX passes that merge collectives of one kind into fewer, larger ones (the kernel
+# cache is off so that the passes run, and the listed collectives are the merged ones, every time).
+BUCKET_PASSES = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "force_disable_caches": True}
+
+
 # inductor's passes that move collectives: waits sunk to their first use, collectives raised to
 # where their inputs are ready, compute reordered to fill the time between a collective and its wait.
 OVERLAP_PASSES = {
@@ -275,7 +336,8 @@ OVERLAP_PASSES = {
 }
 
 
-def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, **options) -> CompiledStep:
+def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, bucket: bool = False,
+            backend: str = "inductor", **options) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).
@@ -293,6 +355,12 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
       overlap: turn on inductor's passes that reorder collectives and compute for overlap
         (:data:`OVERLAP_PASSES`: ``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``);
         the numbers do not change, only the order.
+      bucket: turn on inductor's FX bucketing passes (:data:`BUCKET_PASSES`): the all-gathers of
+        several units merged into one, and their reduce-scatters, fewer and larger collectives
+        (``step.collectives`` lists the merged ones). fsdpfn already sends one collective per unit.
+      backend: ``"inductor"`` (the default: generated kernels) or ``"aot_eager"`` (the same
+        traced forward and backward graphs, collectives included, run op by op without code
+        generation: compiles in seconds, for checking a plan compiles).
       **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
 
     Returns:
@@ -307,4 +375,8 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
     """
     if not callable(loss_fn):
         raise ValueError(f"fsdpfn.compile: loss_fn must be callable, got {type(loss_fn).__name__}")
-    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options)
+    if backend not in COMPILERS:
+        raise ValueError(f"fsdpfn.compile: backend must be one of {COMPILERS}, got {backend!r}")
+    if (overlap or bucket) and backend != "inductor":
+        raise ValueError("fsdpfn.compile: overlap=True and bucket=True are inductor's passes; use backend='inductor'")
+    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options, backend, bucket)
