@@ -8,6 +8,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py --resume --steps 400            # continue the run to step 400
     python examples/train_gpt.py --resume --steps 500 --world-size 1 --strategy zero2  # resharded
     python examples/train_gpt.py --world-size 4 --tp 2                # FSDP x tensor parallel
+    python examples/train_gpt.py --world-size 4 --experts 4 --ep 2    # mixture of experts, expert parallel
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
 
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: attention and MLP matmuls split over tp ranks (mesh (dp, tp), or "
                         "(replicate, shard, tp) with --replicas); ranks differing only in tp read the same batch")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (with --experts): each MoE layer's experts split over ep ranks, tokens "
+                        "sent to their experts by all-to-alls, each expert sharded over the world / ep ranks of its "
+                        "expert-data-parallel group (mesh (ep, edp)); every rank reads its own batch")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, NCCL")
     g.add_argument("--executor", default="runtime", choices=["runtime", "pure"],
                    help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad")
@@ -97,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init", default="meta", choices=["meta", "full"],
                    help="meta: build the model on the meta device, each rank creates only its shards (fsdpfn.init_shards); "
                         "full: every rank builds the whole model, then keeps its shards (fsdpfn.shard)")
+    g.add_argument("--experts", type=int, default=0,
+                   help="experts per MoE layer: the MLPs of every --moe-every-th block (blocks 0, k, 2k, ...) become "
+                        "top-k mixtures of experts, each expert as wide as the dense MLP, with a load-balancing loss "
+                        "(weight 0.01 per layer) added to the loss (0: dense MLPs)")
+    g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to (with --experts)")
+    g.add_argument("--moe-every", type=int, default=1, metavar="K",
+                   help="with --experts: block i has an MoE MLP when i %% K == 0 (1: every block; 2: blocks 0, 2, 4, ...)")
+    g.add_argument("--capacity-factor", type=float, default=None,
+                   help="with --experts: each expert takes at most ceil(factor x tokens x top-k / experts) of a rank's "
+                        "tokens per step, the first in token order; the rest skip the layer (residual only) "
+                        "(default: no dropping)")
     g.add_argument("--fp8", action="store_true",
                    help="gather the weight matrices as MXFP8 (fsdpfn.MixedPrecision(fp8='mxfp8')): fp32 masters, FP8 bytes on the wire")
     g = p.add_argument_group("training")
@@ -150,14 +166,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_experts(args, world: int) -> str | None:
+    """The first MoE flag (``--experts``, ``--ep``, ``--top-k``, ``--capacity-factor``) that
+    cannot work with the others, or ``None``."""
+    if not args.experts:
+        for flag, value, default in (("--ep", args.ep, 1), ("--capacity-factor", args.capacity_factor, None)):
+            if value != default:
+                return f"{flag} {value} needs --experts (the number of experts per MoE layer, e.g. --experts 4)"
+        return None
+    if args.top_k > args.experts:
+        return f"--top-k {args.top_k} must be at most --experts {args.experts}"
+    if args.capacity_factor is not None and not 0 < args.capacity_factor < float("inf"):
+        return f"--capacity-factor must be a number > 0 (e.g. 1.25), got {args.capacity_factor}"
+    if args.tp > 1:
+        return f"--experts with --tp {args.tp}: mixture-of-experts layers do not run under tensor parallelism; drop --tp"
+    if args.ep > 1 and args.replicas > 1:
+        return f"--ep {args.ep} with --replicas {args.replicas}: an expert-parallel mesh has no replicate axis; drop --replicas"
+    if world % args.ep:
+        return f"--ep {args.ep} must divide the world size {world} (the mesh is (ep, world / ep))"
+    if args.experts % args.ep:
+        return f"--ep {args.ep} must divide --experts {args.experts} (each ep rank holds experts / ep of them)"
+    return None
+
+
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a message naming it, or ``None``."""
-    positive = ("world_size", "replicas", "tp", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
+    positive = ("world_size", "replicas", "tp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
                 "keep", "log_every", "max_nonfinite")
     for name in positive:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("prefetch", "eval_every", "sample_chars", "warmup"):
+    for name in ("prefetch", "eval_every", "sample_chars", "warmup", "experts"):
         if getattr(args, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
     if args.schedule_steps is not None and args.schedule_steps < 1:
@@ -176,6 +215,9 @@ def check_args(args) -> str | None:
         return f"--tp {args.tp} x --replicas {args.replicas} must divide the world size {world}"
     if args.heads % args.tp:
         return f"--tp {args.tp} must divide --heads {args.heads} (each tp rank computes whole heads)"
+    problem = check_experts(args, world)
+    if problem:
+        return problem
     if args.fp8 and args.strategy == "replicate":
         return "--fp8 needs a sharded --strategy (zero1, zero2 or zero3): 'replicate' has no all-gather to carry FP8 weights"
     for name in ("lr", "adamw_lr"):  # peaks of warm-up schedules, which start at 0 whatever the sign
@@ -242,6 +284,14 @@ def main_lr(args, horizon: int | None = None):
     return lr_schedule(args, args.lr if args.optimizer == "muon" else args.adamw_lr, horizon)
 
 
+def muon_labels(name: str, param: torch.Tensor) -> str:
+    """Muon's default labels, except the MoE routers, which train with AdamW: a router's gradient
+    has an exact null direction (the softmax's gradient over the experts sums to zero per token)
+    that holds only rounding noise, which Newton–Schulz would blow up to a full-size step. The
+    packed experts (``[experts, out, in]``) are Muon's: each expert's matrices orthogonalised alone."""
+    return "adamw" if "router" in name.split(".") else optim.muon_labels(name, param)
+
+
 def make_optimizer(args) -> optim.GradientTransformation:
     """Muon + AdamW (or AdamW alone), wrapped so that a step with a NaN or inf gradient anywhere
     is skipped on every rank (``--max-nonfinite`` in a row end the run)."""
@@ -252,7 +302,7 @@ def make_optimizer(args) -> optim.GradientTransformation:
         inner = optim.muon(
             lr=lr_schedule(args, args.lr), adamw_lr=lr_schedule(args, args.adamw_lr), weight_decay=0.01,
             adamw_weight_decay=0.0, ns_dtype=ns_dtype, ns_method=args.ns_method,
-            blocks=optim.head_blocks(args.heads) if args.muon_blocks == "heads" else None,
+            blocks=optim.head_blocks(args.heads) if args.muon_blocks == "heads" else None, labels=muon_labels,
         )
     else:
         inner = optim.adamw(lr_schedule(args, args.adamw_lr), weight_decay=0.0)
@@ -276,8 +326,14 @@ def make_forward(model, plan, args):
 
 
 def make_loss(forward):
-    def loss_fn(params, x, y):
-        return F.cross_entropy(forward(params, x).flatten(0, 1), y.flatten())
+    """``loss_fn(params, x, y, aux=True)``: cross-entropy, plus the MoE layers' load-balancing
+    loss (with ``--experts``) unless ``aux=False``."""
+
+    def loss_fn(params, x, y, aux=True):
+        out = forward(params, x)
+        logits, balance = out if isinstance(out, tuple) else (out, None)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return loss + balance if aux and balance is not None else loss
 
     return loss_fn
 
@@ -303,7 +359,7 @@ def evaluate(state, loss_fn, data, args, world, rank, device, batches=4) -> floa
     total = torch.zeros((), device=device)
     for i in range(batches):
         x, y = get_batch(data, -1 - i, rank, args.batch_size, args.seq_len, args.seed, device)
-        total += loss_fn(state["params"], x, y)
+        total += loss_fn(state["params"], x, y, aux=False)
     comm.all_reduce(total, tag="validation loss")
     return total.item() / (batches * world)
 
@@ -314,7 +370,8 @@ def sample(model, full_params, vocab, prompt: str, n: int, seq_len: int, device,
     ids = torch.tensor([[index[c] for c in prompt if c in index]], device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     for _ in range(n):
-        logits = torch.func.functional_call(model, full_params, (ids[:, -seq_len:],))[0, -1]
+        out = torch.func.functional_call(model, full_params, (ids[:, -seq_len:],))
+        logits = (out[0] if isinstance(out, tuple) else out)[0, -1]
         probs = torch.softmax(logits / 0.8, dim=-1)
         ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)[None]], dim=1)
     return "".join(vocab[i] for i in ids[0].tolist())
@@ -398,7 +455,7 @@ def plot_loss(metrics_path: str, png_path: str) -> str | None:
 
 
 # Flags that must match the checkpoint's run (the plan, world size and schedule may change).
-RESUME_FLAGS = ("width", "depth", "heads", "seq_len", "optimizer", "data")
+RESUME_FLAGS = ("width", "depth", "heads", "seq_len", "optimizer", "data", "experts", "top_k", "moe_every")
 
 
 def check_resumable(config_path: str, args) -> None:
@@ -446,7 +503,8 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     paths = {k: os.path.join(args.out, v) for k, v in OUTPUTS.items()}
     vocab, train_data, val_data = load_corpus(args.data)
-    cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads)
+    cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads,
+                    experts=args.experts, top_k=args.top_k, moe_every=args.moe_every, capacity_factor=args.capacity_factor)
     if args.init == "full":  # every rank builds the same full model, then keeps its shards
         torch.manual_seed(args.seed)
         with device:
@@ -458,6 +516,8 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         shard = world // (args.replicas * args.tp)
         mesh = init_device_mesh(device.type, (args.replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp")) \
             if args.replicas > 1 else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
+    elif args.ep > 1:  # experts split over ep; each expert sharded over edp, the rest over ep x edp
+        mesh = init_device_mesh(device.type, (args.ep, world // args.ep), mesh_dim_names=("ep", "edp"))
     elif args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
@@ -476,13 +536,21 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     return job, state
 
 
+def moe_summary(args) -> str:
+    if not args.experts:
+        return ""
+    layers = len(range(0, args.depth, args.moe_every))
+    cap = f", capacity factor {args.capacity_factor}" if args.capacity_factor is not None else ""
+    return f", {layers} MoE layer(s) of {args.experts} experts (top-{args.top_k}{cap}) over ep={args.ep}"
+
+
 def announce(job: Job) -> None:
     if job.rank == 0:
         n_params = sum(p.numel() for p in job.model.parameters())
         args = job.args
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
               f"training characters; {job.world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; "
-              f"{args.strategy}{f' x tp={args.tp}' if args.tp > 1 else ''}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
+              f"{args.strategy}{f' x tp={args.tp}' if args.tp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
 
 def resume(job: Job, state: dict) -> tuple[dict, dict | None]:
@@ -618,8 +686,9 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
     checkpoint.export_full(paths["model"], state["params"], job.plan, model=job.model)  # collective
     with torch.no_grad():
         full = fsdpfn.unshard(state["params"], job.plan)  # collective
-    # Under tp the model's layers run tp collectives: every rank samples (the same text, same seed).
-    if job.rank == 0 or job.plan.tp_size > 1:
+    # Under tp (ep) the model's layers run tp (all-to-all) collectives: every rank samples (the
+    # same text, same seed).
+    if job.rank == 0 or job.plan.tp_size > 1 or job.plan.ep_size > 1:
         text = sample(job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device, args.seed)
     if job.rank == 0:
         with open(paths["sample"], "w") as f:

@@ -3,6 +3,8 @@
 Pre-norm blocks (causal self-attention + GELU MLP) in an ``nn.ModuleList``, so fsdpfn's default
 unit policy makes each block a unit and leaves the embeddings, final norm and head in the root.
 :data:`TP_PLAN` splits its attention and MLP over a tensor-parallel axis (Megatron-style).
+With ``GPTConfig(experts=E)`` the MLP of every ``moe_every``-th block is a top-k
+mixture of experts (:class:`fsdpfn.models.MoE`), and the model returns ``(logits, aux)``.
 """
 
 from __future__ import annotations
@@ -39,18 +41,43 @@ class GPTConfig:
     # are sharper: the key part of a qkv bias has an exactly-zero true gradient (softmax ignores
     # a per-query constant), so Adam turns its rounding noise into full-size steps.
     bias: bool = True
+    # Mixture of experts (0: dense MLPs everywhere). Block i's MLP is a top_k-of-experts MoE
+    # (fsdpfn.models.MoE, each expert as wide as the dense MLP) when i % moe_every == 0: every
+    # block with 1, blocks 0, 2, 4, ... with 2 (Megatron's moe_layer_freq). The model then returns
+    # (logits, aux), aux the MoE layers' load-balancing losses (aux_weight each), to add to the
+    # loss. capacity_factor: MoEConfig's (None: no token dropping).
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    aux_weight: float = 0.01
+    capacity_factor: float | None = None
+
+
+def _moe(cfg: GPTConfig) -> nn.Module:
+    try:
+        from fsdpfn.models._moe import MoE, MoEConfig
+    except ImportError as e:  # the dense model runs without fsdpfn; its MoE layer does not
+        raise ImportError(f"GPTConfig(experts={cfg.experts}) needs fsdpfn's MoE layer: install fsdpfn, or use experts=0") from e
+    return MoE(MoEConfig(width=cfg.width, hidden=cfg.mlp_ratio * cfg.width, experts=cfg.experts, top_k=cfg.top_k,
+                         aux_weight=cfg.aux_weight, capacity_factor=cfg.capacity_factor))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """Attention, then a dense MLP (returns ``x``), or with ``moe=True`` a mixture of experts
+    over the block's ``batch * seq`` tokens (returns ``(x, load-balancing loss)``)."""
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
         self.heads = cfg.heads
         self.norm1 = nn.LayerNorm(cfg.width, bias=cfg.bias)
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.bias)
         self.proj = nn.Linear(cfg.width, cfg.width, bias=cfg.bias)
         self.norm2 = nn.LayerNorm(cfg.width, bias=cfg.bias)
-        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width, bias=cfg.bias)
-        self.out = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width, bias=cfg.bias)
+        if moe:
+            self.moe = _moe(cfg)
+        else:
+            self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width, bias=cfg.bias)
+            self.out = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -61,24 +88,36 @@ class Block(nn.Module):
         # Named for remat="save_names:attention,mlp_up" (fsdpfn.checkpoint_name is a no-op otherwise).
         att = checkpoint_name(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attention")
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
+        if hasattr(self, "moe"):
+            y, aux = self.moe(self.norm2(x).reshape(b * t, c))
+            return x + y.view(b, t, c), aux
         return x + self.out(F.gelu(checkpoint_name(self.fc(self.norm2(x)), "mlp_up")))
 
 
 class GPT(nn.Module):
     """Token + position embeddings, ``depth`` blocks, final norm, linear head.
 
+    Returns the logits, or with ``cfg.experts`` (MoE MLPs) ``(logits, aux)``: ``aux`` the sum
+    of the MoE layers' load-balancing losses, to add to the training loss.
+
     Example:
       >>> model = GPT(GPTConfig(vocab_size=64, width=32, depth=2))
       >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
       torch.Size([2, 8, 64])
+      >>> moe = GPT(GPTConfig(vocab_size=64, width=32, depth=2, experts=4, top_k=2, moe_every=2))
+      >>> logits, aux = moe(torch.zeros(2, 8, dtype=torch.long))
+      >>> logits.shape, [hasattr(b, "moe") for b in moe.blocks]
+      (torch.Size([2, 8, 64]), [True, False])
     """
 
     def __init__(self, cfg: GPTConfig = GPTConfig()):
         super().__init__()
+        if cfg.experts < 0 or cfg.moe_every < 1:
+            raise ValueError(f"GPTConfig: experts={cfg.experts} must be >= 0 and moe_every={cfg.moe_every} >= 1")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos = nn.Embedding(cfg.seq_len, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.experts > 0 and i % cfg.moe_every == 0) for i in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.width, bias=cfg.bias)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -87,6 +126,11 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        aux = None
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+            if isinstance(x, tuple):
+                x, a = x
+                aux = a if aux is None else aux + a
+        logits = self.head(self.norm(x))
+        return logits if aux is None else (logits, aux)

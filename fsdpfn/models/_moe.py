@@ -11,11 +11,30 @@ by expert), and the outputs go back by the transposed all-to-all and are summed 
 the router's weights. Gradients follow the same path backwards, so an expert's weight gradient
 on its rank is the sum over every rank's tokens routed to it. With ``ep = 1`` (no group) the
 same code runs with every expert local and the all-to-alls exchange nothing.
+
+[Note: expert capacity]
+With ``capacity_factor`` set, each expert takes at most
+``ceil(capacity_factor * tokens * top_k / experts)`` (token, choice) pairs from one call of the
+layer, ``tokens`` the rows of that call: the rank-local batch of the rank that routes them, as
+in Megatron-LM's ``moe_expert_capacity_factor`` (its ``get_capacity`` of ``tokens * top_k``).
+The pairs an expert keeps are the first ones in token order (a token's row index in the call):
+Megatron's ``moe_token_drop_policy="position"``, GShard's and Switch's order. A dropped pair is
+never sent; its combine weight is 0 (the others keep their weights, not renormalised), so a
+token whose every choice is dropped leaves the layer as zeros and passes through the block's
+residual alone. No padding (Megatron's ``moe_pad_expert_input_to_capacity``): an expert gets its
+kept rows only, so capacity bounds the rows an expert receives from each rank, ``ep`` times
+capacity in all. The load-balancing loss counts the router's choices before dropping.
+Because capacity is counted per call, a step on ``ep x edp`` ranks equals one process that calls
+the layer once per rank's batch (not once on the concatenated batch, which would count capacity
+over every rank's tokens together).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +55,19 @@ class MoEConfig:
       experts: number of experts.
       top_k: experts per token.
       aux_weight: weight of the load-balancing loss in :meth:`MoE.forward`'s second output.
+      capacity_factor: ``None``: no dropping (every expert takes every token routed to it).
+        A number ``> 0``: each expert takes at most ``ceil(capacity_factor * tokens * top_k /
+        experts)`` (token, choice) pairs per call, the first ones in token order, and the
+        overflowing pairs are dropped ([Note: expert capacity]). The factor counts as written
+        in decimal (``1.1`` is 11/10, so 20 tokens, top-1, 2 experts give 11, not 12).
+
+    Raises:
+      TypeError: ``capacity_factor`` is neither ``None`` nor a number.
+      ValueError: ``capacity_factor`` is not finite or not ``> 0``.
+
+    Example:
+      >>> fsdpfn.models.MoEConfig(experts=8, top_k=2, capacity_factor=1.25).capacity(64)  # ceil(1.25 * 64 * 2 / 8)
+      20
     """
 
     width: int = 16
@@ -43,6 +75,31 @@ class MoEConfig:
     experts: int = 4
     top_k: int = 2
     aux_weight: float = 0.01
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        c = self.capacity_factor
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, numbers.Real):
+            raise TypeError(
+                f"MoEConfig: capacity_factor={c!r} ({type(c).__name__}) must be a number > 0 such as 1.25, or None for no dropping"
+            )
+        if not math.isfinite(c) or c <= 0:
+            raise ValueError(
+                f"MoEConfig: capacity_factor={c!r} must be a finite number > 0 (each expert then takes at most "
+                "ceil(capacity_factor * tokens * top_k / experts) tokens per call, e.g. 1.25), or None for no dropping"
+            )
+
+    def capacity(self, tokens: int) -> int | None:
+        """Most (token, choice) pairs one expert takes from a call on ``tokens`` rows; ``None``
+        without a ``capacity_factor``."""
+        if self.capacity_factor is None:
+            return None
+        # Exact arithmetic on the factor as written: 1.1 * 20 * 1 / 2 is 11.000000000000002 in
+        # floats (capacity 12), but 11 with 1.1 read as 11/10.
+        factor = fractions.Fraction(repr(float(self.capacity_factor)))
+        return math.ceil(factor * tokens * self.top_k / self.experts)
 
 
 class Experts(nn.Module):
@@ -109,7 +166,9 @@ class MoE(nn.Module):
     token's ``top_k`` experts are weighted by their softmax probabilities renormalised over the
     chosen ones. The load-balancing loss is Switch Transformer's, ``E * sum_e f_e P_e`` (``f_e``
     the fraction of (token, choice) pairs sent to expert ``e``, ``P_e`` its mean probability),
-    times ``aux_weight``.
+    times ``aux_weight``. With ``cfg.capacity_factor`` each expert takes at most a fixed number
+    of tokens per call and the rest are dropped, the first ones in token order kept ([Note:
+    expert capacity]); :attr:`dropped` says how many (token, choice) pairs the last call dropped.
 
     Under :func:`fsdpfn.plan` on a mesh with an ``ep`` axis, build the whole model (no
     ``ep_group``): ``experts.w1`` and ``experts.w2`` are listed in ``Experts.expert_params``, so the plan splits
@@ -124,7 +183,8 @@ class MoE(nn.Module):
 
     Raises:
       ValueError: ``experts`` does not divide over the group, or ``top_k`` is not in
-        ``1 .. experts`` (named, when built, before any collective).
+        ``1 .. experts`` (named, when built, before any collective). A bad ``capacity_factor`` is
+        named by :class:`MoEConfig` itself.
 
     Example:
       >>> moe = fsdpfn.models.MoE(fsdpfn.models.MoEConfig(width=8, hidden=16, experts=4, top_k=2))
@@ -137,6 +197,8 @@ class MoE(nn.Module):
         super().__init__()
         self._route(cfg, ep_group)
         self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
+        # (token, choice) pairs the last forward dropped for capacity (0 without capacity_factor).
+        self.dropped = 0
         self.experts = Experts(self.local, cfg.width, cfg.hidden, total=cfg.experts, top_k=cfg.top_k)
 
     def set_ep_group(self, ep_group) -> None:
@@ -158,6 +220,8 @@ class MoE(nn.Module):
                 f"MoE: experts={cfg.experts} does not divide over the {ep} expert-parallel ranks; choose a number of experts that "
                 f"is a multiple of ep (e.g. {max(ep, cfg.experts - cfg.experts % ep)}) or a smaller ep"
             )
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"MoE: cfg must be a MoEConfig, got {type(cfg).__name__}")
         if not 1 <= cfg.top_k <= cfg.experts:
             raise ValueError(f"MoE: top_k={cfg.top_k} must be in 1 .. experts ({cfg.experts})")
         self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
@@ -176,8 +240,16 @@ class MoE(nn.Module):
         aux = cfg.aux_weight * cfg.experts * (f * probs.mean(0)).sum()
         # Dispatch: (token, choice) pairs sorted by expert, stable (ties keep token order).
         order = torch.sort(flat, stable=True).indices
+        load = torch.bincount(flat, minlength=cfg.experts)
+        capacity = cfg.capacity(n)
+        if capacity is not None:
+            # A pair's place among its expert's pairs, in token order: keep the first `capacity`.
+            place = torch.arange(order.numel(), device=order.device) - (load.cumsum(0) - load)[flat[order]]
+            order = order[place < capacity]
+            load = load.clamp(max=capacity)
+        self.dropped = flat.numel() - order.numel()
         rows = x[order // cfg.top_k]
-        per_expert = torch.bincount(flat, minlength=cfg.experts).tolist()
+        per_expert = load.tolist()
         send = [sum(per_expert[r * self.local : (r + 1) * self.local]) for r in range(self.ep)]
         got_per_expert = C.ep_counts(per_expert, self.ep_group) if self.ep > 1 else per_expert
         recv = [sum(got_per_expert[s * self.local : (s + 1) * self.local]) for s in range(self.ep)]
@@ -186,7 +258,7 @@ class MoE(nn.Module):
         counts = [got_per_expert[s * self.local : (s + 1) * self.local] for s in range(self.ep)]
         outbox = self.experts(inbox, counts)
         back = C.ep_all_to_all(outbox, recv, send, self.ep_group, tag="moe_combine") if self.ep > 1 else outbox
-        # Combine: undo the sort, weight each choice, sum per token.
+        # Combine: undo the sort, weight each choice, sum per token (a dropped pair's row stays 0).
         y = torch.zeros(n * cfg.top_k, cfg.width, dtype=back.dtype, device=back.device).index_copy(0, order, back)
         y = (y.view(n, cfg.top_k, cfg.width) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
         return y, aux
