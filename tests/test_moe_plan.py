@@ -19,6 +19,8 @@ changes experts (the router logits are far from ties at this size: checked by th
 and the run choosing the same experts, which the 1e-6 agreement of the outputs implies).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -33,10 +35,10 @@ STEPS = 10
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, cfg=CFG):
         super().__init__()
         self.norm = nn.LayerNorm(CFG.width)
-        self.moe = MoE(CFG)
+        self.moe = MoE(cfg)
         self.fc = nn.Linear(CFG.width, CFG.width)
 
     def forward(self, h):
@@ -45,10 +47,10 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, depth=2):
+    def __init__(self, depth=2, cfg=CFG):
         super().__init__()
         self.inp = nn.Linear(CFG.width, CFG.width)
-        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(depth)])
 
     def forward(self, x):
         h, aux = self.inp(x), 0.0
@@ -58,9 +60,9 @@ class Net(nn.Module):
         return (h**2).mean() + aux
 
 
-def _model():
+def _model(capacity_factor=None):
     torch.manual_seed(0)
-    return Net()
+    return Net(cfg=dataclasses.replace(CFG, capacity_factor=capacity_factor))
 
 
 def _tokens(rank, step):
@@ -85,9 +87,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3"):
+def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3", capacity_factor=None):
     mesh = testing.mesh(mesh_shape, names)
-    model = _model()
+    model = _model(capacity_factor)
     plan = fsdpfn.plan(model, mesh, strategy=strategy)
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = fsdpfn.shard(model, plan, requires_grad=style == "backward")
@@ -95,8 +97,8 @@ def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3"):
     state, ref_state = opt.init(params), ref_opt.init(ref)
     me = fsdpfn.transforms.dp_rank(plan)
     rt = fsdpfn.runtime.Runtime(model, plan) if style == "backward" else None
-    ref_model = _model()  # a second copy, never pointed at the ep group
-    norms = []
+    ref_model = _model(capacity_factor)  # a second copy, never pointed at the ep group
+    norms, dropped = [], 0
     for step in range(STEPS):
         x = _tokens(me, step)
         if style == "func":
@@ -104,6 +106,7 @@ def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3"):
         else:
             rt.apply(params, x).backward()
             grads = {n: p.grad for n, p in params.items()}
+        dropped += sum(b.moe.dropped for b in model.blocks)  # this rank's, in its last forward
         norm = optim.global_norm(grads)
         updates, state = opt.update(grads, state, params)
         params = optim.apply_updates(params, updates)
@@ -119,7 +122,8 @@ def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3"):
         norms.append((norm / want - 1).abs().item())
         assert want > 0.05  # the clip is active
     # Dense and expert shards each counted once: the norm of the one-process gradients.
-    return {"grad norm": max(norms), **{n: _rel(params[n].full_tensor(), ref[n]) for n in ref}}
+    errors = {"grad norm": max(norms), **{n: _rel(params[n].full_tensor(), ref[n]) for n in ref}}
+    return (errors, dropped) if capacity_factor is not None else errors
 
 
 MESHES = [
@@ -365,3 +369,36 @@ def test_the_simulator_times_the_expert_all_to_alls():
     cost = plan.cost()
     assert {k: (t.calls, t.nbytes) for k, t in r.traffic["step"].items()} == {k: (c.calls, c.nbytes) for k, c in cost.collectives.items()}
     assert r.traffic["step"]["all_to_all"].calls == 10
+
+
+# ---- token capacity ---------------------------------------------------------------------------
+# Capacity is counted per call of the layer, on the rank that routes the tokens (Megatron's
+# "position" drop policy, no padding): the one-process reference above already calls the model
+# once per rank's batch, so it drops the same (token, choice) pairs the ranks drop. Dropping
+# depends only on the routing (which experts each token chose, and token order), which is the
+# same in both runs as long as no router logit is within ~1e-7 of a tie; so the bound and its
+# reasoning are those of the dropless tests: 1e-6.
+
+CAPACITY = [
+    pytest.param(2, (2, 1), ("ep", "edp"), "adamw", id="ep2-2ranks-adamw"),
+    pytest.param(4, (2, 2), ("ep", "edp"), "adamw", id="ep2xedp2-adamw"),
+    pytest.param(4, (2, 2), ("ep", "edp"), "muon", id="ep2xedp2-muon"),
+    pytest.param(4, (4, 1), ("ep", "edp"), "adamw", id="ep4-adamw"),
+]
+
+
+@pytest.mark.parametrize("world,mesh_shape,names,kind", CAPACITY)
+def test_moe_with_capacity_trains_like_one_process_calling_it_per_rank(run_on_ranks, world, mesh_shape, names, kind):
+    # Factor 1.0: capacity ceil(16 * 2 / 4) = 8 pairs per expert and call, the mean load, so any
+    # imbalance drops pairs (checked: the ranks drop some; an unused capacity would test nothing).
+    results = run_on_ranks(_train, world, mesh_shape, names, kind, "func", "zero3", 1.0)
+    assert sum(dropped for _, dropped in results) > 0, results
+    for errors, _ in results:
+        assert max(errors.values()) < 1e-6, errors
+
+
+def test_moe_with_capacity_under_the_runtimes_backward(run_on_ranks):
+    results = run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), "adamw", "backward", "zero3", 1.0)
+    assert sum(dropped for _, dropped in results) > 0, results
+    for errors, _ in results:
+        assert max(errors.values()) < 1e-6, errors
