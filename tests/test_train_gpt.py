@@ -77,7 +77,11 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path):
     for flags, named in [(["--replicas", "0"], "--replicas"), (["--heads", "3"], "--heads 3 must divide --width 32"),
                          (["--ckpt-every", "0"], "--ckpt-every"), (["--batch-size", "0"], "--batch-size"),
                          (["--lr", "-1"], "--lr"), (["--world-size", "3", "--replicas", "2"], "--replicas 2 must divide"),
-                         (["--timeout", "0"], "--timeout"), (["--resume", str(tmp_path / "nowhere")], "--resume")]:
+                         (["--timeout", "0"], "--timeout"), (["--resume", str(tmp_path / "nowhere")], "--resume"),
+                         (["--ep", "2"], "--ep 2 needs --experts"), (["--experts", "3", "--ep", "2"], "--ep 2 must divide --experts 3"),
+                         (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be a number > 0"),
+                         (["--experts", "2", "--top-k", "3"], "--top-k 3 must be at most --experts 2"),
+                         (["--experts", "4", "--tp", "2"], "--experts with --tp 2")]:
         proc = _run_raw(tmp_path / "bad", *flags, timeout=60)
         assert proc.returncode == 2 and named in proc.stderr, (flags, proc.stderr[-500:])
         assert not (tmp_path / "bad" / "metrics.jsonl").exists()
@@ -292,3 +296,39 @@ def test_readme_demo_commands_run_in_order_on_a_fresh_directory(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.startswith("nothing to train: the checkpoint runs/gpt/ckpt/step_00000500 "
                                                            "is at step 500 and --steps 400;"), proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts on an (ep, edp) mesh: --experts / --ep / --top-k / --capacity-factor
+# ---------------------------------------------------------------------------------------------
+
+MOE = ["--experts", "4", "--ep", "2", "--top-k", "2", "--capacity-factor", "1.25", "--depth", "2", "--moe-every", "2"]
+
+
+def test_moe_demo_on_an_ep_mesh_trains_and_resumes_bitwise(tmp_path):
+    # A run under torchrun (2 processes); then a job spawned from its step-4 checkpoint into
+    # another directory: its losses and final weights equal the first run's from step 4 on.
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, *TINY, *MOE,
+           "--out", str(first)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 MoE layer(s) of 4 experts (top-2, capacity factor 1.25) over ep=2" in proc.stdout, proc.stdout
+    rows = _metrics(first)
+    assert [r["step"] for r in rows] == [2, 4, 6, 8] and rows[-1]["loss"] < rows[0]["loss"] - 0.1, rows
+
+    log = _run(resumed, *MOE, "--resume", str(first / "ckpt" / "step_00000004"))
+    assert "(step 4, saved on 2 rank(s)" in log, log
+    assert _metrics(resumed) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
+                                 for r, s in zip(rows[2:], _metrics(resumed))]
+    a = torch.load(first / "model.pt", weights_only=True)
+    b = torch.load(resumed / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # The exported weights are the whole model (every expert), for the model class alone.
+    from fsdpfn.models import GPT, GPTConfig
+
+    with open(first / "config.json") as f:
+        model = GPT(GPTConfig(**json.load(f)["model"]))
+    model.load_state_dict(a)
+    assert a["blocks.0.moe.experts.w1"].shape[0] == 4 and "blocks.1.fc.weight" in a
