@@ -630,6 +630,16 @@ def start_logs(job: Job, start: int) -> None:
         json.dump({"model": job.cfg.__dict__, "vocab": "".join(job.vocab), "args": vars(job.args), "world_size": job.world}, f, indent=1)
 
 
+def dropped_fraction(job: Job) -> float:
+    """The fraction of (token, choice) pairs the MoE layers dropped for capacity in the last
+    step's forward, over every rank (one all-reduce)."""
+    layers = [m for m in job.model.modules() if hasattr(m, "dropped")]
+    counts = torch.tensor([float(sum(m.dropped for m in layers))], device=job.device)
+    comm.all_reduce(counts, tag="dropped tokens")
+    pairs = len(layers) * job.args.top_k * job.args.batch_size * job.args.seq_len * job.world
+    return round(counts.item() / pairs, 5)
+
+
 def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
     """Steps from ``state["step"]`` to ``--steps`` (or ``--stop-at``): logs, evaluates and saves
     checkpoints on the way. Returns the state and the last logged loss."""
@@ -663,6 +673,8 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
             row = {"step": done, "loss": round(last_loss, 5), "grad_norm": round(grad_norm, 5), "lr": lr(step),
                    "skipped": finite.total_notfinite, "tokens_per_s": round(tok_s, 1),
                    "elapsed_s": round(time.perf_counter() - t_start, 2)}
+            if args.capacity_factor is not None:
+                row["dropped"] = dropped_fraction(job)
             if args.eval_every and done % args.eval_every == 0 or done == stop:
                 row["val_loss"] = round(evaluate(state, loss_fn, job.val_data, args, world, data_rank, device), 5)
             if rank == 0:
@@ -671,8 +683,9 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
                 progress.update(done, loss=f"{last_loss:.3f}", **{"|g|": f"{grad_norm:.2f}", "lr": f"{lr(step):.2g}",
                                                                   "tok/s": f"{tok_s:,.0f}"})
                 if args.no_progress:
+                    drop = f" dropped {row['dropped']:.1%}" if "dropped" in row else ""
                     print(f"step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
-                          f"skipped {finite.total_notfinite} tok/s {tok_s:,.0f}", flush=True)
+                          f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         if done % args.ckpt_every == 0 or done == stop:
             checkpoint.save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank

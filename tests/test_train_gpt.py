@@ -316,6 +316,7 @@ def test_moe_demo_on_an_ep_mesh_trains_and_resumes_bitwise(tmp_path):
     assert "1 MoE layer(s) of 4 experts (top-2, capacity factor 1.25) over ep=2" in proc.stdout, proc.stdout
     rows = _metrics(first)
     assert [r["step"] for r in rows] == [2, 4, 6, 8] and rows[-1]["loss"] < rows[0]["loss"] - 0.1, rows
+    assert all(0 <= r["dropped"] < 0.5 for r in rows) and any(r["dropped"] > 0 for r in rows), rows  # capacity 1.25
 
     log = _run(resumed, *MOE, "--resume", str(first / "ckpt" / "step_00000004"))
     assert "(step 4, saved on 2 rank(s)" in log, log

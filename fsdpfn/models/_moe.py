@@ -185,6 +185,7 @@ class MoE(nn.Module):
       ValueError: ``experts`` does not divide over the group, or ``top_k`` is not in
         ``1 .. experts`` (named, when built, before any collective). A bad ``capacity_factor`` is
         named by :class:`MoEConfig` itself.
+      TypeError: ``cfg`` is not a :class:`MoEConfig`.
 
     Example:
       >>> moe = fsdpfn.models.MoE(fsdpfn.models.MoEConfig(width=8, hidden=16, experts=4, top_k=2))
@@ -214,14 +215,14 @@ class MoE(nn.Module):
         self._route(self.cfg, ep_group)
 
     def _route(self, cfg: MoEConfig, ep_group) -> None:
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"MoE: cfg must be a MoEConfig, got {type(cfg).__name__}")
         ep = C.group_size(ep_group) if ep_group is not None else 1
         if cfg.experts < 1 or cfg.experts % ep:
             raise ValueError(
                 f"MoE: experts={cfg.experts} does not divide over the {ep} expert-parallel ranks; choose a number of experts that "
                 f"is a multiple of ep (e.g. {max(ep, cfg.experts - cfg.experts % ep)}) or a smaller ep"
             )
-        if not isinstance(cfg, MoEConfig):
-            raise TypeError(f"MoE: cfg must be a MoEConfig, got {type(cfg).__name__}")
         if not 1 <= cfg.top_k <= cfg.experts:
             raise ValueError(f"MoE: top_k={cfg.top_k} must be in 1 .. experts ({cfg.experts})")
         self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
