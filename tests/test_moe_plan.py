@@ -278,15 +278,16 @@ def _load_ep(rank, world, root, mesh_shape, names):
 
 
 def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
-    """Saved on (ep, edp) = (2, 2); loaded on ep = 4, on (edp, ep) = (2, 2), and on one rank:
-    every parameter and AdamW moment identical."""
+    """Saved on (ep, edp) = (2, 2); loaded on ep = 4, on (edp, ep) = (2, 2), on
+    (replicate, ep, edp) = (2, 2, 1) and on one rank: every parameter and AdamW moment identical."""
     root = str(tmp_path / "ckpt")
     saved = run_on_ranks(_save_ep, 4, root)[0]
     ep4 = run_on_ranks(_load_ep, 4, root, (4, 1), ("ep", "edp"))
     swapped = run_on_ranks(_load_ep, 4, root, (2, 2), ("edp", "ep"))
     one = run_on_ranks(_load_ep, 1, root, (1,), None)
-    assert ep4[0][1][1] == (1, 12, 8) and one[0][1][1] == (4, 12, 8)
-    for loaded, _ in [*ep4, *swapped, *one]:
+    replicated = run_on_ranks(_load_ep, 4, root, (2, 2, 1), ("replicate", "ep", "edp"))
+    assert ep4[0][1][1] == (1, 12, 8) and one[0][1][1] == (4, 12, 8) and replicated[0][1][1] == (2, 12, 8)
+    for loaded, _ in [*ep4, *swapped, *one, *replicated]:
         assert loaded.keys() == saved.keys()
         for k in saved:
             assert (torch.equal(loaded[k], saved[k]) if isinstance(saved[k], torch.Tensor) else loaded[k] == saved[k]), k
