@@ -15,9 +15,11 @@ Usage:
   python examples/plan_search.py --model gpt --gpus 2 --hardware measure --budget-gib 0.5 --seq 128
                                                                        # fitted on 2 gloo ranks here
   python examples/plan_search.py --plot step.png                       # the pick's timeline, drawn
+  python examples/plan_search.py --tp 1,2,4,8                          # tensor parallelism searched too
 
 Your own model: replace ``build_model`` (any ``nn.Module`` built under ``torch.device("meta")``)
-and ``batch`` (one rank's micro-batch, meta tensors).
+and ``batch`` (one rank's micro-batch, meta tensors), and ``tp_plan`` if you search tensor
+parallelism (``--tp``): the layers it splits, as ``fsdpfn.plan(tp=...)`` takes them.
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ import torch.nn.functional as F
 import fsdpfn
 from fsdpfn import sim
 from fsdpfn.launch import launch
-from fsdpfn.models import GPT, LLAMA3_8B, LLAMA3_70B, GPTConfig, Llama
+from fsdpfn.models import GPT, GPT_TP_PLAN, LLAMA3_8B, LLAMA3_70B, GPTConfig, Llama
 
 MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+# Megatron-style for Llama: q, k, v and the MLP's gate and up split by output features (whole heads
+# per rank), the attention and MLP outputs by input features; one all-reduce each per block.
+LLAMA_TP_PLAN = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
+                 "layers.*.attn.wo": "rowwise", "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise",
+                 "layers.*.mlp.w2": "rowwise"}
 OPTIMIZERS = {"adamw": sim.AdamW(), "muon": sim.Muon(layout="owner"), "muon-gather": sim.Muon(layout="gather")}
 
 
@@ -42,6 +49,11 @@ def build_model(name: str, seq: int) -> torch.nn.Module:
         if name == "gpt":
             return GPT(GPTConfig(vocab_size=2048, seq_len=seq, width=256, depth=4, heads=4, bias=False))
         return Llama(MODELS[name])
+
+
+def tp_plan(name: str) -> dict[str, str]:
+    """The layers tensor parallelism splits in ``build_model(name)`` (``fsdpfn.plan(tp=...)``)."""
+    return GPT_TP_PLAN if name == "gpt" else LLAMA_TP_PLAN
 
 
 def batch(model: torch.nn.Module, seq: int) -> torch.Tensor:
@@ -101,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remat", default="none",
                    help="activation-checkpointing policies to search per unit class, comma-separated (none, save_dots, full)")
     g.add_argument("--prefetch", default="0,1,2", help="the runtime's prefetch depths to search, comma-separated")
+    g.add_argument("--tp", default="1",
+                   help="tensor-parallel degrees to search, comma-separated (1: none; each must divide --gpus and the "
+                        "model's heads); the data-parallel shapes of the remaining ranks are searched beside each")
     g = p.add_argument_group("hardware: a preset, your own numbers, or measured here")
     g.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"],
                    help="a preset (its kernel model, scaled by --flops-derate and --net-derate), or measure: fitted "
@@ -140,29 +155,50 @@ def main(argv=None) -> sim.SearchResult:
             fsdpfn.Unit("x", "zero3", (), 1, remat=r)
         except ValueError as e:
             p.error(f"--remat: {e}")
+    try:
+        tps = tuple(int(v) for v in args.tp.split(",") if v.strip())
+    except ValueError:
+        p.error(f"--tp: comma-separated integers, e.g. 1,2,4 (got {args.tp!r})")
+    if not tps or any(t < 1 or args.gpus % t for t in tps):
+        p.error(f"--tp: each degree must be >= 1 and divide --gpus {args.gpus} (got {args.tp!r})")
     print(hw)
     res = sim.search(
         model, args.gpus, budget, x,
         hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, remat=remat,
         units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")), accumulate=("reduce", "local"),
-        loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
+        loss_fn=_loss,
+        tp=tps, tp_plan=tp_plan(args.model) if max(tps) > 1 else None,
     )
     print(f"\n{args.model}, {args.gpus} ranks, {micro} micro-batch(es) of {args.seq} tokens per rank per step, "
           f"optimizer {args.optimizer}\n")
     print(res)
+    if tps != (1,):
+        print(f"tensor parallel: tp {res.tp} picked among {', '.join(map(str, tps))}")
     print("\nthe pick, predicted:\n" + res.result.summary())
     print("\n" + res.result.timeline(limit=12))
     if args.plot:
         res.result.plot(args.plot, title=f"{args.model} on {args.gpus} ranks: the search's pick")
         print(f"\ntimeline drawn to {args.plot}")
     strategy = {(u.name or "<root>"): u.strategy.value for u in res.plan.units}
+    names = res.plan.mesh_dim_names if res.tp > 1 or len(res.plan.mesh_shape) == 2 else None
     print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
-          "  plan = fsdpfn.plan(model, mesh, strategy={}{}{})\n"
+          "  plan = fsdpfn.plan(model, mesh, strategy={}{}{}{})\n"
           "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{}".format(
-              res.plan.mesh_shape, ", mesh_dim_names=('replicate', 'shard')" if len(res.plan.mesh_shape) == 2 else "",
-              _fold(strategy), _remat_arg(res.plan), ", mp=..." if mp is not None else "", res.schedule.prefetch,
+              res.plan.mesh_shape, f", mesh_dim_names={names}" if names else "",
+              _fold(strategy), _remat_arg(res.plan), f", tp={_tp_name(args.model)}" if res.tp > 1 else "",
+              ", mp=..." if mp is not None else "", res.schedule.prefetch,
               ', accumulate="local")  # micro-batches inside rt.accumulating() reduce nothing' if res.accumulate == "local" else ")"))
     return res
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    # Targets shaped from the output: beside tp degree T the search profiles T ranks' batches at once.
+    targets = torch.zeros(out.shape[:-1].numel(), dtype=torch.long, device=out.device)
+    return F.cross_entropy(out.flatten(0, 1).float(), targets)
+
+
+def _tp_name(model: str) -> str:
+    return "fsdpfn.models.GPT_TP_PLAN" if model == "gpt" else "LLAMA_TP_PLAN"
 
 
 def _remat_arg(plan) -> str:

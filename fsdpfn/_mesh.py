@@ -16,7 +16,10 @@ role               what the axis does
                    all-to-all. It is data parallel too: every rank reads its own batch, so
                    gradients are averaged over it. The ``shard`` axis beside it is then the
                    *expert data-parallel* axis: each expert's weights are sharded over it, while
-                   dense parameters are sharded over ``ep`` x ``shard`` flattened.
+                   dense parameters are sharded over ``ep`` x ``shard`` flattened. A replicate
+                   axis may come first (HSDP over experts): every parameter is replicated over
+                   it and every gradient all-reduced over it, and tokens travel over ``ep``
+                   within each replica.
 =================  ==============================================================================
 
 Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,
@@ -116,12 +119,16 @@ class MeshAxes:
             )
         if Role.EP in self.roles:
             ep = self.names[self.roles.index(Role.EP)]
-            others = [n for n, r in zip(self.names, self.roles) if r in (Role.REPLICATE, Role.TP)]
-            if others:
+            tp = [n for n, r in zip(self.names, self.roles) if r is Role.TP]
+            rep = self.dim(Role.REPLICATE)
+            if tp or (rep is not None and rep != 0):
+                why = (f"axis {tp[0]!r} (tp) cannot be combined with it yet" if tp else
+                       f"a replicate axis ({self.names[rep]!r}) must be the first mesh dim, outside {ep!r} and the shard axis")
                 raise NotImplementedError(
-                    f"mesh {dict(zip(self.names, self.shape))}: expert parallelism (axis {ep!r}) runs beside one data-parallel "
-                    f"shard axis only for now; axes {others} (replicate / tp) cannot be combined with it yet. Use a mesh "
-                    f"such as init_device_mesh('cpu', (ep, edp), mesh_dim_names=('ep', 'edp'))"
+                    f"mesh {dict(zip(self.names, self.shape))}: expert parallelism (axis {ep!r}) runs beside a data-parallel "
+                    f"shard axis and, optionally, a replicate axis before both; {why}. Use a mesh such as "
+                    f"init_device_mesh('cpu', (ep, edp), mesh_dim_names=('ep', 'edp')) or "
+                    f"init_device_mesh('cpu', (r, ep, edp), mesh_dim_names=('replicate', 'ep', 'edp'))"
                 )
 
     # ---- construction ----------------------------------------------------------------------

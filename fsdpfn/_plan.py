@@ -227,7 +227,8 @@ def plan(
         ``tp`` (tensor parallel). 1-D: shard over it, whatever its name. 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
         ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
-        parallel x expert data parallel (see ``experts``). A shape such as ``(1024,)``,
+        parallel x expert data parallel (see ``experts``); ``("replicate", "ep", "edp")``:
+        the same within each replica (HSDP over experts). A shape such as ``(1024,)``,
         ``(16, 64)`` (HSDP) or ``{"dp": 64, "tp": 8}`` gives an unbound plan that can be
         printed, saved and costed but not executed; ``plan.bind(mesh)`` binds it.
       units: ``None`` (every child of every ``nn.ModuleList`` is a unit, the rest is the root
@@ -268,8 +269,8 @@ def plan(
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
         across units), a mesh axis without a role, a tp pattern matching no module, a dim that
         does not divide over tp, an unknown strategy.
-      NotImplementedError: tensor-parallel embeddings, expert parallelism beside replicate or tp
-        axes.
+      NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
+        after a replicate axis that is not the first mesh dim.
 
     Example:
       >>> p = fsdpfn.plan(model, mesh, strategy={"*": "zero3", "<root>": "zero2"})

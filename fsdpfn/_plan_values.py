@@ -35,7 +35,9 @@ data-parallel axis, ``edp``) are cut from that part. They form their own unit pe
 (``Unit.experts``), gathered and reduced over ``edp`` only: an expert's gradient on the rank
 holding it already sums every ``ep`` rank's tokens (the all-to-all's backward). Every other unit
 is sharded over ``ep`` x ``edp`` flattened into one group, and every gradient is averaged over all
-``ep`` x ``edp`` ranks, which each read their own batch.
+``ep`` x ``edp`` ranks, which each read their own batch. A replicate axis (the first mesh dim)
+holds whole copies of that layout: every unit's gradient is also all-reduced over it, and tokens
+travel over ``ep`` within each replica.
 
 [Note: FP8 gather layout]
 A unit whose weights gather in FP8 (``Unit.fp8``, chosen by ``MixedPrecision(fp8=...)``) still

@@ -47,7 +47,8 @@ def test_custom_names_take_roles_from_axes():
         ({"tp": 2, "replicate": 2}, None, ValueError, "no data-parallel shard axis"),
         ({"dp": 2, "tp": 2}, {"tp": "pipeline"}, ValueError, "unknown role 'pipeline'"),
         ({"dp": 2, "tp": 2}, {"xp": "tp"}, ValueError, "names 'xp', which is not a mesh dim"),
-        ({"ep": 2, "dp": 2, "tp": 2}, None, NotImplementedError, r"axes \['tp'\] \(replicate / tp\) cannot be combined"),
+        ({"ep": 2, "dp": 2, "tp": 2}, None, NotImplementedError, r"axis 'tp' \(tp\) cannot be combined"),
+        ({"ep": 2, "replicate": 2, "edp": 2}, None, NotImplementedError, r"replicate axis \('replicate'\) must be the first mesh dim"),
         ((2, 2, 2), None, ValueError, "3-D mesh needs dim names"),
     ],
 )

@@ -140,6 +140,30 @@ def test_moe_trains_like_one_process(run_on_ranks, mesh_shape, names, kind):
         assert max(r.values()) < 1e-6, r
 
 
+# HSDP over experts: a replicate axis first; dense units HSDP over (replicate, ep x edp), expert
+# units sharded over edp, reduced over edp then all-reduced over replicate, tokens dispatched over
+# ep within each replica. 8 ranks, the same model and tolerance: the replicate all-reduce adds one
+# more fp32 sum of 2 terms per gradient element (~1e-7 relative).
+# AdamW behind clipping (its global norm sums dense and expert shards once each across replicas)
+# on both orders; Muon on one.
+HSDP_MESHES = [
+    pytest.param((2, 2, 2), ("replicate", "ep", "edp"), "clip", id="rep2xep2xedp2-clip"),
+    pytest.param((2, 2, 2), ("replicate", "edp", "ep"), "clip", id="rep2xedp2xep2-clip"),
+    pytest.param((2, 2, 2), ("replicate", "ep", "edp"), "muon", id="rep2xep2xedp2-muon"),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,names,kind", HSDP_MESHES)
+def test_moe_with_a_replicate_axis_trains_like_one_process(run_on_ranks, mesh_shape, names, kind):
+    for r in run_on_ranks(_train, 8, mesh_shape, names, kind, "func"):
+        assert max(r.values()) < 1e-6, r
+
+
+def test_moe_with_a_replicate_axis_runtime_backward(run_on_ranks):
+    for r in run_on_ranks(_train, 4, (2, 2, 1), ("replicate", "ep", "edp"), "adamw", "backward", MIXED):
+        assert max(r.values()) < 1e-6, r
+
+
 MIXED = {"*": "zero2", "<root>": "zero3", "blocks.0.moe.experts": "replicate", "blocks.1.moe.experts": "zero1"}
 
 
@@ -261,15 +285,16 @@ def _load_ep(rank, world, root, mesh_shape, names):
 
 
 def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
-    """Saved on (ep, edp) = (2, 2); loaded on ep = 4, on (edp, ep) = (2, 2), and on one rank:
-    every parameter and AdamW moment identical."""
+    """Saved on (ep, edp) = (2, 2); loaded on ep = 4, on (edp, ep) = (2, 2), on
+    (replicate, ep, edp) = (2, 2, 1) and on one rank: every parameter and AdamW moment identical."""
     root = str(tmp_path / "ckpt")
     saved = run_on_ranks(_save_ep, 4, root)[0]
     ep4 = run_on_ranks(_load_ep, 4, root, (4, 1), ("ep", "edp"))
     swapped = run_on_ranks(_load_ep, 4, root, (2, 2), ("edp", "ep"))
     one = run_on_ranks(_load_ep, 1, root, (1,), None)
-    assert ep4[0][1][1] == (1, 12, 8) and one[0][1][1] == (4, 12, 8)
-    for loaded, _ in [*ep4, *swapped, *one]:
+    replicated = run_on_ranks(_load_ep, 4, root, (2, 2, 1), ("replicate", "ep", "edp"))
+    assert ep4[0][1][1] == (1, 12, 8) and one[0][1][1] == (4, 12, 8) and replicated[0][1][1] == (2, 12, 8)
+    for loaded, _ in [*ep4, *swapped, *one, *replicated]:
         assert loaded.keys() == saved.keys()
         for k in saved:
             assert (torch.equal(loaded[k], saved[k]) if isinstance(saved[k], torch.Tensor) else loaded[k] == saved[k]), k
@@ -278,12 +303,13 @@ def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
 # ---- the step's collectives ------------------------------------------------------------------
 
 
-def _counted_step(rank, world):
-    """One Runtime step on (ep, edp) = (2, 2), every collective counted, beside the list."""
+def _counted_step(rank, world, mesh_shape=(2, 2), names=("ep", "edp")):
+    """One Runtime step on (ep, edp) = (2, 2) or another ep mesh, every collective counted,
+    beside the list."""
     from fsdpfn import step_collectives
 
     model = _model()
-    plan = fsdpfn.plan(model, testing.mesh((2, 2), ("ep", "edp")))
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names))
     params = fsdpfn.shard(model, plan, requires_grad=True)
     rt = fsdpfn.runtime.Runtime(model, plan, prefetch=0)
     x = _tokens(fsdpfn.transforms.dp_rank(plan), 0)
@@ -314,6 +340,17 @@ def test_step_collectives_list_the_expert_all_to_alls(run_on_ranks):
     # Per MoE layer: counts, dispatch and combine forward, both transposed backward.
     assert cost.collectives["all_to_all"].calls == 2 * 5
     assert cost.by(lambda c: c.tag)["moe_dispatch"].nbytes == 2 * 2 * TOKENS * CFG.top_k * CFG.width * 4
+
+
+def test_step_collectives_list_the_replicate_all_reduces_beside_experts(run_on_ranks):
+    """(replicate, ep, edp) = (2, 2, 1): every unit's gradient is also all-reduced over the
+    replicate axis, as counted on the ranks."""
+    for same, lists, dispatch_ok, default_ok in run_on_ranks(_counted_step, 4, (2, 2, 1), ("replicate", "ep", "edp")):
+        assert same, lists
+        assert dispatch_ok and default_ok
+        # zero3 everywhere: a unit's only all-reduce is over the replicate axis, once per unit
+        units = len(fsdpfn.plan(_model(), {"replicate": 2, "ep": 2, "edp": 1}).units)
+        assert sum(c[:2] == ("backward", "all_reduce") for c in lists[0]) == units, lists[0]
 
 
 def _muon_experts_local(rank, world, mesh_shape, names):

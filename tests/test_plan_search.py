@@ -113,3 +113,33 @@ def test_a_tight_budget_picks_activation_checkpointing_and_the_printed_plan_buil
     assert eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": mesh}) == res.plan
     with pytest.raises(SystemExit):
         _example().main(args + ["--remat", "sometimes"])
+
+
+def test_tp_degrees_are_searched_and_the_pick_is_printed():
+    """``--tp 2,4``: the script exits 0, prints which degree won (one of those given), and the
+    printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds the picked tp plan.
+    Degrees above 1 only, so that the tp lines of the output are the ones printed."""
+    args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "1024", "--budget-gib", "0.25",
+            "--optimizer", "adamw", "--prefetch", "1", "--tp", "2,4"]
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    m = re.search(r"^tensor parallel: tp (\d+) picked among 2, 4$", proc.stdout, re.M)
+    assert m and int(m.group(1)) in (2, 4), proc.stdout[-3000:]
+    tp = int(m.group(1))
+    assert re.search(rf"^pick: +mesh \S+ \(tp {tp}\)", proc.stdout, re.M), proc.stdout[-3000:]
+    mesh_line = re.search(r'init_device_mesh\("cuda", (\([^)]*\)), mesh_dim_names=(\([^)]*\))\)', proc.stdout)
+    shape, names = eval(mesh_line.group(1)), eval(mesh_line.group(2))
+    assert dict(zip(names, shape))["tp"] == tp
+    line = [ln for ln in proc.stdout.splitlines() if "plan = fsdpfn.plan(" in ln][-1]
+    with torch.device("meta"):
+        model = _example().build_model("gpt", 64)
+    plan = eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": dict(zip(names, shape))})
+    assert plan.tp_size == tp and plan.world_size == 4
+
+
+def test_bad_tp_degrees_name_the_flag(capsys):
+    for bad in ("3", "x", "0"):
+        with pytest.raises(SystemExit):
+            _example().main(["--model", "gpt", "--gpus", "4", "--tp", bad])
+        assert "--tp" in capsys.readouterr().err

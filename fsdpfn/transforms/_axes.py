@@ -71,23 +71,29 @@ _DENSE = "_fsdpfn_dense_mesh"
 
 
 def _dense_mesh(plan: Plan):
-    """The 1-D mesh of the ``ep`` and ``shard`` axes flattened (in mesh order): what dense
-    parameters are sharded over beside experts. Made once per mesh (its group is created
-    collectively, at the same point of every rank's program)."""
+    """The mesh dense parameters live on beside experts: the ``ep`` and ``shard`` axes flattened
+    into one dim (in mesh order), after the replicate axis when there is one (which the mesh
+    has first). Its last dim is the dense shard group. Made once per mesh (its groups are
+    created collectively, at the same point of every rank's program)."""
     mesh = _mesh(plan)
     cached = getattr(mesh, _DENSE, None)
     if cached is None:
         axes = plan.axes
         dims = tuple(axes.names[d] for d in sorted((axes.dim(Role.EP), axes.dim(Role.SHARD))))
         sub = mesh[dims]
-        cached = sub._flatten("_".join(dims)) if sub.ndim > 1 else sub
+        flat = sub._flatten("_".join(dims)) if sub.ndim > 1 else sub
+        rep = axes.dim(Role.REPLICATE)
+        # HSDP over experts: (replicate, ep x shard), the two meshes' dims side by side (their
+        # groups already exist: nothing is created collectively here).
+        cached = flat if rep is None else type(mesh)._concatenate([mesh[axes.names[rep]], flat])
         setattr(mesh, _DENSE, cached)
     return cached
 
 
 def unit_mesh(plan: Plan, unit) -> object:
     """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for dense units
-    beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened.
+    beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened (after the
+    replicate axis, when the mesh has one).
 
     Example:
       >>> fsdpfn.transforms.unit_mesh(plan, plan.units[0]) is plan.mesh
@@ -109,7 +115,8 @@ def unit_group(plan: Plan, unit):
     """
     if plan.axes.dim(Role.EP) is None or unit.experts:
         return shard_group(plan)
-    return _dense_mesh(plan).get_group(0)
+    dense = _dense_mesh(plan)
+    return dense.get_group(dense.ndim - 1)
 
 
 def unit_rank(plan: Plan, unit) -> int:
@@ -121,7 +128,8 @@ def unit_rank(plan: Plan, unit) -> int:
     """
     if plan.axes.dim(Role.EP) is None or unit.experts:
         return shard_rank(plan)
-    return _dense_mesh(plan).get_local_rank(0)
+    dense = _dense_mesh(plan)
+    return dense.get_local_rank(dense.ndim - 1)
 
 
 def dp_rank(plan: Plan) -> int:
@@ -133,8 +141,9 @@ def dp_rank(plan: Plan) -> int:
       >>> fsdpfn.transforms.dp_rank(plan), plan.dp_size
       (0, 1)
     """
-    if plan.axes.dim(Role.EP) is not None:  # every ep x shard rank reads its own batch
-        return _dense_mesh(plan).get_local_rank(0)
+    if plan.axes.dim(Role.EP) is not None:  # every ep x shard rank of every replica reads its own batch
+        dense = _dense_mesh(plan)
+        return _axis_rank(plan, Role.REPLICATE) * plan.axes.dense_shard_size + dense.get_local_rank(dense.ndim - 1)
     return _axis_rank(plan, Role.REPLICATE) * plan.shard_size + shard_rank(plan)
 
 

@@ -63,7 +63,8 @@ def placements(plan: Plan, name: str) -> tuple:
     parameter split along dim ``d``, else ``Replicate()``. Beside an ``ep`` axis an expert weight
     is ``Shard(0)`` over ``ep`` and its rows are cut over ``shard`` from its ep part the same
     way, while a dense parameter lives on the ``ep`` x ``shard`` axes flattened into one mesh
-    dim (:func:`fsdpfn.transforms.unit_mesh`), ``Shard(0)`` there.
+    dim (:func:`fsdpfn.transforms.unit_mesh`), ``Shard(0)`` there (and ``Replicate()`` on the
+    replicate axis before it, when the mesh has one).
 
     Example:
       >>> fsdpfn.transforms.placements(plan, "blocks.0.fc.weight")
@@ -77,7 +78,8 @@ def _placements(plan: Plan, name: str) -> tuple:
     spec = unit.param(name)
     axes = plan.axes
     if axes.dim(Role.EP) is not None and not unit.experts:  # on the flattened ep x shard mesh
-        return (Shard(0) if unit.slots[name].sharded else Replicate(),)
+        dense = (Shard(0) if unit.slots[name].sharded else Replicate(),)
+        return (Replicate(), *dense) if axes.hsdp else dense  # after the replicate axis (unit_mesh)
     out = []
     for d, role in enumerate(axes.roles):
         if role is Role.SHARD:
