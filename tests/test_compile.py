@@ -227,6 +227,39 @@ def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
         assert compiled == eager
 
 
+def _saved_by_strategy(rank, world):
+    """What the compiled forward keeps for the backward, and the backward graph's collectives,
+    under zero2 and zero3 (aot_eager uses inductor's min-cut partitioner)."""
+    out = {}
+    for strategy in ("zero2", "zero3"):
+        _fresh_compile()
+        model, plan, params, loss_fn = _setup(world, strategy, (2,))
+        x, y = _batch(rank, 0)
+        step = fsdpfn.compile(loss_fn, backend="aot_eager")
+        got, _ = step(params, x, y)
+        want, _ = torch.func.grad_and_value(loss_fn)(params, x, y)
+        same = all(_bitwise(got[n].to_local(), want[n].to_local()) for n in want)
+        full_shapes = {tuple(p.shape) for p in model.parameters()}  # no activation here has a parameter's shape
+        backward = sorted(c.kind for c in step._graphs["backward"])
+        out[strategy] = (same, step.saved_for_backward, full_shapes, backward, len(plan.units))
+    return out
+
+
+def test_zero3_reshards_after_forward_under_compile(run_on_ranks):
+    """zero3 under compile: the forward graph keeps the local shards, not the full weights, and
+    the backward graph gathers every unit again; zero2 keeps the full weights (one gather). The
+    saved bytes differ by exactly the full weights zero2 keeps; gradients bitwise equal eager."""
+    for res in run_on_ranks(_saved_by_strategy, 2, timeout=COMPILE_TIMEOUT):
+        (same2, saved2, full, bwd2, n_units), (same3, saved3, _, bwd3, _) = res["zero2"], res["zero3"]
+        assert same2 and same3
+        kept_full2 = [b for shape, b in saved2 if b and (shape in full or shape[::-1] in full)]
+        kept_full3 = [b for shape, b in saved3 if b and (shape in full or shape[::-1] in full)]
+        assert kept_full2 and not kept_full3, (saved2, saved3)
+        assert sum(b for _, b in saved3) + sum(kept_full2) == sum(b for _, b in saved2)
+        assert bwd2 == ["reduce_scatter"] * n_units
+        assert bwd3 == sorted(["all_gather"] * n_units + ["reduce_scatter"] * n_units)
+
+
 # ---- per-unit compile: Runtime.compile_units ------------------------------------------------
 
 
