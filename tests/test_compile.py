@@ -78,11 +78,15 @@ def _setup(world, strategy, mesh_shape, mp=None):
 
 
 def _expected_counts(plan):
-    """One step of the pure loop: per sharded unit an all-gather (forward) and a reduce-scatter
-    (backward); per replicate unit an all-reduce; under HSDP one all-reduce more per unit."""
+    """One compiled step: per sharded unit an all-gather (forward) and a reduce-scatter
+    (backward), and for a zero3 unit a second all-gather in the backward graph (see [Note:
+    reshard-after-forward under torch.compile]); per replicate unit an all-reduce; under HSDP
+    one all-reduce more per unit."""
     out = {}
     for u in plan.units:
         kinds = ["all_gather", "reduce_scatter"] if u.sharded else ["all_reduce"]
+        if u.strategy.reshards_after_forward:
+            kinds.append("all_gather")
         if plan.hsdp:
             kinds.append("all_reduce")
         for k in kinds:
@@ -166,7 +170,8 @@ def _bitwise(a, b):
 
 def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
     """fsdpfn.compile (aot_eager) of the pure loop against eager: graphs, breaks, gradients and
-    5 SGD steps (bitwise), and the compiled graph's collectives against the ones eager runs."""
+    5 SGD steps (bitwise), and the compiled graph's collectives against the ones eager runs
+    (plus the backward graph's second gather of zero3 units)."""
     _fresh_compile()
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -191,8 +196,13 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
             g_c, l_c = step(compiled, x, y)
         same &= _bitwise(l_c, l_e) and all(_bitwise(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
         if i == 0:
+            # The compiled step gathers zero3 units again in its backward graph (the eager pure
+            # loop keeps what it gathered): eager's collectives plus one more unshard of them.
+            with torch.no_grad(), fsdpfn.count_collectives() as again:
+                if all(u.strategy.reshards_after_forward for u in plan.units):
+                    fsdpfn.unshard(eager, plan)
             key = lambda c: (c.kind, c.group_size, c.nbytes, c.dtype)  # noqa: E731
-            calls = (sorted(map(key, c_c.calls), key=str), sorted(map(key, c_e.calls), key=str))
+            calls = (sorted(map(key, c_c.calls), key=str), sorted(map(key, c_e.calls + again.calls), key=str))
         eager = {n: (p - LR * g_e[n]).detach() for n, p in eager.items()}
         compiled = {n: (p - LR * g_c[n]).detach() for n, p in compiled.items()}
     same &= all(_bitwise(compiled[n].to_local(), eager[n].to_local()) for n in eager)
@@ -225,6 +235,39 @@ def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
         assert (graphs, breaks) == (1, 0), reasons
         assert same
         assert compiled == eager
+
+
+def _saved_by_strategy(rank, world):
+    """What the compiled forward keeps for the backward, and the backward graph's collectives,
+    under zero2 and zero3 (aot_eager uses inductor's min-cut partitioner)."""
+    out = {}
+    for strategy in ("zero2", "zero3"):
+        _fresh_compile()
+        model, plan, params, loss_fn = _setup(world, strategy, (2,))
+        x, y = _batch(rank, 0)
+        step = fsdpfn.compile(loss_fn, backend="aot_eager")
+        got, _ = step(params, x, y)
+        want, _ = torch.func.grad_and_value(loss_fn)(params, x, y)
+        same = all(_bitwise(got[n].to_local(), want[n].to_local()) for n in want)
+        full_shapes = {tuple(p.shape) for p in model.parameters()}  # no activation here has a parameter's shape
+        backward = sorted(c.kind for c in step._graphs["backward"])
+        out[strategy] = (same, step.saved_for_backward, full_shapes, backward, len(plan.units))
+    return out
+
+
+def test_zero3_reshards_after_forward_under_compile(run_on_ranks):
+    """zero3 under compile: the forward graph keeps the local shards, not the full weights, and
+    the backward graph gathers every unit again; zero2 keeps the full weights (one gather). The
+    saved bytes differ by exactly the full weights zero2 keeps; gradients bitwise equal eager."""
+    for res in run_on_ranks(_saved_by_strategy, 2, timeout=COMPILE_TIMEOUT):
+        (same2, saved2, full, bwd2, n_units), (same3, saved3, _, bwd3, _) = res["zero2"], res["zero3"]
+        assert same2 and same3
+        kept_full2 = [b for shape, b in saved2 if b and (shape in full or shape[::-1] in full)]
+        kept_full3 = [b for shape, b in saved3 if b and (shape in full or shape[::-1] in full)]
+        assert kept_full2 and not kept_full3, (saved2, saved3)
+        assert sum(b for _, b in saved3) + sum(kept_full2) == sum(b for _, b in saved2)
+        assert bwd2 == ["reduce_scatter"] * n_units
+        assert bwd3 == sorted(["all_gather"] * n_units + ["reduce_scatter"] * n_units)
 
 
 # ---- per-unit compile: Runtime.compile_units ------------------------------------------------

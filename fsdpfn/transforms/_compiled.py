@@ -12,6 +12,13 @@ per-unit autograd Function keeps its meaning (backward = reduce: one reduce-scat
 ``reduce_dtype``, an all-reduce over ``replicate`` under HSDP, the mean/scale, the cast to the
 master dtype), and dynamo traces both of its halves into the forward and backward graphs.
 
+[Note: reshard-after-forward under torch.compile]
+A ``zero3`` unit's gather is wrapped in ``torch.utils.checkpoint`` (non-reentrant): dynamo tags its
+nodes for recomputation, and the min-cut partitioner (inductor's; ``backend="aot_eager"`` uses it
+too) then saves the unit's local shards, not its full parameters, and runs the all-gather again in
+the backward graph, as the eager runtime re-gathers before the unit's backward. ``zero2`` units
+keep what the forward gathered. The numbers are the same either way (the gather is exact).
+
 ``torch.func.grad`` is refused here. In torch 2.13 ``torch.compile`` of a ``torch.func.grad``
 silently drops a custom ``autograd.Function``'s backward (the compiled gradient is the
 unreduced one), and autograd through functional collectives fails under ``torch.func``; a
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import warnings
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -212,7 +220,12 @@ def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         locals_ = [params[p.name].to_local() if isinstance(params[p.name], DTensor) else params[p.name] for p in unit.params]
-        fulls = _TracedUnshardUnit.apply((plan, unit, grad_op, grad_scale), *locals_)
+        info = (plan, unit, grad_op, grad_scale)
+        if unit.strategy.reshards_after_forward and torch.is_grad_enabled():
+            # [Note: reshard-after-forward under torch.compile]
+            fulls = torch.utils.checkpoint.checkpoint(_TracedUnshardUnit.apply, info, *locals_, use_reentrant=False)
+        else:
+            fulls = _TracedUnshardUnit.apply(info, *locals_)
         out.update(zip((p.name for p in unit.params), fulls))
     return out
 
@@ -260,7 +273,17 @@ class CompiledStep:
         self._graphs: dict[str, list] = {}
         backend = recording_backend(compiler, self._graphs, overlap, bucket)
         self.loss_fn, self.has_aux = loss_fn, has_aux
+        self._n_outputs = 1
         self._compiled = torch.compile(loss_fn, backend=backend, fullgraph=fullgraph, **options)
+
+    @property
+    def saved_for_backward(self) -> list[tuple]:
+        """``(shape, bytes)`` of each tensor the compiled forward graph keeps for the backward
+        graph; 0 bytes for a tensor the step was given (a local shard), which costs nothing more.
+        Under ``zero3`` no unit's full parameters are among them (see [Note: reshard-after-forward
+        under torch.compile]). Empty before the first call."""
+        outs = self._graphs.get("outputs", [])
+        return outs[self._n_outputs:]
 
     @property
     def collectives(self) -> list:
@@ -273,6 +296,7 @@ class CompiledStep:
         with torch.enable_grad():
             out = self._compiled(leaves, *args, **kwargs)
             loss, aux = out if self.has_aux else (out, None)
+            self._n_outputs = 1 + sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(aux, none_is_leaf=True))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"fsdpfn.compile: loss_fn must return a scalar tensor{' (and aux)' if self.has_aux else ''}, "
                                  f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
@@ -281,6 +305,16 @@ class CompiledStep:
         C.count_compiled(self.collectives)
         grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(names, got)}
         return ((grads, aux) if self.has_aux else grads), loss.detach()
+
+
+def _output_bytes(gm) -> list[tuple]:
+    """``(shape, bytes)`` of each output of an AOTAutograd forward graph (the loss and aux, then
+    what the forward saves for the backward); 0 bytes for the graph's own inputs passed through
+    (the caller holds them anyway)."""
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0]]
+    return [(tuple(v.shape), v.numel() * v.element_size() if a.op != "placeholder" else 0)
+            for a, v in zip(out.args[0], vals) if isinstance(v, torch.Tensor)]
 
 
 def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket: bool = False):
@@ -296,10 +330,16 @@ def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket
         def record(kind):
             def fn(gm, example_inputs):
                 graphs[kind] = C.graph_collectives(gm)
+                if kind == "forward":
+                    graphs["outputs"] = _output_bytes(gm)
                 return gm
             return fn
 
-        return aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        # inductor's partitioner, so that what the forward saves (and recomputes) is what inductor's would
+        return aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"),
+                            partition_fn=min_cut_rematerialization_partition)
     with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
         warnings.simplefilter("ignore", DeprecationWarning)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -307,6 +347,8 @@ def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket
     def inner(gm, example_inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         graphs[kind] = C.graph_collectives(gm)
+        if kind == "forward":
+            graphs["outputs"] = _output_bytes(gm)
         out = compile_fx_inner(gm, example_inputs, **kwargs)
         if bucket:  # the post-grad passes (bucketing among them) rewrote gm in place: list what runs
             graphs[kind] = C.graph_collectives(gm)
