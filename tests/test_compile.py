@@ -77,7 +77,7 @@ def _setup(world, strategy, mesh_shape, mp=None):
     return model, plan, params, loss_fn
 
 
-def _expected_counts(plan):
+def _expected_counts(plan, keep_root=False):
     """One compiled step: per sharded unit an all-gather (forward) and a reduce-scatter
     (backward), and for a zero3 unit a second all-gather in the backward graph (see [Note:
     reshard-after-forward under torch.compile]); per replicate unit an all-reduce; under HSDP
@@ -85,7 +85,7 @@ def _expected_counts(plan):
     out = {}
     for u in plan.units:
         kinds = ["all_gather", "reduce_scatter"] if u.sharded else ["all_reduce"]
-        if u.strategy.reshards_after_forward:
+        if u.strategy.reshards_after_forward and not (keep_root and u.name == ""):
             kinds.append("all_gather")
         if plan.hsdp:
             kinds.append("all_reduce")
@@ -268,6 +268,28 @@ def test_zero3_reshards_after_forward_under_compile(run_on_ranks):
         assert sum(b for _, b in saved3) + sum(kept_full2) == sum(b for _, b in saved2)
         assert bwd2 == ["reduce_scatter"] * n_units
         assert bwd3 == sorted(["all_gather"] * n_units + ["reduce_scatter"] * n_units)
+
+
+def _runtime_reshard_choice(rank, world):
+    out = {}
+    for raf in (None, False, True):
+        _fresh_compile()
+        model, plan, params, loss_fn = _setup(world, "zero3", (2,))
+        rt = fsdpfn.runtime.Runtime(model, plan, reshard_after_forward=raf)
+        x, y = _batch(rank, 0)
+        step = fsdpfn.compile(lambda p, x, y: F.cross_entropy(rt.apply(p, x).flatten(0, 1), y.flatten()), backend="aot_eager")
+        with fsdpfn.count_collectives() as counter:
+            step(params, x, y)
+        out[raf] = (counter.counts()["all_gather"], len(plan.units))
+    return out
+
+
+def test_the_compiled_runtime_reshards_what_its_schedule_reshards(run_on_ranks):
+    """reshard_after_forward=None: the zero3 blocks are gathered again in backward, the root is
+    kept (the schedule's default); False: nothing is; True: every unit is."""
+    for res in run_on_ranks(_runtime_reshard_choice, 2, timeout=COMPILE_TIMEOUT):
+        n = res[None][1]
+        assert res[None][0] == n + (n - 1) and res[False][0] == n and res[True][0] == 2 * n, res
 
 
 # ---- per-unit compile: Runtime.compile_units ------------------------------------------------
@@ -457,14 +479,15 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches):
         param_err = max(_rel(compiled[n].to_local(), eager[n].to_local()) for n in eager)
         out.append((prefetch, explained.graph_count, explained.graph_break_count,
                     [str(b.reason)[:200] for b in explained.break_reasons], grad_err, param_err,
-                    counts if style == "func" else None, _expected_counts(plan)))
+                    counts if style == "func" else None, _expected_counts(plan, keep_root=True)))
     return out
 
 
 @pytest.mark.parametrize("style, prefetch", [("func", 1), ("backward", 0), ("backward", 2), ("whole-step", 1)])
 def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetch):
     """Under compile the runtime runs the pure path (the compiler orders the collectives, see
-    [Note: the runtime under torch.compile]); prefetch changes nothing in the numbers.
+    [Note: the runtime under torch.compile]); prefetch changes nothing in the numbers, and the
+    units its schedule reshards (zero3 blocks, not the root) are gathered again in backward.
     ``loss.backward()`` outside fsdpfn.compile is not counted (plain torch.compile counts nothing).
     "whole-step": forward and ``loss.backward()`` in one compiled function, one graph, with
     dynamo's ``trace_autograd_ops``."""

@@ -18,7 +18,7 @@ from fsdpfn.runtime._schedule import OpKind, Schedule, validate
 from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn._steps import reduces_now
 from fsdpfn.comm import compiling, count_compiled
-from fsdpfn.transforms import CompileUnsupportedError, apply_tp, check_params, recording_backend, unshard
+from fsdpfn.transforms import CompileUnsupportedError, apply_tp, check_params, recording_backend, unshard_traced
 
 __all__ = ["Runtime"]
 
@@ -96,6 +96,7 @@ class Runtime:
         self.model = model
         self.plan = plan
         self.schedule = sched
+        self._resharded = tuple(u.name for u in plan.units if sched.reshard_after_forward(u.name))  # read under compile
         modules = dict(model.named_modules())
         for u in plan.units:
             if u.name not in modules:
@@ -178,8 +179,9 @@ class Runtime:
         (:func:`fsdpfn.unshard` under compile), the model called on the full parameters, and each
         unit's reduce in the backward graph; the numbers are the runtime's. The order and overlap
         of the collectives are then inductor's (its scheduler, and its bucketing and reordering
-        passes where enabled), not the schedule's: no reshard-after-forward (the backward graph
-        keeps what it saves), and ``prefetch`` does not apply. Micro-batches that would not reduce
+        passes where enabled), not the schedule's: ``prefetch`` does not apply, but the units the
+        schedule reshards after forward are gathered again in the backward graph (see [Note:
+        reshard-after-forward under torch.compile]). Micro-batches that would not reduce
         (``accumulating()`` with ``accumulate="local"``, ``zero1`` units) are refused: the compiled
         step reduces every call."""
         if self._local_only and (self._ex.accumulate == "local" or any(not reduces_now(u, False, self._ex.accumulate)
@@ -188,7 +190,7 @@ class Runtime:
                 "a micro-batch that accumulates locally (accumulating() with accumulate='local', or zero1 units) "
                 "does not compile: the compiled step reduces on every call. Use accumulate='reduce' or run "
                 "the accumulating micro-batches eagerly")
-        full = unshard(params, self.plan)
+        full = unshard_traced(params, self.plan, reshard=self._resharded)
         return torch.func.functional_call(self.model, full, args, kwargs, strict=False)
 
     def value_and_grad(self, loss_fn: Callable[..., torch.Tensor], has_aux: bool = False):

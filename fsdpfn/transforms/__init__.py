@@ -17,6 +17,7 @@ from fsdpfn.transforms._compiled import CompiledStep as CompiledStep
 from fsdpfn.transforms._compiled import CompileUnsupportedError as CompileUnsupportedError
 from fsdpfn.transforms._compiled import compile as compile
 from fsdpfn.transforms._compiled import recording_backend as recording_backend
+from fsdpfn.transforms._compiled import unshard_traced as unshard_traced
 from fsdpfn.transforms._sharding import check_params as check_params
 from fsdpfn.transforms._sharding import dp_rank as dp_rank
 from fsdpfn.transforms._sharding import from_local as from_local
@@ -51,6 +52,7 @@ __all__ = [
     "check_params",
     "compile",
     "recording_backend",
+    "unshard_traced",
     "dp_rank",
     "from_local",
     "gather_unit",

@@ -212,8 +212,10 @@ class _TracedUnshardUnit(torch.autograd.Function):
         return (None, *_reduce(plan, unit, list(grads), ctx.shapes, ctx.dtypes, op, scale))
 
 
-def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, torch.Tensor]:
-    """:func:`fsdpfn.unshard` while dynamo traces."""
+def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, reshard=None) -> dict[str, torch.Tensor]:
+    """:func:`fsdpfn.unshard` while dynamo traces. ``reshard``: names of the units the backward
+    graph gathers again (default: every ``zero3`` unit; the runtime passes the units its schedule
+    reshards after forward)."""
     _refuse_functorch("fsdpfn.unshard")
     _check_op(grad_op)
     check_compilable(plan)
@@ -221,7 +223,8 @@ def unshard_traced(params, plan: Plan, grad_op: str, grad_scale) -> dict[str, to
     for unit in plan.units:
         locals_ = [params[p.name].to_local() if isinstance(params[p.name], DTensor) else params[p.name] for p in unit.params]
         info = (plan, unit, grad_op, grad_scale)
-        if unit.strategy.reshards_after_forward and torch.is_grad_enabled():
+        again = unit.strategy.reshards_after_forward if reshard is None else unit.name in reshard
+        if again and torch.is_grad_enabled():
             # [Note: reshard-after-forward under torch.compile]
             fulls = torch.utils.checkpoint.checkpoint(_TracedUnshardUnit.apply, info, *locals_, use_reentrant=False)
         else:
