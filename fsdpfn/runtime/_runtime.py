@@ -302,7 +302,7 @@ class Runtime:
 
         Example:
           >>> rt2 = fsdpfn.runtime.Runtime(model, plan)
-          >>> rt2.compile_units(backend="eager")
+          >>> rt2.compile_units(backend="aot_eager")
           ['blocks.0', 'blocks.1']
         """
         if self._compiled:
