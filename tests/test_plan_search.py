@@ -150,7 +150,9 @@ def test_ep_degrees_are_searched_and_the_pick_is_printed():
     given), and the printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds
     the picked ep plan. Degrees above 1 only, so that the ep lines of the output are the ones
     printed."""
-    args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "1024", "--budget-gib", "0.25",
+    # One micro-batch per rank (256 tokens over 4 ranks of 64): the smallest search, as the model
+    # with experts is profiled for real.
+    args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "256", "--budget-gib", "0.25",
             "--optimizer", "adamw", "--prefetch", "1", "--experts", "4", "--ep", "2,4"]
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
