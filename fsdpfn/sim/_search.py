@@ -292,7 +292,8 @@ def search(
       units: unit policies to try (``None``: the default and :func:`finer_units`); each is
         what ``fsdpfn.plan(units=...)`` takes.
       mesh_shapes: mesh shapes to try (default: all for ``world``); beside a tp degree ``T``,
-        the data-parallel shapes of ``W/T`` ranks among them (all of them when none is).
+        the data-parallel shapes of ``W/T`` ranks among them (all of them when none is); with
+        an ep degree ``E``, those of ``W/E`` ranks, as ``(edp,)`` or ``(replicate, edp)``.
       splits: points at which the largest unit class may split between two strategies.
       mp: the mixed-precision policy of every plan.
       micro_batches: as :func:`simulate`.
