@@ -75,6 +75,9 @@ def test_search_with_one_ep_degree_stays_on_it():
     res = _search(_model(), (2,))
     assert res.ep == 2 and {c.ep for c in res.candidates} == {2}
     assert res.plan.axes.dim(fsdpfn.Role.EP) is not None and res.plan.mesh_shape[-2 if len(res.plan.mesh_shape) == 3 else 0] == 2
+    # mesh_shapes beside an ep degree: the (edp,) or (replicate, edp) shapes of the W/E others.
+    narrowed = _search(_model(), (2,), mesh_shapes=[(2,)])
+    assert {c.mesh_shape for c in narrowed.candidates} == {(2, 2)}
     # Without ep=..., no ep axis is tried: the default search is unchanged for models with experts.
     plain = _search(_model(), (1,))
     assert plain.ep == 1 and {c.ep for c in plain.candidates} == {1}
