@@ -16,10 +16,13 @@ Usage:
                                                                        # fitted on 2 gloo ranks here
   python examples/plan_search.py --plot step.png                       # the pick's timeline, drawn
   python examples/plan_search.py --tp 1,2,4,8                          # tensor parallelism searched too
+  python examples/plan_search.py --model gpt --gpus 8 --seq 256 --experts 8 --ep 1,2,4,8
+                                                                       # experts: expert parallelism searched
 
 Your own model: replace ``build_model`` (any ``nn.Module`` built under ``torch.device("meta")``)
 and ``batch`` (one rank's micro-batch, meta tensors), and ``tp_plan`` if you search tensor
-parallelism (``--tp``): the layers it splits, as ``fsdpfn.plan(tp=...)`` takes them.
+parallelism (``--tp``): the layers it splits, as ``fsdpfn.plan(tp=...)`` takes them. A model
+with experts (``--experts``) is built for real on the CPU: routing needs the tokens' values.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ LLAMA_TP_PLAN = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "
 OPTIMIZERS = {"adamw": sim.AdamW(), "muon": sim.Muon(layout="owner"), "muon-gather": sim.Muon(layout="gather")}
 
 
-def build_model(name: str, seq: int) -> torch.nn.Module:
+def build_model(name: str, seq: int, experts: int = 0) -> torch.nn.Module:
+    if experts:  # MoE routing looks at the tokens (which expert each picks): a real model, small
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=2048, seq_len=seq, width=256, depth=4, heads=4, bias=False, experts=experts))
     with torch.device("meta"):  # nothing allocated: a 70B model plans in seconds
         if name == "gpt":
             return GPT(GPTConfig(vocab_size=2048, seq_len=seq, width=256, depth=4, heads=4, bias=False))
@@ -57,7 +63,10 @@ def tp_plan(name: str) -> dict[str, str]:
 
 
 def batch(model: torch.nn.Module, seq: int) -> torch.Tensor:
-    return torch.zeros(1, seq, dtype=torch.long, device="meta")
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return torch.zeros(1, seq, dtype=torch.long, device=device)
+    return torch.randint(0, model.cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
 
 
 def hardware(args) -> sim.Hardware:
@@ -116,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", default="1",
                    help="tensor-parallel degrees to search, comma-separated (1: none; each must divide --gpus and the "
                         "model's heads); the data-parallel shapes of the remaining ranks are searched beside each")
+    g.add_argument("--experts", type=int, default=0,
+                   help="gpt only: every block's MLP a top-2 mixture of this many experts (0: dense MLPs)")
+    g.add_argument("--ep", default="1",
+                   help="expert-parallel degrees to search with --experts, comma-separated (1: no ep axis; each must "
+                        "divide --gpus and --experts); mesh (ep, edp) and its HSDP shapes beside each; not with --tp")
     g = p.add_argument_group("hardware: a preset, your own numbers, or measured here")
     g.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"],
                    help="a preset (its kernel model, scaled by --flops-derate and --net-derate), or measure: fitted "
@@ -144,7 +158,7 @@ def main(argv=None) -> sim.SearchResult:
         p.error("--gpus and --seq must be >= 1 and --global-tokens >= --seq")
 
     hw = hardware(args)
-    model = build_model(args.model, args.seq)
+    model = build_model(args.model, args.seq, args.experts)
     x = batch(model, args.seq)
     budget = args.budget_gib * 2**30 if args.budget_gib is not None else hw.memory
     micro = max(1, args.global_tokens // (args.seq * args.gpus))  # micro-batches per rank per step
@@ -161,26 +175,40 @@ def main(argv=None) -> sim.SearchResult:
         p.error(f"--tp: comma-separated integers, e.g. 1,2,4 (got {args.tp!r})")
     if not tps or any(t < 1 or args.gpus % t for t in tps):
         p.error(f"--tp: each degree must be >= 1 and divide --gpus {args.gpus} (got {args.tp!r})")
+    if args.experts < 0 or (args.experts and args.model != "gpt"):
+        p.error(f"--experts: a number of experts >= 1 for --model gpt, or 0 (got {args.experts} for --model {args.model})")
+    try:
+        eps = tuple(int(v) for v in args.ep.split(",") if v.strip())
+    except ValueError:
+        p.error(f"--ep: comma-separated integers, e.g. 1,2,4 (got {args.ep!r})")
+    if not eps or any(e < 1 or args.gpus % e for e in eps):
+        p.error(f"--ep: each degree must be >= 1 and divide --gpus {args.gpus} (got {args.ep!r})")
+    if max(eps) > 1 and (not args.experts or any(args.experts % e for e in eps)):
+        p.error(f"--ep {args.ep}: needs --experts, a number of experts that every degree divides (got --experts {args.experts})")
+    if max(eps) > 1 and max(tps) > 1:
+        p.error(f"--ep {args.ep} with --tp {args.tp}: expert and tensor parallelism do not combine; search one of them")
     print(hw)
     res = sim.search(
         model, args.gpus, budget, x,
         hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, remat=remat,
         units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")), accumulate=("reduce", "local"),
         loss_fn=_loss,
-        tp=tps, tp_plan=tp_plan(args.model) if max(tps) > 1 else None,
+        tp=tps, tp_plan=tp_plan(args.model) if max(tps) > 1 else None, ep=eps,
     )
     print(f"\n{args.model}, {args.gpus} ranks, {micro} micro-batch(es) of {args.seq} tokens per rank per step, "
           f"optimizer {args.optimizer}\n")
     print(res)
     if tps != (1,):
         print(f"tensor parallel: tp {res.tp} picked among {', '.join(map(str, tps))}")
+    if eps != (1,):
+        print(f"expert parallel: ep {res.ep} picked among {', '.join(map(str, eps))}")
     print("\nthe pick, predicted:\n" + res.result.summary())
     print("\n" + res.result.timeline(limit=12))
     if args.plot:
         res.result.plot(args.plot, title=f"{args.model} on {args.gpus} ranks: the search's pick")
         print(f"\ntimeline drawn to {args.plot}")
     strategy = {(u.name or "<root>"): u.strategy.value for u in res.plan.units}
-    names = res.plan.mesh_dim_names if res.tp > 1 or len(res.plan.mesh_shape) == 2 else None
+    names = res.plan.mesh_dim_names if res.tp > 1 or res.ep > 1 or len(res.plan.mesh_shape) == 2 else None
     print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
           "  plan = fsdpfn.plan(model, mesh, strategy={}{}{}{})\n"
           "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{}".format(
@@ -191,10 +219,12 @@ def main(argv=None) -> sim.SearchResult:
     return res
 
 
-def _loss(out: torch.Tensor) -> torch.Tensor:
+def _loss(out) -> torch.Tensor:
+    # A model with experts returns (logits, aux): the router's load-balancing loss joins the loss.
+    out, aux = out if isinstance(out, tuple) else (out, 0.0)
     # Targets shaped from the output: beside tp degree T the search profiles T ranks' batches at once.
     targets = torch.zeros(out.shape[:-1].numel(), dtype=torch.long, device=out.device)
-    return F.cross_entropy(out.flatten(0, 1).float(), targets)
+    return F.cross_entropy(out.flatten(0, 1).float(), targets) + aux
 
 
 def _tp_name(model: str) -> str:

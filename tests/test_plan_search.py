@@ -143,3 +143,40 @@ def test_bad_tp_degrees_name_the_flag(capsys):
         with pytest.raises(SystemExit):
             _example().main(["--model", "gpt", "--gpus", "4", "--tp", bad])
         assert "--tp" in capsys.readouterr().err
+
+
+def test_ep_degrees_are_searched_and_the_pick_is_printed():
+    """``--experts 4 --ep 2,4``: the script exits 0, prints which degree won (one of those
+    given), and the printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds
+    the picked ep plan. Degrees above 1 only, so that the ep lines of the output are the ones
+    printed."""
+    # One micro-batch per rank (256 tokens over 4 ranks of 64): the smallest search, as the model
+    # with experts is profiled for real.
+    args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "256", "--budget-gib", "0.25",
+            "--optimizer", "adamw", "--prefetch", "1", "--experts", "4", "--ep", "2,4"]
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    m = re.search(r"^expert parallel: ep (\d+) picked among 2, 4$", proc.stdout, re.M)
+    assert m and int(m.group(1)) in (2, 4), proc.stdout[-3000:]
+    ep = int(m.group(1))
+    assert re.search(rf"^pick: +mesh \S+ \(ep {ep}\)", proc.stdout, re.M), proc.stdout[-3000:]
+    mesh_line = re.search(r'init_device_mesh\("cuda", (\([^)]*\)), mesh_dim_names=(\([^)]*\))\)', proc.stdout)
+    shape, names = eval(mesh_line.group(1)), eval(mesh_line.group(2))
+    assert dict(zip(names, shape))["ep"] == ep
+    line = [ln for ln in proc.stdout.splitlines() if "plan = fsdpfn.plan(" in ln][-1]
+    model = _example().build_model("gpt", 64, 4)
+    plan = eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": dict(zip(names, shape))})
+    assert plan.axes.dim(fsdpfn.Role.EP) is not None and plan.world_size == 4
+    assert dict(zip(plan.mesh_dim_names, plan.mesh_shape))["ep"] == ep
+
+
+def test_bad_ep_degrees_name_the_flag(capsys):
+    for bad in (["--experts", "4", "--ep", "3"], ["--experts", "4", "--ep", "x"], ["--ep", "2"],
+                ["--experts", "2", "--ep", "4"], ["--experts", "4", "--ep", "2", "--tp", "2"]):
+        with pytest.raises(SystemExit):
+            _example().main(["--model", "gpt", "--gpus", "4", *bad])
+        assert "--ep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _example().main(["--model", "8b", "--gpus", "4", "--experts", "4"])
+    assert "--experts" in capsys.readouterr().err

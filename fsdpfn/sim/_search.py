@@ -11,6 +11,10 @@ For a model and a number of ranks the search tries:
   matmuls run ``1/T`` of the FLOPs) and timed with its activation collectives. ``inputs`` is one
   rank's micro-batch; the ``T`` ranks of a tp group read one batch together, ``T`` ranks'
   worth (``inputs`` repeated along dim 0), so every candidate trains the same global batch;
+  for a model with experts and ``ep=(1, 2, ...)``, every expert-parallel degree ``E``: the mesh
+  ``{"ep": E, "edp": W/E}`` and its HSDP shapes ``{"replicate": R, "ep": E, "edp": W/(R E)}``,
+  profiled once (the expert units are the same for every ``E``, and each rank routes its own
+  micro-batch) and timed with the expert all-to-alls. Not beside a tp degree above 1;
 - unit groupings: the default (each child of every ``nn.ModuleList`` a unit), and one level
   finer (each child module of those), or the policies given in ``units=``;
 - per-unit strategies: units with the same parameter shapes form a class (the blocks of a
@@ -70,6 +74,7 @@ class Candidate:
     accumulate: str = "reduce"
     remat: tuple[tuple[str, str], ...] = ()  # (unit, policy) of rematerialised units
     tp: int = 1  # tensor-parallel degree (the last mesh dim when > 1)
+    ep: int = 1  # expert-parallel degree (the mesh dim after a replicate dim, if any, when > 1)
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
@@ -80,6 +85,7 @@ class Candidate:
         acc = ", accumulate local" if self.accumulate == "local" else ""
         remat = f", remat {_fold(self.remat)}" if self.remat else ""
         tp = f" (tp {self.tp})" if self.tp > 1 else ""
+        tp += f" (ep {self.ep})" if self.ep > 1 else ""
         return f"mesh {'x'.join(map(str, self.mesh_shape))}{tp}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
 
 
@@ -141,6 +147,11 @@ class SearchResult:
     def tp(self) -> int:
         """The pick's tensor-parallel degree (1: none)."""
         return self.candidate.tp if self.candidate else 1
+
+    @property
+    def ep(self) -> int:
+        """The pick's expert-parallel degree (1: no ``ep`` axis)."""
+        return self.candidate.ep if self.candidate else 1
 
     @property
     def speedup(self) -> float:
@@ -264,6 +275,7 @@ def search(
     remat: Sequence[str] = ("none",),
     tp: Sequence[int] = (1,),
     tp_plan: Mapping[str, str] | None = None,
+    ep: Sequence[int] = (1,),
 ) -> SearchResult:
     """The plan and schedule with the lowest predicted step time whose predicted peak memory per
     rank fits ``budget`` (see [Note: the search space]).
@@ -280,7 +292,8 @@ def search(
       units: unit policies to try (``None``: the default and :func:`finer_units`); each is
         what ``fsdpfn.plan(units=...)`` takes.
       mesh_shapes: mesh shapes to try (default: all for ``world``); beside a tp degree ``T``,
-        the data-parallel shapes of ``W/T`` ranks among them (all of them when none is).
+        the data-parallel shapes of ``W/T`` ranks among them (all of them when none is); with
+        an ep degree ``E``, those of ``W/E`` ranks, as ``(edp,)`` or ``(replicate, edp)``.
       splits: points at which the largest unit class may split between two strategies.
       mp: the mixed-precision policy of every plan.
       micro_batches: as :func:`simulate`.
@@ -296,6 +309,11 @@ def search(
         parallelism. ``SearchResult.tp`` says which won.
       tp_plan: the layers tensor parallelism splits, as ``fsdpfn.plan(tp=...)`` takes them
         (e.g. ``fsdpfn.models.GPT_TP_PLAN``); needed when ``tp`` has a degree above 1.
+      ep: expert-parallel degrees to try for a model with experts (modules listing
+        ``expert_params``, as :class:`fsdpfn.models.Experts` does); each must divide ``world``
+        and every such layer's experts. ``1`` is no ``ep`` axis; a degree ``E`` searches the
+        mesh ``("ep", "edp") = (E, W/E)`` and its HSDP shapes ``("replicate", "ep", "edp")``.
+        ``SearchResult.ep`` says which won. Not with a tp degree above 1.
 
     Returns:
       a :class:`SearchResult`; ``print(result)`` compares the pick with the default plan.
@@ -303,7 +321,9 @@ def search(
     Raises:
       ValueError: nothing fits the budget (the message names the smallest peak found); a tp
         degree that does not divide ``world``, or a module's attention heads (``heads``,
-        ``kv_heads`` attributes) or a split layer's width (named, before anything is profiled).
+        ``kv_heads`` attributes) or a split layer's width; an ep degree that does not divide
+        ``world`` or a layer's experts, an ep degree above 1 for a model without experts or
+        beside a tp degree above 1 (all named, before anything is profiled).
 
     Example:
       >>> res = fsdpfn.sim.search(model, 2, 2**30, x, hardware=fsdpfn.sim.H100_SXM, prefetch=(1,), units=[None])
@@ -317,18 +337,21 @@ def search(
     for r in remats:
         check_policy(r, "search(remat=...)")
     extra = tuple(r for r in remats if r not in ("none", "full"))
+    eps = _check_ep(model, world, ep, tp, mp)  # first: ep beside tp is named before tp_plan is tried on the model
     tps = _check_tp(model, world, tp, tp_plan, mp)
     if isinstance(world, int):
         world_size = world
-        shapes = []
+        shapes = []  # (tp degree, ep degree, data-parallel shape without them)
         for t in tps:
-            if t == 1:
-                dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
-            else:  # the given shapes of W/T ranks, else all of them
-                dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // t] or _mesh_shapes(world // t)
-            shapes += [(t, s) for s in dp_shapes]
+            for e in eps:
+                d = t * e
+                if d == 1:
+                    dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+                else:  # the given shapes of W/T (or W/E) ranks, else all of them
+                    dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(world // d)
+                shapes += [(t, e, s) for s in dp_shapes]
     else:
-        shapes = [(1, tuple(world))]
+        shapes = [(1, 1, tuple(world))]
         world_size = math.prod(world)
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
@@ -336,17 +359,17 @@ def search(
     seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
-    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1):
+    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1):
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
-        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t)
+        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e)
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-            plan = fsdpfn.plan(model, _mesh_arg(shape, t), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
+            plan = fsdpfn.plan(model, _mesh_arg(shape, t, e), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
                                tp=tp_plan if t > 1 else None)
             sched = make_schedule(plan, prefetch=p)
             res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
             cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc,
-                             key[5], t)
+                             key[5], t, e)
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -361,9 +384,11 @@ def search(
     default = None
     for u_opt in unit_options:
         label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
-        for t, shape in shapes:
-            # The workload depends on the units and the tp degree (tp-local layers), not the rest.
-            base = fsdpfn.plan(model, _mesh_arg((world_size // t,), t), units=u_opt, mp=mp, tp=tp_plan if t > 1 else None)
+        for t, e, shape in shapes:
+            # The workload depends on the units and the tp degree (tp-local layers), not the rest;
+            # an ep plan's units (expert units of their own) name its workload, the same for every
+            # degree: each rank routes its own batch, and dropless its experts see as many pairs.
+            base = fsdpfn.plan(model, _mesh_arg((world_size // (t * e),), t, e), units=u_opt, mp=mp, tp=tp_plan if t > 1 else None)
             key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
             if key not in cache:
                 cache[key] = profile(model, base, *_tp_batch(inputs, t), loss_fn=loss_fn, remat_policies=extra)
@@ -371,14 +396,14 @@ def search(
             classes = _classes(base)
             start_p = 1 if 1 in prefetch else prefetch[0]
             state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc, t=t)
-            if u_opt is None and shape == (world_size,) and t == 1 and start_p == 1:
+            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e)
+            if u_opt is None and shape == (world_size,) and t == 1 and e == 1 and start_p == 1:
                 default = current
             while True:
                 best_state, best = None, current
                 for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates, remats):
                     entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
-                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t)
+                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t, e)
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -412,8 +437,11 @@ def _tp_batch(inputs: tuple, t: int) -> tuple:
     return tuple(torch.cat([x] * t) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
 
 
-def _mesh_arg(shape: tuple[int, ...], t: int):
-    """What ``fsdpfn.plan`` takes for data-parallel ``shape`` beside a tp axis of ``t``."""
+def _mesh_arg(shape: tuple[int, ...], t: int, e: int = 1):
+    """What ``fsdpfn.plan`` takes for data-parallel ``shape`` beside a tp axis of ``t``, or
+    with an ep axis of ``e``: ``shape`` is then ``(edp,)`` or ``(replicate, edp)``."""
+    if e > 1:
+        return {"ep": e, "edp": shape[0]} if len(shape) == 1 else {"replicate": shape[0], "ep": e, "edp": shape[1]}
     if t == 1:
         return shape
     names = ("dp",) if len(shape) == 1 else ("replicate", "shard")
@@ -448,6 +476,37 @@ def _check_tp(model: torch.nn.Module, world, tp: Sequence[int], tp_plan, mp) -> 
                                      "runs whole attention heads; choose tp degrees that divide every head count")
         fsdpfn.plan(model, {"dp": world // t, "tp": t}, tp=tp_plan, mp=mp)  # a width tp does not divide: named here
     return tps
+
+
+def _check_ep(model: torch.nn.Module, world, ep: Sequence[int], tp: Sequence[int], mp) -> tuple[int, ...]:
+    """The ep degrees to try, each checked against ``world``, every expert layer's number of
+    experts and the tp degrees, before anything is profiled."""
+    eps = tuple(dict.fromkeys((ep,) if isinstance(ep, int) else ep))
+    if not eps or any(isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in eps):
+        raise ValueError(f"search: ep must be expert-parallel degrees >= 1, e.g. (1, 2, 4), got {ep!r}")
+    if eps == (1,):
+        return eps
+    big = max(eps)
+    if not isinstance(world, int):
+        raise ValueError(f"search: ep={eps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
+    tps = tuple((tp,) if isinstance(tp, int) else tp)
+    if any(isinstance(t, int) and t > 1 for t in tps):
+        raise ValueError(f"search: ep={eps} with tp={tps}: plans do not put an ep axis beside a tp axis; "
+                         "search expert parallelism (ep) or tensor parallelism (tp), not both")
+    layers = {name or type(model).__name__: getattr(mod, "num_experts", None)
+              for name, mod in model.named_modules() if getattr(mod, "expert_params", ())}
+    if not layers:
+        raise ValueError(f"search: ep={eps}, but {type(model).__name__} has no expert layers (no module lists expert_params, "
+                         "as fsdpfn.models.Experts does); search it with ep=(1,)")
+    for e in eps:
+        if world % e:
+            raise ValueError(f"search: ep={e} does not divide world={world}; choose degrees that divide the number of ranks")
+        for name, n in layers.items():
+            if isinstance(n, int) and n % e:
+                raise ValueError(f"search: ep={e} does not divide {name}.num_experts = {n}: each ep rank holds whole experts; "
+                                 "choose ep degrees that divide every layer's number of experts")
+    fsdpfn.plan(model, {"ep": big, "edp": world // big}, mp=mp)  # whatever else the plan refuses: named here
+    return eps
 
 
 def _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits) -> tuple[str, ...]:
