@@ -18,6 +18,10 @@ published only as lying between two figures: those rows are predicted at both an
 bracket, apart from the preset rows. Rows the simulator cannot express are printed with the
 reason (torch.compile, FP8 compute, context/pipeline parallelism).
 
+Each table's loss is profiled as its code ran it (torchtitan's float32 cross-entropy, llm-foundry's
+fused cross-entropy kernel: see ``_titan_loss``), so the memory column counts the loss's
+transient bytes as ``fsdpfn.sim.profile`` sees them.
+
 Everything runs on the meta device: models are built there, profiled there
 (``fsdpfn.sim.profile``), and simulated on the presets. A prediction is a sustained step of
 ``micro-batches`` micro-batches (``accumulate="reduce"``: each micro-batch reduces, as FSDP does

@@ -295,6 +295,20 @@ def test_loss_temporaries_by_hand():
     assert r.memory["peak"] == static + weight + wl.activation("") + weight + T * V * 8 + 2 * scalar
 
 
+def test_rematerialised_backward_holds_its_recomputed_activations():
+    """Full remat keeps a block's inputs from forward to backward, but its backward reruns the
+    forward first: the activations it dropped are live again when the gradients' temporaries
+    start, so the backward's transient bytes are the dropped activations plus the plain
+    backward's own."""
+    plan, wl = _setup((4,))
+    full = wl.with_remat({"blocks.1": "full"})
+    fwd, bwd = runtime.Op("forward", "blocks.1"), runtime.Op("backward", "blocks.1")
+    assert full.activation("blocks.1") < wl.activation("blocks.1")
+    assert full.transient_at(bwd) == max(wl.transient_at(fwd), wl.activation("blocks.1") + wl.transient_at(bwd))
+    assert full.transient_at(bwd) > wl.transient_at(bwd)
+    assert full.transient_at(runtime.Op("backward", "blocks.0")) == wl.transient_at(runtime.Op("backward", "blocks.0"))
+
+
 def test_rms_norm_counted_as_the_fused_kernel_on_meta():
     """On meta, nn.RMSNorm would take the composite path (float32 copies saved); the profile
     counts CUDA's fused kernel: it saves its bf16 input and the reciprocal RMS."""
