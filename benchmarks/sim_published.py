@@ -18,6 +18,10 @@ published only as lying between two figures: those rows are predicted at both an
 bracket, apart from the preset rows. Rows the simulator cannot express are printed with the
 reason (torch.compile, FP8 compute, context/pipeline parallelism).
 
+Each table's loss is profiled as its code ran it (torchtitan's float32 cross-entropy, llm-foundry's
+fused cross-entropy kernel: see ``_titan_loss``), so the memory column counts the loss's
+transient bytes as ``fsdpfn.sim.profile`` sees them.
+
 Everything runs on the meta device: models are built there, profiled there
 (``fsdpfn.sim.profile``), and simulated on the presets. A prediction is a sustained step of
 ``micro-batches`` micro-batches (``accumulate="reduce"``: each micro-batch reduces, as FSDP does
@@ -54,6 +58,7 @@ TT_A100 = ("pytorch/torchtitan", "docs/performance.md", "041336434916bdc0f88c1f8
 TT_H100 = ("pytorch/torchtitan", "benchmarks/llama3_h100_202412_torchtitan.md", "31a17bfdb70bab6f62a13d21816a5339b911d6e3")
 TT_H200 = ("pytorch/torchtitan", "benchmarks/llama3_8b_h200_2025-06_torchtitan.md", "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af")
 NEMO = ("NVIDIA/NeMo", "docs/source/performance/performance_summary.md", "070a0bb168d405d653b9734c0017cf5078e77c0d")
+MBRIDGE = ("NVIDIA-NeMo/Megatron-Bridge", "docs/performance-summary.md", "df0289c180dd20ff26933455c7a0a11084f6a36f")
 FOUNDRY = ("mosaicml/llm-foundry", "scripts/train/benchmarking/README.md", "061f2c7ce64e655100286584a7629e2a09f827ba")
 
 LLAMA2_13B = LlamaConfig(dim=5120, layers=40, heads=40, kv_heads=40, ffn=13824, vocab=32000)
@@ -113,6 +118,15 @@ CALIBRATION = [
         "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
     Row("calibration", NEMO, "llama2-7b", "H100_SXM", 8, 4096, 1, 16, "none", 16847, None,
         "Transformer Engine FP8 compute and Megatron's fused kernels"),
+    # Megatron-Core tensor-parallel runs on DGX-H100 (26.02 container table). Every H100 row there
+    # is FP8 or pipelined: none is BF16 with TP and data parallelism alone (the distributed
+    # optimizer, ZeRO-1), which is what this simulator could express. The NeMo 24.07 table above
+    # is FP8 throughout; Megatron-LM's README gives its H100 weak- and strong-scaling runs as
+    # MFU plotted in images, with pipeline parallelism beyond the smallest models.
+    Row("calibration", MBRIDGE, "llama3-70b", "H100_SXM", 64, 8192, 1, 128, "?", 1621, None,
+        "FP8 compute (Transformer Engine, current scaling) and pipeline parallelism (TP 4, PP 8, VP 5)"),
+    Row("calibration", MBRIDGE, "gpt-oss-120b", "H100_SXM", 64, 4096, 1, 80, "?", 5993, None,
+        "mixture of experts with pipeline parallelism (BF16, PP 4, EP 8)"),
 ]
 
 # llm-foundry H100 80GB BF16 table: (model, seq, gpus, micro batch, grad accum, act. ckpt, tokens/s/GPU)
@@ -243,6 +257,37 @@ class TitanLlama(nn.Module):
         return self.output(self.norm(x))
 
 
+# The loss each table's code ran, as the profile counts its memory (see fsdpfn.sim's [Note:
+# transient memory]). torchtitan (train.py, 2024): ``F.cross_entropy(pred.flatten(0, 1).float(),
+# labels)`` and ``del pred`` before backward: a float32 copy of the logits and its log-softmax
+# (saved), and in backward two float32 (tokens, vocab) gradients. llm-foundry's MPT
+# (ComposerMPTCausalLM, ``loss_fn`` default ``fused_crossentropy``): flash-attn's fused
+# cross-entropy kernel, which saves the bf16 logits and the per-token log-sum-exp, and in backward
+# reads them and writes one bf16 gradient of the logits (not in place): _FusedXentropy.
+def _titan_loss(x):
+    return lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
+
+
+class _FusedXentropy(torch.autograd.Function):
+    """flash-attn's fused cross-entropy on meta: forward reads the logits once (one reduction
+    kernel) and saves them with the log-sum-exp; backward reads them and writes the gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        lse = torch.amax(logits, -1).float()  # one read of the logits; a float32 per token
+        ctx.save_for_backward(logits, lse, labels)
+        return lse.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, _, _ = ctx.saved_tensors
+        return torch.mul(logits, 1.0), None  # reads the logits, writes their bf16 gradient
+
+
+def _foundry_loss(x):
+    return lambda out: _FusedXentropy.apply(out.flatten(0, 1), x.flatten())
+
+
 def build(model: str, seq: int) -> tuple[torch.nn.Module, str]:
     """The meta model and the prefix of its block units."""
     with torch.device("meta"):
@@ -260,8 +305,8 @@ def workload(row: Row, model, plan, prefix: str) -> sim.Workload:
     key = (row.model, row.seq, row.micro_batch, row.ac)
     if key not in _WORKLOADS:
         x = torch.zeros(row.micro_batch, row.seq, dtype=torch.long, device="meta")
-        wl = sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
-                         remat_policies=(OP_SAC,) if row.ac == "op" else ())
+        loss = _foundry_loss(x) if row.source == FOUNDRY else _titan_loss(x)
+        wl = sim.profile(model, plan, x, loss_fn=loss, remat_policies=(OP_SAC,) if row.ac == "op" else ())
         blocks = [u.name for u in plan.units if u.name.startswith(prefix + ".")]
         # A checkpointed block keeps its input: one hidden state in bf16.
         hidden = row.micro_batch * row.seq * model.get_submodule(blocks[0]).ffn_norm.weight.numel() * 2 if prefix == "layers" else \

@@ -267,6 +267,48 @@ def test_memory_is_plan_cost_plus_profiled_activations():
     assert r.memory["reserved"] == int(r.memory["peak"] * 1.05)
 
 
+def test_loss_temporaries_by_hand():
+    """F.cross_entropy(logits.float(), y) over (tokens, vocab) bfloat16 logits: forward writes a
+    float32 copy (4 B an element) and the log-softmax (4 B, saved for backward: an activation);
+    backward writes the log-softmax's gradient (4 B, dense) and from it the logits' (4 B) before
+    its bf16 cast. The profile's transient bytes are those not saved, at the worst moment of each
+    stretch, and the simulator's peak holds them on top of the activations."""
+    T, V, D = 64, 1000, 32
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16))
+    h = torch.zeros(T, D, dtype=torch.bfloat16, device="meta")
+    y = torch.zeros(T, dtype=torch.long, device="meta")
+    plan = fsdpfn.plan(model, (1,))
+    wl = sim.profile(model, plan, h, loss_fn=lambda out: F.cross_entropy(out.float(), y))
+    scalar = 4  # the float32 loss; in backward also the seed gradient
+    # saved: the log-softmax (float32), the head's input h (bf16), nll_loss's targets and total weight
+    assert wl.activation("") == T * V * 4 + T * D * 2 + T * 8 + scalar
+    assert wl.transient_at(runtime.Op("forward", "")) == T * V * 2  # the bf16 logits
+    assert wl.transient_at(runtime.Op("forward_done", "")) == T * V * (2 + 4) + scalar  # bf16 logits + float32 copy
+    # backward: the log-softmax's gradient and the logits' float32 gradient, both (T, V) float32;
+    # the bf16 logits were let go before backward and the saved log-softmax is an activation
+    assert wl.transient_at(runtime.Op("backward", "")) == T * V * (4 + 4) + 2 * scalar
+    r = sim.simulate(plan, runtime.schedule(plan), wl, None, _hw())
+    static = r.memory["params"] + r.memory["grads"] + r.memory["optimizer_state"]
+    weight = D * V * 2  # the head's gathered bf16 weight, and its bf16 gradient from its backward to its reduce
+    assert r.memory["unsharded_peak"] == weight
+    assert r.memory["peak"] == static + weight + wl.activation("") + weight + T * V * 8 + 2 * scalar
+
+
+def test_rematerialised_backward_holds_its_recomputed_activations():
+    """Full remat keeps a block's inputs from forward to backward, but its backward reruns the
+    forward first: the activations it dropped are live again when the gradients' temporaries
+    start, so the backward's transient bytes are the dropped activations plus the plain
+    backward's own."""
+    plan, wl = _setup((4,))
+    full = wl.with_remat({"blocks.1": "full"})
+    fwd, bwd = runtime.Op("forward", "blocks.1"), runtime.Op("backward", "blocks.1")
+    assert full.activation("blocks.1") < wl.activation("blocks.1")
+    assert full.transient_at(bwd) == max(wl.transient_at(fwd), wl.activation("blocks.1") + wl.transient_at(bwd))
+    assert full.transient_at(bwd) > wl.transient_at(bwd)
+    assert full.transient_at(runtime.Op("backward", "blocks.0")) == wl.transient_at(runtime.Op("backward", "blocks.0"))
+
+
 def test_rms_norm_counted_as_the_fused_kernel_on_meta():
     """On meta, nn.RMSNorm would take the composite path (float32 copies saved); the profile
     counts CUDA's fused kernel: it saves its bf16 input and the reciprocal RMS."""

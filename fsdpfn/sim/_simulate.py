@@ -28,7 +28,10 @@ Memory follows the same walk in op order: a unit's unsharded parameters count fr
 ``gather`` to its ``free``, exactly as ``fsdpfn.runtime.MemoryTracker`` counts them, so
 ``SimResult.memory["unsharded_peak"]`` is the runtime's ``rt.memory.high_water``. Flat
 communication buffers, full gradients (from a unit's backward to its reduce), and activations
-(from a unit's forward to the end of its backward) are added on top for the total peak.
+(from a unit's forward to the end of its backward) are added on top for the total peak, and
+while a stretch's work runs, its transient bytes (``Workload.transient``: the results its
+operators hold at once besides the saved activations, such as the loss's float32 logits and
+their gradient) on top of those.
 
 The optimizer step follows the last micro-batch: its phases in order; a collective blocks unless
 it is tagged (Muon's pipelined owner layout), then it runs on the ``optimizer`` stream until
@@ -318,6 +321,10 @@ class _Builder:
         self.peak["activations"] = max(self.peak["activations"], self.live["activations"])
         self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
 
+    def momentary(self, nbytes: int) -> None:
+        """Bytes live only while the current work runs (its transient memory) on top of what is held."""
+        self.peak["total"] = max(self.peak["total"], sum(self.live.values()) + nbytes)
+
     def drop(self, what: str, unit: str) -> None:
         self.live[what] -= self.held.pop((what, unit), 0)
 
@@ -426,6 +433,7 @@ class _Builder:
                 if pending is not None:
                     self.op = pending[3]
                     self.compute(*pending[:3])
+                    self.momentary(self.wl.transient_at(sched.ops[pending[3]]))
                     self.tensor_parallel(pending[3])
                 self.op = i
                 self.event(op)
@@ -453,6 +461,7 @@ class _Builder:
         if pending is not None:
             self.op = pending[3]
             self.compute(*pending[:3])
+            self.momentary(self.wl.transient_at(sched.ops[pending[3]]))
             self.tensor_parallel(pending[3])
         self.micro_batch += 1
 

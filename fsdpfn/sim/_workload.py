@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import math
 import time
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -149,6 +150,9 @@ class Workload:
         keeps of a unit's forward (bytes) and the work it saves the recompute.
       remat: ``((unit, policy), ...)``: the policies :meth:`with_remat` applied to ``work`` and
         ``activations`` (``profile`` applies the plan's).
+      transient: ``((event Op, bytes), ...)``: the most bytes the work after each event holds at
+        once besides the saved activations and the parameters' gradients (see [Note: transient
+        memory]): the simulator adds it to what is live while that work runs.
 
     Example:
       >>> wl = fsdpfn.sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()))
@@ -164,6 +168,7 @@ class Workload:
     inputs: tuple[tuple[str, int], ...] = ()
     kept: tuple[tuple[str, str, int, Work], ...] = ()
     remat: tuple[tuple[str, str], ...] = ()
+    transient: tuple[tuple[Op, int], ...] = ()
     base: "Workload | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     def at(self, event: Op) -> Work:
@@ -172,6 +177,14 @@ class Workload:
 
     def activation(self, unit: str) -> int:
         return self._acts.get(unit, 0)
+
+    def transient_at(self, event: Op) -> int:
+        """The transient bytes of the work after ``event`` (see [Note: transient memory])."""
+        return self._transient.get(event, 0)
+
+    @functools.cached_property
+    def _transient(self) -> dict:
+        return dict(self.transient)
 
     @functools.cached_property
     def _acts(self) -> dict:
@@ -235,6 +248,7 @@ class Workload:
         kept = {(u, p): (b, w) for u, p, b, w in base.kept}
         table = dict(base.work)
         acts = dict(base.activations)
+        transient = dict(base.transient)
         for u, policy in policies.items():
             if u not in inputs:
                 raise ValueError(f"with_remat: unit {u!r} was not profiled (units: {sorted(inputs)})")
@@ -247,8 +261,13 @@ class Workload:
             fwd = table.get(Op(OpKind.FORWARD, u), EMPTY)
             table[Op(OpKind.BACKWARD, u)] = fwd.minus(saved_work) + table.get(Op(OpKind.BACKWARD, u), EMPTY)
             acts[u] = inputs[u] + saved_bytes
+            # Its backward reruns the forward first: the activations it did not keep are live
+            # again (besides the held ones) when the gradients' temporaries start.
+            b, f = Op(OpKind.BACKWARD, u), Op(OpKind.FORWARD, u)
+            transient[b] = max(transient.get(f, 0), max(0, base.activation(u) - saved_bytes) + transient.get(b, 0))
         work = tuple((e, table[e]) for e, _ in base.work)
-        return dataclasses.replace(base, work=work, activations=tuple(acts.items()), remat=tuple(sorted(policies.items())), base=base)
+        return dataclasses.replace(base, work=work, activations=tuple(acts.items()), remat=tuple(sorted(policies.items())),
+                                   transient=tuple(transient.items()), base=base)
 
     def recompute(self, unit: str) -> Work:
         """The work a rematerialised ``unit`` reruns in backward (nothing without remat)."""
@@ -282,10 +301,11 @@ class _Counter(TorchDispatchMode):
     """Adds every operator's cost to ``self.sink()``'s Work accumulator (and, ``timed``, its
     wall time)."""
 
-    def __init__(self, sink: Callable[[], dict], timed: bool = False):
+    def __init__(self, sink: Callable[[], dict], timed: bool = False, allocated: Callable | None = None):
         super().__init__()
         self.sink = sink
         self.timed = timed
+        self.allocated = allocated  # told of every operator's outputs (transient memory)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -300,6 +320,8 @@ class _Counter(TorchDispatchMode):
         if func.is_view:
             return out
         ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
+        if self.allocated is not None:
+            self.allocated(outs)
         nbytes = sum(_nbytes(t) for t in ins + outs)
         attention = is_attention(func)
         counted = op_flops(func, args, kwargs, out)
@@ -473,13 +495,75 @@ def _default_loss(out) -> torch.Tensor:
     return t.float().mean()
 
 
+# [Note: transient memory]
+# Besides what a unit saves for its backward, its operators' results live a while: a block's
+# intermediate values until the next operator has read them, a gradient until the one before it
+# is computed. Most are small next to the saved activations, but the loss's are not: with a
+# 128k-token vocabulary, ``F.cross_entropy(logits.float(), y)`` over ``(tokens, vocab)`` bfloat16
+# logits writes a float32 copy (4 bytes an element) and its log-softmax (4, saved for backward);
+# its backward writes the gradient of the log-softmax (4, dense) and from it and the saved
+# output the gradient of the logits (4) before casting it to bfloat16 (2): 12 bytes an element
+# live at once, of which the saved 4 are activations. ``profile`` sees every allocation:
+# it follows each storage an operator writes until it is freed and, per stretch of the
+# schedule, keeps the most bytes live at once among those that are neither saved for backward
+# (activations, held separately) nor a parameter's gradient (the simulator holds the unit's
+# gradients from its backward to their reduction). The model's output is let go before
+# backward, as a training loop does that keeps only the loss (torchtitan's ``del pred``); one
+# that keeps the output through backward holds its bytes besides.
+
+
+class _Live:
+    """Storages the profiled step allocated and has not freed yet, replayed afterwards: the peak
+    bytes live per stretch, less those of storages still live at the end that are excluded
+    (see [Note: transient memory])."""
+
+    def __init__(self, events: "_Events", skip: set):
+        self.events = events
+        self.skip = skip  # storages allocated before (parameters, inputs)
+        self.live: dict[int, int] = {}  # storage address -> allocation number (addresses are reused once freed)
+        self.log: list[tuple[Op, int, int]] = []  # (stretch, allocation number, +bytes / -bytes)
+        self.finalizers: list = []
+
+    def allocated(self, outs) -> None:
+        for t in outs:
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.live or key in self.skip:
+                continue
+            n, serial = st.nbytes(), len(self.log)
+            self.live[key] = serial
+            self.log.append((self.events.event, serial, n))
+            self.finalizers.append(weakref.finalize(st, self._freed, key, serial, n))
+
+    def _freed(self, key: int, serial: int, n: int) -> None:
+        self.live.pop(key, None)
+        self.log.append((self.events.event, serial, -n))
+
+    def peaks(self, exclude: set) -> dict:
+        """``{stretch: peak bytes}``, leaving out the live storages whose addresses are in ``exclude``."""
+        left_out = {self.live[k] for k in exclude if k in self.live}
+        live, out = 0, {}
+        for event, serial, n in self.log:
+            if serial in left_out:
+                continue
+            live += n
+            out[event] = max(out.get(event, 0), live)
+        return out
+
+    def close(self) -> None:
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers.clear()
+
+
 def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool, selective=None):
     """One forward, loss and backward under the counter: ``(event order, accumulators, saved
-    activation bytes per unit, input bytes per unit, {(unit, policy): (kept bytes, kept Work)})``."""
+    activation bytes per unit, input bytes per unit, {(unit, policy): (kept bytes, kept Work)},
+    transient bytes per event)``."""
     selective = selective or {}
     param_storages = {p.untyped_storage()._cdata for p in params.values()}
     events = _Events(units, type(model).__name__)
@@ -520,6 +604,8 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
         hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(mod.register_forward_hook(post, with_kwargs=True))
         mod._fsdpfn_in_remat = True  # profile the plain forward; the plan's remat is applied to the counts after
+    before = {t.untyped_storage()._cdata for t in _tensors(list(inputs))} | param_storages
+    live = None if timed else _Live(events, before)
     with ModuleTracker() as tracker:
         def pack(t: torch.Tensor):
             key = t.untyped_storage()._cdata
@@ -529,13 +615,19 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
                 saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
             return t
 
-        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker), timed=timed):
+        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker), timed=timed, allocated=live and live.allocated):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, params, inputs) if cast else model(*inputs)
                 events.end_forward()
                 loss = (loss_fn or _default_loss)(out)
+            del out  # the loss's graph keeps what its backward needs (see [Note: transient memory])
             loss.backward()
             events.end()
+    transient = {}
+    if live is not None:
+        grads = {p.grad.untyped_storage()._cdata for p in params.values() if p.grad is not None}
+        transient = live.peaks(seen | grads)
+        live.close()
     keep.clear()
     for h in hooks:
         h.remove()
@@ -544,7 +636,7 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
             modules[u]._fsdpfn_in_remat = False
     for p in params.values():
         p.grad = None
-    return events.order, events.acc, saved, unit_inputs, kept
+    return events.order, events.acc, saved, unit_inputs, kept, transient
 
 
 def _tp_local(p: torch.Tensor, spec) -> torch.Tensor:
@@ -616,7 +708,7 @@ def profile(
             selective[u.name].add(u.remat)
         selective[u.name].update(p for p in remat_policies if p not in ("none", "full"))
     try:
-        order, acc, saved, unit_inputs, kept = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
+        order, acc, saved, unit_inputs, kept, transient = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
         measured: dict[Op, float] = {}
         if timed:
             for i in range(repeats + 1):
@@ -632,5 +724,6 @@ def profile(
     tokens = next((t.numel() for t in _tensors(list(inputs)) if not t.is_floating_point()), 0)
     work = tuple((op, dataclasses.replace(_to_work(acc[op]), measured=measured.get(op))) for op in order)
     acts = tuple((u, saved.get(u, 0)) for u in units)
-    base = Workload(work, acts, tokens, tuple(unit_inputs.items()), tuple((u, p, b, w) for (u, p), (b, w) in sorted(kept.items())))
+    base = Workload(work, acts, tokens, tuple(unit_inputs.items()), tuple((u, p, b, w) for (u, p), (b, w) in sorted(kept.items())),
+                    transient=tuple((op, transient.get(op, 0)) for op in order))
     return base.with_remat(plan) if any(u.remat != "none" for u in plan.units) else base
