@@ -298,6 +298,41 @@ COMPILE_SIDES = ["fsdpfn", "fsdpfn compiled", "fsdpfn per-unit compiled", "FSDP2
 OVERLAP_SIDE = "fsdpfn compiled + overlap passes"
 
 
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _matmul_floor(side, x, y, reps=3):
+    """Seconds one step's matmul-like operators take alone on this rank: every ``mm``, ``addmm``,
+    ``bmm`` and fused-attention call of one eager step of ``side``, recorded with its shapes,
+    strides and arguments, then replayed on fresh tensors (best of ``reps``, ranks together).
+    No compiler can make the step faster than this: inductor hands these operators to the same
+    library kernels and only fuses what lies between them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in _MATMULS:
+                spec = [("t", a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else ("v", a) for a in args]
+                calls.append((func, spec, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        side.step(x, y)
+    replay = [(func, [torch.empty_strided(a[1], a[2], dtype=a[3]).normal_() if a[0] == "t" else a[1] for a in spec], kw)
+              for func, spec, kw in calls]
+    best = float("inf")
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        for func, args_, kw in replay:
+            func(*args_, **kw)
+        best = min(best, time.perf_counter() - t)
+    return best, len(calls)
+
+
 def _compile_rank(rank, world, args):
     """The four sides of ``--compile``, interleaved in a rotating order; the first step of each
     side (where compilation happens) is timed apart."""
@@ -331,7 +366,8 @@ def _compile_rank(rank, world, args):
                 losses[s.name].append(s.step(x, y))
                 times[s.name].append(time.perf_counter() - t)
         counts = {s.name: s.count(x, y) for s in sides}
-        results[(strategy, precision)] = {"times": times, "first": first, "losses": losses, "counts": counts}
+        floor = _matmul_floor(sides[0], x, y)
+        results[(strategy, precision)] = {"times": times, "first": first, "losses": losses, "counts": counts, "floor": floor}
         if rank == 0:
             print(f"  [{strategy} {precision}: done]", flush=True)
         del sides
@@ -361,6 +397,9 @@ def _report_compile(res, args):
             first = max(x["first"][s] for x in r)
             print(f"    {s}: first step (compiles) {first:.1f} s = {first / base:.0f}x an FSDP2 eager step; "
                   f"collectives {_fmt_counts(r[0]['counts'][s][0])}")
+        floor = max(x["floor"][0] for x in r)
+        print(f"    matmul floor ({r[0]['floor'][1]} matmul and attention calls of one step, replayed alone): {floor:.3f} s "
+              f"= {floor / base:.2f}x an FSDP2 eager step (median {base:.3f} s); no compiled step can be faster")
         gap = max(abs(a - b) for a, b in zip(r[0]["losses"]["fsdpfn compiled"], r[0]["losses"]["fsdpfn"]))
         print(f"    max |loss compiled - loss eager| (fsdpfn) over steps: {gap:.2e}")
 
