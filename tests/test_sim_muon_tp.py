@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fsdpfn
 from fsdpfn import optim, sim, testing
-from fsdpfn.models import MoE, MoEConfig
+
 
 TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise"}
 BLOCKS = {"qkv.weight": 4}  # 4 heads of 3 rows: tp = 2 gives each tp rank 2 whole heads, dp cuts them
@@ -112,33 +112,7 @@ def test_sim_muon_equals_a_real_step_on_tp_meshes(run_on_ranks, mesh_shape, name
 # Expert parallelism: expert leaves are whole matrices on the rank holding them
 # ---------------------------------------------------------------------------------------------
 
-CFG = MoEConfig(width=8, hidden=12, experts=4, top_k=2, aux_weight=0.1)
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(CFG.width)
-        self.moe = MoE(CFG)
-        self.fc = nn.Linear(CFG.width, CFG.width)
-
-    def forward(self, h):
-        y, aux = self.moe(self.norm(h))
-        return h + y + 0.5 * torch.tanh(self.fc(h)), aux
-
-
-class MoENet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(CFG.width, CFG.width)
-        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
-
-    def forward(self, x):
-        h, aux = self.inp(x), 0.0
-        for b in self.blocks:
-            h, a = b(h)
-            aux = aux + a
-        return (h**2).mean() + aux
+from test_moe_plan import Net as MoENet  # noqa: E402 - the two-block MoE net the plan tests train
 
 
 def _moe_label(name, p):
