@@ -125,11 +125,15 @@ def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[tor
 
 
 def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
-    if unit.fp8:
-        fulls = _gather_fp8(plan, unit, locals_)
-        if _role_rank(plan, Role.TP):
-            fulls = [torch.zeros_like(f) if p.tp == "partial" else f for p, f in zip(unit.params, fulls)]
-        return fulls
+    fulls = _gather_fp8(plan, unit, locals_) if unit.fp8 else _gather_plain(plan, unit, locals_)
+    if _role_rank(plan, Role.TP):
+        # a rowwise layer's bias: added on tp position 0 only, so the all-reduce after the layer
+        # adds it once (as the eager gather does); its gradient reaches it whole either way.
+        fulls = [torch.zeros_like(f) if p.tp == "partial" else f for p, f in zip(unit.params, fulls)]
+    return fulls
+
+
+def _gather_plain(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
     dtype = plan.gather_dtype(unit)
     w = _cached(plan, "axes").shard_size
     numel = sum(s.size for s in _slots(unit).values() if s.sharded) if unit.sharded else 0
@@ -148,10 +152,6 @@ def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.T
             full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)
         else:
             full = local.to(dtype)
-        if p.tp == "partial" and _role_rank(plan, Role.TP):
-            # a rowwise layer's bias: added on tp position 0 only, so the all-reduce after the layer
-            # adds it once (as the eager gather does); its gradient reaches it whole either way.
-            full = torch.zeros_like(full)
         fulls.append(full)
     return fulls
 
