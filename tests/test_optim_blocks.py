@@ -188,6 +188,36 @@ def test_owner_balancing_counts_blocks():
     assert len(big.buckets) == 4
 
 
+
+@pytest.mark.parametrize("sizes, placements", [
+    ((3,), (Shard(0),)),                                  # rows chunked, uneven
+    ((2, 2), (Replicate(), Shard(0))),                    # HSDP: replicas send by block number
+    ((2, 3), (Shard(0), Shard(1))),                       # dp rows x tp columns
+    ((2, 2), (Shard(0), Shard(0))),                       # dp rows inside tp rows
+])
+def test_bucket_totals_are_every_ranks_bucket_splits_summed(sizes, placements):
+    # The simulator costs every rank's all-to-alls from bucket_totals; the optimizer packs with
+    # bucket_splits. Both walk the same pieces, so the totals are exact sums, rank by rank.
+    import itertools
+
+    coords = [dict(enumerate(c)) for c in itertools.product(*(range(n) for n in sizes))]
+    shapes = [(12, 18), (30, 6), (7, 12), (2, 6, 6)]
+    specs = [(3, 1), (1, 1), (1, 1), (1, 1)]
+    held = [optim.leaf_holdings(s, placements, sizes, coords) for s in shapes]
+    w = len(coords)
+    sched = optim.owner_schedule(shapes, w, optim.newton_schulz_flops, specs=specs, buckets=2, held=held)
+    assert sched.buckets, "the case must send something"
+    totals = optim.bucket_totals(sched)
+    per_rank = [optim.bucket_splits(sched, q) for q in range(w)]
+    assert len(totals) == len(sched.buckets)
+    for k, pair in enumerate(totals):
+        for way, t in enumerate(pair):
+            for q in range(w):
+                ins, outs = per_rank[q][k][way]
+                assert (t.sent[q], t.received[q], t.kept[q], t.peers[q]) == (sum(ins), sum(outs), ins[q], sum(1 for x in ins if x))
+                assert outs[q] == ins[q]
+            assert sum(t.sent) == sum(t.received)
+
 # ---------------------------------------------------------------------------------------------
 # Distributed: per-block parity, pipelined == unpipelined, the overlap counted
 # ---------------------------------------------------------------------------------------------

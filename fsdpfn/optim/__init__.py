@@ -47,6 +47,8 @@ from fsdpfn.optim._newton_schulz import newton_schulz as newton_schulz
 from fsdpfn.optim._newton_schulz import newton_schulz_flops as newton_schulz_flops
 from fsdpfn.optim._owner import BucketRecord as BucketRecord
 from fsdpfn.optim._owner import bucket_splits as bucket_splits
+from fsdpfn.optim._owner import bucket_totals as bucket_totals
+from fsdpfn.optim._owner import SplitTotals as SplitTotals
 from fsdpfn.optim._owner import OwnerSchedule as OwnerSchedule
 from fsdpfn.optim._owner import PipelineRecord as PipelineRecord
 from fsdpfn.optim._owner import owner_schedule as owner_schedule
@@ -74,6 +76,7 @@ __all__ = [
     "PipelineRecord",
     "SGDState",
     "ScaleByMuonState",
+    "SplitTotals",
     "TorchOptimizer",
     "adamw",
     "apply_if_finite",
@@ -81,6 +84,7 @@ __all__ = [
     "block_shape",
     "blockwise_spec",
     "bucket_splits",
+    "bucket_totals",
     "chain",
     "check_blocks",
     "clip_by_global_norm",

@@ -63,8 +63,10 @@ __all__ = [
     "BucketRecord",
     "OwnerSchedule",
     "PipelineRecord",
+    "SplitTotals",
     "assign_owners",
     "bucket_splits",
+    "bucket_totals",
     "owner_schedule",
     "record_pipeline",
     "run_owner",
@@ -449,6 +451,55 @@ def bucket_splits(sched: OwnerSchedule, rank: int) -> tuple[tuple[tuple[list[int
     for k in range(len(sched.buckets)):
         b = _Bucket(sched, k, rank, torch.float32, torch.device("meta"))
         out.append((b.splits("out"), b.splits("back")))
+    return tuple(out)
+
+
+class SplitTotals(NamedTuple):
+    """One all-to-all of one bucket, summed per rank (see :func:`bucket_totals`): tuples indexed
+    by rank of elements sent (``sum`` of its input splits), received (``sum`` of its output
+    splits), kept (its split to itself, sent and received alike) and the peers it sends a
+    non-empty split to (itself included)."""
+
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    kept: tuple[int, ...]
+    peers: tuple[int, ...]
+
+
+def bucket_totals(sched: OwnerSchedule) -> tuple[tuple[SplitTotals, SplitTotals], ...]:
+    """Per bucket of ``sched``, the ``("out", "back")`` all-to-alls' :class:`SplitTotals` for
+    every rank at once: the sums of :func:`bucket_splits` of each rank, read from the same
+    pieces and returns in one pass. ``bucket_splits`` walks every piece of a bucket for one
+    rank, so all ranks' splits cost ``world`` times the pieces; a cost model of a 1,024-rank
+    group wants the totals, in one walk.
+
+    Example:
+      >>> s = owner_schedule([(8, 4), (4, 4)], 2, lambda shape: shape[-2] * shape[-1], buckets=1)
+      >>> out, back = bucket_totals(s)[0]
+      >>> out.sent, out.received, out.kept, out.peers   # rank 0 sends 8 to rank 1 and keeps 16: see bucket_splits' example
+      ((24, 24), (32, 16), (16, 8), (2, 2))
+    """
+    w = sched.world
+    out = []
+    for idx in sched.buckets:
+        totals = []
+        for way in ("out", "back"):
+            sent, received, kept = [0] * w, [0] * w, [0] * w
+            pairs: set[tuple[int, int]] = set()
+            for j in idx:
+                o = sched.owners[j]
+                for q, box in sched.pieces[j] if way == "out" else sched.returns[j]:
+                    src, dst = (q, o) if way == "out" else (o, q)
+                    sent[src] += box.numel
+                    received[dst] += box.numel
+                    if src == dst:
+                        kept[src] += box.numel
+                    pairs.add((src, dst))
+            peers = [0] * w
+            for src, _ in pairs:
+                peers[src] += 1
+            totals.append(SplitTotals(tuple(sent), tuple(received), tuple(kept), tuple(peers)))
+        out.append(tuple(totals))
     return tuple(out)
 
 

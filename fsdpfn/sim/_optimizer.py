@@ -21,9 +21,9 @@ the boxes the optimizer reads off the DTensors. The owner layout's schedule is
 ``fsdpfn.optim.owner_schedule`` itself, called with those boxes, the Newton–Schulz FLOPs and the
 bucket count the real step uses: blocks a rank holds whole and alone kept there (experts, heads
 inside a tp slice), the others balanced largest first, every owner's blocks cut into buckets of
-about equal FLOPs; each bucket's all-to-all splits are ``fsdpfn.optim.bucket_splits``, the
-packing the optimizer sends. The step is then costed as
-``fsdpfn/optim/_owner.py``'s [Note: the pipelined owner layout] runs it: "out 0" launched,
+about equal FLOPs; each bucket's all-to-all splits are those of ``fsdpfn.optim.bucket_splits``,
+the packing the optimizer sends, summed for every rank in one pass (``bucket_totals``). The step
+is then costed as ``fsdpfn/optim/_owner.py``'s [Note: the pipelined owner layout] runs it: "out 0" launched,
 the local (3-D) leaves orthogonalised under it, then per bucket ``k``: wait for out ``k``,
 launch out ``k+1``, assemble and orthogonalise bucket ``k``, launch back ``k``, wait for back
 ``k-1`` and write its rows. The collectives are asynchronous phases (:class:`CommCost` with a
@@ -270,6 +270,9 @@ class Muon:
         object.__setattr__(self, "_spec_fn", optim.check_blocks("fsdpfn.sim.Muon", self.blocks))
         if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1):
             raise ValueError(f"Muon.buckets must be None (automatic) or an int >= 1, got {self.buckets!r}")
+        # cost() per layout: a plan search costs the same parameter layout under many strategies,
+        # prefetch depths and accumulation modes, and a 1,024-rank owner schedule takes seconds.
+        object.__setattr__(self, "_costs", {})
 
     def __str__(self) -> str:
         return f"muon {self.layout}" + (f" {self.ns_method}" if self.ns_method != "standard" else "")
@@ -289,7 +292,19 @@ class Muon:
         return optim.newton_schulz_flops(shape, self.ns_steps, self.ns_method)
 
     def cost(self, plan: Plan, rank: int = 0) -> OptimizerCost:
+        from fsdpfn.transforms import placements  # plans only: no process group is touched
+
         shapes = local_shapes(plan, rank)
+        # Everything below reads the plan through these: the mesh, every parameter's global and
+        # local shape, dtype and placements, and which mesh its unit lives on.
+        key = (rank, tuple(plan.mesh_shape), plan.axes, tuple(
+            (n, tuple(plan.param(n).shape), plan.param(n).dtype, shapes[n], tuple(placements(plan, n)), _dense(plan, plan.unit_of(n)))
+            for n in plan.param_names))
+        if key not in self._costs:
+            self._costs[key] = self._cost(plan, rank, shapes)
+        return self._costs[key]
+
+    def _cost(self, plan: Plan, rank: int, shapes: dict[str, tuple[int, ...]]) -> OptimizerCost:
         labels = self.labels(plan)
         muon_names = sorted(n for n in plan.param_names if labels[n] == "muon")  # the optimizer's tree order
         # Elementwise work: the real transform on meta local shards, minus its Newton-Schulz there.
@@ -384,7 +399,7 @@ class Muon:
         schedule and the all-to-all splits the optimizer runs."""
         w, item, me = len(g.members), g.dtype.itemsize, g.rank
         sched = optim.owner_schedule(g.shapes, w, self.flops, specs=list(g.specs), buckets=self.buckets, itemsize=item, held=g.held)
-        splits = [optim.bucket_splits(sched, q) for q in range(w)]  # [rank][bucket] -> (out, back), each (input, output)
+        totals = optim.bucket_totals(sched)  # [bucket] -> (out, back), summed per rank from the same pieces
 
         def stacked(js) -> Work:  # same shapes batched into one call, as the optimizer stacks them
             by_shape: dict[tuple[int, int], int] = {}
@@ -398,18 +413,20 @@ class Muon:
         kept = [stacked(j for j in sched.kept if sched.owners[j] == q) for q in range(w)]
         buckets = []
         for k, idx in enumerate(sched.buckets):
-            def bytes_of(q: int, way: int) -> tuple[int, int]:  # (recorded, to or from other ranks)
-                ins, outs = splits[q][k][way]
-                return max(sum(ins), sum(outs)), max(sum(ins) - ins[q], sum(outs) - outs[q])
-
-            cost = {way: (bytes_of(me, i)[0] * item, max(bytes_of(q, i)[1] for q in range(w)) * item) for i, way in enumerate(("out", "back"))}
-            work, pack = [], []
-            for q in range(w):
-                owned = [j for j in idx if sched.owners[j] == q]
-                received = sum(splits[q][k][0][1])
-                # assembling the owned blocks from the received rows, and packing them back
-                work.append(stacked(owned) + Work(bytes=4 * received * item, ops=2 * len(owned)))
-                pack.append(Work(bytes=2 * sum(splits[q][k][0][0]) * item, ops=sum(1 for x in splits[q][k][0][0] if x)))
+            cost = {}
+            for way, t in zip(("out", "back"), totals[k]):
+                # the recorded size (the larger of a rank's two buffers), and the most any rank
+                # sends to or receives from others
+                recorded = max(t.sent[me], t.received[me])
+                across = max(max(t.sent[q] - t.kept[q], t.received[q] - t.kept[q]) for q in range(w))
+                cost[way] = (recorded * item, across * item)
+            owned_by: dict[int, list[int]] = {}
+            for j in idx:
+                owned_by.setdefault(sched.owners[j], []).append(j)
+            out = totals[k][0]
+            # assembling the owned blocks from the received rows, and packing them back
+            work = [stacked(owned_by.get(q, ())) + Work(bytes=4 * out.received[q] * item, ops=2 * len(owned_by.get(q, ()))) for q in range(w)]
+            pack = [Work(bytes=2 * out.sent[q] * item, ops=out.peers[q]) for q in range(w)]
             buckets.append((cost, work, pack))
 
         def busiest(works: list[Work]) -> Work:
