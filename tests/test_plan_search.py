@@ -119,26 +119,35 @@ def test_a_tight_budget_picks_activation_checkpointing_and_the_printed_plan_buil
         _example().main(args + ["--remat", "sometimes"])
 
 
+def _picked_degree_and_plan(args, axis: str, label: str, model):
+    """Runs ``examples/plan_search.py args`` and checks what it prints for the ``axis`` degrees
+    given: exit 0, which degree won ("<label>: <axis> N picked among 2, 4"), the pick line, the
+    printed mesh's size on ``axis``; returns that degree and the printed ``fsdpfn.plan(...)``
+    line built on ``model``."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    m = re.search(rf"^{label}: {axis} (\d+) picked among 2, 4$", proc.stdout, re.M)
+    assert m and int(m.group(1)) in (2, 4), proc.stdout[-3000:]
+    degree = int(m.group(1))
+    assert re.search(rf"^pick: +mesh \S+ \({axis} {degree}\)", proc.stdout, re.M), proc.stdout[-3000:]
+    mesh_line = re.search(r'init_device_mesh\("cuda", (\([^)]*\)), mesh_dim_names=(\([^)]*\))\)', proc.stdout)
+    shape, names = eval(mesh_line.group(1)), eval(mesh_line.group(2))
+    assert dict(zip(names, shape))[axis] == degree
+    line = [ln for ln in proc.stdout.splitlines() if "plan = fsdpfn.plan(" in ln][-1]
+    plan = eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": dict(zip(names, shape))})
+    return degree, plan
+
+
 def test_tp_degrees_are_searched_and_the_pick_is_printed():
     """``--tp 2,4``: the script exits 0, prints which degree won (one of those given), and the
     printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds the picked tp plan.
     Degrees above 1 only, so that the tp lines of the output are the ones printed."""
     args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "1024", "--budget-gib", "0.25",
             "--optimizer", "adamw", "--prefetch", "1", "--tp", "2,4"]
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    m = re.search(r"^tensor parallel: tp (\d+) picked among 2, 4$", proc.stdout, re.M)
-    assert m and int(m.group(1)) in (2, 4), proc.stdout[-3000:]
-    tp = int(m.group(1))
-    assert re.search(rf"^pick: +mesh \S+ \(tp {tp}\)", proc.stdout, re.M), proc.stdout[-3000:]
-    mesh_line = re.search(r'init_device_mesh\("cuda", (\([^)]*\)), mesh_dim_names=(\([^)]*\))\)', proc.stdout)
-    shape, names = eval(mesh_line.group(1)), eval(mesh_line.group(2))
-    assert dict(zip(names, shape))["tp"] == tp
-    line = [ln for ln in proc.stdout.splitlines() if "plan = fsdpfn.plan(" in ln][-1]
     with torch.device("meta"):
         model = _example().build_model("gpt", 64)
-    plan = eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": dict(zip(names, shape))})
+    tp, plan = _picked_degree_and_plan(args, "tp", "tensor parallel", model)
     assert plan.tp_size == tp and plan.world_size == 4
 
 
@@ -158,19 +167,7 @@ def test_ep_degrees_are_searched_and_the_pick_is_printed():
     # with experts is profiled for real.
     args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "256", "--budget-gib", "0.25",
             "--optimizer", "adamw", "--prefetch", "1", "--experts", "4", "--ep", "2,4"]
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    m = re.search(r"^expert parallel: ep (\d+) picked among 2, 4$", proc.stdout, re.M)
-    assert m and int(m.group(1)) in (2, 4), proc.stdout[-3000:]
-    ep = int(m.group(1))
-    assert re.search(rf"^pick: +mesh \S+ \(ep {ep}\)", proc.stdout, re.M), proc.stdout[-3000:]
-    mesh_line = re.search(r'init_device_mesh\("cuda", (\([^)]*\)), mesh_dim_names=(\([^)]*\))\)', proc.stdout)
-    shape, names = eval(mesh_line.group(1)), eval(mesh_line.group(2))
-    assert dict(zip(names, shape))["ep"] == ep
-    line = [ln for ln in proc.stdout.splitlines() if "plan = fsdpfn.plan(" in ln][-1]
-    model = _example().build_model("gpt", 64, 4)
-    plan = eval(line.split("=", 1)[1].strip(), {"fsdpfn": fsdpfn, "model": model, "mesh": dict(zip(names, shape))})
+    ep, plan = _picked_degree_and_plan(args, "ep", "expert parallel", _example().build_model("gpt", 64, 4))
     assert plan.axes.dim(fsdpfn.Role.EP) is not None and plan.world_size == 4
     assert dict(zip(plan.mesh_dim_names, plan.mesh_shape))["ep"] == ep
 

@@ -23,8 +23,8 @@ bucket count the real step uses: blocks a rank holds whole and alone kept there 
 inside a tp slice), the others balanced largest first, every owner's blocks cut into buckets of
 about equal FLOPs; each bucket's all-to-all splits are those of ``fsdpfn.optim.bucket_splits``,
 the packing the optimizer sends, summed for every rank in one pass (``bucket_totals``). The step
-is then costed as ``fsdpfn/optim/_owner.py``'s [Note: the pipelined owner layout] runs it: "out 0" launched,
-the local (3-D) leaves orthogonalised under it, then per bucket ``k``: wait for out ``k``,
+is then costed as ``fsdpfn/optim/_owner.py``'s [Note: the pipelined owner layout] runs it: "out
+0" launched, the local (3-D) leaves orthogonalised under it, then per bucket ``k``: wait for out ``k``,
 launch out ``k+1``, assemble and orthogonalise bucket ``k``, launch back ``k``, wait for back
 ``k-1`` and write its rows. The collectives are asynchronous phases (:class:`CommCost` with a
 ``tag``, ended by a :class:`Wait`), so the timeline overlaps them with the Newton–Schulz of
