@@ -62,7 +62,7 @@ from fsdpfn.optim._owner import assign_owners, local_blocks_ns, owner_schedule, 
 from fsdpfn.optim._tree import like
 from fsdpfn import comm as C
 
-__all__ = ["LAYOUTS", "assign_owners", "blockwise_spec", "check_buckets", "gather_pads", "orthogonalize", "owner_plan"]
+__all__ = ["LAYOUTS", "assign_owners", "blockwise_spec", "check_buckets", "gather_pads", "ns_block_spec", "orthogonalize", "owner_plan"]
 
 LAYOUTS = ("owner", "duplicated", "blockwise", "gather")
 
@@ -92,6 +92,20 @@ class _NS(NamedTuple):
 
     def send_dtype(self, x: torch.Tensor) -> torch.dtype:
         return self.dtype or x.dtype
+
+
+def ns_block_spec(x: torch.Tensor, name: str, spec: BlockSpec, layout: str) -> BlockSpec:
+    """The blocks Newton–Schulz runs on for leaf ``x`` under ``layout``: the user's ``spec``,
+    refined by ``"blockwise"`` into the tensor-parallel pieces. The one source of the block
+    shape for both :func:`orthogonalize` and the learning-rate ratio of
+    :func:`fsdpfn.optim.scale_by_muon_lr`, which must agree on it.
+
+    Example:
+      >>> ns_block_spec(torch.zeros(12, 4), "w", (3, 1), "blockwise")  # no tp pieces: the user's blocks
+      (3, 1)
+    """
+    block_shape(name, tuple(x.shape), spec)
+    return _blockwise_spec(x, name, spec) if layout == "blockwise" else spec
 
 
 def _blockwise_spec(x: torch.Tensor, name: str, spec: BlockSpec) -> BlockSpec:
@@ -214,10 +228,8 @@ def orthogonalize(
     for i, (x, name) in enumerate(zip(leaves, names)):
         if x.dim() < 2:
             raise ValueError(f"Muon leaf {name!r} has shape {tuple(x.shape)}; Muon needs matrices (>= 2-D). Label it for AdamW instead.")
-        block_shape(name, tuple(x.shape), specs[i])
+        specs[i] = ns_block_spec(x, name, specs[i], layout)
         dims_of[i] = split_dims(x, name)
-        if layout == "blockwise":
-            specs[i] = _blockwise_spec(x, name, specs[i])
     for i, (x, name) in enumerate(zip(leaves, names)):
         if not dims_of[i]:
             loc = x._local_tensor if isinstance(x, DTensor) else x

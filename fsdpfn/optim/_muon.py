@@ -14,7 +14,7 @@ import torch
 from fsdpfn.optim._base import GradientTransformation, chain, partition
 from fsdpfn.optim._blocks import Blocks, block_shape, check_blocks
 from fsdpfn.optim._checks import check_choice, check_real, check_schedule
-from fsdpfn.optim._distributed_ns import LAYOUTS, check_buckets, orthogonalize
+from fsdpfn.optim._distributed_ns import LAYOUTS, check_buckets, ns_block_spec, orthogonalize
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_COEFFS, check_settings
 from fsdpfn.optim._schedules import ScalarOrSchedule
 from fsdpfn.optim._sgd_adamw import adamw
@@ -165,14 +165,16 @@ class MuonLRState(NamedTuple):
 
 
 def scale_by_muon_lr(
-    lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_fn: str | None = "original", blocks: Blocks = None
+    lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_fn: str | None = "original", blocks: Blocks = None,
+    layout: str = "owner",
 ) -> GradientTransformation:
     """``-lr * ratio(shape) * o - lr * weight_decay * p``: ``torch.optim.Muon``'s step after the
     orthogonalisation, as an update.
 
-    ``ratio`` depends on the orthogonalised matrix's ``rows x cols`` (the last two dimensions of
-    the global shape; of one block for a leaf with ``blocks``, whose update is orthogonal
-    block by block). ``rows`` is ``fan_out`` and ``cols`` ``fan_in`` in ``nn.Linear``'s
+    ``ratio`` depends on the orthogonalised matrix's ``rows x cols``: the last two dimensions of
+    the block each Newton–Schulz ran on, whose update is orthogonal block by block (the global
+    shape; one of the ``blocks``; with ``layout="blockwise"``, one tensor-parallel piece, or one
+    of the ``blocks`` inside it). ``rows`` is ``fan_out`` and ``cols`` ``fan_in`` in ``nn.Linear``'s
     ``(out, in)`` layout:
 
     - ``"original"``: ``max(1, rows/cols) ** 0.5``. Keller Jordan's Muon and
@@ -195,6 +197,9 @@ def scale_by_muon_lr(
       adjust_lr_fn: ``"original"``, ``"match_rms_adamw"``, ``"spectral_norm"``, or ``None`` for
         ``"original"``.
       blocks: the block specs :func:`scale_by_muon` used (the ratio is then the block's).
+      layout: the ``layout`` :func:`scale_by_muon` used: ``"blockwise"`` orthogonalises each
+        tensor-parallel piece alone, so the ratio is the piece's (read off the update's
+        placements); the other layouts orthogonalise whole matrices (or ``blocks``).
 
     Raises:
       ValueError: a setting is out of range (the message names it), raised when built.
@@ -221,6 +226,7 @@ def scale_by_muon_lr(
     weight_decay = check_real(who, "weight_decay", weight_decay, lo=0.0)
     adjust_lr_fn = check_choice(who, "adjust_lr_fn", adjust_lr_fn, (None, *ADJUST_LR_FNS)) or "original"
     spec_fn = check_blocks(who, blocks)
+    check_choice(who, "layout", layout, LAYOUTS)
 
     def update(updates, state, params=None):
         step_lr = schedule(state.count)
@@ -231,8 +237,8 @@ def scale_by_muon_lr(
         out = []
         for name, u, p in zip(names, leaves, ps):
             shape = tuple(u.shape)
-            if len(shape) >= 2:
-                shape = block_shape(name, shape, spec_fn(name, u))
+            if len(shape) >= 2:  # the block Newton–Schulz ran on, as scale_by_muon chose it
+                shape = block_shape(name, shape, ns_block_spec(u, name, spec_fn(name, u), layout))
             new = local(u).mul(-step_lr * _lr_ratio(shape, adjust_lr_fn))
             if weight_decay:
                 new = new.sub_(local(p).to(new.dtype), alpha=step_lr * weight_decay)
@@ -374,7 +380,7 @@ def muon(
     labels_tree = _labels_tree(labels)
     muon_part = chain(
         scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets),
-        scale_by_muon_lr(lr, weight_decay, adjust_lr_fn, blocks),
+        scale_by_muon_lr(lr, weight_decay, adjust_lr_fn, blocks, layout),
     )
     adam_part = adamw(
         lr if adamw_lr is None else adamw_lr,
