@@ -48,6 +48,23 @@ def _write_back(host, dev):
     return _to(dev, host.device) if isinstance(dev, torch.Tensor) else dev
 
 
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` this process can allocate on, checked now, on every rank,
+    rather than at the first update (where a CPU-only torch fails inside a copy)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"streamed: device={device!r} is not a device ({e}); pass 'cuda', 'cuda:0' or 'cpu'.") from None
+    try:
+        torch.empty(0, device=dev)  # allocates nothing; fails as the first update's copy would
+    except (AssertionError, RuntimeError) as e:
+        raise ValueError(
+            f"streamed: device={str(device)!r} is not available in this process ({e}). Run the update where the state "
+            "lives instead (leave streamed out), or pass device='cpu', which runs the same path between host buffers."
+        ) from None
+    return dev
+
+
 def streamed(opt: GradientTransformation, device: str | torch.device = "cuda") -> GradientTransformation:
     """``opt`` whose ``update`` runs on ``device`` for trees kept in host memory (see [Note: where
     an offloaded unit's optimizer steps]): gradients, state and parameters are copied in, the
@@ -60,6 +77,11 @@ def streamed(opt: GradientTransformation, device: str | torch.device = "cuda") -
       opt: the optimizer.
       device: where the update runs (``"cuda"``; ``"cpu"`` runs the same path between host buffers).
 
+    Raises:
+      TypeError: ``opt`` is not a transform.
+      ValueError: when built, ``device`` is no device name, or one this torch cannot allocate on
+        (``"cuda"`` on a CPU-only build or with no GPU visible).
+
     Example:
       >>> opt = fsdpfn.optim.streamed(fsdpfn.optim.adamw(1e-3), device="cpu")
       >>> params = {"w": torch.ones(3)}
@@ -70,7 +92,7 @@ def streamed(opt: GradientTransformation, device: str | torch.device = "cuda") -
     """
     if not isinstance(opt, GradientTransformation):
         raise TypeError(f"streamed(opt): opt must be an fsdpfn.optim GradientTransformation, got {type(opt).__name__}")
-    device = torch.device(device)
+    device = _check_device(device)
 
     def update(updates: Any, state: Any, params: Any = None):
         none = dict(none_is_leaf=True)
