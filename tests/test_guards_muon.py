@@ -167,6 +167,28 @@ def test_muon_labels_refuse_to_guess_the_head():
         optim.muon_labels(model, head="clasifier")
 
 
+def test_muon_labels_with_sequential_heads_and_blocks():
+    # A head that is an nn.Sequential: its last layer is the output, its first one hidden.
+    model = nn.Sequential()
+    model.emb = nn.Embedding(11, 8)
+    model.head = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+    labels = optim.muon_labels(model)
+    assert labels["head.0.weight"] == "muon" and labels["head.2.weight"] == "adamw" and labels["emb.weight"] == "adamw"
+    # Blocks in an nn.Sequential, nothing after them: the last Linear is a block's.
+    model = nn.Sequential(nn.Embedding(11, 8), Block(8), Block(8))
+    with pytest.raises(ValueError, match="'2.proj'.*repeated block '2'"):
+        optim.muon_labels(model)
+
+
+def test_muon_takes_the_model_as_labels():
+    model = TokLM()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = optim.muon(lr=0.02, labels=model).init(params)
+    assert {n for n, b in state.inner_states["muon"][0].momentum_buffer.items() if b is not None} == HIDDEN
+    with pytest.raises(ValueError, match="cannot tell the output layer"):
+        optim.muon(lr=0.02, labels=HeadFirst())  # when built, before any parameter is seen
+
+
 def test_muon_labels_by_name_still_work():
     # The name rule muon uses without a model, unchanged for existing call sites.
     assert optim.muon_labels("blocks.0.fc.weight", torch.zeros(8, 4)) == "muon"
@@ -197,3 +219,16 @@ def test_streamed_refuses_an_unavailable_device_when_built():
     with pytest.raises(ValueError, match="'gpu'"):
         optim.streamed(optim.adamw(1e-3), device="gpu")
     optim.streamed(optim.adamw(1e-3), device="cpu")  # the CPU is always there
+
+
+def test_muon_labels_on_hf_models():
+    T = pytest.importorskip("transformers")
+    llama = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                             num_key_value_heads=1, vocab_size=50))
+    bert = T.BertForSequenceClassification(T.BertConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                                        num_attention_heads=2, vocab_size=50))
+    for model, out in ((llama, {"lm_head.weight", "model.embed_tokens.weight"}),
+                       (bert, {"classifier.weight", *(f"bert.embeddings.{k}_embeddings.weight" for k in ("word", "position", "token_type"))})):
+        labels = optim.muon_labels(model)
+        matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
+        assert {n for n in matrices if labels[n] == "adamw"} == out, sorted(n for n in matrices if labels[n] == "adamw")

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import optree
 import torch
+from torch import nn
 
 from fsdpfn.optim._base import GradientTransformation, chain, partition
 from fsdpfn.optim._blocks import Blocks, block_shape, check_blocks
@@ -254,28 +255,153 @@ def scale_by_muon_lr(
 
 _NOT_HIDDEN = frozenset({"embed", "embedding", "embeddings", "pos", "head", "lm_head", "wte", "wpe", "output"})
 
+# [Note: which parameters Muon takes]
+# Muon is for hidden matrices. An embedding's rows are looked up one token at a time, the output
+# layer maps features to logits, and vectors (norms, biases) are no matrices: all three go to
+# AdamW (Keller Jordan's Muon, Moonlight). Names cannot tell them apart (`emb`, `tok_emb`,
+# `classifier` and `unembed` are all common), so `muon_labels(model)` reads the modules:
+#   - a parameter of an nn.Embedding (or EmbeddingBag), or the same tensor tied elsewhere: AdamW;
+#   - a 0-D or 1-D parameter: AdamW;
+#   - the output layer's parameters: AdamW. It is the last nn.Linear in registration order,
+#     unless that one sits inside a repeated block (an element of an nn.ModuleList, or of an
+#     nn.Sequential with another element of its type: the head was registered earlier, or
+#     there is none), when it refuses to guess and asks for head=;
+#   - a bare parameter of the model itself (a position table, a class token): AdamW;
+#   - every other parameter (nn.Linear weights, attention in-projections, convolutions, packed
+#     experts): Muon.
+# Without a model, optim.muon's default labels can only read names: muon_labels(name, param).
 
-def muon_labels(name: str, param: torch.Tensor) -> str:
-    """The default labels of :func:`muon`: ``"muon"`` for hidden matrices (>= 2-D, no path
-    component naming an embedding or the output head: ``embed*``, ``pos``, ``head``,
-    ``lm_head``, ``wte``, ``wpe``, ``output``), ``"adamw"`` for the rest (embeddings, head, norms,
-    biases, scalars).
 
-    Example:
-      >>> muon_labels("blocks.0.fc.weight", torch.zeros(8, 4)), muon_labels("embed.weight", torch.zeros(8, 4))
-      ('muon', 'adamw')
-    """
+def _by_name(name: str, param: torch.Tensor) -> str:
     parts = name.split(".")
     hidden = not any(p in _NOT_HIDDEN or p.startswith("embed") for p in parts)
     return "muon" if param.dim() >= 2 and hidden else "adamw"
 
 
+def _in_repeated_block(name: str, mods: dict[str, nn.Module]) -> str | None:
+    """The repeated block module ``name`` lies inside (not the module itself), or ``None``: an
+    element of an ``nn.ModuleList``, or of an ``nn.Sequential`` with another element of its
+    type (a ``Sequential`` head, ``Linear, GELU, Linear``, holds no block)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        container = mods.get(".".join(parts[:i]))
+        element = ".".join(parts[: i + 1])
+        if isinstance(container, nn.ModuleList):
+            return element
+        if isinstance(container, nn.Sequential):
+            kind = type(mods[element])
+            if sum(type(c) is kind for c in container.children()) > 1:
+                return element
+    return None
+
+
+def _head_names(model: nn.Module, head: Any) -> tuple[str, ...]:
+    mods = dict(model.named_modules())
+    linears = [n for n, m in mods.items() if isinstance(m, nn.Linear)]
+    if head is None:
+        return ()
+    if head != "auto":
+        names = (head,) if isinstance(head, str) else tuple(head)
+        for n in names:
+            if not isinstance(mods.get(n), nn.Linear):
+                raise ValueError(
+                    f"muon_labels: head={n!r} names no nn.Linear of {type(model).__name__}; its nn.Linear modules are "
+                    f"{linears[-8:]!r}{' (the last 8)' if len(linears) > 8 else ''}. Pass the output layer's module name, or head=None."
+                )
+        return names
+    if not linears:
+        return ()
+    last = linears[-1]
+    block = _in_repeated_block(last, mods)
+    if block is None:
+        return (last,)
+    outside = [n for n in linears if _in_repeated_block(n, mods) is None]
+    raise ValueError(
+        f"muon_labels: cannot tell the output layer of {type(model).__name__}: its last nn.Linear, {last!r}, lies inside "
+        f"the repeated block {block!r}, so it looks hidden. Pass head='<module name>' naming the layer that produces the "
+        f"output (nn.Linear modules outside repeated blocks: {', '.join(map(repr, outside)) or 'none'}), head=None if "
+        "the model has none, or give optim.muon(labels={name: 'muon' | 'adamw'}) yourself."
+    )
+
+
+def muon_labels(model: nn.Module | str, param: torch.Tensor | None = None, *, head: Any = "auto") -> Any:
+    """Which parameters :func:`muon` gives to Muon: ``"muon"`` for hidden matrices, ``"adamw"``
+    for embeddings, the output layer, norms, biases and scalars.
+
+    ``muon_labels(model)`` decides by what each parameter is (see [Note: which parameters Muon
+    takes] in ``fsdpfn/optim/_muon.py``): parameters of ``nn.Embedding`` modules and tensors
+    tied to them, 0-D/1-D parameters, the output layer (the last ``nn.Linear`` registered;
+    ``head=`` names it when that one sits in a repeated block) and bare parameters of the root
+    module go to AdamW; every other parameter to Muon. It returns ``{name: label}`` for every
+    name a parameter goes by (``named_parameters(remove_duplicate=False)``), to pass as
+    ``muon(labels=...)``.
+
+    ``muon_labels(name, param)`` is the rule :func:`muon` uses when it is given no labels and
+    sees only the parameter tree: by name, ``"adamw"`` for a path with a component ``embed*``,
+    ``embedding(s)``, ``pos``, ``head``, ``lm_head``, ``wte``, ``wpe`` or ``output``, or a
+    parameter below 2-D; ``"muon"`` otherwise. A model that names its embedding or head
+    otherwise (``tok_emb``, ``classifier``) needs ``labels=muon_labels(model)``.
+
+    Args:
+      model: the model (or, with ``param``, one parameter's dotted name).
+      param: with a name: the parameter (only its number of dimensions is read).
+      head: the output layer's module name (or a tuple of names), ``None`` when the model has
+        none, or ``"auto"``: the last ``nn.Linear`` registered.
+
+    Returns:
+      ``{name: "muon" | "adamw"}`` for a model, one label for a name and parameter.
+
+    Raises:
+      ValueError: ``head="auto"`` and the last ``nn.Linear`` lies inside a repeated block (an
+        element of an ``nn.ModuleList``, or of an ``nn.Sequential`` with another element of its
+        type; the message lists the candidates and the fix), or ``head`` names no ``nn.Linear``.
+      TypeError: ``model`` is neither a module nor a name with its parameter.
+
+    Example:
+      >>> class Classifier(nn.Module):
+      ...     def __init__(self):
+      ...         super().__init__()
+      ...         self.tok_emb = nn.Embedding(10, 4)
+      ...         self.hidden = nn.Linear(4, 4)
+      ...         self.classifier = nn.Linear(4, 3)
+      >>> optim.muon_labels(Classifier())
+      {'tok_emb.weight': 'adamw', 'hidden.weight': 'muon', 'hidden.bias': 'adamw', 'classifier.weight': 'adamw', 'classifier.bias': 'adamw'}
+      >>> opt = optim.muon(lr=0.02, labels=optim.muon_labels(Classifier()))
+      >>> muon_labels("blocks.0.fc.weight", torch.zeros(8, 4)), muon_labels("embed.weight", torch.zeros(8, 4))
+      ('muon', 'adamw')
+    """
+    if isinstance(model, str) and isinstance(param, torch.Tensor):
+        return _by_name(model, param)
+    if not isinstance(model, nn.Module) or param is not None:
+        raise TypeError(
+            f"muon_labels takes a model (muon_labels(model)) or a parameter's name and the parameter "
+            f"(muon_labels(name, param)), got {type(model).__name__} and {type(param).__name__}"
+        )
+    heads = _head_names(model, head)
+    mods = dict(model.named_modules())
+    adamw_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters(recurse=False)}
+    adamw_ids |= {id(p) for n in heads for p in mods[n].parameters(recurse=False)}
+    labels = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            name = f"{mname}.{pname}" if mname else pname
+            other = p.dim() < 2 or id(p) in adamw_ids or not mname
+            labels[name] = "adamw" if other else "muon"
+    # A tensor goes by several names when tied: one label for all (AdamW if any role says so).
+    by_id: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id[id(p)] = "adamw" if labels[name] == "adamw" else by_id.get(id(p), "muon")
+    return {name: by_id[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
 LabelFn = Callable[[str, torch.Tensor], str]
 
 
-def _labels_tree(labels: Union[None, LabelFn, Mapping[str, str]]) -> Callable[[Any], Any]:
+def _labels_tree(labels: Union[None, nn.Module, LabelFn, Mapping[str, str]]) -> Callable[[Any], Any]:
     if labels is None:
         fn: LabelFn = muon_labels
+    elif isinstance(labels, nn.Module):  # callable too, but not a label function
+        return _labels_tree(muon_labels(labels))
     elif callable(labels):
         fn = labels
     elif isinstance(labels, Mapping):
@@ -286,7 +412,10 @@ def _labels_tree(labels: Union[None, LabelFn, Mapping[str, str]]) -> Callable[[A
                 raise ValueError(f"muon: parameter {name!r} has no entry in labels; give it 'muon' or 'adamw' (or pass a function)")
             return table[name]
     else:
-        raise ValueError(f"muon: labels must be None, a function (name, param) -> label or a dict {{name: label}}, got {type(labels).__name__}")
+        raise ValueError(
+            f"muon: labels must be None, a model (its parameters labelled by muon_labels(model)), a function (name, param) -> "
+            f"label or a dict {{name: label}}, got {type(labels).__name__}"
+        )
 
     def tree(params):
         names, leaves, spec = named_leaves(params)
@@ -308,7 +437,7 @@ def muon(
     layout: str = "owner",
     ns_method: str = "standard",
     gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS,
-    labels: Union[None, LabelFn, Mapping[str, str]] = None,
+    labels: Union[None, nn.Module, LabelFn, Mapping[str, str]] = None,
     adamw_lr: ScalarOrSchedule | None = None,
     adamw_betas: tuple[float, float] = (0.9, 0.999),
     adamw_eps: float = 1e-8,
@@ -330,12 +459,17 @@ def muon(
       adjust_lr_fn: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_norm"`` (see
         :func:`scale_by_muon_lr`).
       layout: distributed Newton–Schulz, ``"owner"``, ``"duplicated"`` (alias ``"gather"``) or
-        ``"blockwise"`` (see :func:`scale_by_muon`).
+        ``"blockwise"`` (see :func:`scale_by_muon`; the learning-rate ratio is then each
+        tensor-parallel piece's, as for ``blocks``).
       ns_method, gram_restarts: ``"standard"`` or ``"gram"`` and the latter's restart
         iterations (see :func:`newton_schulz`; ``"gram"`` is not bitwise ``torch.optim.Muon``).
-      labels: ``None`` (:func:`muon_labels`), a function ``(name, param) -> "muon" | "adamw"``,
-        or a dict ``{name: label}`` covering every parameter. Names are the dotted tree paths
-        (the keys of ``fsdpfn.shard``'s dict).
+      labels: which parameters Muon takes. The model (``labels=model``, the same as
+        ``labels=muon_labels(model)``: decided by module type and role, so embeddings and the
+        output layer go to AdamW whatever they are called), a dict ``{name: label}`` covering
+        every parameter, a function ``(name, param) -> "muon" | "adamw"``, or ``None``:
+        :func:`muon_labels` by name (``embed*``, ``pos``, ``head``, ``lm_head``, ``wte``,
+        ``wpe``, ``output`` and vectors to AdamW), for trees with no model at hand. Names are
+        the dotted tree paths (the keys of ``fsdpfn.shard``'s dict).
       adamw_lr: AdamW learning rate; ``None`` uses ``lr``.
       adamw_betas, adamw_eps: AdamW settings.
       adamw_weight_decay: AdamW weight decay; ``None`` uses ``weight_decay``.
@@ -347,7 +481,8 @@ def muon(
     Raises:
       ValueError: a setting is out of range (as in :func:`scale_by_muon`,
         :func:`scale_by_muon_lr` and :func:`adamw`: the message names this function's argument,
-        e.g. ``adamw_betas``), raised when built, on every rank, before any collective.
+        e.g. ``adamw_betas``), or ``labels=model`` cannot tell the output layer (see
+        :func:`muon_labels`), raised when built, on every rank, before any collective.
 
     Example:
       >>> opt = fsdpfn.optim.muon(lr=0.02)
@@ -355,6 +490,7 @@ def muon(
       >>> state = opt.init(params)
       >>> updates, state = opt.update({k: torch.randn_like(v) for k, v in params.items()}, state, params)
       >>> params = fsdpfn.optim.apply_updates(params, updates)
+      >>> opt = fsdpfn.optim.muon(lr=0.02, labels=model)  # embeddings and head by module, not name
 
     References:
       Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
