@@ -157,7 +157,7 @@ def test_muon_labels_refuse_to_guess_the_head():
     with pytest.raises(ValueError) as e:
         optim.muon_labels(model)
     msg = str(e.value)
-    assert "'blocks.1.proj'" in msg and "'classifier'" in msg and "head=" in msg, msg
+    assert "'blocks.1.proj'" in msg and "muon_labels(model, head='classifier')" in msg and "head=None" in msg, msg
     labels = optim.muon_labels(model, head="classifier")
     assert {n for n, lab in labels.items() if lab == "muon"} == HIDDEN
     # A model without an output layer: every matrix but the embedding is hidden.

@@ -316,11 +316,13 @@ def _head_names(model: nn.Module, head: Any) -> tuple[str, ...]:
     if block is None:
         return (last,)
     outside = [n for n in linears if _in_repeated_block(n, mods) is None]
+    example = outside[-1] if outside else "<module name>"
     raise ValueError(
         f"muon_labels: cannot tell the output layer of {type(model).__name__}: its last nn.Linear, {last!r}, lies inside "
-        f"the repeated block {block!r}, so it looks hidden. Pass head='<module name>' naming the layer that produces the "
-        f"output (nn.Linear modules outside repeated blocks: {', '.join(map(repr, outside)) or 'none'}), head=None if "
-        "the model has none, or give optim.muon(labels={name: 'muon' | 'adamw'}) yourself."
+        f"the repeated block {block!r}, so it looks hidden. Name the layer that produces the output, e.g. "
+        f"optim.muon(labels=optim.muon_labels(model, head={example!r})) (nn.Linear modules outside repeated blocks: "
+        f"{', '.join(map(repr, outside)) or 'none'}), or head=None if the model has none; or pass "
+        "labels={name: 'muon' | 'adamw'} yourself."
     )
 
 
