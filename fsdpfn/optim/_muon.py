@@ -366,9 +366,9 @@ def muon_labels(model: nn.Module | str, param: torch.Tensor | None = None, *, he
       ...         self.tok_emb = nn.Embedding(10, 4)
       ...         self.hidden = nn.Linear(4, 4)
       ...         self.classifier = nn.Linear(4, 3)
-      >>> optim.muon_labels(Classifier())
+      >>> fsdpfn.optim.muon_labels(Classifier())
       {'tok_emb.weight': 'adamw', 'hidden.weight': 'muon', 'hidden.bias': 'adamw', 'classifier.weight': 'adamw', 'classifier.bias': 'adamw'}
-      >>> opt = optim.muon(lr=0.02, labels=optim.muon_labels(Classifier()))
+      >>> opt = fsdpfn.optim.muon(lr=0.02, labels=fsdpfn.optim.muon_labels(Classifier()))
       >>> muon_labels("blocks.0.fc.weight", torch.zeros(8, 4)), muon_labels("embed.weight", torch.zeros(8, 4))
       ('muon', 'adamw')
     """
@@ -492,7 +492,8 @@ def muon(
       >>> state = opt.init(params)
       >>> updates, state = opt.update({k: torch.randn_like(v) for k, v in params.items()}, state, params)
       >>> params = fsdpfn.optim.apply_updates(params, updates)
-      >>> opt = fsdpfn.optim.muon(lr=0.02, labels=model)  # embeddings and head by module, not name
+      >>> model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
+      >>> opt = fsdpfn.optim.muon(lr=0.02, labels=model)  # embedding and head by module, not by name
 
     References:
       Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
