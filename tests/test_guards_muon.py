@@ -38,10 +38,10 @@ def _grads(model, seed):
     return {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
 
 
-def _blockwise_vs_blocks(rank, world, adjust_lr_fn, blocks):
+def _blockwise_vs_blocks(rank, world, adjust_lr_fn, blocks, mesh_shape=(1, 2)):
     torch.manual_seed(0)
     model = MLP()
-    plan = fsdpfn.plan(model, testing.mesh((1, 2), ("dp", "tp")), tp={"fc": "colwise", "out": "rowwise"})
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, ("dp", "tp")), tp={"fc": "colwise", "out": "rowwise"})
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = fsdpfn.shard(model, plan)
     kw = dict(lr=1.0, weight_decay=0.0, ns_dtype=torch.float32, adjust_lr_fn=adjust_lr_fn)
@@ -69,6 +69,13 @@ def test_blockwise_under_tp_scales_each_piece_by_its_own_ratio(run_on_ranks, adj
     for worst, bitwise in run_on_ranks(_blockwise_vs_blocks, 2, adjust_lr_fn, blocks):
         assert all(bitwise.values()), (worst, bitwise)
         assert max(worst.values()) == 0.0, worst
+
+
+def test_blockwise_under_dp_and_tp_scales_each_piece_by_its_own_ratio(run_on_ranks):
+    # dp = 2 cuts each tp piece's rows: the owner assembles the piece from copied bits and runs
+    # the same Newton–Schulz call, so again bit for bit.
+    for worst, bitwise in run_on_ranks(_blockwise_vs_blocks, 4, "spectral_norm", None, (2, 2)):
+        assert all(bitwise.values()) and max(worst.values()) == 0.0, (worst, bitwise)
 
 
 def test_scale_by_muon_lr_reads_the_layout():
