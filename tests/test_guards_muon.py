@@ -204,6 +204,16 @@ def test_muon_labels_by_name_still_work():
         optim.muon_labels(42)
 
 
+@pytest.mark.parametrize("model", [Classifier(), TokLM()], ids=["emb-classifier", "tok_emb-unembed"])
+def test_muon_default_name_rule_knows_common_embedding_and_head_names(model):
+    # Without a model, muon reads names: the usual spellings of embeddings and heads (emb,
+    # tok_emb, token_embedding, unembed, classifier) must reach AdamW, as the module rule says.
+    by_name = {n: optim.muon_labels(n, p) for n, p in model.named_parameters()}
+    assert by_name == optim.muon_labels(model)
+    assert optim.muon_labels("encoder.word_embeddings.weight", torch.zeros(8, 4)) == "adamw"
+    assert optim.muon_labels("member.weight", torch.zeros(8, 4)) == "muon"  # not an embedding
+
+
 def test_muon_labels_on_gpt_equal_the_name_rule():
     from fsdpfn.models import GPT, GPTConfig
 

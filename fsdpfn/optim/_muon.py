@@ -6,6 +6,7 @@ Muon and everything else to AdamW.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import optree
@@ -253,7 +254,10 @@ def scale_by_muon_lr(
 # muon = partition({"muon": ..., "adamw": ...}, labels)
 # ---------------------------------------------------------------------------------------------
 
-_NOT_HIDDEN = frozenset({"embed", "embedding", "embeddings", "pos", "head", "lm_head", "wte", "wpe", "output"})
+_NOT_HIDDEN = frozenset({"embed", "embedding", "embeddings", "pos", "head", "lm_head", "wte", "wpe", "output", "classifier", "logits"})
+# A component that spells an embedding in any of the usual ways: emb, tok_emb, pos_emb,
+# token_embedding, word_embeddings, embed_tokens, unembed (the output side of a tied pair).
+_EMBEDDING = re.compile(r"(^|_)(un)?emb(ed|eds|edding|eddings)?($|_)")
 
 # [Note: which parameters Muon takes]
 # Muon is for hidden matrices. An embedding's rows are looked up one token at a time, the output
@@ -274,7 +278,7 @@ _NOT_HIDDEN = frozenset({"embed", "embedding", "embeddings", "pos", "head", "lm_
 
 def _by_name(name: str, param: torch.Tensor) -> str:
     parts = name.split(".")
-    hidden = not any(p in _NOT_HIDDEN or p.startswith("embed") for p in parts)
+    hidden = not any(p in _NOT_HIDDEN or p.startswith("embed") or _EMBEDDING.search(p) for p in parts)
     return "muon" if param.dim() >= 2 and hidden else "adamw"
 
 
@@ -339,10 +343,11 @@ def muon_labels(model: nn.Module | str, param: torch.Tensor | None = None, *, he
     ``muon(labels=...)``.
 
     ``muon_labels(name, param)`` is the rule :func:`muon` uses when it is given no labels and
-    sees only the parameter tree: by name, ``"adamw"`` for a path with a component ``embed*``,
-    ``embedding(s)``, ``pos``, ``head``, ``lm_head``, ``wte``, ``wpe`` or ``output``, or a
-    parameter below 2-D; ``"muon"`` otherwise. A model that names its embedding or head
-    otherwise (``tok_emb``, ``classifier``) needs ``labels=muon_labels(model)``.
+    sees only the parameter tree: by name, ``"adamw"`` for a path with a component that spells
+    an embedding (``embed*``, ``emb``, ``tok_emb``, ``token_embedding``, ``unembed``, ...),
+    ``pos``, ``head``, ``lm_head``, ``wte``, ``wpe``, ``output``, ``classifier`` or ``logits``,
+    or a parameter below 2-D; ``"muon"`` otherwise. A model whose head has another name (``fc``,
+    ``proj``) needs ``labels=muon_labels(model)``.
 
     Args:
       model: the model (or, with ``param``, one parameter's dotted name).
