@@ -62,6 +62,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+import torch.distributed
 
 from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn._rows import chunk_bounds, chunk_size
@@ -204,6 +205,25 @@ class MixedPrecision:
     def __repr__(self) -> str:
         fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
         return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8})"
+
+
+def _check_mesh_covers_world(mesh) -> None:
+    """Refuses a live mesh with fewer ranks than the job: ranks outside it would fail on their
+    first shard while the ones inside trained without them. Every rank knows both sizes, so
+    every rank refuses, before any collective. (Checkpoints and non-finite checks also agree
+    over every process, so a plan's mesh must be all of them.)"""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world, size = torch.distributed.get_world_size(), mesh.mesh.numel()
+    if size != world:
+        shape = tuple(mesh.mesh.shape)
+        names = f", mesh_dim_names={tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+        raise ValueError(
+            f"the mesh {shape} has {size} rank{'s' if size != 1 else ''}, but this job has world size {world} "
+            f"(torch.distributed.get_world_size()); every process must be in the plan's mesh. Build it over all of them, "
+            f"e.g. init_device_mesh('cpu', {(world,)}{names if len(shape) == 1 else ''}) (or 'cuda'; the product of the mesh's "
+            "dims must equal the world size), or start the job with as many processes as the mesh has ranks"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,6 +561,8 @@ class Plan:
                     f"unit {unit.label!r} mixes parameter dtypes ({dtypes}); one flat buffer needs one dtype. "
                     "Set MixedPrecision(param_dtype=...) or put the parameters in separate units."
                 )
+        if self.mesh is not None:
+            _check_mesh_covers_world(self.mesh)
         if self.mesh is not None and tuple(self.mesh.mesh.shape) != self.mesh_shape:
             raise ValueError(f"mesh has shape {tuple(self.mesh.mesh.shape)}, but the plan was made for {self.mesh_shape}")
         if self.mesh is not None and self.mesh_dim_names is not None and len(self.mesh_shape) > 1:
