@@ -224,7 +224,9 @@ def plan(
       model: the module to shard. Only its parameters' names, shapes and dtypes are read.
       mesh: a ``DeviceMesh`` whose dims are named axes with roles (see :class:`fsdpfn.Role`):
         ``shard`` (data parallel, sharded), ``replicate`` (data parallel, replicated) and
-        ``tp`` (tensor parallel). 1-D: shard over it, whatever its name. 2-D named
+        ``tp`` (tensor parallel). 1-D: shard over it, whatever its name but ``"ep"`` (refused:
+        expert parallelism needs an ``edp`` axis beside it, size 1 is fine). It must span
+        every process of the job (its size is the world size). 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
         ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
         parallel x expert data parallel (see ``experts``); ``("replicate", "ep", "edp")``:
@@ -260,7 +262,10 @@ def plan(
         in its ``expert_params`` attribute, with its ``top_k`` (:class:`fsdpfn.models.Experts`
         lists ``w1`` and ``w2``). Experts are split over ``ep`` and
         sharded over the other data-parallel axis; each module's expert weights form their own
-        unit, named after the module. Ignored on meshes without ``ep``.
+        unit, named after the module. Each must be a packed per-expert tensor (not a router's
+        ``nn.Linear`` weight), and its module, or one around it, must dispatch tokens over
+        ``ep``: have a ``set_ep_group`` method, as :class:`fsdpfn.models.MoE` does (see
+        docs/tour/experts.md). Ignored on meshes without ``ep``.
 
     Returns:
       the plan.
@@ -268,7 +273,9 @@ def plan(
     Raises:
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
         across units), a mesh axis without a role, a tp pattern matching no module, a dim that
-        does not divide over tp, an unknown strategy.
+        does not divide over tp, an unknown strategy, a live mesh with fewer ranks than the
+        job, a 1-D mesh named ``"ep"``, expert weights that no module dispatches over ``ep``
+        (no ``set_ep_group``) or that are a torch layer's weight (a router).
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
         after a replicate axis that is not the first mesh dim.
 
