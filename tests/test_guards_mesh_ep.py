@@ -215,3 +215,30 @@ def test_a_users_dispatching_layer_trains_like_one_process(run_on_ranks):
     for local, errors in run_on_ranks(_user_layer_step, 2):
         assert local == (2, H, W)
         assert max(errors.values()) < 1e-6, errors
+
+
+# ---- a model instance never given the ep group -------------------------------------------------
+
+
+def _second_instance(rank, world):
+    """Sharded for one instance, run on another (or after sharding a state_dict): fsdpfn's MoE
+    on the second one was never pointed at the ep group."""
+    model = _net(fsdpfn_moe)
+    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("ep", "edp")))
+    params = fsdpfn.shard(model.state_dict(), plan)  # a dict: no model to point at the group
+    other = _net(fsdpfn_moe)
+    full = fsdpfn.unshard(params, plan)
+    try:
+        torch.func.functional_call(other, full, (_tokens(rank),))
+        before = "no error"
+    except ValueError as e:
+        before = str(e)
+    fsdpfn.apply_tp(other, plan)  # the fix the message gives
+    loss = torch.func.functional_call(other, full, (_tokens(rank),))
+    return before, bool(torch.isfinite(loss))
+
+
+def test_an_instance_never_given_the_ep_group_is_named(run_on_ranks):
+    for before, ran in run_on_ranks(_second_instance, 2):
+        assert "never given the ep group" in before and "fsdpfn.apply_tp(model, plan)" in before, before
+        assert ran
