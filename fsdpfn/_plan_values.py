@@ -511,6 +511,8 @@ class Plan:
     tp: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        if self.mesh is not None:
+            _check_mesh_covers_world(self.mesh)
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         if self.mesh_dim_names is not None:
             object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))
@@ -561,8 +563,6 @@ class Plan:
                     f"unit {unit.label!r} mixes parameter dtypes ({dtypes}); one flat buffer needs one dtype. "
                     "Set MixedPrecision(param_dtype=...) or put the parameters in separate units."
                 )
-        if self.mesh is not None:
-            _check_mesh_covers_world(self.mesh)
         if self.mesh is not None and tuple(self.mesh.mesh.shape) != self.mesh_shape:
             raise ValueError(f"mesh has shape {tuple(self.mesh.mesh.shape)}, but the plan was made for {self.mesh_shape}")
         if self.mesh is not None and self.mesh_dim_names is not None and len(self.mesh_shape) > 1:
