@@ -15,11 +15,11 @@ role               what the axis does
                    over it (dim 0, the expert index) and tokens travel to their experts by
                    all-to-all. It is data parallel too: every rank reads its own batch, so
                    gradients are averaged over it. The ``shard`` axis beside it is then the
-                   *expert data-parallel* axis: each expert's weights are sharded over it, while
-                   dense parameters are sharded over ``ep`` x ``shard`` flattened. A replicate
-                   axis may come first (HSDP over experts): every parameter is replicated over
-                   it and every gradient all-reduced over it, and tokens travel over ``ep``
-                   within each replica.
+                   *expert data-parallel* axis: a rank's experts are spread over it whole (split
+                   along dim 0 again, the expert index), while dense parameters are sharded
+                   over ``ep`` x ``shard`` flattened. A replicate axis may come first (HSDP
+                   over experts): every parameter is replicated over it and every gradient
+                   all-reduced over it, and tokens travel over ``ep`` within each replica.
 =================  ==============================================================================
 
 Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,

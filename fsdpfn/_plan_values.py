@@ -31,7 +31,8 @@ On a mesh with an ``ep`` axis (expert parallelism) the packed expert weights of 
 mixture-of-experts layer (``[experts, ...]``, :attr:`ParamSpec.expert`) are split along dim 0 over
 ``ep``: like a tensor-parallel split, each rank's "parameter" is its ``experts / ep`` experts
 (:attr:`ParamSpec.local_shape`), and its rows over the data-parallel ``shard`` axis (the expert
-data-parallel axis, ``edp``) are cut from that part. They form their own unit per layer
+data-parallel axis, ``edp``) are cut from that part: rows are experts, so each ``edp`` rank holds
+whole experts (none, when a rank's experts are fewer than ``edp``). They form their own unit per layer
 (``Unit.experts``), gathered and reduced over ``edp`` only: an expert's gradient on the rank
 holding it already sums every ``ep`` rank's tokens (the all-to-all's backward). Every other unit
 is sharded over ``ep`` x ``edp`` flattened into one group, and every gradient is averaged over all
