@@ -16,6 +16,7 @@ docs/tour/experts.md builds) trains like one process.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -242,3 +243,46 @@ def test_an_instance_never_given_the_ep_group_is_named(run_on_ranks):
     for before, ran in run_on_ranks(_second_instance, 2):
         assert "never given the ep group" in before and "fsdpfn.apply_tp(model, plan)" in before, before
         assert ran
+
+
+# ---- the same rules without ranks (abstract meshes) ---------------------------------------------
+
+
+class Biased(Top1MoE):
+    """Top1MoE with one more parameter, not packed per expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(E, 1))
+        self.bias = nn.Parameter(torch.zeros(2 * E, W))
+
+
+class Gated(Biased):
+    """The same, its packed experts declared."""
+
+    expert_params = ("w1", "w2")
+
+
+def test_expert_weights_of_one_layer_must_pack_the_same_experts():
+    with pytest.raises(ValueError, match=r"'blocks.0.moe.w1' \(4, 12, 8\) and 'blocks.0.moe.bias' \(8, 8\) .* pack 4 and 8"):
+        fsdpfn.plan(_net(Biased), {"ep": 2, "edp": 1}, experts=["blocks.*.moe.w1", "blocks.*.moe.bias"])
+
+
+def test_a_parameter_its_layer_does_not_declare_is_refused():
+    with pytest.raises(ValueError, match=r"'blocks.0.moe.scale'.* expert_params = \('w1', 'w2'\), without 'scale'"):
+        fsdpfn.plan(_net(Gated), {"ep": 2, "edp": 1}, experts=["blocks.*.moe.w*", "blocks.*.moe.scale"])
+
+
+@pytest.mark.parametrize("shape,axes", [({"ep": 4}, None), ({"experts": 4}, {"experts": "ep"})], ids=["named", "axes"])
+def test_a_1d_ep_mesh_is_refused_with_the_2d_mesh_to_build(shape, axes):
+    with pytest.raises(ValueError, match=r"1-D mesh named '(ep|experts)' of 4 ranks.*\(4, 1\), mesh_dim_names=\('ep', 'edp'\)"):
+        fsdpfn.MeshAxes.from_shape(shape, axes)
+    assert fsdpfn.MeshAxes.from_shape({"ep": 4, "edp": 1}).ep_size == 4  # the fix
+    assert fsdpfn.MeshAxes.from_names((4,), ("data",)).roles == (fsdpfn.Role.SHARD,)  # other names: still the shard axis
+
+
+def test_fsdpfn_moe_and_a_dispatching_layer_pass_the_guards():
+    assert fsdpfn.plan(_net(fsdpfn_moe), {"ep": 2, "edp": 2}).param("blocks.0.moe.experts.w1").local_shape == (2, H, W)
+    plan = fsdpfn.plan(_net(Top1MoE), {"ep": 2, "edp": 1}, experts={"blocks.*.moe.w1": 1, "blocks.*.moe.w2": 1})
+    assert [u.label for u in plan.units] == ["blocks.0", "blocks.0.moe", "blocks.1", "blocks.1.moe"]
+    assert plan.unit_of("blocks.0.moe.router.weight").name == "blocks.0"  # the router stays dense
