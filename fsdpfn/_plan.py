@@ -445,6 +445,8 @@ def _check_expert_layers(model: nn.Module, found: dict[str, str], ep_size: int) 
     for name, module in found.items():
         mod, leaf = modules[module], name.rpartition(".")[2]
         kind = type(mod).__name__
+        if not shapes[name]:
+            raise ValueError(f"expert parameter {name!r} is 0-d; an expert weight packs its experts along dim 0. Leave it out of experts=")
         if type(mod).__module__.startswith("torch.nn.") and type(mod) is not nn.Module and not isinstance(mod, _CONTAINERS):
             raise ValueError(
                 f"experts= selects {name!r}, the {leaf} of the nn.{kind} {module!r}: an expert parameter is a packed "

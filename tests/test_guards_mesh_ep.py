@@ -286,3 +286,14 @@ def test_fsdpfn_moe_and_a_dispatching_layer_pass_the_guards():
     plan = fsdpfn.plan(_net(Top1MoE), {"ep": 2, "edp": 1}, experts={"blocks.*.moe.w1": 1, "blocks.*.moe.w2": 1})
     assert [u.label for u in plan.units] == ["blocks.0", "blocks.0.moe", "blocks.1", "blocks.1.moe"]
     assert plan.unit_of("blocks.0.moe.router.weight").name == "blocks.0"  # the router stays dense
+
+
+class Scalar(Top1MoE):
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+def test_a_0d_expert_weight_is_refused():
+    with pytest.raises(ValueError, match=r"'blocks.0.moe.temperature' is 0-d"):
+        fsdpfn.plan(_net(Scalar), {"ep": 2, "edp": 1}, experts=["blocks.*.moe.temperature"])
