@@ -15,17 +15,26 @@ role               what the axis does
                    over it (dim 0, the expert index) and tokens travel to their experts by
                    all-to-all. It is data parallel too: every rank reads its own batch, so
                    gradients are averaged over it. The ``shard`` axis beside it is then the
-                   *expert data-parallel* axis: each expert's weights are sharded over it, while
-                   dense parameters are sharded over ``ep`` x ``shard`` flattened. A replicate
-                   axis may come first (HSDP over experts): every parameter is replicated over
-                   it and every gradient all-reduced over it, and tokens travel over ``ep``
-                   within each replica.
+                   *expert data-parallel* axis: a rank's experts are spread over it whole (split
+                   along dim 0 again, the expert index), while dense parameters are sharded
+                   over ``ep`` x ``shard`` flattened. A replicate axis may come first (HSDP
+                   over experts): every parameter is replicated over it and every gradient
+                   all-reduced over it, and tokens travel over ``ep`` within each replica.
 =================  ==============================================================================
 
 Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,
 ``edp``, ``efsdp`` -> ``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
 -> ``ep``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
-its name, and a 2-D mesh named ``("replicate", "shard")`` is HSDP, as they always were.
+its name, except ``ep`` (refused, see below), and a 2-D mesh named ``("replicate", "shard")`` is
+HSDP, as they always were.
+
+[Note: a 1-D ep mesh]
+A 1-D mesh named ``"ep"`` used to be plain sharding, so the experts were sharded like any weight
+and never dispatched: the user asked for expert parallelism and silently got none. It is refused
+rather than made an ep plan because an ep plan gathers each layer's experts over the ``shard``
+axis beside ``ep``, a mesh dim (and process group) the 1-D mesh does not have; making one
+behind the user's back would create process groups collectively at an unexpected point. The
+``(ep, 1)`` mesh named ``("ep", "edp")`` is the same computation and costs nothing.
 
 Everything else (groups, sizes, the data-parallel world, DTensor placements) is derived here from
 the roles, never from how many dims the mesh has. The module imports nothing from fsdpfn.
@@ -153,6 +162,14 @@ class MeshAxes:
         for key in axes:
             if key not in names:
                 raise ValueError(f"axes={axes!r} names {key!r}, which is not a mesh dim; the mesh's dims are {names}")
+        if len(shape) == 1 and _as_role(axes.get(names[0], DEFAULT_ROLES.get(names[0], Role.SHARD)), f"axes[{names[0]!r}]") is Role.EP:
+            # Expert units are gathered over a shard axis the mesh would not have: say how to add it
+            # rather than shard plainly and leave the experts undispatched (see [Note: a 1-D ep mesh]).
+            raise ValueError(
+                f"a 1-D mesh named {names[0]!r} of {shape[0]} ranks: expert parallelism needs a second, expert data-parallel "
+                f"axis beside it (size 1 is fine). Build init_device_mesh('cpu', ({shape[0]}, 1), mesh_dim_names=('ep', 'edp')) "
+                "(or 'cuda'); for plain sharding over every rank, name the axis 'dp'"
+            )
         if len(shape) == 1 and names[0] not in axes and DEFAULT_ROLES.get(names[0]) is not Role.SHARD:
             # A 1-D mesh has always meant plain sharding over it, whatever it is called.
             return cls(shape, names, (Role.SHARD,))

@@ -224,7 +224,9 @@ def plan(
       model: the module to shard. Only its parameters' names, shapes and dtypes are read.
       mesh: a ``DeviceMesh`` whose dims are named axes with roles (see :class:`fsdpfn.Role`):
         ``shard`` (data parallel, sharded), ``replicate`` (data parallel, replicated) and
-        ``tp`` (tensor parallel). 1-D: shard over it, whatever its name. 2-D named
+        ``tp`` (tensor parallel). 1-D: shard over it, whatever its name but ``"ep"`` (refused:
+        expert parallelism needs an ``edp`` axis beside it, size 1 is fine). It must span
+        every process of the job (its size is the world size). 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
         ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
         parallel x expert data parallel (see ``experts``); ``("replicate", "ep", "edp")``:
@@ -260,7 +262,10 @@ def plan(
         in its ``expert_params`` attribute, with its ``top_k`` (:class:`fsdpfn.models.Experts`
         lists ``w1`` and ``w2``). Experts are split over ``ep`` and
         sharded over the other data-parallel axis; each module's expert weights form their own
-        unit, named after the module. Ignored on meshes without ``ep``.
+        unit, named after the module. Each must be a packed per-expert tensor (not a router's
+        ``nn.Linear`` weight), and its module, or one around it, must dispatch tokens over
+        ``ep``: have a ``set_ep_group`` method, as :class:`fsdpfn.models.MoE` does (see
+        docs/tour/experts.md). Ignored on meshes without ``ep``.
 
     Returns:
       the plan.
@@ -268,7 +273,9 @@ def plan(
     Raises:
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
         across units), a mesh axis without a role, a tp pattern matching no module, a dim that
-        does not divide over tp, an unknown strategy.
+        does not divide over tp, an unknown strategy, a live mesh with fewer ranks than the
+        job, a 1-D mesh named ``"ep"``, expert weights that no module dispatches over ``ep``
+        (no ``set_ep_group``) or that are a torch layer's weight (a router).
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
         after a replicate axis that is not the first mesh dim.
 
@@ -304,7 +311,7 @@ def plan(
             "add one, e.g. init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))"
         )
     tp_size, ep_size = mesh_axes.tp_size, mesh_axes.ep_size
-    expert_of, top_k = _expert_params(model, experts) if Role.EP in mesh_axes.roles else ({}, {})
+    expert_of, top_k = _expert_params(model, experts, ep_size) if Role.EP in mesh_axes.roles else ({}, {})
 
     unit_names = _select_units(model, units)
     # Each module with expert weights is their unit (see [Note: expert units]); its other
@@ -354,10 +361,11 @@ def plan(
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
 
 
-def _expert_params(model: nn.Module, experts) -> tuple[dict[str, str], dict[str, int]]:
+def _expert_params(model: nn.Module, experts, ep_size: int) -> tuple[dict[str, str], dict[str, int]]:
     """``({expert parameter name: its module's name}, {module: top_k})`` from ``experts``'
     patterns or, without them, from the modules' ``expert_params`` and ``top_k`` attributes;
-    an ep axis with none is refused."""
+    an ep axis with none is refused, and so is every expert weight no layer dispatches
+    (:func:`_check_expert_layers`)."""
     modules = dict(model.named_modules())
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     if experts is None:
@@ -396,7 +404,81 @@ def _expert_params(model: nn.Module, experts) -> tuple[dict[str, str], dict[str,
                 f"expert parameter {name!r} has shape {shape}, but its layer has {whole} experts: the layer was built with its "
                 "experts already split. Build the whole model (e.g. MoE(cfg) without ep_group); the plan splits the experts"
             )
+    _check_expert_layers(model, found, ep_size)
     return found, top_k
+
+
+# [Note: expert layers]
+# A plan on an ep mesh gives each rank only its experts' slices of every expert parameter, so
+# two things must hold of the model, and both can be read from it on every rank before any
+# collective. (1) Some layer sends each token to the rank holding its expert: the module holding
+# the expert weights, or one around it, has set_ep_group (fsdpfn.shard and the runtime call it
+# with the ep group). Without one, a rank applies its experts as if they were all of them, a
+# silent wrong gradient. (2) Every expert parameter packs one entry per expert along dim 0: it
+# is not the weight of a torch layer (a router's or gate's nn.Linear applies its whole weight
+# to every token), not left out of its module's own expert_params, and the expert weights one
+# layer dispatches agree on dim 0. A gate stored as a bare [experts, width] Parameter beside the
+# experts passes (2) and is not caught: its shape is that of a packed weight.
+
+# Torch layers that hold parameters only as containers: anything else in torch.nn applies its
+# whole weight to every input (a router's or gate's nn.Linear), so it holds no packed experts.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+
+
+def _dispatcher(modules: dict[str, nn.Module], name: str) -> str | None:
+    """The innermost of ``name`` and the modules around it with a ``set_ep_group`` method (the
+    layer that routes tokens over ep), or ``None``."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:i])
+        if callable(getattr(modules[candidate], "set_ep_group", None)):
+            return candidate
+    return None
+
+
+def _check_expert_layers(model: nn.Module, found: dict[str, str], ep_size: int) -> None:
+    """Refuses expert weights that cannot be right once split over ep ([Note: expert layers]),
+    on every rank, from the model alone."""
+    modules = dict(model.named_modules())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    leading: dict[str, tuple[str, int]] = {}
+    for name, module in found.items():
+        mod, leaf = modules[module], name.rpartition(".")[2]
+        kind = type(mod).__name__
+        if not shapes[name]:
+            raise ValueError(f"expert parameter {name!r} is 0-d; an expert weight packs its experts along dim 0. Leave it out of experts=")
+        if type(mod).__module__.startswith("torch.nn.") and type(mod) is not nn.Module and not isinstance(mod, _CONTAINERS):
+            raise ValueError(
+                f"experts= selects {name!r}, the {leaf} of the nn.{kind} {module!r}: an expert parameter is a packed "
+                f"per-expert tensor (dim 0 the expert index, each rank given only its experts' slices), and a torch "
+                f"{kind} applies its whole weight to every token, as a router or gate does. Leave it out of experts= "
+                "(it stays a dense parameter, sharded over ep x edp); list only the experts' packed weights"
+            )
+        declared = getattr(mod, "expert_params", None)
+        if declared is not None and leaf not in declared:
+            raise ValueError(
+                f"experts= selects {name!r}, but its module {module!r} ({kind}) lists its packed expert weights as "
+                f"expert_params = {tuple(declared)}, without {leaf!r}; leave {leaf!r} out of experts="
+            )
+        host = _dispatcher(modules, module)
+        if host is None:
+            raise ValueError(
+                f"expert parameter {name!r} is split over ep (each of the {ep_size} ranks keeps {shapes[name][0]}/{ep_size} of "
+                f"its experts), but neither its module {module!r} ({kind}) nor a module around it dispatches tokens over ep: "
+                "none has a set_ep_group(group) method. Run as is, each rank would apply its own experts as if they were all "
+                "of them (wrong gradients). Give the layer that routes the tokens a set_ep_group(group) method (fsdpfn.shard "
+                "and the runtime call it with the ep process group) and have its forward send each token to the rank holding "
+                "its expert (fsdpfn.comm.ep_counts, fsdpfn.comm.ep_all_to_all), as fsdpfn.models.MoE does; see "
+                "docs/tour/experts.md, 'Writing your own layer'. Or use fsdpfn.models.MoE, or drop the ep axis"
+            )
+        first = leading.setdefault(host, (name, shapes[name][0]))
+        if shapes[name][0] != first[1]:
+            raise ValueError(
+                f"expert parameters {first[0]!r} {shapes[first[0]]} and {name!r} {shapes[name]} are both dispatched by "
+                f"{host or ROOT_LABEL!r}, but pack {first[1]} and {shapes[name][0]} entries along dim 0; every expert weight of "
+                "one layer packs its experts along dim 0, one entry per expert. Leave the parameter that is not a packed "
+                "expert weight (a router, a gate, a shared expert) out of experts="
+            )
 
 
 def _with_expert_units(dense: list[str], expert_units: list[str]) -> list[str]:

@@ -31,7 +31,8 @@ On a mesh with an ``ep`` axis (expert parallelism) the packed expert weights of 
 mixture-of-experts layer (``[experts, ...]``, :attr:`ParamSpec.expert`) are split along dim 0 over
 ``ep``: like a tensor-parallel split, each rank's "parameter" is its ``experts / ep`` experts
 (:attr:`ParamSpec.local_shape`), and its rows over the data-parallel ``shard`` axis (the expert
-data-parallel axis, ``edp``) are cut from that part. They form their own unit per layer
+data-parallel axis, ``edp``) are cut from that part: rows are experts, so each ``edp`` rank holds
+whole experts (none, when a rank's experts are fewer than ``edp``). They form their own unit per layer
 (``Unit.experts``), gathered and reduced over ``edp`` only: an expert's gradient on the rank
 holding it already sums every ``ep`` rank's tokens (the all-to-all's backward). Every other unit
 is sharded over ``ep`` x ``edp`` flattened into one group, and every gradient is averaged over all
@@ -62,6 +63,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+import torch.distributed
 
 from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn._rows import chunk_bounds, chunk_size
@@ -204,6 +206,25 @@ class MixedPrecision:
     def __repr__(self) -> str:
         fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
         return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8})"
+
+
+def _check_mesh_covers_world(mesh) -> None:
+    """Refuses a live mesh with fewer ranks than the job: ranks outside it would fail on their
+    first shard while the ones inside trained without them. Every rank knows both sizes, so
+    every rank refuses, before any collective. (Checkpoints and non-finite checks also agree
+    over every process, so a plan's mesh must be all of them.)"""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world, size = torch.distributed.get_world_size(), mesh.mesh.numel()
+    if size != world:
+        shape = tuple(mesh.mesh.shape)
+        names = f", mesh_dim_names={tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+        raise ValueError(
+            f"the mesh {shape} has {size} rank{'s' if size != 1 else ''}, but this job has world size {world} "
+            f"(torch.distributed.get_world_size()); every process must be in the plan's mesh. Build it over all of them, "
+            f"e.g. init_device_mesh('cpu', {(world,)}{names if len(shape) == 1 else ''}) (or 'cuda'; the product of the mesh's "
+            "dims must equal the world size), or start the job with as many processes as the mesh has ranks"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,6 +512,8 @@ class Plan:
     tp: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        if self.mesh is not None:
+            _check_mesh_covers_world(self.mesh)
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         if self.mesh_dim_names is not None:
             object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))

@@ -137,8 +137,17 @@ class Experts(nn.Module):
         for local expert ``e``. Returns each row's expert output, in the same order."""
         local = self.w1.shape[0]
         if any(len(row) != local for row in counts):
+            held = len(counts[0])
+            if local < held:  # a rank's share of the experts, routed as if every expert were here
+                raise ValueError(
+                    f"Experts: called with {local} experts' weights (one ep rank's share of {self.num_experts}), but its MoE "
+                    f"layer routes over {held} experts here: the layer was never given the ep group, so it would not send "
+                    "tokens to the ranks holding their experts. Call fsdpfn.apply_tp(model, plan) on the model instance "
+                    "you run (fsdpfn.shard(model, plan) and fsdpfn.runtime.Runtime(model, plan) do it for the model they "
+                    "are given, not for a copy, nor when you shard a state_dict)"
+                )
             raise ValueError(
-                f"Experts: called with {local} experts' weights for counts of {len(counts[0])} experts per rank; under expert "
+                f"Experts: called with {local} experts' weights for counts of {held} experts per rank; under expert "
                 "parallelism call the layer with this rank's experts (what fsdpfn.unshard gives), or set_ep_group(None) on "
                 "the MoE layer for the whole layer"
             )
