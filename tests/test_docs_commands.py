@@ -55,6 +55,7 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python -c$", "prose", ""),  # "not a notebook cell or `python -c`": not a command
     (r"^python examples/quickstart\.py$", "test", "tests/test_readme.py::test_quickstart_runs_and_the_loss_falls"),
     (r"^torchrun --nproc-per-node 2 examples/quickstart\.py$", "run", ""),
+    (r"^python examples/your_model\.py$", "test", "tests/test_docs_figures.py::test_your_model_first_losses"),
     (r"^(python|torchrun .*) examples/your_model\.py\b", "run", "--steps 2 --log-every 1"),
     (r"^python examples/train_gpt\.py --resume runs/",  # the checkpoint the page's earlier commands wrote
      "test", "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory"),
