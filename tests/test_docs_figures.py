@@ -212,6 +212,8 @@ def test_demo_first_logged_loss(tmp_path):
                 "--sample-chars", "0", "--out", str(tmp_path / "run")], cwd=ROOT)
     m = re.search(r"^step 10/10 loss (\d\.\d+)", out, re.M)
     assert m, out
+    # --sample-chars 0: no sample, so no empty sample frame either.
+    assert "--- sample" not in out and not (tmp_path / "run" / "sample.txt").exists(), out
     page = "docs/getting-started.md"
     quoted = _quoted(page, r"^step 10/300 loss (\d\.\d+)")
     first = _quoted(page, r"^loss (\d\.\d+) \(first logged\)")

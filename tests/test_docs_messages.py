@@ -6,6 +6,8 @@ state does not (saved with AdamW, loaded with Muon) names the optimizer state, n
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,3 +44,28 @@ def test_load_with_only_the_optimizer_state_differing_names_the_optimizer(run_on
     assert "'opt_state'" in message and "optimizer" in message, message
     assert "Only the optimizer state differs: 'opt_state' (the template's 'params', 'step' match" in message, message
     assert "model configuration" not in message, message
+
+
+def _train_gpt():
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("_train_gpt_messages", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_lr_schedule_message_prints_two_different_numbers():
+    # Resuming a 300-step schedule with --steps 301: at step 300 the stretched schedule's lr is
+    # 0.002 plus a hair; 3 significant digits printed "would then be 0.002, not 0.002".
+    ex = _train_gpt()
+    args = ex.parse_args(["--steps", "301"])
+    line = ex.resolve_schedule(args, 300, {"values": {"schedule_steps": 300}, "dir": "runs/gpt/ckpt/step_00000300"})
+    m = re.search(r"would then be (\S+), not (\S+)\)", line)
+    assert m and m[1] != m[2], line
+    assert float(m[2]) == pytest.approx(0.002) and float(m[1]) > float(m[2]), line
+    assert ex.distinct(0.0049, 0.002) == ("0.0049", "0.002") and ex.distinct(0.002, 0.002) == ("0.002", "0.002")
