@@ -32,6 +32,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -282,6 +283,9 @@ def refresh_demo(date: str, work: str) -> None:
             f"validation {val[0]:.3f} vs {val[1]:.3f}.")
     _replace("docs/tour/fp8.md", r"loss \d\.\d{4} vs \d\.\d{4} at step 100 .*?validation \d\.\d{3} vs \d\.\d{3}\.", text)
     _redate("docs/tour/fp8.md", "python examples/train_gpt.py --fp8", date)
+    # The two plots of these runs: the demo's loss curve, and both runs' (benchmarks/fp8_gather.py draws it).
+    shutil.copyfile(os.path.join(plain, "loss.png"), os.path.join(ROOT, "docs", "loss.png"))
+    _run(["benchmarks/fp8_gather.py", "--parts", "loss", "--runs", plain, fp8], cwd=ROOT)
 
 
 def refresh_search(date: str, work: str) -> None:

@@ -69,3 +69,32 @@ def test_the_lr_schedule_message_prints_two_different_numbers():
     assert m and m[1] != m[2], line
     assert float(m[2]) == pytest.approx(0.002) and float(m[1]) > float(m[2]), line
     assert ex.distinct(0.0049, 0.002) == ("0.0049", "0.002") and ex.distinct(0.002, 0.002) == ("0.002", "0.002")
+
+
+def _full_tensors_on_dp_tp(rank, world_size):
+    import logging
+
+    from fsdpfn.models import GPT_TP_PLAN
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, width=32, depth=1, heads=4))
+    plan = fsdpfn.plan(model, fsdpfn.testing.mesh((2, 2), ("dp", "tp")), tp=GPT_TP_PLAN)
+    p = fsdpfn.shard(model, plan)["blocks.0.qkv.weight"]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger.addHandler(handler)
+    try:
+        ours = fsdpfn.comm.full_tensor(p)
+    finally:
+        logger.removeHandler(handler)
+    whole = model.state_dict()["blocks.0.qkv.weight"]
+    return [r.getMessage() for r in records], torch.equal(ours, whole), torch.equal(p.full_tensor(), whole)
+
+
+def test_comm_full_tensor_of_a_strided_weight_is_exact_and_quiet(run_on_ranks):
+    # tensor-parallel.md: torch's p.full_tensor() logs a line about sequential all-gathers on a
+    # (_StridedShard, Shard) weight; fsdpfn.comm.full_tensor gives the same tensor without it.
+    for logged, ours_exact, torchs_exact in run_on_ranks(_full_tensors_on_dp_tp, 4):
+        assert logged == [] and ours_exact and torchs_exact, logged
