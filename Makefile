@@ -38,7 +38,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 # Re-runs every command whose figures the pages mark as measured (<!-- figure: ... measured ... -->)
-# and rewrites the figures and their dates; `git diff` shows what moved. Slow: about 15 min on 2 cores.
+# and rewrites the figures, plots and dates; `git diff` shows what moved. About 5 min on 2 idle cores.
 docs-refresh: setup
 	$(PYTHON) tests/test_docs_figures.py --refresh
 
