@@ -188,7 +188,9 @@ def test_sim_outputs_start_with_their_command():
 
 def _run(args: list[str], cwd, timeout=600) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    script = os.path.join(ROOT, args[0])  # the repository's, wherever the command runs
+    proc = subprocess.run([sys.executable, script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
