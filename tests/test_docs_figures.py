@@ -267,6 +267,15 @@ def demo_output_block(out: str) -> str:
     return "\n".join(keep + [""] + lines[start:])
 
 
+# What docs-refresh rewrites, page by page (test_refresh_patterns_match_the_pages keeps them matching).
+DEMO_BLOCK = r"(\$ python examples/train_gpt.py --no-progress\n).*?(?=\n```)"
+DEMO_TIME = r"The run above took \d+ s"
+FP8_SENTENCE = r"loss \d\.\d{4} vs \d\.\d{4} at step 100 .*?validation \d\.\d{3} vs \d\.\d{3}\."
+SEARCH_SENTENCE = r"\d+\.\d+ s against the default's\s+\d+\.\d+ s"
+PATTERNS = [("docs/getting-started.md", DEMO_BLOCK), ("docs/getting-started.md", DEMO_TIME),
+            ("docs/tour/fp8.md", FP8_SENTENCE), ("docs/simulator.md", SEARCH_SENTENCE)]
+
+
 def refresh_demo(date: str, work: str) -> None:
     plain, fp8 = os.path.join(work, "gpt"), os.path.join(work, "fp8")
     out = _run(["examples/train_gpt.py", "--no-progress", "--out", "runs/gpt"], cwd=work, timeout=7200)
@@ -274,16 +283,16 @@ def refresh_demo(date: str, work: str) -> None:
     _run(["examples/train_gpt.py", "--no-progress", "--fp8", "--out", "runs/fp8"], cwd=work, timeout=7200)
     os.rename(os.path.join(work, "runs", "fp8"), fp8)
     block = demo_output_block(out).replace("\\", "\\\\")
-    _replace("docs/getting-started.md", r"(\$ python examples/train_gpt.py --no-progress\n).*?(?=\n```)", rf"\g<1>{block}")
+    _replace("docs/getting-started.md", DEMO_BLOCK, rf"\g<1>{block}")
     wall = re.search(r"^steps 0->300 of 300 in (\d+) s", out, re.M)[1]
-    _replace("docs/getting-started.md", r"The run above took \d+ s", f"The run above took {wall} s")
+    _replace("docs/getting-started.md", DEMO_TIME, f"The run above took {wall} s")
     _redate("docs/getting-started.md", "python examples/train_gpt.py", date)
     a, b = _metrics(plain), _metrics(fp8)
     val = [next(r["val_loss"] for r in sorted(m.values(), key=lambda r: -r["step"]) if "val_loss" in r) for m in (b, a)]
     text = (f"loss {b[100]['loss']:.4f} vs {a[100]['loss']:.4f} at step 100 ({b[100]['loss'] - a[100]['loss']:+.4f}) and "
             f"{b[300]['loss']:.4f} vs {a[300]['loss']:.4f}\nat step 300 ({b[300]['loss'] - a[300]['loss']:+.4f}); "
             f"validation {val[0]:.3f} vs {val[1]:.3f}.")
-    _replace("docs/tour/fp8.md", r"loss \d\.\d{4} vs \d\.\d{4} at step 100 .*?validation \d\.\d{3} vs \d\.\d{3}\.", text)
+    _replace("docs/tour/fp8.md", FP8_SENTENCE, text)
     _redate("docs/tour/fp8.md", "python examples/train_gpt.py --fp8", date)
     # The two plots of these runs: the demo's loss curve, and both runs' (benchmarks/fp8_gather.py draws it).
     shutil.copyfile(os.path.join(plain, "loss.png"), os.path.join(ROOT, "docs", "loss.png"))
@@ -297,7 +306,7 @@ def refresh_search(date: str, work: str) -> None:
         f.write("$ python " + " ".join(command) + "\n" + out)
     pick = float(re.search(r"^pick: .*step ([\d,.]+) ms", out, re.M)[1].replace(",", "")) / 1000
     default = float(re.search(r"^default: .*step ([\d,.]+) ms", out, re.M)[1].replace(",", "")) / 1000
-    _replace("docs/simulator.md", r"\d+\.\d+ s against the default's\s+\d+\.\d+ s",
+    _replace("docs/simulator.md", SEARCH_SENTENCE,
              f"{pick:.2f} s against the default's {default:.2f} s")
     _redate("docs/simulator.md", "python examples/plan_search.py", date)
 
@@ -308,6 +317,11 @@ REFRESH = {
     ("docs/tour/fp8.md", "python examples/train_gpt.py --fp8"): refresh_demo,
     ("docs/simulator.md", "python examples/plan_search.py"): refresh_search,
 }
+
+
+def test_refresh_patterns_match_the_pages():
+    for page, pattern in PATTERNS:
+        assert re.search(pattern, "\n".join(_read(page)), re.M | re.S), f"{page}: docs-refresh could not find /{pattern}/"
 
 
 def test_refresh_covers_markers_that_exist():
