@@ -12,11 +12,11 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= test,demo,hf,docs
 # pip runs only when pyproject.toml, the extras or the interpreter changed since the last setup,
-# or a required package is not importable (a new virtual environment): otherwise setup costs a
-# fraction of a second instead of pip's ~15 s.
+# or fsdpfn (its pytest plugin included) is not installed or a required package is not importable
+# (a new virtual environment): otherwise setup costs a fraction of a second instead of pip's ~15 s.
 STAMP := .setup-stamp
 SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read() + b'$(EXTRAS)' + sys.prefix.encode()).hexdigest())"
-SETUP_OK = $(PYTHON) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ['fsdpfn', 'torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings']))"
+SETUP_OK = $(PYTHON) -c "import importlib.metadata as md, importlib.util as u, sys; md.distribution('fsdpfn'); sys.exit(any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings']))"
 
 .PHONY: setup demo test docs docs-refresh bench
 

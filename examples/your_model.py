@@ -158,7 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.batch % world:
-        p.error(f"--batch {args.batch} must be a multiple of the world size {world} (equal rows per rank: "
+        what = "the world size" if "WORLD_SIZE" in os.environ else "--world-size"
+        p.error(f"--batch {args.batch} must be a multiple of {what} {world} (equal rows per rank: "
                 f"the mean over ranks of per-rank means is the global mean only then)")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
