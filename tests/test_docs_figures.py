@@ -14,6 +14,9 @@ the Markdown) naming the command and how the figure is kept true::
   of ``REFRESH`` below and rewrites their figures and dates; it lists the other measured markers,
   with their commands, to re-run by hand.
 
+On the site, ``docs/hooks/figures.py`` shows each marker as a one-line note (the command, the
+date, whether a test re-checks it).
+
 The command slot may be ``the table's commands`` when each row of the table below names its own,
 or ``the commands of this section`` for a marker under a heading that covers the section's
 figures (benchmark pages, where the commands follow the tables).
