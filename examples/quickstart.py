@@ -1,4 +1,6 @@
 """Train a small GPT with zero3 on 2 CPU processes: the pure fsdpfn loop."""
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -35,5 +37,6 @@ def train(rank, world_size, steps=20):
 
 if __name__ == "__main__":
     losses = launch(train, world_size=2)[0]  # starts 2 gloo processes (under torchrun: this one)
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this line: print once
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
     assert losses[-1] < losses[0] / 2, "the loss should at least halve"

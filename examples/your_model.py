@@ -34,6 +34,7 @@ from fsdpfn import checkpoint, optim
 from fsdpfn.launch import launch
 
 CLASSES, SIZE = 4, 8  # 4 classes of 1 x 8 x 8 images
+PER_RANK = 16  # images per rank per step unless --batch says otherwise
 
 
 class ConvBlock(nn.Module):
@@ -140,7 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=32, help="global batch (images per step, all ranks)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"global batch (images per step, all ranks; default {PER_RANK} per rank)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--channels", type=int, default=16)
     p.add_argument("--depth", type=int, default=2, help="number of ConvBlocks (units)")
@@ -148,11 +150,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="runs/your_model")
     args = p.parse_args(argv)
+    # Under torchrun the launcher's WORLD_SIZE is the number of ranks, not --world-size.
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if args.batch is None:
+        args.batch = PER_RANK * world  # every rank the same number of rows, whatever the world size
     for flag in ("world_size", "steps", "batch", "channels", "depth", "log_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.batch % args.world_size:
-        p.error(f"--batch {args.batch} must be a multiple of --world-size {args.world_size} (equal rows per rank)")
+    if args.batch % world:
+        what = "the world size" if "WORLD_SIZE" in os.environ else "--world-size"
+        p.error(f"--batch {args.batch} must be a multiple of {what} {world} (equal rows per rank: "
+                f"the mean over ranks of per-rank means is the global mean only then)")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
     return args

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import time
 import uuid
 import warnings
@@ -213,8 +214,9 @@ def _empty_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: str) -> None:
-    missing, mismatched = [], []
+    missing, mismatched, differing = [], [], set()
     for p, leaf in entries.items():
+        before = len(missing) + len(mismatched)
         if isinstance(leaf, torch.Tensor):
             m = meta.get(p)
             if not isinstance(m, TensorStorageMetadata):
@@ -224,6 +226,8 @@ def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: 
                 mismatched.append(f"{p!r}: checkpoint {tuple(m.size)}, template {tuple(leaf.shape)}")
         elif p not in info["values"]:
             missing.append(f"{p!r} ({'a tensor, not a value' if p in meta else 'missing'})")
+        if len(missing) + len(mismatched) > before:
+            differing.add(p.split("/", 1)[0])
     if not (missing or mismatched):
         return
     parts = []
@@ -239,7 +243,23 @@ def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: 
         f"the template is for {_plan_summary(plan)}. Build the template from the same model configuration "
         "(the plan and world size may differ), or load a sub-tree (e.g. only {'params': ...})."
     )
+    fine = sorted({p.split("/", 1)[0] for p in entries} - differing)
+    if fine and all(_is_optimizer_state(k) for k in differing):
+        # The model fits; pointing at the model configuration would send the user the wrong way.
+        hint = (
+            f" Only the optimizer state differs: {', '.join(map(repr, sorted(differing)))} (the template's "
+            f"{', '.join(map(repr, fine))} match the checkpoint). The checkpoint was saved with another optimizer "
+            "or optimizer configuration (e.g. AdamW vs Muon, other parameter labels): build the template's optimizer "
+            "state with the optimizer that saved it, or load without it (e.g. only "
+            f"{{{', '.join(repr(k) + ': ...' for k in fine)}}}) and start a fresh optimizer state."
+        )
     raise ValueError(f"checkpoint {ckpt!r} does not fit the template: {'; '.join(parts)}.{hint}")
+
+
+def _is_optimizer_state(key: str) -> bool:
+    """Whether the template's top-level ``key`` names optimizer state (``opt``, ``opt_state``,
+    ``optim``, ``optimizer``...): the key is all the checkpoint knows of what a sub-tree is."""
+    return bool(re.fullmatch(r"opt\w*", key, re.IGNORECASE))
 
 
 def _read_metadata(ckpt: str) -> Metadata:
