@@ -16,6 +16,7 @@ from fsdpfn._plan_values import (
     ROOT,
     ROOT_LABEL,
     STRATEGIES,
+    TP_FUSED_PREFIX,
     TP_MODULE_STYLES,
     TP_STYLES,
     ByteSlot,
@@ -31,9 +32,11 @@ from fsdpfn._plan_values import (
     _FP8_INPUT_DTYPES,
     _human,
     register_cost_model,
+    tp_style_stride,
     unit_label,
 )
 from fsdpfn._rows import chunk_bounds, chunk_size
+from fsdpfn._tp_layout import check_tp_layout
 from fsdpfn import _plan_json  # noqa: F401  (registers Plan.to_json / from_json)
 from fsdpfn.fp8 import check_te
 
@@ -166,8 +169,11 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
         if not isinstance(pattern, str):
             raise ValueError(f"tp keys are module name patterns (str), got {pattern!r}")
         style = str(style)
-        if style not in choices:
-            raise ValueError(f"tp[{pattern!r}] = {style!r}: unknown style; choose one of {', '.join(choices)}")
+        if style not in choices and tp_style_stride(style) is None:
+            raise ValueError(
+                f"tp[{pattern!r}] = {style!r}: unknown style; choose one of {', '.join(choices)}, or {TP_FUSED_PREFIX}k for a "
+                "Linear whose output is k parts side by side (q, k, v = qkv(x).chunk(3, -1): 'colwise_fused:3')"
+            )
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             raise ValueError(f"tp pattern {pattern!r} matches no module of {type(model).__name__}{_did_you_mean(pattern, list(modules))}")
@@ -191,18 +197,19 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
         if not isinstance(mod, nn.Linear):
             raise ValueError(
                 f"tp[{styles[name][1]!r}] = {style!r} matches {name!r}, a {type(mod).__name__}; colwise and rowwise split "
-                "nn.Linear modules. Match the Linear layers inside it (e.g. '{name}.*')."
+                f"nn.Linear modules. Match the Linear layers inside it (e.g. '{name}.*')."
             )
         out[name] = style
     return out
 
 
-def _tp_placement(style: str | None, leaf: str) -> str:
-    if style in ("colwise", "colwise_gather"):
-        return "shard0"  # output features: weight rows and bias
+def _tp_placement(style: str | None, leaf: str) -> tuple[str, int]:
+    """``(ParamSpec.tp, ParamSpec.tp_stride)`` of parameter ``leaf`` of a module split ``style``."""
+    if style is not None and style != "rowwise" and tp_style_stride(style):
+        return "shard0", tp_style_stride(style)  # output features: weight rows and bias
     if style == "rowwise":
-        return "shard1" if leaf == "weight" else "partial"  # input features; the bias is added once
-    return "replicate"
+        return ("shard1" if leaf == "weight" else "partial"), 1  # input features; the bias is added once
+    return "replicate", 1
 
 
 def plan(
@@ -319,7 +326,8 @@ def plan(
     for name, p in model.named_parameters(remove_duplicate=False):
         owner = expert_of[name] if name in expert_of else _owner(name, dense_names)
         module, _, leaf = name.rpartition(".")
-        placement = _tp_placement(tp_styles.get(module), leaf)
+        placement, stride = _tp_placement(tp_styles.get(module), leaf)
+        shown = placement if stride == 1 else f"{placement} in {stride} fused parts"
         if id(p) in first_name:
             other, other_owner, other_placement = first_name[id(p)]
             if other_owner != owner:
@@ -328,14 +336,14 @@ def plan(
                     f"{unit_label(owner)!r} and {unit_label(other_owner)!r}; a parameter is claimed by two units. "
                     "Put both modules in one unit (e.g. leave them in the root unit)."
                 )
-            if placement != other_placement:
+            if shown != other_placement:
                 raise ValueError(
                     f"parameter {name!r} is the same tensor as {other!r} (tied weights), but tp= places them differently "
-                    f"({placement} vs {other_placement}); give both modules the same style or leave both out of tp="
+                    f"({shown} vs {other_placement}); give both modules the same style or leave both out of tp="
                 )
             continue
-        first_name[id(p)] = (name, owner, placement)
-        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size, name in expert_of, ep_size))
+        first_name[id(p)] = (name, owner, shown)
+        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size, name in expert_of, ep_size, stride))
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
     if remat is not None and not isinstance(remat, (str, Mapping)):
@@ -350,6 +358,8 @@ def plan(
         for u in unit_names
         if owned[u]
     )
+    if tp_styles:
+        check_tp_layout(model, tp, tp_styles, tp_size)
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
 
