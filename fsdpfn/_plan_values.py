@@ -553,6 +553,14 @@ class Plan:
                     f"tensor-parallel module {module!r}: unknown style {style!r}; choose one of {', '.join(TP_MODULE_STYLES)} "
                     f"or {TP_FUSED_PREFIX}k"
                 )
+        specs = {p.name: p for u in self.units for p in u.params}
+        for module, style in self.tp:
+            weight = specs.get(f"{module}.weight")
+            if weight is not None and weight.tp_stride != tp_style_stride(style):
+                raise ValueError(
+                    f"tensor-parallel module {module!r} is split {style!r}, but its weight has tp_stride {weight.tp_stride}; "
+                    "the plan was edited by hand or written by another fsdpfn. Build it again with fsdpfn.plan(..., tp=...)"
+                )
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
             raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
         seen: dict[str, str] = {}

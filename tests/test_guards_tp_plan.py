@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdpfn
 from fsdpfn import testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig, Llama, LlamaConfig
+from fsdpfn.runtime import Runtime
 
 WIDTH, HEADS, VOCAB, SEQ, PER_RANK = 16, 4, 20, 8, 2
 
@@ -118,7 +118,7 @@ def _reference(dp, steps):
     return grads0, out
 
 
-def _train(rank, world, shape, tp, strategy, steps=3):
+def _train(rank, world, shape, tp, strategy, steps=3, runtime=False):
     """Worst relative differences from one process: first-step gradients (torch's and fsdpfn's
     full_tensor), then parameters after each step; and the placements of the fused weight."""
     mesh = testing.mesh(shape, ("dp", "tp"))
@@ -130,11 +130,15 @@ def _train(rank, world, shape, tp, strategy, steps=3):
     params = fsdpfn.shard(model, plan)
     opt = fsdpfn.optim.adamw(1e-3, weight_decay=0.01)
     state = opt.init(params)
+    rt = Runtime(model, plan) if runtime else None
     grad_err, fsdpfn_grad_err, param_err = 0.0, 0.0, 0.0
     for step in range(steps):
         x, y = _batch(shape[0], step)
-        grads = torch.func.grad(
-            lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine],)), y[mine]))(params)
+        if rt is not None:
+            grads, _ = rt.value_and_grad(lambda ps: _loss(rt.apply(ps, x[mine]), y[mine]))(params)
+        else:
+            grads = torch.func.grad(
+                lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine],)), y[mine]))(params)
         if step == 0:
             grad_err = max(_rel(g.full_tensor(), ref_grads[n]) for n, g in grads.items())
             fsdpfn_grad_err = max(_rel(fsdpfn.comm.full_tensor(g), ref_grads[n]) for n, g in grads.items())
@@ -144,11 +148,11 @@ def _train(rank, world, shape, tp, strategy, steps=3):
     return grad_err, fsdpfn_grad_err, param_err, str(params["blocks.0.attn.qkv.weight"].placements)
 
 
-@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
-def test_fused_qkv_split_colwise_fused_trains_as_one_process(run_on_ranks, shape):
-    """Tolerance: [Note: the tolerance of the fused parity tests]."""
+@pytest.mark.parametrize("shape, runtime", [((1, 2), False), ((2, 2), False), ((1, 2), True)], ids=["1x2", "2x2", "1x2-runtime"])
+def test_fused_qkv_split_colwise_fused_trains_as_one_process(run_on_ranks, shape, runtime):
+    """Tolerance: [Note: the tolerance of the fused parity tests]. The pure loop, and the runtime."""
     strategy = "zero3" if shape[0] == 1 else REPLICATED_BLOCKS
-    for grad_err, fsdpfn_grad_err, param_err, placed in run_on_ranks(_train, shape[0] * shape[1], shape, FUSED_TP, strategy):
+    for grad_err, fsdpfn_grad_err, param_err, placed in run_on_ranks(_train, shape[0] * shape[1], shape, FUSED_TP, strategy, 3, runtime):
         assert grad_err < 1e-5 and fsdpfn_grad_err < 1e-5 and param_err < 1e-5, (grad_err, fsdpfn_grad_err, param_err)
         assert placed == "(Replicate(), _StridedShard(dim=0, sf=3))", placed
 
@@ -226,6 +230,12 @@ def test_fused_style_places_each_part_and_round_trips_through_json():
     again = fsdpfn.Plan.from_json(text)
     assert again == plan and again.fingerprint == plan.fingerprint
     assert again.param("blocks.0.attn.qkv.weight").tp_stride == 3
+    edited = json.loads(text)  # the style kept, the parameters' stride lost: refused, not split plainly
+    for u in edited["units"]:
+        for p in u["params"]:
+            p.pop("tp_stride", None)
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.qkv' is split 'colwise_fused:3', but its weight has tp_stride 1"):
+        fsdpfn.Plan.from_json(json.dumps(edited))
     # Plans without fused layers keep format 3 and read as before.
     plain = fsdpfn.plan(GPT(GPTConfig(vocab_size=20, seq_len=8, width=16, depth=2, heads=2)), {"dp": 1, "tp": 2}, tp=GPT_TP_PLAN)
     d = json.loads(plain.to_json())
