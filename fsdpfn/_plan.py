@@ -205,11 +205,11 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
 
 def _tp_placement(style: str | None, leaf: str) -> tuple[str, int]:
     """``(ParamSpec.tp, ParamSpec.tp_stride)`` of parameter ``leaf`` of a module split ``style``."""
-    if style is not None and style != "rowwise" and tp_style_stride(style):
-        return "shard0", tp_style_stride(style)  # output features: weight rows and bias
+    if style is None:
+        return "replicate", 1
     if style == "rowwise":
         return ("shard1" if leaf == "weight" else "partial"), 1  # input features; the bias is added once
-    return "replicate", 1
+    return "shard0", tp_style_stride(style)  # colwise*: output features, weight rows and bias
 
 
 def plan(
@@ -248,8 +248,13 @@ def plan(
       tp: tensor parallelism, ``{module name pattern: style}`` (fnmatch patterns over module
         FQNs) with the styles ``"colwise"`` (an ``nn.Linear`` split by output features; its
         output stays split), ``"colwise_gather"`` (the same, output all-gathered back),
+        ``"colwise_fused:k"`` (a Linear whose output is k parts side by side, such as a
+        q|k|v-major ``qkv(x).chunk(3, -1)``: each part split by output features),
         ``"rowwise"`` (split by input features; its input arrives split, its output is
         all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
+        The layout is checked (see [Note: tp layout rules] in ``fsdpfn/_tp_layout.py``): a
+        module's Linear layers are all split or marked ``"replicate"``, colwise layers have
+        rowwise partners, and tp divides the head counts of the modules it splits.
       axes: roles of mesh dims whose names are not conventional, ``{dim name: role}``.
       remat: activation checkpointing per unit, for every unit but the root, or a dict
         ``{unit name or fnmatch pattern: policy}``: ``"none"`` (default), ``"full"`` (keep the
@@ -275,9 +280,12 @@ def plan(
     Raises:
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
         across units), a mesh axis without a role, a tp pattern matching no module, a dim that
-        does not divide over tp, an unknown strategy.
+        does not divide over tp, a tp layout the model cannot compute (a split Linear beside
+        whole ones, a colwise layer without a rowwise partner, a head count tp does not
+        divide), an unknown strategy.
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
-        after a replicate axis that is not the first mesh dim.
+        after a replicate axis that is not the first mesh dim, a ``colwise_fused`` weight
+        sharded over a data-parallel axis of more than one rank.
 
     Example:
       >>> p = fsdpfn.plan(model, mesh, strategy={"*": "zero3", "<root>": "zero2"})

@@ -139,7 +139,7 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
             rows = all_gather_rows(padded, mesh.get_group(i), tag=tag).reshape(w * chunk, *moved.shape[1:])
             local = rows[:n].movedim(0, d)
     for i, p in enumerate(x.placements):
-        if isinstance(p, _StridedShard) and [q.dim for q in x.placements if isinstance(q, _StridedShard) or q.is_shard()] == [p.dim]:
+        if isinstance(p, _StridedShard) and [q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim] == [p]:
             local = _unfuse(local, p.dim, int(p.split_factor), mesh.size(i), mesh.get_group(i), tag)
     for i, p in enumerate(x.placements):
         if p.is_partial():
