@@ -16,6 +16,7 @@ from fsdpfn._plan_values import (
     ROOT,
     ROOT_LABEL,
     STRATEGIES,
+    TP_FUSED_PREFIX,
     TP_MODULE_STYLES,
     TP_STYLES,
     ByteSlot,
@@ -31,9 +32,11 @@ from fsdpfn._plan_values import (
     _FP8_INPUT_DTYPES,
     _human,
     register_cost_model,
+    tp_style_stride,
     unit_label,
 )
 from fsdpfn._rows import chunk_bounds, chunk_size
+from fsdpfn._tp_layout import check_tp_layout
 from fsdpfn import _plan_json  # noqa: F401  (registers Plan.to_json / from_json)
 from fsdpfn.fp8 import check_te
 
@@ -166,8 +169,11 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
         if not isinstance(pattern, str):
             raise ValueError(f"tp keys are module name patterns (str), got {pattern!r}")
         style = str(style)
-        if style not in choices:
-            raise ValueError(f"tp[{pattern!r}] = {style!r}: unknown style; choose one of {', '.join(choices)}")
+        if style not in choices and tp_style_stride(style) is None:
+            raise ValueError(
+                f"tp[{pattern!r}] = {style!r}: unknown style; choose one of {', '.join(choices)}, or {TP_FUSED_PREFIX}k for a "
+                "Linear whose output is k parts side by side (q, k, v = qkv(x).chunk(3, -1): 'colwise_fused:3')"
+            )
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             raise ValueError(f"tp pattern {pattern!r} matches no module of {type(model).__name__}{_did_you_mean(pattern, list(modules))}")
@@ -191,18 +197,19 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
         if not isinstance(mod, nn.Linear):
             raise ValueError(
                 f"tp[{styles[name][1]!r}] = {style!r} matches {name!r}, a {type(mod).__name__}; colwise and rowwise split "
-                "nn.Linear modules. Match the Linear layers inside it (e.g. '{name}.*')."
+                f"nn.Linear modules. Match the Linear layers inside it (e.g. '{name}.*')."
             )
         out[name] = style
     return out
 
 
-def _tp_placement(style: str | None, leaf: str) -> str:
-    if style in ("colwise", "colwise_gather"):
-        return "shard0"  # output features: weight rows and bias
+def _tp_placement(style: str | None, leaf: str) -> tuple[str, int]:
+    """``(ParamSpec.tp, ParamSpec.tp_stride)`` of parameter ``leaf`` of a module split ``style``."""
+    if style is None:
+        return "replicate", 1
     if style == "rowwise":
-        return "shard1" if leaf == "weight" else "partial"  # input features; the bias is added once
-    return "replicate"
+        return ("shard1" if leaf == "weight" else "partial"), 1  # input features; the bias is added once
+    return "shard0", tp_style_stride(style)  # colwise*: output features, weight rows and bias
 
 
 def plan(
@@ -243,8 +250,13 @@ def plan(
       tp: tensor parallelism, ``{module name pattern: style}`` (fnmatch patterns over module
         FQNs) with the styles ``"colwise"`` (an ``nn.Linear`` split by output features; its
         output stays split), ``"colwise_gather"`` (the same, output all-gathered back),
+        ``"colwise_fused:k"`` (a Linear whose output is k parts side by side, such as a
+        q|k|v-major ``qkv(x).chunk(3, -1)``: each part split by output features),
         ``"rowwise"`` (split by input features; its input arrives split, its output is
         all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
+        The layout is checked (see [Note: tp layout rules] in ``fsdpfn/_tp_layout.py``): a
+        module's Linear layers are all split or marked ``"replicate"``, colwise layers have
+        rowwise partners, and tp divides the head counts of the modules it splits.
       axes: roles of mesh dims whose names are not conventional, ``{dim name: role}``.
       remat: activation checkpointing per unit, for every unit but the root, or a dict
         ``{unit name or fnmatch pattern: policy}``: ``"none"`` (default), ``"full"`` (keep the
@@ -273,11 +285,14 @@ def plan(
     Raises:
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
         across units), a mesh axis without a role, a tp pattern matching no module, a dim that
-        does not divide over tp, an unknown strategy, a live mesh with fewer ranks than the
-        job, a 1-D mesh named ``"ep"``, expert weights that no module dispatches over ``ep``
-        (no ``set_ep_group``) or that are a torch layer's weight (a router).
+        does not divide over tp, a tp layout the model cannot compute (a split Linear beside
+          whole ones, a colwise layer without a rowwise partner, a head count tp does not
+          divide), an unknown strategy, a live mesh with fewer ranks than the job, a 1-D mesh
+          named ``"ep"``, expert weights that no module dispatches over ``ep`` (no
+          ``set_ep_group``) or that are a torch layer's weight (a router).
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
-        after a replicate axis that is not the first mesh dim.
+        after a replicate axis that is not the first mesh dim, a ``colwise_fused`` weight
+        sharded over a data-parallel axis of more than one rank.
 
     Example:
       >>> p = fsdpfn.plan(model, mesh, strategy={"*": "zero3", "<root>": "zero2"})
@@ -326,7 +341,8 @@ def plan(
     for name, p in model.named_parameters(remove_duplicate=False):
         owner = expert_of[name] if name in expert_of else _owner(name, dense_names)
         module, _, leaf = name.rpartition(".")
-        placement = _tp_placement(tp_styles.get(module), leaf)
+        placement, stride = _tp_placement(tp_styles.get(module), leaf)
+        shown = placement if stride == 1 else f"{placement} in {stride} fused parts"
         if id(p) in first_name:
             other, other_owner, other_placement = first_name[id(p)]
             if other_owner != owner:
@@ -335,14 +351,14 @@ def plan(
                     f"{unit_label(owner)!r} and {unit_label(other_owner)!r}; a parameter is claimed by two units. "
                     "Put both modules in one unit (e.g. leave them in the root unit)."
                 )
-            if placement != other_placement:
+            if shown != other_placement:
                 raise ValueError(
                     f"parameter {name!r} is the same tensor as {other!r} (tied weights), but tp= places them differently "
-                    f"({placement} vs {other_placement}); give both modules the same style or leave both out of tp="
+                    f"({shown} vs {other_placement}); give both modules the same style or leave both out of tp="
                 )
             continue
-        first_name[id(p)] = (name, owner, placement)
-        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size, name in expert_of, ep_size))
+        first_name[id(p)] = (name, owner, shown)
+        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size, name in expert_of, ep_size, stride))
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
     if remat is not None and not isinstance(remat, (str, Mapping)):
@@ -357,6 +373,8 @@ def plan(
         for u in unit_names
         if owned[u]
     )
+    if tp_styles:
+        check_tp_layout(model, tp, tp_styles, tp_size)
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
 

@@ -8,8 +8,10 @@ so their JSON and fingerprints did not change. Format 3 is any plan over named a
 checkpointing: the mesh carries its roles, every parameter not replicated over tp carries its
 ``tp`` placement, the plan lists its tensor-parallel modules and a rematerialised unit its
 ``remat`` policy and an offloaded one ``offload``; on a mesh with an ``ep`` axis an expert weight
-carries ``expert`` and its unit ``experts``. A reader refuses formats it does not know, so an older fsdpfn never
-runs a tensor-parallel plan as if it were a data-parallel one.
+carries ``expert`` and its unit ``experts``. Format 4 is format 3 with ``colwise_fused:k`` layers: their
+parameters carry ``tp_stride`` (see [Note: fused colwise] in ``fsdpfn/_plan_values.py``); a plan without
+them is still written as format 3. A reader refuses formats it does not know, so an older fsdpfn never
+runs a tensor-parallel plan as if it were a data-parallel one, nor a fused split as a plain one.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ __all__ = ["plan_to_dict", "plan_from_dict", "FORMATS"]
 FORMAT_PLAIN = 1
 FORMAT_FP8 = 2
 FORMAT_AXES = 3
-FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES)
+FORMAT_FUSED = 4
+FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED)
 
 
 def _param_dict(p: ParamSpec) -> dict:
     d = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
     if p.tp != "replicate":
         d["tp"] = p.tp
+    if p.tp_stride != 1:
+        d["tp_stride"] = p.tp_stride
     if p.expert:
         d["expert"] = True
     return d
@@ -68,17 +73,19 @@ def plan_to_dict(plan: Plan) -> dict:
         d["format"] = FORMAT_AXES
         d["mesh"]["roles"] = list(plan.mesh_roles) if plan.mesh_roles is not None else None
         d["tp"] = [list(t) for t in plan.tp]
+        if any(p.tp_stride != 1 for u in plan.units for p in u.params):
+            d["format"] = FORMAT_FUSED
     return d
 
 
 def plan_from_dict(d: dict, mesh=None) -> Plan:
-    """Inverts :func:`plan_to_dict` (formats 1, 2 and 3)."""
+    """Inverts :func:`plan_to_dict` (formats 1 to 4)."""
     fmt = d.get("format")
     if fmt not in FORMATS:
         raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
     shape = tuple(d["mesh"]["shape"])
     names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
-    roles = tuple(d["mesh"]["roles"]) if fmt == FORMAT_AXES and d["mesh"].get("roles") else None
+    roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
     tp_size, ep_size = axes.tp_size, axes.ep_size
     units = tuple(
@@ -87,7 +94,7 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
             u["strategy"],
             tuple(
                 ParamSpec(p["name"], tuple(p["shape"]), _dtype_from(p["dtype"]), p.get("tp", "replicate"), tp_size,
-                          bool(p.get("expert", False)), ep_size)
+                          bool(p.get("expert", False)), ep_size, int(p.get("tp_stride", 1)))
                 for p in u["params"]
             ),
             axes.shard_size if u.get("experts") else axes.dense_shard_size,

@@ -40,6 +40,19 @@ is sharded over ``ep`` x ``edp`` flattened into one group, and every gradient is
 holds whole copies of that layout: every unit's gradient is also all-reduced over it, and tokens
 travel over ``ep`` within each replica.
 
+[Note: fused colwise]
+A colwise Linear gives tp rank ``r`` the ``r``-th of ``tp`` blocks of its output features. That
+is right when the features are head-major (each head's q, k and v rows together, as
+:class:`fsdpfn.models.GPT`'s ``qkv`` lays them out and splits them with ``view(..., -1, 3, hd)``),
+and wrong when they are k parts side by side (``q, k, v = qkv(x).chunk(3, -1)``, HF GPT-2's
+layout): rank 0 would get all of q and half of k. ``"colwise_fused:k"`` splits each part
+separately (Megatron's ``partition_stride``, DTensor's ``_StridedShard(0, split_factor=k)`` on
+the tp axis): rank ``r`` holds ``[q_r; k_r; v_r]``, so ``chunk(k, -1)`` of its local output gives
+its q, k and v of ``heads / tp`` heads each. Its parameters are ``shard0`` with
+``ParamSpec.tp_stride = k``. Data-parallel rows cut from that local part would straddle the
+parts in a way no DTensor placement describes, so such a parameter is not sharded over a
+data-parallel axis (yet): its unit replicates it, or that axis has one rank.
+
 [Note: FP8 gather layout]
 A unit whose weights gather in FP8 (``Unit.fp8``, chosen by ``MixedPrecision(fp8=...)``) still
 makes one all-gather, of bytes: each rank's segment holds, for every sharded parameter, the same
@@ -71,7 +84,7 @@ from fsdpfn._codec import PlainCodec
 from fsdpfn._remat import check_policy
 from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy, float8_layout
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "TP_MODULE_STYLES", "tp_style_stride", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
 
 # The root unit (the model's own parameters, outside every other unit) has the empty name; it is
 # shown and accepted in strategy dicts as ROOT_LABEL.
@@ -141,6 +154,29 @@ TP_STYLES = ("replicate", "shard0", "shard1", "partial")
 # stays split over tp, or is all-gathered back with colwise_gather), or by input features (its
 # input arrives split, its output is all-reduced).
 TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise")
+# A colwise Linear whose output is k projections side by side (q|k|v-major ``qkv(x).chunk(3, -1)``,
+# HF GPT-2's layout; a fused gate|up ``chunk(2, -1)``) is split "colwise_fused:k": each tp rank
+# takes its slice of every part, so its local output still chunks into k local parts (see
+# [Note: fused colwise]).
+TP_FUSED_PREFIX = "colwise_fused:"
+
+
+def tp_style_stride(style: str) -> int | None:
+    """How many fused parts a tp module style splits separately: 1 for ``"colwise"``,
+    ``"colwise_gather"`` and ``"rowwise"``, ``k`` for ``"colwise_fused:k"`` (``k >= 2``), ``None``
+    for anything else (an unknown style).
+
+    Example:
+      >>> tp_style_stride("colwise"), tp_style_stride("colwise_fused:3"), tp_style_stride("colwise_fused:x")
+      (1, 3, None)
+    """
+    if style in TP_MODULE_STYLES:
+        return 1
+    if isinstance(style, str) and style.startswith(TP_FUSED_PREFIX):
+        k = style[len(TP_FUSED_PREFIX):]
+        if k.isdigit() and k == str(int(k)) and int(k) >= 2:
+            return int(k)
+    return None
 # Activation checkpointing of a unit (Unit.remat): keep its activations, keep only its inputs and
 # recompute its forward in backward, or keep some results too (see [Note: selective
 # rematerialisation]); "save_names:..." and registered policies are accepted besides these.
@@ -245,6 +281,9 @@ class ParamSpec:
         index): on a mesh with an ``ep`` axis it is split along dim 0 over ``ep_size`` ranks and
         sharded over the expert data-parallel (``shard``) axis only.
       ep_size: ranks on the expert-parallel axis (1 without one).
+      tp_stride: for ``tp="shard0"``, the number of fused parts dim 0 holds side by side (a
+        ``colwise_fused:k`` Linear; see [Note: fused colwise]): tp rank ``r`` holds the
+        ``r``-th slice of each part, stacked. 1: one part, rank ``r`` holds the ``r``-th block.
 
     ``local_shape``, ``rows``, ``row_numel`` and ``numel`` describe the tensor-parallel-local
     part, which is what a unit gathers over the data-parallel axis.
@@ -262,9 +301,12 @@ class ParamSpec:
     tp_size: int = 1
     expert: bool = False
     ep_size: int = 1
+    tp_stride: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.tp_stride < 1 or (self.tp_stride > 1 and self.tp != "shard0"):
+            raise ValueError(f"parameter {self.name!r}: tp_stride={self.tp_stride} needs tp='shard0' and a stride >= 1 (got tp={self.tp!r})")
         if self.tp not in TP_STYLES:
             raise ValueError(f"parameter {self.name!r}: unknown tensor-parallel placement {self.tp!r}; choose one of {', '.join(TP_STYLES)}")
         if self.tp_size < 1:
@@ -292,6 +334,12 @@ class ParamSpec:
                 raise ValueError(
                     f"parameter {self.name!r} has {self.shape[d]} along dim {d}, which does not divide over tp={self.tp_size} "
                     f"ranks; choose a tp degree that divides it, or leave this module out of tp="
+                )
+            if self.tp_stride > 1 and self.shape[0] % (self.tp_stride * self.tp_size):
+                raise ValueError(
+                    f"parameter {self.name!r} has {self.shape[0]} rows, which do not make {self.tp_stride} fused parts of equal "
+                    f"size that each divide over tp={self.tp_size} ranks (colwise_fused:{self.tp_stride}); check the number of "
+                    "fused parts, or choose a tp degree that divides each part"
                 )
 
     @property
@@ -500,7 +548,8 @@ class Plan:
         from JSON without one, which can be printed and costed but not executed.
       mesh_roles: each dim's role (see :class:`fsdpfn.Role`); ``None``: derived from the names.
       tp: ``((module name, style), ...)``: the modules whose matmuls are split over the tp
-        axis, with ``"colwise"``, ``"colwise_gather"`` or ``"rowwise"``, in model order.
+        axis, with ``"colwise"``, ``"colwise_gather"``, ``"colwise_fused:k"`` or ``"rowwise"``, in
+        model order.
     """
 
     units: tuple[Unit, ...]
@@ -522,8 +571,19 @@ class Plan:
         object.__setattr__(self, "tp", tuple((str(m), str(style)) for m, style in self.tp))
         axes = self.axes  # validates the mesh: names, roles, one axis per role
         for module, style in self.tp:
-            if style not in TP_MODULE_STYLES:
-                raise ValueError(f"tensor-parallel module {module!r}: unknown style {style!r}; choose one of {', '.join(TP_MODULE_STYLES)}")
+            if tp_style_stride(style) is None:
+                raise ValueError(
+                    f"tensor-parallel module {module!r}: unknown style {style!r}; choose one of {', '.join(TP_MODULE_STYLES)} "
+                    f"or {TP_FUSED_PREFIX}k"
+                )
+        specs = {p.name: p for u in self.units for p in u.params}
+        for module, style in self.tp:
+            weight = specs.get(f"{module}.weight")
+            if weight is not None and weight.tp_stride != tp_style_stride(style):
+                raise ValueError(
+                    f"tensor-parallel module {module!r} is split {style!r}, but its weight has tp_stride {weight.tp_stride}; "
+                    "the plan was edited by hand or written by another fsdpfn. Build it again with fsdpfn.plan(..., tp=...)"
+                )
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
             raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
         seen: dict[str, str] = {}
@@ -548,6 +608,13 @@ class Plan:
                     raise ValueError(f"parameter {p.name!r} has tp_size {p.tp_size}, but the mesh's tp axis has {axes.tp_size} ranks")
                 if p.expert and p.ep_size != axes.ep_size:
                     raise ValueError(f"parameter {p.name!r} has ep_size {p.ep_size}, but the mesh's ep axis has {axes.ep_size} ranks")
+                if p.tp_stride > 1 and axes.tp_size > 1 and unit.slots[p.name].sharded and unit.shard_size > 1:
+                    raise NotImplementedError(
+                        f"parameter {p.name!r} is split colwise_fused:{p.tp_stride} over tp and would also be sharded over the "
+                        f"{unit.shard_size} data-parallel ranks of unit {unit.label!r} ({unit.strategy.value}); fused parts cut by "
+                        "both axes are not supported yet. Give the unit the 'replicate' strategy "
+                        f"(fsdpfn.plan(..., strategy={{'*': 'zero3', {unit.label!r}: 'replicate'}})), or use a data-parallel axis of 1"
+                    )
             if unit.fp8 and self.mp.fp8 is None:
                 raise ValueError(
                     f"unit {unit.label!r} lists FP8 parameters but the plan's MixedPrecision has no fp8 policy; "
@@ -565,11 +632,18 @@ class Plan:
                     "Set MixedPrecision(param_dtype=...) or put the parameters in separate units."
                 )
         if self.mesh is not None and tuple(self.mesh.mesh.shape) != self.mesh_shape:
-            raise ValueError(f"mesh has shape {tuple(self.mesh.mesh.shape)}, but the plan was made for {self.mesh_shape}")
+            raise ValueError(
+                f"mesh has shape {tuple(self.mesh.mesh.shape)}, but the plan was made for {self.mesh_shape}: a plan's units "
+                "and shards are laid out for its mesh. Build the plan again on the new mesh (fsdpfn.plan(model, mesh, ...) with "
+                "the same arguments); to move a run to it, save a checkpoint and load it into the plan built for the new mesh"
+            )
         if self.mesh is not None and self.mesh_dim_names is not None and len(self.mesh_shape) > 1:
             live = tuple(self.mesh.mesh_dim_names or ())
             if live != self.mesh_dim_names:
-                raise ValueError(f"mesh has dim names {live}, but the plan was made for {self.mesh_dim_names}")
+                raise ValueError(
+                    f"mesh has dim names {live}, but the plan was made for {self.mesh_dim_names}; build the plan on this mesh "
+                    "(fsdpfn.plan(model, mesh, ...)), or name the mesh's dims as the plan's"
+                )
 
     # ---- mesh ----------------------------------------------------------------------------
 

@@ -224,7 +224,7 @@ def _unit_tp(plan: Plan, modules, phase: str, tokens: int) -> list[tuple]:
             elif style == "colwise_gather":
                 # tp ranks' out_f / t columns each, gathered: the full output's bytes.
                 out.append(("all_gather", Role.TP, tokens * (out_f // t) * t * item, dtype, "tp_gather", module))
-        elif style in ("colwise", "colwise_gather"):
+        elif style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k
             out.append(("all_reduce", Role.TP, tokens * in_f * item, dtype, "tp_copy", module))
     return out
 

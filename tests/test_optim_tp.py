@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fsdpfn
 from fsdpfn import optim, testing
 
-TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise"}
+TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise", "whole": "replicate"}  # every Linear of the root split or marked
 BLOCKS = {"qkv.weight": 4}  # 4 heads of 3 rows; tp = 2 gives each tp rank 2 whole heads
 
 
@@ -155,8 +155,9 @@ def test_blockwise_equals_the_per_piece_reference(run_on_ranks):
 
 
 def _heads_local(rank, world):
-    """tp = 4, dp = 1: each rank holds its 3-row heads whole, so per-head Muon moves nothing."""
-    model, plan = _plan((1, 4), ("dp", "tp"), {"qkv": "colwise"})
+    """tp = 4, dp = 1: each rank holds its 3-row heads whole, so per-head Muon moves nothing. (qkv is
+    colwise_gather, placed as colwise, needing no rowwise partner; the other Linears stay whole.)"""
+    model, plan = _plan((1, 4), ("dp", "tp"), {"qkv": "colwise_gather", "col": "replicate", "row": "replicate", "whole": "replicate"})
     g = _grads(model, 9)
     x = fsdpfn.shard(g, plan, check=False)["qkv.weight"]
     with fsdpfn.count_collectives() as counter:

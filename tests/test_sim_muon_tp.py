@@ -20,7 +20,7 @@ import fsdpfn
 from fsdpfn import optim, sim, testing
 
 
-TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise"}
+TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise", "whole": "replicate"}  # every Linear of the root split or marked
 BLOCKS = {"qkv.weight": 4}  # 4 heads of 3 rows: tp = 2 gives each tp rank 2 whole heads, dp cuts them
 LAYOUTS = [("owner", None, None), ("owner", 2, None), ("duplicated", None, None), ("blockwise", None, None),
            ("owner", None, BLOCKS), ("duplicated", None, BLOCKS), ("blockwise", None, BLOCKS)]

@@ -161,6 +161,8 @@ def save(
     values = {p: v for p, v in entries.items() if not isinstance(v, torch.Tensor)}
     with timeout_scope(timeout):
         comm.arrive("fsdpfn.checkpoint.save")
+        # Fused colwise weights are written whole (see [Note: fused shards in checkpoints]).
+        tensors = {p: _shards.whole(v) if _shards.fused_split(v) else v for p, v in tensors.items()}
         name, token = decide(lambda: _prepare(root, name, values), f"preparing a checkpoint in {root!r}")
         partial = _atomic.partial_dir(root, name, token)
         report, error = None, None
@@ -379,6 +381,8 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
     with timeout_scope(timeout):
         comm.arrive("fsdpfn.checkpoint.load")
         targets = {p: _empty_like(v) for p, v in entries.items() if isinstance(v, torch.Tensor)}
+        fused = {p: v for p, v in targets.items() if _shards.fused_split(v)}  # read whole, then cut
+        targets.update({p: _shards.whole(v, torch.empty(v.shape, dtype=v.dtype, device=v.device)) for p, v in fused.items()})
         ckpt, info = _choose(path, entries, targets, plan)
         error = None
         try:
@@ -386,6 +390,7 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
         except Exception as e:  # noqa: BLE001 - sent to every rank by agree
             error = e
         agree(error, f"loading checkpoint {ckpt!r}")
+        targets.update({p: _shards.fused_part(targets[p], v) for p, v in fused.items()})
     leaves = [targets[p] if p in targets else info["values"][p] for p in entries]
     state = optree.tree_unflatten(spec, leaves)
     return (state, {**info, "dir": ckpt}) if return_info else state

@@ -33,9 +33,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdpfn import comm
 from fsdpfn.checkpoint._manifest import METADATA, CheckpointError
 
 __all__ = ["files_read", "merge", "owned", "read", "write"]
@@ -66,6 +67,46 @@ def _splits(p) -> bool:
     ``_StridedShard`` (the data-parallel rows of a tensor-parallel weight) is a shard, though its
     ``is_shard()`` says no: taken for a replica, only data-parallel rank 0 would write its rows."""
     return p.is_shard() or isinstance(p, _StridedShard)
+
+
+# [Note: fused shards in checkpoints]
+# A colwise_fused:k weight is placed _StridedShard(0, split_factor=k) alone on the tp axis: rank r
+# holds the r-th slice of each of k parts, k boxes of the tensor, where DCP's chunk metadata has
+# one box per shard (it would write the k slices as if they were one block: a silently permuted
+# checkpoint). Such a leaf is saved whole (gathered over tp, written once) and loaded whole, then
+# cut into its fused slices on each rank: checkpoints stay keyed by path and plan-independent.
+
+
+def fused_split(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(mesh dim, tensor dim, parts)`` of a DTensor whose only split of a tensor dim is a
+    ``_StridedShard`` (a fused colwise weight), else ``None``."""
+    if not isinstance(x, DTensor):
+        return None
+    for i, p in enumerate(x.placements):
+        if isinstance(p, _StridedShard) and x.device_mesh.size(i) > 1:
+            cutting = [j for j, q in enumerate(x.placements) if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim]
+            if cutting == [i]:
+                return i, p.dim, int(p.split_factor)
+    return None
+
+
+def whole(x: DTensor, full: torch.Tensor | None = None) -> DTensor:
+    """``x`` as a DTensor replicated on its mesh, holding ``full`` (default: ``x``'s full tensor,
+    gathered: collective)."""
+    full = comm.full_tensor(x) if full is None else full
+    return DTensor.from_local(full, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False,
+                              shape=x.shape, stride=x.stride())
+
+
+def fused_part(whole_x: DTensor, like: DTensor) -> DTensor:
+    """The fused slices of the replicated ``whole_x`` this rank holds in ``like``'s placements."""
+    i, d, parts = fused_split(like)
+    w, r = like.device_mesh.size(i), like.device_mesh.get_coordinate()[i]
+    full = whole_x.to_local().movedim(d, 0)
+    n = full.shape[0] // (parts * w)
+    local = full.reshape(parts, w, n, *full.shape[1:])[:, r].reshape(parts * n, *full.shape[1:]).movedim(0, d)
+    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def owned(path: str, x: torch.Tensor, rank: int) -> bool:

@@ -90,6 +90,8 @@ def _shard_order(x: DTensor) -> dict[int, list[int]]:
             order[d] = [i for i, _ in splits]
             continue
         k, i, p = strided[0]
+        if len(splits) == 1:  # a fused colwise split: gathered by _unfuse, see [Note: nested shards]
+            continue
         later = [j for j, _ in splits[k + 1 :]]
         sf = int(p.split_factor)
         if len(strided) > 1 or math.prod(mesh.size(j) for j in later) != sf or x.shape[d] % sf:
@@ -137,10 +139,24 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
             rows = all_gather_rows(padded, mesh.get_group(i), tag=tag).reshape(w * chunk, *moved.shape[1:])
             local = rows[:n].movedim(0, d)
     for i, p in enumerate(x.placements):
+        if isinstance(p, _StridedShard) and [q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim] == [p]:
+            local = _unfuse(local, p.dim, int(p.split_factor), mesh.size(i), mesh.get_group(i), tag)
+    for i, p in enumerate(x.placements):
         if p.is_partial():
             local = local.clone()
             all_reduce(local, mesh.get_group(i), tag=tag)
     return local.contiguous()
+
+
+def _unfuse(local: torch.Tensor, d: int, parts: int, w: int, group, tag: str) -> torch.Tensor:
+    """The whole of dim ``d`` placed ``_StridedShard(d, split_factor=parts)`` alone on a mesh dim
+    of ``w`` ranks: rank ``r`` holds the ``r``-th slice of each of ``parts`` parts (a fused colwise
+    weight, ``[q_r; k_r; v_r]``), so the gathered ``[w][parts][n]`` is reordered to ``[parts][w][n]``."""
+    moved = local.movedim(d, 0).contiguous()
+    rows = all_gather_rows(moved, group, tag=tag)
+    n = moved.shape[0] // parts
+    whole = rows.reshape(w, parts, n, *moved.shape[1:]).transpose(0, 1).reshape(w * moved.shape[0], *moved.shape[1:])
+    return whole.movedim(0, d)
 
 
 # [Note: nested shards]
@@ -153,6 +169,8 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
 # all-gather over its mesh dim covering the length that split cut on this rank (the tp-local
 # n / sf rows for the strided one), then the next one out. Rebuilding outermost first, as a
 # plain right-to-left walk over the mesh would for a strided placement, interleaves the slices.
+# A _StridedShard alone on its tensor dim (a fused colwise weight, ``colwise_fused:k``) holds the
+# r-th slice of each of its k parts on rank r: it is gathered, then reordered part by part.
 
 
 def arrive(what: str, timeout_s: float | None = None, group=None) -> None:

@@ -44,6 +44,12 @@ def local_index(plan: Plan, name: str, *, rank: int | None = None, tp: int | Non
     d = spec.tp_dim
     if d is None:
         return (slice(start, stop),)
+    if spec.tp_stride > 1:
+        raise NotImplementedError(
+            f"parameter {name!r} is split colwise_fused:{spec.tp_stride}: each tp rank holds {spec.tp_stride} slices of it, not "
+            "one box, and building shards box by box (fsdpfn.init_shards, fsdpfn.load_safetensors) does not read those yet. "
+            "Build the full model (or load it with from_pretrained) and call fsdpfn.shard(model, plan)"
+        )
     t = tp_rank(plan) if tp is None else tp
     n = spec.local_shape[d]
     if d == 0:

@@ -60,7 +60,9 @@ def placements(plan: Plan, name: str) -> tuple:
     axis also splits dim 0 and comes after the shard axis in the mesh, the data-parallel rows
     are cut from the tp-local rows, which DTensor spells ``_StridedShard(0, split_factor=tp)``
     (as FSDP2 does on a 2-D mesh). Replicate axis: ``Replicate()``. Tp axis: ``Shard(d)`` for a
-    parameter split along dim ``d``, else ``Replicate()``. Beside an ``ep`` axis an expert weight
+    parameter split along dim ``d``, ``_StridedShard(0, split_factor=k)`` for one split
+    ``colwise_fused:k`` (tp rank ``r`` holds the ``r``-th slice of each of the ``k`` parts), else
+    ``Replicate()``. Beside an ``ep`` axis an expert weight
     is ``Shard(0)`` over ``ep`` and its rows are cut over ``shard`` from its ep part the same
     way, while a dense parameter lives on the ``ep`` x ``shard`` axes flattened into one mesh
     dim (:func:`fsdpfn.transforms.unit_mesh`), ``Shard(0)`` there (and ``Replicate()`` on the
@@ -83,7 +85,8 @@ def _placements(plan: Plan, name: str) -> tuple:
     out = []
     for d, role in enumerate(axes.roles):
         if role is Role.SHARD:
-            if not unit.slots[name].sharded:
+            if not unit.slots[name].sharded or (spec.tp_stride > 1 and axes.shard_size == 1):
+                # A fused colwise part is never cut over a data-parallel axis of > 1 rank (the plan refuses it).
                 out.append(Replicate())
             elif spec.tp_dim == 0 and axes.tp_size > 1 and axes.dim(Role.TP) > d:
                 out.append(_StridedShard(0, split_factor=axes.tp_size))
@@ -91,6 +94,8 @@ def _placements(plan: Plan, name: str) -> tuple:
                 out.append(_StridedShard(0, split_factor=axes.ep_size))
             else:
                 out.append(Shard(0))
+        elif role is Role.TP and spec.tp_stride > 1:
+            out.append(_StridedShard(0, split_factor=spec.tp_stride))  # see [Note: fused colwise]
         elif role is Role.TP and spec.tp_dim is not None:
             out.append(Shard(spec.tp_dim))
         elif role is Role.EP and spec.expert:
@@ -137,7 +142,8 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 
 def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
     """This rank's tensor-parallel part of parameter ``name`` (a view of ``full``): the
-    ``rank``-th of ``tp`` equal slices along the parameter's tp dim, or ``full`` itself. An
+    ``rank``-th of ``tp`` equal slices along the parameter's tp dim, or ``full`` itself. Split
+    ``colwise_fused:k``, the ``rank``-th slice of each of its ``k`` parts, stacked (a copy). An
     expert weight beside an ``ep`` axis gives its ``rank``-th (default: this process's ep index)
     of ``ep`` equal slices along dim 0: the experts this rank holds.
 
@@ -155,6 +161,10 @@ def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None)
         return full
     rank = tp_rank(plan) if rank is None else rank
     n = spec.local_shape[d]
+    if spec.tp_stride > 1:  # [q_r; k_r; v_r]: each part's rank-th slice
+        k = spec.tp_stride
+        parts = full.reshape(k, spec.tp_size, n // k, *full.shape[1:])
+        return parts[:, rank].reshape(n, *full.shape[1:])
     return full.narrow(d, rank * n, n)
 
 

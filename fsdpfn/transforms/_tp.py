@@ -5,13 +5,14 @@ styles. Their weights reach them already split (:func:`fsdpfn.unshard` returns e
 tp-local part); what the model still needs are the activation collectives around them, which
 :func:`apply_tp` installs as forward hooks:
 
-=================  ==============================  ==================================
-style              before the layer                after the layer
-=================  ==============================  ==================================
-``colwise``        ``tp_copy`` (bwd: all-reduce)   nothing: the output stays split
-``colwise_gather`` ``tp_copy``                     ``tp_gather_last`` (all-gather)
-``rowwise``        nothing: the input is split     ``tp_reduce`` (all-reduce)
-=================  ==============================  ==================================
+===================  =============================  ========================================
+style                before the layer               after the layer
+===================  =============================  ========================================
+``colwise``          ``tp_copy`` (bwd: all-reduce)  nothing: the output stays split
+``colwise_gather``   ``tp_copy``                    ``tp_gather_last`` (all-gather)
+``colwise_fused:k``  ``tp_copy`` (bwd: all-reduce)  nothing: each of its k parts stays split
+``rowwise``          nothing: the input is split    ``tp_reduce`` (all-reduce)
+===================  =============================  ========================================
 
 Hooks run inside ``torch.func.functional_call`` and under ``torch.func.grad`` (the collectives
 are :mod:`fsdpfn.comm`'s differentiable Functions), so the pure loop stays
@@ -118,7 +119,7 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         if getattr(mod, _ATTR, None) is not None:
             continue
         handles = []
-        if style in ("colwise", "colwise_gather"):
+        if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k
             handles.append(mod.register_forward_pre_hook(_pre_copy(group, name)))
         if style == "colwise_gather":
             handles.append(mod.register_forward_hook(_post_gather(group, name)))
