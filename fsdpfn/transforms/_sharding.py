@@ -44,6 +44,7 @@ from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
+from fsdpfn.transforms._guards import note_unshard
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
 
@@ -483,6 +484,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
     for unit in plan.units:
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))
         out.update(zip((p.name for p in unit.params), fulls))
+    note_unshard(plan, out, "mean" if grad_op == "mean" and grad_scale is None else "custom")
     return out
 
 
