@@ -232,8 +232,13 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     plan and hold the same parameters, and raises ``ValueError`` naming the parameter and the
     ranks otherwise: a forgotten ``torch.manual_seed`` would else shard a model no rank held.
 
+    Given the model, it also installs the plan's model hooks (:func:`fsdpfn.apply_tp`: the
+    tensor-parallel collectives, and the batch checks of the first steps). Given a dict, it
+    cannot: call ``fsdpfn.apply_tp(model, plan)`` on the model you run, or a tp-split weight
+    run without its all-reduce raises ``ValueError`` at the first step.
+
     Args:
-      model_or_params: an ``nn.Module`` or a dict ``{name: full tensor}``.
+      model_or_params: an ``nn.Module`` or a dict ``{name: full tensor}`` (then see above).
       plan: the plan.
       requires_grad: mark the shards as leaves requiring grad (for ``loss.backward()`` loops).
       check: verify that ranks agree on the plan and the full parameters (one collective).
