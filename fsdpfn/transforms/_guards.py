@@ -117,6 +117,7 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
         delattr(model, _BATCH_ATTR)
     if plan.mesh is None:
         return
+    _STEPS.pop(plan.fingerprint, None)  # a step noted before this model had its hook is not its step
     left = [CHECKED_STEPS]
 
     def hook(module, args, kwargs):
