@@ -30,6 +30,7 @@ from fsdpfn.comm._groups import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from fsdpfn.comm._groups import backend as backend
 from fsdpfn.comm._lifecycle import destroy_process_group as destroy_process_group
 from fsdpfn.comm._agree import exchange_problems as exchange_problems
+from fsdpfn.comm._agree import exchange_values as exchange_values
 from fsdpfn.comm._groups import group_rank as group_rank
 from fsdpfn.comm._groups import group_ranks as group_ranks
 from fsdpfn.comm._groups import group_size as group_size
@@ -91,6 +92,7 @@ __all__ = [
     "count_compiled",
     "destroy_process_group",
     "exchange_problems",
+    "exchange_values",
     "flight_records",
     "full_tensor",
     "graph_collectives",

@@ -20,7 +20,7 @@ import time
 from fsdpfn.comm import _groups
 from fsdpfn.comm import _record
 
-__all__ = ["exchange_problems"]
+__all__ = ["exchange_problems", "exchange_values"]
 
 _ROUNDS: dict[tuple[str, int], int] = {}
 
@@ -37,21 +37,38 @@ def exchange_problems(label: str, problem: str | None, group=None) -> dict[int, 
       >>> exchange_problems("my check", None)   # one process: nothing to exchange
       {}
     """
+    return _exchange(label, problem, group, read_all=False)
+
+
+def exchange_values(label: str, value, group=None) -> dict[int, object]:
+    """Every rank of ``group`` calls this with the same ``label`` and its own JSON-serialisable
+    ``value``; each gets back ``{global rank: value}`` of every rank, through the store like
+    :func:`exchange_problems`: no collective, so nothing a collective counter or the cost model
+    sees. For small values exchanged rarely (each rank reads every rank's key).
+
+    Example:
+      >>> exchange_values("rows", [4])   # one process
+      {0: [4]}
+    """
+    return _exchange(label, value, group, read_all=True)
+
+
+def _exchange(label: str, value, group, read_all: bool) -> dict:
     from fsdpfn.comm._collectives import CollectiveError
 
     ranks, gid = _record.group_info(group)
     me = _groups.rank()
     store = _groups.store() if len(ranks) > 1 else None
     if store is None:
-        return {me: problem} if problem else {}
+        return {me: value} if (value or read_all) else {}
     # Every rank runs the same checks in the same order, so the round number agrees too.
     n = _ROUNDS[(label, gid)] = _ROUNDS.get((label, gid), 0) + 1
     base = f"fsdpfn/agree/{_record.job_label()}/{gid:x}/{label}/{n}"
     seconds = _groups.timeout()
 
     def arrive() -> None:
-        store.set(f"{base}/at/{me}", json.dumps(problem))
-        if problem:
+        store.set(f"{base}/at/{me}", json.dumps(value))
+        if value and not read_all:
             store.add(f"{base}/bad", 1)
         if store.add(f"{base}/arrived", 1) == len(ranks):
             store.set(f"{base}/done", str(store.add(f"{base}/bad", 0)))
@@ -78,15 +95,15 @@ def exchange_problems(label: str, problem: str | None, group=None) -> dict[int, 
                     f"rank(s) {missing} did not reach it within {seconds:g} s (stopped, dead, or taking another code path)")
                 raise CollectiveError(f"every rank of {list(ranks)} must run the check {label}, but {what}",
                                       sorted(set(missing) | set(failed))) from None
-    if not bad:
+    if not bad and not read_all:
         return {}
 
-    def read() -> dict[int, str]:
+    def read() -> dict:
         out = {}
         for r in ranks:
-            value = json.loads(store.get(f"{base}/at/{r}"))
-            if value:
-                out[r] = value
+            got = json.loads(store.get(f"{base}/at/{r}"))
+            if got or read_all:
+                out[r] = got
         return out
 
     return _record.bounded_store_call(read, seconds)

@@ -18,7 +18,7 @@ from fsdpfn.runtime._schedule import OpKind, Schedule, validate
 from fsdpfn.runtime._schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn._steps import reduces_now
 from fsdpfn.comm import compiling, count_compiled
-from fsdpfn.transforms import CompileUnsupportedError, apply_tp, check_params, recording_backend, unshard_traced
+from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced
 
 __all__ = ["Runtime"]
 
@@ -158,6 +158,7 @@ class Runtime:
         if root is not None:
             fulls = RootGather.apply((ex, step), *(by_name[p.name] for p in root.params))
             root_full = {p.name: t for p, t in zip(root.params, fulls)}
+        note_step(self.plan)  # the model's root hook checks the batch (see [Note: checking the batch])
         with self._routed(by_name, step, grad):
             out = torch.func.functional_call(self.model, root_full, args, kwargs, strict=False)
         flat, tree = optree.tree_flatten(out)

@@ -40,6 +40,8 @@ from fsdpfn.transforms._axes import unit_mesh as unit_mesh
 from fsdpfn.transforms._axes import unit_rank as unit_rank
 from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
+from fsdpfn.transforms._guards import check_batch as check_batch
+from fsdpfn.transforms._guards import note_step as note_step
 
 __all__ = [
     "apply_remat",
@@ -49,7 +51,9 @@ __all__ = [
     "CompileUnsupportedError",
     "CollectiveCounter",
     "count_collectives",
+    "check_batch",
     "check_params",
+    "note_step",
     "compile",
     "recording_backend",
     "unshard_traced",

@@ -44,6 +44,7 @@ from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
+from fsdpfn.transforms._guards import note_unshard
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
 
@@ -241,8 +242,13 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
     plan and hold the same parameters, and raises ``ValueError`` naming the parameter and the
     ranks otherwise: a forgotten ``torch.manual_seed`` would else shard a model no rank held.
 
+    Given the model, it also installs the plan's model hooks (:func:`fsdpfn.apply_tp`: the
+    tensor-parallel collectives, and the batch checks of the first steps). Given a dict, it
+    cannot: call ``fsdpfn.apply_tp(model, plan)`` on the model you run, or a tp-split weight
+    run without its all-reduce raises ``ValueError`` at the first step.
+
     Args:
-      model_or_params: an ``nn.Module`` or a dict ``{name: full tensor}``.
+      model_or_params: an ``nn.Module`` or a dict ``{name: full tensor}`` (then see above).
       plan: the plan.
       requires_grad: mark the shards as leaves requiring grad (for ``loss.backward()`` loops).
       check: verify that ranks agree on the plan and the full parameters (one collective).
@@ -493,6 +499,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
     for unit in plan.units:
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))
         out.update(zip((p.name for p in unit.params), fulls))
+    note_unshard(plan, out, "mean" if grad_op == "mean" and grad_scale is None else "custom")
     return out
 
 

@@ -30,10 +30,11 @@ from torch import nn
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import ep_group, tp_group
+from fsdpfn.transforms._guards import TP_ATTR, install_batch_check
 
 __all__ = ["apply_tp"]
 
-_ATTR = "_fsdpfn_tp"
+_ATTR = TP_ATTR
 _EP_ATTR = "_fsdpfn_ep"
 
 
@@ -80,6 +81,13 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
     returns it. Idempotent: calling it again with the same plan changes nothing, with another
     plan replaces the hooks. A plan without ``tp`` removes any installed hooks.
 
+    The hooks live on this instance only: run this ``model`` (``functional_call(model,
+    fsdpfn.unshard(params, plan), ...)``), not another instance of its class; a tp-split weight
+    running in a module without its hooks raises ``ValueError`` on every rank. For every plan
+    (with or without ``tp``) it also installs a root forward pre-hook that checks, on the first
+    two steps, that tensor-parallel peers got the same batch and data-parallel ranks batches of
+    the same size.
+
     :func:`fsdpfn.shard`, :func:`fsdpfn.init_shards`, :func:`fsdpfn.load_safetensors` and
     :class:`fsdpfn.runtime.Runtime` call it when given the model, so most code never does.
     On a mesh with an ``ep`` axis it also points the model's expert modules at the ``ep`` group.
@@ -107,6 +115,7 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
     if plan.ep_size > 1 and plan.mesh is None:
         raise ValueError("apply_tp needs a plan bound to a mesh; bind one with plan.bind(mesh)")
     _apply_ep(model, plan)
+    install_batch_check(model, plan)  # every plan: see [Note: checking the batch]
     if not plan.tp:
         return model
     group = tp_group(plan) if plan.mesh is not None else None

@@ -1,0 +1,188 @@
+"""Mistakes that only show while a step runs, turned into errors on every rank.
+
+[Note: tp collectives need the hooked instance]
+A plan's tensor-parallel activation collectives are forward hooks on the modules of one model
+instance (:func:`fsdpfn.apply_tp`). ``functional_call`` on another instance of the same class,
+or on a model whose parameters were sharded from a dict (``fsdpfn.shard(model.state_dict(),
+plan)``), runs the split weights without the all-reduces: every tp rank computes its own
+partial answer, with no error. So every eager :func:`fsdpfn.unshard` of a tp plan notes which of
+its output tensors are tp-split weights (by identity, held weakly), and a global module forward
+pre-hook, installed the first time a tp plan is unshard, looks at the parameters of each module
+about to run: a module running a noted weight must carry this plan's hooks, else every rank
+raises (agreed through the store the first time, see [Note: agreeing through the store]) before
+the layer runs. One dict lookup per parameter per module call; nothing at all while dynamo traces
+(a compiled step builds its collectives from the same hooks, traced, so the instance it runs is
+the one checked by the eager steps before it, if any).
+
+[Note: checking the batch]
+Two batch mistakes give wrong gradients with no error: tensor-parallel peers given different
+rows (a batch indexed by the global rank instead of :func:`fsdpfn.transforms.dp_rank`: the tp
+all-reduces then add up parts of different examples), and data-parallel ranks given different
+numbers of rows (the reduce averages per-rank means, which weighs the rows of the smaller batch
+more). A forward pre-hook on the root module (installed with the tp hooks, for every plan)
+exchanges, on the first :data:`CHECKED_STEPS` sharded steps of that model, each rank's dp index,
+the shape of the first tensor argument and two float64 sums of it, through the store: no
+collective, so collective counts and the cost model are untouched. Two steps, not one: a loop
+often opens with a step on a fixed batch (a warm-up, a compile, the same example everywhere);
+the second is the first from the loader. Later steps are not checked (each check is a round trip
+to the store for every rank), so a short last batch of an epoch is the loader's business: drop
+it (``drop_last=True``) or reduce with ``grad_op="sum"``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from fsdpfn import comm as C
+from fsdpfn._plan import Plan
+from fsdpfn.transforms._axes import dp_rank
+from fsdpfn.transforms._checks import check_on_every_rank
+
+__all__ = ["CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "note_step", "note_unshard"]
+
+TP_ATTR = "_fsdpfn_tp"
+_BATCH_ATTR = "_fsdpfn_batch"
+CHECKED_STEPS = 2
+
+# id(tensor) -> (weakref to it, plan, module name): the tp-split weights of each plan's last unshard.
+_SPLIT: dict[int, tuple[Any, Plan, str]] = {}
+_BY_PLAN: dict[str, list[int]] = {}
+_GLOBAL_HOOK: list = []
+# plan fingerprint -> how the step reduces ("mean", or "custom" for grad_op/grad_scale), set by
+# the step's unshard and consumed by the root hook: only sharded steps are checked.
+_STEPS: dict[str, str] = {}
+
+
+def note_step(plan: Plan, reduce: str = "mean") -> None:
+    """Marks that a sharded step of ``plan`` starts (its parameters were just gathered), so the
+    next forward of a model carrying the plan's batch check checks its batch."""
+    _STEPS[plan.fingerprint] = reduce
+
+
+def note_unshard(plan: Plan, full: Mapping[str, torch.Tensor], reduce: str) -> None:
+    """Called by every eager :func:`fsdpfn.unshard`: notes the step, and, for a tp plan, which
+    of ``full``'s tensors are tp-split weights (see [Note: tp collectives need the hooked instance])."""
+    note_step(plan, reduce)
+    if not plan.tp:
+        return
+    for key in _BY_PLAN.pop(plan.fingerprint, ()):
+        _SPLIT.pop(key, None)
+    modules = {name for name, _ in plan.tp}
+    keys = []
+    for name, t in full.items():
+        module = name.rpartition(".")[0]
+        if module in modules and plan.param(name).tp_dim is not None:
+            _SPLIT[id(t)] = (weakref.ref(t), plan, module)
+            keys.append(id(t))
+    _BY_PLAN[plan.fingerprint] = keys
+    if not _GLOBAL_HOOK:
+        _GLOBAL_HOOK.append(nn.modules.module.register_module_forward_pre_hook(_check_module))
+
+
+def _check_module(module: nn.Module, args) -> None:
+    if not _SPLIT or C.compiling():
+        return
+    for t in module._parameters.values():
+        entry = _SPLIT.get(id(t)) if t is not None else None
+        if entry is not None and entry[0]() is t:
+            _, plan, name = entry
+            check_on_every_rank(plan, "tp collectives", None, lambda: _check_hooks(module, plan, name))
+            return
+
+
+def _check_hooks(module: nn.Module, plan: Plan, name: str) -> None:
+    installed = getattr(module, TP_ATTR, None)
+    if installed is not None and installed[0] == plan.fingerprint and installed[1] is plan.mesh:
+        return
+    why = ("carries the tensor-parallel hooks of another plan" if installed is not None else
+           "carries no tensor-parallel hooks: it is another instance than the one the plan's hooks were installed on, "
+           "or its parameters were sharded from a dict")
+    raise ValueError(
+        f"module {name!r} ({type(module).__name__}) is running this rank's tensor-parallel part of its weight, but it {why}; "
+        "without its all-reduce every tp rank computes a different, wrong result. Call fsdpfn.apply_tp(model, plan) on "
+        "the model you run (fsdpfn.shard(model, plan), init_shards and load_safetensors do it when given the model)")
+
+
+def install_batch_check(model: nn.Module, plan: Plan) -> None:
+    """Installs (or replaces) the root forward pre-hook of [Note: checking the batch] on ``model``."""
+    installed = getattr(model, _BATCH_ATTR, None)
+    if installed is not None:
+        if installed[0] == plan.fingerprint and installed[1] is plan.mesh:
+            return
+        installed[2].remove()
+        delattr(model, _BATCH_ATTR)
+    if plan.mesh is None:
+        return
+    _STEPS.pop(plan.fingerprint, None)  # a step noted before this model had its hook is not its step
+    left = [CHECKED_STEPS]
+
+    def hook(module, args, kwargs):
+        step = _STEPS.pop(plan.fingerprint, None)
+        if step is None or not left[0] or C.compiling():
+            return None
+        left[0] -= 1
+        check_batch(plan, args, kwargs, reduce=step)
+        return None
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(model, _BATCH_ATTR, (plan.fingerprint, plan.mesh, handle))
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _describe(x: torch.Tensor | None) -> list | None:
+    if x is None:
+        return None
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        flat = C.full_tensor(x.detach()).reshape(-1).double()
+        # A position weight (cycling, so the sum stays exact for token ids) tells a permutation apart.
+        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(1021).add_(1)
+        sums = [float(flat.sum()), float(flat.dot(weights))] if flat.numel() else [0.0, 0.0]
+    return [list(x.shape), *sums]
+
+
+def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean") -> None:
+    """Raises ``ValueError`` on every rank if tensor-parallel peers were given different inputs,
+    or (in a step that computes gradients and averages them) data-parallel ranks were given
+    batches with different numbers of rows (see [Note: checking the batch]). Every rank of the
+    plan's mesh must call it at the same point; it runs no collective.
+
+    Example:
+      >>> fsdpfn.transforms.check_batch(plan, (x,))  # every rank passes
+    """
+    x = _first_tensor(args, kwargs or {})
+    mine = [dp_rank(plan), _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean"]
+    table = C.exchange_values(f"batch of plan {plan.fingerprint}", mine, None)
+    by_dp: dict[int, list[int]] = {}
+    for r in sorted(table):
+        by_dp.setdefault(table[r][0], []).append(r)
+    for dp, ranks in sorted(by_dp.items()):
+        seen = [table[r][1] for r in ranks]
+        if any(s != seen[0] for s in seen):
+            rows = ", ".join(f"rank {r}: {_show(table[r][1])}" for r in ranks)
+            raise ValueError(
+                f"ranks {ranks} are tensor-parallel peers (data-parallel index {dp}) but were given different inputs ({rows}); "
+                "the tp all-reduces would add up parts of different examples. Index the batch by "
+                "fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), not by the global rank")
+    rows = {r: (table[r][1][0][0] if table[r][1] and table[r][1][0] else None) for r in table}
+    if all(table[r][2] for r in table) and len({rows[r] for r in table}) > 1:
+        listed = ", ".join(f"rank {r}: {rows[r]}" for r in sorted(table))
+        raise ValueError(
+            f"the data-parallel ranks were given batches of different sizes (rows of the first input: {listed}); the "
+            "gradient is the mean over ranks of each rank's mean, which weighs the rows of the smaller batches more than "
+            "one process would. Give every rank the same number of rows (e.g. drop the last partial batch: "
+            "DataLoader(..., drop_last=True)), or reduce with fsdpfn.unshard(..., grad_op='sum', grad_scale=1 / global rows) "
+            "and a summed loss")
+
+
+def _show(d) -> str:
+    return "no tensor" if d is None else f"shape {tuple(d[0])}, sum {d[1]:g}"
