@@ -1,0 +1,110 @@
+"""The runtime on a Hugging Face model (its ``ModelOutput``, a ``dict`` subclass, flows through
+the runtime like any tensor tree), the clean end of a job (:func:`fsdpfn.launch.shutdown`), the
+gloo work kept alive past a step holding no gathered parameters, and ``fsdpfn.compile``'s
+refusals of what it cannot trace."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+import fsdpfn
+from fsdpfn import comm, testing
+from fsdpfn._tree import flatten, unflatten
+from fsdpfn.runtime import Runtime
+
+U32 = 2.0**-24  # float32's unit roundoff
+
+
+# ---------------------------------------------------------------------------------------------
+# Mapping outputs: every mapping class is flattened, whatever its type
+# ---------------------------------------------------------------------------------------------
+
+
+class _Out(collections.OrderedDict):
+    pass
+
+
+@dataclasses.dataclass
+class _DataOut(collections.OrderedDict):
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            self[f.name] = getattr(self, f.name)
+
+
+class _Unbuildable(dict):
+    def __init__(self, a, b):
+        super().__init__(a=a, b=b)
+
+
+def test_dict_subclasses_flatten_to_their_tensors_and_rebuild_in_their_class():
+    x, y = torch.ones(2), torch.zeros(3)
+    for tree, cls in [(_Out(b=x, a=y), _Out), (_DataOut(x, y), _DataOut), ({"k": [_Out(b=x, a=y)]}, dict)]:
+        leaves, spec = flatten(tree)
+        assert all(isinstance(t, torch.Tensor) for t in leaves) and len(leaves) == 2
+        back = unflatten(spec, [t + 1 for t in leaves])
+        assert type(back) is cls
+    assert list(unflatten(*reversed(flatten(_Out(b=x, a=y))))) == ["b", "a"]  # its own key order
+    leaves, spec = flatten(_Unbuildable(x, y))
+    with pytest.raises(ValueError, match=r"cannot rebuild a .*_Unbuildable.*Return a plain dict"):
+        unflatten(spec, leaves)
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _tokens():
+    return torch.randint(0, 61, (4, 9), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_runtime_grads(rank, world, style):
+    model = _tiny_llama()
+    plan = fsdpfn.plan(model, testing.mesh((world,)))
+    params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
+    rt = Runtime(model, plan)
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    x = _tokens()[rows]
+    if style == "func":  # HF computes the loss inside the model: it reaches us in out.loss
+        grads, loss = rt.value_and_grad(lambda ps: rt.apply(ps, x, labels=x, use_cache=False).loss)(params)
+    else:  # model(...) as written for plain torch, returning the ModelOutput with its cache
+        with rt.bind(params):
+            out = model(x, labels=x)
+            out.loss.backward()
+        grads, loss = rt.grads(params), out.loss
+    assert type(out if style == "eager" else loss).__name__ in ("CausalLMOutputWithPast", "Tensor")
+    return {n: comm.full_tensor(g) for n, g in grads.items()}, loss.item(), [u.name for u in plan.units]
+
+
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_runtime_on_a_hugging_face_model_matches_plain_torch(run_on_ranks, style):
+    model = _tiny_llama()
+    x = _tokens()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        model(x, labels=x, use_cache=False).loss.backward()
+    finally:
+        torch.set_num_threads(threads)
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for grads, _, units in run_on_ranks(_hf_runtime_grads, 2, style):
+        assert units == ["", "model.layers.0", "model.layers.1"]  # the decoder layers are units
+        assert sorted(grads) == sorted(expected)
+        # Each rank's loss is the mean over its 2 x 8 tokens; the runtime averages the 2 ranks'
+        # gradients: the one-process mean over 32 tokens in another summation order. Reordering an
+        # n-term sum moves it by at most 2 n U32 of its terms' size (n = 32 tokens), which does not
+        # exceed 2 n U32 of the gradient's largest entry when the terms do not cancel; we allow 4x.
+        for n, g in expected.items():
+            err = ((grads[n] - g).abs().max() / g.abs().max()).item()
+            assert err <= 4 * 2 * 32 * U32, (n, err)
