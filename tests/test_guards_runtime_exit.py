@@ -108,3 +108,59 @@ def test_runtime_on_a_hugging_face_model_matches_plain_torch(run_on_ranks, style
         for n, g in expected.items():
             err = ((grads[n] - g).abs().max() / g.abs().max()).item()
             assert err <= 4 * 2 * 32 * U32, (n, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: what fsdpfn cannot compile is refused by name, saying what to do instead
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt_setup(world, remat=None):
+    import torch.nn.functional as F
+
+    from fsdpfn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, width=16, depth=2, heads=2))
+    plan = fsdpfn.plan(model, testing.mesh((world,)), remat=remat)
+    params = fsdpfn.shard(model, plan)
+
+    def loss_fn(params, x, y):
+        logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    return params, loss_fn, x[:, :-1], x[:, 1:]
+
+
+def _compile_error(rank, world, case, fullgraph):
+    import warnings
+
+    warnings.simplefilter("ignore")  # dynamo's own warnings
+    torch._dynamo.reset()
+    params, loss_fn, x, y = _gpt_setup(world, remat={"blocks.1": "full"} if case == "remat" else None)
+    try:
+        if case == "remat":
+            got, _ = fsdpfn.compile(loss_fn, fullgraph=fullgraph, backend="aot_eager")(params, x, y)
+        else:
+            got = torch.compile(torch.func.grad(loss_fn), fullgraph=fullgraph, backend="aot_eager")(params, x, y)
+    except Exception as e:  # noqa: BLE001 - the test reads which error it is
+        return type(e).__name__, str(e)
+    want = torch.func.grad(loss_fn)(params, x, y)
+    return "ran", all(torch.equal(got[n].to_local(), want[n].to_local()) for n in want)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_fsdpfn_compile_refuses_a_remat_plan_by_name(run_on_ranks, fullgraph):
+    for kind, message in run_on_ranks(_compile_error, 2, "remat", fullgraph, timeout=900):
+        assert kind == "CompileUnsupportedError", (kind, message[:2000])
+        assert "'blocks.1' (remat='full')" in message, message
+        assert "fsdpfn.runtime.Runtime" in message, message  # what to do instead
+
+
+def test_compiled_func_grad_names_fsdpfn_and_the_fix(run_on_ranks):
+    for kind, message in run_on_ranks(_compile_error, 2, "func_grad", True, timeout=900):
+        # The user called torch.compile, so dynamo's exception type reaches them; its text must
+        # carry fsdpfn's refusal and what to write instead.
+        assert "CompileUnsupportedError" in message and "torch.func.grad" in message, (kind, message[:2000])
+        assert "step = fsdpfn.compile(loss_fn)" in message, message
