@@ -164,3 +164,49 @@ def test_compiled_func_grad_names_fsdpfn_and_the_fix(run_on_ranks):
         # carry fsdpfn's refusal and what to write instead.
         assert "CompileUnsupportedError" in message and "torch.func.grad" in message, (kind, message[:2000])
         assert "step = fsdpfn.compile(loss_fn)" in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# The gloo work kept alive after its wait holds no gathered parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def _gather_buffers_after_steps(rank, world):
+    import torch.nn.functional as F
+
+    from fsdpfn.comm import _collectives
+
+    from fsdpfn.models import GPT, GPTConfig
+
+    _, _, x, y = _gpt_setup(world)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, width=16, depth=2, heads=2))
+    plan = fsdpfn.plan(model, testing.mesh((world,)))
+    params = fsdpfn.shard(model, plan)
+    rt = Runtime(model, plan)
+    received = []
+    original = comm.all_gather
+
+    def spy(output, input, group=None, **kwargs):
+        received.append(output)
+        return original(output, input, group, **kwargs)
+
+    comm.all_gather = spy  # what the runtime's gathers call (fsdpfn.comm.all_gather)
+    try:
+        with torch.no_grad():  # forward only: the step's last collective is a gather
+            rt.apply(params, x)
+        kept_after_forward = len(_collectives._last_gloo_work)
+        rt.value_and_grad(lambda ps: F.cross_entropy(rt.apply(ps, x).flatten(0, 1), y.flatten()))(params)
+    finally:
+        comm.all_gather = original
+    unit_bytes = {u.name: sum(p.numel for p in u.params) * 4 for u in plan.units}
+    return kept_after_forward, [t.untyped_storage().nbytes() for t in received], max(unit_bytes.values())
+
+
+def test_the_kept_gloo_work_holds_no_gathered_parameters(run_on_ranks):
+    for kept, sizes, largest_unit in run_on_ranks(_gather_buffers_after_steps, 2):
+        assert kept == 1  # the last finished gloo work is still referenced (see [Note: the last gloo work])
+        assert len(sizes) >= 3 and largest_unit > 0
+        # Every gather's receive buffer (a unit's full parameters, flat) is emptied once unpacked,
+        # the last one's included: what the kept work references holds no bytes.
+        assert sizes == [0] * len(sizes), sizes
