@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 from fsdpfn.models import GPT, GPTConfig
 
 
@@ -37,3 +37,4 @@ if __name__ == "__main__":
     losses = launch(train, world_size=2)[0]  # starts 2 gloo processes (under torchrun: this one)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
     assert losses[-1] < losses[0] / 2, "the loss should at least halve"
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

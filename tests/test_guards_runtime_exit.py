@@ -210,3 +210,60 @@ def test_the_kept_gloo_work_holds_no_gathered_parameters(run_on_ranks):
         # Every gather's receive buffer (a unit's full parameters, flat) is emptied once unpacked,
         # the last one's included: what the kept work references holds no bytes.
         assert sizes == [0] * len(sizes), sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# fsdpfn.launch.shutdown: a clean exit after success only
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def exits(monkeypatch):
+    from fsdpfn import launch as launch_mod
+
+    calls = []
+    monkeypatch.setattr(launch_mod, "_gloo_threads", lambda: 2)  # as in a rank whose gloo threads outlive the group
+    monkeypatch.setattr(launch_mod, "_exit_now", lambda: calls.append("exit"))
+    return calls
+
+
+def test_shutdown_exits_after_success_only(exits, monkeypatch):
+    from fsdpfn.comm import _collectives
+    from fsdpfn.launch import shutdown
+
+    shutdown(exit=False)
+    assert exits == []
+    try:
+        raise ValueError("a failed step")
+    except ValueError:
+        shutdown()  # an exception is being handled: the failure keeps its exit code
+    assert exits == []
+    monkeypatch.setitem(_collectives._health, "ok", False)
+    shutdown()  # after a failed collective
+    assert exits == []
+    monkeypatch.setitem(_collectives._health, "ok", True)
+    shutdown()
+    assert exits == ["exit"]
+
+
+def test_shutdown_does_nothing_without_gloo_threads(monkeypatch):
+    from fsdpfn import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_exit_now", lambda: pytest.fail("exited"))
+    assert launch_mod._gloo_threads() == 0  # this process (pytest's) never ran a gloo group
+    launch_mod.shutdown()
+
+
+def test_a_spawned_job_ending_with_torch_collectives_exits_0():
+    """The user's own torch.multiprocessing.spawn, each rank ending with shutdown() after a runtime
+    step and torch's own collectives last (DTensor.full_tensor, dist.all_reduce): mp.spawn raises if
+    a rank's exit code is not 0. benchmarks/exit_stress.py runs this and the other ways N times."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "exit_stress.py"), "--job", "spawn"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
