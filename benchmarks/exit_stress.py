@@ -120,10 +120,11 @@ def main(argv=None) -> None:
             cmd = _command(way, not args.no_shutdown, 29500 + (os.getpid() + i) % 400)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             codes[proc.returncode] = codes.get(proc.returncode, 0) + 1
+            print(f"  {way} run {i + 1}: exit code {proc.returncode}", flush=True)
             if proc.returncode != 0:
                 bad += 1
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                print(f"  {way} run {i + 1}: exit code {proc.returncode}: {' | '.join(tail)[:300]}", flush=True)
+                print(f"    {' | '.join(tail)[:300]}", flush=True)
         bad_total += bad
         print(f"{way:9s} {bad} non-zero exit(s) in {args.n} runs  (exit codes {codes}, {time.monotonic() - start:.0f} s)",
               flush=True)
