@@ -11,7 +11,7 @@ launcher can die, SIGKILL included; elsewhere a watchdog thread polls the parent
 [Note: a clean exit]
 A rank that finished its work must exit 0. With gloo it may not: ``destroy_process_group()`` joins
 gloo's worker threads only when the process group object is freed, and a group that a functional
-collective used (``DTensor.full_tensor()``, ``fsdpfn.compile``'s traced collectives) is still
+collective used (a ``DTensor``'s ``full_tensor``, ``fsdpfn.compile``'s traced collectives) is still
 referenced from C++ after it, so its threads live on into interpreter finalization. A worker
 thread that then drops the last reference to a finished collective frees its tensors, which takes
 the GIL; CPython ends such a thread inside the C++ destructor and the process aborts (SIGABRT,
