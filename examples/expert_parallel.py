@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import checkpoint, optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 from fsdpfn.models import MoE, MoEConfig
 
 VOCAB, SEQ, WIDTH, HEADS, DEPTH = 64, 32, 64, 4, 2
@@ -153,3 +153,4 @@ if __name__ == "__main__":
         if args.world_size % e or args.experts % e:
             parser.error(f"--ep/--resume-ep {e} must divide --world-size {args.world_size} and --experts {args.experts}")
     launch(main, args.world_size, args)
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import comm, optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "tiny_tales.txt")
@@ -330,3 +330,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 from fsdpfn.models import GPT, GPTConfig
 
 
@@ -82,3 +82,4 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--lr", type=float, default=3e-3)
     launch(main, parser.parse_args().world_size, parser.parse_args())
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

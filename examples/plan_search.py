@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import sim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 from fsdpfn.models import GPT, GPT_TP_PLAN, LLAMA3_8B, LLAMA3_70B, GPTConfig, Llama
 
 MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
@@ -251,3 +251,4 @@ def _fold(strategy: dict[str, str]) -> str:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 from fsdpfn.models import GPT, GPTConfig
 
 
@@ -40,3 +40,4 @@ if __name__ == "__main__":
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this line: print once
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
     assert losses[-1] < losses[0] / 2, "the loss should at least halve"
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import checkpoint, optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=32, width=64, depth=2, heads=4, bias=False)
@@ -111,3 +111,4 @@ if __name__ == "__main__":
         if args.world_size % t:
             parser.error(f"--tp/--resume-tp {t} must divide --world-size {args.world_size}")
     launch(main, args.world_size, args)
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpfn
 from fsdpfn import checkpoint, comm, optim
-from fsdpfn.launch import RankError, cuda_problem, launch, under_torchrun
+from fsdpfn.launch import RankError, cuda_problem, launch, shutdown, under_torchrun
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -809,3 +809,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

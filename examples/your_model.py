@@ -31,7 +31,7 @@ from torch import nn
 
 import fsdpfn
 from fsdpfn import checkpoint, optim
-from fsdpfn.launch import launch
+from fsdpfn.launch import launch, shutdown
 
 CLASSES, SIZE = 4, 8  # 4 classes of 1 x 8 x 8 images
 PER_RANK = 16  # images per rank per step unless --batch says otherwise
@@ -176,3 +176,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

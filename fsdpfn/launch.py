@@ -7,11 +7,24 @@ A rank must never outlive the process that started it: an orphaned rank keeps tr
 writing the run directory, and holds its peers in collectives. On Linux each rank asks the
 kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), which covers every way the
 launcher can die, SIGKILL included; elsewhere a watchdog thread polls the parent pid.
+
+[Note: a clean exit]
+A rank that finished its work must exit 0. With gloo it may not: ``destroy_process_group()`` joins
+gloo's worker threads only when the process group object is freed, and a group that a functional
+collective used (a ``DTensor``'s ``full_tensor``, ``fsdpfn.compile``'s traced collectives) is still
+referenced from C++ after it, so its threads live on into interpreter finalization. A worker
+thread that then drops the last reference to a finished collective frees its tensors, which takes
+the GIL; CPython ends such a thread inside the C++ destructor and the process aborts (SIGABRT,
+"terminate called without an active exception"). The plain-torch reproduction is in
+docs/tour/troubleshooting.md. :func:`shutdown` waits for every rank, destroys the groups, and if
+gloo's threads still run, does what a normal exit does and then ``os._exit(0)``: it runs only
+after success, so a failure keeps its exit code.
 """
 
 from __future__ import annotations
 
 import ast
+import atexit
 import ctypes
 import os
 import pickle
@@ -30,7 +43,7 @@ import torch.multiprocessing as mp
 from fsdpfn import comm
 
 __all__ = ["RankError", "check_picklable", "cuda_problem", "launch", "load_task", "process_stopped", "raise_rank_errors",
-           "start_rank", "under_torchrun"]
+           "shutdown", "start_rank", "under_torchrun"]
 
 
 class RankError(RuntimeError):
@@ -286,6 +299,10 @@ def _entry(rank, world_size, init_method, backend, threads, timeout_s, payload, 
     except Exception:  # noqa: BLE001 - the result did not pickle
         payload = pickle.dumps(("error", traceback.format_exc()))
     results.put((rank, payload))
+    results.close()
+    results.join_thread()  # the answer is in the pipe before this process can end
+    if out[0] == "ok":
+        shutdown()  # see [Note: a clean exit]
     comm.destroy_process_group()
 
 
@@ -347,6 +364,88 @@ def raise_rank_errors(answers: dict[int, tuple[str, Any]], world_size: int, what
     raise RankError("\n".join(parts), errors)
 
 
+_GLOO_THREAD = "pt_gloo_runloop"  # the name torch gives gloo's worker threads (Linux shows it)
+_had_group = [False]
+
+
+def _gloo_threads() -> int | None:
+    """How many of torch's gloo worker threads this process runs, or ``None`` where it cannot tell."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == _GLOO_THREAD
+        except OSError:
+            pass
+    return count
+
+
+def _exit_now() -> None:
+    """Everything a normal exit does that a job can observe (joining its non-daemon threads, the
+    ``atexit`` handlers: logging, multiprocessing queues, user handlers; flushing stdout and
+    stderr), then the exit itself without interpreter finalization."""
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(0)
+
+
+def shutdown(*, exit: bool = True) -> None:
+    """Ends this rank's distributed work so that a job that succeeded exits with code 0.
+
+    Waits for every rank (a barrier), destroys the process groups and, with ``exit`` (the
+    default) and while torch's gloo worker threads are still running, ends the process with code 0
+    after doing what a normal exit does (joining non-daemon threads, running ``atexit`` handlers,
+    flushing stdout and stderr), skipping only the interpreter's finalization. Call it last, after
+    success: inside an ``except`` or a ``finally`` that an exception is passing through, or after a
+    failed collective, it only destroys the groups and returns, so the failure keeps its exit code.
+    In a process that never had a gloo group (the parent of spawned ranks) it does nothing.
+
+    Why the exit (see [Note: a clean exit] in ``fsdpfn.launch``): torch's gloo worker threads can
+    outlive ``destroy_process_group()`` (a process group a functional collective or ``DTensor``
+    used is not freed by it), and a worker thread that frees a finished collective's tensors while
+    Python finalizes is killed inside a C++ destructor: the process aborts (SIGABRT, "terminate
+    called without an active exception") after its job is done, about 1 run in 10 on a busy
+    machine, and a scheduler sees a failed job. No finalization, no abort.
+
+    :func:`launch` calls it on the ranks it spawns and :mod:`fsdpfn.testing`'s workers call it when
+    their pool stops; under ``torchrun``, :func:`launch` waits and destroys the group but returns to
+    the script, which should end with ``shutdown()``.
+
+    Args:
+      exit: end the process (code 0) if torch's gloo threads still run. ``False``: only the barrier
+        and the destruction of the groups, for code that continues.
+
+    Example (the end of a script run as ``python train.py`` or ``torchrun ... train.py``):
+      >>> results = launch(main, 2)  # spawned ranks end with shutdown() themselves  # doctest: +SKIP
+      >>> print(results)  # doctest: +SKIP
+      >>> shutdown()  # the last line: a torchrun rank exits 0 here, a spawning parent just returns  # doctest: +SKIP
+    """
+    failing = sys.exc_info()[0] is not None
+    if comm.is_initialized():
+        _had_group[0] = True
+        if not failing and comm.healthy():
+            comm.barrier(tag="shutdown")  # no rank leaves while a peer still needs it
+        comm.destroy_process_group()
+    if not exit or failing or not comm.healthy():
+        return
+    threads = _gloo_threads()
+    if threads or (threads is None and _had_group[0]):
+        _exit_now()
+
+
 def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: str | None = None,
            timeout: float | None = None) -> list[Any]:
     """Runs ``main(rank, world_size, *args)`` on every rank with the default process group set up,
@@ -355,8 +454,11 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
     Under ``torchrun`` this process is one rank: the group is initialised from the environment
     (NCCL if CUDA is available, else gloo), ``world_size`` is ignored and the list holds this
     rank's value; with NCCL each rank first checks that it can use GPU ``LOCAL_RANK``
-    (:func:`cuda_problem`) and raises ``RuntimeError`` saying what is missing if not. Otherwise ``world_size`` local processes are spawned (gloo, the cores split
-    between them); they die with this process however it dies. A failing rank raises
+    (:func:`cuda_problem`) and raises ``RuntimeError`` saying what is missing if not; after success it
+    waits for every rank and destroys the group, and the script should end with :func:`shutdown`.
+    Otherwise ``world_size`` local processes are spawned (gloo, the cores split
+    between them); they die with this process however it dies, and each ends with
+    :func:`shutdown` after success. A failing rank raises
     :class:`RankError` here with its traceback; a rank stuck in a collective fails within the
     collective ``timeout`` (seconds; default :func:`fsdpfn.comm.timeout`) naming the rank that is
     behind.
@@ -378,12 +480,13 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
         comm.set_timeout(timeout_s)
         comm.init_process_group(backend)
         try:
-            return [main(comm.rank(), comm.world_size(), *args)]
+            result = [main(comm.rank(), comm.world_size(), *args)]
         except BaseException as e:
             comm.announce_failure(e)
-            raise
-        finally:
             comm.destroy_process_group()
+            raise
+        shutdown(exit=False)  # the script goes on: it should end with shutdown(), see [Note: a clean exit]
+        return result
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     check_picklable(main, *args, what="launch(main)")

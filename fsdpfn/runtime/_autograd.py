@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import contextlib
 
-import optree
 import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, unit_label
 from fsdpfn._remat import ReplayMode, SaveMode
+from fsdpfn._tree import flatten, unflatten
 from fsdpfn.comm import count_compiled
 from fsdpfn.runtime._executor import RuntimeScheduleError
 from fsdpfn.runtime._schedule import OpKind
@@ -166,7 +166,7 @@ def _run_unit(call: "UnitCall", params, xs, grad: bool):
         leaves = list(call.leaves)
         for i, x in zip(call.tensor_idx, xs):
             leaves[i] = x
-        args, kwargs = optree.tree_unflatten(call.in_tree, leaves)
+        args, kwargs = unflatten(call.in_tree, leaves)
         named = {p.name[len(name) + 1 :]: t for p, t in zip(call.unit.params, params)}
         prev, ex.inside = ex.inside, name
         # The runtime rematerialises units itself: a pure-loop remat wrapper on the module
@@ -177,7 +177,7 @@ def _run_unit(call: "UnitCall", params, xs, grad: bool):
         finally:
             ex.inside = prev
             call.module._fsdpfn_in_remat = False
-    flat, out_tree = optree.tree_flatten(out)
+    flat, out_tree = flatten(out)
     return params, xs, flat, out_tree
 
 

@@ -202,6 +202,7 @@ class Executor:
         # Refill the storage autograd saved in forward without bumping its version (as FSDP2).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(full)):
             handle.finish(gathered, out=full)
+        _release_wire(gathered, full)
         if self.units[name].offload:  # the gather consumed the device copy of the shards
             del self.staged[name]
             self.memory.offloaded.pop(name, None)
@@ -273,3 +274,16 @@ class Executor:
             for i, p in enumerate(unit.params):
                 out.append(None if shards is None else from_local(self.plan, p.name, shards[i]))
         return out
+
+
+def _release_wire(gathered, full) -> None:
+    """Frees the storage of a gather's flat receive buffer once its rows are unpacked into
+    ``full``. gloo's last finished work stays referenced after its wait (see [Note: the last gloo
+    work] in fsdpfn.comm), and with it this buffer, a unit's whole gathered parameters outside
+    :attr:`Runtime.memory`'s accounting; emptied here, the work keeps only an empty tensor. CPU
+    only: a CUDA buffer may still be read by kernels queued on the compute stream."""
+    if not isinstance(gathered, torch.Tensor) or gathered.device.type != "cpu":
+        return
+    storage = gathered.untyped_storage()
+    if storage.nbytes() and all(t.untyped_storage().data_ptr() != storage.data_ptr() for t in full):
+        storage.resize_(0)

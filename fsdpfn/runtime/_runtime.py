@@ -6,11 +6,11 @@ import contextlib
 import functools
 from typing import Any, Callable, Mapping
 
-import optree
 import torch
 from torch import nn
 
 from fsdpfn._plan import ROOT, Plan
+from fsdpfn._tree import flatten, unflatten
 from fsdpfn.runtime._autograd import RootExit, RootGather, StepBoundary, UnitCall, UnitFn
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
@@ -161,7 +161,7 @@ class Runtime:
         note_step(self.plan)  # the model's root hook checks the batch (see [Note: checking the batch])
         with self._routed(by_name, step, grad):
             out = torch.func.functional_call(self.model, root_full, args, kwargs, strict=False)
-        flat, tree = optree.tree_flatten(out)
+        flat, tree = flatten(out)  # every mapping too: see [Note: mapping outputs]
         tensors = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
         if grad:
             exits = RootExit.apply((ex, step), *(flat[i] for i in tensors))
@@ -170,7 +170,7 @@ class Runtime:
         ex.event(OpKind.FORWARD_DONE, ROOT)
         if not grad:
             ex.forward_only_done()
-        return optree.tree_unflatten(tree, flat)
+        return unflatten(tree, flat)
 
     def _apply_traced(self, params, *args, **kwargs):
         """[Note: the runtime under torch.compile]
@@ -358,11 +358,11 @@ class Runtime:
             def forward(*args, _name=name, _module=module, _unit=unit, _shards=unit_shards, _orig=original, **kwargs):
                 if ex.inside == _name:
                     return _orig(*args, **kwargs)
-                leaves, in_tree = optree.tree_flatten((list(args), kwargs), none_is_leaf=True)
+                leaves, in_tree = flatten((list(args), kwargs), none_is_leaf=True)
                 idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
                 call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad, self._compiled.get(_name, (None, None))[1])
                 outs = UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
-                return optree.tree_unflatten(call.out_tree, list(outs))
+                return unflatten(call.out_tree, list(outs))
 
             # The runtime recomputes rematerialised units itself; a pure-loop remat wrapper the
             # module may carry (fsdpfn.transforms.apply_remat) steps aside while it runs.

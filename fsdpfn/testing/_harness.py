@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from fsdpfn import comm
-from fsdpfn.launch import (RankError, check_picklable, load_task, process_stopped, raise_rank_errors, start_rank,
+from fsdpfn.launch import (RankError, check_picklable, load_task, process_stopped, raise_rank_errors, shutdown, start_rank,
                            stopped_after_error)
 
 __all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh"]
@@ -59,6 +59,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
     if action:
         warnings.simplefilter(action)
     start_rank(rank, world_size, f"file://{init_file}", timeout_s=pg_timeout_s, flight_dir=os.path.dirname(init_file))
+    healthy = True
     while True:
         task = tasks.get()
         if task is None:
@@ -82,6 +83,8 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
             results.put((task_id, rank, ("error", traceback.format_exc()), healthy))
         if not healthy:
             break
+    if healthy:  # the pool stopped after its last call: every rank is here, see [Note: a clean exit]
+        shutdown()
     comm.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ eager (correct) gradients.
 
 from __future__ import annotations
 
+import ast
 import warnings
 
 import optree
@@ -82,17 +83,52 @@ def check_compilable(plan: Plan) -> None:
         raise CompileUnsupportedError(
             f"units {te[:3]} hand FP8 weights to Transformer Engine (backend='te'), whose tensors do not trace; "
             "use backend='torch' under torch.compile, compile each unit's forward (Runtime.compile_units), or run eagerly")
+    remat = [(u.name, u.remat) for u in plan.units if u.remat != "none"]
+    if remat:
+        listed = ", ".join(f"{n!r} (remat={r!r})" for n, r in remat[:3]) + (" ..." if len(remat) > 3 else "")
+        raise CompileUnsupportedError(
+            f"units {listed} rematerialise, which the compiled step does not: their recompute wraps the module's forward "
+            "in an autograd Function dynamo cannot trace. Compile a plan without remat (the default remat=None), or keep "
+            "remat and run the step eagerly: the pure loop (torch.func.grad over fsdpfn.unshard) or "
+            "fsdpfn.runtime.Runtime, which rematerialises these units itself")
 
 
 def _refuse_functorch(where: str) -> None:
-    # dynamo cannot trace this call inside torch.func.grad (an error under fullgraph=True, else a
-    # graph break after which the step runs eagerly, and correctly); outside it returns None.
-    if torch._C._functorch.maybe_current_level() is not None:
+    # dynamo cannot trace maybe_current_level() inside a torch.func transform; it traces
+    # peek_interpreter_stack() (a functorch interpreter inside one, None outside) in both places.
+    # Raised while dynamo traces, this reaches the user inside dynamo's Unsupported error under
+    # fullgraph=True (its text carries this message); without fullgraph the step runs eagerly,
+    # with the eager (correct) gradients.
+    if isinstance(torch._C._functorch.peek_interpreter_stack(), torch._C._functorch.CInterpreter):
         raise CompileUnsupportedError(
-            f"{where} inside torch.func.grad/vjp under torch.compile: torch drops the backward of the "
+            f"fsdpfn: {where} inside torch.func.grad/vjp under torch.compile: torch drops the backward of the "
             "gather (the gradients would come back unreduced). Compile the loss and differentiate with "
             "loss.backward() or torch.autograd.grad, e.g. step = fsdpfn.compile(loss_fn) gives "
             "(grads, loss) like torch.func.grad_and_value; or call torch.func.grad without torch.compile.")
+
+
+def _refusal(error: BaseException) -> CompileUnsupportedError | None:
+    """The :class:`CompileUnsupportedError` fsdpfn raised while dynamo traced, out of the
+    ``Unsupported`` error dynamo turns every exception of a ``fullgraph`` trace into (the original
+    is kept only as the text of an ``Observed...Error`` among its causes), or ``None``."""
+    from torch._dynamo.exc import get_dynamo_observed_exception
+
+    observed = get_dynamo_observed_exception(CompileUnsupportedError)
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, observed):
+            text = str(error)
+            head = f"{CompileUnsupportedError.__name__}("
+            if head in text:
+                try:  # "raised exception CompileUnsupportedError('...')": the message, unescaped
+                    args = ast.literal_eval(text[text.index(head) + len(head) - 1 :].strip())
+                    text = args if isinstance(args, str) else str(args[0])
+                except (ValueError, SyntaxError, IndexError):
+                    pass
+            return CompileUnsupportedError(text)
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _pack_gather(unit: Unit, locals_: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -297,7 +333,13 @@ class CompiledStep:
     def __call__(self, params, *args, **kwargs):
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         with torch.enable_grad():
-            out = self._compiled(leaves, *args, **kwargs)
+            try:
+                out = self._compiled(leaves, *args, **kwargs)
+            except Exception as e:
+                refused = _refusal(e)  # fsdpfn's own refusal, not dynamo's wrapper of it
+                if refused is None:
+                    raise
+                raise refused from e
             loss, aux = out if self.has_aux else (out, None)
             self._n_outputs = 1 + sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(aux, none_is_leaf=True))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
