@@ -128,7 +128,10 @@ def scale_by_muon(
     )
 
     def init(params):
-        _leaf_specs(spec_fn, *named_leaves(params)[:2])  # blocks that do not fit: named now
+        names, leaves, _ = named_leaves(params)
+        if hasattr(spec_fn, "check_names"):  # a blocks dict: each pattern must select a leaf ([Note: pattern rule])
+            spec_fn.check_names(names)
+        _leaf_specs(spec_fn, names, leaves)  # blocks that do not fit: named now
         return ScaleByMuonState(zeros_like_tree(params))
 
     def update(updates, state, params=None):
