@@ -191,10 +191,11 @@ class SaveMode(TorchDispatchMode):
     """Runs a rematerialised unit's first forward and keeps the outputs the policy selects
     (see [Note: selective rematerialisation]); ``saved`` maps ``(op, n)`` to the output."""
 
-    def __init__(self, policy: str, unit: str):
+    def __init__(self, policy: str, unit: str, strict: bool = True):
         super().__init__()
         self.save, self.names = selector(policy)
-        self.unit = unit
+        self.unit, self.policy, self.strict = unit, policy, strict
+        self.tags_seen: set[str] = set()  # every checkpoint_name tag the forward used, kept or not
         self.counts: collections.Counter = collections.Counter()
         self.saved: dict = {}
         self.versions: dict = {}
@@ -210,6 +211,15 @@ class SaveMode(TorchDispatchMode):
         _ACTIVE.remove(self)
         self._producer = WeakIdKeyDictionary()  # drop the forward's bookkeeping, keep only what is kept
         out = super().__exit__(*exc)
+        if exc[0] is None and self.strict and self.names - self.tags_seen:
+            # A name nothing tags keeps nothing: the unit would run as "full" without a word. Every
+            # rank runs the same forward, so every rank raises here, before the unit's backward.
+            missing = sorted(self.names - self.tags_seen)
+            seen = ", ".join(repr(t) for t in sorted(self.tags_seen)) or "none"
+            raise ValueError(
+                f"unit {self.unit!r}: remat policy {self.policy!r} keeps the tensors tagged {', '.join(map(repr, missing))}, but the "
+                f"unit's forward tags no tensor so (fsdpfn.checkpoint_name); the tags it uses: {seen}. Fix the name, tag the "
+                "tensor in the model, or give this unit another policy with a dict remat={unit pattern: policy}")
         if exc[0] is None:
             for key, out_ in self.saved.items():
                 if [t._version for t in _flat_tensors(out_)] != self.versions[key]:
@@ -266,6 +276,7 @@ class SaveMode(TorchDispatchMode):
         return [t for out in self.saved.values() for t in _flat_tensors(out)]
 
     def tag(self, x: torch.Tensor, name: str) -> None:
+        self.tags_seen.add(name)
         if name not in self.names:
             return
         found = self._producer.get(x)
