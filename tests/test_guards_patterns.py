@@ -136,3 +136,123 @@ def test_save_names_with_an_unused_tag_is_refused_at_the_first_forward(run_on_ra
     """Before: the misspelt tag kept nothing, so the unit ran as remat='full' without a word."""
     for msg in run_on_ranks(_save_names_typo, 2, style):
         assert msg is not None and "'atention'" in msg and "'attention', 'mlp_up'" in msg and "'blocks.0'" in msg, msg
+
+
+# --- remat replays that differ -------------------------------------------------------------
+
+
+class _Counted(torch.nn.Module):
+    """A block whose forward depends on how often it ran: the same operators every call, only a
+    Python scalar changes, so a recompute runs the same operator list on other numbers."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.fc(x)) * (1.0 + 0.5 * (self.calls % 2))
+
+
+class _Rolled(torch.nn.Module):
+    """A Python choice (not torch's generator) that permutes values: same operators, same sums."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.choice = __import__("random").Random(4)  # draws 1, then 2: the recompute rolls by another shift
+
+    def forward(self, x):
+        return torch.roll(torch.tanh(self.fc(x)), self.choice.randint(1, 3), dims=-1)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList([block, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3))])
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.out(h)
+
+
+BLOCKS = {"counter": _Counted, "choice": _Rolled}
+
+
+def _replay_case(rank, world, kind, policy, style):
+    """One step of ``kind``'s net under ``policy``: ``"ok"`` and the gradients, or the error."""
+    torch.manual_seed(0)
+    model = _Net(BLOCKS[kind]() if kind in BLOCKS else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    plan = fsdpfn.plan(model, testing.mesh((world,)) if world > 1 else (1,), remat=policy)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    torch.manual_seed(7)
+    try:
+        if style == "runtime":
+            rt = Runtime(model, plan)
+            params = fsdpfn.shard(model, plan, requires_grad=True)
+            with rt.bind(params):
+                F.cross_entropy(model(x), y).backward()
+            return "ok", {n: g.full_tensor() for n, g in rt.grads(params).items()}
+        params = {n: p.detach().clone().requires_grad_(style == "eager") for n, p in model.named_parameters()}
+        fsdpfn.transforms.apply_remat(model, plan)
+        loss = lambda ps: F.cross_entropy(torch.func.functional_call(model, ps, (x,)), y)  # noqa: E731
+        if style == "func":
+            return "ok", torch.func.grad(loss)(params)
+        loss(params).backward()
+        return "ok", {n: p.grad for n, p in params.items()}
+    except fsdpfn.RematReplayError as e:
+        return "error", str(e)
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("kind", ["counter", "choice"])
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop(kind, policy, style):
+    """Before: wrong gradients without a word (the counter's under full: off by a factor 1.5 or
+    2; under save_dots the kept matmul hid nothing downstream). Now the first operator whose
+    recomputed output differs from the forward's is named."""
+    what, got = _replay_case(0, 1, kind, policy, style)
+    assert what == "error", got
+    op = "mul" if kind == "counter" else "roll"
+    assert "unit 'blocks.0'" in got and f"aten.{op}" in got, got
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("kind", ["counter", "choice"])
+def test_a_recompute_that_computes_other_numbers_is_refused_in_the_runtime(run_on_ranks, kind, policy):
+    for what, got in run_on_ranks(_replay_case, 2, kind, policy, "runtime"):
+        assert what == "error" and "unit 'blocks.0'" in got, got
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("style", ["func", "eager"])
+def test_a_faithful_replay_with_dropout_passes_the_check(policy, style):
+    """Dropout replays from the restored generator state: checked op by op, and accepted; the
+    gradients are bitwise those without remat."""
+    what, got = _replay_case(0, 1, "dropout", policy, style)
+    _, plain = _replay_case(0, 1, "dropout", None, style)
+    assert what == "ok", got
+    assert all(torch.equal(got[n], plain[n]) for n in plain)
+
+
+def test_compile_refuses_remat_units(run_on_ranks):
+    for msg in run_on_ranks(_compile_remat, 2):
+        assert "blocks.0" in msg and "remat" in msg, msg
+
+
+def _compile_remat(rank, world):
+    model = GPT(GPTConfig(vocab_size=20, seq_len=8, width=16, depth=2, heads=2))
+    plan = fsdpfn.plan(model, testing.mesh((world,)), remat={"blocks.0": "full"})
+    params = fsdpfn.shard(model, plan)
+    x = torch.randint(0, 20, (2, 8))
+    try:
+        fsdpfn.compile(lambda ps: F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), x.flatten()),
+                       backend="aot_eager")(params)
+    except fsdpfn.CompileUnsupportedError as e:
+        return str(e)
+    return "compiled"
