@@ -242,10 +242,11 @@ def test_a_faithful_replay_with_dropout_passes_the_check(policy, style):
 
 def test_compile_refuses_remat_units(run_on_ranks):
     for msg in run_on_ranks(_compile_remat, 2):
-        assert "blocks.0" in msg and "remat" in msg, msg
+        assert "CompileUnsupportedError" in msg and "['blocks.0'] have a remat policy" in msg, msg
 
 
 def _compile_remat(rank, world):
+    torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=20, seq_len=8, width=16, depth=2, heads=2))
     plan = fsdpfn.plan(model, testing.mesh((world,)), remat={"blocks.0": "full"})
     params = fsdpfn.shard(model, plan)
@@ -253,6 +254,6 @@ def _compile_remat(rank, world):
     try:
         fsdpfn.compile(lambda ps: F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), x.flatten()),
                        backend="aot_eager")(params)
-    except fsdpfn.CompileUnsupportedError as e:
-        return str(e)
+    except Exception as e:  # noqa: BLE001  (dynamo may wrap it; the message must still name the unit)
+        return f"{type(e).__name__}: {e}"
     return "compiled"

@@ -77,6 +77,13 @@ def check_compilable(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
+    remat = [u.label for u in plan.units if u.remat != "none"]
+    if remat:
+        # The remat wrapper replays and checks the unit op by op ([Note: replay check]), which a
+        # traced graph cannot; torch.compile's own partitioner decides what to recompute instead.
+        raise CompileUnsupportedError(
+            f"units {remat[:3]} have a remat policy, which fsdpfn.compile does not trace; build the plan without remat= "
+            "for the compiled step (the compiler's partitioner chooses what to recompute), or run remat eagerly")
     te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8.backend == "te"]
     if te:
         raise CompileUnsupportedError(
