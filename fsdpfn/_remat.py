@@ -32,12 +32,13 @@ silently those of another function. So under every policy, ``"full"`` included, 
 records each operator it dispatches with a fingerprint of its output, and the recompute checks
 its own against that list in order: the same operator, the same output shapes and views, and
 bitwise the same values. The first operator that differs is named in a
-:class:`RematReplayError`. A value fingerprint is ``sum(w * x)`` in float64 with fixed weights
+:class:`RematReplayError`. A value fingerprint is ``sum(w * x)`` with fixed weights
 ``w`` (1 to 2 along the flattened output, so a permutation changes it too); views are compared
 by size, stride and offset, which with their checked base fixes their values. Cost: per
-operator output, one multiply and one reduction, in the forward and again in the recompute
-(one more read of each activation; no matmul FLOPs), 8 bytes kept per operator, and one host
-synchronisation at the end of each unit's recompute. Replays are bitwise on deterministic
+operator output, one dot product with the weights (float32/64; other dtypes a multiply and a
+float64 sum), in the forward and again in the recompute: about one more elementwise operator
+per operator, no matmul FLOPs; 8 bytes kept per operator, and one host synchronisation at the
+end of each unit's recompute. Replays are bitwise on deterministic
 kernels (dropout replays from the restored generator state); a unit with nondeterministic
 kernels (atomics on CUDA) needs ``torch.use_deterministic_algorithms(True)`` or
 ``remat="none"``.
@@ -214,12 +215,12 @@ _EMPTY = frozenset(op for op in (aten.empty.memory_format, aten.empty_like.defau
 _WEIGHTS: dict = {}  # (numel, device) -> the fingerprint weights, a few shapes per model
 
 
-def _weights(n: int, device) -> torch.Tensor:
-    key = (n, str(device))
+def _weights(n: int, device, dtype=torch.float32) -> torch.Tensor:
+    key = (n, str(device), dtype)
     if key not in _WEIGHTS:
         if len(_WEIGHTS) > 256:
             _WEIGHTS.clear()
-        _WEIGHTS[key] = torch.linspace(1.0, 2.0, n, device=device) if n > 1 else torch.ones(n, device=device)
+        _WEIGHTS[key] = torch.linspace(1.0, 2.0, n, device=device, dtype=dtype) if n > 1 else torch.ones(n, device=device, dtype=dtype)
     return _WEIGHTS[key]
 
 
@@ -229,14 +230,19 @@ def _canonical(func) -> str:
     return func.overloadpacket.__name__.rstrip("_")
 
 
+_PURE_VIEW: dict = {}  # op -> bool: reading the schema costs more than the check itself
+
+
 def _is_pure_view(func) -> bool:
-    return _is_view(func) and not any(a.alias_info.is_write for a in func._schema.returns if a.alias_info is not None)
+    if func not in _PURE_VIEW:
+        _PURE_VIEW[func] = _is_view(func) and not any(a.alias_info.is_write for a in func._schema.returns if a.alias_info is not None)
+    return _PURE_VIEW[func]
 
 
 def _fingerprint(func, out) -> tuple:
     """``(metadata, value sums or None)`` of one operator call's outputs (see [Note: replay
-    check]): views by their geometry, other outputs by ``sum(w * x)`` in float64."""
-    flat = _flat_tensors(out)
+    check]): views by their geometry, other outputs by ``sum(w * x)``."""
+    flat = [out] if isinstance(out, torch.Tensor) else _flat_tensors(out)
     if _is_pure_view(func):
         return tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in flat), None
     meta = tuple((tuple(t.shape), t.dtype) for t in flat)
@@ -247,8 +253,11 @@ def _fingerprint(func, out) -> tuple:
         x = t.detach()
         x = torch.view_as_real(x) if x.is_complex() else x.view(torch.uint8) if x.dtype == torch.bool else x
         x = x.reshape(-1)
-        sums.append(torch.sum(x * _weights(x.numel(), x.device), dtype=torch.float64))
-    return meta, (torch.stack(sums) if sums else None)
+        if x.dtype in (torch.float32, torch.float64):  # one pass, no temporary: about one elementwise op
+            sums.append(torch.dot(x, _weights(x.numel(), x.device, x.dtype)))
+        else:
+            sums.append(torch.sum(x * _weights(x.numel(), x.device), dtype=torch.float64))
+    return meta, (tuple(sums) if sums else None)
 
 
 class _Trace:
@@ -259,7 +268,7 @@ class _Trace:
 
     def __init__(self):
         self.ops: list = []  # (canonical name, metadata) of the computing operators, in order
-        self.sums: list = []  # their value sums (a float64 tensor) or None
+        self.sums: list = []  # their value sums (a tuple of 0-d tensors, one per output) or None
         self.views: dict = {}  # (canonical name, n) -> geometry
         self.counts: collections.Counter = collections.Counter()
 
@@ -277,19 +286,24 @@ class _Trace:
 
 
 def _first_value_difference(forward: _Trace, replay: list) -> int | None:
-    """The index of the first operator whose recomputed values differ (one host sync)."""
-    idx = [i for i, got in enumerate(replay) if got is not None and forward.sums[i] is not None]
-    if not idx:
-        return None
-    want = torch.cat([forward.sums[i].reshape(-1).to("cpu") for i in idx])
-    got = torch.cat([replay[i].reshape(-1).to("cpu") for i in idx])
-    same = (want == got) | (want.isnan() & got.isnan())
-    lens = [forward.sums[i].numel() for i in idx]
-    bad = (~same).split(lens)
-    for i, b in zip(idx, bad):
-        if bool(b.any()):
-            return i
-    return None
+    """The index of the first operator whose recomputed values differ: the sums compared
+    bitwise (NaN equal to NaN), stacked by dtype, with one host sync."""
+    pairs: dict = {}  # dtype -> ([op index], [forward sums], [replay sums])
+    for i, got in enumerate(replay):
+        want = forward.sums[i]
+        if got is None or want is None:
+            continue
+        for w, g in zip(want, got):
+            group = pairs.setdefault(w.dtype, ([], [], []))
+            group[0].append(i)
+            group[1].append(w)
+            group[2].append(g)
+    bad = []
+    for idx, want, got in pairs.values():
+        w, g = torch.stack(want).cpu(), torch.stack(got).cpu()
+        differ = ~((w == g) | (w.isnan() & g.isnan()))
+        bad += [i for i, d in zip(idx, differ.tolist()) if d]
+    return min(bad) if bad else None
 
 
 class SaveMode(TorchDispatchMode):
@@ -451,7 +465,7 @@ class ReplayMode(TorchDispatchMode):
             self._refuse(f"it calls {func} after the {i} operators the forward ran")
         want_op, want_meta = self.trace.ops[i]
         if want_op != name:
-            self._refuse(f"its operator {i + 1} is {func}, the forward's was aten.{want_op}")
+            self._refuse(f"it did not call aten.{want_op} as its operator {i + 1}, as the forward did, but {func}")
         if kept:  # the forward's own output, handed back
             self.sums.append(None)
             return
