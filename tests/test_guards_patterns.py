@@ -257,3 +257,9 @@ def _compile_remat(rank, world):
     except Exception as e:  # noqa: BLE001  (dynamo may wrap it; the message must still name the unit)
         return f"{type(e).__name__}: {e}"
     return "compiled"
+
+
+def test_muon_blocks_are_not_checked_against_a_tree_with_no_muon_leaf():
+    """TorchOptimizer's recommended split gives the AdamW group a muon of its own, with the same
+    blocks= and no Muon leaf: nothing to cut, nothing refused."""
+    optim.muon(blocks={"*qkv.weight": 6}).init({"embed.weight": torch.zeros(10, 4), "norm.weight": torch.zeros(4)})

@@ -129,7 +129,9 @@ def scale_by_muon(
 
     def init(params):
         names, leaves, _ = named_leaves(params)
-        if hasattr(spec_fn, "check_names"):  # a blocks dict: each pattern must select a leaf ([Note: pattern rule])
+        # A blocks dict: each pattern must select a leaf ([Note: pattern rule]); a tree with no
+        # Muon leaf at all (an AdamW-only param group of TorchOptimizer) has nothing to cut.
+        if names and hasattr(spec_fn, "check_names"):
             spec_fn.check_names(names)
         _leaf_specs(spec_fn, names, leaves)  # blocks that do not fit: named now
         return ScaleByMuonState(zeros_like_tree(params))
