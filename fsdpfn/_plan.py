@@ -229,7 +229,10 @@ def plan(
         FQNs) with the styles ``"colwise"`` (an ``nn.Linear`` split by output features; its
         output stays split), ``"colwise_gather"`` (the same, output all-gathered back),
         ``"rowwise"`` (split by input features; its input arrives split, its output is
-        all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
+        all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``. In
+        every pattern argument (``tp``, ``remat``, ``offload``, ``experts``) the first pattern
+        that matches a name wins, and a pattern that matches nothing or only names earlier
+        patterns claim is refused (see [Note: pattern rule] in ``fsdpfn/_patterns.py``).
       axes: roles of mesh dims whose names are not conventional, ``{dim name: role}``.
       remat: activation checkpointing per unit, for every unit but the root, or a dict
         ``{unit name or fnmatch pattern: policy}``: ``"none"`` (default), ``"full"`` (keep the
@@ -254,8 +257,8 @@ def plan(
 
     Raises:
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
-        across units), a mesh axis without a role, a tp pattern matching no module, a dim that
-        does not divide over tp, an unknown strategy.
+        across units), a mesh axis without a role, a pattern matching no name (or only names an
+        earlier pattern claims), a dim that does not divide over tp, an unknown strategy.
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
         after a replicate axis that is not the first mesh dim.
 
