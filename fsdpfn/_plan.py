@@ -5,7 +5,6 @@ validated :class:`~fsdpfn.Plan`. The value types live in ``_plan_values.py`` and
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from torch import nn
@@ -35,6 +34,7 @@ from fsdpfn._plan_values import (
     tp_style_stride,
     unit_label,
 )
+from fsdpfn._patterns import first_match
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._tp_layout import check_tp_layout
 from fsdpfn import _plan_json  # noqa: F401  (registers Plan.to_json / from_json)
@@ -119,13 +119,9 @@ def _per_unit(arg, unit_names: list[str], what: str, default, root_default) -> d
         return out
     if not isinstance(arg, Mapping):
         return {u: (arg if u or root_default is None else root_default) for u in unit_names}
-    labels = [unit_label(u) for u in unit_names]
-    for pattern, value in arg.items():
-        matched = [u for u, label in zip(unit_names, labels) if fnmatch.fnmatchcase(label, pattern)]
-        if not matched:
-            raise ValueError(f"{what} pattern {pattern!r} matches no unit of this plan{_did_you_mean(pattern, labels)}")
-        for u in matched:
-            out[u] = value
+    label_of = {unit_label(u): u for u in unit_names}
+    for label, pattern in first_match(arg, list(label_of), what, "unit of this plan").items():  # [Note: pattern rule]
+        out[label_of[label]] = arg[pattern]
     return out
 
 
@@ -163,7 +159,6 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
     if not isinstance(tp, Mapping):
         raise ValueError(f"tp must be a dict {{module name pattern: style}}, e.g. {{'blocks.*.fc': 'colwise'}}, got {type(tp).__name__}")
     modules = dict(model.named_modules())
-    styles: dict[str, tuple[str, str]] = {}
     choices = TP_MODULE_STYLES + ("replicate",)
     for pattern, style in tp.items():
         if not isinstance(pattern, str):
@@ -174,16 +169,9 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
                 f"tp[{pattern!r}] = {style!r}: unknown style; choose one of {', '.join(choices)}, or {TP_FUSED_PREFIX}k for a "
                 "Linear whose output is k parts side by side (q, k, v = qkv(x).chunk(3, -1): 'colwise_fused:3')"
             )
-        matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
-            raise ValueError(f"tp pattern {pattern!r} matches no module of {type(model).__name__}{_did_you_mean(pattern, list(modules))}")
-        for name in matched:
-            if name in styles and styles[name][0] != style:
-                raise ValueError(
-                    f"module {name!r} is matched by tp patterns {styles[name][1]!r} ({styles[name][0]}) and {pattern!r} ({style}); "
-                    "make the patterns name each module once"
-                )
-            styles[name] = (style, pattern)
+    # The first pattern that matches a module names its style ([Note: pattern rule]).
+    claimed = first_match(tp, [n for n in modules if n], "tp", f"module of {type(model).__name__}")
+    styles = {name: (str(tp[pattern]), pattern) for name, pattern in claimed.items()}
     out = {}
     for name, mod in modules.items():  # model order
         if name not in styles or styles[name][0] == "replicate":
@@ -256,7 +244,10 @@ def plan(
         all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
         The layout is checked (see [Note: tp layout rules] in ``fsdpfn/_tp_layout.py``): a
         module's Linear layers are all split or marked ``"replicate"``, colwise layers have
-        rowwise partners, and tp divides the head counts of the modules it splits.
+        rowwise partners, and tp divides the head counts of the modules it splits. In every
+        pattern argument (``tp``, ``remat``, ``offload``, ``experts``) the first pattern that
+        matches a name wins, and a pattern that matches nothing or only names earlier patterns
+        claim is refused (see [Note: pattern rule] in ``fsdpfn/_patterns.py``).
       axes: roles of mesh dims whose names are not conventional, ``{dim name: role}``.
       remat: activation checkpointing per unit, for every unit but the root, or a dict
         ``{unit name or fnmatch pattern: policy}``: ``"none"`` (default), ``"full"`` (keep the
@@ -284,12 +275,13 @@ def plan(
 
     Raises:
       ValueError: a unit naming no module, a parameter shared by two units (tied weights split
-        across units), a mesh axis without a role, a tp pattern matching no module, a dim that
-        does not divide over tp, a tp layout the model cannot compute (a split Linear beside
-          whole ones, a colwise layer without a rowwise partner, a head count tp does not
-          divide), an unknown strategy, a live mesh with fewer ranks than the job, a 1-D mesh
-          named ``"ep"``, expert weights that no module dispatches over ``ep`` (no
-          ``set_ep_group``) or that are a torch layer's weight (a router).
+        across units), a mesh axis without a role, a pattern matching no name (or only names an
+          earlier pattern claims), a dim that does not divide over tp, a tp layout the model
+          cannot compute (a split Linear beside whole ones, a colwise layer without a rowwise
+          partner, a head count tp does not divide), an unknown strategy, a live mesh with fewer
+          ranks than the job, a 1-D mesh named ``"ep"``, expert weights that no module
+          dispatches over ``ep`` (no ``set_ep_group``) or that are a torch layer's weight (a
+          router).
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
         after a replicate axis that is not the first mesh dim, a ``colwise_fused`` weight
         sharded over a data-parallel axis of more than one rank.
@@ -401,11 +393,11 @@ def _expert_params(model: nn.Module, experts, ep_size: int) -> tuple[dict[str, s
         for pattern, k in ks.items():
             if not isinstance(k, int) or isinstance(k, bool) or k < 0:
                 raise ValueError(f"experts[{pattern!r}] = {k!r}: give each pattern the top_k of its router (an int >= 1)")
-            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-            if not matched:
-                raise ValueError(f"experts pattern {pattern!r} matches no parameter of {type(model).__name__}{_did_you_mean(pattern, names)}")
-            found.update({n: n.rpartition(".")[0] for n in matched})
-            top_k.update({n.rpartition(".")[0]: k for n in matched})
+        for name, pattern in first_match(ks, names, "experts", f"parameter of {type(model).__name__}").items():
+            found[name] = module = name.rpartition(".")[0]
+            if top_k.setdefault(module, ks[pattern]) != ks[pattern]:
+                raise ValueError(f"experts gives the weights of one layer {module!r} two top_k values ({top_k[module]} and "
+                                 f"{ks[pattern]}, {pattern!r} for {name!r}); a layer's router has one top_k")
     if not found:
         raise ValueError(
             f"the mesh has an expert-parallel axis, but {type(model).__name__} has no expert weights (no module lists "
@@ -523,9 +515,7 @@ def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[Para
         by_name[name] = p
         if isinstance(modules[name.rpartition(".")[0]], (nn.Embedding, nn.EmbeddingBag)):
             embedded.add(id(p))  # a weight tied to an embedding stays high precision under every name
-    for pat in policy.exclude:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in all_names):
-            raise ValueError(f"Float8GatherPolicy(exclude=...) pattern {pat!r} matches no parameter{_did_you_mean(pat, all_names)}")
+    first_match(policy.exclude, all_names, "Float8GatherPolicy(exclude=...)", "parameter")  # [Note: pattern rule]
     if policy.units is None:
         chosen = set(unit_names)
     else:

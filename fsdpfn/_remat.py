@@ -24,6 +24,24 @@ and substitutes them. Both are ``TorchDispatchMode``\\ s, so they work the same 
 of that operator), which the recompute reproduces because it runs the same code on the same
 inputs; a recompute that calls them differently (data-dependent control flow, a kept tensor
 modified in place) raises :class:`RematReplayError` rather than returning wrong gradients.
+
+[Note: replay check]
+Matching kept operators is not enough: a forward that reads a call counter or makes a Python
+choice runs the same operators on a recompute with other numbers, and its gradients are then
+silently those of another function. So under every policy, ``"full"`` included, the forward
+records each operator it dispatches with a fingerprint of its output, and the recompute checks
+its own against that list in order: the same operator, the same output shapes and views, and
+bitwise the same values. The first operator that differs is named in a
+:class:`RematReplayError`. A value fingerprint is ``sum(w * x)`` with fixed weights
+``w`` (1 to 2 along the flattened output, so a permutation changes it too); views are compared
+by size, stride and offset, which with their checked base fixes their values. Cost: per
+operator output, one dot product with the weights (float32/64; other dtypes a multiply and a
+float64 sum), in the forward and again in the recompute: about one more elementwise operator
+per operator, no matmul FLOPs; 8 bytes kept per operator, and one host synchronisation at the
+end of each unit's recompute. Replays are bitwise on deterministic
+kernels (dropout replays from the restored generator state); a unit with nondeterministic
+kernels (atomics on CUDA) needs ``torch.use_deterministic_algorithms(True)`` or
+``remat="none"``.
 """
 
 from __future__ import annotations
@@ -187,14 +205,119 @@ def _is_view(op) -> bool:
     return any(a.alias_info is not None for a in op._schema.returns)
 
 
+# Operators a replay may add or drop without changing the numbers: the runtime makes fresh
+# autograd leaves of the recompute's inputs (detach), which its no-graph forward does not.
+_UNTRACED = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
+# Uninitialised allocations: no values to compare, and spelt differently under torch.func
+# (empty_like in the forward, empty in the recompute's vjp): one operator for the check.
+_EMPTY = frozenset(op for op in (aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                                 aten.empty_strided.default, aten.new_empty_strided.default))
+_WEIGHTS: dict = {}  # (numel, device) -> the fingerprint weights, a few shapes per model
+
+
+def _weights(n: int, device, dtype=torch.float32) -> torch.Tensor:
+    key = (n, str(device), dtype)
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 256:
+            _WEIGHTS.clear()
+        _WEIGHTS[key] = torch.linspace(1.0, 2.0, n, device=device, dtype=dtype) if n > 1 else torch.ones(n, device=device, dtype=dtype)
+    return _WEIGHTS[key]
+
+
+def _canonical(func) -> str:
+    """An operator's name with in-place and functional forms as one: under ``torch.func`` a
+    recompute may run ``bernoulli`` where the forward ran ``bernoulli_``, with the same values."""
+    return func.overloadpacket.__name__.rstrip("_")
+
+
+_PURE_VIEW: dict = {}  # op -> bool: reading the schema costs more than the check itself
+
+
+def _is_pure_view(func) -> bool:
+    if func not in _PURE_VIEW:
+        _PURE_VIEW[func] = _is_view(func) and not any(a.alias_info.is_write for a in func._schema.returns if a.alias_info is not None)
+    return _PURE_VIEW[func]
+
+
+def _fingerprint(func, out) -> tuple:
+    """``(metadata, value sums or None)`` of one operator call's outputs (see [Note: replay
+    check]): views by their geometry, other outputs by ``sum(w * x)``."""
+    flat = [out] if isinstance(out, torch.Tensor) else _flat_tensors(out)
+    if _is_pure_view(func):
+        return tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) for t in flat), None
+    meta = tuple((tuple(t.shape), t.dtype) for t in flat)
+    sums = []
+    for t in flat:
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        x = t.detach()
+        x = torch.view_as_real(x) if x.is_complex() else x.view(torch.uint8) if x.dtype == torch.bool else x
+        x = x.reshape(-1)
+        if x.dtype in (torch.float32, torch.float64):  # one pass, no temporary: about one elementwise op
+            sums.append(torch.dot(x, _weights(x.numel(), x.device, x.dtype)))
+        else:
+            sums.append(torch.sum(x * _weights(x.numel(), x.device), dtype=torch.float64))
+    return meta, (tuple(sums) if sums else None)
+
+
+class _Trace:
+    """The operators a unit's forward ran, with their outputs' fingerprints: computing ones in
+    order, views by (operator, n-th call). Allocations are left out (no values, and spelt
+    differently under ``torch.func``), and so is the order of views (``torch.func`` adds
+    ``expand``\ s); every value a view exposes reaches the rest through a computing operator."""
+
+    def __init__(self):
+        self.ops: list = []  # (canonical name, metadata) of the computing operators, in order
+        self.sums: list = []  # their value sums (a tuple of 0-d tensors, one per output) or None
+        self.views: dict = {}  # (canonical name, n) -> geometry
+        self.counts: collections.Counter = collections.Counter()
+
+    def record(self, func, out) -> None:
+        if func in _UNTRACED or func in _EMPTY:
+            return
+        name = _canonical(func)
+        meta, sums = _fingerprint(func, out)
+        if _is_pure_view(func):
+            self.views[(name, self.counts[name])] = meta
+            self.counts[name] += 1
+            return
+        self.ops.append((name, meta))
+        self.sums.append(sums)
+
+
+def _first_value_difference(forward: _Trace, replay: list) -> int | None:
+    """The index of the first operator whose recomputed values differ: the sums compared
+    bitwise (NaN equal to NaN), stacked by dtype, with one host sync."""
+    pairs: dict = {}  # dtype -> ([op index], [forward sums], [replay sums])
+    for i, got in enumerate(replay):
+        want = forward.sums[i]
+        if got is None or want is None:
+            continue
+        for w, g in zip(want, got):
+            group = pairs.setdefault(w.dtype, ([], [], []))
+            group[0].append(i)
+            group[1].append(w)
+            group[2].append(g)
+    bad = []
+    for idx, want, got in pairs.values():
+        w, g = torch.stack(want).cpu(), torch.stack(got).cpu()
+        differ = ~((w == g) | (w.isnan() & g.isnan()))
+        bad += [i for i, d in zip(idx, differ.tolist()) if d]
+    return min(bad) if bad else None
+
+
 class SaveMode(TorchDispatchMode):
     """Runs a rematerialised unit's first forward and keeps the outputs the policy selects
     (see [Note: selective rematerialisation]); ``saved`` maps ``(op, n)`` to the output."""
 
-    def __init__(self, policy: str, unit: str):
+    def __init__(self, policy: str, unit: str, strict: bool = True):
         super().__init__()
-        self.save, self.names = selector(policy)
-        self.unit = unit
+        self.save, self.names = (None, frozenset()) if policy == "full" else selector(policy)
+        # Every operator and its output's fingerprint, for the replay check ([Note: replay check]);
+        # off for fsdpfn.sim's profiling, which never replays.
+        self.trace = _Trace() if strict else None
+        self.unit, self.policy, self.strict = unit, policy, strict
+        self.tags_seen: set[str] = set()  # every checkpoint_name tag the forward used, kept or not
         self.counts: collections.Counter = collections.Counter()
         self.saved: dict = {}
         self.versions: dict = {}
@@ -210,6 +333,15 @@ class SaveMode(TorchDispatchMode):
         _ACTIVE.remove(self)
         self._producer = WeakIdKeyDictionary()  # drop the forward's bookkeeping, keep only what is kept
         out = super().__exit__(*exc)
+        if exc[0] is None and self.strict and self.names - self.tags_seen:
+            # A name nothing tags keeps nothing: the unit would run as "full" without a word. Every
+            # rank runs the same forward, so every rank raises here, before the unit's backward.
+            missing = sorted(self.names - self.tags_seen)
+            seen = ", ".join(repr(t) for t in sorted(self.tags_seen)) or "none"
+            raise ValueError(
+                f"unit {self.unit!r}: remat policy {self.policy!r} keeps the tensors tagged {', '.join(map(repr, missing))}, but the "
+                f"unit's forward tags no tensor so (fsdpfn.checkpoint_name); the tags it uses: {seen}. Fix the name, tag the "
+                "tensor in the model, or give this unit another policy with a dict remat={unit pattern: policy}")
         if exc[0] is None:
             for key, out_ in self.saved.items():
                 if [t._version for t in _flat_tensors(out_)] != self.versions[key]:
@@ -221,6 +353,8 @@ class SaveMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.trace is not None:
+            self.trace.record(func, out)
         key = (func, self.counts[func])
         self.counts[func] += 1
         if not _is_view(func) and (self.names or (self.save is not None and self.save(func))):
@@ -266,6 +400,7 @@ class SaveMode(TorchDispatchMode):
         return [t for out in self.saved.values() for t in _flat_tensors(out)]
 
     def tag(self, x: torch.Tensor, name: str) -> None:
+        self.tags_seen.add(name)
         if name not in self.names:
             return
         found = self._producer.get(x)
@@ -285,17 +420,59 @@ class SaveMode(TorchDispatchMode):
 
 
 class ReplayMode(TorchDispatchMode):
-    """Runs a rematerialised unit's recompute and hands back the outputs :class:`SaveMode` kept
-    in place of running their operators again."""
+    """Runs a rematerialised unit's recompute, hands back the outputs :class:`SaveMode` kept in
+    place of running their operators again, and checks every other operator against the
+    forward's (see [Note: replay check])."""
 
     def __init__(self, save: SaveMode | None, unit: str):
         super().__init__()
         self.saved = dict(save.saved) if save is not None else {}
         self.signatures = save.signatures if save is not None else {}
+        self.trace = save.trace if save is not None else None
+        self.sums: list = []  # the recompute's value sums, op by op, as the trace's
+        self.view_counts: collections.Counter = collections.Counter()
         self.flops = 0.0  # of the operators the recompute ran (matmul-like ones, counted as the simulator counts them)
         self.unit = unit
         self.counts: collections.Counter = collections.Counter()
         self.skipped = 0
+
+    def _refuse(self, why: str):
+        """The first value difference before this point is the culprit, if there is one."""
+        bad = _first_value_difference(self.trace, self.sums)
+        if bad is not None:
+            why = (f"aten.{self.trace.ops[bad][0]} (operator {bad + 1} of the forward) computed other values on the recompute than in "
+                   "the forward")
+        raise RematReplayError(
+            f"unit {self.unit!r}: the recompute in backward does not replay the forward: {why}. A rematerialised unit must "
+            "compute the same on a recompute: no control flow or values that depend on a call counter, on Python's random or "
+            "on data; use remat='none' for this unit, or move that choice out of it (nondeterministic kernels: "
+            "torch.use_deterministic_algorithms(True))")
+
+    def _check(self, func, out, kept: bool) -> None:
+        if self.trace is None or func in _UNTRACED or func in _EMPTY:
+            return
+        name = _canonical(func)
+        if _is_pure_view(func):
+            key = (name, self.view_counts[name])
+            self.view_counts[name] += 1
+            want = self.trace.views.get(key)
+            if want is not None and _fingerprint(func, out)[0] != want:
+                self._refuse(f"{func} (call {key[1] + 1}) returned a view {_fingerprint(func, out)[0]}, in the forward {want} "
+                             "(shape, stride, offset)")
+            return
+        i = len(self.sums)
+        if i >= len(self.trace.ops):
+            self._refuse(f"it calls {func} after the {i} operators the forward ran")
+        want_op, want_meta = self.trace.ops[i]
+        if want_op != name:
+            self._refuse(f"it did not call aten.{want_op} as its operator {i + 1}, as the forward did, but {func}")
+        if kept:  # the forward's own output, handed back
+            self.sums.append(None)
+            return
+        meta, sums = _fingerprint(func, out)
+        if meta != want_meta:
+            self._refuse(f"{func} (operator {i + 1}) returned {meta}, in the forward {want_meta} (shapes and dtypes)")
+        self.sums.append(sums)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         key = (func, self.counts[func])
@@ -307,8 +484,11 @@ class ReplayMode(TorchDispatchMode):
                     f"{[s for s, _ in _signature(args)]}, the forward on {[s for s, _ in self.signatures[key]]}; the unit's forward must "
                     "run the same operators on a recompute (no data-dependent control flow) under a selective remat policy; use remat='full'")
             self.skipped += 1
-            return self.saved.pop(key)
+            out = self.saved.pop(key)
+            self._check(func, out, kept=True)
+            return out
         out = func(*args, **(kwargs or {}))
+        self._check(func, out, kept=False)
         counted = op_flops(func, args, kwargs or {}, out)
         if counted is not None:
             self.flops += counted[0]
@@ -316,6 +496,13 @@ class ReplayMode(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        if exc[0] is None and self.trace is not None:
+            if len(self.sums) < len(self.trace.ops):
+                self._refuse(f"it ran {len(self.sums)} operators, the forward {len(self.trace.ops)} (the next was "
+                             f"aten.{self.trace.ops[len(self.sums)][0]})")
+            bad = _first_value_difference(self.trace, self.sums)
+            if bad is not None:
+                self._refuse("")
         if exc[0] is None and self.saved:
             (op, n), *_ = self.saved
             raise RematReplayError(

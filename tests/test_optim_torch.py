@@ -201,7 +201,9 @@ def _sharded(full, mesh):
 
 def _make(mesh, params_full):
     params = {n: p.requires_grad_(True) for n, p in _sharded(params_full, mesh).items()}
-    opt = optim.TorchOptimizer(_groups(params), optim.muon, **KW)
+    # SHAPES has a qkv but no output projection: head_blocks' '*proj.weight' would match nothing
+    # (refused), so only the qkv entry, which is all that applied.
+    opt = optim.TorchOptimizer(_groups(params), optim.muon, **{**KW, "blocks": {"*qkv.weight": 3 * CFG.heads}})
     return params, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
 
 

@@ -20,11 +20,12 @@ since each block's update is an orthogonal matrix of that shape.
 
 from __future__ import annotations
 
-import fnmatch
 import numbers
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
+
+from fsdpfn._patterns import first_match, matches
 
 __all__ = ["BlockSpec", "Blocks", "block_shape", "check_blocks", "head_blocks", "merge_blocks", "split_blocks"]
 
@@ -35,7 +36,9 @@ WHOLE: BlockSpec = (1, 1)
 
 Blocks = Union[None, Mapping[str, Any], Callable[[str, torch.Tensor], Any]]
 """What ``blocks=`` accepts: ``None`` (whole matrices), a dict ``{name or fnmatch pattern:
-spec}`` (the first matching entry wins, a name with no match is whole), or a function
+spec}`` (the first matching entry wins, a name with no match is whole; a pattern that matches
+no Muon leaf, or only leaves an earlier pattern claims, is refused at ``init``: see [Note: pattern
+rule] in ``fsdpfn/_patterns.py``), or a function
 ``(name, param) -> spec`` (``None`` for whole), called with each leaf's dotted name and a
 tensor of the parameter's shape."""
 
@@ -61,6 +64,8 @@ def _spec(who: str, where: str, value: Any) -> BlockSpec:
 def check_blocks(who: str, blocks: Blocks) -> Callable[[str, torch.Tensor], BlockSpec]:
     """``blocks`` as a function ``(name, param) -> (m, n)``, checked as far as it can be when
     built (a dict's specs now; a function's results when it is called, naming the parameter).
+    A dict's function also has ``check_names(names)``, which refuses a pattern that matches
+    none of ``names`` or only names an earlier pattern claims (call it with the leaves' names).
 
     Example:
       >>> spec = check_blocks("muon", {"*.qkv.weight": 12, "*.proj.weight": (1, 4)})
@@ -74,10 +79,14 @@ def check_blocks(who: str, blocks: Blocks) -> Callable[[str, torch.Tensor], Bloc
 
         def from_table(name: str, param: Any) -> BlockSpec:
             for pattern, spec in table:
-                if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                if matches(name, pattern):
                     return spec
             return WHOLE
 
+        def check_names(names: Sequence[str]) -> None:
+            first_match([p for p, _ in table], names, f"{who}: blocks", "parameter Muon updates")
+
+        from_table.check_names = check_names  # type: ignore[attr-defined]
         return from_table
     if callable(blocks):
         fn = blocks

@@ -130,7 +130,12 @@ def scale_by_muon(
     )
 
     def init(params):
-        _leaf_specs(spec_fn, *named_leaves(params)[:2])  # blocks that do not fit: named now
+        names, leaves, _ = named_leaves(params)
+        # A blocks dict: each pattern must select a leaf ([Note: pattern rule]); a tree with no
+        # Muon leaf at all (an AdamW-only param group of TorchOptimizer) has nothing to cut.
+        if names and hasattr(spec_fn, "check_names"):
+            spec_fn.check_names(names)
+        _leaf_specs(spec_fn, names, leaves)  # blocks that do not fit: named now
         return ScaleByMuonState(zeros_like_tree(params))
 
     def update(updates, state, params=None):

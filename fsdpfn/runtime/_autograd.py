@@ -226,7 +226,8 @@ class UnitFn(torch.autograd.Function):
             policy = call.unit.remat if call.needs_grad else "none"
             remat = policy != "none"
             rng = _rng_state(xs) if remat else None
-            kept = SaveMode(policy, call.unit.label) if remat and policy != "full" else contextlib.nullcontext()
+            # Under "full" too: it records the operator trace the recompute is checked against.
+            kept = SaveMode(policy, call.unit.label) if remat else contextlib.nullcontext()
             full = ex.full_params(name)
             with kept, _outside_functorch(call):
                 params, xs_used, flat, call.out_tree = _run_unit(call, full, xs, call.needs_grad and not remat)
@@ -234,7 +235,7 @@ class UnitFn(torch.autograd.Function):
                 if not isinstance(o, torch.Tensor):
                     raise ValueError(f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)")
             if remat:
-                call.inner = ("remat", [x.detach() for x in xs], rng, kept if policy != "full" else None)
+                call.inner = ("remat", [x.detach() for x in xs], rng, kept)
                 ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else kept.tensors()))
             elif call.needs_grad:
                 call.inner = (params, xs_used, flat)

@@ -584,7 +584,7 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
         def pre(m, args, kwargs, _u=u, _modes=modes, _wanted=wanted):
             unit_inputs[_u] = _storage_bytes(_tensors([args, kwargs]))
             for policy in _wanted:
-                mode = SaveMode(policy, _u)
+                mode = SaveMode(policy, _u, strict=False)  # policies profiled for every unit, tagged or not
                 mode.__enter__()
                 _modes.append((policy, mode))
 

@@ -86,6 +86,8 @@ def check_compilable(plan: Plan) -> None:
     remat = [(u.name, u.remat) for u in plan.units if u.remat != "none"]
     if remat:
         listed = ", ".join(f"{n!r} (remat={r!r})" for n, r in remat[:3]) + (" ..." if len(remat) > 3 else "")
+        # The remat wrapper replays and checks the unit op by op ([Note: replay check]), which a
+        # traced graph cannot; torch.compile's own partitioner decides what to recompute instead.
         raise CompileUnsupportedError(
             f"units {listed} rematerialise, which the compiled step does not: their recompute wraps the module's forward "
             "in an autograd Function dynamo cannot trace. Compile a plan without remat (the default remat=None), or keep "

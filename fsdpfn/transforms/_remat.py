@@ -32,9 +32,8 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(run, n_float, *tensors):
         with torch.no_grad():
-            if run.policy == "full":
-                return run(*tensors)
-            # Kept results stay on the function (like the generator state): plain tensors, no graph.
+            # Kept results and the forward's operator trace ([Note: replay check]) stay on the
+            # function (like the generator state): plain tensors, no graph.
             with SaveMode(run.policy, run.unit) as run.kept:
                 return run(*tensors)
 
@@ -53,15 +52,11 @@ class _Remat(torch.autograd.Function):
         with torch._C._DisableFuncTorch():
             outer = torch.get_rng_state()
             torch.set_rng_state(ctx.run.rng)  # the state before forward ran
-        replay = ReplayMode(ctx.run.kept, ctx.run.unit) if ctx.run.policy != "full" else None
+        replay = ReplayMode(ctx.run.kept, ctx.run.unit)
         ctx.run.kept = None  # handed over: freed as the recompute consumes them
         try:
-            with torch.enable_grad():
-                if replay is None:
-                    outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
-                else:
-                    with replay:
-                        outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
+            with torch.enable_grad(), replay:
+                outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
         finally:
             with torch._C._DisableFuncTorch():
                 torch.set_rng_state(outer)
