@@ -345,7 +345,7 @@ def plan(
     remats = _per_unit(remat, dense_names, "remat", "none", "none")  # the root keeps its activations
     offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
-        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
+        Unit(u, Strategy(strategies[u]), tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
              fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units, top_k.get(u, 0))
         for u in unit_names
         if owned[u]
@@ -416,6 +416,7 @@ def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[Para
     """Each unit's parameters gathered in FP8 under ``mp.fp8``, with every setting that cannot
     work refused here, on every rank, before any collective."""
     policy = mp.fp8
+    assert policy is not None  # called only when mp.fp8 is set
     modules = dict(model.named_modules())
     all_names, embedded, by_name = [], set(), {}
     for name, p in model.named_parameters(remove_duplicate=False):
