@@ -293,6 +293,7 @@ def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
         if not failed:
             if skipped:
                 warnings.warn(_atomic.skipped_warning("fsdpfn.checkpoint.load", skipped, ckpt), stacklevel=3)
+            assert info is not None  # no rank failed, this one included
             return ckpt, info
         damaged = [(r, v) for r, v in failed if v[0] == CheckpointError.__name__]
         if explicit or not damaged:  # a template that does not fit is the caller's to fix, not ours to skip
