@@ -41,6 +41,7 @@ gradients.
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence, cast
 
 import optree
 import torch
@@ -166,7 +167,7 @@ def _run_unit(call: "UnitCall", params, xs, grad: bool):
         leaves = list(call.leaves)
         for i, x in zip(call.tensor_idx, xs):
             leaves[i] = x
-        args, kwargs = optree.tree_unflatten(call.in_tree, leaves)
+        args, kwargs = cast("tuple[list, dict]", optree.tree_unflatten(call.in_tree, leaves))
         named = {p.name[len(name) + 1 :]: t for p, t in zip(call.unit.params, params)}
         prev, ex.inside = ex.inside, name
         # The runtime rematerialises units itself: a pure-loop remat wrapper on the module
@@ -235,7 +236,7 @@ class UnitFn(torch.autograd.Function):
                     raise ValueError(f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)")
             if remat:
                 call.inner = ("remat", [x.detach() for x in xs], rng, kept if policy != "full" else None)
-                ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else kept.tensors()))
+                ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else cast(SaveMode, kept).tensors()))
             elif call.needs_grad:
                 call.inner = (params, xs_used, flat)
             ex.event(OpKind.FORWARD_DONE, name)
@@ -273,7 +274,7 @@ class UnitFn(torch.autograd.Function):
             wrt = list(params) + [x for x in xs if x.requires_grad]
             if pairs:
                 with torch.enable_grad(), _outside_functorch(call):
-                    got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                    got: Sequence[torch.Tensor | None] = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
             else:
                 got = [None] * len(wrt)
             if call.compiled is not None and pairs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import optree
 import torch
@@ -106,7 +106,7 @@ class Runtime:
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
         self._local_only = False
         self._in_apply = False
-        self._compiled: dict[str, Callable] = {}
+        self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -357,11 +357,11 @@ class Runtime:
             def forward(*args, _name=name, _module=module, _unit=unit, _shards=unit_shards, _orig=original, **kwargs):
                 if ex.inside == _name:
                     return _orig(*args, **kwargs)
-                leaves, in_tree = optree.tree_flatten((list(args), kwargs), none_is_leaf=True)
+                leaves, in_tree = optree.tree_flatten(cast(Any, (list(args), kwargs)), none_is_leaf=True)
                 idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
                 call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad, self._compiled.get(_name, (None, None))[1])
                 outs = UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
-                return optree.tree_unflatten(call.out_tree, list(outs))
+                return optree.tree_unflatten(cast(optree.PyTreeSpec, call.out_tree), list(outs))  # set by the unit's forward
 
             # The runtime recomputes rematerialised units itself; a pure-loop remat wrapper the
             # module may carry (fsdpfn.transforms.apply_remat) steps aside while it runs.
