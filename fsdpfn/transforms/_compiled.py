@@ -33,7 +33,6 @@ eager (correct) gradients.
 from __future__ import annotations
 
 import warnings
-from typing import cast
 
 import optree
 import torch
@@ -150,7 +149,7 @@ def _gather_plain(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[t
             n = 1
             for s in p.local_shape:
                 n *= s
-            full = cast(torch.Tensor, stacked)[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)
+            full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)  # type: ignore[index]  # set: numel > 0
         else:
             full = local.to(dtype)
         fulls.append(full)
