@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 __all__ = ["Role", "MeshAxes", "DEFAULT_ROLES"]
 
@@ -132,7 +132,7 @@ class MeshAxes:
             rep = self.dim(Role.REPLICATE)
             if tp or (rep is not None and rep != 0):
                 why = (f"axis {tp[0]!r} (tp) cannot be combined with it yet" if tp else
-                       f"a replicate axis ({self.names[rep]!r}) must be the first mesh dim, outside {ep!r} and the shard axis")
+                       f"a replicate axis ({self.names[cast(int, rep)]!r}) must be the first mesh dim, outside {ep!r} and the shard axis")
                 raise NotImplementedError(
                     f"mesh {dict(zip(self.names, self.shape))}: expert parallelism (axis {ep!r}) runs beside a data-parallel "
                     f"shard axis and, optionally, a replicate axis before both; {why}. Use a mesh such as "

@@ -197,7 +197,7 @@ def _tp_placement(style: str | None, leaf: str) -> tuple[str, int]:
         return "replicate", 1
     if style == "rowwise":
         return ("shard1" if leaf == "weight" else "partial"), 1  # input features; the bias is added once
-    return "shard0", tp_style_stride(style)  # colwise*: output features, weight rows and bias
+    return "shard0", int(tp_style_stride(style) or 1)  # colwise*: output features, weight rows and bias (style validated)
 
 
 def plan(
@@ -360,13 +360,13 @@ def plan(
     remats = _per_unit(remat, dense_names, "remat", "none", "none")  # the root keeps its activations
     offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
-        Unit(u, strategies[u], tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
+        Unit(u, Strategy(strategies[u]), tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
              fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units, top_k.get(u, 0))
         for u in unit_names
         if owned[u]
     )
     if tp_styles:
-        check_tp_layout(model, tp, tp_styles, tp_size)
+        check_tp_layout(model, tp or {}, tp_styles, tp_size)
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
     return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
 
@@ -508,6 +508,7 @@ def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[Para
     """Each unit's parameters gathered in FP8 under ``mp.fp8``, with every setting that cannot
     work refused here, on every rank, before any collective."""
     policy = mp.fp8
+    assert policy is not None  # called only when mp.fp8 is set
     modules = dict(model.named_modules())
     all_names, embedded, by_name = [], set(), {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -16,6 +16,10 @@ runs a tensor-parallel plan as if it were a data-parallel one, nor a fused split
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import torch
+
 from fsdpfn._mesh import MeshAxes
 from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name, register_serialisers
 from fsdpfn.fp8 import Float8GatherPolicy
@@ -30,7 +34,7 @@ FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED)
 
 
 def _param_dict(p: ParamSpec) -> dict:
-    d = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
+    d: dict[str, Any] = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
     if p.tp != "replicate":
         d["tp"] = p.tp
     if p.tp_stride != 1:
@@ -48,7 +52,7 @@ def plan_to_dict(plan: Plan) -> dict:
       1
     """
     legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None and all(u.remat == "none" and not u.offload for u in plan.units)
-    d = {
+    d: dict[str, Any] = {
         "format": FORMAT_PLAIN,
         "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
         "mp": {"param_dtype": _dtype_name(plan.mp.param_dtype), "reduce_dtype": _dtype_name(plan.mp.reduce_dtype)},
@@ -93,7 +97,7 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
             u["name"],
             u["strategy"],
             tuple(
-                ParamSpec(p["name"], tuple(p["shape"]), _dtype_from(p["dtype"]), p.get("tp", "replicate"), tp_size,
+                ParamSpec(p["name"], tuple(p["shape"]), cast(torch.dtype, _dtype_from(p["dtype"])), p.get("tp", "replicate"), tp_size,
                           bool(p.get("expert", False)), ep_size, int(p.get("tp_stride", 1)))
                 for p in u["params"]
             ),

@@ -419,7 +419,7 @@ class Unit:
     """
 
     name: str
-    strategy: str
+    strategy: Strategy  # a str is accepted: __post_init__ converts it
     params: tuple[ParamSpec, ...]
     shard_size: int
     fp8: tuple[str, ...] = ()

@@ -438,8 +438,8 @@ class ReplayMode(TorchDispatchMode):
 
     def _refuse(self, why: str):
         """The first value difference before this point is the culprit, if there is one."""
-        bad = _first_value_difference(self.trace, self.sums)
-        if bad is not None:
+        bad = None if self.trace is None else _first_value_difference(self.trace, self.sums)
+        if bad is not None and self.trace is not None:
             why = (f"aten.{self.trace.ops[bad][0]} (operator {bad + 1} of the forward) computed other values on the recompute than in "
                    "the forward")
         raise RematReplayError(

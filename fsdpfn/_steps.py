@@ -71,7 +71,7 @@ backward    the two transposed all-to-alls                   N x k x d each
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 
@@ -367,7 +367,7 @@ def step_collectives(
     axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
     ep_dim = plan.axes.dim(Role.EP)
     if ep_dim is not None:  # dense units: the ep and shard axes flattened, in mesh order
-        dense_axis = "_".join(plan.axes.names[d] for d in sorted((ep_dim, plan.axes.dim(Role.SHARD))))
+        dense_axis = "_".join(plan.axes.names[d] for d in sorted((ep_dim, cast(int, plan.axes.dim(Role.SHARD)))))
     ntok = 0 if tokens is None else tokens
     out: list[Collective] = []
 

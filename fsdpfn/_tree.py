@@ -45,7 +45,7 @@ def _register(cls: type) -> None:
     if cls in _REGISTERED:
         return
     _REGISTERED.add(cls)
-    optree.register_pytree_node(cls, lambda m: (list(m.values()), tuple(m.keys()), tuple(m.keys())), _rebuild(cls),
+    optree.register_pytree_node(cls, lambda m: (list(m.values()), tuple(m.keys()), tuple(m.keys())), _rebuild(cls),  # type: ignore[attr-defined]  # cls is a Mapping subclass; optree's stub types m as a Collection
                                 namespace=NAMESPACE)
 
 

@@ -35,7 +35,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from types import FrameType
+from typing import Any, Callable, TypeGuard
 
 import torch
 import torch.multiprocessing as mp
@@ -139,7 +140,7 @@ def check_picklable(fn: Callable, *args: Any, what: str = "fn", **kwargs: Any) -
 _GUARD = 'if __name__ == "__main__":'
 
 
-def _is_guard(node: ast.stmt) -> bool:
+def _is_guard(node: ast.stmt) -> TypeGuard[ast.If]:
     """``if __name__ == "__main__":`` (either way round)."""
     if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.ops) != 1:
         return False
@@ -220,7 +221,7 @@ def _main_problem(fn: Callable, what: str) -> str | None:
             return (f"{what} is {name!r}, defined under `{_GUARD}` in {path}: spawned ranks import {path} without "
                     f"running that block, so they cannot find it. Define {name!r} at the top level of the file (outside "
                     f"the `{_GUARD}` block), or in an importable module.")
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
     if frame is not None and not _guarded_line(tree.body, frame.f_lineno):

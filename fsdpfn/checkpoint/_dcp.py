@@ -25,7 +25,7 @@ import re
 import time
 import uuid
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -162,7 +162,7 @@ def save(
     with timeout_scope(timeout):
         comm.arrive("fsdpfn.checkpoint.save")
         # Fused colwise weights are written whole (see [Note: fused shards in checkpoints]).
-        tensors = {p: _shards.whole(v) if _shards.fused_split(v) else v for p, v in tensors.items()}
+        tensors = {p: _shards.whole(cast(DTensor, v)) if _shards.fused_split(v) else v for p, v in tensors.items()}
         name, token = decide(lambda: _prepare(root, name, values), f"preparing a checkpoint in {root!r}")
         partial = _atomic.partial_dir(root, name, token)
         report, error = None, None
@@ -216,7 +216,9 @@ def _empty_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_against(entries: dict[str, Any], meta: dict, info: dict, plan, ckpt: str) -> None:
-    missing, mismatched, differing = [], [], set()
+    missing: list[str] = []
+    mismatched: list[str] = []
+    differing: set = set()
     for p, leaf in entries.items():
         before = len(missing) + len(mismatched)
         if isinstance(leaf, torch.Tensor):
@@ -315,6 +317,7 @@ def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
         if not failed:
             if skipped:
                 warnings.warn(_atomic.skipped_warning("fsdpfn.checkpoint.load", skipped, ckpt), stacklevel=3)
+            assert info is not None  # no rank failed, this one included
             return ckpt, info
         damaged = [(r, v) for r, v in failed if v[0] == CheckpointError.__name__]
         if explicit or not damaged:  # a template that does not fit is the caller's to fix, not ours to skip
@@ -381,7 +384,7 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
     with timeout_scope(timeout):
         comm.arrive("fsdpfn.checkpoint.load")
         targets = {p: _empty_like(v) for p, v in entries.items() if isinstance(v, torch.Tensor)}
-        fused = {p: v for p, v in targets.items() if _shards.fused_split(v)}  # read whole, then cut
+        fused = {p: cast(DTensor, v) for p, v in targets.items() if _shards.fused_split(v)}  # read whole, then cut
         targets.update({p: _shards.whole(v, torch.empty(v.shape, dtype=v.dtype, device=v.device)) for p, v in fused.items()})
         ckpt, info = _choose(path, entries, targets, plan)
         error = None
@@ -390,7 +393,7 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
         except Exception as e:  # noqa: BLE001 - sent to every rank by agree
             error = e
         agree(error, f"loading checkpoint {ckpt!r}")
-        targets.update({p: _shards.fused_part(targets[p], v) for p, v in fused.items()})
+        targets.update({p: _shards.fused_part(cast(DTensor, targets[p]), v) for p, v in fused.items()})
     leaves = [targets[p] if p in targets else info["values"][p] for p in entries]
     state = optree.tree_unflatten(spec, leaves)
     return (state, {**info, "dir": ckpt}) if return_info else state

@@ -84,7 +84,7 @@ def fused_split(x: torch.Tensor) -> tuple[int, int, int] | None:
         return None
     for i, p in enumerate(x.placements):
         if isinstance(p, _StridedShard) and x.device_mesh.size(i) > 1:
-            cutting = [j for j, q in enumerate(x.placements) if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim]
+            cutting = [j for j, q in enumerate(x.placements) if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim]  # type: ignore[attr-defined]  # a Shard, which has .dim
             if cutting == [i]:
                 return i, p.dim, int(p.split_factor)
     return None
@@ -100,8 +100,11 @@ def whole(x: DTensor, full: torch.Tensor | None = None) -> DTensor:
 
 def fused_part(whole_x: DTensor, like: DTensor) -> DTensor:
     """The fused slices of the replicated ``whole_x`` this rank holds in ``like``'s placements."""
-    i, d, parts = fused_split(like)
-    w, r = like.device_mesh.size(i), like.device_mesh.get_coordinate()[i]
+    split = fused_split(like)
+    coordinate = like.device_mesh.get_coordinate()
+    assert split is not None and coordinate is not None, "fused_part: a fused DTensor on a mesh holding this rank"
+    i, d, parts = split
+    w, r = like.device_mesh.size(i), coordinate[i]
     full = whole_x.to_local().movedim(d, 0)
     n = full.shape[0] // (parts * w)
     local = full.reshape(parts, w, n, *full.shape[1:])[:, r].reshape(parts * n, *full.shape[1:]).movedim(0, d)

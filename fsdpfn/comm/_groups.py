@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import math
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -178,7 +178,7 @@ def init_process_group(backend: str | None = None, *, init_method: str | None = 
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     seconds = timeout() if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
-    kwargs = {"timeout": datetime.timedelta(seconds=max(seconds, RENDEZVOUS_TIMEOUT))}
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=max(seconds, RENDEZVOUS_TIMEOUT))}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
     dist.init_process_group(backend, **kwargs)

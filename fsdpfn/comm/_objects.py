@@ -81,7 +81,7 @@ def _shard_order(x: DTensor) -> dict[int, list[int]]:
     by_dim: dict[int, list] = {}
     for i, p in enumerate(x.placements):
         if isinstance(p, _StridedShard) or p.is_shard():
-            by_dim.setdefault(p.dim, []).append((i, p))
+            by_dim.setdefault(p.dim, []).append((i, p))  # type: ignore[attr-defined]  # is_shard(): a Shard, which has .dim
     mesh = x.device_mesh
     order = {}
     for d, splits in by_dim.items():
@@ -104,7 +104,7 @@ def _shard_order(x: DTensor) -> dict[int, list[int]]:
     return order
 
 
-def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
+def full_tensor(x: torch.Tensor, *, tag: str = "") -> torch.Tensor:
     """The whole tensor of a DTensor, on every rank: one all-gather per sharded mesh dim (uneven
     ``torch.chunk`` shards are padded to the chunk size on the wire), an all-reduce per
     ``Partial`` one. What ``DTensor.full_tensor()`` does, through the counted collectives.
@@ -123,6 +123,7 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
         return x
     mesh, local = x.device_mesh, x._local_tensor.detach()
     coord = mesh.get_coordinate()
+    assert coord is not None  # x has a local tensor: this rank is in its mesh
     for d, dims in _shard_order(x).items():
         # The length each split cuts on this rank, outermost first: every rank of the group of
         # dims[k] shares the outer coordinates, so it agrees on lengths[k] and the chunk size.
@@ -139,7 +140,7 @@ def full_tensor(x: DTensor, *, tag: str = "") -> torch.Tensor:
             rows = all_gather_rows(padded, mesh.get_group(i), tag=tag).reshape(w * chunk, *moved.shape[1:])
             local = rows[:n].movedim(0, d)
     for i, p in enumerate(x.placements):
-        if isinstance(p, _StridedShard) and [q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim] == [p]:
+        if isinstance(p, _StridedShard) and [q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim] == [p]:  # type: ignore[attr-defined]  # a Shard, which has .dim
             local = _unfuse(local, p.dim, int(p.split_factor), mesh.size(i), mesh.get_group(i), tag)
     for i, p in enumerate(x.placements):
         if p.is_partial():

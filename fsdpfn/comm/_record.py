@@ -56,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -289,7 +289,7 @@ class _Mirror:
             with contextlib.suppress(Exception):
                 self.mm.close()
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                os.unlink(cast(str, self.path))  # set with mm
         self.mm, self.path, self.slots, self.stamps = None, None, {}, [0] * _SLOTS
 
     def write(self, gid: int, rec: FlightRecord) -> None:

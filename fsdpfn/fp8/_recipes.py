@@ -137,6 +137,7 @@ class Float8Recipe:
 
     def _quantize_blocks(self, x: torch.Tensor) -> Quantized:
         b = self.block_size
+        assert b is not None  # only block recipes quantize by blocks
         n = x.shape[-1]
         nb = self.scales_per_line(n)
         xf = x.to(torch.float32)
@@ -161,7 +162,7 @@ class Float8Recipe:
     # ---- serialisation -------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"recipe": type(self).__name__, **dataclasses.asdict(self)}
+        return {"recipe": type(self).__name__, **dataclasses.asdict(self)}  # type: ignore[call-overload]  # every concrete recipe is a dataclass
 
 
 def _check_input(x: torch.Tensor) -> None:
@@ -221,7 +222,7 @@ class Float8BlockScaling(Float8Recipe):
       (torch.Size([2, 2]), [0.0078125, 0.0078125])
     """
 
-    block_size: int = 128
+    block_size: int = 128  # type: ignore[misc]  # a field here, a class constant in the other recipes
 
     name: ClassVar[str] = "blockwise"
     scale_dtype: ClassVar[torch.dtype] = torch.float32

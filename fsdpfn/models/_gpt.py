@@ -19,7 +19,7 @@ try:
     from fsdpfn._remat import checkpoint_name
 except ImportError:  # this file also runs on its own, without fsdpfn (exported checkpoints load into it)
 
-    def checkpoint_name(x, name):
+    def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
         return x
 
 
@@ -79,7 +79,7 @@ class Block(nn.Module):
             self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width, bias=cfg.bias)
             self.out = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         b, t, c = x.shape
         # qkv rows are head-major (head 0's q, k, v, then head 1's, ...) and the head count is
         # read off the tensor, so a colwise split of qkv over tp ranks hands each rank whole
@@ -123,7 +123,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         t = tokens.shape[1]
         x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
         aux = None

@@ -70,7 +70,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
       {'w': tensor([0.5000, 0.5000])}
     """
     leaves, spec = optree.tree_flatten(params)
-    ups = spec.flatten_up_to(updates)
+    ups: list[Any] = spec.flatten_up_to(updates)
     out = []
     for p, u in zip(leaves, ups):
         if u is None:

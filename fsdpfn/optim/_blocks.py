@@ -49,12 +49,12 @@ def _spec(who: str, where: str, value: Any) -> BlockSpec:
         return WHOLE
 
     def count(v: Any) -> int | None:
-        return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 else None
+        return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 1 else None
 
-    if count(value) is not None:
-        return (count(value), 1)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(count(v) is not None for v in value):
-        return (count(value[0]), count(value[1]))
+    if (m := count(value)) is not None:
+        return (m, 1)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and (m := count(value[0])) is not None and (n := count(value[1])) is not None:
+        return (m, n)
     raise ValueError(
         f"{who}: blocks{where}={value!r} is invalid: a block spec is an int m >= 1 (m row blocks), a pair (m, n) "
         "(m row blocks x n column blocks) or None (the whole matrix), e.g. 3 * heads for a fused qkv weight."

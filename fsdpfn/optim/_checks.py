@@ -96,7 +96,7 @@ def check_int(who: str, name: str, value: Any, *, lo: int | None = None, fix: st
       Traceback (most recent call last):
       ValueError: muon: ns_steps=-1 is invalid: ns_steps must be an int >= 1.
     """
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and (lo is None or value >= lo)
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and (lo is None or int(value) >= lo)
     if not ok:
         bound = f" >= {lo}" if lo is not None else ""
         raise _fail(who, name, value, f"{name} must be an int{bound}", fix)

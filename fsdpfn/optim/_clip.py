@@ -49,7 +49,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     meshes: dict[tuple, Any] = {}
     for x in optree.tree_leaves(tree):
         if isinstance(x, DTensor):
-            key = (id(x.device_mesh), _sharded_dims(x))
+            key: tuple = (id(x.device_mesh), _sharded_dims(x))
             meshes[key] = x.device_mesh
             value = x._local_tensor
         else:

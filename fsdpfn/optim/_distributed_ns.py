@@ -48,7 +48,7 @@ assembled from copied bits and orthogonalised by the same calls).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -220,7 +220,7 @@ def orthogonalize(
     check_settings("orthogonalize", steps, coeffs, eps, dtype, method, gram_restarts)
     buckets = check_buckets("orthogonalize", buckets)
     specs = list(blocks) if blocks is not None else [WHOLE] * len(leaves)
-    ns = _NS(steps, tuple(coeffs), eps, dtype, method, tuple(gram_restarts))
+    ns = _NS(steps, cast("tuple[float, float, float]", tuple(coeffs)), eps, dtype, method, tuple(gram_restarts))
     out: list[Any] = [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
     meshes: dict[tuple, Any] = {}
@@ -233,8 +233,9 @@ def orthogonalize(
     for i, (x, name) in enumerate(zip(leaves, names)):
         if not dims_of[i]:
             loc = x._local_tensor if isinstance(x, DTensor) else x
-            out[i] = like(x, local_blocks_ns(loc, specs[i], ns))
+            out[i] = like(x, local_blocks_ns(loc, specs[i], ns))  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
             continue
+        assert isinstance(x, DTensor)  # split_dims is () for a plain tensor
         key = (id(x.device_mesh), ns.send_dtype(x))
         groups.setdefault(key, []).append(i)
         meshes[key] = x.device_mesh
@@ -242,7 +243,7 @@ def orthogonalize(
         mesh = meshes[key]
         dims = tuple(sorted({d for i in idx for d in dims_of[i]}))
         wg = work_group(mesh, dims)
-        xs, sp = [leaves[i] for i in idx], [specs[i] for i in idx]
+        xs, sp = [cast(DTensor, leaves[i]) for i in idx], [specs[i] for i in idx]
         held = [holdings(x, names[i], wg.coords) for x, i in zip(xs, idx)]
         locs = [x._local_tensor for x in xs]
         for x, i, h, loc in zip(xs, idx, held, locs):
@@ -256,7 +257,7 @@ def orthogonalize(
         if layout in ("gather", "duplicated"):
             results = _gather(xs, held, sp, wg, ns, key[1])
         else:
-            results = run_owner(locs, [tuple(x.shape) for x in xs], sp, wg.group, wg.size, wg.rank, ns, ns.flops, key[1], buckets, held)
+            results = run_owner(locs, [tuple(x.shape) for x in xs], sp, wg.group, wg.size, wg.rank, ns, ns.flops, key[1], buckets, held)  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
         for i, r in zip(idx, results):
             out[i] = like(leaves[i], r)
     return out
@@ -313,7 +314,7 @@ def _gather(xs: list[DTensor], held, specs: list[BlockSpec], wg, ns: _NS, send: 
                 dst = full[h.mats[0] : h.mats[1], h.rows[0] : h.rows[1], h.cols[0] : h.cols[1]]
                 dst.copy_(stacked[q, off : off + h.numel].view(dst.shape))
         off += pad
-        o = local_blocks_ns(full.view(shape), spec, ns).reshape(full.shape)
+        o = local_blocks_ns(full.view(shape), spec, ns).reshape(full.shape)  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
         h = hs[wg.rank]
         results.append(o[h.mats[0] : h.mats[1], h.rows[0] : h.rows[1], h.cols[0] : h.cols[1]].reshape(x._local_tensor.shape).clone())
     return results

@@ -132,7 +132,7 @@ def _order_of(shape: tuple[int, ...], placements: Sequence[Any], sizes: Sequence
                 "of matrices may be split along its first dim or its matrices' rows or columns only"
             )
         if isinstance(p, _StridedShard):
-            strided.setdefault(dim, []).append((d, p.split_factor))
+            strided.setdefault(dim, []).append((d, int(p.split_factor)))
         else:
             plain.setdefault(dim, []).append(d)
     order = {dim: list(ds) for dim, ds in plain.items()}

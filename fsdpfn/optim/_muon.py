@@ -168,7 +168,7 @@ def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str) -> float:
 class MuonLRState(NamedTuple):
     """State of :func:`scale_by_muon_lr`: ``count``, updates done so far (int)."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
 
 
 def scale_by_muon_lr(

@@ -153,9 +153,10 @@ def _gram_iterations(X: torch.Tensor, steps: int, a: float, b: float, c: float, 
         return X
     R = X @ X.mT
     eye = torch.eye(X.size(-2), dtype=X.dtype, device=X.device).expand_as(R)
-    Q = None
+    Q: torch.Tensor | None = None
     for i in range(steps):
         if i in restarts:
+            assert Q is not None  # check_method keeps restarts in 1 .. steps - 1
             X = Q @ X
             R = X @ X.mT
             Q = None
@@ -164,6 +165,7 @@ def _gram_iterations(X: torch.Tensor, steps: int, a: float, b: float, c: float, 
         if i + 1 < steps and i + 1 not in restarts:
             RP = torch.baddbmm(R, R, Z, beta=a)
             R = torch.baddbmm(RP, Z, RP, beta=a)
+    assert Q is not None  # steps > 0
     return Q @ X
 
 

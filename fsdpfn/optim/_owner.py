@@ -480,7 +480,7 @@ def bucket_totals(sched: OwnerSchedule) -> tuple[tuple[SplitTotals, SplitTotals]
       ((24, 24), (32, 16), (16, 8), (2, 2))
     """
     w = sched.world
-    out = []
+    out: list[Any] = []
     for idx in sched.buckets:
         totals = []
         for way in ("out", "back"):
@@ -576,6 +576,7 @@ def run_owner(
     back: dict[int, Any] = {}
     for k, p in enumerate(plans):
         t0 = time.perf_counter()
+        assert out is not None  # launched for this bucket before its turn
         got = out[0].wait()
         waited = time.perf_counter() - t0
         nxt = plans[k + 1] if k + 1 < len(plans) else None

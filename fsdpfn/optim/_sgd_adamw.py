@@ -32,7 +32,7 @@ class SGDState(NamedTuple):
         ``momentum == 0``.
     """
 
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     momentum_buffer: Any
 
 
@@ -103,7 +103,7 @@ class AdamWState(NamedTuple):
       nu: second moment, likewise.
     """
 
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     mu: Any
     nu: Any
 

@@ -95,7 +95,7 @@ def streamed(opt: GradientTransformation, device: str | torch.device = "cuda") -
     device = _check_device(device)
 
     def update(updates: Any, state: Any, params: Any = None):
-        none = dict(none_is_leaf=True)
+        none: dict[str, Any] = dict(none_is_leaf=True)
         dev_updates = optree.tree_map(lambda t: _to(t, device), updates, **none)
         dev_state = optree.tree_map(lambda t: _to(t, device), state, **none)
         dev_params = None if params is None else optree.tree_map(lambda t: _to(t, device), params, **none)

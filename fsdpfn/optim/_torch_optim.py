@@ -24,7 +24,7 @@ on another plan or world size, which ``load_state_dict`` then adopts.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import optree
 import torch
@@ -134,7 +134,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 )
         elif not callable(transform):
             raise ValueError(f"TorchOptimizer: transform must be a factory of transforms or a transform, got {type(transform).__name__}")
-        self._factory = None if built else transform
+        self._factory = None if built else cast("Callable[..., GradientTransformation]", transform)
         self._fixed = transform if built else None
         self._arg_keys: list[tuple[str, ...]] = []
         self._transforms: list[Any] = []

@@ -41,6 +41,7 @@ gradients.
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -236,7 +237,7 @@ class UnitFn(torch.autograd.Function):
                     raise ValueError(f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)")
             if remat:
                 call.inner = ("remat", [x.detach() for x in xs], rng, kept)
-                ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else kept.tensors()))
+                ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else cast(SaveMode, kept).tensors()))
             elif call.needs_grad:
                 call.inner = (params, xs_used, flat)
             ex.event(OpKind.FORWARD_DONE, name)
@@ -274,7 +275,7 @@ class UnitFn(torch.autograd.Function):
             wrt = list(params) + [x for x in xs if x.requires_grad]
             if pairs:
                 with torch.enable_grad(), _outside_functorch(call):
-                    got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                    got: Sequence[torch.Tensor | None] = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
             else:
                 got = [None] * len(wrt)
             if call.compiled is not None and pairs:

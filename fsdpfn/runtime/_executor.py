@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -151,7 +152,7 @@ class Executor:
             expected = ops[self.cursor] if self.cursor < len(ops) else "nothing (the step is over)"
             skipped = isinstance(expected, Op) and expected.kind in (OpKind.BACKWARD, OpKind.BACKWARD_DONE)
             if kind in (OpKind.BACKWARD, OpKind.END) and skipped:
-                why = (f"The backward of unit {unit_label(expected.unit)!r} did not run: its output does not reach the "
+                why = (f"The backward of unit {unit_label(cast(Op, expected).unit)!r} did not run: its output does not reach the "
                        "loss (or was detached). Every unit the forward ran must take part in the backward; "
                        "its gradients would otherwise be silently missing.")
             else:

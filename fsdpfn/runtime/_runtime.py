@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import nn
@@ -106,7 +106,7 @@ class Runtime:
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
         self._local_only = False
         self._in_apply = False
-        self._compiled: dict[str, Callable] = {}
+        self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
 
     # ---- inspection ----------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from typing import cast
 
 from fsdpfn._plan import ROOT, ROOT_LABEL, Plan, unit_label
 
@@ -189,7 +190,7 @@ class Schedule:
             if parts == [OpKind.END.value]:
                 ops.append(Op(OpKind.END))
             elif len(parts) == 2:
-                ops.append(Op(parts[0], ROOT if parts[1] == ROOT_LABEL else parts[1]))
+                ops.append(Op(cast(OpKind, parts[0]), ROOT if parts[1] == ROOT_LABEL else parts[1]))  # Op converts the name
             else:
                 raise ScheduleError(f"cannot parse schedule line {ln!r}; expected '<kind> <unit>' or 'end'")
         return cls(tuple(ops), head.group(1), int(head.group(2)))

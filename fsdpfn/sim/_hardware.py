@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Mapping, Union
+from typing import Mapping, Union, cast
 
 import torch
 
@@ -105,6 +105,9 @@ class Link:
 
 
 LinksArg = Union[Link, Mapping[str, Link]]
+# What Hardware.__post_init__ turns matmul_flops and intra / inter into: sorted (key, value) pairs.
+_FlopPairs = tuple[tuple[str, float], ...]
+_LinkPairs = tuple[tuple[str, Link], ...]
 
 
 def _links(value: LinksArg, what: str) -> tuple[tuple[str, Link], ...]:
@@ -267,7 +270,7 @@ class Hardware:
 
     def link(self, kind: str, inter: bool) -> Link:
         """The :class:`Link` of collective ``kind`` within a node (``inter=False``) or across."""
-        table = dict(self.inter if inter else self.intra)
+        table = dict(cast(_LinkPairs, self.inter if inter else self.intra))
         return table.get(kind) or table["*"]
 
     def spans_nodes(self, ranks) -> bool:
@@ -310,14 +313,14 @@ class Hardware:
         return dataclasses.replace(
             self,
             name=name or self.name,
-            matmul_flops={k: v * flops for k, v in self.matmul_flops},
+            matmul_flops={k: v * flops for k, v in cast(_FlopPairs, self.matmul_flops)},
             memory_bandwidth=self.memory_bandwidth * memory_bandwidth,
             intra=scale(self.intra),
             inter=scale(self.inter),
         )
 
     def __str__(self) -> str:
-        flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in self.matmul_flops)
+        flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in cast(_FlopPairs, self.matmul_flops))
         lines = [f"Hardware {self.name}: {flops}; memory {self.memory / 2**30:.0f} GiB at {self.memory_bandwidth / 1e9:.3g} GB/s; "
                  f"{self.devices_per_node} per node; overlap {self.overlap:.2f}; op overhead {self.op_overhead * 1e6:.1f} us"
                  + (f"; {self.nics_per_node} network cards per node" if self.nics_per_node else "")]
@@ -327,7 +330,7 @@ class Hardware:
                          f"of peak (half at {k.attention_half_intensity:g} FLOP/B; {k.attention_flop_ratio:.3g} FLOPs run per FLOP counted), "
                          f"memory {k.memory_efficiency:.2f} of bandwidth, all at {k.sustained:.3g} sustained")
         for level, links in (("intra", self.intra), ("inter", self.inter)):
-            for kind, link in links:
+            for kind, link in cast(_LinkPairs, links):
                 lines.append(f"  {level:<5} {kind:<14} alpha {link.alpha * 1e6:8.2f} us   bandwidth {link.bandwidth / 1e9:8.3f} GB/s")
         return "\n".join(lines)
 

@@ -33,6 +33,7 @@ import os
 import platform
 import statistics
 import time
+from typing import Sequence
 
 import torch
 
@@ -82,7 +83,7 @@ def _collective(kind: str, nbytes: int, w: int, device: torch.device):
     return (lambda: comm.all_to_all(out, inp, async_op=True)), 4 * n
 
 
-def _fit(kind: str, w: int, points: list[tuple[float, float]]) -> Link:
+def _fit(kind: str, w: int, points: Sequence[tuple[float, float]]) -> Link:
     """Least squares ``t = a + wire / bandwidth`` over ``(full bytes, seconds)`` points."""
     xs = [wire_bytes(kind, w, b) for b, _ in points]
     ts = [t for _, t in points]
@@ -142,15 +143,15 @@ def measure_timings(
     # Fused causal attention, forward and backward, in the first dtype: its own rate (CPU
     # flash kernels run far below matmul speed; GPU ones at a fraction of it).
     if attention_shape is not None:
-        b, h, s_, d = attention_shape
-        q, k, v = (torch.randn(b, h, s_, d, device=device).to(dtypes[0]).requires_grad_() for _ in range(3))
-        g = torch.randn(b, h, s_, d, device=device).to(dtypes[0])
+        nb, h, s_, d = attention_shape
+        q, k, v = (torch.randn(nb, h, s_, d, device=device).to(dtypes[0]).requires_grad_() for _ in range(3))
+        g = torch.randn(nb, h, s_, d, device=device).to(dtypes[0])
 
         def attention():
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out, (q, k, v), g)
 
-        timed(f"attn {str(dtypes[0]).removeprefix('torch.')} {b} {h} {s_} {d}", attention)
+        timed(f"attn {str(dtypes[0]).removeprefix('torch.')} {nb} {h} {s_} {d}", attention)
 
     # Memory bandwidth and operator overhead.
     n = _ADD_ELEMENTS

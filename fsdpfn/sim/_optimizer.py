@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import torch
 
@@ -117,7 +117,7 @@ def _mesh_of(plan: Plan, unit, rank: int) -> tuple[str, tuple[int, ...], tuple[i
     coords = _coords(plan, rank)
     if not _dense(plan, unit):
         return "mesh", tuple(plan.mesh_shape), coords
-    dims = sorted((plan.axes.dim(Role.EP), plan.axes.dim(Role.SHARD)))
+    dims = sorted(cast("tuple[int, int]", (plan.axes.dim(Role.EP), plan.axes.dim(Role.SHARD))))
     index = 0
     for d in dims:
         index = index * plan.mesh_shape[d] + coords[d]
@@ -139,7 +139,7 @@ def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
         _, sizes, coords = _mesh_of(plan, unit, rank)
         dense = _dense(plan, unit)
         w = sizes[0] if dense else plan.shard_size
-        s = coords[0] if dense else coords[plan.axes.dim(Role.SHARD)] if plan.axes.dim(Role.SHARD) is not None else 0
+        s = coords[0] if dense else coords[cast(int, plan.axes.dim(Role.SHARD))] if plan.axes.dim(Role.SHARD) is not None else 0
         for p in unit.params:
             if unit.sharded and p.shape:
                 start, stop = chunk_bounds(p.rows, w, s)
@@ -215,7 +215,7 @@ def _adamw(labels=None):
     return optim.adamw(1e-3, weight_decay=0.1)
 
 
-def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tuple[int, ...]], float]) -> tuple[list[int | None], list[float]]:
+def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tuple[int, ...]], int]) -> tuple[list[int | None], list[float]]:
     """Owner of each leaf (``None``: a batched leaf, orthogonalised where it lies) and the
     Newton–Schulz FLOPs each rank runs: ``fsdpfn.optim.owner_schedule`` of whole matrices.
 
@@ -288,7 +288,7 @@ class Muon:
     def _ns_work(self, shape: tuple[int, ...], dtype: torch.dtype) -> Work:
         return _ns_work(shape, dtype, self.ns_steps, self.ns_dtype, self.ns_method)
 
-    def flops(self, shape: tuple[int, ...]) -> float:
+    def flops(self, shape: tuple[int, ...]) -> int:
         return optim.newton_schulz_flops(shape, self.ns_steps, self.ns_method)
 
     def cost(self, plan: Plan, rank: int = 0) -> OptimizerCost:
@@ -300,9 +300,9 @@ class Muon:
         key = (rank, tuple(plan.mesh_shape), plan.axes, tuple(
             (n, tuple(plan.param(n).shape), plan.param(n).dtype, shapes[n], tuple(placements(plan, n)), _dense(plan, plan.unit_of(n)))
             for n in plan.param_names))
-        if key not in self._costs:
-            self._costs[key] = self._cost(plan, rank, shapes)
-        return self._costs[key]
+        if key not in self._costs:  # type: ignore[attr-defined]  # set in __post_init__ (a frozen dataclass's cache)
+            self._costs[key] = self._cost(plan, rank, shapes)  # type: ignore[attr-defined]
+        return self._costs[key]  # type: ignore[attr-defined]
 
     def _cost(self, plan: Plan, rank: int, shapes: dict[str, tuple[int, ...]]) -> OptimizerCost:
         labels = self.labels(plan)
@@ -346,15 +346,15 @@ class Muon:
             key, sizes, coords = _mesh_of(plan, unit, rank)
             place = tuple(placements(plan, n))
             shape = tuple(plan.param(n).shape)
-            spec = self._spec_fn(n, torch.empty(shape, device="meta"))
+            spec = self._spec_fn(n, torch.empty(shape, device="meta"))  # type: ignore[attr-defined]  # set in __post_init__
             optim.block_shape(n, shape, spec)  # blocks that do not divide the leaf: named, as the optimizer names them
             if self.layout == "blockwise" and key == "mesh" and axes.dim(Role.TP) is not None:
-                d = axes.dim(Role.TP)
+                d = cast(int, axes.dim(Role.TP))
                 spec = optim.blockwise_spec(shape, place[d], sizes[d], spec, n)
             dtype = self.ns_dtype or plan.param(n).dtype
             dims = optim.split_mesh_dims(place, sizes)
             if not dims:
-                local.append(_Group((n,), (shape,), (spec,), (), dtype, None, (), 0, sizes, key, ()))
+                local.append(_Group((n,), (shape,), (spec,), (), dtype, None, (), 0, sizes, key, ""))
                 continue
             grouped.setdefault((key, dtype), []).append((n, shape, spec, place, dims, sizes, coords))
         out = list(local)
@@ -369,7 +369,7 @@ class Muon:
                               dtype, dims, members, me, sizes, key, roles))
         return out
 
-    def _blocks_flops(self, shape: tuple[int, ...], spec: tuple[int, int]) -> float:
+    def _blocks_flops(self, shape: tuple[int, ...], spec: tuple[int, int]) -> int:
         return self.flops(_blocks_shape(shape, spec))
 
     def _blocks_work(self, shape: tuple[int, ...], spec: tuple[int, int], dtype: torch.dtype) -> Work:
@@ -484,7 +484,7 @@ class _Group(NamedTuple):
         """``rank``'s index in its own group of this shape (every group of the other mesh dims
         runs the same schedule)."""
         coords = _mesh_of(plan, plan.unit_of(self.names[0]), rank)[2]
-        return self.members.index({d: coords[d] for d in self.dims})
+        return self.members.index({d: coords[d] for d in cast("tuple[int, ...]", self.dims)})  # a group split along dims
 
 
 def _minus(a: Work, b: Work) -> Work:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from fsdpfn import Plan
 from fsdpfn._mesh import Role
@@ -70,7 +70,7 @@ class Traffic(NamedTuple):
     nbytes: int = 0
     wire_bytes: float = 0.0
 
-    def __add__(self, other):  # type: ignore[override]
+    def __add__(self, other):
         return Traffic(self.calls + other.calls, self.nbytes + other.nbytes, self.wire_bytes + other.wire_bytes)
 
 
@@ -142,9 +142,9 @@ class SimResult:
     memory: dict
     spans: tuple[Span, ...]
     comm_time: float = 0.0
-    plan: Plan = dataclasses.field(repr=False, compare=False, default=None)
-    schedule: Schedule = dataclasses.field(repr=False, compare=False, default=None)
-    hardware: Hardware = dataclasses.field(repr=False, compare=False, default=None)
+    plan: Plan | None = dataclasses.field(repr=False, compare=False, default=None)
+    schedule: Schedule | None = dataclasses.field(repr=False, compare=False, default=None)
+    hardware: Hardware | None = dataclasses.field(repr=False, compare=False, default=None)
     notes: tuple[str, ...] = ()
     calls: tuple = dataclasses.field(default=(), repr=False, compare=False)
     host_copies: dict = dataclasses.field(default_factory=dict)
@@ -220,8 +220,8 @@ def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
         coords.append(c)
     coords.reverse()
     strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
     base = sum(c * st for c, st in zip(coords, strides))
     groups = {}
     for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP):
@@ -473,7 +473,7 @@ class _Builder:
             if isinstance(phase, CommCost):
                 key = self._optimizer_group(phase.group)
                 role = Role.SHARD if key == "dense" else Role(key.split("+")[0])
-                names = [axes.names[axes.dim(Role(r))] for r in key.split("+") if axes.dim(Role(r)) is not None] if key != "dense" else []
+                names = [axes.names[cast(int, axes.dim(Role(r)))] for r in key.split("+") if axes.dim(Role(r)) is not None] if key != "dense" else []
                 listed = Collective(phase.kind, ROOT, phase.tag, role, "+".join(names) or None, len(self.groups[key]),
                                     phase.nbytes, phase.dtype, "optimizer", phase.tag or "optimizer")
                 c = self.collective(listed, "optimizer", sent=phase.sent, key=key)
@@ -640,7 +640,7 @@ def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
     offloaded = [u for u in plan.units if u.offload]
     if not offloaded:
         return {"params": m["params"], "grads": m["grads"], "optimizer_state": state}
-    off = static_memory(types.SimpleNamespace(units=tuple(offloaded)))  # it reads the units alone
+    off = static_memory(types.SimpleNamespace(units=tuple(offloaded)))  # type: ignore[arg-type]  # it reads the units alone
     frac = off["params"] / m["params"] if m["params"] else 0.0
     host_state = int(round(state * frac))
     return {"params": m["params"] - off["params"], "grads": m["grads"] - off["grads"], "optimizer_state": state - host_state,

@@ -92,7 +92,7 @@ class Work:
         return mm + hw.memory_seconds(self.bytes) + self.ops * hw.op_overhead
 
     def __add__(self, other: "Work") -> "Work":
-        counts = collections.Counter()
+        counts: collections.Counter = collections.Counter()
         for d, f, b, c in self.matmuls + other.matmuls:
             counts[(d, f, b)] += c
         measured = None if self.measured is None or other.measured is None else self.measured + other.measured
@@ -542,7 +542,8 @@ class _Live:
     def peaks(self, exclude: set) -> dict:
         """``{stretch: peak bytes}``, leaving out the live storages whose addresses are in ``exclude``."""
         left_out = {self.live[k] for k in exclude if k in self.live}
-        live, out = 0, {}
+        out: dict[Any, int] = {}
+        live = 0
         for event, serial, n in self.log:
             if serial in left_out:
                 continue
@@ -615,7 +616,7 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
                 saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
             return t
 
-        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker), timed=timed, allocated=live and live.allocated):
+        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker), timed=timed, allocated=None if live is None else live.allocated):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, params, inputs) if cast else model(*inputs)
                 events.end_forward()
@@ -690,7 +691,7 @@ def profile(
     """
     units = [u.name for u in plan.units]
     dtype = param_dtype or plan.mp.param_dtype
-    params = {n: p for n, p in model.named_parameters()}
+    params: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters()}
     if dtype is not None:
         params = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
     cast = dtype is not None

@@ -25,7 +25,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch.multiprocessing as mp
 
@@ -57,7 +57,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
     # Suites that run with warnings as errors can ask the same of their ranks.
     action = os.environ.get("FSDPFN_WORKER_WARNINGS")
     if action:
-        warnings.simplefilter(action)
+        warnings.simplefilter(action)  # type: ignore[arg-type]  # a name from the environment; warnings checks it
     start_rank(rank, world_size, f"file://{init_file}", timeout_s=pg_timeout_s, flight_dir=os.path.dirname(init_file))
     healthy = True
     while True:
@@ -216,7 +216,7 @@ def run_on_ranks(
     if len(answers) < world_size or not healthy:
         _kill_pool(world_size)  # the next call starts a fresh pool
     name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
-    raise_rank_errors(answers, world_size, name, f"within {timeout:.0f} s (hang?)")
+    raise_rank_errors(answers, world_size, cast(str, name), f"within {timeout:.0f} s (hang?)")
     return [answers[r][1] for r in range(world_size)]
 
 

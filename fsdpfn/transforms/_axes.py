@@ -3,8 +3,13 @@ here from the axes' roles (see :class:`fsdpfn.MeshAxes`), never from how many di
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
            "unit_group", "unit_mesh", "unit_rank"]
@@ -79,7 +84,7 @@ def _dense_mesh(plan: Plan):
     cached = getattr(mesh, _DENSE, None)
     if cached is None:
         axes = plan.axes
-        dims = tuple(axes.names[d] for d in sorted((axes.dim(Role.EP), axes.dim(Role.SHARD))))
+        dims = tuple(axes.names[d] for d in sorted(cast("tuple[int, int]", (axes.dim(Role.EP), axes.dim(Role.SHARD)))))
         sub = mesh[dims]
         flat = sub._flatten("_".join(dims)) if sub.ndim > 1 else sub
         rep = axes.dim(Role.REPLICATE)
@@ -90,7 +95,7 @@ def _dense_mesh(plan: Plan):
     return cached
 
 
-def unit_mesh(plan: Plan, unit) -> object:
+def unit_mesh(plan: Plan, unit) -> DeviceMesh:
     """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for dense units
     beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened (after the
     replicate axis, when the mesh has one).

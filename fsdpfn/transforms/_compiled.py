@@ -78,7 +78,7 @@ def check_compilable(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
-    te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8.backend == "te"]
+    te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8 is not None and plan.mp.fp8.backend == "te"]
     if te:
         raise CompileUnsupportedError(
             f"units {te[:3]} hand FP8 weights to Transformer Engine (backend='te'), whose tensors do not trace; "
@@ -109,7 +109,7 @@ def _refuse_functorch(where: str) -> None:
             "(grads, loss) like torch.func.grad_and_value; or call torch.func.grad without torch.compile.")
 
 
-def _refusal(error: BaseException) -> CompileUnsupportedError | None:
+def _refusal(error: BaseException | None) -> CompileUnsupportedError | None:
     """The :class:`CompileUnsupportedError` fsdpfn raised while dynamo traced, out of the
     ``Unsupported`` error dynamo turns every exception of a ``fullgraph`` trace into (the original
     is kept only as the text of an ``Observed...Error`` among its causes), or ``None``."""
@@ -187,7 +187,7 @@ def _gather_plain(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[t
             n = 1
             for s in p.local_shape:
                 n *= s
-            full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)
+            full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)  # type: ignore[index]  # set: numel > 0
         else:
             full = local.to(dtype)
         fulls.append(full)
@@ -343,7 +343,7 @@ class CompiledStep:
                     raise
                 raise refused from e
             loss, aux = out if self.has_aux else (out, None)
-            self._n_outputs = 1 + sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(aux, none_is_leaf=True))
+            self._n_outputs = 1 + sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(aux, none_is_leaf=True))  # type: ignore[arg-type]  # optree's PyTree type leaves out None
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"fsdpfn.compile: loss_fn must return a scalar tensor{' (and aux)' if self.has_aux else ''}, "
                                  f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")

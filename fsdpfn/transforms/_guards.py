@@ -32,7 +32,7 @@ it (``drop_last=True``) or reduce with ``grad_op="sum"``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
 from torch import nn
@@ -161,16 +161,16 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean") -> No
     """
     x = _first_tensor(args, kwargs or {})
     mine = [dp_rank(plan), _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean"]
-    table = C.exchange_values(f"batch of plan {plan.fingerprint}", mine, None)
+    table = cast("dict[int, list]", C.exchange_values(f"batch of plan {plan.fingerprint}", mine, None))
     by_dp: dict[int, list[int]] = {}
     for r in sorted(table):
         by_dp.setdefault(table[r][0], []).append(r)
     for dp, ranks in sorted(by_dp.items()):
         seen = [table[r][1] for r in ranks]
         if any(s != seen[0] for s in seen):
-            rows = ", ".join(f"rank {r}: {_show(table[r][1])}" for r in ranks)
+            inputs = ", ".join(f"rank {r}: {_show(table[r][1])}" for r in ranks)
             raise ValueError(
-                f"ranks {ranks} are tensor-parallel peers (data-parallel index {dp}) but were given different inputs ({rows}); "
+                f"ranks {ranks} are tensor-parallel peers (data-parallel index {dp}) but were given different inputs ({inputs}); "
                 "the tp all-reduces would add up parts of different examples. Index the batch by "
                 "fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), not by the global rank")
     rows = {r: (table[r][1][0][0] if table[r][1] and table[r][1][0] else None) for r in table}

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 from torch import nn
@@ -109,7 +109,7 @@ def _check_model(model: nn.Module, plan: Plan | None, names, init, param_init) -
         raise ValueError(f"model must be an nn.Module (built under torch.device('meta')), got {type(model).__name__}")
     owners = _owners(model, names)
     for path, (module, local) in owners.items():
-        param = module._parameters[local]
+        param = cast(nn.Parameter, module._parameters[local])  # a registered parameter (_owners), never None
         if plan is not None:
             spec = plan.param(path)
             if tuple(param.shape) != spec.shape or param.dtype != spec.dtype:
@@ -166,7 +166,7 @@ def _seed(device: torch.device, seed: int) -> None:
 
 def _materialise(path: str, module: nn.Module, local: str, device: torch.device, seed: int, init, param_init) -> torch.Tensor:
     """The values of one parameter, created and initialised alone (see [Note: seed per parameter path])."""
-    old = module._parameters[local]
+    old = cast(nn.Parameter, module._parameters[local])  # as in _check_model
     value = torch.empty(old.shape, dtype=old.dtype, device=device)
     live = module._parameters[local] = nn.Parameter(value, requires_grad=old.requires_grad)
     try:
@@ -177,7 +177,7 @@ def _materialise(path: str, module: nn.Module, local: str, device: torch.device,
             elif init is not None:
                 init(module, local)
             else:
-                module.reset_parameters()
+                module.reset_parameters()  # type: ignore[operator]  # _check_model saw it is callable
         if module._parameters[local] is not live:
             raise ValueError(f"the initialiser replaced parameter {path!r} instead of filling it in place; "
                              "write into it (torch.nn.init.*_, tensor.copy_(...), tensor.normal_(...))")
@@ -198,7 +198,7 @@ def _meta_view(model: nn.Module) -> nn.Module:
     params = list(model.parameters())
     if all(p.is_meta for p in params):
         return model
-    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params}
+    memo: dict[int, torch.Tensor] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
     return copy.deepcopy(model, memo)
 

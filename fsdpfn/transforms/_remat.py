@@ -16,6 +16,8 @@ recompute inside each unit's autograd node and takes the module's forward over w
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import optree
 import torch
 from torch import nn
@@ -56,7 +58,7 @@ class _Remat(torch.autograd.Function):
         ctx.run.kept = None  # handed over: freed as the recompute consumes them
         try:
             with torch.enable_grad(), replay:
-                outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)
+                outs, vjp = torch.func.vjp(lambda *fs: ctx.run(*fs, *rest), *floats)  # type: ignore[misc]  # 2 values without has_aux
         finally:
             with torch._C._DisableFuncTorch():
                 torch.set_rng_state(outer)
@@ -70,31 +72,31 @@ def _wrap(module: nn.Module, original, policy: str, unit: str):
             return original(*args, **kwargs)
         names = [n for n, _ in module.named_parameters()]
         params = [p for _, p in module.named_parameters()]
-        leaves, tree = optree.tree_flatten((list(args), kwargs), none_is_leaf=True)
+        leaves, tree = optree.tree_flatten(cast(Any, (list(args), kwargs)), none_is_leaf=True)
         idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         floats = [i for i in idx if leaves[i].is_floating_point()]
         others = [i for i in idx if not leaves[i].is_floating_point()]
-        out_tree = []
+        out_tree: list[Any] = []
 
         def run(*tensors):
             ps, fx, ox = tensors[: len(params)], tensors[len(params) : len(params) + len(floats)], tensors[len(params) + len(floats) :]
             filled = list(leaves)
             for i, t in zip(floats + others, (*fx, *ox)):
                 filled[i] = t
-            a, kw = optree.tree_unflatten(tree, filled)
-            module._fsdpfn_in_remat = True
+            a, kw = cast("tuple[list, dict]", optree.tree_unflatten(tree, filled))
+            module._fsdpfn_in_remat = True  # type: ignore[assignment]  # nn.Module's __setattr__ stub takes tensors and modules only
             try:
                 out = torch.func.functional_call(module, dict(zip(names, ps)), tuple(a), kw, strict=False)
             finally:
-                module._fsdpfn_in_remat = False
+                module._fsdpfn_in_remat = False  # type: ignore[assignment]  # as above
             flat, spec = optree.tree_flatten(out)
             out_tree[:] = [spec]
             return tuple(flat)
 
         # Kept on the function, not passed as an input: an input tensor would be wrapped by torch.func.
         with torch._C._DisableFuncTorch():
-            run.rng = torch.get_rng_state()
-        run.policy, run.unit, run.kept = policy, unit, None
+            run.rng = torch.get_rng_state()  # type: ignore[attr-defined]  # state kept on the function
+        run.policy, run.unit, run.kept = policy, unit, None  # type: ignore[attr-defined]  # likewise
         flat = _Remat.apply(run, len(params) + len(floats), *params, *(leaves[i] for i in floats), *(leaves[i] for i in others))
         return optree.tree_unflatten(out_tree[0], list(flat))
 

@@ -28,10 +28,10 @@ same reduce-scatter, in ``reduce_dtype``, into the fp32 masters.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -83,15 +83,15 @@ def _placements(plan: Plan, name: str) -> tuple:
     if axes.dim(Role.EP) is not None and not unit.experts:  # on the flattened ep x shard mesh
         dense = (Shard(0) if unit.slots[name].sharded else Replicate(),)
         return (Replicate(), *dense) if axes.hsdp else dense  # after the replicate axis (unit_mesh)
-    out = []
+    out: list[Placement] = []
     for d, role in enumerate(axes.roles):
         if role is Role.SHARD:
             if not unit.slots[name].sharded or (spec.tp_stride > 1 and axes.shard_size == 1):
                 # A fused colwise part is never cut over a data-parallel axis of > 1 rank (the plan refuses it).
                 out.append(Replicate())
-            elif spec.tp_dim == 0 and axes.tp_size > 1 and axes.dim(Role.TP) > d:
+            elif spec.tp_dim == 0 and axes.tp_size > 1 and cast(int, axes.dim(Role.TP)) > d:
                 out.append(_StridedShard(0, split_factor=axes.tp_size))
-            elif spec.expert and axes.ep_size > 1 and axes.dim(Role.EP) > d:
+            elif spec.expert and axes.ep_size > 1 and cast(int, axes.dim(Role.EP)) > d:
                 out.append(_StridedShard(0, split_factor=axes.ep_size))
             else:
                 out.append(Shard(0))
@@ -264,7 +264,7 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
       torch.Size([128, 32])
     """
     if isinstance(model_or_params, torch.nn.Module):
-        full = dict(model_or_params.named_parameters())
+        full: dict[str, torch.Tensor] = dict(model_or_params.named_parameters())
     else:
         full = model_or_params
     check_params(full, plan, "shard(model_or_params)")

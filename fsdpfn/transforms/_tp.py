@@ -47,10 +47,10 @@ def _apply_ep(model: nn.Module, plan: Plan) -> None:
         if not hasattr(mod, "set_ep_group"):
             continue
         if plan.ep_size > 1:
-            mod.set_ep_group(group)
+            mod.set_ep_group(group)  # type: ignore[operator]  # hasattr above; nn.Module's __getattr__ stub says Tensor | Module
             setattr(mod, _EP_ATTR, True)
         elif getattr(mod, _EP_ATTR, False):
-            mod.set_ep_group(None)
+            mod.set_ep_group(None)  # type: ignore[operator]  # as above
             delattr(mod, _EP_ATTR)
 
 
