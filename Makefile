@@ -16,7 +16,7 @@ EXTRAS ?= test,demo,hf,docs
 # (a new virtual environment): otherwise setup costs a fraction of a second instead of pip's ~15 s.
 STAMP := .setup-stamp
 SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read() + b'$(EXTRAS)' + sys.prefix.encode()).hexdigest())"
-SETUP_OK = $(PYTHON) -c "import importlib.metadata as md, importlib.util as u, sys; md.distribution('fsdpfn'); sys.exit(any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings']))"
+SETUP_OK = $(PYTHON) -c "import importlib.metadata as md, importlib.util as u, sys; md.distribution('fsdpfn'); sys.exit(any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy']))"
 
 .PHONY: setup demo test docs docs-refresh bench
 

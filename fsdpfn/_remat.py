@@ -264,7 +264,7 @@ class _Trace:
     """The operators a unit's forward ran, with their outputs' fingerprints: computing ones in
     order, views by (operator, n-th call). Allocations are left out (no values, and spelt
     differently under ``torch.func``), and so is the order of views (``torch.func`` adds
-    ``expand``\ s); every value a view exposes reaches the rest through a computing operator."""
+    ``expand`` calls); every value a view exposes reaches the rest through a computing operator."""
 
     def __init__(self):
         self.ops: list = []  # (canonical name, metadata) of the computing operators, in order
