@@ -25,6 +25,7 @@ import fsdpfn
 from fsdpfn import comm as C
 from fsdpfn import testing
 from fsdpfn.models import Experts, MoE, MoEConfig
+from _refusals import refusals
 
 W, H, E = 8, 12, 4
 
@@ -148,16 +149,7 @@ def _refusals(rank, world):
         "small_mesh_bind": lambda: fsdpfn.plan(_net(fsdpfn_moe), (1,)).bind(small),
         "dispatching": lambda: fsdpfn.plan(_net(Top1MoE), ep, experts=["blocks.*.moe.w1", "blocks.*.moe.w2"]),
     }
-    out = {}
-    with fsdpfn.count_collectives() as counter:
-        for key, build in cases.items():
-            try:
-                build()
-                out[key] = "no error"
-            except (ValueError, NotImplementedError) as e:
-                out[key] = f"{type(e).__name__}: {e}"
-    out["collectives"] = sum(counter.counts().values())
-    return out
+    return refusals(cases)
 
 
 def test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective(run_on_ranks):

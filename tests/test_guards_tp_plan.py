@@ -27,6 +27,7 @@ import fsdpfn
 from fsdpfn import testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig, Llama, LlamaConfig
 from fsdpfn.runtime import Runtime
+from _refusals import refusals
 
 WIDTH, HEADS, VOCAB, SEQ, PER_RANK = 16, 4, 20, 8, 2
 
@@ -382,16 +383,7 @@ def _every_rank(rank, world):
         "fused_dp": lambda: fsdpfn.plan(_fused_model(), testing.mesh((2, 2), ("dp", "tp")), tp=FUSED_TP),
         "rebind": lambda: fsdpfn.plan(_gpt(), {"dp": 2, "tp": 2}, tp=GPT_TP_PLAN).bind(testing.mesh((1, 4), ("dp", "tp"))),
     }
-    out = {}
-    with fsdpfn.comm.count_collectives() as counter:
-        for key, build in cases.items():
-            try:
-                build()
-                out[key] = "no error"
-            except (ValueError, NotImplementedError) as e:
-                out[key] = f"{type(e).__name__}: {e}"
-    out["collectives"] = sum(counter.counts().values())
-    return out
+    return refusals(cases)
 
 
 def test_tp_layout_errors_reach_every_rank_before_any_collective(run_on_ranks):

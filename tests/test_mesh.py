@@ -12,6 +12,7 @@ import torch
 import fsdpfn
 from fsdpfn import MeshAxes, Role, testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
+from _refusals import refusals
 
 CFG = GPTConfig(vocab_size=64, width=32, depth=2, heads=4)
 DATA = os.path.join(os.path.dirname(__file__), "data", "plans_format1_2.json")
@@ -141,16 +142,7 @@ def _bad_tp(rank, world):
             GPT(GPTConfig(vocab_size=64, width=96, depth=1, heads=4)), mesh, tp={"blocks.*.proj": "rowwise", "blocks.*.qkv": "colwise"},
             mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8="mxfp8")),
     }
-    out = {}
-    with fsdpfn.comm.count_collectives() as counter:
-        for key, build in cases.items():
-            try:
-                build()
-                out[key] = "no error"
-            except (ValueError, NotImplementedError) as e:
-                out[key] = f"{type(e).__name__}: {e}"
-    out["collectives"] = sum(counter.counts().values())
-    return out
+    return refusals(cases)
 
 
 def test_bad_tp_input_is_named_on_every_rank_before_any_collective(run_on_ranks):

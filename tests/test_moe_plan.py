@@ -28,6 +28,7 @@ from torch import nn
 import fsdpfn
 from fsdpfn import optim, testing
 from fsdpfn.models import MoE, MoEConfig
+from _refusals import refusals
 
 CFG = MoEConfig(width=8, hidden=12, experts=4, top_k=2, aux_weight=0.1)
 TOKENS = 16
@@ -221,16 +222,7 @@ def _bad_ep(rank, world):
         "pattern": lambda: fsdpfn.plan(_model(), mesh, experts=["blocks.*.moe.w9"]),
         "tp": lambda: fsdpfn.plan(_model(), {"ep": 2, "edp": 1, "tp": 2}),
     }
-    out = {}
-    with fsdpfn.count_collectives() as counter:
-        for key, build in cases.items():
-            try:
-                build()
-                out[key] = "no error"
-            except (ValueError, NotImplementedError) as e:
-                out[key] = f"{type(e).__name__}: {e}"
-    out["collectives"] = sum(counter.counts().values())
-    return out
+    return refusals(cases)
 
 
 def test_bad_expert_plans_are_named_on_every_rank_before_any_collective(run_on_ranks):
