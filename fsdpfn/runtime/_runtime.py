@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
