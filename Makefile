@@ -16,7 +16,9 @@ EXTRAS ?= test,demo,hf,docs
 # (a new virtual environment): otherwise setup costs a fraction of a second instead of pip's ~15 s.
 STAMP := .setup-stamp
 SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read() + b'$(EXTRAS)' + sys.prefix.encode()).hexdigest())"
-SETUP_OK = $(PYTHON) -c "import importlib.metadata as md, importlib.util as u, sys; md.distribution('fsdpfn'); sys.exit(any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy']))"
+# fsdpfn must import from this checkout (an editable install of another, or a deleted, checkout
+# in the same environment does not count), looked up without the current directory on the path.
+SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy']))"
 
 .PHONY: setup demo test docs docs-refresh bench
 

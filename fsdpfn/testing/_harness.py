@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -59,6 +61,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
     if action:
         warnings.simplefilter(action)  # type: ignore[arg-type]  # a name from the environment; warnings checks it
     start_rank(rank, world_size, f"file://{init_file}", timeout_s=pg_timeout_s, flight_dir=os.path.dirname(init_file))
+    # A call that times out asks each silent rank where it is (see _stacks_of).
+    stacks = open(_stacks_path(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     healthy = True
     while True:
         task = tasks.get()
@@ -105,6 +110,36 @@ def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
         p.start()
         procs.append(p)
     return _Pool(world_size, procs, tasks, results, folder)
+
+
+def _stacks_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"stacks_rank{rank}.txt")
+
+
+def _stacks_of(pool: _Pool, ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
+    """The Python stacks of the pool's ``ranks`` (every thread), asked for with SIGUSR1: where a
+    rank that never answered was waiting. Ranks whose stack did not arrive are left out."""
+    asked = []
+    for r in ranks:
+        p = pool.procs[r]
+        if p.is_alive() and not process_stopped(p.pid):
+            try:
+                os.truncate(_stacks_path(pool.folder, r), 0)
+                os.kill(p.pid, signal.SIGUSR1)
+                asked.append(r)
+            except OSError:
+                pass
+    time.sleep(wait_s if asked else 0.0)
+    out = {}
+    for r in asked:
+        try:
+            with open(_stacks_path(pool.folder, r)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            out[r] = text
+    return out
 
 
 def _kill_pool(world_size: int) -> None:
@@ -213,7 +248,12 @@ def run_on_ranks(
         if out[0] == "error":
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
 
-    if len(answers) < world_size or not healthy:
+    missing = [r for r in range(world_size) if r not in answers]
+    if missing and not any(a[0] == "error" for a in answers.values()):
+        for r, stack in _stacks_of(pool, missing).items():
+            answers[r] = ("error", f"rank {r} did not finish within {timeout:.0f} s (hang?); it was stopped. "
+                                   f"Its threads were at:\n{stack}")
+    if missing or not healthy:
         _kill_pool(world_size)  # the next call starts a fresh pool
     name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
     raise_rank_errors(answers, world_size, cast(str, name), f"within {timeout:.0f} s (hang?)")
