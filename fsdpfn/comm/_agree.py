@@ -22,7 +22,10 @@ from fsdpfn.comm import _record
 
 __all__ = ["exchange_problems", "exchange_values"]
 
+# (label, group) -> rounds run, for the current job only: a job that ended on one rank in the
+# middle of its checks (a pool task that raised) must not shift the next job's round numbers.
 _ROUNDS: dict[tuple[str, int], int] = {}
+_ROUNDS_JOB: list[str] = [""]
 
 
 def exchange_problems(label: str, problem: str | None, group=None) -> dict[int, str]:
@@ -62,8 +65,12 @@ def _exchange(label: str, value, group, read_all: bool) -> dict:
     if store is None:
         return {me: value} if (value or read_all) else {}
     # Every rank runs the same checks in the same order, so the round number agrees too.
+    job = _record.job_label()
+    if _ROUNDS_JOB[0] != job:
+        _ROUNDS.clear()
+        _ROUNDS_JOB[0] = job
     n = _ROUNDS[(label, gid)] = _ROUNDS.get((label, gid), 0) + 1
-    base = f"fsdpfn/agree/{_record.job_label()}/{gid:x}/{label}/{n}"
+    base = f"fsdpfn/agree/{job}/{gid:x}/{label}/{n}"
     seconds = _groups.timeout()
 
     def arrive() -> None:
