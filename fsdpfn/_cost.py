@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from fsdpfn._plan import Plan, _human, register_cost_model
+from fsdpfn._schedule import Schedule, validate
 from fsdpfn._steps import Collective, CollectiveCost, static_memory, step_collectives, totals
 
 __all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
@@ -88,10 +89,15 @@ class PlanCost:
 
 
 def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-              micro_batches: int = 1, accumulate: str = "reduce") -> PlanCost:
+              micro_batches: int = 1, accumulate: str = "reduce", schedule: Schedule | None = None) -> PlanCost:
     """:meth:`fsdpfn.Plan.cost` (see there)."""
-    calls: tuple[Collective, ...] = step_collectives(plan, reshard_after_forward=reshard_after_forward, micro_batches=micro_batches,
-                                                     accumulate=accumulate, tokens=tokens)
+    if schedule is not None:
+        if not isinstance(schedule, Schedule):
+            raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(schedule).__name__}")
+        validate(schedule, plan)
+        prefetch = schedule.prefetch
+    calls: tuple[Collective, ...] = step_collectives(plan, schedule=schedule, reshard_after_forward=reshard_after_forward,
+                                                     micro_batches=micro_batches, accumulate=accumulate, tokens=tokens)
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds.update(totals(calls))
     mem = {**static_memory(plan), "unsharded_peak": 0}
@@ -103,8 +109,12 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: i
             continue
         # The runtime's default frees zero3 units after forward except the root, whose backward
         # starts right after its forward (FSDP2 makes the same exception).
-        resharded = reshard_after_forward is True or (reshard_after_forward is None and unit.name != "")
-        if unit.strategy.reshards_after_forward and resharded:
+        if schedule is not None:
+            resharded = schedule.reshard_after_forward(unit.name)
+        else:
+            resharded = unit.strategy.reshards_after_forward and (
+                reshard_after_forward is True or (reshard_after_forward is None and unit.name != ""))
+        if resharded:
             freed.append(full_gathered)
         else:
             mem["unsharded_peak"] += full_gathered

@@ -1,9 +1,13 @@
 """The schedule: the explicit, ordered operations of one training step.
 
-A :class:`Schedule` is data, derived from a plan by :func:`schedule` and executed, op by op, by
-:class:`fsdpfn.runtime.Runtime`. It prints readably, parses back from its printed form, and can be
-edited (``dataclasses.replace(s, ops=...)``); :func:`validate` rejects an invalid one before
-anything runs.
+A :class:`Schedule` is data, derived from a plan by :func:`schedule` (the one builder of a
+step's op list) and read by everything that describes a step: :class:`fsdpfn.runtime.Runtime`
+executes it op by op, :func:`fsdpfn.step_collectives` expands it into the collectives it issues
+(which ``plan.cost()`` sums and :func:`fsdpfn.sim.simulate` times). It prints readably, parses
+back from its printed form, and can be edited (``dataclasses.replace(s, ops=...)``);
+:func:`validate` rejects an invalid one before anything runs. It is plan-level data (no
+transforms, no runtime), so the plan-level accounting reads the very list the runtime runs;
+``fsdpfn.runtime`` re-exports it.
 
 [Note: schedule ops and events]
 Two kinds of ops. *Actions* the executor performs::
@@ -43,7 +47,7 @@ import enum
 import re
 from typing import cast
 
-from fsdpfn._plan import ROOT, ROOT_LABEL, Plan, unit_label
+from fsdpfn._plan_values import ROOT, ROOT_LABEL, Plan, unit_label
 
 __all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "schedule", "validate"]
 
@@ -376,7 +380,7 @@ def validate(sched: Schedule, plan: Plan) -> None:
       >>> no_wait = [op for op in s.ops if op != Op("wait", "blocks.1")]
       >>> validate(dataclasses.replace(s, ops=no_wait), plan)
       Traceback (most recent call last):
-      fsdpfn.runtime._schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
+      fsdpfn._schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
     """
     _made_for_plan(sched, plan)
     walk = _Walk(sched, tuple(u.name for u in plan.units))
