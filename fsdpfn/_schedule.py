@@ -260,73 +260,68 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     blocks = [u for u in units if u != ROOT and u not in nested]
 
     def reshards(name: str) -> bool:
-        if plan.unit(name).strategy != "zero3" or reshard_after_forward is False:
+        if not plan.unit(name).strategy.reshards_after_forward or reshard_after_forward is False:
             return False
         return reshard_after_forward is True or name != ROOT
 
     ops: list[Op] = []
 
-    def prefetch_from(order: list[str], start: int, gathered: set[str]) -> None:
-        for name in order[start : start + prefetch]:
-            if name not in gathered:
-                ops.append(Op(OpKind.GATHER, name))
-                gathered.add(name)
+    gathered: set[str] = set()  # units gathered (or being gathered) and not freed since
 
-    # Forward.
-    gathered: set[str] = set()
-    if root_present:
-        ops += [Op(OpKind.FORWARD, ROOT), Op(OpKind.GATHER, ROOT)]
-        gathered.add(ROOT)
-        prefetch_from(blocks, 0, gathered)
-        ops.append(Op(OpKind.WAIT, ROOT))
-    for i, name in enumerate(blocks):
-        ops.append(Op(OpKind.FORWARD, name))
+    def gather(name: str) -> None:
         if name not in gathered:
             ops.append(Op(OpKind.GATHER, name))
             gathered.add(name)
-        prefetch_from(blocks, i + 1, gathered)
-        ops.append(Op(OpKind.WAIT, name))
-        for child in inner.get(name, ()):
-            ops += [Op(OpKind.FORWARD, child), Op(OpKind.GATHER, child), Op(OpKind.WAIT, child), Op(OpKind.FORWARD_DONE, child)]
-            gathered.add(child)
-            if reshards(child):
-                ops.append(Op(OpKind.FREE, child))
-                gathered.discard(child)
-        ops.append(Op(OpKind.FORWARD_DONE, name))
+
+    def free_after_forward(name: str) -> None:
         if reshards(name):
             ops.append(Op(OpKind.FREE, name))
             gathered.discard(name)
+
+    def prefetch_from(order: list[str], start: int) -> None:
+        for name in order[start : start + prefetch]:
+            gather(name)
+
+    # Forward.
+    if root_present:
+        ops.append(Op(OpKind.FORWARD, ROOT))
+        gather(ROOT)
+        prefetch_from(blocks, 0)
+        ops.append(Op(OpKind.WAIT, ROOT))
+    for i, name in enumerate(blocks):
+        ops.append(Op(OpKind.FORWARD, name))
+        gather(name)
+        prefetch_from(blocks, i + 1)
+        ops.append(Op(OpKind.WAIT, name))
+        for child in inner.get(name, ()):
+            ops.append(Op(OpKind.FORWARD, child))
+            gather(child)
+            ops += [Op(OpKind.WAIT, child), Op(OpKind.FORWARD_DONE, child)]
+            free_after_forward(child)
+        ops.append(Op(OpKind.FORWARD_DONE, name))
+        free_after_forward(name)
     if root_present:
         ops.append(Op(OpKind.FORWARD_DONE, ROOT))
-        if reshards(ROOT):
-            ops.append(Op(OpKind.FREE, ROOT))
-            gathered.discard(ROOT)
+        free_after_forward(ROOT)
 
     # Backward.
     back = list(reversed(blocks))
     live = set(gathered)  # units still unsharded after forward
-    gathered = set(live)
     if root_present:
         ops.append(Op(OpKind.BACKWARD, ROOT))
-        if ROOT not in gathered:
-            ops.append(Op(OpKind.GATHER, ROOT))
-            gathered.add(ROOT)
-        prefetch_from(back, 0, gathered)
+        gather(ROOT)
+        prefetch_from(back, 0)
         if ROOT not in live:
             ops.append(Op(OpKind.WAIT, ROOT))
     for i, name in enumerate(back):
         ops.append(Op(OpKind.BACKWARD, name))
-        if name not in gathered:
-            ops.append(Op(OpKind.GATHER, name))
-            gathered.add(name)
-        prefetch_from(back, i + 1, gathered)
+        gather(name)
+        prefetch_from(back, i + 1)
         if name not in live:
             ops.append(Op(OpKind.WAIT, name))
         for child in reversed(inner.get(name, ())):
             ops.append(Op(OpKind.BACKWARD, child))
-            if child not in gathered:
-                ops.append(Op(OpKind.GATHER, child))
-                gathered.add(child)
+            gather(child)
             if child not in live:
                 ops.append(Op(OpKind.WAIT, child))
             ops += [Op(OpKind.BACKWARD_DONE, child), Op(OpKind.FREE, child), Op(OpKind.REDUCE, child), Op(OpKind.WAIT_REDUCE, child)]
