@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from fsdpfn._plan import Plan, _human, register_cost_model
+from fsdpfn._schedule import Schedule, validate
+from fsdpfn._schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn._steps import Collective, CollectiveCost, static_memory, step_collectives, totals
 
 __all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
@@ -88,10 +90,18 @@ class PlanCost:
 
 
 def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-              micro_batches: int = 1, accumulate: str = "reduce") -> PlanCost:
+              micro_batches: int = 1, accumulate: str = "reduce", schedule: Schedule | None = None) -> PlanCost:
     """:meth:`fsdpfn.Plan.cost` (see there)."""
-    calls: tuple[Collective, ...] = step_collectives(plan, reshard_after_forward=reshard_after_forward, micro_batches=micro_batches,
-                                                     accumulate=accumulate, tokens=tokens)
+    if schedule is not None:
+        if not isinstance(schedule, Schedule):
+            raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(schedule).__name__}")
+        validate(schedule, plan)
+        prefetch = schedule.prefetch
+    # Which units are freed after forward is the schedule's: the runtime's default frees zero3
+    # units but the root, whose backward starts right after its forward (as FSDP2).
+    freed_after_forward = (schedule or default_schedule(plan, 0, reshard_after_forward)).reshard_after_forward
+    calls: tuple[Collective, ...] = step_collectives(plan, schedule=schedule, reshard_after_forward=reshard_after_forward,
+                                                     micro_batches=micro_batches, accumulate=accumulate, tokens=tokens)
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds.update(totals(calls))
     mem = {**static_memory(plan), "unsharded_peak": 0}
@@ -101,10 +111,7 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: i
         if not unit.sharded:
             mem["unsharded_peak"] += full_gathered  # unshard's cast copy
             continue
-        # The runtime's default frees zero3 units after forward except the root, whose backward
-        # starts right after its forward (FSDP2 makes the same exception).
-        resharded = reshard_after_forward is True or (reshard_after_forward is None and unit.name != "")
-        if unit.strategy.reshards_after_forward and resharded:
+        if freed_after_forward(unit.name):
             freed.append(full_gathered)
         else:
             mem["unsharded_peak"] += full_gathered

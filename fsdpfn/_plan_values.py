@@ -790,7 +790,7 @@ class Plan:
     # ---- inspection ----------------------------------------------------------------------
 
     def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-             micro_batches: int = 1, accumulate: str = "reduce"):
+             micro_batches: int = 1, accumulate: str = "reduce", schedule: Any = None):
         """Bytes each collective kind moves per rank per training step, and memory per rank.
 
         Every figure is summed from :func:`fsdpfn.step_collectives`, the list of the step's
@@ -810,6 +810,10 @@ class Plan:
           accumulate: ``"reduce"`` (every micro-batch reduces, except ``zero1`` units, which
             reduce once per step) or ``"local"`` (only the last micro-batch reduces), as
             :class:`fsdpfn.runtime.Runtime`'s.
+          schedule: a :class:`fsdpfn.runtime.Schedule` for this plan (default or hand-edited):
+            the step it runs is costed, its ops expanded as the runtime runs them;
+            ``reshard_after_forward`` and ``prefetch`` are then read from it. ``None``: the
+            runtime's default schedule with those two.
 
         Returns:
           a :class:`fsdpfn.PlanCost`.
@@ -819,7 +823,8 @@ class Plan:
           >>> c.collectives["all_gather"].calls, c.collectives["reduce_scatter"].calls
           (20, 12)
         """
-        return _cost_model[0](self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate)
+        return _cost_model[0](self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate,
+                              schedule=schedule)
 
     def __str__(self) -> str:
         if self.axes.legacy and not self.tp:
@@ -864,8 +869,8 @@ def register_serialisers(to_dict, from_dict) -> None:
 
 
 def register_cost_model(fn) -> None:
-    """Makes ``fn(plan, reshard_after_forward, prefetch, *, tokens, micro_batches, accumulate)``
-    the function behind :meth:`Plan.cost`."""
+    """Makes ``fn(plan, reshard_after_forward, prefetch, *, tokens, micro_batches, accumulate,
+    schedule)`` the function behind :meth:`Plan.cost`."""
     _cost_model[:] = [fn]
 
 

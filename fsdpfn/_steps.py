@@ -1,14 +1,16 @@
 """The collectives of a training step, listed from a plan: the one source of every derived figure.
 
-:func:`step_collectives` walks a plan and a schedule description (which units are gathered a
-second time in backward, how many micro-batches, how gradients accumulate, and the tokens an
-activation holds) and lists every collective one rank issues, call by call, as
-:mod:`fsdpfn.comm` records it: kind, the unit (and tag), the mesh axis and its role, the group
+:func:`step_ops` expands the step's op list (the :class:`fsdpfn.runtime.Schedule` that
+:func:`fsdpfn.runtime.schedule` builds and the runtime executes, or a hand-edited one) over the
+micro-batches, how gradients accumulate and the tokens an activation holds, and gives each op
+the collectives it issues; :func:`step_collectives` lists them, call by call, as
+:mod:`fsdpfn.comm` records them: kind, the unit (and tag), the mesh axis and its role, the group
 size, the full buffer's bytes, its dtype, and the phase (forward or backward) and micro-batch it
-runs in. Everything else derives from that list:
+runs in. Bytes sent follow :func:`fsdpfn._wire.wire_bytes`, the counter's own formula.
+Everything else derives from that list:
 
 - :meth:`fsdpfn.Plan.cost` sums it per kind;
-- :func:`fsdpfn.sim.simulate` times it, each entry on the schedule op that issues it;
+- :func:`fsdpfn.sim.simulate` times it, walking :func:`step_ops` op by op;
 - tests compare it, call for call, with a :func:`fsdpfn.comm.count_collectives` record of a
   real step (every strategy, HSDP, FP8 gathers, tensor parallelism, accumulation).
 
@@ -76,13 +78,15 @@ from typing import Any, Iterable, cast
 import torch
 
 from fsdpfn._mesh import Role
-from fsdpfn._plan_values import ROOT, Plan, Unit, unit_label
+from fsdpfn._plan_values import Plan, Unit, unit_label
+from fsdpfn._schedule import Op, OpKind
+from fsdpfn._schedule import schedule as default_schedule  # ``schedule`` is an argument below
+from fsdpfn._wire import wire_bytes
 
-__all__ = ["Collective", "CollectiveCost", "PHASES", "reduces_now", "static_memory", "step_collectives", "totals"]
+__all__ = ["Collective", "CollectiveCost", "PHASES", "StepOp", "reduces_now", "static_memory", "step_collectives", "step_ops", "totals"]
 
 PHASES = ("forward", "backward", "optimizer")
 ACCUMULATE = ("reduce", "local")
-_WIRE = {"all_reduce": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +133,9 @@ class Collective:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes one rank sends: ``(g-1)/g`` of the buffer, twice that for an all-reduce."""
-        return _WIRE.get(self.kind, 1.0) * (self.group_size - 1) / self.group_size * self.nbytes
+        """Bytes one rank sends: ``(g-1)/g`` of the buffer, twice that for an all-reduce
+        (:func:`fsdpfn._wire.wire_bytes`, as the counter records it)."""
+        return wire_bytes(self.kind, self.group_size, self.nbytes)
 
     @property
     def activation(self) -> bool:
@@ -247,72 +252,123 @@ def _unit_ep(plan: Plan, unit: Unit, event: str, tokens: int) -> list[tuple]:
     }[event]
 
 
-def _nested(plan: Plan) -> dict[str, list[str]]:
-    """``{unit: [expert units inside it]}``: an expert unit runs inside the unit enclosing its
-    layer (as :func:`fsdpfn.runtime.schedule` nests it)."""
-    names = [u.name for u in plan.units]
-    out: dict[str, list[str]] = {}
-    for u in plan.units:
-        host = max((h for h in names if h and h != u.name and u.name.startswith(h + ".")), key=len, default=None)
-        if u.experts and host is not None:
-            out.setdefault(host, []).append(u.name)
-    return out
+@dataclasses.dataclass(frozen=True)
+class StepOp:
+    """One op of a schedule as one micro-batch of a step runs it, with what it issues.
+
+    Attributes:
+      micro_batch: which micro-batch of the step runs it.
+      index: its index in the schedule's ops.
+      op: the :class:`fsdpfn.runtime.Op`.
+      phase: ``"forward"`` until the first backward event of the micro-batch, then ``"backward"``.
+      reduces: whether a ``reduce``/``wait_reduce``/``copy_out`` of this micro-batch moves
+        gradients (:func:`reduces_now`); ``False`` for other ops.
+      collectives: what the op issues when it is reached (an event: before the actions after it).
+      with_compute: an event's activation collectives, issued while its unit computes, after the
+        actions that follow the event (tensor-parallel modules, an expert layer's combine).
+    """
+
+    micro_batch: int
+    index: int
+    op: Op
+    phase: str
+    reduces: bool = False
+    collectives: tuple[Collective, ...] = ()
+    with_compute: tuple[Collective, ...] = ()
 
 
-def _default_ops(plan: Plan, reshard_after_forward: bool | None) -> list[tuple[str, str]]:
-    """The actions and events of ``fsdpfn.runtime.schedule(plan, prefetch=0,
-    reshard_after_forward)`` that issue collectives, in its order (prefetch moves gathers
-    earlier but never adds or removes one)."""
-    units = [u.name for u in plan.units]
-    root = ROOT in units
-    inner = _nested(plan)
-    nested = {c for cs in inner.values() for c in cs}
-    blocks = [u for u in units if u != ROOT and u not in nested]
-
-    def reshards(name: str) -> bool:
-        if plan.unit(name).strategy != "zero3" or reshard_after_forward is False:
-            return False
-        return reshard_after_forward is True or name != ROOT
-
-    ops: list[tuple[str, str]] = []
-    if root:
-        ops += [("forward", ROOT), ("gather", ROOT)]
-    for name in blocks:
-        ops += [("forward", name), ("gather", name)]
-        for child in inner.get(name, ()):
-            ops += [("forward", child), ("gather", child), ("forward_done", child)]
-        ops.append(("forward_done", name))
-    ops.append(("forward_done", ROOT))
-    back = list(reversed(blocks))
-    if root:
-        ops.append(("backward", ROOT))
-        if reshards(ROOT):
-            ops.append(("gather", ROOT))
-    for i, name in enumerate(back):
-        ops.append(("backward", name))
-        if reshards(name):
-            ops.append(("gather", name))
-        for child in reversed(inner.get(name, ())):
-            ops.append(("backward", child))
-            if reshards(child):
-                ops.append(("gather", child))
-            ops += [("backward_done", child), ("reduce", child), ("wait_reduce", child)]
-        ops += [("backward_done", name), ("reduce", name)]
-        if i > 0:  # the runtime waits for a unit's reduce once the next unit's is started
-            ops.append(("wait_reduce", back[i - 1]))
-    ops.append(("end", ROOT))
-    if root:
-        ops += [("reduce", ROOT), ("wait_reduce", ROOT)]
-    ops += [("wait_reduce", name) for name in back[-1:]]
-    return ops
+def _check_step_args(micro_batches: int, accumulate: str, tokens: int | None) -> None:
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+        raise ValueError(f"tokens must be None or an int >= 0 (tokens per rank per micro-batch: batch x sequence), got {tokens!r}")
 
 
-_EVENTS = frozenset({"forward", "forward_done", "backward", "backward_done", "end"})
+def step_ops(
+    plan: Plan,
+    sched: Any,
+    *,
+    micro_batches: int = 1,
+    accumulate: str = "reduce",
+    tokens: int | None = None,
+    indexed: bool = True,
+) -> tuple[StepOp, ...]:
+    """The ops of ``sched`` (a :class:`fsdpfn.runtime.Schedule`, or anything with ``ops`` of
+    ``kind`` and ``unit``) as each micro-batch of a step runs them, each with the collectives it
+    issues (see [Note: what a step issues]). :func:`step_collectives` is their collectives in
+    order; the simulator times them op by op. ``indexed=False`` lists each collective with
+    ``op=-1``.
+
+    Example:
+      >>> ops = step_ops(plan, fsdpfn.runtime.schedule(plan))
+      >>> [(str(s.op), s.phase, [c.kind for c in s.collectives]) for s in ops][:2]
+      [('forward <root>', 'forward', []), ('gather <root>', 'forward', ['all_gather'])]
+    """
+    _check_step_args(micro_batches, accumulate, tokens)
+    ops = [op if isinstance(op, Op) else Op(op.kind, op.unit) for op in (sched.ops if hasattr(sched, "ops") else sched)]
+    units = {u.name: u for u in plan.units}
+    tp = _tp_modules(plan) if plan.tp else {}
+    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
+    ep_dim = plan.axes.dim(Role.EP)
+    if ep_dim is not None:  # dense units: the ep and shard axes flattened, in mesh order
+        dense_axis = "_".join(plan.axes.names[d] for d in sorted((ep_dim, cast(int, plan.axes.dim(Role.SHARD)))))
+    ntok = 0 if tokens is None else tokens
+    backward_events = (OpKind.BACKWARD, OpKind.BACKWARD_DONE, OpKind.END)
+
+    def listed(entries, unit: str, phase: str, m: int, i: int) -> tuple[Collective, ...]:
+        out = []
+        for kind, role, nbytes, dtype, purpose, *tag in entries:
+            name, size = axes[role]
+            if role is Role.SHARD and ep_dim is not None and not units[unit].experts:
+                name, size = dense_axis, plan.axes.dense_shard_size
+            out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,
+                                  m, i if indexed else -1))
+        return tuple(out)
+
+    out: list[StepOp] = []
+    for m in range(micro_batches):
+        last = m == micro_batches - 1
+        phase = "forward"
+        for i, op in enumerate(ops):
+            kind, name = op.kind, op.unit
+            unit = units.get(name)
+            if kind in backward_events:
+                phase = "backward"
+            now: tuple[Collective, ...] = ()
+            later: tuple[Collective, ...] = ()
+            reduces = False
+            if kind in (OpKind.FORWARD, OpKind.BACKWARD) and name in tp:
+                later = listed(_unit_tp(plan, tp[name], kind.value, ntok), name, phase, m, i)
+            elif unit is not None and unit.experts and kind in (OpKind.FORWARD, OpKind.BACKWARD):
+                now = listed(_unit_ep(plan, unit, kind.value, ntok), name, phase, m, i)  # before the experts' gather
+            elif unit is not None and unit.experts and kind in (OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE):
+                later = listed(_unit_ep(plan, unit, kind.value, ntok), name, phase, m, i)
+            elif unit is not None and kind is OpKind.GATHER:
+                now = listed(_unit_gather(plan, unit), name, phase, m, i)
+            elif unit is not None and kind in (OpKind.REDUCE, OpKind.WAIT_REDUCE, OpKind.COPY_OUT):
+                reduces = reduces_now(unit, last, accumulate)
+                if reduces and kind is not OpKind.COPY_OUT:
+                    now = listed(_unit_reduce(plan, unit)[kind is OpKind.WAIT_REDUCE], name, phase, m, i)
+            out.append(StepOp(m, i, op, phase, reduces, now, later))
+    return tuple(out)
 
 
-def _kind(op: Any) -> str:
-    kind = op.kind
-    return str(getattr(kind, "value", kind))
+def _in_issue_order(ops: Iterable[StepOp]) -> Iterable[Collective]:
+    """The collectives of ``ops`` as a rank issues them: an event's ``with_compute`` ones after
+    the actions that follow it, before the next event's."""
+    pending: tuple[Collective, ...] = ()
+    micro_batch = 0
+    for s in ops:
+        if s.op.is_event or s.micro_batch != micro_batch:
+            yield from pending
+            pending = ()
+        micro_batch = s.micro_batch
+        yield from s.collectives
+        if s.op.is_event:
+            pending = s.with_compute
+    yield from pending
 
 
 def step_collectives(
@@ -325,13 +381,15 @@ def step_collectives(
     tokens: int | None = None,
 ) -> tuple[Collective, ...]:
     """Every collective one rank issues in a training step of ``plan``, in issue order (see
-    [Note: what a step issues]).
+    [Note: what a step issues]): the collectives of the schedule's ops (:func:`step_ops`).
 
     Args:
       plan: the plan (bound or abstract).
       schedule: a :class:`fsdpfn.runtime.Schedule` (or anything with ``ops`` of ``kind`` and
-        ``unit``) to walk; each entry then names the op that issues it. Default: the runtime's
-        default schedule with ``reshard_after_forward``.
+        ``unit``), default or hand-edited; each entry then names the op that issues it.
+        Default: :func:`fsdpfn.runtime.schedule` of ``plan`` with ``prefetch=0`` and
+        ``reshard_after_forward`` (prefetch moves gathers earlier but never adds or removes
+        one), each entry listed with ``op=-1``.
       reshard_after_forward: as :func:`fsdpfn.runtime.schedule` (``None``: every ``zero3`` unit
         but the root is gathered again in backward); ignored with a ``schedule``.
       micro_batches: micro-batches per step, each running the whole schedule.
@@ -350,65 +408,12 @@ def step_collectives(
       >>> totals(calls)["reduce_scatter"].calls
       3
     """
-    if accumulate not in ACCUMULATE:
-        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
-        raise ValueError(f"tokens must be None or an int >= 0 (tokens per rank per micro-batch: batch x sequence), got {tokens!r}")
-    if schedule is not None:
-        ops = [(_kind(op), op.unit) for op in (schedule.ops if hasattr(schedule, "ops") else schedule)]
-        indexed = True
-    else:
-        ops = _default_ops(plan, reshard_after_forward)
-        indexed = False
-    units = {u.name: u for u in plan.units}
-    tp = _tp_modules(plan) if plan.tp else {}
-    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
-    ep_dim = plan.axes.dim(Role.EP)
-    if ep_dim is not None:  # dense units: the ep and shard axes flattened, in mesh order
-        dense_axis = "_".join(plan.axes.names[d] for d in sorted((ep_dim, cast(int, plan.axes.dim(Role.SHARD)))))
-    ntok = 0 if tokens is None else tokens
-    out: list[Collective] = []
-
-    def add(entries, unit: str, phase: str, m: int, i: int) -> None:
-        for kind, role, nbytes, dtype, purpose, *tag in entries:
-            name, size = axes[role]
-            if role is Role.SHARD and ep_dim is not None and not units[unit].experts:
-                name, size = dense_axis, plan.axes.dense_shard_size
-            out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,
-                                  m, i if indexed else -1))
-
-    for m in range(micro_batches):
-        last = m == micro_batches - 1
-        phase = "forward"
-        pending = None  # a unit's tensor-parallel collectives run with its compute, after the event's actions
-        for i, (kind, name) in enumerate(ops):
-            if kind in _EVENTS:
-                if pending is not None:
-                    add(*pending)
-                    pending = None
-                if kind in ("backward", "backward_done", "end"):
-                    phase = "backward"
-                if kind in ("forward", "backward") and name in tp:
-                    pending = (_unit_tp(plan, tp[name], kind, ntok), name, phase, m, i)
-                elif name in units and units[name].experts and kind in ("forward", "backward"):
-                    add(_unit_ep(plan, units[name], kind, ntok), name, phase, m, i)  # before the experts' gather
-                elif name in units and units[name].experts and kind in ("forward_done", "backward_done"):
-                    pending = (_unit_ep(plan, units[name], kind, ntok), name, phase, m, i)
-                continue
-            unit = units.get(name)
-            if unit is None:
-                continue
-            if kind == "gather":
-                add(_unit_gather(plan, unit), name, phase, m, i)
-            elif kind == "reduce" and reduces_now(unit, last, accumulate):
-                add(_unit_reduce(plan, unit)[0], name, phase, m, i)
-            elif kind == "wait_reduce" and reduces_now(unit, last, accumulate):
-                add(_unit_reduce(plan, unit)[1], name, phase, m, i)
-        if pending is not None:
-            add(*pending)
-    return tuple(out)
+    _check_step_args(micro_batches, accumulate, tokens)
+    indexed = schedule is not None
+    if schedule is None:
+        schedule = default_schedule(plan, 0, reshard_after_forward)
+    ops = step_ops(plan, schedule, micro_batches=micro_batches, accumulate=accumulate, tokens=tokens, indexed=indexed)
+    return tuple(_in_issue_order(ops))
 
 
 @dataclasses.dataclass(frozen=True)

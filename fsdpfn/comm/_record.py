@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterator, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
+from fsdpfn._wire import wire_bytes
 from fsdpfn.comm import _groups
 
 __all__ = [
@@ -92,7 +93,8 @@ class CollectiveCall(NamedTuple):
       nbytes: size of the larger of input and output buffer (the full-length buffer).
       wire_bytes: bytes each rank sends under a bandwidth-optimal algorithm:
         ``(W-1)/W * nbytes`` for all-gather, reduce-scatter, all-to-all and broadcast,
-        ``2 (W-1)/W * nbytes`` for all-reduce and a barrier (a one-element all-reduce).
+        ``2 (W-1)/W * nbytes`` for all-reduce and a barrier (a one-element all-reduce); see
+        [Note: bytes on the wire] in ``fsdpfn/_wire.py``, which every predicted figure shares.
       dtype: the element type sent.
       tag: free-form label given by the caller (a unit name), or ``""``.
     """
@@ -158,9 +160,6 @@ def count_collectives() -> Iterator[CollectiveCounter]:
         yield counter
     finally:
         _active().remove(counter)
-
-
-_WIRE_FACTOR = {"all_reduce": 2.0, "barrier": 2.0}
 
 
 class FlightRecord(NamedTuple):
@@ -401,8 +400,7 @@ def record(kind: str, group_size: int, nbytes: int, dtype: torch.dtype, tag: str
     """Counts one collective and, when it involves other ranks (``ranks``, their group id
     ``gid``), gives it the next sequence number of its group and records it (see [Note: the flight
     recorder]). Touches nothing outside this process but the host-readable file."""
-    wire = _WIRE_FACTOR.get(kind, 1.0) * (group_size - 1) / group_size * nbytes
-    call = CollectiveCall(kind, group_size, nbytes, wire, dtype, tag)
+    call = CollectiveCall(kind, group_size, nbytes, wire_bytes(kind, group_size, nbytes), dtype, tag)
     for counter in _active():
         counter.calls.append(call)
     if group_size == 1:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from fsdpfn._wire import wire_bytes
+
 __all__ = ["compiling", "count_compiled", "graph_collectives", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter"]
 
 
@@ -90,7 +92,7 @@ def graph_collectives(gm) -> list:
       >>> fsdpfn.comm.graph_collectives(gm)
       []
     """
-    from fsdpfn.comm._record import _WIRE_FACTOR, CollectiveCall
+    from fsdpfn.comm._record import CollectiveCall
 
     calls = []
     for node in gm.graph.nodes:
@@ -105,8 +107,7 @@ def graph_collectives(gm) -> list:
             continue
         big = max(src.numel(), out.numel()) * src.element_size()
         w = _group_size_of(node.args[-1])
-        factor = _WIRE_FACTOR.get(kind, 1.0)
-        calls.append(CollectiveCall(kind, w, big, factor * (w - 1) / w * big if w else 0.0, src.dtype, "compiled"))
+        calls.append(CollectiveCall(kind, w, big, wire_bytes(kind, w, big), src.dtype, "compiled"))
     return calls
 
 

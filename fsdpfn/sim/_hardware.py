@@ -43,33 +43,14 @@ from typing import Mapping, Union, cast
 
 import torch
 
+from fsdpfn._wire import ring_steps, wire_bytes
 from fsdpfn.sim._kernels import Kernels, _dtype_key
 
 __all__ = ["A100_SXM", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Kernels", "Link", "PRESETS", "collective_steps", "wire_bytes"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-_WIRE = {"all_reduce": 2.0}
-
-
-def wire_bytes(kind: str, group_size: int, nbytes: float) -> float:
-    """Bytes one rank sends for a collective whose full buffer has ``nbytes`` (see
-    [Note: the alpha-beta collective model]); the convention of ``fsdpfn.comm.CollectiveCall``.
-
-    Example:
-      >>> wire_bytes("all_gather", 4, 1024), wire_bytes("all_reduce", 4, 1024)
-      (768.0, 1536.0)
-    """
-    return _WIRE.get(kind, 1.0) * (group_size - 1) / group_size * nbytes
-
-
-def collective_steps(kind: str, group_size: int) -> int:
-    """Sequential hops of a ring collective over ``group_size`` ranks (each pays ``alpha``).
-
-    Example:
-      >>> collective_steps("all_gather", 8), collective_steps("all_reduce", 8)
-      (7, 14)
-    """
-    return (2 if kind == "all_reduce" else 1) * (group_size - 1)
+# Each hop pays ``alpha``: the ring's hops, as the counter's bytes, come from fsdpfn._wire.
+collective_steps = ring_steps
 
 
 @dataclasses.dataclass(frozen=True)

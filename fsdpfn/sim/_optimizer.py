@@ -49,6 +49,7 @@ import torch
 from fsdpfn import Plan, optim
 from fsdpfn._mesh import Role
 from fsdpfn._rows import chunk_bounds
+from fsdpfn._wire import wire_bytes
 from fsdpfn.sim._workload import EMPTY, Work, count_work
 
 __all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "Wait", "local_shapes", "owner_loads"]
@@ -63,7 +64,7 @@ class CommCost(NamedTuple):
         ``"shard+tp"``: Muon's work group over both), or ``"dense"`` (the ``ep`` x ``shard``
         axes flattened, where dense units live beside experts).
       nbytes: full-buffer bytes on the costed rank, as ``fsdpfn.comm.CollectiveCall`` records.
-      wire_bytes: what the counter records as sent (``(W-1)/W * nbytes``).
+      wire_bytes: what the counter records as sent (:func:`fsdpfn.sim.wire_bytes`).
       sent: bytes the busiest rank really sends or receives (what sets the time).
       dtype: element type sent.
       tag: ``""``: blocking (the step waits for it at once); otherwise launched asynchronously
@@ -391,7 +392,8 @@ class Muon:
         if not per_rank:
             return [ns + copies], (flops,) * w
         nbytes = w * per_rank * item
-        comm = CommCost("all_gather", g.roles, nbytes, (w - 1) / w * nbytes, (w - 1) / w * nbytes, g.dtype)
+        wire = wire_bytes("all_gather", w, nbytes)
+        comm = CommCost("all_gather", g.roles, nbytes, wire, wire, g.dtype)
         return [comm, ns + copies], (flops,) * w
 
     def _owner(self, g: "_Group"):
@@ -434,7 +436,7 @@ class Muon:
 
         def a2a(k: int, way: str) -> CommCost:
             nbytes, sent = buckets[k][0][way]
-            return CommCost("all_to_all", g.roles, nbytes, (w - 1) / w * nbytes, sent, g.dtype, f"{way} {k}")
+            return CommCost("all_to_all", g.roles, nbytes, wire_bytes("all_to_all", w, nbytes), sent, g.dtype, f"{way} {k}")
 
         phases: list = []
         if buckets:

@@ -50,7 +50,7 @@ import fsdpfn
 from fsdpfn import Plan
 from fsdpfn._plan import ROOT
 from fsdpfn._remat import check_policy
-from fsdpfn.runtime import Schedule, schedule as make_schedule
+from fsdpfn._schedule import Schedule, schedule as make_schedule
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._simulate import SimResult, simulate
 from fsdpfn.sim._workload import Workload, profile

@@ -36,9 +36,11 @@ their gradient) on top of those.
 The optimizer step follows the last micro-batch: its phases in order; a collective blocks unless
 it is tagged (Muon's pipelined owner layout), then it runs on the ``optimizer`` stream until
 the :class:`fsdpfn.sim.Wait` of its tag.
-Which collectives run, on which op, with which bytes, is not worked out here: it is
-:func:`fsdpfn.step_collectives` of the plan and the schedule (the list ``plan.cost()`` sums and
-tests compare with a ``count_collectives()`` record of a real step); the simulator times it.
+Which collectives run, on which op, with which bytes, and whether a micro-batch reduces, is not
+worked out here: the walk is over ``fsdpfn._steps.step_ops`` of the plan and the schedule, each
+op with the collectives it issues (the list :func:`fsdpfn.step_collectives` gives, which
+``plan.cost()`` sums and tests compare with a ``count_collectives()`` record of a real step);
+the simulator times it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from typing import Any, NamedTuple, cast
 
 from fsdpfn import Plan
 from fsdpfn._mesh import Role
-from fsdpfn._steps import Collective, reduces_now, static_memory, step_collectives, totals
-from fsdpfn.runtime import Op, OpKind, Schedule, schedule as default_schedule, validate
+from fsdpfn._schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
+from fsdpfn._steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals
 from fsdpfn.sim._engine import Task, run
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._optimizer import CommCost, Wait
@@ -235,10 +237,9 @@ def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
 class _Builder:
     """Walks the schedule (see [Note: from schedule ops to tasks])."""
 
-    def __init__(self, plan: Plan, wl: Workload, hw: Hardware, rank: int, calls: dict):
+    def __init__(self, plan: Plan, wl: Workload, hw: Hardware, rank: int):
         self.plan, self.wl, self.hw = plan, wl, hw
         self.units = {u.name: u for u in plan.units}
-        self.at_op = calls  # (micro-batch, op index) -> the collectives that op issues
         self.tasks: list[Task] = []
         self.op, self.micro_batch = -1, 0  # what the tasks made now belong to
         self.last_compute: int | None = None
@@ -308,8 +309,9 @@ class _Builder:
         """A collective the host waits for at once."""
         self.compute(EMPTY, "wait", c.tag, after=self.collective(c, stream))
 
-    def listed(self, purpose: str) -> list[Collective]:
-        return [c for c in self.at_op.get((self.micro_batch, self.op), ()) if c.purpose == purpose]
+    @staticmethod
+    def listed(s: StepOp, purpose: str) -> list[Collective]:
+        return [c for c in s.collectives if c.purpose == purpose]
 
     # ---- memory ------------------------------------------------------------------------
 
@@ -330,35 +332,39 @@ class _Builder:
 
     # ---- ops ---------------------------------------------------------------------------
 
-    def gather(self, name: str) -> None:
+    def gather(self, s: StepOp) -> None:
+        name = s.op.unit
         unit, plan = self.units[name], self.plan
         item = plan.gather_dtype(unit).itemsize
         w = plan.shard_size
         self.hold("unsharded", name, unit.numel * item)
-        for c in self.listed("amax"):  # the per-tensor FP8 scales need the whole tensor's amax first
+        for c in self.listed(s, "amax"):  # the per-tensor FP8 scales need the whole tensor's amax first
             self.blocking(c, "all_gather")
         copied = self.copies.pop(name, None)
-        for c in self.listed("gather"):
+        for c in self.listed(s, "gather"):
             segment = c.nbytes // w
             self.compute(Work(bytes=2 * segment, ops=2 * len(unit.params)), "copy", name, after=copied)
             self.hold("buffers", "gather " + name, c.nbytes + segment)
             self.gathers[name] = self.collective(c, "all_gather")
 
-    def wait(self, name: str) -> None:
+    def wait(self, s: StepOp) -> None:
+        name = s.op.unit
         unit = self.units[name]
         item = self.plan.gather_dtype(unit).itemsize
         self.compute(Work(bytes=2 * unit.numel * item, ops=len(unit.params)), "copy", name, after=self.gathers.pop(name, None))
         self.drop("buffers", "gather " + name)
         self.drop("buffers", "staged " + name)  # an offloaded unit's device copy of its shards
 
-    def copy_in(self, name: str) -> None:
+    def copy_in(self, s: StepOp) -> None:
+        name = s.op.unit
         nbytes = _shard_bytes(self.units[name])
         self.hold("buffers", "staged " + name, nbytes)
         self.copies[name] = self.copy("copy_in", name, nbytes)
 
-    def copy_out(self, name: str, last: bool, accumulate: str) -> None:
+    def copy_out(self, s: StepOp) -> None:
+        name = s.op.unit
         unit = self.units[name]
-        if not reduces_now(unit, last, accumulate):
+        if not s.reduces:
             return
         nbytes = _shard_bytes(unit, self.plan.reduce_dtype(unit).itemsize)
         self.hold("buffers", "grad out " + name, nbytes)
@@ -366,15 +372,16 @@ class _Builder:
         self.compute(EMPTY, "wait", name, after=done)  # the runtime's device-to-host copy is blocking
         self.drop("buffers", "grad out " + name)
 
-    def free(self, name: str) -> None:
-        self.drop("unsharded", name)
+    def free(self, s: StepOp) -> None:
+        self.drop("unsharded", s.op.unit)
 
-    def reduce(self, name: str, last: bool, accumulate: str) -> None:
+    def reduce(self, s: StepOp) -> None:
+        name = s.op.unit
         unit, plan = self.units[name], self.plan
         r_item = plan.reduce_dtype(unit).itemsize
         w = plan.shard_size
         self.drop("grads", name)
-        if not reduces_now(unit, last, accumulate):  # summed into a kept full gradient, nothing sent
+        if not s.reduces:  # summed into a kept full gradient, nothing sent
             self.compute(Work(bytes=3 * unit.numel * r_item, ops=len(unit.params)), "copy", name)
             if ("acc", name) not in self.held:
                 self.held[("acc", name)] = 0
@@ -390,29 +397,24 @@ class _Builder:
             size = unit.numel * r_item
             self.compute(Work(bytes=2 * size, ops=len(unit.params) + 1), "copy", name)
             self.hold("buffers", "reduce " + name, size)
-        for c in self.listed("reduce"):
+        for c in self.listed(s, "reduce"):
             self.reduces[name] = self.collective(c, "reduce_scatter")
 
-    def wait_reduce(self, name: str, last: bool, accumulate: str) -> None:
+    def wait_reduce(self, s: StepOp) -> None:
+        name = s.op.unit
         unit, plan = self.units[name], self.plan
-        if not reduces_now(unit, last, accumulate):
+        if not s.reduces:
             return
         r_item = plan.reduce_dtype(unit).itemsize
         n = unit.reduce_numel if unit.sharded else unit.numel
         after = self.reduces.pop(name, None)
-        for c in self.listed("replicate_reduce"):  # HSDP: fsdpfn.transforms runs it inside the reduce's finish
+        for c in self.listed(s, "replicate_reduce"):  # HSDP: fsdpfn.transforms runs it inside the reduce's finish
             if after is not None:
                 self.compute(EMPTY, "wait", name, after=after)
             after = self.collective(c, "all_reduce")
         master = unit.params[0].dtype.itemsize if unit.params else 4
         self.compute(Work(bytes=n * (r_item + 2 * master), ops=2 * len(unit.params)), "copy", name, after=after)
         self.drop("buffers", "reduce " + name)
-
-    def tensor_parallel(self, event: int) -> None:
-        """The activation collectives of the unit whose event ``event`` was: blocking, after its compute."""
-        for c in self.at_op.get((self.micro_batch, event), ()):
-            if c.activation:
-                self.blocking(c, "tp")
 
     def event(self, op: Op) -> None:
         kind, unit = op.kind, op.unit
@@ -426,43 +428,36 @@ class _Builder:
         elif kind is OpKind.END:
             self.drop("activations", ROOT)
 
-    def step(self, sched: Schedule, last: bool, accumulate: str) -> None:
-        pending: tuple[Work, str, str, int] | None = None
-        for i, op in enumerate(sched.ops):
-            if op.is_event:
-                if pending is not None:
-                    self.op = pending[3]
-                    self.compute(*pending[:3])
-                    self.momentary(self.wl.transient_at(sched.ops[pending[3]]))
-                    self.tensor_parallel(pending[3])
-                self.op = i
-                self.event(op)
-                phase = "forward" if op.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE) else "backward"
-                # After a unit's *_done event (and 'end') the root's own code runs.
-                owner = op.unit if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
-                pending = (self.wl.at(op), phase, owner, i)
-                continue
-            self.op = i
-            name = op.unit
-            if op.kind is OpKind.GATHER:
-                self.gather(name)
-            elif op.kind is OpKind.WAIT:
-                self.wait(name)
-            elif op.kind is OpKind.FREE:
-                self.free(name)
-            elif op.kind is OpKind.REDUCE:
-                self.reduce(name, last, accumulate)
-            elif op.kind is OpKind.WAIT_REDUCE:
-                self.wait_reduce(name, last, accumulate)
-            elif op.kind is OpKind.COPY_IN:
-                self.copy_in(name)
-            elif op.kind is OpKind.COPY_OUT:
-                self.copy_out(name, last, accumulate)
+    def work(self, s: StepOp) -> None:
+        """The work after event ``s`` (and the actions following it): its compute, then its
+        unit's activation collectives, blocking on the ``tp`` stream (they sit between its matmuls)."""
+        self.op, self.micro_batch = s.index, s.micro_batch
+        phase = "forward" if s.op.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE) else "backward"
+        # After a unit's *_done event (and 'end') the root's own code runs.
+        owner = s.op.unit if s.op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
+        self.compute(self.wl.at(s.op), phase, owner)
+        self.momentary(self.wl.transient_at(s.op))
+        for c in s.collectives + s.with_compute:
+            if c.activation:
+                self.blocking(c, "tp")
+
+    def step(self, ops: tuple[StepOp, ...]) -> None:
+        """Walks the step's ops (every micro-batch's), each with the collectives it issues."""
+        actions = {OpKind.GATHER: self.gather, OpKind.WAIT: self.wait, OpKind.FREE: self.free, OpKind.REDUCE: self.reduce,
+                   OpKind.WAIT_REDUCE: self.wait_reduce, OpKind.COPY_IN: self.copy_in, OpKind.COPY_OUT: self.copy_out}
+        pending: StepOp | None = None
+        for s in ops:
+            if pending is not None and (s.op.is_event or s.micro_batch != pending.micro_batch):
+                self.work(pending)
+                pending = None
+            self.op, self.micro_batch = s.index, s.micro_batch
+            if s.op.is_event:
+                self.event(s.op)
+                pending = s
+            else:
+                actions[s.op.kind](s)
         if pending is not None:
-            self.op = pending[3]
-            self.compute(*pending[:3])
-            self.momentary(self.wl.transient_at(sched.ops[pending[3]]))
-            self.tensor_parallel(pending[3])
+            self.work(pending)
         self.micro_batch += 1
 
     def optimizer(self, cost) -> None:
@@ -552,13 +547,10 @@ def simulate(
     validate(sched, plan)
     if micro_batches > 3 and not exact:
         return _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank)
-    listed = step_collectives(plan, schedule=sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens)
-    at_op: dict[tuple[int, int], list[Collective]] = {}
-    for c in listed:
-        at_op.setdefault((c.micro_batch, c.op), []).append(c)
-    b = _Builder(plan, workload, hardware, rank, at_op)
-    for i in range(micro_batches):
-        b.step(sched, i == micro_batches - 1, accumulate)
+    ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens)
+    listed = sum(len(s.collectives) + len(s.with_compute) for s in ops)
+    b = _Builder(plan, workload, hardware, rank)
+    b.step(ops)
     opt_cost = optimizer.cost(plan, rank) if optimizer is not None else None
     b.streamed = bool(getattr(optimizer, "streamed", False))
     if b.streamed and opt_cost is not None:  # in: params, grads, state; out: state, updates (offloaded units)
@@ -574,8 +566,8 @@ def simulate(
     busy = _union([(s.start, s.end) for s in spans if s.stream == "compute"])
     in_flight = _union([(s.start, s.end) for s in spans if s.stream != "compute"])
     static = _static_memory(plan, opt_cost)
-    if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != len(listed):
-        raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {len(listed)} listed collectives")
+    if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != listed:
+        raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {listed} listed collectives")
     peak = sum(v for k, v in static.items() if k != "host") + b.peak["total"]
     memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
               "peak": peak, "reserved": int(peak * (1.0 + hardware.memory_reserve))}

@@ -46,7 +46,7 @@ from torch.utils.module_tracker import ModuleTracker
 from fsdpfn import Plan
 from fsdpfn._flops import is_attention, op_flops, tensors_of
 from fsdpfn._remat import SaveMode
-from fsdpfn.runtime import Op, OpKind
+from fsdpfn._schedule import Op, OpKind
 
 __all__ = ["Work", "Workload", "count_work", "profile"]
 

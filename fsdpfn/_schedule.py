@@ -1,9 +1,13 @@
 """The schedule: the explicit, ordered operations of one training step.
 
-A :class:`Schedule` is data, derived from a plan by :func:`schedule` and executed, op by op, by
-:class:`fsdpfn.runtime.Runtime`. It prints readably, parses back from its printed form, and can be
-edited (``dataclasses.replace(s, ops=...)``); :func:`validate` rejects an invalid one before
-anything runs.
+A :class:`Schedule` is data, derived from a plan by :func:`schedule` (the one builder of a
+step's op list) and read by everything that describes a step: :class:`fsdpfn.runtime.Runtime`
+executes it op by op, :func:`fsdpfn.step_collectives` expands it into the collectives it issues
+(which ``plan.cost()`` sums and :func:`fsdpfn.sim.simulate` times). It prints readably, parses
+back from its printed form, and can be edited (``dataclasses.replace(s, ops=...)``);
+:func:`validate` rejects an invalid one before anything runs. It is plan-level data (no
+transforms, no runtime), so the plan-level accounting reads the very list the runtime runs;
+``fsdpfn.runtime`` re-exports it.
 
 [Note: schedule ops and events]
 Two kinds of ops. *Actions* the executor performs::
@@ -43,7 +47,7 @@ import enum
 import re
 from typing import cast
 
-from fsdpfn._plan import ROOT, ROOT_LABEL, Plan, unit_label
+from fsdpfn._plan_values import ROOT, ROOT_LABEL, Plan, unit_label
 
 __all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "schedule", "validate"]
 
@@ -256,73 +260,68 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     blocks = [u for u in units if u != ROOT and u not in nested]
 
     def reshards(name: str) -> bool:
-        if plan.unit(name).strategy != "zero3" or reshard_after_forward is False:
+        if not plan.unit(name).strategy.reshards_after_forward or reshard_after_forward is False:
             return False
         return reshard_after_forward is True or name != ROOT
 
     ops: list[Op] = []
 
-    def prefetch_from(order: list[str], start: int, gathered: set[str]) -> None:
-        for name in order[start : start + prefetch]:
-            if name not in gathered:
-                ops.append(Op(OpKind.GATHER, name))
-                gathered.add(name)
+    gathered: set[str] = set()  # units gathered (or being gathered) and not freed since
 
-    # Forward.
-    gathered: set[str] = set()
-    if root_present:
-        ops += [Op(OpKind.FORWARD, ROOT), Op(OpKind.GATHER, ROOT)]
-        gathered.add(ROOT)
-        prefetch_from(blocks, 0, gathered)
-        ops.append(Op(OpKind.WAIT, ROOT))
-    for i, name in enumerate(blocks):
-        ops.append(Op(OpKind.FORWARD, name))
+    def gather(name: str) -> None:
         if name not in gathered:
             ops.append(Op(OpKind.GATHER, name))
             gathered.add(name)
-        prefetch_from(blocks, i + 1, gathered)
-        ops.append(Op(OpKind.WAIT, name))
-        for child in inner.get(name, ()):
-            ops += [Op(OpKind.FORWARD, child), Op(OpKind.GATHER, child), Op(OpKind.WAIT, child), Op(OpKind.FORWARD_DONE, child)]
-            gathered.add(child)
-            if reshards(child):
-                ops.append(Op(OpKind.FREE, child))
-                gathered.discard(child)
-        ops.append(Op(OpKind.FORWARD_DONE, name))
+
+    def free_after_forward(name: str) -> None:
         if reshards(name):
             ops.append(Op(OpKind.FREE, name))
             gathered.discard(name)
+
+    def prefetch_from(order: list[str], start: int) -> None:
+        for name in order[start : start + prefetch]:
+            gather(name)
+
+    # Forward.
+    if root_present:
+        ops.append(Op(OpKind.FORWARD, ROOT))
+        gather(ROOT)
+        prefetch_from(blocks, 0)
+        ops.append(Op(OpKind.WAIT, ROOT))
+    for i, name in enumerate(blocks):
+        ops.append(Op(OpKind.FORWARD, name))
+        gather(name)
+        prefetch_from(blocks, i + 1)
+        ops.append(Op(OpKind.WAIT, name))
+        for child in inner.get(name, ()):
+            ops.append(Op(OpKind.FORWARD, child))
+            gather(child)
+            ops += [Op(OpKind.WAIT, child), Op(OpKind.FORWARD_DONE, child)]
+            free_after_forward(child)
+        ops.append(Op(OpKind.FORWARD_DONE, name))
+        free_after_forward(name)
     if root_present:
         ops.append(Op(OpKind.FORWARD_DONE, ROOT))
-        if reshards(ROOT):
-            ops.append(Op(OpKind.FREE, ROOT))
-            gathered.discard(ROOT)
+        free_after_forward(ROOT)
 
     # Backward.
     back = list(reversed(blocks))
     live = set(gathered)  # units still unsharded after forward
-    gathered = set(live)
     if root_present:
         ops.append(Op(OpKind.BACKWARD, ROOT))
-        if ROOT not in gathered:
-            ops.append(Op(OpKind.GATHER, ROOT))
-            gathered.add(ROOT)
-        prefetch_from(back, 0, gathered)
+        gather(ROOT)
+        prefetch_from(back, 0)
         if ROOT not in live:
             ops.append(Op(OpKind.WAIT, ROOT))
     for i, name in enumerate(back):
         ops.append(Op(OpKind.BACKWARD, name))
-        if name not in gathered:
-            ops.append(Op(OpKind.GATHER, name))
-            gathered.add(name)
-        prefetch_from(back, i + 1, gathered)
+        gather(name)
+        prefetch_from(back, i + 1)
         if name not in live:
             ops.append(Op(OpKind.WAIT, name))
         for child in reversed(inner.get(name, ())):
             ops.append(Op(OpKind.BACKWARD, child))
-            if child not in gathered:
-                ops.append(Op(OpKind.GATHER, child))
-                gathered.add(child)
+            gather(child)
             if child not in live:
                 ops.append(Op(OpKind.WAIT, child))
             ops += [Op(OpKind.BACKWARD_DONE, child), Op(OpKind.FREE, child), Op(OpKind.REDUCE, child), Op(OpKind.WAIT_REDUCE, child)]
@@ -376,7 +375,7 @@ def validate(sched: Schedule, plan: Plan) -> None:
       >>> no_wait = [op for op in s.ops if op != Op("wait", "blocks.1")]
       >>> validate(dataclasses.replace(s, ops=no_wait), plan)
       Traceback (most recent call last):
-      fsdpfn.runtime._schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
+      fsdpfn._schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
     """
     _made_for_plan(sched, plan)
     walk = _Walk(sched, tuple(u.name for u in plan.units))
