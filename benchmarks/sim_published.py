@@ -13,9 +13,9 @@ Two sets of rows, kept apart:
   on them.
 
 torchtitan's per-operator selective checkpointing is expressed exactly as a ``save_names``
-policy (see ``OP_SAC``). torchtitan's H100 runs used a 500 W H100 with 96 GB HBM2e whose peak is
-published only as lying between two figures: those rows are predicted at both and printed as a
-bracket, apart from the preset rows. Rows the simulator cannot express are printed with the
+policy (see ``OP_SAC``). Each run is predicted on the preset of the part it names
+(torchtitan's H100 runs: ``sim.H100_96GB_500W``), and each row shows the predicted components
+(matmuls, attention, memory-bound work, communication and its exposed part) beside the ratio. Rows the simulator cannot express are printed with the
 reason (torch.compile, FP8 compute, context/pipeline parallelism).
 
 Each table's loss is profiled as its code ran it (torchtitan's float32 cross-entropy, llm-foundry's
@@ -323,30 +323,52 @@ def workload(row: Row, model, plan, prefix: str) -> sim.Workload:
     return _WORKLOADS[key]
 
 
-# torchtitan's H100 tables ran on Grand Teton hosts: 8 H100 SXM with 96 GB HBM2e at 2.4 TB/s,
-# NVLink, 400 Gb/s RDMA per GPU, at a 500 W power limit (TT_H100, "Hardware"). Its footnote: "the
-# actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". So these
-# rows are predicted twice, with the H100 SXM preset's kernels at the NVL's dense BF16 peak (NVIDIA
-# H100 NVL datasheet: 1,671 TFLOP/s BF16 with sparsity, 835.5 dense) and at the SXM's (989), and
-# reported as that bracket; they check the H100 kernel figures, and nothing is set from them.
-_H100_96GB = dataclasses.replace(sim.H100_SXM, name="H100 SXM 96GB HBM2e 500W", memory_bandwidth=2.4e12, memory=96 * 10**9)
-BRACKETS = {"H100_96GB_500W": (dataclasses.replace(_H100_96GB, matmul_flops={"bfloat16": 835.5e12, "float32": 67e12 * 835.5 / 989}),
-                               _H100_96GB)}
-
-
-def hardware(name: str, raw: bool = False) -> list[sim.Hardware]:
-    """The preset(s) a row runs on; ``raw``: with ``Kernels.sustained`` at 1 (to refit it)."""
-    hws = list(BRACKETS.get(name, (sim.PRESETS.get(name),)))
+# Each published run names its part, and each part is a preset (fsdpfn/sim/_hardware.py names the
+# sources): torchtitan's H100 tables ran on Grand Teton hosts, 8 H100 SXM with 96 GB HBM2e at
+# 2.4 TB/s and a 500 W limit (TT_H100, "Hardware"): sim.H100_96GB_500W.
+def hardware(name: str, raw: bool = False) -> sim.Hardware:
+    """The preset a row runs on; ``raw``: with ``Kernels.sustained`` at 1 (to refit it)."""
+    hw = sim.PRESETS[name]
     if raw:
-        hws = [dataclasses.replace(h, kernels=dataclasses.replace(h.kernels, sustained=1.0)) for h in hws]
-    return hws
+        hw = dataclasses.replace(hw, kernels=dataclasses.replace(hw.kernels, sustained=1.0))
+    return hw
 
 
-def predict(row: Row, hw: sim.Hardware) -> sim.SimResult:
+# Which fused attention kernel each table's runs used, read from their configurations:
+# - torchtitan (2024): ``F.scaled_dot_product_attention`` with a causal mask, whose CUDA flash
+#   backend is FlashAttention-2 (torch 2.x ships FA2 as ``_scaled_dot_product_flash_attention``);
+# - llm-foundry's MPT sweep (scripts/train/benchmarking/sweep.sh) passes no ``--attn_impl``, so
+#   submit_benchmarks.py's default applies: ``--attn_impl flash`` with the ``gpu-flash2`` extra
+#   installed (submit_benchmarks.py at commit 51652eae71ec81ab388f7126a92c1b0c17158d80), i.e.
+#   flash-attn 2.x: FlashAttention-2.
+# Both are the presets' attention kernel class ("fa2": see fsdpfn/sim/_rates.py).
+ATTENTION_KERNEL = {TT_A100: "fa2", TT_H100: "fa2", TT_H200: "fa2", FOUNDRY: "fa2", NEMO: "fa2", MBRIDGE: "fa2"}
+
+
+def components(res: sim.SimResult, wl: sim.Workload, hw: sim.Hardware, micro_batches: int) -> dict[str, float]:
+    """Seconds per step of each predicted component on one rank: matmuls, fused attention,
+    memory-bound operators (one micro-batch's work times ``micro_batches``, before any slow-down
+    from running beside a collective), the compute stream's busy time, collectives in flight,
+    and the communication the compute stream waits for."""
+    mm = att = mem = 0.0
+    for _, w in wl.work:
+        for d, f, b, c in w.matmuls:
+            t = c * hw.kernel_seconds(d, f, b)
+            if d.startswith("attention "):
+                att += t
+            else:
+                mm += t
+        mem += hw.memory_seconds(w.bytes) + w.ops * hw.op_overhead
+    return {"matmul": mm * micro_batches, "attention": att * micro_batches, "memory": mem * micro_batches,
+            "compute": res.compute_time, "comm": res.comm_time, "exposed": res.exposed_comm, "step": res.step_time}
+
+
+def predict(row: Row, hw: sim.Hardware) -> tuple[sim.SimResult, dict[str, float]]:
     model, prefix = build(row.model, row.seq)
     plan = fsdpfn.plan(model, (row.gpus,), mp=MP)
     wl = workload(row, model, plan, prefix)
-    return sim.simulate(plan, runtime.schedule(plan, prefetch=1), wl, sim.AdamW(), hw, micro_batches=row.accum)
+    res = sim.simulate(plan, runtime.schedule(plan, prefetch=1), wl, sim.AdamW(), hw, micro_batches=row.accum)
+    return res, components(res, wl, hw, row.accum)
 
 
 def main(argv=None) -> None:
@@ -358,11 +380,11 @@ def main(argv=None) -> None:
                         "the presets' sustained term is set from")
     args = p.parse_args(argv)
     print("$ python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
-    for hw in (sim.H100_SXM, sim.A100_SXM):
+    for hw in (sim.H100_SXM, sim.H100_96GB_500W, sim.A100_SXM):
         print(hw)
     rows = [r for r in ROWS if args.only in (None, r.group)]
     done = 0
-    ratios: dict[str, list[float]] = {"calibration": [], "held-out": [], "bracketed": []}
+    ratios: dict[str, list[float]] = {"calibration": [], "held-out": []}
     skipped = []
     t0 = time.perf_counter()
     for group in ("calibration", "held-out"):
@@ -370,35 +392,32 @@ def main(argv=None) -> None:
         if not todo:
             continue
         print(f"\n## {group}\n")
-        print("| run | source | published tok/s/GPU | predicted | predicted / published | memory published | predicted reserved |")
-        print("|---|---|---|---|---|---|---|")
+        print("Per step on one rank, predicted: matmuls, fused attention, memory-bound operators (at full speed), the compute "
+              "stream's busy time, collectives in flight, and the communication compute waits for (exposed); seconds.\n")
+        print("| run | source | attention kernel | published tok/s/GPU | predicted | predicted / published | matmul | attention | "
+              "memory-bound | compute | comm | exposed | step | memory published | predicted reserved |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in todo:
             if r.why_not:
                 skipped.append(r)
                 continue
             if args.max_rows is not None and done >= args.max_rows:
                 break
-            res = [predict(r, hw) for hw in hardware(r.hardware, args.raw)]
-            tps = [r.micro_batch * r.accum * r.seq / x.step_time for x in res]
-            ratio = [t / r.tps for t in tps]
+            res, comp = predict(r, hardware(r.hardware, args.raw))
+            tps = r.micro_batch * r.accum * r.seq / res.step_time
+            ratio = tps / r.tps
             done += 1
             mem = f"{r.memory_gib:.1f} GiB" if r.memory_gib else "-"
-            if len(res) == 1:
-                ratios[group].append(ratio[0])
-                shown = f"{ratio[0]:.2f}{'' if abs(ratio[0] - 1) <= 0.15 else ' *'}"
-            else:  # a bracket: the device's peak is only known to lie between two figures
-                ratios["bracketed"].append(ratio)
-                shown = f"{ratio[0]:.2f}-{ratio[1]:.2f} (peak unknown)"
-            print(f"| {r.label} | {r.source[0]} | {r.tps:,.0f} | {'-'.join(f'{t:,.0f}' for t in tps)} | {shown} | {mem} | "
-                  f"{res[-1].memory['reserved'] / 2**30:.1f} GiB |", flush=True)
+            ratios[group].append(ratio)
+            shown = f"{ratio:.2f}{'' if abs(ratio - 1) <= 0.15 else ' *'}"
+            parts = " | ".join(f"{comp[k]:.3f}" for k in ("matmul", "attention", "memory", "compute", "comm", "exposed", "step"))
+            print(f"| {r.label} | {r.source[0]} | {ATTENTION_KERNEL[r.source]} | {r.tps:,.0f} | {tps:,.0f} | {shown} | {parts} | {mem} | "
+                  f"{res.memory['reserved'] / 2**30:.1f} GiB |", flush=True)
     print("\n(* outside 15%)")
     for group, rs in ratios.items():
-        if rs and group == "bracketed":
-            print(f"calibration on H100 96GB 500W (peak between 835.5 and 989 TFLOP/s): {len(rs)} rows, predicted/published "
-                  + ", ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in rs))
-        elif rs:
+        if rs:
             within = sum(abs(x - 1) <= 0.15 for x in rs)
-            print(f"{group}{' (H100_SXM and A100_SXM presets)' if group == 'calibration' else ''}: {len(rs)} rows, median predicted/published {statistics.median(rs):.2f}, "
+            print(f"{group}: {len(rs)} rows, median predicted/published {statistics.median(rs):.2f}, "
                   f"range {min(rs):.2f}-{max(rs):.2f}, {within} within 15%")
     if skipped:
         print("\n## rows the simulator cannot express\n")

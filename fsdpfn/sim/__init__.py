@@ -18,6 +18,8 @@ Example:
 from fsdpfn.sim._engine import Task as Task
 from fsdpfn.sim._engine import run as run_tasks
 from fsdpfn.sim._hardware import A100_SXM as A100_SXM
+from fsdpfn.sim._hardware import A100_SXM_40GB as A100_SXM_40GB
+from fsdpfn.sim._hardware import H100_96GB_500W as H100_96GB_500W
 from fsdpfn.sim._hardware import H100_SXM as H100_SXM
 from fsdpfn.sim._hardware import H200_SXM as H200_SXM
 from fsdpfn.sim._hardware import PRESETS as PRESETS
@@ -52,9 +54,11 @@ from fsdpfn.sim._workload import profile as profile
 
 __all__ = [
     "A100_SXM",
+    "A100_SXM_40GB",
     "AdamW",
     "Candidate",
     "CommCost",
+    "H100_96GB_500W",
     "H100_SXM",
     "H200_SXM",
     "Hardware",

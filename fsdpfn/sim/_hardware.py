@@ -44,9 +44,10 @@ from typing import Mapping, Union, cast
 import torch
 
 from fsdpfn._wire import ring_steps, wire_bytes
+from fsdpfn.sim import _rates
 from fsdpfn.sim._kernels import Kernels, _dtype_key
 
-__all__ = ["A100_SXM", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Kernels", "Link", "PRESETS", "collective_steps", "wire_bytes"]
+__all__ = ["A100_SXM", "A100_SXM_40GB", "H100_96GB_500W", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Kernels", "Link", "PRESETS", "collective_steps", "wire_bytes"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # Each hop pays ``alpha``: the ring's hops, as the counter's bytes, come from fsdpfn._wire.
@@ -129,9 +130,11 @@ class Hardware:
       devices_per_node: ranks that share the ``intra`` links.
       intra, inter: a :class:`Link` per collective kind (or one for all) within a node and
         across nodes (see [Note: the alpha-beta collective model]).
-      overlap: how well communication and compute run at once, 0..1. 1: each at full speed
-        (GPU copy engines and NCCL's few SMs); 0: they take turns (gloo on the cores that
-        compute). Two at once take ``max + (1 - overlap) * min`` of their times alone.
+      overlap: how well communication and compute run at once, 0..1. 1: each at full speed;
+        0: they take turns (gloo on the cores that compute). Two at once take ``max + (1 -
+        overlap) * min`` of their times alone. The GPU presets: 0.811, compute beside a
+        collective running 18.9% slower on average (NCCL's kernels hold SMs and memory
+        bandwidth; see ``fsdpfn/sim/_rates.py``).
       op_overhead: seconds every dispatched operator costs beyond its FLOPs and bytes (eager
         dispatch on CPU; ~0 where kernel launches run ahead of the device).
       kernels: a :class:`fsdpfn.sim.Kernels`: the fractions of the peaks that kernels reach and
@@ -360,8 +363,8 @@ _ATTN_HALF = 90.0
 _ATTN_FLOP_RATIO = 3.5 / 3.0
 
 # Matmul: the "maximum achievable matmul FLOPS" measured with mamf-finder.py over large shapes
-# (stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
-# comparison table"): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%).
+# (fsdpfn/sim/_rates.py names the table): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5
+# of 989 (80.3%).
 # A fixed 5 us per matmul kernel: a 1024^3 bf16 matmul (2.1 GFLOP) then reaches about 0.35 of
 # the large-GEMM rate on H100, the order cuBLAS gives at that size. Streaming kernels: about
 # 90% of the HBM bandwidth (device-to-device copy benchmarks on A100 and H100).
@@ -369,19 +372,25 @@ _MATMUL_LATENCY = 5e-6
 _MEMORY_EFFICIENCY = 0.9
 
 # Sustained: the one fitted term (see [Note: the kernel model]). With it at 1
-# (``python benchmarks/sim_published.py --raw``), the eight calibration runs on the presets
-# (torchtitan's FSDP2 tables on 64 A100s, with layer, per-operator and full checkpointing) are
-# predicted 1.11-1.23x faster than published, median 1.127; 1 / 1.127 = 0.887. Fitted on A100 runs
-# and used for every preset: torchtitan's H100 runs (Grand Teton, 96 GB HBM2e, 500 W) ran on a part
-# whose peak is published only as "between SXM and NVL", so they bracket the H100 figures (the
-# script prints them at both peaks) but cannot set them.
-_SUSTAINED = 0.887
-_H100_KERNELS = Kernels(matmul_efficiency=0.801, matmul_latency=_MATMUL_LATENCY, attention_efficiency=0.302,
+# (``python benchmarks/sim_published.py --only calibration --raw``), the eight A100 calibration
+# runs (torchtitan's FSDP2 tables on 64 A100s, with layer, per-operator and full checkpointing)
+# are predicted 1.09-1.17x faster than published, median 1.110; 1 / 1.110 = 0.901. (That is with
+# the published overlap slow-down below and the matmul rates above; before them the same runs
+# gave a median of 1.127 and 0.887.) Fitted on A100 runs and used for every preset; torchtitan's
+# H100 runs (H100_96GB_500W) check it.
+_SUSTAINED = 0.901
+_H100_KERNELS = Kernels(matmul_efficiency=_rates.matmul_efficiency("h100"), matmul_latency=_MATMUL_LATENCY,
+                        attention_efficiency=_rates.attention_efficiency("h100", "fa2"),
                         attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED,
                         attention_flop_ratio=_ATTN_FLOP_RATIO)
-_A100_KERNELS = Kernels(matmul_efficiency=0.859, matmul_latency=_MATMUL_LATENCY, attention_efficiency=0.62,
+_A100_KERNELS = Kernels(matmul_efficiency=_rates.matmul_efficiency("a100"), matmul_latency=_MATMUL_LATENCY,
+                        attention_efficiency=_rates.attention_efficiency("a100", "fa2"),
                         attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED,
                         attention_flop_ratio=_ATTN_FLOP_RATIO)
+
+# Compute beside a collective runs 18.9% slower on average (see fsdpfn/sim/_rates.py): every GPU
+# preset's ``overlap``.
+_GPU_OVERLAP = _rates.OVERLAP
 
 # Host-device copies and the host's memory (offload). PCIe 5.0 x16 (H100/H200): 64 GB/s each way,
 # pinned copies reach about 55 GB/s; PCIe 4.0 x16 (A100): 32 GB/s, about 25 GB/s reached
@@ -407,6 +416,7 @@ H100_SXM = Hardware(
     intra=Link(_NVLINK_ALPHA, 450e9),
     inter=Link(_NET_ALPHA, 50e9),
     op_overhead=_GPU_OP_OVERHEAD,
+    overlap=_GPU_OVERLAP,
     kernels=_H100_KERNELS,
     nics_per_node=8,
     memory_reserve=_RESERVE,
@@ -417,7 +427,7 @@ H100_SXM = Hardware(
 (1,979 with sparsity), 1,979 dense FP8, 67 TFLOP/s FP32, 80 GB HBM3 at 3.35 TB/s (81,559 MiB
 as nvidia-smi reports it). NVLink 4: 900 GB/s per GPU in both directions, 450 GB/s each way.
 Network: eight 400 Gb/s InfiniBand NDR ConnectX-7 cards per node, one per GPU (DGX H100), 50 GB/s
-each way each. Kernels: large GEMMs at 80.1% of the BF16 peak (measured maximum achievable matmul
+each way each. Kernels: large GEMMs at 80.3% of the BF16 peak (measured maximum achievable matmul
 FLOPS), FlashAttention-2 at 30.2% (see the kernel notes in ``fsdpfn/sim/_hardware.py``)."""
 
 H200_SXM = Hardware(
@@ -429,6 +439,7 @@ H200_SXM = Hardware(
     intra=Link(_NVLINK_ALPHA, 450e9),
     inter=Link(_NET_ALPHA, 50e9),
     op_overhead=_GPU_OP_OVERHEAD,
+    overlap=_GPU_OVERLAP,
     kernels=_H100_KERNELS,
     nics_per_node=8,
     memory_reserve=_RESERVE,
@@ -448,6 +459,7 @@ A100_SXM = Hardware(
     intra=Link(_NVLINK_ALPHA, 300e9),
     inter=Link(_NET_ALPHA, 25e9),
     op_overhead=_GPU_OP_OVERHEAD,
+    overlap=_GPU_OVERLAP,
     kernels=_A100_KERNELS,
     nics_per_node=8,
     memory_reserve=_RESERVE,
@@ -457,7 +469,26 @@ A100_SXM = Hardware(
 """A100 SXM 80 GB in DGX A100 nodes. NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor
 Core, 19.5 TFLOP/s FP32, 80 GB HBM2e at 2,039 GB/s (81,920 MiB). NVLink 3: 600 GB/s per GPU both
 ways, 300 each way. Network: eight 200 Gb/s HDR InfiniBand cards per node (DGX A100), 25 GB/s
-each way each. Kernels: large GEMMs at 85.9% of the BF16 peak (measured maximum achievable
+each way each. Kernels: large GEMMs at 86.9% of the BF16 peak (measured maximum achievable
 matmul FLOPS), FlashAttention-2 at 62%."""
 
-PRESETS = {"A100_SXM": A100_SXM, "H100_SXM": H100_SXM, "H200_SXM": H200_SXM}
+H100_96GB_500W = dataclasses.replace(
+    H100_SXM,
+    name="H100 SXM 96GB HBM2e 500W (Grand Teton)",
+    memory_bandwidth=2.4e12,
+    memory=96 * 10**9,
+)
+"""The H100 part of torchtitan's H100 benchmark runs (pytorch/torchtitan,
+benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): Grand Teton hosts of 8 H100 SXM
+modules with 96 GB HBM2e at 2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, at a 500 W power limit.
+The page gives its peak only as lying between the SXM's and the NVL's; the preset takes the SXM
+module's tensor cores (the same 132-SM silicon: 989 TFLOP/s dense BF16 at boost clock) and the
+H100 kernel rates, with the part's own memory and bandwidth. The 500 W limit (against 700 W)
+is not modelled beyond what ``Kernels.sustained`` absorbs."""
+
+A100_SXM_40GB = dataclasses.replace(A100_SXM, name="A100 SXM 40GB (DGX A100)", memory_bandwidth=1.555e12, memory=40960 * _MIB)
+"""A100 SXM 40 GB: NVIDIA A100 datasheet: the 80 GB part's Tensor Core rates (312 TFLOP/s
+dense BF16), 40 GB HBM2 at 1,555 GB/s (40,960 MiB); DGX A100 links and network as ``A100_SXM``."""
+
+PRESETS = {"A100_SXM": A100_SXM, "A100_SXM_40GB": A100_SXM_40GB, "H100_96GB_500W": H100_96GB_500W,
+           "H100_SXM": H100_SXM, "H200_SXM": H200_SXM}
