@@ -30,7 +30,8 @@ At most one save is in flight per process: ``async_save`` and ``save`` first wai
 previous one, and a background error nobody has seen yet is raised there, on every rank (every
 rank learned the same outcome from the agreement), before any new collective. :func:`wait`
 does the same on demand; call it before the job ends. The staged copy holds one more copy of
-this rank's shards in host memory until the write is done.
+this rank's shards in host memory until the write is done (and, for tensors updated in place,
+is kept to be reused by the next save).
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ __all__ = ["async_save"]
 
 
 _groups: dict[int, Any] = {}  # id(default process group) -> the checkpoint commits' own gloo group
+
+
+_stagers: list[DefaultStager] = []
+
+
+def _stager() -> DefaultStager:
+    """One stager per process, kept between saves: it copies a storage it has staged before into
+    the same host buffer (a save never starts before the previous one is written, so that buffer
+    is free), which spares allocating and faulting in a fresh copy of every shard per save when
+    training updates its tensors in place. Its cache holds the host copies weakly, by the
+    training tensors' storages: a loop that makes new tensors every step frees them."""
+    if not _stagers:
+        _stagers.append(DefaultStager(StagingOptions(False, False, False, False)))
+    return _stagers[0]
 
 
 def _commit_group():
@@ -144,11 +159,7 @@ def async_save(
         name, token = decide(lambda: _prepare(root, name, values), f"preparing a checkpoint in {root!r}")
     rank = comm.rank()
     mine = {p: v for p, v in tensors.items() if _shards.owned(p, v, rank)}
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    try:
-        staged = cast(dict, stager.stage(mine))
-    finally:
-        stager.close()
+    staged = cast(dict, _stager().stage(mine))
     info = {p: _tensor_info(v) for p, v in tensors.items()}
     pending = AsyncCheckpoint(os.path.join(root, name))
     partial = _atomic.partial_dir(root, name, token)
