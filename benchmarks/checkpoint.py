@@ -15,6 +15,7 @@ every one), the median step time, and for ``async_save`` the median time to the 
 
 Usage:
   python benchmarks/checkpoint.py                  # ~0.7 GB of state, 2 ranks, a few minutes
+  python benchmarks/checkpoint.py --functional     # steps that make new tensors, as fsdpfn.optim does
   python benchmarks/checkpoint.py --quick          # a small model, seconds (the tests run it)
 """
 
@@ -40,9 +41,17 @@ from fsdpfn import checkpoint, comm, optim, testing  # noqa: E402
 from fsdpfn.models import GPT, GPTConfig  # noqa: E402
 
 
-def _step(state):
-    """An update's worth of memory traffic over every shard, and one training collective."""
+def _step(state, in_place):
+    """An update's worth of memory traffic over every shard, and one training collective; in
+    place, or into new tensors as a functional loop (``fsdpfn.optim``) makes them."""
     params, opt_state = state["params"], state["opt_state"]
+    if not in_place:
+        with torch.no_grad():
+            mu = {n: 0.9 * opt_state.mu[n] + 0.1 * p for n, p in params.items()}
+            nu = {n: 0.99 * opt_state.nu[n] + 0.01 * p * p for n, p in params.items()}
+            params = {n: p - 1e-6 * mu[n] / (nu[n].sqrt() + 1e-8) for n, p in params.items()}
+        comm.all_reduce(torch.ones(1024), tag="training step")
+        return {"params": params, "opt_state": opt_state._replace(mu=mu, nu=nu), "step": state["step"] + 1}
     with torch.no_grad():
         for n, p in params.items():
             mu, nu = opt_state.mu[n], opt_state.nu[n]
@@ -53,7 +62,7 @@ def _step(state):
     return {**state, "step": state["step"] + 1}
 
 
-def _rank(rank, world, width, depth, saves, steps, root):
+def _rank(rank, world, width, depth, saves, steps, root, in_place):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -80,7 +89,7 @@ def _rank(rank, world, width, depth, saves, steps, root):
             stall = time.perf_counter() - t0
             for _ in range(steps):
                 t = time.perf_counter()
-                state = _step(state)
+                state = _step(state, in_place)
                 step_times.append(time.perf_counter() - t)
             if i > 0:
                 stalls.append(stall)
@@ -96,19 +105,23 @@ def main(argv=None) -> None:
     ap.add_argument("--saves", type=int, default=4, help="measured saves per way (after one warm-up)")
     ap.add_argument("--steps", type=int, default=12, help="training steps between saves")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
+    ap.add_argument("--functional", action="store_true",
+                    help="steps make new tensors (as fsdpfn.optim does) instead of updating in place: async_save's "
+                         "stager then allocates a fresh host copy per save instead of refilling the last one")
     ap.add_argument("--quick", action="store_true", help="a small model, 2 saves, 3 steps: a smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.saves, args.steps = 64, 1, 2, 3
     root = args.dir or tempfile.mkdtemp(prefix="fsdpfn_ckpt_bench_")
     try:
-        results = testing.run_on_ranks(_rank, 2, args.width, args.depth, args.saves, args.steps, root, timeout=3600)
+        results = testing.run_on_ranks(_rank, 2, args.width, args.depth, args.saves, args.steps, root,
+                                       not args.functional, timeout=3600)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     total = sum(r["local_bytes"] for r in results)
     print(f"state: {total / 2**20:.0f} MiB over 2 ranks (width {args.width}, depth {args.depth}, AdamW); "
-          f"{args.saves} saves per way, {args.steps} steps between saves")
+          f"{args.saves} saves per way, {args.steps} {'functional' if args.functional else 'in-place'} steps between saves")
     # The stall of a save is the slowest rank's: training goes on when every rank is back.
     stall = {way: [max(r[way]["stalls"][i] for r in results) for i in range(args.saves)] for way in ("save", "async_save")}
     for way in ("save", "async_save"):

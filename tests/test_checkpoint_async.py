@@ -242,3 +242,17 @@ def test_rank_killed_during_the_background_write_leaves_the_previous_checkpoint(
     assert all(run_on_ranks(_load_step1, 2, root))
     assert checkpoint.read_info(root)["values"]["step"] == 3
     assert not any(n.startswith(".partial-") for n in os.listdir(root))
+
+
+def test_benchmark_quick_run_prints_both_stalls_and_the_ratio():
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "checkpoint.py")
+    proc = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"^\s+save: stall per save \d+\.\d+ s", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^async_save: stall per save \d+\.\d+ s .* commit \d+\.\d+ s after the call", proc.stdout, re.M)
+    assert re.search(r"^async/sync stall ratio: \d+\.\d+$", proc.stdout, re.M), proc.stdout

@@ -92,16 +92,17 @@ def _write_staged(partial: str, staged: dict[str, torch.Tensor], rank: int) -> t
     return meta, describe_files(partial, [f"{sub}/{n}" for n in os.listdir(os.path.join(partial, sub))])
 
 
-def _background(pending: AsyncCheckpoint, staged: dict, partial: str, rank: int, root: str, name: str, token: str,
+def _background(pending: AsyncCheckpoint, staged: dict | BaseException, partial: str, rank: int, root: str, name: str, token: str,
                 values: dict, info: dict, plan, keep: int | None, group, seconds: float) -> None:
     try:
         with comm.timeout_scope(seconds):
-            report, error = None, None
-            try:
-                report = _write_staged(partial, staged, rank)
-            except Exception as e:  # noqa: BLE001 - sent to every rank by agree
-                error = e
-            staged.clear()  # the host copy is on disk: free it before waiting for the other ranks
+            report, error = None, staged if isinstance(staged, BaseException) else None
+            if not isinstance(staged, BaseException):
+                try:
+                    report = _write_staged(partial, staged, rank)
+                except Exception as e:  # noqa: BLE001 - sent to every rank by agree
+                    error = e
+                staged.clear()  # this save's references to the host copy: the write is done
             reports = agree(error, f"writing checkpoint {name!r} into {partial!r}", report, group)
             decide(lambda: _publish(root, partial, name, token, reports, values, info, plan, keep),
                    f"committing checkpoint {name!r} in {root!r}", group)
@@ -158,8 +159,11 @@ def async_save(
         tensors = {p: _shards.whole(cast(DTensor, v)) if _shards.fused_split(v) else v for p, v in tensors.items()}
         name, token = decide(lambda: _prepare(root, name, values), f"preparing a checkpoint in {root!r}")
     rank = comm.rank()
-    mine = {p: v for p, v in tensors.items() if _shards.owned(p, v, rank)}
-    staged = cast(dict, _stager().stage(mine))
+    staged: dict | BaseException
+    try:
+        staged = cast(dict, _stager().stage({p: v for p, v in tensors.items() if _shards.owned(p, v, rank)}))
+    except Exception as e:  # noqa: BLE001 - e.g. out of host memory: told to every rank by the commit's agreement
+        staged = e
     info = {p: _tensor_info(v) for p, v in tensors.items()}
     pending = AsyncCheckpoint(os.path.join(root, name))
     partial = _atomic.partial_dir(root, name, token)

@@ -32,17 +32,20 @@ class AsyncCheckpoint(concurrent.futures.Future):
         self.seen = False  # the outcome reached the caller: a later wait need not raise it again
 
     def result(self, timeout: float | None = None) -> str:
-        value = super().result(timeout)  # raises the save's error, or TimeoutError while it runs
-        self.seen = True
-        return value
+        try:
+            return super().result(timeout)  # the save's error is raised here, as given to the caller
+        finally:
+            self.seen = self.seen or self.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        error = super().exception(timeout)
-        self.seen = True
-        return error
+        try:
+            return super().exception(timeout)
+        finally:
+            self.seen = self.seen or self.done()
 
 
 _pending: list[AsyncCheckpoint] = []  # the save in flight (or finished and not yet waited for)
+
 
 def wait(timeout: float | None = None) -> str | None:
     """Waits for this process's :func:`async_save` in flight; returns its checkpoint directory,
@@ -80,7 +83,6 @@ def settled() -> None:
     load does, so that it never reads a root a background commit is changing."""
     if _pending:
         concurrent.futures.wait([_pending[0]])
-
 
 
 @atexit.register
