@@ -188,6 +188,61 @@ def test_a_background_write_error_reaches_every_rank(run_on_ranks, tmp_path):
     assert checkpoint.read_info(root)["values"]["step"] == 4
 
 
+class _NoHostMemory:
+    def stage(self, state_dict):
+        raise RuntimeError("cannot allocate the host copy")
+
+
+def _staging_fails_on_rank_1(rank, world, root):
+    from fsdpfn.checkpoint import _async
+
+    model, plan, state = _setup(world, "zero3")
+    checkpoint.save(root, {**state, "step": 1}, plan)
+    stager = _async._stager
+    if rank == 1:
+        _async._stager = _NoHostMemory
+    try:
+        checkpoint.async_save(root, {**state, "step": 2}, plan)
+    finally:
+        _async._stager = stager
+    try:
+        checkpoint.wait()
+        return "nothing raised", checkpoint.latest(root)
+    except RuntimeError as e:
+        return str(e), checkpoint.latest(root)
+
+
+def test_a_staging_error_on_one_rank_reaches_every_rank(run_on_ranks, tmp_path):
+    """Rank 1 cannot make its host copy: its async_save still returns, and both ranks raise the
+    error at wait(), naming rank 1; nothing is published."""
+    root = str(tmp_path / "ckpt")
+    for error, latest in run_on_ranks(_staging_fails_on_rank_1, 2, root):
+        assert "cannot allocate the host copy" in error and "on rank 1" in error, error
+        assert latest == os.path.join(root, "step_00000001")
+
+
+def _scoped_elsewhere(seen):
+    from fsdpfn import comm
+
+    seen.append(comm.timeout())
+    with comm.timeout_scope(3):
+        seen.append(comm.timeout())
+
+
+def test_timeout_scopes_are_per_thread():
+    """The background commit keeps its own timeout: a scope on one thread is not seen by another."""
+    from fsdpfn import comm
+
+    outside = comm.timeout()
+    seen: list[float] = []
+    with comm.timeout_scope(7):
+        t = threading.Thread(target=_scoped_elsewhere, args=(seen,))
+        t.start()
+        t.join()
+        assert comm.timeout() == 7.0
+    assert seen == [outside, 3.0] and comm.timeout() == outside
+
+
 # ---- a rank killed during the background write ------------------------------------------------
 
 
