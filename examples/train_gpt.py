@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "from PATH (a checkpoint root such as runs/gpt/ckpt, its 'latest' file, or one step_* "
                         "directory); any world size or strategy. A run already at --steps is left as it is")
     g.add_argument("--ckpt-every", type=int, default=100, help="save a checkpoint every N steps")
+    g.add_argument("--ckpt-async", action="store_true",
+                   help="write checkpoints in the background (fsdpfn.checkpoint.async_save): training stalls only "
+                        "while the shards are copied to host memory, at the cost of that copy; worth it for large "
+                        "models (off by default: this demo's 10 MiB of state saves in about 0.4 s, and the fixed cost of a "
+                        "save's collectives keeps an asynchronous one near 0.1 s)")
     g.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     g.add_argument("--log-every", type=int, default=10, help="log loss, gradient norm and learning rate every N steps")
     g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
@@ -698,7 +703,9 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
                           f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         if done % args.ckpt_every == 0 or done == stop:
-            checkpoint.save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
+            save = checkpoint.async_save if args.ckpt_async else checkpoint.save
+            save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
+    checkpoint.wait()  # the last checkpoint is committed (or its error raised) before the job reports it
     progress.close()
     return state, last_loss
 

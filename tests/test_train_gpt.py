@@ -214,6 +214,23 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):
     assert _snapshot(finished_run) == before
 
 
+def test_ckpt_async_stops_resumes_and_equals_the_synchronous_run(finished_run, tmp_path):
+    # --ckpt-async: the checkpoints written in the background hold the same state, so a run
+    # stopped at 4 and resumed equals the straight run with synchronous saves, bit for bit.
+    out = tmp_path / "async"
+    _run(out, "--ckpt-async", "--stop-at", "4")
+    assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 4
+    log = _run(out, "--ckpt-async", "--resume")
+    assert "(step 4," in log, log
+    assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 8
+    assert not any(p.name.startswith(".partial-") for p in (out / "ckpt").iterdir())
+    assert _metrics(out) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
+                             for r, s in zip(_metrics(finished_run), _metrics(out))]
+    a = torch.load(finished_run / "model.pt", weights_only=True)
+    b = torch.load(out / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _lr(peak, warmup, horizon, step):
     """The logged lr of the row ``step`` (the schedule at the step being taken, ``step - 1``)."""
     return optim.warmup_cosine_schedule(peak, warmup, horizon, end_value=0.1 * peak)(step - 1)

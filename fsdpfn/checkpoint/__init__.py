@@ -9,6 +9,9 @@ warning). An error on one rank is raised on every rank (:class:`CheckpointError`
 damaged files). Every collective goes through :mod:`fsdpfn.comm`, DCP's own included (DCP runs
 without a process group; see [Note: collective-free DCP] in ``_shards.py``). ``export_full``
 writes one plain ``state_dict`` file that ``model.load_state_dict`` accepts without fsdpfn.
+``async_save`` is ``save`` that stalls the caller only while the shards are copied to host
+memory: the write and the atomic commit run on a background thread (see [Note: asynchronous
+checkpoints] in ``_async.py``); ``wait`` waits for it.
 
 Example:
   >>> from fsdpfn import checkpoint
@@ -25,6 +28,9 @@ Example:
   'runs/x/model.pt'
 """
 
+from fsdpfn.checkpoint._async import async_save as async_save
+from fsdpfn.checkpoint._inflight import AsyncCheckpoint as AsyncCheckpoint
+from fsdpfn.checkpoint._inflight import wait as wait
 from fsdpfn.checkpoint._atomic import latest as latest
 from fsdpfn.checkpoint._dcp import load as load
 from fsdpfn.checkpoint._dcp import read_info as read_info
@@ -33,4 +39,5 @@ from fsdpfn.checkpoint._export import export_full as export_full
 from fsdpfn.checkpoint._manifest import CheckpointError as CheckpointError
 from fsdpfn.checkpoint._tree import flatten_state as flatten_state
 
-__all__ = ["CheckpointError", "export_full", "flatten_state", "latest", "load", "read_info", "save"]
+__all__ = ["AsyncCheckpoint", "CheckpointError", "async_save", "export_full", "flatten_state", "latest", "load",
+           "read_info", "save", "wait"]

@@ -42,14 +42,14 @@ def rebuild(outcome, rank: int, what: str) -> BaseException:
     return cls(text) if cls is not None else RuntimeError(f"{what} failed on rank {rank}: {kind}: {message}")
 
 
-def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
-    """Every rank's ``error`` and ``payload`` (one all-gather); raises on every rank if any rank
-    has an error.
+def agree(error: BaseException | None, what: str, payload: Any = None, group=None) -> list:
+    """Every rank's ``error`` and ``payload`` (one all-gather over ``group``, default every rank);
+    raises on every rank if any rank has an error.
 
     Returns:
       Every rank's ``payload``, in rank order, when no rank failed.
     """
-    outcomes = comm.all_gather_object((portable(error), payload), tag=what)
+    outcomes = comm.all_gather_object((portable(error), payload), group, tag=what)
     if error is not None:
         raise rebuild(portable(error), comm.rank(), what) from error
     for r, (outcome, _) in enumerate(outcomes):
@@ -58,16 +58,17 @@ def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
     return [p for _, p in outcomes]
 
 
-def decide(action: Callable[[], Any], what: str) -> Any:
-    """Runs ``action`` on rank 0 and gives its result to every rank (one broadcast); if it raised,
-    every rank raises."""
+def decide(action: Callable[[], Any], what: str, group=None) -> Any:
+    """Runs ``action`` on rank 0 and gives its result to every rank of ``group`` (one broadcast);
+    if it raised, every rank raises."""
     result, error = None, None
     if comm.rank() == 0:
         try:
             result = action()
         except Exception as e:  # noqa: BLE001 - sent to every rank below
             error = e
-    outcome = comm.broadcast_object(("error", portable(error)) if error is not None else ("ok", result), tag=what)
+    outcome = comm.broadcast_object(("error", portable(error)) if error is not None else ("ok", result), 0, group,
+                                   tag=what)
     if error is not None:
         raise rebuild(portable(error), 0, what) from error
     if outcome[0] == "error":

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fsdpfn import comm
-from fsdpfn.checkpoint import _atomic, _shards
+from fsdpfn.checkpoint import _atomic, _inflight, _shards
 from fsdpfn.checkpoint._agree import agree, decide, portable, rebuild, timeout_scope
 from fsdpfn.checkpoint._manifest import INFO, METADATA, CheckpointError, describe_files, read_manifest, verify
 from fsdpfn.checkpoint._tree import flatten_state
@@ -95,7 +95,7 @@ def _write_metadata(partial: str, meta: Metadata) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def _publish(root, partial, name, token, reports, values, tensors, plan, keep) -> None:
+def _publish(root, partial, name, token, reports, values, tensor_info, plan, keep) -> None:
     """Rank 0, once every rank wrote its shards: merged metadata, manifest, rename, ``latest``."""
     files = {rel: d for _, rank_files in reports for rel, d in rank_files.items()}
     _write_metadata(partial, _shards.merge([m for m, _ in reports], token))
@@ -108,7 +108,7 @@ def _publish(root, partial, name, token, reports, values, tensors, plan, keep) -
         "plan": None if plan is None else json.loads(plan.to_json()),
         "plan_fingerprint": None if plan is None else plan.fingerprint,
         "values": values,
-        "tensors": {p: _tensor_info(v) for p, v in tensors.items()},
+        "tensors": tensor_info,
         "files": files,
     }
     _atomic.write_text_atomic(os.path.join(partial, INFO), json.dumps(info, indent=1))
@@ -155,6 +155,7 @@ def save(
       >>> fsdpfn.checkpoint.save("runs/gpt/ckpt", {"params": params, "step": 10}, plan)
       'runs/gpt/ckpt/step_00000010'
     """
+    _inflight.wait()  # one save at a time: an asynchronous one in flight finishes (or raises) first
     root = os.fspath(path)
     entries, _ = flatten_state(state)
     tensors = {p: v.detach() for p, v in entries.items() if isinstance(v, torch.Tensor)}
@@ -171,7 +172,8 @@ def save(
         except Exception as e:  # noqa: BLE001 - sent to every rank by agree
             error = e
         reports = agree(error, f"writing checkpoint {name!r} into {partial!r}", report)
-        decide(lambda: _publish(root, partial, name, token, reports, values, tensors, plan, keep),
+        info = {p: _tensor_info(v) for p, v in tensors.items()}
+        decide(lambda: _publish(root, partial, name, token, reports, values, info, plan, keep),
                f"committing checkpoint {name!r} in {root!r}")
     return os.path.join(root, name)
 
@@ -379,6 +381,7 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
       >>> info["dir"], info["values"]["step"]
       ('runs/gpt/ckpt/step_00000200', 200)
     """
+    _inflight.settled()  # never read a root that a background commit is changing
     path = os.fspath(path)
     entries, spec = flatten_state(template_state)
     with timeout_scope(timeout):

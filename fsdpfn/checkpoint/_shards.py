@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 from torch.distributed.tensor import DTensor, Replicate
@@ -137,14 +138,24 @@ def owned(path: str, x: torch.Tensor, rank: int) -> bool:
     return True
 
 
-def write(tensors: dict[str, torch.Tensor], directory: str) -> Metadata | None:
+def write(tensors: dict[str, torch.Tensor], directory: str, *, in_thread: bool = False) -> Metadata | None:
     """Writes ``tensors`` with DCP alone into ``directory``; returns their local metadata (whose
-    storage entries name files relative to ``directory``), or ``None`` if there is nothing."""
+    storage entries name files relative to ``directory``), or ``None`` if there is nothing.
+
+    ``in_thread``: called off the main thread (a background checkpoint). ``dcp.save`` warns on
+    every call without a process group, and a warnings filter cannot be scoped to one thread
+    (``catch_warnings`` swaps the process-wide filters, under ``-W error`` the warning is an
+    exception), so there DCP's saving function is called directly, as ``dcp.save`` does after
+    its warning."""
     if not tensors:
         return None
+    writer = dcp.FileSystemWriter(directory)
     try:
-        with _quiet_no_dist():
-            meta = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+        if in_thread:
+            meta = _save_state_dict(state_dict=tensors, storage_writer=writer, no_dist=True)
+        else:
+            with _quiet_no_dist():
+                meta = dcp.save(tensors, storage_writer=writer, no_dist=True)
     except CheckpointException as e:
         raise _unwrapped(e) from None
     # Superseded by the merged root .metadata; every file left is listed in the manifest.

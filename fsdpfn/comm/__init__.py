@@ -39,6 +39,7 @@ from fsdpfn.comm._groups import is_initialized as is_initialized
 from fsdpfn.comm._groups import mesh_subgroup as mesh_subgroup
 from fsdpfn.comm._groups import rank as rank
 from fsdpfn.comm._groups import set_timeout as set_timeout
+from fsdpfn.comm._groups import thread_group as thread_group
 from fsdpfn.comm._groups import timeout as timeout
 from fsdpfn.comm._groups import timeout_scope as timeout_scope
 from fsdpfn.comm._groups import world_size as world_size
@@ -110,6 +111,7 @@ __all__ = [
     "set_flight_dir",
     "set_job",
     "set_timeout",
+    "thread_group",
     "timeout",
     "timeout_scope",
     "tp_copy",

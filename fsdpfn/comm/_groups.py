@@ -4,9 +4,11 @@
 Every collective fsdpfn starts waits at most :func:`timeout` seconds (launch, runtime,
 optimizers, checkpoints alike). gloo work accepts a timeout per ``wait``, so the value can change
 at run time; process groups are created with the same value so NCCL, whose host-side wait
-cannot be bounded that way, uses it too. The value comes from, in order: :func:`set_timeout` /
-:func:`timeout_scope`, the environment variable ``FSDPFN_TIMEOUT`` (seconds), the default of
-600 s (what torch uses for NCCL).
+cannot be bounded that way, uses it too. The value comes from, in order: :func:`timeout_scope`
+(of the calling thread), :func:`set_timeout`, the environment variable ``FSDPFN_TIMEOUT``
+(seconds), the default of 600 s (what torch uses for NCCL). Scopes are per thread: a background
+checkpoint commit keeps its own timeout, and its scope never leaks into, or is popped by, the
+training thread's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import datetime
 import math
 import os
+import threading
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -30,6 +33,7 @@ __all__ = [
     "is_initialized",
     "rank",
     "set_timeout",
+    "thread_group",
     "timeout",
     "timeout_scope",
     "world_size",
@@ -40,7 +44,14 @@ DEFAULT_TIMEOUT = 600.0
 # collective timeout.
 RENDEZVOUS_TIMEOUT = 300.0
 TIMEOUT_ENV = "FSDPFN_TIMEOUT"
-_timeout: list[float] = []
+_timeout: list[float] = []  # set_timeout's value, for every thread
+_scopes = threading.local()  # .stack: this thread's timeout_scope values
+
+
+def _stack() -> list[float]:
+    if not hasattr(_scopes, "stack"):
+        _scopes.stack = []
+    return _scopes.stack
 
 
 def _check_timeout(seconds, where: str) -> float:
@@ -61,6 +72,9 @@ def timeout() -> float:
       ...     fsdpfn.comm.timeout()
       5.0
     """
+    stack = _stack()
+    if stack:
+        return stack[-1]
     if _timeout:
         return _timeout[-1]
     env = os.environ.get(TIMEOUT_ENV)
@@ -83,12 +97,13 @@ def set_timeout(seconds: float | None) -> None:
 
 @contextlib.contextmanager
 def timeout_scope(seconds: float) -> Iterator[None]:
-    """The collective timeout inside the block (see :func:`timeout`)."""
-    _timeout.append(_check_timeout(seconds, "timeout_scope(seconds)"))
+    """The collective timeout inside the block, in this thread (see :func:`timeout`)."""
+    stack = _stack()
+    stack.append(_check_timeout(seconds, "timeout_scope(seconds)"))
     try:
         yield
     finally:
-        _timeout.pop()
+        stack.pop()
 
 
 def is_initialized() -> bool:
@@ -149,6 +164,22 @@ def mesh_subgroup(mesh, dims: tuple[int, ...]):
             mine = group
     assert mine is not None and isinstance(grid, torch.Tensor)
     return mine
+
+
+def thread_group():
+    """A new gloo process group of every rank, for the collectives of one background thread
+    (gloo pairs a group's collectives by their order on each rank, so two threads of a process
+    must never share a group). Every rank calls it, in the same order; ``None`` without a process
+    group. On NCCL jobs too it is gloo: its collectives move small host objects.
+
+    Example:
+      >>> g = fsdpfn.comm.thread_group()   # then, on one other thread only:
+      >>> fsdpfn.comm.all_gather_object("ready", g)   # one rank here
+      ['ready']
+    """
+    if not is_initialized():
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def backend(group=None) -> str:
