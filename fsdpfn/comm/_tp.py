@@ -166,7 +166,9 @@ class _SplitLast(torch.autograd.Function):
 
 def _apply(fn, x: torch.Tensor, group, tag: str) -> torch.Tensor:
     if group is not None and _traced.compiling():
-        return fn.apply(x, group, tag, _Traced)
+        # No tag: traced collectives are not recorded per call, and a per-module string would
+        # make dynamo compile each block's graph again.
+        return fn.apply(x, group, "", _Traced)
     return fn.apply(x, group, tag, _Eager)
 
 
