@@ -13,6 +13,12 @@ Example:
   (['Unit', 'Unit'], 'ParamSpec')
 """
 
+from fsdpfn._codec import GatherCodec as GatherCodec
+from fsdpfn._codec import PlainCodec as PlainCodec
+from fsdpfn._codec import PlainReduceCodec as PlainReduceCodec
+from fsdpfn._codec import ReduceCodec as ReduceCodec
+from fsdpfn._codec import register_codec as register_codec
+from fsdpfn._codec import registered_codecs as registered_codecs
 from fsdpfn._cost import PlanCost as PlanCost
 from fsdpfn._mesh import MeshAxes as MeshAxes
 from fsdpfn._mesh import Role as Role
@@ -51,6 +57,12 @@ from fsdpfn import testing as testing
 __version__ = "0.1.0"
 
 __all__ = [
+    "GatherCodec",
+    "PlainCodec",
+    "PlainReduceCodec",
+    "ReduceCodec",
+    "register_codec",
+    "registered_codecs",
     "RematReplayError",
     "checkpoint_name",
     "register_remat_policy",

@@ -10,8 +10,10 @@ checkpointing: the mesh carries its roles, every parameter not replicated over t
 ``remat`` policy and an offloaded one ``offload``; on a mesh with an ``ep`` axis an expert weight
 carries ``expert`` and its unit ``experts``. Format 4 is format 3 with ``colwise_fused:k`` layers: their
 parameters carry ``tp_stride`` (see [Note: fused colwise] in ``fsdpfn/_plan_values.py``); a plan without
-them is still written as format 3. A reader refuses formats it does not know, so an older fsdpfn never
-runs a tensor-parallel plan as if it were a data-parallel one, nor a fused split as a plain one.
+them is still written as format 3. Format 5 is any of these with ``MixedPrecision(codec=...)``: ``mp``
+carries the codec's name (see [Note: codec selection] in ``fsdpfn/_codec.py``). A reader refuses
+formats it does not know, so an older fsdpfn never runs a tensor-parallel plan as if it were a
+data-parallel one, a fused split as a plain one, nor a registered codec's wire format as the plain one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ FORMAT_PLAIN = 1
 FORMAT_FP8 = 2
 FORMAT_AXES = 3
 FORMAT_FUSED = 4
-FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED)
+FORMAT_CODEC = 5
+FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC)
 
 
 def _param_dict(p: ParamSpec) -> dict:
@@ -79,16 +82,20 @@ def plan_to_dict(plan: Plan) -> dict:
         d["tp"] = [list(t) for t in plan.tp]
         if any(p.tp_stride != 1 for u in plan.units for p in u.params):
             d["format"] = FORMAT_FUSED
+    if plan.mp.codec is not None:
+        d["format"] = FORMAT_CODEC
+        d["mp"]["codec"] = plan.mp.codec
     return d
 
 
 def plan_from_dict(d: dict, mesh=None) -> Plan:
-    """Inverts :func:`plan_to_dict` (formats 1 to 4)."""
+    """Inverts :func:`plan_to_dict` (formats 1 to 5)."""
     fmt = d.get("format")
     if fmt not in FORMATS:
         raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
     shape = tuple(d["mesh"]["shape"])
     names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
+    # format 5 may hold a plan of any earlier format beside its codec: roles only if it wrote them
     roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
     tp_size, ep_size = axes.tp_size, axes.ep_size
@@ -115,6 +122,7 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
         _dtype_from(d["mp"]["param_dtype"]),
         _dtype_from(d["mp"]["reduce_dtype"]),
         None if fp8 is None else Float8GatherPolicy.from_dict(fp8),
+        d["mp"].get("codec"),
     )
     tp = tuple(tuple(t) for t in d.get("tp", ()))
     return Plan(units, shape, names, mp, mesh, roles, tp)

@@ -80,9 +80,9 @@ import torch.distributed
 
 from fsdpfn._mesh import MeshAxes, Role
 from fsdpfn._rows import chunk_bounds, chunk_size
-from fsdpfn._codec import PlainCodec
+from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
-from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy, float8_layout
+from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy
 
 __all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "TP_MODULE_STYLES", "tp_style_stride", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
 
@@ -218,6 +218,9 @@ class MixedPrecision:
         :mod:`fsdpfn.fp8` recipe, or a :class:`fsdpfn.fp8.Float8GatherPolicy`. Weights are
         quantized from the master cast to ``param_dtype`` and used dequantized to
         ``param_dtype``; gradients (in ``reduce_dtype``) flow straight through to the masters.
+      codec: the name of codecs given to :func:`fsdpfn.register_codec` that pack units' gathers
+        and reduces (``None``: the built-in ones, see [Note: codec selection] in
+        ``fsdpfn/_codec.py``).
 
     Example:
       >>> MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -229,8 +232,11 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     fp8: Float8GatherPolicy | None = None
+    codec: str | None = None
 
     def __post_init__(self):
+        if self.codec is not None and (not isinstance(self.codec, str) or not self.codec):
+            raise ValueError(f"MixedPrecision.codec must be the name of a registered codec (str) or None, got {self.codec!r}")
         object.__setattr__(self, "param_dtype", _as_dtype(self.param_dtype, "MixedPrecision.param_dtype"))
         object.__setattr__(self, "reduce_dtype", _as_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype"))
         object.__setattr__(self, "fp8", as_gather_policy(self.fp8))
@@ -241,7 +247,8 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
-        return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8})"
+        codec = "" if self.codec is None else f", codec={self.codec!r}"
+        return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8}{codec})"
 
 
 def _check_mesh_covers_world(mesh) -> None:
@@ -587,6 +594,8 @@ class Plan:
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
             raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
         seen: dict[str, str] = {}
+        if self.mp.codec is not None:
+            codec_factories(self.codec_names, "gather")  # an unregistered name is refused here, before any step
         if Role.EP in axes.roles and not any(u.experts for u in self.units):
             raise ValueError(
                 f"the mesh {axes.describe()} has an expert-parallel axis, but the model has no expert weights to split over "
@@ -768,19 +777,31 @@ class Plan:
         codec = self.gather_codec(unit)
         return codec.layout if isinstance(codec, Float8Codec) else None
 
-    def gather_codec(self, unit: Unit):
-        """How ``unit``'s shards travel in its all-gather: a :class:`fsdpfn._codec.PlainCodec`
-        (rows in the gather dtype) or a :class:`fsdpfn.fp8.Float8Codec` (E4M3 bytes and
-        scales). The gather, the cost model and the simulator all read sizes from it."""
-        return self._codecs[unit.name]
+    def gather_codec(self, unit: Unit) -> GatherCodec:
+        """How ``unit``'s shards travel in its all-gather (a :class:`fsdpfn.GatherCodec`: plain
+        rows in the gather dtype, FP8 bytes and scales, or a registered codec; see [Note: codec
+        selection] in ``fsdpfn/_codec.py``). The gather, the cost model and the simulator all read
+        sizes from it."""
+        return cached(self, "_codecs")[0][unit.name]
+
+    def reduce_codec(self, unit: Unit) -> ReduceCodec:
+        """How ``unit``'s gradients travel in its reduce (a :class:`fsdpfn.ReduceCodec`: the wire
+        and accumulation dtypes, the packing)."""
+        return cached(self, "_codecs")[1][unit.name]
+
+    @property
+    def codec_names(self) -> tuple[str, ...]:
+        """The codec names asked for every unit's codecs, in order ([Note: codec selection])."""
+        return ((self.mp.codec,) if self.mp.codec is not None else ()) + ("fp8", "plain")
 
     @functools.cached_property
-    def _codecs(self) -> dict:
-        return {
-            u.name: Float8Codec(u, float8_layout(u, self.mp.fp8, self.gather_dtype(u)), self.mp.fp8, self.gather_dtype(u))
-            if u.fp8 else PlainCodec(u, self.gather_dtype(u))
-            for u in self.units
-        }
+    def _codecs(self) -> tuple[dict, dict]:
+        out: tuple[dict, dict] = ({}, {})
+        for table, side in zip(out, ("gather", "reduce")):
+            factories = codec_factories(self.codec_names, side)
+            for u in self.units:
+                table[u.name] = next(c for c in (f(self, u) for f in factories) if c is not None)  # "plain" never declines
+        return out
 
     def gather_bytes(self, unit: Unit) -> int:
         """Bytes each rank contributes to ``unit``'s all-gather (the all-gather moves ``W`` times
@@ -835,6 +856,8 @@ class Plan:
         fp8 = self.mp.fp8
         if fp8 is not None:
             mp += f", fp8={fp8.recipe.name}" + ("" if fp8.backend == "torch" else f" ({fp8.backend})")
+        if self.mp.codec is not None:
+            mp += f", codec={self.mp.codec}"
         head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
         rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
         for u in self.units:

@@ -307,7 +307,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, asy
     """Sums ``input`` (W n elements) over ranks; rank r keeps elements ``[r n, (r+1) n)``.
 
     Transpose: :func:`all_gather`. Sums in rank order on every path we control (see
-    [Note: reduce-scatter on gloo]); ``impl`` overrides :func:`reduce_scatter_impl`.
+    [Note: reduce-scatter on gloo]); ``impl`` overrides :func:`reduce_scatter_impl`. An
+    ``output`` of a wider dtype than ``input`` sums in the output's dtype: the ranks' parts cross
+    the wire in the input's dtype (an all-to-all, whatever ``impl`` says) and are added here.
 
     Example:
       >>> out = torch.empty(2)
@@ -323,11 +325,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, asy
         record("reduce_scatter", 1, _nbytes(input), input.dtype, tag)
         output.copy_(input)
         return Pending(output)
-    if _use_all_to_all(group, impl):
+    widen = output.dtype != input.dtype
+    if widen or _use_all_to_all(group, impl):
         staged = torch.empty_like(input)
 
         def finish() -> torch.Tensor:
-            torch.sum(staged.view(w, -1), dim=0, out=output)
+            torch.sum(staged.view(w, -1), dim=0, dtype=output.dtype if widen else None, out=output)
             return output
 
         launch = lambda: dist.all_to_all_single(staged, input, group=group, async_op=True)  # noqa: E731

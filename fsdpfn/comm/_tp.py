@@ -26,6 +26,8 @@ torch's own tensor-parallel hooks call ``DTensor.from_local``, an autograd Funct
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fsdpfn.comm import _groups
@@ -35,48 +37,91 @@ from fsdpfn.comm._collectives import all_gather, all_reduce
 __all__ = ["tp_copy", "tp_reduce", "tp_gather_last", "tp_split_last"]
 
 
-def _sum(x: torch.Tensor, group, tag: str) -> torch.Tensor:
-    out = x.contiguous().clone()
-    all_reduce(out.view(-1), group, tag=tag).wait()
-    return out
+class _Eager:
+    """:mod:`fsdpfn.comm`'s counted collectives into fresh outputs, below functorch."""
+
+    escape = torch._C._DisableFuncTorch
+
+    @staticmethod
+    def sum(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+        out = x.contiguous().clone()
+        all_reduce(out.view(-1), group, tag=tag).wait()
+        return out
+
+    @staticmethod
+    def gather(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+        flat = torch.empty(_groups.group_size(group) * x.numel(), dtype=x.dtype, device=x.device)
+        all_gather(flat, x.contiguous().view(-1), group, tag=tag).wait()
+        return flat
+
+    @staticmethod
+    def size_rank(group) -> tuple[int, int]:
+        return _groups.group_size(group), _groups.group_rank(group)
 
 
-def _gather_last(x: torch.Tensor, group, tag: str) -> torch.Tensor:
-    w = _groups.group_size(group)
-    flat = torch.empty(w * x.numel(), dtype=x.dtype, device=x.device)
-    all_gather(flat, x.contiguous().view(-1), group, tag=tag).wait()
+class _Traced:
+    """[Note: TP collectives under torch.compile]
+    While dynamo traces (a unit compiled by ``Runtime.compile_units``), ``_DisableFuncTorch`` and
+    asynchronous work would break the graph, so the same Functions call torch's functional
+    collectives, traced into the forward and backward graphs with the same sums and slices.
+    There is no ``torch.func`` transform inside a compiled unit (the runtime runs it below
+    functorch), so no functorch escape is needed. They are not counted or flight-recorded per
+    call; the runtime's unit collectives around them still are."""
+
+    escape = contextlib.nullcontext
+
+    @staticmethod
+    def sum(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+        return _traced.traced_all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def gather(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+        return _traced.traced_all_gather(x.contiguous().view(-1), group)
+
+    @staticmethod
+    def size_rank(group) -> tuple[int, int]:
+        return group.size(), group.rank()
+
+
+def _gather_last(x: torch.Tensor, group, tag: str, wire) -> torch.Tensor:
+    w = wire.size_rank(group)[0]
+    flat = wire.gather(x, group, tag)
     # (w, ..., n) -> (..., w, n) -> (..., w n): rank r's columns land at [r n, (r + 1) n).
     return flat.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], w * x.shape[-1])
 
 
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    w, r = _groups.group_size(group), _groups.group_rank(group)
+def _split_last(x: torch.Tensor, group, wire) -> torch.Tensor:
+    w, r = wire.size_rank(group)
     n = x.shape[-1]
     if n % w:
         raise ValueError(f"tp_split_last: the last dim ({n}) does not divide over the {w} tensor-parallel ranks")
     return x.narrow(-1, r * (n // w), n // w).contiguous()
 
 
+# Each Function takes the wire (_Eager or _Traced) as plain data beside the group: one Function
+# per operator, its forward and backward written once for both.
+
+
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(x, group, tag):
+    def forward(x, group, tag, wire):
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.tag = inputs[1], inputs[2]
+        ctx.group, ctx.tag, ctx.wire = inputs[1:]
 
     @staticmethod
     def backward(ctx, g):
-        with torch._C._DisableFuncTorch():
-            return _sum(g, ctx.group, ctx.tag), None, None
+        with ctx.wire.escape():
+            return ctx.wire.sum(g, ctx.group, ctx.tag), None, None, None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(x, group, tag):
-        with torch._C._DisableFuncTorch():
-            return _sum(x, group, tag)
+    def forward(x, group, tag, wire):
+        with wire.escape():
+            return wire.sum(x, group, tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -84,107 +129,47 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g, None, None
+        return g, None, None, None
 
 
 class _GatherLast(torch.autograd.Function):
     @staticmethod
-    def forward(x, group, tag):
-        with torch._C._DisableFuncTorch():
-            return _gather_last(x, group, tag)
+    def forward(x, group, tag, wire):
+        with wire.escape():
+            return _gather_last(x, group, tag, wire)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
+        ctx.group, ctx.wire = inputs[1], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        with torch._C._DisableFuncTorch():
-            return _split_last(g, ctx.group), None, None
+        with ctx.wire.escape():
+            return _split_last(g, ctx.group, ctx.wire), None, None, None
 
 
 class _SplitLast(torch.autograd.Function):
     @staticmethod
-    def forward(x, group, tag):
-        with torch._C._DisableFuncTorch():
-            return _split_last(x, group)
+    def forward(x, group, tag, wire):
+        with wire.escape():
+            return _split_last(x, group, wire)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.tag = inputs[1], inputs[2]
+        ctx.group, ctx.tag, ctx.wire = inputs[1:]
 
     @staticmethod
     def backward(ctx, g):
-        with torch._C._DisableFuncTorch():
-            return _gather_last(g, ctx.group, ctx.tag), None, None
+        with ctx.wire.escape():
+            return _gather_last(g, ctx.group, ctx.tag, ctx.wire), None, None, None
 
 
-class _TracedCopy(torch.autograd.Function):
-    """:class:`_Copy` while dynamo traces: functional collectives, no functorch escape (see
-    [Note: TP collectives under torch.compile])."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _traced.traced_all_reduce(g.contiguous(), ctx.group), None
-
-
-class _TracedReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _traced.traced_all_reduce(x.contiguous(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _traced_gather_last(x, group):
-    w = group.size()
-    flat = _traced.traced_all_gather(x.contiguous().view(-1), group)
-    return flat.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], w * x.shape[-1])
-
-
-def _traced_split_last(x, group):
-    w, n = group.size(), x.shape[-1]
-    return x.narrow(-1, group.rank() * (n // w), n // w).contiguous()
-
-
-class _TracedGatherLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _traced_gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _traced_split_last(g, ctx.group), None
-
-
-class _TracedSplitLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _traced_split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _traced_gather_last(g, ctx.group), None
-
-
-def _traceable(group) -> bool:
-    """[Note: TP collectives under torch.compile]
-    While dynamo traces (a unit compiled by ``Runtime.compile_units``), the eager Functions'
-    ``_DisableFuncTorch`` and asynchronous work would break the graph, so each operator has a
-    twin with torch's functional collectives, traced into the forward and backward graphs with
-    the same sums and slices. There is no ``torch.func`` transform inside a compiled unit (the
-    runtime runs it below functorch), so the twins need no functorch escape. They are not
-    counted or flight-recorded per call; the runtime's unit collectives around them still are."""
-    return group is not None and _traced.compiling()
+def _apply(fn, x: torch.Tensor, group, tag: str) -> torch.Tensor:
+    if group is not None and _traced.compiling():
+        # No tag: traced collectives are not recorded per call, and a per-module string would
+        # make dynamo compile each block's graph again.
+        return fn.apply(x, group, "", _Traced)
+    return fn.apply(x, group, tag, _Eager)
 
 
 def tp_copy(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
@@ -195,9 +180,7 @@ def tp_copy(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
       >>> fsdpfn.comm.tp_copy(torch.ones(2)).tolist()  # one process: tp = 1
       [1.0, 1.0]
     """
-    if _traceable(group):
-        return _TracedCopy.apply(x, group)
-    return _Copy.apply(x, group, tag)
+    return _apply(_Copy, x, group, tag)
 
 
 def tp_reduce(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
@@ -208,9 +191,7 @@ def tp_reduce(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
       >>> fsdpfn.comm.tp_reduce(torch.ones(2)).tolist()
       [1.0, 1.0]
     """
-    if _traceable(group):
-        return _TracedReduce.apply(x, group)
-    return _Reduce.apply(x, group, tag)
+    return _apply(_Reduce, x, group, tag)
 
 
 def tp_gather_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
@@ -221,9 +202,7 @@ def tp_gather_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tenso
       >>> fsdpfn.comm.tp_gather_last(torch.ones(2, 3)).shape
       torch.Size([2, 3])
     """
-    if _traceable(group):
-        return _TracedGatherLast.apply(x, group)
-    return _GatherLast.apply(x, group, tag)
+    return _apply(_GatherLast, x, group, tag)
 
 
 def tp_split_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor:
@@ -234,6 +213,4 @@ def tp_split_last(x: torch.Tensor, group=None, *, tag: str = "") -> torch.Tensor
       >>> fsdpfn.comm.tp_split_last(torch.arange(4.0)).tolist()
       [0.0, 1.0, 2.0, 3.0]
     """
-    if _traceable(group):
-        return _TracedSplitLast.apply(x, group)
-    return _SplitLast.apply(x, group, tag)
+    return _apply(_SplitLast, x, group, tag)

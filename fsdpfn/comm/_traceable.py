@@ -54,16 +54,28 @@ def traced_all_gather(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
 
 
-def traced_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum over ranks of flat ``x``, rank r keeping its r-th contiguous part.
+def traced_reduce_scatter(x: torch.Tensor, group, accum_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum over ranks of flat ``x``, rank r keeping its r-th contiguous part. With a wider
+    ``accum_dtype`` the parts cross the wire in ``x``'s dtype (an all-to-all) and are summed in
+    ``accum_dtype``, as :func:`fsdpfn.comm.reduce_scatter` into a wider output does.
 
     Example:
       >>> fsdpfn.comm.traced_reduce_scatter(torch.arange(3.0), None)
       tensor([0., 1., 2.])
     """
+    widen = accum_dtype is not None and accum_dtype != x.dtype
     if group is None:
-        return x.clone()
+        return x.to(accum_dtype) if widen else x.clone()
+    if widen:
+        parts = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+        return parts.view(_size(group), -1).sum(0, dtype=accum_dtype)
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
+
+
+def _size(group) -> int:
+    if isinstance(group, tuple):  # (DeviceMesh, dim)
+        return group[0].size(group[1])
+    return group.size()
 
 
 def traced_all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:

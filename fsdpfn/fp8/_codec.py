@@ -1,5 +1,7 @@
 """The FP8 gather codec: a unit's weights packed as E4M3 bytes plus their recipe's scales for
-one all-gather, and unpacked (dequantized, or handed to Transformer Engine) after it.
+one all-gather, and unpacked (dequantized, or handed to Transformer Engine) after it: a
+:class:`fsdpfn.GatherCodec`, registered as ``"fp8"`` ([Note: codec selection] in
+``fsdpfn/_codec.py``; it declines units without FP8 weights).
 
 See [Note: FP8 gather layout] in ``fsdpfn/_plan_values.py`` for the byte layout and
 [Note: FP8 gather] in ``fsdpfn/transforms/_sharding.py`` for when quantizing happens. Pure
@@ -13,6 +15,7 @@ import dataclasses
 
 import torch
 
+from fsdpfn._codec import GatherCodec, cached, register_codec
 from fsdpfn._rows import unpack_rows
 from fsdpfn.fp8._recipes import Quantized
 from fsdpfn.fp8._te import te_tensor
@@ -56,9 +59,10 @@ def float8_layout(unit, policy, dtype: torch.dtype) -> Float8Layout:
     ``fsdpfn/_plan_values.py``): regions ordered by alignment, every region viewable in place."""
     recipe = policy.recipe
     fp8 = set(unit.fp8)
+    unit_slots = cached(unit, "slots")
     regions = []  # (alignment, parameter, kind, bytes), stably sorted by alignment below
     for p in unit.params:
-        slot = unit.slots[p.name]
+        slot = unit_slots[p.name]
         if not slot.sharded:
             continue
         if p.name in fp8:
@@ -78,7 +82,7 @@ def float8_layout(unit, policy, dtype: torch.dtype) -> Float8Layout:
     align = max([1] + [r[0] for r in regions])  # (no default=: dynamo traces this when a compiled gather builds it)
     slots = {}
     for p in unit.params:
-        slot = unit.slots[p.name]
+        slot = unit_slots[p.name]
         if not slot.sharded:
             continue
         if p.name in fp8:
@@ -92,14 +96,15 @@ def float8_layout(unit, policy, dtype: torch.dtype) -> Float8Layout:
     return Float8Layout(slots, -(-offset // align) * align, amax)
 
 
-def _region(stacked: torch.Tensor, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+def _region(stacked: torch.Tensor | None, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
     """Every rank's ``[offset, offset + size)`` bytes of the gathered ``(W, segment)`` uint8
     buffer, viewed in ``dtype``: ``(W, size / itemsize)``, no copy (the layout keeps it aligned)."""
+    assert stacked is not None  # a gathered slot makes the segment non-empty
     seg = stacked[:, offset : offset + size]
     return seg.view(dtype) if dtype != torch.uint8 else seg
 
 
-class Float8Codec:
+class Float8Codec(GatherCodec):
     """A unit's FP8 weights as E4M3 bytes and scales, the rest in the gather dtype.
 
     Example:
@@ -115,7 +120,7 @@ class Float8Codec:
     def __init__(self, unit, layout: Float8Layout, policy, dtype: torch.dtype):
         self.unit, self.layout, self.policy, self.dtype = unit, layout, policy, dtype
         self.recipe = policy.recipe
-        self.numel = self.nbytes = layout.segment_bytes
+        self.numel = layout.segment_bytes
         self.amax_params = layout.amax_params
 
     def local_amax(self, locals_: list[torch.Tensor]) -> torch.Tensor | None:
@@ -156,7 +161,7 @@ class Float8Codec:
                 buf[slot.scale_offset : slot.scale_offset + scale.numel()].copy_(scale)
         return buf
 
-    def decode(self, stacked: torch.Tensor, locals_: list[torch.Tensor], out=None, amax: torch.Tensor | None = None) -> list:
+    def decode(self, stacked: torch.Tensor | None, locals_: list[torch.Tensor], out=None, amax: torch.Tensor | None = None) -> list:
         device = next((t.device for t in locals_), torch.device("cpu"))
         amaxes = self._amax(amax)
         te = self.policy.backend == "te" and out is None
@@ -200,3 +205,13 @@ class Float8Codec:
             return values
         target.copy_(values)
         return target
+
+
+def _fp8_gather(plan, unit) -> Float8Codec | None:
+    if not unit.fp8:
+        return None
+    dtype = plan.gather_dtype(unit)
+    return Float8Codec(unit, float8_layout(unit, plan.mp.fp8, dtype), plan.mp.fp8, dtype)
+
+
+register_codec("fp8", gather=_fp8_gather)

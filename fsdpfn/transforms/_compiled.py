@@ -5,9 +5,9 @@ with traceable collectives so that a whole training step is one graph.
 The eager :class:`~fsdpfn.transforms._sharding._UnshardUnit` leaves functorch with
 ``torch._C._DisableFuncTorch()``, starts asynchronous work and packs buffers in place: each of
 these breaks a dynamo graph. While dynamo traces (:func:`fsdpfn.comm.compiling`), :func:`unshard`
-and :func:`reduce` take this path instead: the shards are packed with ``cat``/``pad`` (the same
-flat layout, [Note: flat-buffer layout]), moved with the functional collectives of
-:mod:`fsdpfn.comm` (see [Note: collectives under torch.compile]) and unpacked with views. The
+and :func:`reduce` take this path instead: the same per-unit gather and reduce
+(``fsdpfn/transforms/_unit_comm.py``: the unit's codecs pack and unpack), with the functional
+collectives of :mod:`fsdpfn.comm` (see [Note: collectives under torch.compile]) as the wire. The
 per-unit autograd Function keeps its meaning (backward = reduce: one reduce-scatter in
 ``reduce_dtype``, an all-reduce over ``replicate`` under HSDP, the mean/scale, the cast to the
 master dtype), and dynamo traces both of its halves into the forward and backward graphs.
@@ -37,13 +37,12 @@ import warnings
 
 import optree
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdpfn import comm as C
-from fsdpfn._mesh import Role
-from fsdpfn._plan import Plan, Unit
-from fsdpfn._rows import chunk_bounds
+from fsdpfn._plan import Plan
+from fsdpfn.transforms import _unit_comm
+from fsdpfn.transforms._dtensor import from_local
 
 __all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "recording_backend", "reduce_traced",
            "unshard_traced"]
@@ -55,23 +54,6 @@ class CompileUnsupportedError(RuntimeError):
 
 
 CompileUnsupportedError.__module__ = "fsdpfn"
-
-
-def _cached(obj, name: str):
-    """``obj.name`` of a ``functools.cached_property`` without its lock, which dynamo cannot
-    enter: the cached value if there is one, else the value computed afresh (pure functions of
-    the frozen plan, so both are the same)."""
-    value = obj.__dict__.get(name)
-    return value if value is not None else getattr(type(obj), name).func(obj)
-
-
-def _slots(unit: Unit):
-    return _cached(unit, "slots")
-
-
-def _group(plan: Plan, role: Role):
-    d = _cached(plan, "axes").dim(role)
-    return None if d is None else (plan.mesh, d)
 
 
 def check_compilable(plan: Plan) -> None:
@@ -133,104 +115,7 @@ def _refusal(error: BaseException | None) -> CompileUnsupportedError | None:
     return None
 
 
-def _pack_gather(unit: Unit, locals_: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    parts = []
-    for p, local in zip(unit.params, locals_):
-        slot = _slots(unit)[p.name]
-        if slot.sharded:
-            flat = local.reshape(-1).to(dtype)
-            pad = slot.size - flat.numel()
-            parts.append(F.pad(flat, (0, pad)) if pad else flat)
-    return torch.cat(parts)
-
-
-def _gather_fp8(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
-    """An FP8 unit's gather, traced: the unit's own codec packs the same E4M3 bytes and scales
-    as the eager gather (per-tensor recipes after the same max all-reduce of the amax, over the
-    shard axis and tp where the tensor spans it), one all-gather of uint8 moves them, the codec
-    dequantizes. The bytes on the wire are the eager path's."""
-    codec = _cached(plan, "_codecs")[unit.name]
-    amax = codec.local_amax(locals_)
-    if amax is not None:
-        amax = C.traced_all_reduce(amax, _group(plan, Role.SHARD), op="max")
-        if _cached(plan, "axes").tp_size > 1 and any(unit.param(n).tp_dim is not None for n in codec.amax_params):
-            amax = C.traced_all_reduce(amax, _group(plan, Role.TP), op="max")
-    w = _cached(plan, "axes").shard_size
-    stacked = None
-    if codec.numel:
-        stacked = C.traced_all_gather(codec.encode(locals_, amax), _group(plan, Role.SHARD)).view(w, codec.numel)
-    return codec.decode(stacked, locals_, None, amax)
-
-
-def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
-    fulls = _gather_fp8(plan, unit, locals_) if unit.fp8 else _gather_plain(plan, unit, locals_)
-    if _role_rank(plan, Role.TP):
-        # a rowwise layer's bias: added on tp position 0 only, so the all-reduce after the layer
-        # adds it once (as the eager gather does); its gradient reaches it whole either way.
-        fulls = [torch.zeros_like(f) if p.tp == "partial" else f for p, f in zip(unit.params, fulls)]
-    return fulls
-
-
-def _gather_plain(plan: Plan, unit: Unit, locals_: list[torch.Tensor]) -> list[torch.Tensor]:
-    dtype = plan.gather_dtype(unit)
-    w = _cached(plan, "axes").shard_size
-    numel = sum(s.size for s in _slots(unit).values() if s.sharded) if unit.sharded else 0
-    stacked = None
-    if numel:
-        buf = _pack_gather(unit, locals_, dtype)
-        stacked = C.traced_all_gather(buf, _group(plan, Role.SHARD)).view(w, numel)
-    fulls = []
-    for p, local in zip(unit.params, locals_):
-        slot = _slots(unit)[p.name]
-        if slot.sharded:
-            # torch.chunk rows: every rank's padding lies after the parameter's last row.
-            n = 1
-            for s in p.local_shape:
-                n *= s
-            full = stacked[:, slot.offset : slot.offset + slot.size].reshape(-1)[:n].view(p.local_shape)  # type: ignore[index]  # set: numel > 0
-        else:
-            full = local.to(dtype)
-        fulls.append(full)
-    return fulls
-
-
-def _reduce(plan: Plan, unit: Unit, grads: list, shapes: list, dtypes: list, op: str, scale) -> list[torch.Tensor]:
-    rdtype = plan.reduce_dtype(unit)
-    device = next((g.device for g in grads if g is not None), None)  # a missing gradient's zeros live beside the others
-    axes = _cached(plan, "axes")
-    w = axes.shard_size
-    factor = (1.0 / axes.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
-    if unit.sharded:
-        cols = []
-        for p, g in zip(unit.params, grads):
-            slot = _slots(unit)[p.name]
-            if not slot.size:
-                continue
-            if g is None:
-                cols.append(torch.zeros(w, slot.size, dtype=rdtype, device=device))
-            elif slot.sharded:
-                flat = g.reshape(-1).to(rdtype)
-                pad = w * slot.size - flat.numel()
-                cols.append((F.pad(flat, (0, pad)) if pad else flat).view(w, slot.size))
-            else:
-                cols.append(g.reshape(1, -1).to(rdtype).expand(w, -1))
-        buf = torch.cat(cols, dim=1).reshape(-1)
-        reduced = C.traced_reduce_scatter(buf, _group(plan, Role.SHARD))
-    else:
-        parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
-                 for p, g in zip(unit.params, grads)]
-        reduced = C.traced_all_reduce(torch.cat(parts), _group(plan, Role.SHARD))
-    if axes.hsdp:
-        reduced = C.traced_all_reduce(reduced, _group(plan, Role.REPLICATE))
-    out = []
-    for p, shape, dt in zip(unit.params, shapes, dtypes):
-        slot = _slots(unit)[p.name]
-        n = 1
-        for s in shape:
-            n *= s
-        local = reduced[slot.offset : slot.offset + n].view(shape).to(dt)
-        out.append(local * factor if factor != 1.0 else local)
-    return out
+_WIRE = _unit_comm.TracedWire()
 
 
 class _TracedUnshardUnit(torch.autograd.Function):
@@ -240,14 +125,14 @@ class _TracedUnshardUnit(torch.autograd.Function):
     def forward(ctx, info, *locals_):
         plan, unit, op, scale = info
         ctx.info = info
-        ctx.shapes = [tuple(t.shape) for t in locals_]
-        ctx.dtypes = [t.dtype for t in locals_]
-        return tuple(_gather(plan, unit, list(locals_)))
+        pending, finish = _unit_comm.gather(plan, unit, list(locals_), _WIRE)
+        return tuple(finish(pending.wait()))
 
     @staticmethod
     def backward(ctx, *grads):
         plan, unit, op, scale = ctx.info
-        return (None, *_reduce(plan, unit, list(grads), ctx.shapes, ctx.dtypes, op, scale))
+        _, finish = _unit_comm.reduce(plan, unit, list(grads), op, scale, _WIRE)
+        return (None, *finish())
 
 
 def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, reshard=None) -> dict[str, torch.Tensor]:
@@ -255,7 +140,7 @@ def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, r
     graph gathers again (default: every ``zero3`` unit; the runtime passes the units its schedule
     reshards after forward)."""
     _refuse_functorch("fsdpfn.unshard")
-    _check_op(grad_op)
+    _unit_comm.check_op(grad_op)
     check_compilable(plan)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
@@ -271,37 +156,16 @@ def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, r
     return out
 
 
-def reduce_traced(full_grads, plan: Plan, op: str, scale, from_local) -> dict[str, DTensor]:
+def reduce_traced(full_grads, plan: Plan, op: str, scale) -> dict[str, DTensor]:
     """:func:`fsdpfn.reduce` while dynamo traces."""
-    _check_op(op)
+    _unit_comm.check_op(op)
     check_compilable(plan)
-    axes = _cached(plan, "axes")
     out: dict[str, DTensor] = {}
     for unit in plan.units:
-        grads = [full_grads[p.name] for p in unit.params]
-        shapes, dtypes = [], []
-        for p in unit.params:
-            slot = _slots(unit)[p.name]
-            start, stop = chunk_bounds(p.rows, axes.shard_size, _shard_rank(plan)) if slot.sharded else (0, p.rows)
-            shapes.append((stop - start, *p.local_shape[1:]) if p.local_shape else ())
-            dtypes.append(p.dtype)
-        for p, g in zip(unit.params, _reduce(plan, unit, grads, shapes, dtypes, op, scale)):
+        _, finish = _unit_comm.reduce(plan, unit, [full_grads[p.name] for p in unit.params], op, scale, _WIRE)
+        for p, g in zip(unit.params, finish()):
             out[p.name] = from_local(plan, p.name, g)
     return out
-
-
-def _check_op(op: str) -> None:
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-
-
-def _role_rank(plan: Plan, role: Role) -> int:
-    d = _cached(plan, "axes").dim(role)
-    return 0 if d is None else plan.mesh.get_local_rank(d)
-
-
-def _shard_rank(plan: Plan) -> int:
-    return _role_rank(plan, Role.SHARD)
 
 
 class CompiledStep:

@@ -27,19 +27,18 @@ same reduce-scatter, in ``reduce_dtype``, into the fp32 masters.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Mapping, cast
+from typing import Any, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor
 
 from fsdpfn._mesh import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
 from fsdpfn.transforms._axes import (_mesh, dp_rank, ep_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
-                                     unit_mesh, unit_rank)
+                                     unit_rank)
+from fsdpfn.transforms._dtensor import from_local, placements
+from fsdpfn.transforms import _unit_comm
 from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
@@ -52,87 +51,6 @@ __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_loc
 # ---------------------------------------------------------------------------------------------
 # Mesh and DTensor metadata, all read from the plan
 # ---------------------------------------------------------------------------------------------
-
-
-def placements(plan: Plan, name: str) -> tuple:
-    """DTensor placements of parameter ``name``, one per mesh dim, derived from the axes' roles.
-
-    Shard axis: ``Shard(0)`` if the parameter is sharded, else ``Replicate()``; when the tp
-    axis also splits dim 0 and comes after the shard axis in the mesh, the data-parallel rows
-    are cut from the tp-local rows, which DTensor spells ``_StridedShard(0, split_factor=tp)``
-    (as FSDP2 does on a 2-D mesh). Replicate axis: ``Replicate()``. Tp axis: ``Shard(d)`` for a
-    parameter split along dim ``d``, ``_StridedShard(0, split_factor=k)`` for one split
-    ``colwise_fused:k`` (tp rank ``r`` holds the ``r``-th slice of each of the ``k`` parts), else
-    ``Replicate()``. Beside an ``ep`` axis an expert weight
-    is ``Shard(0)`` over ``ep`` and its rows are cut over ``shard`` from its ep part the same
-    way, while a dense parameter lives on the ``ep`` x ``shard`` axes flattened into one mesh
-    dim (:func:`fsdpfn.transforms.unit_mesh`), ``Shard(0)`` there (and ``Replicate()`` on the
-    replicate axis before it, when the mesh has one).
-
-    Example:
-      >>> fsdpfn.transforms.placements(plan, "blocks.0.fc.weight")
-      (Shard(dim=0),)
-    """
-    return _placements(plan, name)
-
-
-def _placements(plan: Plan, name: str) -> tuple:
-    unit = plan.unit_of(name)
-    spec = unit.param(name)
-    axes = plan.axes
-    if axes.dim(Role.EP) is not None and not unit.experts:  # on the flattened ep x shard mesh
-        dense = (Shard(0) if unit.slots[name].sharded else Replicate(),)
-        return (Replicate(), *dense) if axes.hsdp else dense  # after the replicate axis (unit_mesh)
-    out: list[Placement] = []
-    for d, role in enumerate(axes.roles):
-        if role is Role.SHARD:
-            if not unit.slots[name].sharded or (spec.tp_stride > 1 and axes.shard_size == 1):
-                # A fused colwise part is never cut over a data-parallel axis of > 1 rank (the plan refuses it).
-                out.append(Replicate())
-            elif spec.tp_dim == 0 and axes.tp_size > 1 and cast(int, axes.dim(Role.TP)) > d:
-                out.append(_StridedShard(0, split_factor=axes.tp_size))
-            elif spec.expert and axes.ep_size > 1 and cast(int, axes.dim(Role.EP)) > d:
-                out.append(_StridedShard(0, split_factor=axes.ep_size))
-            else:
-                out.append(Shard(0))
-        elif role is Role.TP and spec.tp_stride > 1:
-            out.append(_StridedShard(0, split_factor=spec.tp_stride))  # see [Note: fused colwise]
-        elif role is Role.TP and spec.tp_dim is not None:
-            out.append(Shard(spec.tp_dim))
-        elif role is Role.EP and spec.expert:
-            out.append(Shard(0))
-        else:
-            out.append(Replicate())
-    return tuple(out)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
-
-
-def _spec(plan: Plan, name: str, dtype: torch.dtype) -> DTensorSpec:
-    shape = plan.param(name).shape
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
-    return DTensorSpec(unit_mesh(plan, plan.unit_of(name)), placements(plan, name), tensor_meta=meta)
-
-
-def from_local(plan: Plan, name: str, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
-    """The DTensor of parameter ``name`` whose local part on this rank is ``local``, placed as the
-    plan says. Metadata comes from the plan, never from ``local`` (see [Note: unshard under
-    torch.func]), so this works inside ``torch.func`` transforms where ``DTensor.from_local``
-    does not.
-
-    Example:
-      >>> local_rows = torch.zeros_like(params["blocks.0.fc.weight"].to_local())
-      >>> g = fsdpfn.transforms.from_local(plan, "blocks.0.fc.weight", local_rows)
-      >>> g.shape, g.placements  # the global shape and placement, from the plan
-      (torch.Size([128, 32]), (Shard(dim=0),))
-    """
-    return DTensor(local, _spec(plan, name, local.dtype), requires_grad=requires_grad)
 
 
 def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...]:
@@ -301,11 +219,6 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
 # ---------------------------------------------------------------------------------------------
 
 
-def _device_of(tensors) -> torch.device:
-    # Buffers live where the unit's tensors live (CPU with gloo, the current GPU with NCCL).
-    return next((t.device for t in tensors if t is not None), torch.device("cpu"))
-
-
 def _check_local_rows(plan: Plan, unit: Unit, locals_: list[torch.Tensor], rank: int) -> None:
     """Shards of the right global shape but another row split (``tensor_split`` instead of
     ``torch.chunk``, another world size) would gather into silently wrong parameters; their local
@@ -327,49 +240,16 @@ def gather_unit(plan: Plan, unit: Unit, locals_: list[torch.Tensor], *, async_op
 
     Returns ``(pending, finish)``: ``finish(pending.wait())`` gives the full parameters, in
     ``unit.params`` order and in the gather dtype, written into ``out`` (a list of tensors shaped
-    like the parameters) if given. Split so the runtime can overlap the wait. Under tensor
-    parallelism "full" is the tp-local part, and a ``"partial"`` parameter (a rowwise
-    layer's bias) is zeros on every tp position but 0, so the all-reduce after the layer adds
-    it once; its gradient, the same on every tp position, still reaches it whole.
+    like the parameters) if given. Split so the runtime can overlap the wait. One path for every
+    unit: its codec packs the shards (plain rows, or FP8 bytes and scales, see [Note: FP8
+    gather]), one all-gather moves them, the codec unpacks them. Under tensor parallelism "full"
+    is the tp-local part, and a ``"partial"`` parameter (a rowwise layer's bias) is zeros on
+    every tp position but 0, so the all-reduce after the layer adds it once; its gradient, the
+    same on every tp position, still reaches it whole.
     """
-    pending, finish = _gather(plan, unit, locals_, async_op)
-    partial = [i for i, p in enumerate(unit.params) if p.tp == "partial"] if tp_rank(plan) else []
-    if not partial:
-        return pending, finish
-
-    def finish_partial(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        fulls = finish(gathered, out)
-        for i in partial:
-            fulls[i].zero_()
-        return fulls
-
-    return pending, finish_partial
-
-
-def _gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], async_op: bool):
-    """One path for every unit: its codec packs the shards (plain rows, or FP8 bytes and
-    scales, see [Note: FP8 gather]), one all-gather moves them, the codec unpacks them."""
-    codec = plan.gather_codec(unit)
-    w = unit.shard_size
     group = unit_group(plan, unit)
     check_on_every_rank(plan, unit.name, group, lambda: _check_local_rows(plan, unit, locals_, unit_rank(plan, unit)))
-    amax = codec.local_amax(locals_)
-    if amax is not None:  # per-tensor scales: the whole tensor's amax, one all-reduce per gather
-        C.all_reduce(amax, group, op="max", tag=unit.name)
-        if any(unit.param(n).tp_dim is not None for n in codec.amax_params):  # the tensor spans tp too
-            C.all_reduce(amax, tp_group(plan), op="max", tag=unit.name)
-    if codec.numel:
-        buf = codec.encode(locals_, amax)
-        out = torch.empty(w * codec.numel, dtype=codec.wire_dtype, device=buf.device)
-        pending = C.all_gather(out, buf, group, async_op=async_op, tag=unit.name)
-    else:
-        pending = C.Pending(torch.empty(0, dtype=codec.wire_dtype, device=_device_of(locals_)))
-
-    def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        stacked = gathered.view(w, codec.numel) if gathered.numel() else None
-        return codec.decode(stacked, locals_, out, amax)
-
-    return pending, finish
+    return _unit_comm.gather(plan, unit, locals_, _unit_comm.EagerWire(async_op))
 
 
 def reduce_unit(
@@ -382,59 +262,14 @@ def reduce_unit(
     async_op: bool = False,
 ):
     """Starts the reduction of ``unit``'s full gradients (one reduce-scatter, plus an all-reduce
-    over the replicate axis under HSDP; one all-reduce for ``replicate`` units).
+    over the replicate axis under HSDP; one all-reduce for ``replicate`` units), packed by the
+    unit's reduce codec (:meth:`fsdpfn.Plan.reduce_codec`).
 
     Returns ``(pending, finish)``: ``finish()`` (after the wait) gives this rank's local gradient
     shards in ``unit.params`` order, in each parameter's master dtype. ``None`` gradients count
     as zeros.
     """
-    rdtype = plan.reduce_dtype(unit)
-    device = _device_of(grads)
-    w = unit.shard_size
-    rank = unit_rank(plan, unit)
-    group = unit_group(plan, unit)
-    slots = unit.slots
-    factor = (1.0 / plan.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
-    if unit.sharded:
-        buf = torch.zeros(w, unit.reduce_numel, dtype=rdtype, device=device)
-        for p, g in zip(unit.params, grads):
-            if g is None:
-                continue
-            slot = slots[p.name]
-            dst = buf[:, slot.offset : slot.offset + slot.size]
-            if not slot.sharded:
-                dst.copy_(g.reshape(1, -1).expand(w, -1))
-            elif slot.size:
-                rows = g.reshape(p.rows, p.row_numel)
-                if p.rows != w * slot.chunk_rows:
-                    rows = torch.cat([rows, rows.new_zeros(w * slot.chunk_rows - p.rows, p.row_numel)])
-                dst.view(w, slot.chunk_rows, p.row_numel).copy_(rows.view(w, slot.chunk_rows, p.row_numel))
-        out = torch.empty(unit.reduce_numel, dtype=rdtype, device=device)
-        if unit.reduce_numel:
-            first = C.reduce_scatter(out, buf.view(-1), group, async_op=async_op, tag=unit.name)
-        else:
-            first = C.Pending(out)
-    else:
-        parts = [
-            (g if g is not None else torch.zeros(p.local_shape, dtype=rdtype, device=device)).reshape(-1).to(rdtype)
-            for p, g in zip(unit.params, grads)
-        ]
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=rdtype, device=device)
-        first = C.all_reduce(out, group, async_op=async_op, tag=unit.name) if out.numel() else C.Pending(out)
-
-    def finish() -> list[torch.Tensor]:
-        reduced = first.wait()
-        if plan.hsdp and reduced.numel():
-            C.all_reduce(reduced, replicate_group(plan), tag=unit.name)
-        shards = []
-        for p in unit.params:
-            slot = slots[p.name]
-            shape = _local_shape(plan, unit, p.name, rank)
-            local = reduced[slot.offset : slot.offset + math.prod(shape)].view(shape).to(p.dtype)
-            shards.append(local * factor if factor != 1.0 else local.clone())
-        return shards
-
-    return first, finish
+    return _unit_comm.reduce(plan, unit, grads, op, scale, _unit_comm.EagerWire(async_op))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +329,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
         _no_ep_compiled(plan)
         return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
-    _check_op(grad_op)
+    _unit_comm.check_op(grad_op)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))
@@ -509,11 +344,6 @@ def _no_ep_compiled(plan: Plan) -> None:
             f"the plan's mesh ({plan.axes.describe()}) has an expert-parallel axis, which torch.compile does not trace yet; "
             "run the expert-parallel step eagerly"
         )
-
-
-def _check_op(op: str) -> None:
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
 
 
 def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str = "mean", scale: float | None = None) -> dict[str, DTensor]:
@@ -540,8 +370,8 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
         _no_ep_compiled(plan)
-        return reduce_traced(full_grads, plan, op, scale, from_local)
-    _check_op(op)
+        return reduce_traced(full_grads, plan, op, scale)
+    _unit_comm.check_op(op)
     check_params(full_grads, plan, "reduce(full_grads)", allow_none=True, tp_local=True)
     out: dict[str, DTensor] = {}
     with torch.no_grad():
