@@ -21,6 +21,9 @@ benchmarks' docstrings. Each must match one entry of ``HOW`` below, which says h
   ``pip``         an install line: the extras it names exist in pyproject.toml
   ==============  ===============================================================================
 
+A session runs one command of each script (``EVERY_SESSION``) and skips the others with the
+reason; ``FSDPFN_DOCS_COMMANDS=all python -m pytest tests/test_docs_commands.py`` runs every one.
+
 A new command in the pages fails ``test_every_documented_command_is_covered`` until it is given
 an entry, so no command reaches the pages untested (as ``--world-size 3`` of
 examples/your_model.py once did: its default batch did not divide over 3 ranks).
@@ -396,21 +399,38 @@ CHEAPEST = {"python benchmarks/exit_stress.py -n 5 --ways spawn torchrun",
             "python benchmarks/fp8_gather.py --parts bytes,time --steps 3 --warmup 1"}
 
 
+# Scripts none of whose commands fits a session: inductor compiles the model twice, whatever the
+# steps (over 90 s of CPU per rank, measured on 2 cores).
+TOO_SLOW = {"compile_bucket.py"}
+
+
 def _first_of_its_script() -> set[str]:
     first: dict[tuple, str] = {}
     for command in sorted(RUNS, key=lambda c: (c not in CHEAPEST, c)):
         argv = shlex.split(command)
-        first.setdefault((argv[0], _script(argv)[0]), command)
+        if os.path.basename(_script(argv)[0]) not in TOO_SLOW:
+            first.setdefault((argv[0], _script(argv)[0]), command)
     return set(first.values())
 
 
 EVERY_SESSION = _first_of_its_script()
 
 
+# Commands that fail today, with why: the run stays, strict, so that it fails once fixed.
+BROKEN = {
+    "python examples/plan_search.py --model gpt --gpus 8 --seq 256 --experts 8 --ep 1,2,4,8":
+        "fsdpfn.sim.Muon's cost of an expert leaf on an (ep, edp) mesh: IndexError in optim.split_mesh_dims "
+        "(placements over the whole mesh, sizes over the expert mesh); the search with --optimizer adamw runs",
+}
+
+
 def _runs_param(command: str):
-    if ALL or command in EVERY_SESSION:
-        return command
-    return pytest.param(command, marks=pytest.mark.skip(reason="another command of this script runs; FSDPFN_DOCS_COMMANDS=all runs this one"))
+    if not (ALL or command in EVERY_SESSION):
+        why = "minutes of compiling" if os.path.basename(_script(shlex.split(command))[0]) in TOO_SLOW else "another command of this script runs"
+        return pytest.param(command, marks=pytest.mark.skip(reason=f"{why}; FSDPFN_DOCS_COMMANDS=all runs this one"))
+    if command in BROKEN:
+        return pytest.param(command, marks=pytest.mark.xfail(reason=BROKEN[command], strict=True, raises=IndexError))
+    return command
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +454,7 @@ def _run_here(path: str, flags: list[str], cwd, capsys, monkeypatch) -> tuple[in
 @pytest.mark.parametrize("command", [_runs_param(c) for c in sorted(RUNS)])
 def test_commands_run(command, tmp_path, shared, capsys, monkeypatch):
     argv = shlex.split(command)
-    path, flags, world = _script(argv)
+    path, flags, _ = _script(argv)
     kind, more = how(command)
     extra = _with_places(more, str(tmp_path), str(shared))
     if kind == "here":
@@ -446,7 +466,7 @@ def test_commands_run(command, tmp_path, shared, capsys, monkeypatch):
         else:
             cmd = [sys.executable, path, *flags, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error", "PYTHONPATH": ROOT}
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800 if ALL else 600)
         code, out, err = proc.returncode, proc.stdout, proc.stderr
     also = [c for c in RUNS[command] if c != command]
     said = f"`{command}`" + (f" (run for {also} too: the same arguments once shortened)" if also else "")
