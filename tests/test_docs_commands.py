@@ -93,14 +93,15 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/muon\.py --project$", "here", ""),
     (r"^python benchmarks/muon\.py\b", "run",
      "--width 64 --depth 1 --vocab 128 --seq 16 --heads 2 --batch 1 --steps 1 --warmup 0 --batches 1,2"),
-    (r"^python benchmarks/sim_(project|published)\.py\b", "here", ""),
+    (r"^python benchmarks/sim_project\.py\b", "here", "--models 8b --gpus 8 --global-tokens 32768"),  # one search, not eight
+    (r"^python benchmarks/sim_published\.py\b", "here", "--max-rows 2"),
     # Every grid command runs as the whole grid (each strategy, prefetch depth and optimizer: a
     # superset of what each command picks) on a tiny model at one world size; each search check
     # at one world size and one budget.
     (r"^python benchmarks/sim_validate\.py\b", "run",
      "--world-sizes 4 --strategies local,replicate,zero1,zero2,zero3,hsdp --optimizers adamw,muon --search-budget-mib 128 "
      "--width 32 --depth 2 --heads 2 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0 --probe-repeats 1"),
-    (r"^python benchmarks/tp\.py\b", "run", "--width 32 --depth 1 --heads 2 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0"),
+    (r"^python benchmarks/tp\.py\b", "run", "--width 32 --depth 1 --heads 4 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0"),
     # Two configurations, between them each strategy and each precision the commands name.
     (r"^python benchmarks/vs_fsdp2\.py\b(?!.*--compile)", "run",
      "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0 --memory-steps 1 --configs zero2:fp32,zero3:bf16"),
@@ -396,6 +397,7 @@ ALL = os.environ.get("FSDPFN_DOCS_COMMANDS") == "all"
 
 # The script's cheapest run where its first command is not (fewer launches).
 CHEAPEST = {"python benchmarks/exit_stress.py -n 5 --ways spawn torchrun",
+            "python benchmarks/sim_project.py --models 8b --gpus 8,64 --no-search",
             "python benchmarks/fp8_gather.py --parts bytes,time --steps 3 --warmup 1"}
 
 
