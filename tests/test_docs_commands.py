@@ -52,7 +52,8 @@ _ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 _INLINE = re.compile(r"`((?:OMP_NUM_THREADS=\d+ )?(?:python3? |torchrun |make )[^`]+)`")
 
 # (regex over the command, kind, detail); the first match decides. detail: the test that runs it
-# (validate), or the flags appended (run).
+# (validate, test, gpu), or the flags appended (run, here), where {tmp} and {shared} are directories
+# (see _PLACES).
 HOW: list[tuple[str, str, str]] = [
     (r"^make (demo|test|docs|docs-refresh|bench|setup)\b", "make", ""),
     (r"^pip install", "pip", ""),
