@@ -220,8 +220,9 @@ def _report_time(r, args):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_demo(out_dir, fp8):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--no-progress", "--out", out_dir] + (["--fp8"] if fp8 else [])
+def _run_demo(out_dir, fp8, steps):
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--no-progress", "--steps", str(steps), "--out", out_dir]
+    cmd += ["--fp8"] if fp8 else []
     print("  running:", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
@@ -237,12 +238,13 @@ def _report_loss(args):
     off_dir, on_dir = args.runs
     for d, fp8 in ((off_dir, False), (on_dir, True)):
         if not os.path.exists(os.path.join(d, "metrics.jsonl")):
-            _run_demo(d, fp8)
+            _run_demo(d, fp8, args.demo_steps)
     (off, off_val), (on, on_val) = _metrics(off_dir), _metrics(on_dir)
-    print("\n3. Demo loss (examples/train_gpt.py, 300 steps, 2 ranks, zero3, Muon), without / with --fp8")
+    last = max(off)
+    print(f"\n3. Demo loss (examples/train_gpt.py, {last} steps, 2 ranks, zero3, Muon), without / with --fp8")
     print("| step | loss, fp32 gathers | loss, MXFP8 gathers | gap (MXFP8 - fp32) | validation loss fp32 / MXFP8 |")
     print("|---|---|---|---|---|")
-    for step in (100, 300):
+    for step in (last // 3, last):  # steps 100 and 300 of the demo
         s = max(k for k in off if k <= step)
         val = f"{off_val[step]:.4f} / {on_val[step]:.4f}" if step in off_val and step in on_val else ""
         print(f"| {s} | {off[s]:.4f} | {on[s]:.4f} | {on[s] - off[s]:+.4f} | {val} |")
@@ -284,6 +286,7 @@ def main():
     ap.add_argument("--runs", nargs=2, default=[os.path.join(ROOT, "runs", "fp8_off"), os.path.join(ROOT, "runs", "fp8_on")],
                     metavar=("WITHOUT", "WITH"), help="demo run directories (run if they hold no metrics)")
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "fp8_loss.png"))
+    ap.add_argument("--demo-steps", type=int, default=300, help="steps of the demo runs the loss part starts (when --runs hold none)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     print("command:", "OMP_NUM_THREADS=1 python " + " ".join(sys.argv))

@@ -17,7 +17,7 @@ Per configuration, in one launch, interleaved (A B C ... A B C ...):
 
 Then the same levers projected by the simulator for a Llama-3-8B-like model on 64 H100s.
 
-Usage: python benchmarks/memory_levers.py [--steps 6]
+Usage: python benchmarks/memory_levers.py [--steps 6] [--width 512 --depth 4 --vocab 4096 --seq 256 --batch 4]
 """
 
 from __future__ import annotations
@@ -63,13 +63,12 @@ def _held_for_backward(model, rt, params, x, y):
     return held
 
 
-def _rank(rank, world, steps):
+def _rank(rank, world, steps, cfg, batch):
     torch.manual_seed(0)
     hw = sim.measure(dtypes=(torch.float32,))
-    cfg = GPTConfig(vocab_size=4096, seq_len=256, width=512, depth=4, heads=8, bias=False)
     model = GPT(cfg)
     gen = torch.Generator().manual_seed(1 + rank)
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
     loss_fn = lambda o: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
     mesh = testing.mesh((world,))
@@ -132,11 +131,19 @@ def project(hw: sim.Hardware, gpus: int = 64, seq: int = 8192):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="measured steps per configuration, interleaved")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     args = p.parse_args(argv)
-    res = testing.run_on_ranks(_rank, 2, args.steps, timeout=1800)[0]
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    res = testing.run_on_ranks(_rank, 2, args.steps, cfg, args.batch, timeout=1800)[0]
     base = res["none"]
     p0 = base["predicted_time"]
-    print(f"GPT width 512, 4 blocks, seq 256, batch 4 per rank; 2 gloo ranks, zero3, prefetch 1; {args.steps} steps, interleaved\n")
+    print(f"GPT width {args.width}, {args.depth} blocks, seq {args.seq}, batch {args.batch} per rank; 2 gloo ranks, zero3, "
+          f"prefetch 1; {args.steps} steps, interleaved\n")
     print("| lever | held for backward (counted) | predicted | activation cut | step time (median) | time ratio, median of rounds [min-max] | "
           "predicted ratio | ratio error | copied per step | device bytes between steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
