@@ -171,31 +171,29 @@ def _axis(plan: Plan, role: Role) -> tuple[str | None, int]:
 
 
 def _unit_gather(plan: Plan, unit: Unit) -> list[tuple]:
-    """``(kind, role, nbytes, dtype, purpose)`` of one gather of ``unit``."""
-    w = unit.shard_size
+    """``(kind, role, nbytes, dtype, purpose)`` of one gather of ``unit``, sized by its codec."""
+    codec = plan.gather_codec(unit)
     out = []
-    layout = plan.fp8_layout(unit)
-    if layout is not None and layout.amax_params:
-        out.append(("all_reduce", Role.SHARD, 4 * len(layout.amax_params), torch.float32, "amax"))
-        if any(unit.param(n).tp_dim is not None for n in layout.amax_params):
-            out.append(("all_reduce", Role.TP, 4 * len(layout.amax_params), torch.float32, "amax"))
-    if layout is not None:
-        out.append(("all_gather", Role.SHARD, w * layout.segment_bytes, torch.uint8, "gather"))
-    elif unit.sharded and unit.shard_numel:
-        dtype = plan.gather_dtype(unit)
-        out.append(("all_gather", Role.SHARD, w * unit.shard_numel * dtype.itemsize, dtype, "gather"))
+    if codec.amax_params:
+        out.append(("all_reduce", Role.SHARD, 4 * len(codec.amax_params), torch.float32, "amax"))
+        if codec.amax_over_tp:
+            out.append(("all_reduce", Role.TP, 4 * len(codec.amax_params), torch.float32, "amax"))
+    if codec.numel:
+        out.append(("all_gather", Role.SHARD, unit.shard_size * codec.nbytes, codec.wire_dtype, "gather"))
     return out
 
 
 def _unit_reduce(plan: Plan, unit: Unit) -> tuple[list[tuple], list[tuple]]:
-    """``(at reduce, at wait_reduce)``: the collectives of one reduce of ``unit``."""
-    dtype = plan.reduce_dtype(unit)
-    n = unit.reduce_numel if unit.sharded else unit.numel
+    """``(at reduce, at wait_reduce)``: the collectives of one reduce of ``unit``, sized by its
+    codec (the wire dtype crosses the reduce; HSDP's replicate all-reduce runs on the sum, in the
+    accumulation dtype)."""
+    codec = plan.reduce_codec(unit)
+    n, wire, accum = codec.numel, codec.wire_dtype, codec.accum_dtype
     if not n:
         return [], []
-    first = ("reduce_scatter", Role.SHARD, unit.shard_size * n * dtype.itemsize, dtype, "reduce") if unit.sharded else \
-        ("all_reduce", Role.SHARD, n * dtype.itemsize, dtype, "reduce")
-    second = [("all_reduce", Role.REPLICATE, n * dtype.itemsize, dtype, "replicate_reduce")] if plan.hsdp else []
+    first = ("reduce_scatter", Role.SHARD, unit.shard_size * n * wire.itemsize, wire, "reduce") if unit.sharded else \
+        ("all_reduce", Role.SHARD, n * wire.itemsize, wire, "reduce")
+    second = [("all_reduce", Role.REPLICATE, n * accum.itemsize, accum, "replicate_reduce")] if plan.hsdp else []
     return [first], second
 
 
