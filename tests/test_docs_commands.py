@@ -419,20 +419,10 @@ def _first_of_its_script() -> set[str]:
 EVERY_SESSION = _first_of_its_script()
 
 
-# Commands that fail today, with why: the run stays, strict, so that it fails once fixed.
-BROKEN = {
-    "python examples/plan_search.py --model gpt --gpus 8 --seq 256 --experts 8 --ep 1,2,4,8":
-        "fsdpfn.sim.Muon's cost of an expert leaf on an (ep, edp) mesh: IndexError in optim.split_mesh_dims "
-        "(placements over the whole mesh, sizes over the expert mesh); the search with --optimizer adamw runs",
-}
-
-
 def _runs_param(command: str):
     if not (ALL or command in EVERY_SESSION):
         why = "minutes of compiling" if os.path.basename(_script(shlex.split(command))[0]) in TOO_SLOW else "another command of this script runs"
         return pytest.param(command, marks=pytest.mark.skip(reason=f"{why}; FSDPFN_DOCS_COMMANDS=all runs this one"))
-    if command in BROKEN:
-        return pytest.param(command, marks=pytest.mark.xfail(reason=BROKEN[command], strict=True, raises=IndexError))
     return command
 
 

@@ -133,7 +133,9 @@ def _ep_case(rank, world, mesh_shape, names):
     return both, alone, sorted(experts)
 
 
-@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("ep", "edp")), ((2, 2), ("edp", "ep"))], ids=["ep2xedp2", "edp2xep2"])
+@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("ep", "edp")), ((2, 2), ("edp", "ep")),
+                                              ((2, 2, 1), ("replicate", "ep", "edp"))],
+                         ids=["ep2xedp2", "edp2xep2", "hsdp2xep2"])
 def test_sim_muon_equals_a_real_step_on_an_ep_plan(run_on_ranks, mesh_shape, names):
     for rank, (both, alone, experts) in enumerate(run_on_ranks(_ep_case, 4, mesh_shape, names)):
         assert experts, "the plan has expert leaves"

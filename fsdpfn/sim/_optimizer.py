@@ -122,7 +122,13 @@ def _mesh_of(plan: Plan, unit, rank: int) -> tuple[str, tuple[int, ...], tuple[i
     index = 0
     for d in dims:
         index = index * plan.mesh_shape[d] + coords[d]
-    return "dense", (math.prod(plan.mesh_shape[d] for d in dims),), (index,)
+    flat = ((math.prod(plan.mesh_shape[d] for d in dims),), (index,))
+    rep = plan.axes.dim(Role.REPLICATE) if plan.axes.hsdp else None
+    if rep is None:
+        return "dense", *flat
+    # The replicate axis stays a dim of its own, before the flattened one, as on the mesh the
+    # transforms place dense units on (transforms.unit_mesh): one placement per dim.
+    return "dense", (plan.mesh_shape[rep], *flat[0]), (coords[rep], *flat[1])
 
 
 def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
@@ -139,8 +145,8 @@ def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
     for unit in plan.units:
         _, sizes, coords = _mesh_of(plan, unit, rank)
         dense = _dense(plan, unit)
-        w = sizes[0] if dense else plan.shard_size
-        s = coords[0] if dense else coords[cast(int, plan.axes.dim(Role.SHARD))] if plan.axes.dim(Role.SHARD) is not None else 0
+        w = sizes[-1] if dense else plan.shard_size
+        s = coords[-1] if dense else coords[cast(int, plan.axes.dim(Role.SHARD))] if plan.axes.dim(Role.SHARD) is not None else 0
         for p in unit.params:
             if unit.sharded and p.shape:
                 start, stop = chunk_bounds(p.rows, w, s)
