@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from fsdpfn._mesh import Role
+from fsdpfn._placements import split_roles
 from fsdpfn._rows import chunk_bounds, unpack_rows
 
 __all__ = ["GatherCodec", "PlainCodec", "PlainReduceCodec", "ReduceCodec", "cached", "codec_factories", "register_codec",
@@ -66,7 +68,7 @@ class GatherCodec(abc.ABC):
         """Whether a tensor of :attr:`amax_params` is split over tp too, so its amax is
         all-reduced over the tp group as well."""
         unit = self.unit
-        return unit is not None and any(p.tp_dim is not None for p in unit.params if p.name in self.amax_params)
+        return unit is not None and any(Role.TP in split_roles(p) for p in unit.params if p.name in self.amax_params)
 
     def local_amax(self, locals_: list[torch.Tensor]) -> torch.Tensor | None:
         """This rank's float32 amax of each of :attr:`amax_params`, or ``None`` (no extra

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 from torch import nn
 
 from fsdpfn._mesh import MeshAxes, Role
+from fsdpfn._placements import AxisPlacement, Placement, Replicate, Shard, module_placement
 from fsdpfn._plan_values import (
     HSDP_DIM_NAMES,
     ROOT,
@@ -191,13 +192,9 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
     return out
 
 
-def _tp_placement(style: str | None, leaf: str) -> tuple[str, int]:
-    """``(ParamSpec.tp, ParamSpec.tp_stride)`` of parameter ``leaf`` of a module split ``style``."""
-    if style is None:
-        return "replicate", 1
-    if style == "rowwise":
-        return ("shard1" if leaf == "weight" else "partial"), 1  # input features; the bias is added once
-    return "shard0", int(tp_style_stride(style) or 1)  # colwise*: output features, weight rows and bias (style validated)
+def _tp_placement(style: str | None, leaf: str) -> Placement:
+    """The tp placement of parameter ``leaf`` of a module split ``style`` (style validated)."""
+    return module_placement(None if style is None else tp_style_stride(style), style == "rowwise", leaf)
 
 
 def plan(
@@ -301,8 +298,8 @@ def plan(
       total                   29    30,080
       >>> tp = {"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
       >>> p2 = fsdpfn.plan(model, {"dp": 2, "tp": 2}, tp=tp)
-      >>> p2.param("blocks.0.qkv.weight").tp, p2.param("blocks.0.qkv.weight").local_shape
-      ('shard0', (48, 32))
+      >>> p2.param("blocks.0.qkv.weight").placements, p2.param("blocks.0.qkv.weight").local_shape
+      ((AxisPlacement('tp', 2, Shard(0)),), (48, 32))
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"plan() takes the nn.Module to shard, got {type(model).__name__}")
@@ -333,8 +330,8 @@ def plan(
     for name, p in model.named_parameters(remove_duplicate=False):
         owner = expert_of[name] if name in expert_of else _owner(name, dense_names)
         module, _, leaf = name.rpartition(".")
-        placement, stride = _tp_placement(tp_styles.get(module), leaf)
-        shown = placement if stride == 1 else f"{placement} in {stride} fused parts"
+        placement = _tp_placement(tp_styles.get(module), leaf)
+        shown = repr(placement)
         if id(p) in first_name:
             other, other_owner, other_placement = first_name[id(p)]
             if other_owner != owner:
@@ -350,7 +347,10 @@ def plan(
                 )
             continue
         first_name[id(p)] = (name, owner, shown)
-        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placement, tp_size, name in expert_of, ep_size, stride))
+        # Experts are split along dim 0 over ep; everything else is replicated over it (and over
+        # tp unless tp= splits its module).
+        ep = AxisPlacement(Role.EP, ep_size, Shard(0) if name in expert_of else Replicate())
+        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placements=(ep, AxisPlacement(Role.TP, tp_size, placement))))
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
     if remat is not None and not isinstance(remat, (str, Mapping)):
@@ -563,9 +563,11 @@ def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[Para
     block = policy.recipe.block_size
     for u, names in out.items():
         for spec in owned[u]:
-            if spec.name in names and spec.tp == "shard1" and block is not None and spec.local_shape[-1] % block:
+            # Blocks run along the last dim: where an axis splits it, they must not straddle its ranks.
+            across = [e for e in spec.placements if spec.shape and e.placement.dim == len(spec.shape) - 1]
+            if spec.name in names and across and block is not None and spec.local_shape[-1] % block:
                 raise ValueError(
-                    f"parameter {spec.name!r} is split by columns over tp={spec.tp_size}: its local width "
+                    f"parameter {spec.name!r} is split by columns over {across[0].axis.value}={across[0].size}: its local width "
                     f"{spec.local_shape[-1]} is not a multiple of the {policy.recipe.name} block of {block}, so its FP8 blocks "
                     "would straddle tp ranks. Choose a tp degree that keeps local widths a multiple of "
                     f"{block}, or leave it out with Float8GatherPolicy(exclude=[{spec.name!r}])."

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from fsdpfn import _placements as P
 from fsdpfn._mesh import MeshAxes
 from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name, register_serialisers
 from fsdpfn.fp8 import Float8GatherPolicy
@@ -37,14 +38,24 @@ FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC)
 
 
 def _param_dict(p: ParamSpec) -> dict:
+    # Placements are written in the words formats 3 and 4 used (P.legacy_fields), only where they
+    # differ from the default, so a plan's JSON and fingerprint are what earlier versions wrote.
     d: dict[str, Any] = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
-    if p.tp != "replicate":
-        d["tp"] = p.tp
-    if p.tp_stride != 1:
-        d["tp_stride"] = p.tp_stride
-    if p.expert:
+    fields = P.legacy_fields(p)
+    if fields["tp"] != "replicate":
+        d["tp"] = fields["tp"]
+    if fields["tp_stride"] != 1:
+        d["tp_stride"] = fields["tp_stride"]
+    if fields["expert"]:
         d["expert"] = True
     return d
+
+
+def _param_from(p: dict, axes: MeshAxes) -> ParamSpec:
+    # The axes' sizes come from the mesh: JSON never repeated them per parameter.
+    placements = P.from_legacy(p["name"], p.get("tp", "replicate"), axes.tp_size, bool(p.get("expert", False)), axes.ep_size,
+                               int(p.get("tp_stride", 1)))
+    return ParamSpec(p["name"], tuple(p["shape"]), cast(torch.dtype, _dtype_from(p["dtype"])), placements=placements)
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -80,7 +91,7 @@ def plan_to_dict(plan: Plan) -> dict:
         d["format"] = FORMAT_AXES
         d["mesh"]["roles"] = list(plan.mesh_roles) if plan.mesh_roles is not None else None
         d["tp"] = [list(t) for t in plan.tp]
-        if any(p.tp_stride != 1 for u in plan.units for p in u.params):
+        if any(_param_dict(p).get("tp_stride", 1) != 1 for u in plan.units for p in u.params):
             d["format"] = FORMAT_FUSED
     if plan.mp.codec is not None:
         d["format"] = FORMAT_CODEC
@@ -98,16 +109,11 @@ def plan_from_dict(d: dict, mesh=None) -> Plan:
     # format 5 may hold a plan of any earlier format beside its codec: roles only if it wrote them
     roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
-    tp_size, ep_size = axes.tp_size, axes.ep_size
     units = tuple(
         Unit(
             u["name"],
             u["strategy"],
-            tuple(
-                ParamSpec(p["name"], tuple(p["shape"]), cast(torch.dtype, _dtype_from(p["dtype"])), p.get("tp", "replicate"), tp_size,
-                          bool(p.get("expert", False)), ep_size, int(p.get("tp_stride", 1)))
-                for p in u["params"]
-            ),
+            tuple(_param_from(p, axes) for p in u["params"]),
             axes.shard_size if u.get("experts") else axes.dense_shard_size,
             tuple(u.get("fp8", ())),
             u.get("remat", "none"),

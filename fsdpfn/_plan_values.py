@@ -78,7 +78,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed
 
+from fsdpfn import _placements as P
 from fsdpfn._mesh import MeshAxes, Role
+from fsdpfn._placements import AxisPlacement
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
@@ -270,100 +272,72 @@ def _check_mesh_covers_world(mesh) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ParamSpec:
-    """One parameter: its path in the model, global shape, (master) dtype and tensor-parallel
-    placement.
+    """One parameter: its path in the model, global shape, (master) dtype and its placement on
+    each model-parallel mesh axis.
 
     Attributes:
       name: the parameter's path in the model.
       shape: its global shape.
       dtype: its master dtype.
-      tp: its placement over the tensor-parallel axis, one of :data:`TP_STYLES`: ``"replicate"``
-        (default), ``"shard0"``/``"shard1"`` (split along dim 0 / 1 over ``tp_size`` ranks),
-        ``"partial"`` (replicated; in forward, tp position 0 uses it and the others use zeros,
-        so a sum over tp adds it once).
-      tp_size: ranks on the tensor-parallel axis (1 without one).
-      expert: a packed expert weight of a mixture-of-experts layer (dim 0 is the expert
-        index): on a mesh with an ``ep`` axis it is split along dim 0 over ``ep_size`` ranks and
-        sharded over the expert data-parallel (``shard``) axis only.
-      ep_size: ranks on the expert-parallel axis (1 without one).
-      tp_stride: for ``tp="shard0"``, the number of fused parts dim 0 holds side by side (a
-        ``colwise_fused:k`` Linear; see [Note: fused colwise]): tp rank ``r`` holds the
-        ``r``-th slice of each part, stacked. 1: one part, rank ``r`` holds the ``r``-th block.
+      placements: one ``AxisPlacement`` (:mod:`fsdpfn._placements`) per model-parallel axis it is placed on
+        (``tp``, ``ep``), in the vocabulary of DTensor: ``Shard(d)`` (split along dim ``d``: a
+        colwise Linear's rows, a rowwise one's columns, a packed expert weight's experts over
+        ``ep``), ``StridedShard(0, k)`` (a ``colwise_fused:k`` Linear, see [Note: fused
+        colwise]), ``Partial()`` (replicated; in forward, position 0 uses it and the others use
+        zeros, so a sum over the axis adds it once: a rowwise bias), ``Replicate()`` (the default,
+        not listed). Everything derived from them (local shape and part, groups, DTensor
+        placements, JSON) comes from :mod:`fsdpfn._placements`.
 
-    ``local_shape``, ``rows``, ``row_numel`` and ``numel`` describe the tensor-parallel-local
+    ``ParamSpec(name, shape, dtype, tp=..., tp_size=..., expert=..., ep_size=..., tp_stride=...)``
+    (the form before placements, positional or by keyword) still builds the same placements, and
+    :attr:`tp`, :attr:`tp_size`, :attr:`tp_stride`, :attr:`tp_dim`, :attr:`expert` and
+    :attr:`ep_size` read them back for compatibility (read-only; fsdpfn itself asks the
+    placements).
+
+    ``local_shape``, ``rows``, ``row_numel`` and ``numel`` describe the model-parallel-local
     part, which is what a unit gathers over the data-parallel axis.
 
     Example:
       >>> p = ParamSpec("fc.weight", (256, 64), torch.float32, tp="shard0", tp_size=2)
+      >>> p.placements
+      (AxisPlacement('tp', 2, Shard(0)),)
       >>> p.local_shape, p.rows, p.numel, p.global_numel
       ((128, 64), 128, 8192, 16384)
+      >>> from fsdpfn._placements import AxisPlacement, Shard
+      >>> p == ParamSpec("fc.weight", (256, 64), torch.float32, placements=[AxisPlacement("tp", 2, Shard(0))])
+      True
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    tp: str = "replicate"
-    tp_size: int = 1
-    expert: bool = False
-    ep_size: int = 1
-    tp_stride: int = 1
+    placements: tuple[AxisPlacement, ...] = ()
 
-    def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if self.tp_stride < 1 or (self.tp_stride > 1 and self.tp != "shard0"):
-            raise ValueError(f"parameter {self.name!r}: tp_stride={self.tp_stride} needs tp='shard0' and a stride >= 1 (got tp={self.tp!r})")
-        if self.tp not in TP_STYLES:
-            raise ValueError(f"parameter {self.name!r}: unknown tensor-parallel placement {self.tp!r}; choose one of {', '.join(TP_STYLES)}")
-        if self.tp_size < 1:
-            raise ValueError(f"parameter {self.name!r}: tp_size must be >= 1, got {self.tp_size}")
-        if self.ep_size < 1:
-            raise ValueError(f"parameter {self.name!r}: ep_size must be >= 1, got {self.ep_size}")
-        if self.expert:
-            if not self.shape:
-                raise ValueError(f"parameter {self.name!r} is 0-d; an expert weight packs its experts along dim 0")
-            if self.tp != "replicate":
-                raise NotImplementedError(
-                    f"parameter {self.name!r} is an expert weight and split over tp ({self.tp}); experts split over both ep "
-                    "and tp are not supported yet. Leave the expert layers out of tp="
-                )
-            if self.shape[0] % self.ep_size:
-                raise ValueError(
-                    f"expert parameter {self.name!r} packs {self.shape[0]} experts (dim 0 of {self.shape}), which do not divide "
-                    f"over ep={self.ep_size} ranks; choose a number of experts that is a multiple of ep, or a smaller ep"
-                )
-        d = self.tp_dim
-        if d is not None:
-            if d >= len(self.shape):
-                raise ValueError(f"parameter {self.name!r} of shape {self.shape} cannot be split along dim {d} (tp={self.tp!r})")
-            if self.shape[d] % self.tp_size:
-                raise ValueError(
-                    f"parameter {self.name!r} has {self.shape[d]} along dim {d}, which does not divide over tp={self.tp_size} "
-                    f"ranks; choose a tp degree that divides it, or leave this module out of tp="
-                )
-            if self.tp_stride > 1 and self.shape[0] % (self.tp_stride * self.tp_size):
-                raise ValueError(
-                    f"parameter {self.name!r} has {self.shape[0]} rows, which do not make {self.tp_stride} fused parts of equal "
-                    f"size that each divide over tp={self.tp_size} ranks (colwise_fused:{self.tp_stride}); check the number of "
-                    "fused parts, or choose a tp degree that divides each part"
-                )
+    def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype, tp: str | None = None, tp_size: int | None = None,
+                 expert: bool | None = None, ep_size: int | None = None, tp_stride: int | None = None, *,
+                 placements: Sequence[AxisPlacement] | None = None):
+        legacy = [k for k, v in (("tp", tp), ("tp_size", tp_size), ("expert", expert), ("ep_size", ep_size), ("tp_stride", tp_stride))
+                  if v is not None]
+        if placements is not None and legacy:
+            raise ValueError(f"parameter {name!r}: give placements= or the words {legacy}, not both")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+        object.__setattr__(self, "dtype", dtype)
+        if placements is None:  # the words before placements: what they meant
+            entries = P.from_legacy(name, tp or "replicate", 1 if tp_size is None else tp_size, bool(expert),
+                                    1 if ep_size is None else ep_size, 1 if tp_stride is None else tp_stride)
+        else:
+            entries = P.normalise(placements)
+        object.__setattr__(self, "placements", entries)
+        P.check(self)
 
-    @property
-    def tp_dim(self) -> int | None:
-        """The dim split over the tensor-parallel axis, or ``None``."""
-        return {"shard0": 0, "shard1": 1}.get(self.tp)
-
-    @property
+    @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
-        """The shape of this rank's tensor- or expert-parallel part (the global shape without
-        TP or EP)."""
-        if self.expert:
-            return (self.shape[0] // self.ep_size, *self.shape[1:])
-        d = self.tp_dim
-        if d is None:
-            return self.shape
-        return tuple(s // self.tp_size if i == d else s for i, s in enumerate(self.shape))
+        """The shape of this rank's model-parallel part (the global shape cut by each axis's
+        placement)."""
+        return P.local_shape(self)
 
     @property
     def numel(self) -> int:
@@ -380,6 +354,39 @@ class ParamSpec:
     @property
     def row_numel(self) -> int:
         return math.prod(self.local_shape[1:]) if self.shape else 1
+
+    # ---- compatibility: the words before placements (read-only, derived) --------------------
+
+    @property
+    def tp(self) -> str:
+        """Compatibility: the tp placement as a :data:`TP_STYLES` word (``"replicate"``,
+        ``"shard0"``, ``"shard1"``, ``"partial"``; a strided split is ``"shard0"``)."""
+        return P.legacy_fields(self)["tp"]
+
+    @property
+    def tp_size(self) -> int:
+        """Compatibility: ranks on the tensor-parallel axis the parameter was placed for."""
+        return P.axis_size(self, Role.TP)
+
+    @property
+    def tp_stride(self) -> int:
+        """Compatibility: fused parts of a ``StridedShard`` tp placement (1 otherwise)."""
+        return P.placement_of(self, Role.TP).parts
+
+    @property
+    def tp_dim(self) -> int | None:
+        """Compatibility: the dim split over the tensor-parallel axis, or ``None``."""
+        return P.placement_of(self, Role.TP).dim
+
+    @property
+    def expert(self) -> bool:
+        """Compatibility: a packed expert weight (split along dim 0 over ``ep``)."""
+        return P.placement_of(self, Role.EP).is_split
+
+    @property
+    def ep_size(self) -> int:
+        """Compatibility: ranks on the expert-parallel axis the parameter was placed for."""
+        return P.axis_size(self, Role.EP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,7 +457,8 @@ class Unit:
             raise ValueError(f"unit {self.label!r}: experts must be True or False, got {self.experts!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0 or (self.top_k and not self.experts):
             raise ValueError(f"unit {self.label!r}: top_k must be an int >= 0, and 0 unless the unit holds experts; got {self.top_k!r}")
-        mixed = [p.name for p in self.params if p.expert != self.experts]
+        # Expert weights are the ones split over ep: their rows and gradients run over other axes.
+        mixed = [p.name for p in self.params if (Role.EP in P.split_roles(p)) != self.experts]
         if mixed:
             raise ValueError(
                 f"unit {self.label!r} ({'an expert unit' if self.experts else 'a dense unit'}) holds "
@@ -586,9 +594,10 @@ class Plan:
         specs = {p.name: p for u in self.units for p in u.params}
         for module, style in self.tp:
             weight = specs.get(f"{module}.weight")
-            if weight is not None and weight.tp_stride != tp_style_stride(style):
+            parts = None if weight is None else P.placement_of(weight, Role.TP).parts
+            if parts is not None and parts != tp_style_stride(style):
                 raise ValueError(
-                    f"tensor-parallel module {module!r} is split {style!r}, but its weight has tp_stride {weight.tp_stride}; "
+                    f"tensor-parallel module {module!r} is split {style!r}, but its weight has tp_stride {parts}; "
                     "the plan was edited by hand or written by another fsdpfn. Build it again with fsdpfn.plan(..., tp=...)"
                 )
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
@@ -603,7 +612,8 @@ class Plan:
                 "fsdpfn.plan(..., experts=['*.w1', ...])"
             )
         for unit in self.units:
-            want = axes.shard_size if unit.experts else axes.dense_shard_size
+            # A unit cuts rows over the data-parallel axes that do not split its parameters.
+            want = math.prod(axes.size(r) for r in P.row_roles(unit.params[0], axes)) if unit.params else axes.shard_size
             if unit.shard_size != want:
                 what = "the mesh's shard axis" if unit.experts or axes.ep_size == 1 else "the mesh's ep x shard axes"
                 raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
@@ -613,13 +623,17 @@ class Plan:
                 if p.name in seen:
                     raise ValueError(f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit")
                 seen[p.name] = unit.label
-                if p.tp_size != axes.tp_size:
-                    raise ValueError(f"parameter {p.name!r} has tp_size {p.tp_size}, but the mesh's tp axis has {axes.tp_size} ranks")
-                if p.expert and p.ep_size != axes.ep_size:
-                    raise ValueError(f"parameter {p.name!r} has ep_size {p.ep_size}, but the mesh's ep axis has {axes.ep_size} ranks")
-                if p.tp_stride > 1 and axes.tp_size > 1 and unit.slots[p.name].sharded and unit.shard_size > 1:
+                # Every axis a parameter is placed on must be the mesh's (tp always: its activation
+                # collectives assume every tp rank holds its part; others where they split it).
+                for role in P.PLACED_ROLES:
+                    size = P.axis_size(p, role)
+                    if size != axes.size(role) and (role is Role.TP or role in P.split_roles(p)):
+                        raise ValueError(f"parameter {p.name!r} has {role.value}_size {size}, but the mesh's {role.value} axis has "
+                                         f"{axes.size(role)} ranks")
+                uncut = [e for e in p.placements if not e.placement.cuts_rows and e.size > 1]
+                if uncut and unit.slots[p.name].sharded and unit.shard_size > 1:
                     raise NotImplementedError(
-                        f"parameter {p.name!r} is split colwise_fused:{p.tp_stride} over tp and would also be sharded over the "
+                        f"parameter {p.name!r} is split colwise_fused:{uncut[0].placement.parts} over {uncut[0].axis.value} and would also be sharded over the "
                         f"{unit.shard_size} data-parallel ranks of unit {unit.label!r} ({unit.strategy.value}); fused parts cut by "
                         "both axes are not supported yet. Give the unit the 'replicate' strategy "
                         f"(fsdpfn.plan(..., strategy={{'*': 'zero3', {unit.label!r}: 'replicate'}})), or use a data-parallel axis of 1"

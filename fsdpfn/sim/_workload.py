@@ -45,6 +45,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn import Plan
 from fsdpfn._flops import is_attention, op_flops, tensors_of
+from fsdpfn._mesh import Role
 from fsdpfn._remat import SaveMode
 from fsdpfn._schedule import Op, OpKind
 
@@ -641,11 +642,12 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
 
 
 def _tp_local(p: torch.Tensor, spec) -> torch.Tensor:
-    """The first tp rank's part of parameter ``p`` (every tp rank's has the same shape)."""
-    d = spec.tp_dim
-    if d is None or spec.tp_size == 1:
+    """The first tp rank's part of parameter ``p`` (every tp rank's has the same shape): its
+    placements cut over tp alone (experts stay whole: the profile runs every expert)."""
+    tp = [e for e in spec.placements if e.axis is Role.TP and e.placement.is_split and e.size > 1]
+    if not tp:
         return p
-    part = p.detach().narrow(d, 0, spec.local_shape[d]).contiguous()
+    part = tp[0].placement.part(p.detach(), tp[0].size, 0).contiguous()
     return part.requires_grad_(p.requires_grad)
 
 

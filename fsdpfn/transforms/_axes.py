@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from fsdpfn._mesh import Role
+from fsdpfn._placements import split_roles
 from fsdpfn._plan import Plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
+__all__ = ["axis_index", "dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
            "unit_group", "unit_mesh", "unit_rank"]
 
 
@@ -70,6 +71,18 @@ def ep_rank(plan: Plan) -> int:
       0
     """
     return _axis_rank(plan, Role.EP)
+
+
+def axis_index(plan: Plan, spec, rank: int | None = None) -> dict[Role, int]:
+    """``{axis: position}`` of this process on every axis that splits parameter ``spec`` (what
+    :mod:`fsdpfn._placements` cuts its part by); ``rank`` instead of the process's position
+    when given. Axes that do not split it are left out: their parts are the whole tensor.
+
+    Example:
+      >>> axis_index(plan, plan.param("blocks.0.fc.weight"))
+      {}
+    """
+    return {role: _axis_rank(plan, role) if rank is None else rank for role in split_roles(spec)}
 
 
 _DENSE = "_fsdpfn_dense_mesh"

@@ -4,14 +4,11 @@ Below both the eager and the compiled transforms, which build their gradients wi
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fsdpfn._mesh import Role
+from fsdpfn._placements import dtensor_placements
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import unit_mesh
 
@@ -19,7 +16,8 @@ __all__ = ["from_local", "placements"]
 
 
 def placements(plan: Plan, name: str) -> tuple:
-    """DTensor placements of parameter ``name``, one per mesh dim, derived from the axes' roles.
+    """DTensor placements of parameter ``name``, one per mesh dim, derived from its placements and
+    the axes' roles (:func:`fsdpfn._placements.dtensor_placements`).
 
     Shard axis: ``Shard(0)`` if the parameter is sharded, else ``Replicate()``; when the tp
     axis also splits dim 0 and comes after the shard axis in the mesh, the data-parallel rows
@@ -42,32 +40,7 @@ def placements(plan: Plan, name: str) -> tuple:
 
 def _placements(plan: Plan, name: str) -> tuple:
     unit = plan.unit_of(name)
-    spec = unit.param(name)
-    axes = plan.axes
-    if axes.dim(Role.EP) is not None and not unit.experts:  # on the flattened ep x shard mesh
-        dense = (Shard(0) if unit.slots[name].sharded else Replicate(),)
-        return (Replicate(), *dense) if axes.hsdp else dense  # after the replicate axis (unit_mesh)
-    out: list[Placement] = []
-    for d, role in enumerate(axes.roles):
-        if role is Role.SHARD:
-            if not unit.slots[name].sharded or (spec.tp_stride > 1 and axes.shard_size == 1):
-                # A fused colwise part is never cut over a data-parallel axis of > 1 rank (the plan refuses it).
-                out.append(Replicate())
-            elif spec.tp_dim == 0 and axes.tp_size > 1 and cast(int, axes.dim(Role.TP)) > d:
-                out.append(_StridedShard(0, split_factor=axes.tp_size))
-            elif spec.expert and axes.ep_size > 1 and cast(int, axes.dim(Role.EP)) > d:
-                out.append(_StridedShard(0, split_factor=axes.ep_size))
-            else:
-                out.append(Shard(0))
-        elif role is Role.TP and spec.tp_stride > 1:
-            out.append(_StridedShard(0, split_factor=spec.tp_stride))  # see [Note: fused colwise]
-        elif role is Role.TP and spec.tp_dim is not None:
-            out.append(Shard(spec.tp_dim))
-        elif role is Role.EP and spec.expert:
-            out.append(Shard(0))
-        else:
-            out.append(Replicate())
-    return tuple(out)
+    return dtensor_placements(unit.param(name), plan.axes, unit.slots[name].sharded)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

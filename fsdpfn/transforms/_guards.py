@@ -38,6 +38,8 @@ import torch
 from torch import nn
 
 from fsdpfn import comm as C
+from fsdpfn._mesh import Role
+from fsdpfn._placements import split_roles
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
@@ -75,7 +77,7 @@ def note_unshard(plan: Plan, full: Mapping[str, torch.Tensor], reduce: str) -> N
     keys = []
     for name, t in full.items():
         module = name.rpartition(".")[0]
-        if module in modules and plan.param(name).tp_dim is not None:
+        if module in modules and Role.TP in split_roles(plan.param(name)):
             _SPLIT[id(t)] = (weakref.ref(t), plan, module)
             keys.append(id(t))
     _BY_PLAN[plan.fingerprint] = keys

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from fsdpfn._placements import local_box
 from fsdpfn._plan import Plan
-from fsdpfn.transforms._axes import ep_rank, unit_rank
-from fsdpfn.transforms._sharding import tp_rank
+from fsdpfn.transforms._axes import axis_index, unit_rank
 
 __all__ = ["local_index", "local_shape"]
 
@@ -25,7 +25,9 @@ def local_index(plan: Plan, name: str, *, rank: int | None = None, tp: int | Non
     """The box of the full parameter ``name`` that shard rank ``rank`` at tensor-parallel position
     ``tp`` holds (default: this process's), as one ``slice`` per leading dim it cuts: ``()`` for a
     0-d parameter, ``(rows,)`` or ``(rows, columns)`` otherwise. ``full[local_index(...)]`` equals
-    the local tensor :func:`fsdpfn.shard` keeps.
+    the local tensor :func:`fsdpfn.shard` keeps. ``tp`` is the position on whichever axis
+    splits the parameter (its ep index for an expert weight); the box is composed from its
+    placements by :func:`fsdpfn._placements.local_box`.
 
     Example:
       >>> local_index(plan, "blocks.0.fc.weight")  # 1 rank, no tp: everything
@@ -36,25 +38,16 @@ def local_index(plan: Plan, name: str, *, rank: int | None = None, tp: int | Non
         return ()
     unit = plan.unit_of(name)
     rank = unit_rank(plan, unit) if rank is None else rank
-    start, stop = unit.local_rows(name, rank)
-    if spec.expert:  # rows of this rank's experts (``tp`` is its ep index here)
-        e = ep_rank(plan) if tp is None else tp
-        n = spec.local_shape[0]
-        return (slice(e * n + start, e * n + stop),)
-    d = spec.tp_dim
-    if d is None:
-        return (slice(start, stop),)
-    if spec.tp_stride > 1:
+    box = local_box(spec, unit.local_rows(name, rank), axis_index(plan, spec, tp))
+    if box is None:
+        fused = next(e for e in spec.placements if e.placement.offsets(spec.shape, e.size, 0) is None)
         raise NotImplementedError(
-            f"parameter {name!r} is split colwise_fused:{spec.tp_stride}: each tp rank holds {spec.tp_stride} slices of it, not "
-            "one box, and building shards box by box (fsdpfn.init_shards, fsdpfn.load_safetensors) does not read those yet. "
-            "Build the full model (or load it with from_pretrained) and call fsdpfn.shard(model, plan)"
+            f"parameter {name!r} is split colwise_fused:{fused.placement.parts}: each {fused.axis.value} rank holds "
+            f"{fused.placement.parts} slices of it, not one box, and building shards box by box (fsdpfn.init_shards, "
+            "fsdpfn.load_safetensors) does not read those yet. Build the full model (or load it with from_pretrained) and "
+            "call fsdpfn.shard(model, plan)"
         )
-    t = tp_rank(plan) if tp is None else tp
-    n = spec.local_shape[d]
-    if d == 0:
-        return (slice(t * n + start, t * n + stop),)
-    return (slice(start, stop), *(slice(None),) * (d - 1), slice(t * n, (t + 1) * n))
+    return box
 
 
 def local_shape(plan: Plan, name: str, index: tuple[slice, ...]) -> torch.Size:

@@ -33,9 +33,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._mesh import Role
+from fsdpfn._placements import local_part
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
-from fsdpfn.transforms._axes import (_mesh, dp_rank, ep_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
+from fsdpfn.transforms._axes import (_mesh, axis_index, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
                                      unit_rank)
 from fsdpfn.transforms._dtensor import from_local, placements
 from fsdpfn.transforms import _unit_comm
@@ -60,10 +61,11 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 
 
 def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-    """This rank's tensor-parallel part of parameter ``name`` (a view of ``full``): the
-    ``rank``-th of ``tp`` equal slices along the parameter's tp dim, or ``full`` itself. Split
-    ``colwise_fused:k``, the ``rank``-th slice of each of its ``k`` parts, stacked (a copy). An
-    expert weight beside an ``ep`` axis gives its ``rank``-th (default: this process's ep index)
+    """This rank's model-parallel part of parameter ``name`` (a view of ``full``), as its
+    placements say (:func:`fsdpfn._placements.local_part`): the ``rank``-th (default: this
+    process's position on the axis that splits it) of ``tp`` equal slices along the parameter's
+    tp dim, or ``full`` itself. Split ``colwise_fused:k``, the ``rank``-th slice of each of its
+    ``k`` parts, stacked (a copy). An expert weight beside an ``ep`` axis gives its ``rank``-th
     of ``ep`` equal slices along dim 0: the experts this rank holds.
 
     Example:
@@ -71,20 +73,7 @@ def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None)
       torch.Size([128, 32])
     """
     spec = plan.param(name)
-    if spec.expert:
-        rank = ep_rank(plan) if rank is None else rank
-        n = spec.local_shape[0]
-        return full.narrow(0, rank * n, n)
-    d = spec.tp_dim
-    if d is None:
-        return full
-    rank = tp_rank(plan) if rank is None else rank
-    n = spec.local_shape[d]
-    if spec.tp_stride > 1:  # [q_r; k_r; v_r]: each part's rank-th slice
-        k = spec.tp_stride
-        parts = full.reshape(k, spec.tp_size, n // k, *full.shape[1:])
-        return parts[:, rank].reshape(n, *full.shape[1:])
-    return full.narrow(d, rank * n, n)
+    return local_part(spec, full, axis_index(plan, spec, rank))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import torch
 from fsdpfn import comm as C
 from fsdpfn._codec import cached
 from fsdpfn._mesh import Role
+from fsdpfn._placements import uses_zeros
 from fsdpfn._plan import Plan, Unit
-from fsdpfn.transforms._axes import replicate_group, tp_group, tp_rank, unit_group, unit_rank
+from fsdpfn.transforms._axes import _axis_rank, replicate_group, tp_group, unit_group, unit_rank
 
 __all__ = ["EagerWire", "TracedWire", "Wire", "check_op", "gather", "reduce"]
 
@@ -29,7 +30,7 @@ def check_op(op: str) -> None:
 
 class Wire:
     """The collective primitives a unit's gather and reduce call, and their groups: ``role`` is
-    ``Role.SHARD`` (the unit's own group), ``Role.REPLICATE`` or ``Role.TP``. Each collective
+    ``Role.SHARD`` (the unit's own group), ``Role.REPLICATE`` or ``Role.TP`` (``rank``: any axis). Each collective
     returns a :class:`fsdpfn.comm.Pending` whose ``wait()`` gives its result."""
 
     def group(self, plan: Plan, unit: Unit, role: Role):
@@ -59,7 +60,7 @@ class EagerWire(Wire):
         return {Role.SHARD: unit_group, Role.REPLICATE: lambda p, u: replicate_group(p), Role.TP: lambda p, u: tp_group(p)}[role](plan, unit)
 
     def rank(self, plan, unit, role):
-        return unit_rank(plan, unit) if role is Role.SHARD else tp_rank(plan)
+        return unit_rank(plan, unit) if role is Role.SHARD else _axis_rank(plan, role)
 
     def all_gather(self, x, w, group, tag):
         out = torch.empty(w * x.numel(), dtype=x.dtype, device=x.device)
@@ -117,7 +118,9 @@ def gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], wire: Wire) -> t
     else:
         device = next((t.device for t in locals_), torch.device("cpu"))
         pending = C.Pending(torch.empty(0, dtype=codec.wire_dtype, device=device))
-    partial = [i for i, p in enumerate(unit.params) if p.tp == "partial"] if wire.rank(plan, unit, Role.TP) else []
+    # A Partial parameter (a rowwise bias) is zeros on every position of its axis but 0.
+    index = {role: wire.rank(plan, unit, role) for role in dict.fromkeys(e.axis for p in unit.params for e in p.placements)}
+    partial = [i for i, p in enumerate(unit.params) if uses_zeros(p, index)]
 
     def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list:
         stacked = gathered.view(w, codec.numel) if gathered.numel() else None
