@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from fsdpfn._mesh import Role
+from fsdpfn._plan.axes import Role
 from fsdpfn._plan import Plan
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def unit_mesh(plan: Plan, unit) -> DeviceMesh:
 def unit_group(plan: Plan, unit):
     """The process group ``unit`` is gathered and reduced over: the shard axis, or, for dense
     units beside an ``ep`` axis, the ``ep`` x ``shard`` axes flattened (see [Note: expert
-    units] in ``fsdpfn/_plan_values.py``).
+    units] in ``fsdpfn/_plan/values.py``).
 
     Example:
       >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fsdpfn._mesh import Role
+from fsdpfn._plan.axes import Role
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import unit_mesh
 

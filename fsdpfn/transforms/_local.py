@@ -1,6 +1,6 @@
 """Where a rank's shard of a parameter sits in the full tensor: one slice per dim.
 
-A rank's shard is cut in two steps (see [Note: flat-buffer layout] in ``fsdpfn/_plan_values.py``):
+A rank's shard is cut in two steps (see [Note: flat-buffer layout] in ``fsdpfn/_plan/values.py``):
 first its tensor-parallel part (the ``tp_rank``-th of ``tp`` equal slices along the parameter's tp
 dim: rows for ``shard0``, columns for ``shard1``), then its ``torch.chunk`` rows of that part over
 the data-parallel shard axis. Both steps are slices, so the shard is one box of the full tensor:

@@ -16,7 +16,7 @@ constructor. This is what makes one implementation serve both ``loss.backward()`
 
 [Note: FP8 gather]
 A unit with FP8 weights (``MixedPrecision(fp8=...)``) gathers bytes (see [Note: FP8 gather
-layout] in ``fsdpfn/_plan_values.py``): when the gather *starts*, each rank casts its current shards to
+layout] in ``fsdpfn/_plan/values.py``): when the gather *starts*, each rank casts its current shards to
 ``param_dtype`` and quantizes its rows, so a prefetched gather, or the second gather of a unit
 resharded after forward, ships the bytes of the shards of this step, never a stale or zeroed
 staging buffer (there is none: the segment is built fresh from the shards every time). After the
@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdpfn._mesh import Role
+from fsdpfn._plan.axes import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
 from fsdpfn.transforms._axes import (_mesh, dp_rank, ep_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,

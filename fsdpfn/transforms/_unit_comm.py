@@ -15,7 +15,7 @@ import torch
 
 from fsdpfn import comm as C
 from fsdpfn._codec import cached
-from fsdpfn._mesh import Role
+from fsdpfn._plan.axes import Role
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._axes import replicate_group, tp_group, tp_rank, unit_group, unit_rank
 
