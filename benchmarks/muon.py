@@ -56,7 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fsdpfn
 from fsdpfn import optim, testing
-from fsdpfn._plan import chunk_bounds
+from fsdpfn._rows import chunk_bounds
 from fsdpfn.models import GPT, GPTConfig
 
 

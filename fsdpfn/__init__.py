@@ -19,9 +19,9 @@ from fsdpfn._codec import PlainReduceCodec as PlainReduceCodec
 from fsdpfn._codec import ReduceCodec as ReduceCodec
 from fsdpfn._codec import register_codec as register_codec
 from fsdpfn._codec import registered_codecs as registered_codecs
-from fsdpfn._cost import PlanCost as PlanCost
-from fsdpfn._mesh import MeshAxes as MeshAxes
-from fsdpfn._mesh import Role as Role
+from fsdpfn._plan.cost import PlanCost as PlanCost
+from fsdpfn._plan.axes import MeshAxes as MeshAxes
+from fsdpfn._plan.axes import Role as Role
 from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import ParamSpec as ParamSpec
 from fsdpfn._plan import Plan as Plan
@@ -32,8 +32,8 @@ from fsdpfn._remat import RematReplayError as RematReplayError
 from fsdpfn._remat import checkpoint_name as checkpoint_name
 from fsdpfn._remat import register_remat_policy as register_remat_policy
 from fsdpfn._remat import remat_policies as remat_policies
-from fsdpfn._steps import Collective as Collective
-from fsdpfn._steps import step_collectives as step_collectives
+from fsdpfn._plan.steps import Collective as Collective
+from fsdpfn._plan.steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.transforms import CompileUnsupportedError as CompileUnsupportedError
 from fsdpfn.transforms import apply_tp as apply_tp

@@ -21,8 +21,6 @@ from typing import Any, Callable
 
 import torch
 
-from fsdpfn._mesh import Role
-from fsdpfn._placements import split_roles
 from fsdpfn._rows import chunk_bounds, unpack_rows
 
 __all__ = ["GatherCodec", "PlainCodec", "PlainReduceCodec", "ReduceCodec", "cached", "codec_factories", "register_codec",
@@ -67,6 +65,10 @@ class GatherCodec(abc.ABC):
     def amax_over_tp(self) -> bool:
         """Whether a tensor of :attr:`amax_params` is split over tp too, so its amax is
         all-reduced over the tp group as well."""
+        # Imported here: the plan's values import this module, and a codec is asked only once a plan exists.
+        from fsdpfn._plan.axes import Role
+        from fsdpfn._plan.placements import split_roles
+
         unit = self.unit
         return unit is not None and any(Role.TP in split_roles(p) for p in unit.params if p.name in self.amax_params)
 

@@ -36,7 +36,7 @@ def unpack_rows(dst, stacked, offset: int, size: int) -> None:
     """Copies one parameter out of a gathered ``(W, segment)`` buffer into ``dst`` (flat): its
     ``size`` elements per rank start at ``offset`` of every rank's segment, and the first
     ``dst.numel()`` of the ``W * size`` stacked elements are the parameter in order (see
-    [Note: flat-buffer layout] in ``fsdpfn/_plan_values.py``).
+    [Note: flat-buffer layout] in ``fsdpfn/_plan/values.py``).
 
     With ``torch.chunk`` rows, the first ranks hold full chunks, at most one holds a shorter
     one and the rest none: two copies at most, whatever the world size.

@@ -25,7 +25,7 @@ import torch
 
 import fsdpfn
 from fsdpfn import runtime, sim, testing
-from fsdpfn._steps import totals
+from fsdpfn._plan.steps import totals
 from fsdpfn.models import GPT, GPT_TP_PLAN
 from fsdpfn.runtime import Op, OpKind, Runtime
 from test_moe_plan import TOKENS as MOE_TOKENS, _model as _moe_model, _tokens as _moe_tokens

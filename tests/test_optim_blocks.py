@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fsdpfn
 from fsdpfn import optim, testing
-from fsdpfn._plan import chunk_bounds
+from fsdpfn._rows import chunk_bounds
 from fsdpfn.optim._blocks import merge_blocks, split_blocks
 
 # Rows chosen so that block boundaries cut across shards on 2, 3 and 4 ranks (12 rows in blocks

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fsdpfn
 from fsdpfn import optim, testing
 from fsdpfn.models import GPT, GPTConfig
-from fsdpfn._plan import chunk_bounds
+from fsdpfn._rows import chunk_bounds
 
 # Row counts chosen for uneven and empty shards on 2, 3 and 4 ranks (5 over 4 -> 2, 2, 1, 0;
 # 3 over 4 -> 1, 1, 1, 0), tall and wide matrices, two of one shape (batched by the owner),

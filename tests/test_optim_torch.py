@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdpfn
 from fsdpfn import optim, testing
-from fsdpfn._plan import chunk_bounds
+from fsdpfn._rows import chunk_bounds
 from fsdpfn.models import GPT, GPTConfig
 
 SHAPES = {"blocks.0.fc.weight": (8, 6), "blocks.0.qkv.weight": (12, 6), "blocks.0.fc.bias": (8,), "embed.weight": (5, 6)}

@@ -151,7 +151,7 @@ def test_each_rank_reads_only_its_rows(run_on_ranks, tmp_path):
         for key, start, stop in asked:
             shape = _state()[key].shape
             if shape:
-                assert (start, stop) == fsdpfn._plan.chunk_bounds(shape[0], 3, rank), (key, start, stop)
+                assert (start, stop) == fsdpfn._rows.chunk_bounds(shape[0], 3, rank), (key, start, stop)
         assert ("small", min(2, rank), min(2, rank + 1)) in asked  # 2 rows over 3 ranks: 1, 1, 0
 
 

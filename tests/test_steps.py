@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import runtime, sim, testing
-from fsdpfn._steps import reduces_now, static_memory, step_collectives, totals
+from fsdpfn._plan.steps import reduces_now, static_memory, step_collectives, totals
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import Runtime
 

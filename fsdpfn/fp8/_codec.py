@@ -3,7 +3,7 @@ one all-gather, and unpacked (dequantized, or handed to Transformer Engine) afte
 :class:`fsdpfn.GatherCodec`, registered as ``"fp8"`` ([Note: codec selection] in
 ``fsdpfn/_codec.py``; it declines units without FP8 weights).
 
-See [Note: FP8 gather layout] in ``fsdpfn/_plan_values.py`` for the byte layout and
+See [Note: FP8 gather layout] in ``fsdpfn/_plan/values.py`` for the byte layout and
 [Note: FP8 gather] in ``fsdpfn/transforms/_sharding.py`` for when quantizing happens. Pure
 tensor code: the per-tensor recipe's amax all-reduce is the caller's (``amax_params`` says
 which parameters need it, :meth:`Float8Codec.local_amax` gives this rank's part).
@@ -56,7 +56,7 @@ class Float8Layout:
 
 def float8_layout(unit, policy, dtype: torch.dtype) -> Float8Layout:
     """The byte layout of ``unit``'s FP8 all-gather segment (see [Note: FP8 gather layout] in
-    ``fsdpfn/_plan_values.py``): regions ordered by alignment, every region viewable in place."""
+    ``fsdpfn/_plan/values.py``): regions ordered by alignment, every region viewable in place."""
     recipe = policy.recipe
     fp8 = set(unit.fp8)
     unit_slots = cached(unit, "slots")

@@ -53,7 +53,7 @@ from typing import Any, Callable, NamedTuple, Sequence, cast
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdpfn._mesh import MeshAxes, Role
+from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, block_shape
 from fsdpfn.optim._checks import check_choice, check_int
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops

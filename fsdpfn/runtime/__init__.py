@@ -7,14 +7,14 @@ from fsdpfn.runtime._executor import RuntimeScheduleError as RuntimeScheduleErro
 from fsdpfn.runtime._executor import StepRecord as StepRecord
 from fsdpfn.runtime._memory import MemoryTracker as MemoryTracker
 from fsdpfn.runtime._runtime import Runtime as Runtime
-from fsdpfn._schedule import GradState as GradState
-from fsdpfn._schedule import Op as Op
-from fsdpfn._schedule import OpKind as OpKind
-from fsdpfn._schedule import Schedule as Schedule
-from fsdpfn._schedule import ScheduleError as ScheduleError
-from fsdpfn._schedule import UnitState as UnitState
-from fsdpfn._schedule import schedule as schedule
-from fsdpfn._schedule import validate as validate
+from fsdpfn._plan.schedule import GradState as GradState
+from fsdpfn._plan.schedule import Op as Op
+from fsdpfn._plan.schedule import OpKind as OpKind
+from fsdpfn._plan.schedule import Schedule as Schedule
+from fsdpfn._plan.schedule import ScheduleError as ScheduleError
+from fsdpfn._plan.schedule import UnitState as UnitState
+from fsdpfn._plan.schedule import schedule as schedule
+from fsdpfn._plan.schedule import validate as validate
 
 __all__ = [
     "CpuComm",

@@ -51,7 +51,7 @@ from fsdpfn._remat import ReplayMode, SaveMode
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.comm import count_compiled
 from fsdpfn.runtime._executor import RuntimeScheduleError
-from fsdpfn._schedule import OpKind
+from fsdpfn._plan.schedule import OpKind
 
 __all__ = ["RootExit", "RootGather", "StepBoundary", "UnitCall", "UnitFn"]
 

@@ -24,10 +24,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, Plan, Unit, unit_label
-from fsdpfn._steps import reduces_now
+from fsdpfn._plan.steps import reduces_now
 from fsdpfn.runtime._comm import CpuComm, Handle
 from fsdpfn.runtime._memory import MemoryTracker
-from fsdpfn._schedule import Op, OpKind, Schedule
+from fsdpfn._plan.schedule import Op, OpKind, Schedule
 from fsdpfn.transforms import from_local, gather_unit, reduce_unit
 
 __all__ = ["Executor", "RuntimeScheduleError", "StepRecord"]

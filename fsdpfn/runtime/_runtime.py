@@ -14,9 +14,9 @@ from fsdpfn._tree import flatten, unflatten
 from fsdpfn.runtime._autograd import RootExit, RootGather, StepBoundary, UnitCall, UnitFn
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
-from fsdpfn._schedule import OpKind, Schedule, validate
-from fsdpfn._schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._steps import reduces_now
+from fsdpfn._plan.schedule import OpKind, Schedule, validate
+from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
+from fsdpfn._plan.steps import reduces_now
 from fsdpfn.comm import compiling, count_compiled
 from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced
 

@@ -46,10 +46,11 @@ from typing import Any, Callable, NamedTuple, cast
 
 import torch
 
-from fsdpfn import Plan, optim
-from fsdpfn._mesh import Role
+from fsdpfn import optim
+from fsdpfn._plan import Plan
+from fsdpfn._plan.axes import Role
 from fsdpfn._rows import chunk_bounds
-from fsdpfn._wire import wire_bytes
+from fsdpfn._plan.wire import wire_bytes
 from fsdpfn.sim._workload import EMPTY, Work, count_work
 
 __all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "Wait", "local_shapes", "owner_loads"]

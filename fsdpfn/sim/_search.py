@@ -47,10 +47,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 import fsdpfn
-from fsdpfn import Plan
+from fsdpfn._plan import Plan
 from fsdpfn._plan import ROOT
 from fsdpfn._remat import check_policy
-from fsdpfn._schedule import Schedule, schedule as make_schedule
+from fsdpfn._plan.schedule import Schedule, schedule as make_schedule
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._simulate import SimResult, simulate
 from fsdpfn.sim._workload import Workload, profile

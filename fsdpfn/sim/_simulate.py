@@ -37,7 +37,7 @@ The optimizer step follows the last micro-batch: its phases in order; a collecti
 it is tagged (Muon's pipelined owner layout), then it runs on the ``optimizer`` stream until
 the :class:`fsdpfn.sim.Wait` of its tag.
 Which collectives run, on which op, with which bytes, and whether a micro-batch reduces, is not
-worked out here: the walk is over ``fsdpfn._steps.step_ops`` of the plan and the schedule, each
+worked out here: the walk is over ``fsdpfn._plan.steps.step_ops`` of the plan and the schedule, each
 op with the collectives it issues (the list :func:`fsdpfn.step_collectives` gives, which
 ``plan.cost()`` sums and tests compare with a ``count_collectives()`` record of a real step);
 the simulator times it.
@@ -49,10 +49,10 @@ import dataclasses
 import types
 from typing import Any, NamedTuple, cast
 
-from fsdpfn import Plan
-from fsdpfn._mesh import Role
-from fsdpfn._schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
-from fsdpfn._steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals
+from fsdpfn._plan import Plan
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
+from fsdpfn._plan.steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals
 from fsdpfn.sim._engine import Task, run
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._optimizer import CommCost, Wait
@@ -625,7 +625,7 @@ def _shard_bytes(unit, itemsize: int | None = None) -> int:
 
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
     """Bytes held on the device between steps: sharded masters and gradients
-    (:func:`fsdpfn._steps.static_memory`, as ``plan.cost()`` counts them) and the optimizer's
+    (:func:`fsdpfn._plan.steps.static_memory`, as ``plan.cost()`` counts them) and the optimizer's
     state, less what offloaded units keep in host memory (``host``)."""
     m = static_memory(plan)
     state = opt_cost.state_bytes if opt_cost is not None else 0

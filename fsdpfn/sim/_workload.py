@@ -43,11 +43,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-from fsdpfn import Plan
+from fsdpfn._plan import Plan
 from fsdpfn._flops import is_attention, op_flops, tensors_of
-from fsdpfn._mesh import Role
+from fsdpfn._plan.axes import Role
 from fsdpfn._remat import SaveMode
-from fsdpfn._schedule import Op, OpKind
+from fsdpfn._plan.schedule import Op, OpKind
 
 __all__ = ["Work", "Workload", "count_work", "profile"]
 

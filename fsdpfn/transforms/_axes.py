@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from fsdpfn._mesh import Role
-from fsdpfn._placements import split_roles
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import split_roles
 from fsdpfn._plan import Plan
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def ep_rank(plan: Plan) -> int:
 
 def axis_index(plan: Plan, spec, rank: int | None = None) -> dict[Role, int]:
     """``{axis: position}`` of this process on every axis that splits parameter ``spec`` (what
-    :mod:`fsdpfn._placements` cuts its part by); ``rank`` instead of the process's position
+    :mod:`fsdpfn._plan.placements` cuts its part by); ``rank`` instead of the process's position
     when given. Axes that do not split it are left out: their parts are the whole tensor.
 
     Example:
@@ -125,7 +125,7 @@ def unit_mesh(plan: Plan, unit) -> DeviceMesh:
 def unit_group(plan: Plan, unit):
     """The process group ``unit`` is gathered and reduced over: the shard axis, or, for dense
     units beside an ``ep`` axis, the ``ep`` x ``shard`` axes flattened (see [Note: expert
-    units] in ``fsdpfn/_plan_values.py``).
+    units] in ``fsdpfn/_plan/values.py``).
 
     Example:
       >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)

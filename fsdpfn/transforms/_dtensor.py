@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fsdpfn._placements import dtensor_placements
+from fsdpfn._plan.placements import dtensor_placements
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import unit_mesh
 
@@ -17,7 +17,7 @@ __all__ = ["from_local", "placements"]
 
 def placements(plan: Plan, name: str) -> tuple:
     """DTensor placements of parameter ``name``, one per mesh dim, derived from its placements and
-    the axes' roles (:func:`fsdpfn._placements.dtensor_placements`).
+    the axes' roles (:func:`fsdpfn._plan.placements.dtensor_placements`).
 
     Shard axis: ``Shard(0)`` if the parameter is sharded, else ``Replicate()``; when the tp
     axis also splits dim 0 and comes after the shard axis in the mesh, the data-parallel rows

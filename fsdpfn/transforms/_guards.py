@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from fsdpfn import comm as C
-from fsdpfn._mesh import Role
-from fsdpfn._placements import split_roles
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import split_roles
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank

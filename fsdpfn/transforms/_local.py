@@ -1,6 +1,6 @@
 """Where a rank's shard of a parameter sits in the full tensor: one slice per dim.
 
-A rank's shard is cut in two steps (see [Note: flat-buffer layout] in ``fsdpfn/_plan_values.py``):
+A rank's shard is cut in two steps (see [Note: flat-buffer layout] in ``fsdpfn/_plan/values.py``):
 first its tensor-parallel part (the ``tp_rank``-th of ``tp`` equal slices along the parameter's tp
 dim: rows for ``shard0``, columns for ``shard1``), then its ``torch.chunk`` rows of that part over
 the data-parallel shard axis. Both steps are slices, so the shard is one box of the full tensor:
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdpfn._placements import local_box
+from fsdpfn._plan.placements import local_box
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import axis_index, unit_rank
 
@@ -27,7 +27,7 @@ def local_index(plan: Plan, name: str, *, rank: int | None = None, tp: int | Non
     0-d parameter, ``(rows,)`` or ``(rows, columns)`` otherwise. ``full[local_index(...)]`` equals
     the local tensor :func:`fsdpfn.shard` keeps. ``tp`` is the position on whichever axis
     splits the parameter (its ep index for an expert weight); the box is composed from its
-    placements by :func:`fsdpfn._placements.local_box`.
+    placements by :func:`fsdpfn._plan.placements.local_box`.
 
     Example:
       >>> local_index(plan, "blocks.0.fc.weight")  # 1 rank, no tp: everything

@@ -16,7 +16,7 @@ constructor. This is what makes one implementation serve both ``loss.backward()`
 
 [Note: FP8 gather]
 A unit with FP8 weights (``MixedPrecision(fp8=...)``) gathers bytes (see [Note: FP8 gather
-layout] in ``fsdpfn/_plan_values.py``): when the gather *starts*, each rank casts its current shards to
+layout] in ``fsdpfn/_plan/values.py``): when the gather *starts*, each rank casts its current shards to
 ``param_dtype`` and quantizes its rows, so a prefetched gather, or the second gather of a unit
 resharded after forward, ships the bytes of the shards of this step, never a stale or zeroed
 staging buffer (there is none: the segment is built fresh from the shards every time). After the
@@ -32,8 +32,8 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdpfn._mesh import Role
-from fsdpfn._placements import local_part
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import local_part
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
 from fsdpfn.transforms._axes import (_mesh, axis_index, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
@@ -62,7 +62,7 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
 
 def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
     """This rank's model-parallel part of parameter ``name`` (a view of ``full``), as its
-    placements say (:func:`fsdpfn._placements.local_part`): the ``rank``-th (default: this
+    placements say (:func:`fsdpfn._plan.placements.local_part`): the ``rank``-th (default: this
     process's position on the axis that splits it) of ``tp`` equal slices along the parameter's
     tp dim, or ``full`` itself. Split ``colwise_fused:k``, the ``rank``-th slice of each of its
     ``k`` parts, stacked (a copy). An expert weight beside an ``ep`` axis gives its ``rank``-th

@@ -15,8 +15,8 @@ import torch
 
 from fsdpfn import comm as C
 from fsdpfn._codec import cached
-from fsdpfn._mesh import Role
-from fsdpfn._placements import uses_zeros
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import uses_zeros
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._axes import _axis_rank, replicate_group, tp_group, unit_group, unit_rank
 

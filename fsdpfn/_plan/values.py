@@ -4,7 +4,7 @@ A plan is data. It names the units (groups of parameters gathered and reduced to
 unit's strategy and flat-buffer layout, the mesh's named axes and their roles, every parameter's
 tensor-parallel placement, and the mixed-precision policy. The transforms
 (:mod:`fsdpfn.transforms`) and the runtime only read it; nothing here talks to other ranks. The
-builder (:func:`fsdpfn.plan`) lives in ``_plan.py``, JSON in ``_plan_json.py``.
+builder (:func:`fsdpfn.plan`) lives in ``builder.py``, JSON in ``encode.py`` and ``serialise.py``.
 
 [Note: flat-buffer layout]
 A unit's sharded parameters travel in one flat buffer per rank, so a unit costs one all-gather
@@ -18,7 +18,8 @@ parameter in order, so unpacking is one strided copy per parameter, with no per-
 bookkeeping.
 
 Under tensor parallelism "the parameter" above is its *tensor-parallel-local* part
-(:attr:`ParamSpec.local_shape`: the global shape with the ``tp`` dim divided by the tp degree):
+(:attr:`ParamSpec.local_shape`: the global shape cut by its placements, e.g. ``Shard(d)`` over
+``tp`` divides dim ``d`` by the tp degree; see ``fsdpfn/_plan/placements.py``):
 data-parallel rows are cut from the slice this rank's tp position owns, as FSDP2 does on a 2-D
 mesh. Rows, elements and bytes of units are all counted on that local shape.
 
@@ -28,8 +29,8 @@ reduce-scatter hands every rank the sum: an all-reduce folded into the same coll
 
 [Note: expert units]
 On a mesh with an ``ep`` axis (expert parallelism) the packed expert weights of a
-mixture-of-experts layer (``[experts, ...]``, :attr:`ParamSpec.expert`) are split along dim 0 over
-``ep``: like a tensor-parallel split, each rank's "parameter" is its ``experts / ep`` experts
+mixture-of-experts layer (``[experts, ...]``) are split along dim 0 over ``ep`` (their
+placement ``Shard(0)`` on ``ep``, where every other parameter is ``Replicate()``): like a tensor-parallel split, each rank's "parameter" is its ``experts / ep`` experts
 (:attr:`ParamSpec.local_shape`), and its rows over the data-parallel ``shard`` axis (the expert
 data-parallel axis, ``edp``) are cut from that part: rows are experts, so each ``edp`` rank holds
 whole experts (none, when a rank's experts are fewer than ``edp``). They form their own unit per layer
@@ -48,8 +49,8 @@ and wrong when they are k parts side by side (``q, k, v = qkv(x).chunk(3, -1)``,
 layout): rank 0 would get all of q and half of k. ``"colwise_fused:k"`` splits each part
 separately (Megatron's ``partition_stride``, DTensor's ``_StridedShard(0, split_factor=k)`` on
 the tp axis): rank ``r`` holds ``[q_r; k_r; v_r]``, so ``chunk(k, -1)`` of its local output gives
-its q, k and v of ``heads / tp`` heads each. Its parameters are ``shard0`` with
-``ParamSpec.tp_stride = k``. Data-parallel rows cut from that local part would straddle the
+its q, k and v of ``heads / tp`` heads each. Its parameters are placed ``StridedShard(0, k)``
+on ``tp`` (in the compatibility words, ``tp="shard0"`` with ``tp_stride=k``). Data-parallel rows cut from that local part would straddle the
 parts in a way no DTensor placement describes, so such a parameter is not sharded over a
 data-parallel axis (yet): its unit replicates it, or that axis has one rank.
 
@@ -70,7 +71,6 @@ import dataclasses
 import difflib
 import enum
 import functools
-import hashlib
 import json
 import math
 from typing import Any, Sequence
@@ -78,15 +78,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed
 
-from fsdpfn import _placements as P
-from fsdpfn._mesh import MeshAxes, Role
-from fsdpfn._placements import AxisPlacement
+from fsdpfn._plan import placements as P
+from fsdpfn._plan.axes import MeshAxes, Role
+from fsdpfn._plan.encode import _dtype_name, plan_fingerprint, plan_to_dict
+from fsdpfn._plan.placements import AxisPlacement
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
 from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "Plan", "Strategy", "STRATEGIES", "TP_STYLES", "TP_MODULE_STYLES", "tp_style_stride", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
+__all__ = ["MixedPrecision", "ParamSpec", "Unit", "PlanValues", "Strategy", "STRATEGIES", "TP_STYLES", "TP_MODULE_STYLES", "tp_style_stride", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
 
 # The root unit (the model's own parameters, outside every other unit) has the empty name; it is
 # shown and accepted in strategy dicts as ROOT_LABEL.
@@ -147,7 +148,8 @@ class Strategy(str, enum.Enum):
 
 
 STRATEGIES = tuple(s.value for s in Strategy)
-# Tensor-parallel placements of one parameter (ParamSpec.tp): split along dim 0 (a colwise
+# The words ParamSpec(tp=...) and plan JSON use for a parameter's tp placement (Shard(0),
+# Shard(1), Replicate(), Partial() in fsdpfn/_plan/placements.py): split along dim 0 (a colwise
 # Linear's weight and bias), along dim 1 (a rowwise Linear's weight), replicated, or replicated
 # and used as a partial sum (a rowwise Linear's bias: added on tp position 0 only, so the
 # all-reduce after the matmul adds it once).
@@ -185,10 +187,6 @@ def tp_style_stride(style: str) -> int | None:
 REMAT_POLICIES = ("none", "full", "save_dots")
 HSDP_DIM_NAMES = ("replicate", "shard")
 _FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _dtype_from(name: str | None) -> torch.dtype | None:
@@ -281,14 +279,14 @@ class ParamSpec:
       name: the parameter's path in the model.
       shape: its global shape.
       dtype: its master dtype.
-      placements: one ``AxisPlacement`` (:mod:`fsdpfn._placements`) per model-parallel axis it is placed on
+      placements: one ``AxisPlacement`` (:mod:`fsdpfn._plan.placements`) per model-parallel axis it is placed on
         (``tp``, ``ep``), in the vocabulary of DTensor: ``Shard(d)`` (split along dim ``d``: a
         colwise Linear's rows, a rowwise one's columns, a packed expert weight's experts over
         ``ep``), ``StridedShard(0, k)`` (a ``colwise_fused:k`` Linear, see [Note: fused
         colwise]), ``Partial()`` (replicated; in forward, position 0 uses it and the others use
         zeros, so a sum over the axis adds it once: a rowwise bias), ``Replicate()`` (the default,
         not listed). Everything derived from them (local shape and part, groups, DTensor
-        placements, JSON) comes from :mod:`fsdpfn._placements`.
+        placements, JSON) comes from :mod:`fsdpfn._plan.placements`.
 
     ``ParamSpec(name, shape, dtype, tp=..., tp_size=..., expert=..., ep_size=..., tp_stride=...)``
     (the form before placements, positional or by keyword) still builds the same placements, and
@@ -305,7 +303,7 @@ class ParamSpec:
       (AxisPlacement('tp', 2, Shard(0)),)
       >>> p.local_shape, p.rows, p.numel, p.global_numel
       ((128, 64), 128, 8192, 16384)
-      >>> from fsdpfn._placements import AxisPlacement, Shard
+      >>> from fsdpfn._plan.placements import AxisPlacement, Shard
       >>> p == ParamSpec("fc.weight", (256, 64), torch.float32, placements=[AxisPlacement("tp", 2, Shard(0))])
       True
     """
@@ -545,27 +543,10 @@ class Unit:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """How a model is sharded: ordered units, the mesh's named axes, tensor-parallel modules,
-    mixed precision. Immutable.
-
-    Build one with :func:`fsdpfn.plan`. ``str(plan)`` prints a table; ``plan.to_json()`` and
-    ``Plan.from_json(s, mesh)`` round-trip to an equal plan; ``plan.fingerprint`` is a stable
-    hash of everything but the live mesh; ``plan.cost()`` estimates bytes and memory.
-
-    Attributes:
-      units: the units, in execution order (root first).
-      mesh_shape: ranks along each mesh dim: ``(W,)``, ``(R, W)`` for HSDP, ``(W, T)`` for
-        data x tensor parallel, ...
-      mesh_dim_names: the mesh's dim names (``None``: an unnamed 1-D mesh).
-      mp: the mixed-precision policy.
-      mesh: the live ``DeviceMesh`` (not part of equality or JSON); ``None`` for a plan loaded
-        from JSON without one, which can be printed and costed but not executed.
-      mesh_roles: each dim's role (see :class:`fsdpfn.Role`); ``None``: derived from the names.
-      tp: ``((module name, style), ...)``: the modules whose matmuls are split over the tp
-        axis, with ``"colwise"``, ``"colwise_gather"``, ``"colwise_fused:k"`` or ``"rowwise"``, in
-        model order.
-    """
+class PlanValues:
+    """The values of a :class:`fsdpfn.Plan` and what they derive: layouts, dtypes, codecs, JSON,
+    fingerprint, printout. ``fsdpfn.Plan`` adds the two methods that read other plan modules,
+    ``from_json`` and ``cost`` (see [Note: the plan's class and its values] in ``plan_type.py``)."""
 
     units: tuple[Unit, ...]
     mesh_shape: tuple[int, ...]
@@ -717,7 +698,7 @@ class Plan:
         """``{module name: style}`` of the tensor-parallel modules."""
         return dict(self.tp)
 
-    def bind(self, mesh) -> "Plan":
+    def bind(self, mesh) -> "PlanValues":
         """The same plan bound to a live ``DeviceMesh`` (e.g. after :meth:`from_json`)."""
         return dataclasses.replace(self, mesh=mesh)
 
@@ -751,29 +732,16 @@ class Plan:
 
     def to_dict(self) -> dict:
         """The plan as plain data (what :meth:`to_json` writes)."""
-        return _serialisers["to_dict"](self)
+        return plan_to_dict(self)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON (everything but the live mesh). ``Plan.from_json`` inverts it."""
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, s: str, mesh=None) -> "Plan":
-        """Rebuilds a plan saved with :meth:`to_json` (any format this fsdpfn wrote or an older
-        one did), optionally bound to ``mesh``.
-
-        Example:
-          >>> same = Plan.from_json(plan.to_json(), mesh)
-          >>> same == plan, same.fingerprint == plan.fingerprint
-          (True, True)
-        """
-        return _serialisers["from_dict"](json.loads(s), mesh)
-
     @functools.cached_property
     def fingerprint(self) -> str:
         """A stable 16-hex-digit hash of the plan (not of the live mesh)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        return plan_fingerprint(self)
 
     # ---- dtypes --------------------------------------------------------------------------
 
@@ -824,43 +792,6 @@ class Plan:
 
     # ---- inspection ----------------------------------------------------------------------
 
-    def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-             micro_batches: int = 1, accumulate: str = "reduce", schedule: Any = None):
-        """Bytes each collective kind moves per rank per training step, and memory per rank.
-
-        Every figure is summed from :func:`fsdpfn.step_collectives`, the list of the step's
-        collectives that the simulator times and tests compare with a real step.
-
-        Args:
-          reshard_after_forward: whether ``zero3`` units are gathered a second time in backward.
-            ``None`` (default): as the runtime's default schedule does, every ``zero3`` unit but
-            the root. ``True``: every ``zero3`` unit (the textbook 3x the parameter bytes).
-            ``False``: none, as in the pure loop (``torch.func.grad`` over ``unshard``).
-          prefetch: units gathered ahead by the runtime; bounds the unsharded memory.
-          tokens: tokens per rank per micro-batch (batch x sequence on one rank): the size of
-            the tensor-parallel activation collectives. ``None``: they are listed with their
-            calls and 0 bytes (the printout says so).
-          micro_batches: micro-batches per step (each gathers again; reduces as ``accumulate``
-            says).
-          accumulate: ``"reduce"`` (every micro-batch reduces, except ``zero1`` units, which
-            reduce once per step) or ``"local"`` (only the last micro-batch reduces), as
-            :class:`fsdpfn.runtime.Runtime`'s.
-          schedule: a :class:`fsdpfn.runtime.Schedule` for this plan (default or hand-edited):
-            the step it runs is costed, its ops expanded as the runtime runs them;
-            ``reshard_after_forward`` and ``prefetch`` are then read from it. ``None``: the
-            runtime's default schedule with those two.
-
-        Returns:
-          a :class:`fsdpfn.PlanCost`.
-
-        Example:
-          >>> c = plan.cost(micro_batches=4)
-          >>> c.collectives["all_gather"].calls, c.collectives["reduce_scatter"].calls
-          (20, 12)
-        """
-        return _cost_model[0](self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate,
-                              schedule=schedule)
-
     def __str__(self) -> str:
         if self.axes.legacy and not self.tp:
             mesh = "x".join(map(str, self.mesh_shape)) + (f" {self.mesh_dim_names}" if self.mesh_dim_names else "")
@@ -890,25 +821,6 @@ class Plan:
             if i == 0 or i == len(rows) - 2:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
-
-
-# The cost model (``fsdpfn._cost``) and the JSON serialisers (``fsdpfn._plan_json``) read plans;
-# they register themselves here when fsdpfn is imported, so that this module does not import them
-# and dependencies point one way.
-_cost_model: list = []
-_serialisers: dict = {}
-
-
-def register_serialisers(to_dict, from_dict) -> None:
-    """Makes ``to_dict(plan)`` and ``from_dict(d, mesh)`` the functions behind :meth:`Plan.to_dict`
-    and :meth:`Plan.from_json`."""
-    _serialisers.update(to_dict=to_dict, from_dict=from_dict)
-
-
-def register_cost_model(fn) -> None:
-    """Makes ``fn(plan, reshard_after_forward, prefetch, *, tokens, micro_batches, accumulate,
-    schedule)`` the function behind :meth:`Plan.cost`."""
-    _cost_model[:] = [fn]
 
 
 def _human(nbytes: float) -> str:

@@ -14,7 +14,7 @@ placement                  what rank ``r`` of the axis's ``n`` ranks holds
                            expert weight: ``Shard(0)`` over ``ep``)
 ``StridedShard(d, k)``     dim ``d`` holds ``k`` fused parts side by side; the ``r``-th block of
                            each part, stacked (``colwise_fused:k``, see [Note: fused colwise]
-                           in ``fsdpfn/_plan_values.py``)
+                           in ``fsdpfn/_plan/values.py``)
 ``Partial()``              the whole tensor, used as a partial sum: rank 0 uses it, the others
                            zeros, so the sum over the axis adds it once (a rowwise bias)
 =========================  ===================================================================
@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from fsdpfn._mesh import MeshAxes, Role
+from fsdpfn._plan.axes import MeshAxes, Role
 
 if TYPE_CHECKING:
     import torch

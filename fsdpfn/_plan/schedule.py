@@ -47,7 +47,7 @@ import enum
 import re
 from typing import cast
 
-from fsdpfn._plan_values import ROOT, ROOT_LABEL, Plan, unit_label
+from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
 __all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "schedule", "validate"]
 
@@ -200,7 +200,7 @@ class Schedule:
         return cls(tuple(ops), head.group(1), int(head.group(2)))
 
 
-def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None = None) -> Schedule:
+def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | None = None) -> Schedule:
     """The default schedule of one training step for ``plan``.
 
     Units run in the plan's order (root first, wrapping the others) in forward and in reverse
@@ -339,7 +339,7 @@ def schedule(plan: Plan, prefetch: int = 1, reshard_after_forward: bool | None =
     return Schedule(tuple(_with_copies(ops, plan)), plan.fingerprint, prefetch)
 
 
-def _with_copies(ops: list[Op], plan: Plan) -> list[Op]:
+def _with_copies(ops: list[Op], plan: PlanValues) -> list[Op]:
     """An offloaded unit's shards are copied in right before each gather (which is already
     prefetched) and its gradients out right after their reduce is waited for (see [Note: offload])."""
     offloaded = {u.name for u in plan.units if u.offload}
@@ -353,7 +353,7 @@ def _with_copies(ops: list[Op], plan: Plan) -> list[Op]:
     return out
 
 
-def validate(sched: Schedule, plan: Plan) -> None:
+def validate(sched: Schedule, plan: PlanValues) -> None:
     """Checks that ``sched`` can run for ``plan``; nothing runs, nothing is communicated.
 
     Each rule is one function below (``_OP_RULES`` for every op in order, ``_FINAL_RULES`` once
@@ -375,7 +375,7 @@ def validate(sched: Schedule, plan: Plan) -> None:
       >>> no_wait = [op for op in s.ops if op != Op("wait", "blocks.1")]
       >>> validate(dataclasses.replace(s, ops=no_wait), plan)
       Traceback (most recent call last):
-      fsdpfn._schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
+      fsdpfn._plan.schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
     """
     _made_for_plan(sched, plan)
     walk = _Walk(sched, tuple(u.name for u in plan.units))
@@ -443,7 +443,7 @@ def _quoted(unit: str) -> str:
     return repr(unit_label(unit))
 
 
-def _made_for_plan(sched: Schedule, plan: Plan) -> None:
+def _made_for_plan(sched: Schedule, plan: PlanValues) -> None:
     """The schedule was made for this plan."""
     if sched.plan_fingerprint != plan.fingerprint:
         raise ScheduleError(f"schedule was made for plan {sched.plan_fingerprint}, not this plan ({plan.fingerprint}); "

@@ -6,7 +6,7 @@ micro-batches, how gradients accumulate and the tokens an activation holds, and 
 the collectives it issues; :func:`step_collectives` lists them, call by call, as
 :mod:`fsdpfn.comm` records them: kind, the unit (and tag), the mesh axis and its role, the group
 size, the full buffer's bytes, its dtype, and the phase (forward or backward) and micro-batch it
-runs in. Bytes sent follow :func:`fsdpfn._wire.wire_bytes`, the counter's own formula.
+runs in. Bytes sent follow :func:`fsdpfn._plan.wire.wire_bytes`, the counter's own formula.
 Everything else derives from that list:
 
 - :meth:`fsdpfn.Plan.cost` sums it per kind;
@@ -77,11 +77,11 @@ from typing import Any, Iterable, cast
 
 import torch
 
-from fsdpfn._mesh import Role
-from fsdpfn._plan_values import Plan, Unit, unit_label
-from fsdpfn._schedule import Op, OpKind
-from fsdpfn._schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._wire import wire_bytes
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.values import PlanValues, Unit, unit_label
+from fsdpfn._plan.schedule import Op, OpKind
+from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
+from fsdpfn._plan.wire import wire_bytes
 
 __all__ = ["Collective", "CollectiveCost", "PHASES", "StepOp", "reduces_now", "static_memory", "step_collectives", "step_ops", "totals"]
 
@@ -134,7 +134,7 @@ class Collective:
     @property
     def wire_bytes(self) -> float:
         """Bytes one rank sends: ``(g-1)/g`` of the buffer, twice that for an all-reduce
-        (:func:`fsdpfn._wire.wire_bytes`, as the counter records it)."""
+        (:func:`fsdpfn._plan.wire.wire_bytes`, as the counter records it)."""
         return wire_bytes(self.kind, self.group_size, self.nbytes)
 
     @property
@@ -165,12 +165,12 @@ def reduces_now(unit: Unit, last: bool, accumulate: str = "reduce") -> bool:
     return last or (accumulate == "reduce" and not unit.strategy.keeps_full_grads)
 
 
-def _axis(plan: Plan, role: Role) -> tuple[str | None, int]:
+def _axis(plan: PlanValues, role: Role) -> tuple[str | None, int]:
     d = plan.axes.dim(role)
     return (None, 1) if d is None else (plan.axes.names[d], plan.axes.shape[d])
 
 
-def _unit_gather(plan: Plan, unit: Unit) -> list[tuple]:
+def _unit_gather(plan: PlanValues, unit: Unit) -> list[tuple]:
     """``(kind, role, nbytes, dtype, purpose)`` of one gather of ``unit``, sized by its codec."""
     codec = plan.gather_codec(unit)
     out = []
@@ -183,7 +183,7 @@ def _unit_gather(plan: Plan, unit: Unit) -> list[tuple]:
     return out
 
 
-def _unit_reduce(plan: Plan, unit: Unit) -> tuple[list[tuple], list[tuple]]:
+def _unit_reduce(plan: PlanValues, unit: Unit) -> tuple[list[tuple], list[tuple]]:
     """``(at reduce, at wait_reduce)``: the collectives of one reduce of ``unit``, sized by its
     codec (the wire dtype crosses the reduce; HSDP's replicate all-reduce runs on the sum, in the
     accumulation dtype)."""
@@ -197,7 +197,7 @@ def _unit_reduce(plan: Plan, unit: Unit) -> tuple[list[tuple], list[tuple]]:
     return [first], second
 
 
-def _tp_modules(plan: Plan) -> dict[str, list[tuple[str, str, int, int, torch.dtype]]]:
+def _tp_modules(plan: PlanValues) -> dict[str, list[tuple[str, str, int, int, torch.dtype]]]:
     """``{unit: [(module, style, in_features, out_features, activation dtype), ...]}`` in model order."""
     out: dict[str, list] = {}
     names = set(plan.param_names)
@@ -214,7 +214,7 @@ def _tp_modules(plan: Plan) -> dict[str, list[tuple[str, str, int, int, torch.dt
     return out
 
 
-def _unit_tp(plan: Plan, modules, phase: str, tokens: int) -> list[tuple]:
+def _unit_tp(plan: PlanValues, modules, phase: str, tokens: int) -> list[tuple]:
     """``(kind, role, nbytes, dtype, purpose, tag)`` of one unit's tensor-parallel modules in ``phase``."""
     t = plan.tp_size
     out = []
@@ -232,7 +232,7 @@ def _unit_tp(plan: Plan, modules, phase: str, tokens: int) -> list[tuple]:
     return out
 
 
-def _unit_ep(plan: Plan, unit: Unit, event: str, tokens: int) -> list[tuple]:
+def _unit_ep(plan: PlanValues, unit: Unit, event: str, tokens: int) -> list[tuple]:
     """``(kind, role, nbytes, dtype, purpose, tag)`` of one expert layer's token exchange at
     ``event`` of its expert unit: the counts and the dispatch come just before the experts run
     (``forward``), the combine just after (``forward_done``); backward transposes them."""
@@ -285,7 +285,7 @@ def _check_step_args(micro_batches: int, accumulate: str, tokens: int | None) ->
 
 
 def step_ops(
-    plan: Plan,
+    plan: PlanValues,
     sched: Any,
     *,
     micro_batches: int = 1,
@@ -370,7 +370,7 @@ def _in_issue_order(ops: Iterable[StepOp]) -> Iterable[Collective]:
 
 
 def step_collectives(
-    plan: Plan,
+    plan: PlanValues,
     *,
     schedule: Any = None,
     reshard_after_forward: bool | None = None,
@@ -441,7 +441,7 @@ def totals(calls: Iterable[Collective], key=lambda c: c.kind) -> dict:
     return out
 
 
-def static_memory(plan: Plan) -> dict[str, int]:
+def static_memory(plan: PlanValues) -> dict[str, int]:
     """Bytes one rank holds between steps, per unit summed: ``params`` (its master shards, the
     largest rank's), ``grads`` (sharded for ``zero2``/``zero3``; full for ``zero1``, whose full
     gradients are kept across micro-batches, and ``replicate``), ``optimizer_state_per_slot``

@@ -1,6 +1,5 @@
 """The plan builder: :func:`fsdpfn.plan` reads a model's parameters and a mesh and returns a
-validated :class:`~fsdpfn.Plan`. The value types live in ``_plan_values.py`` and JSON in
-``_plan_json.py``; this module re-exports the values so ``from fsdpfn._plan import Plan`` works.
+validated :class:`~fsdpfn.Plan` (the value types live in ``values.py``).
 """
 
 from __future__ import annotations
@@ -9,43 +8,30 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 from torch import nn
 
-from fsdpfn._mesh import MeshAxes, Role
-from fsdpfn._placements import AxisPlacement, Placement, Replicate, Shard, module_placement
-from fsdpfn._plan_values import (
-    HSDP_DIM_NAMES,
+from fsdpfn._plan.axes import MeshAxes, Role
+from fsdpfn._plan.placements import AxisPlacement, Placement, Replicate, Shard, module_placement
+from fsdpfn._plan.values import (
     ROOT,
     ROOT_LABEL,
     STRATEGIES,
     TP_FUSED_PREFIX,
     TP_MODULE_STYLES,
-    TP_STYLES,
-    ByteSlot,
-    Float8Layout,
     MixedPrecision,
     ParamSpec,
-    Plan,
-    Slot,
     Strategy,
     Unit,
     _did_you_mean,
     _dtype_name,
     _FP8_INPUT_DTYPES,
-    _human,
-    register_cost_model,
     tp_style_stride,
     unit_label,
 )
 from fsdpfn._patterns import first_match
-from fsdpfn._rows import chunk_bounds, chunk_size
-from fsdpfn._tp_layout import check_tp_layout
-from fsdpfn import _plan_json  # noqa: F401  (registers Plan.to_json / from_json)
+from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.tp_layout import check_tp_layout
 from fsdpfn.fp8 import check_te
 
-__all__ = [
-    "ByteSlot", "Float8Layout", "HSDP_DIM_NAMES", "MixedPrecision", "ParamSpec", "Plan", "ROOT", "ROOT_LABEL", "STRATEGIES",
-    "Slot", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "chunk_bounds", "chunk_size", "plan", "register_cost_model",
-    "unit_label",
-]
+__all__ = ["plan"]
 
 
 UnitsArg = Union[None, Sequence[str], Callable[[str, nn.Module], bool]]
@@ -239,7 +225,7 @@ def plan(
         q|k|v-major ``qkv(x).chunk(3, -1)``: each part split by output features),
         ``"rowwise"`` (split by input features; its input arrives split, its output is
         all-reduced) and ``"replicate"``. Unmatched parameters are replicated over ``tp``.
-        The layout is checked (see [Note: tp layout rules] in ``fsdpfn/_tp_layout.py``): a
+        The layout is checked (see [Note: tp layout rules] in ``fsdpfn/_plan/tp_layout.py``): a
         module's Linear layers are all split or marked ``"replicate"``, colwise layers have
         rowwise partners, and tp divides the head counts of the modules it splits. In every
         pattern argument (``tp``, ``remat``, ``offload``, ``experts``) the first pattern that

@@ -1,4 +1,4 @@
-"""Plans to and from plain data (JSON).
+"""Plans to plain data (JSON): the writer and the fingerprint. The reader is ``serialise.py``.
 
 [Note: plan formats]
 Format 1 is a plan without FP8 on a 1-D or HSDP mesh, format 2 the same with
@@ -9,7 +9,7 @@ checkpointing: the mesh carries its roles, every parameter not replicated over t
 ``tp`` placement, the plan lists its tensor-parallel modules and a rematerialised unit its
 ``remat`` policy and an offloaded one ``offload``; on a mesh with an ``ep`` axis an expert weight
 carries ``expert`` and its unit ``experts``. Format 4 is format 3 with ``colwise_fused:k`` layers: their
-parameters carry ``tp_stride`` (see [Note: fused colwise] in ``fsdpfn/_plan_values.py``); a plan without
+parameters carry ``tp_stride`` (see [Note: fused colwise] in ``fsdpfn/_plan/values.py``); a plan without
 them is still written as format 3. Format 5 is any of these with ``MixedPrecision(codec=...)``: ``mp``
 carries the codec's name (see [Note: codec selection] in ``fsdpfn/_codec.py``). A reader refuses
 formats it does not know, so an older fsdpfn never runs a tensor-parallel plan as if it were a
@@ -18,16 +18,15 @@ data-parallel one, a fused split as a plain one, nor a registered codec's wire f
 
 from __future__ import annotations
 
-from typing import Any, cast
+import hashlib
+import json
+from typing import Any
 
 import torch
 
-from fsdpfn import _placements as P
-from fsdpfn._mesh import MeshAxes
-from fsdpfn._plan_values import MixedPrecision, ParamSpec, Plan, Unit, _dtype_from, _dtype_name, register_serialisers
-from fsdpfn.fp8 import Float8GatherPolicy
+from fsdpfn._plan import placements as P
 
-__all__ = ["plan_to_dict", "plan_from_dict", "FORMATS"]
+__all__ = ["plan_to_dict", "plan_fingerprint", "FORMATS"]
 
 FORMAT_PLAIN = 1
 FORMAT_FP8 = 2
@@ -37,7 +36,12 @@ FORMAT_CODEC = 5
 FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC)
 
 
-def _param_dict(p: ParamSpec) -> dict:
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+
+def _param_dict(p: Any) -> dict:
     # Placements are written in the words formats 3 and 4 used (P.legacy_fields), only where they
     # differ from the default, so a plan's JSON and fingerprint are what earlier versions wrote.
     d: dict[str, Any] = {"name": p.name, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
@@ -51,14 +55,7 @@ def _param_dict(p: ParamSpec) -> dict:
     return d
 
 
-def _param_from(p: dict, axes: MeshAxes) -> ParamSpec:
-    # The axes' sizes come from the mesh: JSON never repeated them per parameter.
-    placements = P.from_legacy(p["name"], p.get("tp", "replicate"), axes.tp_size, bool(p.get("expert", False)), axes.ep_size,
-                               int(p.get("tp_stride", 1)))
-    return ParamSpec(p["name"], tuple(p["shape"]), cast(torch.dtype, _dtype_from(p["dtype"])), placements=placements)
-
-
-def plan_to_dict(plan: Plan) -> dict:
+def plan_to_dict(plan: Any) -> dict:
     """``plan`` as plain data, in the oldest format that holds it (see [Note: plan formats]).
 
     Example:
@@ -99,39 +96,8 @@ def plan_to_dict(plan: Plan) -> dict:
     return d
 
 
-def plan_from_dict(d: dict, mesh=None) -> Plan:
-    """Inverts :func:`plan_to_dict` (formats 1 to 5)."""
-    fmt = d.get("format")
-    if fmt not in FORMATS:
-        raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
-    shape = tuple(d["mesh"]["shape"])
-    names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
-    # format 5 may hold a plan of any earlier format beside its codec: roles only if it wrote them
-    roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
-    axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
-    units = tuple(
-        Unit(
-            u["name"],
-            u["strategy"],
-            tuple(_param_from(p, axes) for p in u["params"]),
-            axes.shard_size if u.get("experts") else axes.dense_shard_size,
-            tuple(u.get("fp8", ())),
-            u.get("remat", "none"),
-            bool(u.get("offload", False)),
-            bool(u.get("experts", False)),
-            int(u.get("top_k", 0)),
-        )
-        for u in d["units"]
-    )
-    fp8 = d["mp"].get("fp8")
-    mp = MixedPrecision(
-        _dtype_from(d["mp"]["param_dtype"]),
-        _dtype_from(d["mp"]["reduce_dtype"]),
-        None if fp8 is None else Float8GatherPolicy.from_dict(fp8),
-        d["mp"].get("codec"),
-    )
-    tp = tuple(tuple(t) for t in d.get("tp", ()))
-    return Plan(units, shape, names, mp, mesh, roles, tp)
 
-
-register_serialisers(plan_to_dict, plan_from_dict)
+def plan_fingerprint(plan: Any) -> str:
+    """A stable 16-hex-digit hash of ``plan_to_dict(plan)`` (not of the live mesh)."""
+    canonical = json.dumps(plan_to_dict(plan), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,7 +1,7 @@
 """The plan's cost model: bytes per collective kind per step, and memory per rank.
 
-Both come from :mod:`fsdpfn._steps`, the one list of what a step issues (see [Note: what a step
-issues] there): :func:`plan_cost` sums :func:`fsdpfn._steps.step_collectives` per kind, so a
+Both come from :mod:`fsdpfn._plan.steps`, the one list of what a step issues (see [Note: what a step
+issues] there): :func:`plan_cost` sums :func:`fsdpfn._plan.steps.step_collectives` per kind, so a
 test can compare it with a :func:`fsdpfn.comm.count_collectives` record of a real step call for
 call. ``wire_bytes`` follows :class:`fsdpfn.comm.CollectiveCall`: ``(W-1)/W`` of the full buffer
 for all-gather and reduce-scatter, ``2 (W-1)/W`` for all-reduce.
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdpfn._plan import Plan, _human, register_cost_model
-from fsdpfn._schedule import Schedule, validate
-from fsdpfn._schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._steps import Collective, CollectiveCost, static_memory, step_collectives, totals
+from fsdpfn._plan.values import PlanValues, _human
+from fsdpfn._plan.schedule import Schedule, validate
+from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
+from fsdpfn._plan.steps import Collective, CollectiveCost, static_memory, step_collectives, totals
 
 __all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
 
@@ -89,7 +89,7 @@ class PlanCost:
         return "\n".join(lines)
 
 
-def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
+def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
               micro_batches: int = 1, accumulate: str = "reduce", schedule: Schedule | None = None) -> PlanCost:
     """:meth:`fsdpfn.Plan.cost` (see there)."""
     if schedule is not None:
@@ -119,5 +119,3 @@ def plan_cost(plan: Plan, reshard_after_forward: bool | None = None, prefetch: i
     mem["unsharded_peak"] += min(sum(freed), (1 + prefetch) * max(freed, default=0))
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem, calls, tokens)
 
-
-register_cost_model(plan_cost)

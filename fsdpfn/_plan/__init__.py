@@ -1,0 +1,45 @@
+"""The plan layer: frozen, validated plan values and everything derived from a plan alone.
+
+No module here talks to a rank or imports ``fsdpfn.transforms``, ``fsdpfn.runtime``, ``fsdpfn.optim``
+or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
+
+    builder      fsdpfn.plan(): reads a model and a mesh, returns a validated Plan
+    tp_layout    the tensor-parallel layout checks on the model (fused and GQA projections)
+    plan_type    Plan: the values plus cost() and from_json()
+    cost         plan.cost(): sums of the step's collectives and static memory
+    serialise    JSON -> plan, every format an fsdpfn wrote
+    steps        step_collectives / step_ops: the schedule's ops expanded into collectives
+    schedule     schedule(): the one op list of a training step
+    wire         wire_bytes: what one rank sends for one collective (the one formula)
+    values       PlanValues, Unit, ParamSpec, MixedPrecision, Strategy: the data and its layouts
+    encode       plan -> JSON and the fingerprint
+    axes         named mesh axes and their roles (MeshAxes, Role)
+
+Other packages import the values from here (``from fsdpfn._plan import Plan``) and a derived
+figure from its module (``from fsdpfn._plan.steps import step_collectives``).
+"""
+
+from fsdpfn._plan.axes import MeshAxes, Role
+from fsdpfn._plan.builder import plan
+from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.values import (
+    HSDP_DIM_NAMES,
+    ROOT,
+    ROOT_LABEL,
+    STRATEGIES,
+    TP_MODULE_STYLES,
+    TP_STYLES,
+    ByteSlot,
+    Float8Layout,
+    MixedPrecision,
+    ParamSpec,
+    Slot,
+    Strategy,
+    Unit,
+    unit_label,
+)
+
+__all__ = [
+    "ByteSlot", "Float8Layout", "HSDP_DIM_NAMES", "MeshAxes", "MixedPrecision", "ParamSpec", "Plan", "ROOT", "ROOT_LABEL",
+    "Role", "STRATEGIES", "Slot", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "plan", "unit_label",
+]
