@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 from torch import nn
 
 from fsdpfn._plan.axes import MeshAxes, Role
-from fsdpfn._plan.placements import AxisPlacement, Placement, Replicate, Shard, module_placement
+from fsdpfn._plan.placements import AxisPlacement, Placement, Replicate, Shard, module_placement, rows_size
 from fsdpfn._plan.values import (
     ROOT,
     ROOT_LABEL,
@@ -346,7 +346,7 @@ def plan(
     remats = _per_unit(remat, dense_names, "remat", "none", "none")  # the root keeps its activations
     offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
-        Unit(u, Strategy(strategies[u]), tuple(owned[u]), mesh_axes.shard_size if u in expert_units else mesh_axes.dense_shard_size,
+        Unit(u, Strategy(strategies[u]), tuple(owned[u]), rows_size(owned[u], mesh_axes),
              fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units, top_k.get(u, 0))
         for u in unit_names
         if owned[u]

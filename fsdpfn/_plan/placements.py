@@ -41,7 +41,8 @@ asked for).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+import math
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from fsdpfn._plan.axes import MeshAxes, Role
 
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Placement", "Replicate", "Shard", "StridedShard", "Partial", "AxisPlacement", "PLACED_ROLES", "placement_of",
-           "axis_size", "local_shape", "local_part", "local_box", "uses_zeros", "split_roles", "row_roles", "reduce_roles",
+           "axis_size", "local_shape", "local_part", "local_box", "uses_zeros", "split_roles", "row_roles", "rows_over", "rows_size", "unit_row_roles",
+           "reduce_roles",
            "dtensor_placements", "normalise", "check", "from_legacy", "legacy_fields", "module_placement"]
 
 # The mesh axes a ParamSpec carries placements for, in the order they are composed (an axis
@@ -427,8 +429,36 @@ def row_roles(spec, axes: MeshAxes) -> tuple[Role, ...]:
       >>> row_roles(dense, axes), row_roles(expert, axes)
       ((<Role.EP: 'ep'>, <Role.SHARD: 'shard'>), (<Role.SHARD: 'shard'>,))
     """
-    split = split_roles(spec)
+    return rows_over(split_roles(spec), axes)
+
+
+def rows_over(split: Sequence[Role], axes: MeshAxes) -> tuple[Role, ...]:
+    """:func:`row_roles` of a parameter split over the axes ``split``: ``rows_over((), axes)``
+    are a dense (unsplit) parameter's."""
     return tuple(r for r in axes.roles if r.is_data_parallel and r is not Role.REPLICATE and r not in split)
+
+
+def rows_size(specs: Sequence, axes: MeshAxes) -> int:
+    """Ranks a unit holding ``specs`` cuts its rows over (its ``shard_size``): the product of
+    their :func:`row_roles`' sizes.
+
+    Example:
+      >>> rows_size([fsdpfn.ParamSpec("w", (4, 6), torch.float32)], MeshAxes.from_shape({"ep": 2, "edp": 3}))
+      6
+    """
+    return math.prod(axes.size(r) for r in (row_roles(specs[0], axes) if specs else rows_over((), axes)))
+
+
+def unit_row_roles(unit, axes: MeshAxes) -> tuple[Role, ...]:
+    """:func:`row_roles` of ``unit``'s parameters, which its flat buffer cuts over together (a
+    unit never mixes parameters split over different data-parallel axes: ``Unit`` refuses expert
+    weights beside dense ones). More than one axis: they are flattened into one group.
+
+    Example:
+      >>> unit_row_roles(plan.units[0], plan.axes)
+      (<Role.SHARD: 'shard'>,)
+    """
+    return row_roles(unit.params[0], axes) if unit.params else rows_over((), axes)
 
 
 def reduce_roles(spec, axes: MeshAxes) -> tuple[Role, ...]:

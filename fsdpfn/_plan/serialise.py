@@ -37,19 +37,20 @@ def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
     # format 5 may hold a plan of any earlier format beside its codec: roles only if it wrote them
     roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
+    params = [tuple(_param_from(p, axes) for p in u["params"]) for u in d["units"]]
     units = tuple(
         Unit(
             u["name"],
             u["strategy"],
-            tuple(_param_from(p, axes) for p in u["params"]),
-            axes.shard_size if u.get("experts") else axes.dense_shard_size,
+            specs,
+            P.rows_size(specs, axes),
             tuple(u.get("fp8", ())),
             u.get("remat", "none"),
             bool(u.get("offload", False)),
             bool(u.get("experts", False)),
             int(u.get("top_k", 0)),
         )
-        for u in d["units"]
+        for u, specs in zip(d["units"], params)
     )
     fp8 = d["mp"].get("fp8")
     mp = MixedPrecision(

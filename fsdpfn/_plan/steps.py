@@ -73,11 +73,13 @@ backward    the two transposed all-to-alls                   N x k x d each
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, cast
 
 import torch
 
 from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import unit_row_roles
 from fsdpfn._plan.values import PlanValues, Unit, unit_label
 from fsdpfn._plan.schedule import Op, OpKind
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
@@ -309,9 +311,6 @@ def step_ops(
     units = {u.name: u for u in plan.units}
     tp = _tp_modules(plan) if plan.tp else {}
     axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
-    ep_dim = plan.axes.dim(Role.EP)
-    if ep_dim is not None:  # dense units: the ep and shard axes flattened, in mesh order
-        dense_axis = "_".join(plan.axes.names[d] for d in sorted((ep_dim, cast(int, plan.axes.dim(Role.SHARD)))))
     ntok = 0 if tokens is None else tokens
     backward_events = (OpKind.BACKWARD, OpKind.BACKWARD_DONE, OpKind.END)
 
@@ -319,8 +318,10 @@ def step_ops(
         out = []
         for kind, role, nbytes, dtype, purpose, *tag in entries:
             name, size = axes[role]
-            if role is Role.SHARD and ep_dim is not None and not units[unit].experts:
-                name, size = dense_axis, plan.axes.dense_shard_size
+            rows = unit_row_roles(units[unit], plan.axes) if role is Role.SHARD else ()
+            if len(rows) > 1:  # a unit whose rows run over several axes (dense beside ep): them flattened, in mesh order
+                name = "_".join(plan.axes.names[cast(int, plan.axes.dim(r))] for r in rows)
+                size = math.prod(plan.axes.size(r) for r in rows)
             out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,
                                   m, i if indexed else -1))
         return tuple(out)

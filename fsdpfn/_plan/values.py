@@ -594,7 +594,7 @@ class PlanValues:
             )
         for unit in self.units:
             # A unit cuts rows over the data-parallel axes that do not split its parameters.
-            want = math.prod(axes.size(r) for r in P.row_roles(unit.params[0], axes)) if unit.params else axes.shard_size
+            want = math.prod(axes.size(r) for r in P.unit_row_roles(unit, axes))
             if unit.shard_size != want:
                 what = "the mesh's shard axis" if unit.experts or axes.ep_size == 1 else "the mesh's ep x shard axes"
                 raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")

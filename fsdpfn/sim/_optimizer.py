@@ -49,6 +49,7 @@ import torch
 from fsdpfn import optim
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import unit_row_roles
 from fsdpfn._rows import chunk_bounds
 from fsdpfn._plan.wire import wire_bytes
 from fsdpfn.sim._workload import EMPTY, Work, count_work
@@ -111,7 +112,7 @@ def _coords(plan: Plan, rank: int) -> tuple[int, ...]:
 def _dense(plan: Plan, unit) -> bool:
     """A dense unit beside an ``ep`` axis: its parameters live on the ``ep`` x ``shard`` axes
     flattened in mesh order (``fsdpfn.transforms.unit_mesh``)."""
-    return plan.axes.dim(Role.EP) is not None and not unit.experts
+    return len(unit_row_roles(unit, plan.axes)) > 1
 
 
 def _mesh_of(plan: Plan, unit, rank: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:

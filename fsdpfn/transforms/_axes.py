@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from fsdpfn._plan.axes import Role
-from fsdpfn._plan.placements import split_roles
+from fsdpfn._plan.placements import rows_over, split_roles, unit_row_roles
 from fsdpfn._plan import Plan
 
 if TYPE_CHECKING:
@@ -89,15 +89,15 @@ _DENSE = "_fsdpfn_dense_mesh"
 
 
 def _dense_mesh(plan: Plan):
-    """The mesh dense parameters live on beside experts: the ``ep`` and ``shard`` axes flattened
-    into one dim (in mesh order), after the replicate axis when there is one (which the mesh
+    """The mesh dense parameters live on beside experts: the axes their rows are cut over
+    (:func:`fsdpfn._plan.placements.row_roles`: ``ep`` and ``shard``) flattened into one dim (in mesh order), after the replicate axis when there is one (which the mesh
     has first). Its last dim is the dense shard group. Made once per mesh (its groups are
     created collectively, at the same point of every rank's program)."""
     mesh = _mesh(plan)
     cached = getattr(mesh, _DENSE, None)
     if cached is None:
         axes = plan.axes
-        dims = tuple(axes.names[d] for d in sorted(cast("tuple[int, int]", (axes.dim(Role.EP), axes.dim(Role.SHARD)))))
+        dims = tuple(axes.names[cast(int, axes.dim(r))] for r in rows_over((), axes))  # in mesh order
         sub = mesh[dims]
         flat = sub._flatten("_".join(dims)) if sub.ndim > 1 else sub
         rep = axes.dim(Role.REPLICATE)
@@ -117,7 +117,7 @@ def unit_mesh(plan: Plan, unit) -> DeviceMesh:
       >>> fsdpfn.transforms.unit_mesh(plan, plan.units[0]) is plan.mesh
       True
     """
-    if plan.axes.dim(Role.EP) is None or unit.experts:
+    if len(unit_row_roles(unit, plan.axes)) == 1:  # its rows are cut over the shard axis alone
         return _mesh(plan)
     return _dense_mesh(plan)
 
@@ -131,7 +131,7 @@ def unit_group(plan: Plan, unit):
       >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)
       True
     """
-    if plan.axes.dim(Role.EP) is None or unit.experts:
+    if len(unit_row_roles(unit, plan.axes)) == 1:  # its rows are cut over the shard axis alone
         return shard_group(plan)
     dense = _dense_mesh(plan)
     return dense.get_group(dense.ndim - 1)
@@ -144,7 +144,7 @@ def unit_rank(plan: Plan, unit) -> int:
       >>> fsdpfn.transforms.unit_rank(plan, plan.units[0])
       0
     """
-    if plan.axes.dim(Role.EP) is None or unit.experts:
+    if len(unit_row_roles(unit, plan.axes)) == 1:  # its rows are cut over the shard axis alone
         return shard_rank(plan)
     dense = _dense_mesh(plan)
     return dense.get_local_rank(dense.ndim - 1)
