@@ -41,6 +41,11 @@ from fsdpfn.launch import start_rank  # noqa: E402
 
 def extract(rev: str, folder: str) -> str:
     """``fsdpfn/comm/{_groups,_record,_collectives}.py`` of ``rev`` as the package ``_before_comm``."""
+    found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], capture_output=True)
+    if found.returncode:
+        # A shallow clone, or a copy without .git, lacks the history the comparison reads.
+        sys.exit(f"flight_recorder: revision {rev!r} is not in this checkout's git history; in a shallow clone run "
+                 "`git fetch --unshallow` first, or pass --before with a revision the checkout has")
     pkg = os.path.join(folder, "_before_comm")
     os.makedirs(pkg)
     for name in ("_groups", "_record", "_collectives"):

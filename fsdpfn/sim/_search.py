@@ -46,9 +46,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-import fsdpfn
-from fsdpfn._plan import Plan
-from fsdpfn._plan import ROOT
+from fsdpfn._plan import ROOT, MixedPrecision, Plan
+from fsdpfn._plan import plan as build_plan
 from fsdpfn._remat import check_policy
 from fsdpfn._plan.schedule import Schedule, schedule as make_schedule
 from fsdpfn.sim._hardware import Hardware
@@ -267,7 +266,7 @@ def search(
     units: Sequence[Any] | None = None,
     mesh_shapes: Sequence[tuple[int, ...]] | None = None,
     splits: int = 3,
-    mp: fsdpfn.MixedPrecision | None = None,
+    mp: MixedPrecision | None = None,
     micro_batches: int = 1,
     accumulate: str | Sequence[str] = "reduce",
     workloads: dict | None = None,
@@ -364,7 +363,7 @@ def search(
         key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e)
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-            plan = fsdpfn.plan(model, _mesh_arg(shape, t, e), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
+            plan = build_plan(model, _mesh_arg(shape, t, e), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
                                tp=tp_plan if t > 1 else None)
             sched = make_schedule(plan, prefetch=p)
             res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
@@ -388,7 +387,7 @@ def search(
             # The workload depends on the units and the tp degree (tp-local layers), not the rest;
             # an ep plan's units (expert units of their own) name its workload, the same for every
             # degree: each rank routes its own batch, and dropless its experts see as many pairs.
-            base = fsdpfn.plan(model, _mesh_arg((world_size // (t * e),), t, e), units=u_opt, mp=mp, tp=tp_plan if t > 1 else None)
+            base = build_plan(model, _mesh_arg((world_size // (t * e),), t, e), units=u_opt, mp=mp, tp=tp_plan if t > 1 else None)
             key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
             if key not in cache:
                 cache[key] = profile(model, base, *_tp_batch(inputs, t), loss_fn=loss_fn, remat_policies=extra)
@@ -411,7 +410,7 @@ def search(
                 state, current = best_state, best
     candidates = list(seen.values())
     if default is None:  # the default was outside the given space: simulate it for comparison
-        plan = fsdpfn.plan(model, (world_size,), mp=mp)
+        plan = build_plan(model, (world_size,), mp=mp)
         key = tuple(u.name for u in plan.units)
         if key not in cache:
             cache[key] = profile(model, plan, *inputs, loss_fn=loss_fn)
@@ -474,7 +473,7 @@ def _check_tp(model: torch.nn.Module, world, tp: Sequence[int], tp_plan, mp) -> 
                 if isinstance(n, int) and not isinstance(n, bool) and n % t:
                     raise ValueError(f"search: tp={t} does not divide {name or type(model).__name__}.{attr} = {n}: each tp rank "
                                      "runs whole attention heads; choose tp degrees that divide every head count")
-        fsdpfn.plan(model, {"dp": world // t, "tp": t}, tp=tp_plan, mp=mp)  # a width tp does not divide: named here
+        build_plan(model, {"dp": world // t, "tp": t}, tp=tp_plan, mp=mp)  # a width tp does not divide: named here
     return tps
 
 
@@ -505,7 +504,7 @@ def _check_ep(model: torch.nn.Module, world, ep: Sequence[int], tp: Sequence[int
             if isinstance(n, int) and n % e:
                 raise ValueError(f"search: ep={e} does not divide {name}.num_experts = {n}: each ep rank holds whole experts; "
                                  "choose ep degrees that divide every layer's number of experts")
-    fsdpfn.plan(model, {"ep": big, "edp": world // big}, mp=mp)  # whatever else the plan refuses: named here
+    build_plan(model, {"ep": big, "edp": world // big}, mp=mp)  # whatever else the plan refuses: named here
     return eps
 
 
