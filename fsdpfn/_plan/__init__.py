@@ -13,6 +13,7 @@ or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
     wire         wire_bytes: what one rank sends for one collective (the one formula)
     values       PlanValues, Unit, ParamSpec, MixedPrecision, Strategy: the data and its layouts
     encode       plan -> JSON and the fingerprint
+    placements   a parameter's placement on each model-parallel axis, and everything derived from it
     axes         named mesh axes and their roles (MeshAxes, Role)
 
 Other packages import the values from here (``from fsdpfn._plan import Plan``) and a derived

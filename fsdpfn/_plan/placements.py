@@ -380,7 +380,7 @@ def local_box(spec, rows: tuple[int, int], index: Mapping[Role, int]) -> tuple[s
             return None
         start = [a + b for a, b in zip(start, off)]
         shape = e.placement.local_shape(shape, e.size)
-    cut = [d for d in range(1, len(shape)) if shape[d] != spec.shape[d]]
+    cut = [e.placement.dim for e in spec.placements if e.placement.is_split and e.placement.dim]  # dims past 0 some axis splits
     box = [slice(start[0] + rows[0], start[0] + rows[1])]
     for d in range(1, (max(cut) + 1) if cut else 1):
         box.append(slice(start[d], start[d] + shape[d]) if d in cut else slice(None))
