@@ -29,10 +29,15 @@ over (a dense parameter beside ``ep`` is replicated over it, so it is sharded an
 placements the user sees, and the parameter's JSON fields.
 
 [Note: adding an axis]
-A new model-parallel axis (context parallelism, ``cp``) is a :class:`fsdpfn.Role`, an entry in
-:data:`PLACED_ROLES` and, if its split is not a block along a dim, a :class:`Placement` subclass
-with the methods below. Readers never branch on the axis: they ask a placement for its local
-shape, part, box or DTensor form, and ask this module which axes a parameter is split over.
+A new model-parallel axis is a :class:`fsdpfn.Role`, an entry in :data:`PLACED_ROLES` and, if
+its split is not a block along a dim, a :class:`Placement` subclass overriding the methods of the
+base. Readers never branch on the axis: they ask a placement for its local shape, part, box or
+DTensor form, and ask this module which axes a parameter is split over and which its rows and
+gradient run over. Context parallelism (``cp``, the sequence split) for example: its parameters
+are ``Replicate()`` on ``cp`` and its gradients are summed over it, so with ``Role.CP`` data
+parallel and not the replicate axis, :func:`row_roles` already gives ``cp`` x ``shard`` (FSDP over
+both, flattened, as dense parameters beside ``ep`` are) and :func:`reduce_roles` sums over it;
+what is left is its activation collectives, which are not placements.
 
 This module imports nothing above the plan layer (DTensor's placement types are imported when
 asked for).
@@ -50,9 +55,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Placement", "Replicate", "Shard", "StridedShard", "Partial", "AxisPlacement", "PLACED_ROLES", "placement_of",
-           "axis_size", "local_shape", "local_part", "local_box", "uses_zeros", "split_roles", "row_roles", "rows_over", "rows_size", "unit_row_roles",
-           "reduce_roles",
-           "dtensor_placements", "normalise", "check", "from_legacy", "legacy_fields", "module_placement"]
+           "axis_size", "local_shape", "local_part", "local_box", "uses_zeros", "split_roles", "row_roles", "rows_over",
+           "rows_size", "unit_row_roles", "reduce_roles", "dtensor_placements", "normalise", "check", "from_legacy",
+           "legacy_fields", "module_placement"]
 
 # The mesh axes a ParamSpec carries placements for, in the order they are composed (an axis
 # further on cuts the part the earlier ones left). The data-parallel shard and replicate axes are
@@ -181,7 +186,7 @@ class Shard(Placement):
 
     def check(self, name: str, shape: tuple[int, ...], axis: Role, size: int) -> None:
         d = self.split_dim
-        if axis is Role.EP:
+        if axis is Role.EP and d == 0:
             # The expert axis splits the packed experts: say it in those words.
             if not shape:
                 raise ValueError(f"parameter {name!r} is 0-d; an expert weight packs its experts along dim 0")
