@@ -110,8 +110,9 @@ def _coords(plan: Plan, rank: int) -> tuple[int, ...]:
 
 
 def _dense(plan: Plan, unit) -> bool:
-    """A dense unit beside an ``ep`` axis: its parameters live on the ``ep`` x ``shard`` axes
-    flattened in mesh order (``fsdpfn.transforms.unit_mesh``)."""
+    """A unit whose rows are cut over several axes (a dense one beside ``ep``: ``ep`` x
+    ``shard``, :func:`fsdpfn._plan.placements.row_roles`): its parameters live on them flattened
+    in mesh order (``fsdpfn.transforms.unit_mesh``)."""
     return len(unit_row_roles(unit, plan.axes)) > 1
 
 
@@ -120,7 +121,7 @@ def _mesh_of(plan: Plan, unit, rank: int) -> tuple[str, tuple[int, ...], tuple[i
     coords = _coords(plan, rank)
     if not _dense(plan, unit):
         return "mesh", tuple(plan.mesh_shape), coords
-    dims = sorted(cast("tuple[int, int]", (plan.axes.dim(Role.EP), plan.axes.dim(Role.SHARD))))
+    dims = [cast(int, plan.axes.dim(r)) for r in unit_row_roles(unit, plan.axes)]  # in mesh order
     index = 0
     for d in dims:
         index = index * plan.mesh_shape[d] + coords[d]
