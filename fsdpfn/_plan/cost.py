@@ -95,7 +95,6 @@ def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefe
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(schedule).__name__}")
         validate(schedule, plan)
-        prefetch = schedule.prefetch
     calls: tuple[Collective, ...] = step_collectives(plan, schedule=schedule, reshard_after_forward=reshard_after_forward,
                                                      micro_batches=micro_batches, accumulate=accumulate, tokens=tokens)
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}

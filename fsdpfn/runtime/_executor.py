@@ -90,7 +90,6 @@ class Executor:
         self.staged: dict[str, list[torch.Tensor]] = {}  # offloaded units' shards copied to the device
         self.cursor = len(self.ops)
         self.step = 0
-        self.last = True
         self.record = StepRecord()
         self.inside: str | None = None  # the unit whose own code runs now (it calls its modules plainly)
         self.actions = {
@@ -112,8 +111,7 @@ class Executor:
             self.abandon()
         self.step += 1
         self.cursor = 0
-        self.last = sync  # the micro-batch that ends the step: every unit reduces
-        self.ops = self.micro_batch_ops[sync]
+        self.ops = self.micro_batch_ops[sync]  # sync: the micro-batch that ends the step, every unit reduces
         self.results = {}
         self.record = StepRecord()
         return self.step
