@@ -137,6 +137,8 @@ PEAK_CASES = [
     dict(prefetch=0, edit="late_free"),  # blocks.0 freed after blocks.1's forward: 2 blocks alive at prefetch 0
     dict(prefetch=1, raf=True),  # the root resharded: it is alive through the whole forward anyway
     dict(prefetch=2, edit="keep_gathered"),
+    # blocks.1 kept from its forward to its backward (zero2), yet never alive with blocks.0 at prefetch 0
+    dict(prefetch=0, strategy={"*": "zero3", "blocks.1": "zero2"}),
 ]
 
 
@@ -149,7 +151,7 @@ def _high_water(rank, world, cases):
     for case in cases:
         torch.manual_seed(0)
         model = GPT(CFG)
-        plan = fsdpfn.plan(model, testing.mesh((world,)))
+        plan = fsdpfn.plan(model, testing.mesh((world,)), strategy=case.get("strategy", "zero3"))
         params = fsdpfn.shard(model, plan)
         rt = Runtime(model, plan, _peak_schedule(plan, case))
         x, y = _batch(world, 1)
@@ -164,15 +166,16 @@ def test_unsharded_peak_is_the_runtimes_high_water(run_on_ranks):
     measured = run_on_ranks(_high_water, 2, PEAK_CASES)
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(model, (2,))
-    wl = sim.profile(model, plan, torch.zeros(PER_RANK, CFG.seq_len, dtype=torch.long))
     for i, case in enumerate(PEAK_CASES):
+        plan = fsdpfn.plan(model, (2,), strategy=case.get("strategy", "zero3"))
+        wl = sim.profile(model, plan, torch.zeros(PER_RANK, CFG.seq_len, dtype=torch.long))
         sched = _peak_schedule(plan, case)
         cost = plan.cost(schedule=sched).memory["unsharded_peak"]
         simulated = sim.simulate(plan, sched, wl, None, HW).memory["unsharded_peak"]
         assert all(m[i] == cost == simulated == unsharded_peak(plan, sched.ops) for m in measured), (case, [m[i] for m in measured],
                                                                                                     cost, simulated)
     # a moved free is seen: with prefetch 0, blocks.0 and blocks.1 are alive at once
+    plan = fsdpfn.plan(model, (2,))
     units = {u.name: u.numel * plan.gather_dtype(u).itemsize for u in plan.units}
     late = plan.cost(schedule=_peak_schedule(plan, PEAK_CASES[3])).memory["unsharded_peak"]
     assert late == units[""] + units["blocks.0"] + units["blocks.1"]
