@@ -288,7 +288,8 @@ class StepOp:
 
     Attributes:
       micro_batch: which micro-batch of the step runs it.
-      index: its index in the schedule's ops.
+      index: its index in its micro-batch's ops (:func:`micro_batch_ops`: the schedule's ops in
+        the micro-batch that ends the step).
       op: the :class:`fsdpfn.runtime.Op`.
       phase: ``"forward"`` until the first backward event of the micro-batch, then ``"backward"``.
       reduces: ``True`` for a ``reduce``/``wait_reduce``/``copy_out`` (they are in the
@@ -495,7 +496,6 @@ def static_memory(plan: PlanValues) -> dict[str, int]:
         params += sharded
         grads += master if unit.strategy.keeps_full_grads else sharded
     return {"params": params, "grads": grads, "optimizer_state_per_slot": params}
-
 
 
 def unsharded_bytes(plan: PlanValues, ops: Iterable[Any]) -> tuple[int, ...]:

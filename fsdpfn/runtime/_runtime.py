@@ -47,7 +47,8 @@ class Runtime:
         which always accumulate locally (that is ZeRO-1: full gradients, one reduce per step).
         ``"local"``: micro-batches inside :meth:`accumulating` keep summed full gradients locally
         and do not communicate; the next micro-batch outside it reduces the total (one reduce per
-        step, full-gradient memory).
+        step, full-gradient memory). A schedule that lists the ops of those micro-batches
+        (``Schedule.accumulating``, ``accumulate u`` where u sums locally) is run as written instead.
       device: where collectives run: ``"cpu"`` (async gloo work handles, the default) or
         ``"cuda"`` (one stream per collective kind, ordered with events; see
         :class:`~fsdpfn.runtime.CudaComm`). Every buffer is allocated on the device of the
