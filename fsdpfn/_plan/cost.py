@@ -20,7 +20,7 @@ import dataclasses
 from fsdpfn._plan.values import PlanValues, _human
 from fsdpfn._plan.schedule import Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._plan.steps import Collective, CollectiveCost, static_memory, step_collectives, totals
+from fsdpfn._plan.steps import Collective, CollectiveCost, static_memory, step_collectives, step_ops, totals, unsharded_peak
 
 __all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
 
@@ -35,9 +35,8 @@ class PlanCost:
       memory: bytes per rank: ``params`` (sharded masters, largest rank), ``grads`` (sharded
         for zero2/zero3, full for zero1/replicate), ``optimizer_state_per_slot`` (one fp32-like
         slot shaped like the sharded masters, e.g. Adam needs two), ``unsharded_peak`` (full
-        parameters alive at once in the gather dtype: ``1 + prefetch`` of the largest units freed
-        after forward, plus every unit kept gathered from forward to backward; the runtime's
-        high-water mark stays within it).
+        parameters alive at once in the gather dtype, walking the schedule's gathers and frees:
+        :func:`fsdpfn._plan.steps.unsharded_peak`, the runtime's ``rt.memory.high_water``).
       calls: every collective of the step, in order (:class:`fsdpfn.Collective`), which
         ``collectives`` sums.
       tokens: the tokens per rank per micro-batch the activation bytes were counted for
@@ -96,26 +95,15 @@ def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefe
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(schedule).__name__}")
         validate(schedule, plan)
-        prefetch = schedule.prefetch
-    # Which units are freed after forward is the schedule's: the runtime's default frees zero3
-    # units but the root, whose backward starts right after its forward (as FSDP2).
-    freed_after_forward = (schedule or default_schedule(plan, 0, reshard_after_forward)).reshard_after_forward
     calls: tuple[Collective, ...] = step_collectives(plan, schedule=schedule, reshard_after_forward=reshard_after_forward,
                                                      micro_batches=micro_batches, accumulate=accumulate, tokens=tokens)
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds.update(totals(calls))
-    mem = {**static_memory(plan), "unsharded_peak": 0}
-    freed = []  # gathered bytes of the units freed after forward
-    for unit in plan.units:
-        full_gathered = unit.numel * plan.gather_dtype(unit).itemsize
-        if not unit.sharded:
-            mem["unsharded_peak"] += full_gathered  # unshard's cast copy
-            continue
-        if freed_after_forward(unit.name):
-            freed.append(full_gathered)
-        else:
-            mem["unsharded_peak"] += full_gathered
-    # A freed unit is alive from its gather to its free; with prefetch, 1 + prefetch of them.
-    mem["unsharded_peak"] += min(sum(freed), (1 + prefetch) * max(freed, default=0))
+    # The unsharded peak walks the gathers and frees of the ops the runtime runs, every
+    # micro-batch's (the simulator reads the same walk), so a hand-edited schedule's moved free
+    # is seen, and prefetch is where its gathers are.
+    sched = schedule if schedule is not None else default_schedule(plan, prefetch, reshard_after_forward)
+    ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate)
+    mem = {**static_memory(plan), "unsharded_peak": unsharded_peak(plan, ops)}
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem, calls, tokens)
 

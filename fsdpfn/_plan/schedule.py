@@ -20,6 +20,10 @@ Two kinds of ops. *Actions* the executor performs::
     copy_in u       (offloaded units) copy u's sharded parameters from host memory to the
                     device, for the next 'gather u', which consumes the copy
     copy_out u      (offloaded units) copy u's reduced gradient shards to host memory
+    accumulate u    add u's complete gradients to the full gradients it keeps; nothing is sent,
+                    and the next micro-batch's 'reduce u' reduces the sum. It takes the place of
+                    'reduce u' and 'wait_reduce u' (and 'copy_out u') in a micro-batch that does
+                    not end its step (``Schedule.accumulating``)
 
 and *events*, points where the executor waits for the model to get there::
 
@@ -38,6 +42,14 @@ be unsharded at every event while in use.
 
 The root has no ``backward_done`` event: its parameters typically feed the first and the last
 layer, so its gradients are complete only at ``end``; reduce it there.
+
+[Note: micro-batches that do not end the step]
+``Schedule.ops`` is the micro-batch that ends a step: every unit reduces. A micro-batch inside
+``Runtime.accumulating()`` runs ``Schedule.accumulating`` instead, where a unit whose gradients
+are summed locally has an ``accumulate`` op in place of its reduce. Left ``None`` (the default)
+it is derived from ``ops`` by :func:`fsdpfn._plan.steps.micro_batch_ops` (``zero1`` units, and
+every unit under ``accumulate="local"``, accumulate); given by hand it is obeyed as written by the
+runtime, ``plan.cost()`` and the simulator alike.
 """
 
 from __future__ import annotations
@@ -49,7 +61,8 @@ from typing import cast
 
 from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
-__all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "schedule", "validate"]
+__all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "reshards_after_forward", "schedule",
+           "validate"]
 
 
 class ScheduleError(ValueError):
@@ -71,6 +84,7 @@ class OpKind(enum.Enum):
     WAIT_REDUCE = "wait_reduce"
     COPY_IN = "copy_in"
     COPY_OUT = "copy_out"
+    ACCUMULATE = "accumulate"
     FORWARD = "forward"
     FORWARD_DONE = "forward_done"
     BACKWARD = "backward"
@@ -95,12 +109,13 @@ class UnitState(enum.Enum):
 
 class GradState(enum.Enum):
     """Where a unit's gradients are in a step: PENDING until its backward completes, then
-    COMPLETE, ``reduce`` -> REDUCING, ``wait_reduce`` -> REDUCED."""
+    COMPLETE, ``reduce`` -> REDUCING, ``wait_reduce`` -> REDUCED; or ``accumulate`` -> ACCUMULATED."""
 
     PENDING = "pending"
     COMPLETE = "complete"
     REDUCING = "reducing"
     REDUCED = "reduced"
+    ACCUMULATED = "accumulated"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +155,8 @@ class Schedule:
       ops: forward then backward, ending after ``end``.
       plan_fingerprint: the plan it was made for (checked when it runs).
       prefetch: how many units ahead it gathers (informative; the ops are what runs).
+      accumulating: the ops of a micro-batch that does not end its step (see [Note:
+        micro-batches that do not end the step]); ``None``: derived from ``ops``.
 
     Example:
       >>> s = Schedule.from_str("Schedule for plan 0123 (prefetch=0):\\n forward <root>\\n gather <root>")
@@ -155,10 +172,13 @@ class Schedule:
     ops: tuple[Op, ...]
     plan_fingerprint: str
     prefetch: int = 1
+    accumulating: tuple[Op, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "ops", tuple(self.ops))
-        for op in self.ops:
+        if self.accumulating is not None:
+            object.__setattr__(self, "accumulating", tuple(self.accumulating))
+        for op in self.ops + (self.accumulating or ()):
             if not isinstance(op, Op):
                 raise ScheduleError(f"schedule ops must be Op values, got {op!r}")
 
@@ -170,10 +190,15 @@ class Schedule:
 
     def __str__(self) -> str:
         lines = [f"Schedule for plan {self.plan_fingerprint} (prefetch={self.prefetch}):"]
-        width = len(str(len(self.ops)))
-        for i, op in enumerate(self.ops):
-            indent = "  " if op.is_event else "      "
-            lines.append(f"  {i:>{width}}{indent}{op}")
+        for title, ops in (("", self.ops), (_ACCUMULATING, self.accumulating)):
+            if ops is None:
+                continue
+            if title:
+                lines.append(title)
+            width = len(str(len(ops)))
+            for i, op in enumerate(ops):
+                indent = "  " if op.is_event else "      "
+                lines.append(f"  {i:>{width}}{indent}{op}")
         return "\n".join(lines)
 
     @classmethod
@@ -184,9 +209,13 @@ class Schedule:
         head = re.match(r"Schedule for plan (\S+) \(prefetch=(\d+)\):", lines[0]) if lines else None
         if head is None:
             raise ScheduleError("schedule text must start with 'Schedule for plan <fingerprint> (prefetch=<n>):'")
-        ops = []
+        ops: list[Op] = []
+        accumulating: list[Op] | None = None
         for ln in lines[1:]:
             if not ln or ln.startswith("#"):
+                continue
+            if ln == _ACCUMULATING:  # the rest is the accumulating micro-batch's ops
+                ops, accumulating = [], ops
                 continue
             parts = ln.split()
             if parts[0].isdigit():
@@ -197,7 +226,27 @@ class Schedule:
                 ops.append(Op(cast(OpKind, parts[0]), ROOT if parts[1] == ROOT_LABEL else parts[1]))  # Op converts the name
             else:
                 raise ScheduleError(f"cannot parse schedule line {ln!r}; expected '<kind> <unit>' or 'end'")
-        return cls(tuple(ops), head.group(1), int(head.group(2)))
+        if accumulating is not None:  # the main ops came first
+            ops, accumulating = accumulating, ops
+        return cls(tuple(ops), head.group(1), int(head.group(2)), None if accumulating is None else tuple(accumulating))
+
+
+_ACCUMULATING = "Micro-batches that do not end the step:"
+
+
+def reshards_after_forward(plan: PlanValues, name: str, reshard_after_forward: bool | None = None) -> bool:
+    """Whether :func:`schedule` frees unit ``name`` between its forward and its backward (the
+    one rule; the compiled path asks it too, for the units its backward graph gathers again).
+
+    Example:
+      >>> [reshards_after_forward(plan, u.name) for u in plan.units]  # zero3: the root is kept
+      [False, True, True]
+      >>> reshards_after_forward(plan, "", True), reshards_after_forward(plan, "blocks.0", False)
+      (True, False)
+    """
+    if not plan.unit(name).strategy.reshards_after_forward or reshard_after_forward is False:
+        return False
+    return reshard_after_forward is True or name != ROOT
 
 
 def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | None = None) -> Schedule:
@@ -259,11 +308,6 @@ def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | 
     nested = {c for cs in inner.values() for c in cs}
     blocks = [u for u in units if u != ROOT and u not in nested]
 
-    def reshards(name: str) -> bool:
-        if not plan.unit(name).strategy.reshards_after_forward or reshard_after_forward is False:
-            return False
-        return reshard_after_forward is True or name != ROOT
-
     ops: list[Op] = []
 
     gathered: set[str] = set()  # units gathered (or being gathered) and not freed since
@@ -274,7 +318,7 @@ def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | 
             gathered.add(name)
 
     def free_after_forward(name: str) -> None:
-        if reshards(name):
+        if reshards_after_forward(plan, name, reshard_after_forward):
             ops.append(Op(OpKind.FREE, name))
             gathered.discard(name)
 
@@ -378,15 +422,18 @@ def validate(sched: Schedule, plan: PlanValues) -> None:
       fsdpfn._plan.schedule.ScheduleError: invalid schedule at op #...: unit 'blocks.1' is used from op #... but is not waited for ...
     """
     _made_for_plan(sched, plan)
-    walk = _Walk(sched, tuple(u.name for u in plan.units))
-    walk.offloaded = frozenset(u.name for u in plan.units if u.offload)
-    for i, op in enumerate(sched.ops):
-        walk.at = i
-        for rule in _OP_RULES:
-            rule(walk, op)
-        walk.advance(op)
-    for final_rule in _FINAL_RULES:
-        final_rule(walk)
+    for ops, ending in ((sched.ops, True), (sched.accumulating, False)):
+        if ops is None:
+            continue
+        walk = _Walk(sched, tuple(u.name for u in plan.units), ops, ending)
+        walk.offloaded = frozenset(u.name for u in plan.units if u.offload)
+        for i, op in enumerate(ops):
+            walk.at = i
+            for rule in _OP_RULES:
+                rule(walk, op)
+            walk.advance(op)
+        for final_rule in _FINAL_RULES:
+            final_rule(walk)
 
 
 # The state each op leaves its unit in; the rules below check the state it needs.
@@ -396,16 +443,20 @@ _GRADS_AFTER = {
     OpKind.END: GradState.COMPLETE,  # the root's gradients (see the module's Note)
     OpKind.REDUCE: GradState.REDUCING,
     OpKind.WAIT_REDUCE: GradState.REDUCED,
+    OpKind.ACCUMULATE: GradState.ACCUMULATED,
 }
 # The event each event must follow, for the same unit.
 _EVENT_AFTER = {OpKind.FORWARD_DONE: OpKind.FORWARD, OpKind.BACKWARD: OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE: OpKind.BACKWARD}
 
 
 class _Walk:
-    """The validator's view of the step just before op number ``at``."""
+    """The validator's view of one micro-batch's ``ops`` (``ending``: the micro-batch that ends
+    the step, ``Schedule.ops``; else ``Schedule.accumulating``) just before op number ``at``."""
 
-    def __init__(self, sched: Schedule, units: tuple[str, ...]):
+    def __init__(self, sched: Schedule, units: tuple[str, ...], ops: tuple[Op, ...] | None = None, ending: bool = True):
         self.sched, self.units, self.at = sched, units, 0
+        self.ops = sched.ops if ops is None else ops
+        self.ending = ending
         self.params = dict.fromkeys(units, UnitState.SHARDED)
         self.grads = dict.fromkeys(units, GradState.PENDING)
         self.in_use: dict[str, int] = {}  # unit -> the op its use began at
@@ -415,7 +466,12 @@ class _Walk:
         self.seen: dict[Op, int] = {}  # event -> its index
 
     def fail(self, msg: str) -> None:
-        raise ScheduleError(f"invalid schedule at op #{self.at} ({self.sched.ops[self.at]}): {msg}")
+        where = "" if self.ending else " of the micro-batches that do not end the step"
+        raise ScheduleError(f"invalid schedule at op #{self.at}{where} ({self.ops[self.at]}): {msg}")
+
+    def final(self, msg: str) -> ScheduleError:
+        where = "" if self.ending else " (in the micro-batches that do not end the step)"
+        return ScheduleError(f"invalid schedule{where}: {msg}")
 
     def advance(self, op: Op) -> None:
         kind, unit = op.kind, op.unit
@@ -469,7 +525,7 @@ def _used_units_are_gathered(w: _Walk, op: Op) -> None:
     for unit, since in w.in_use.items():
         if w.params[unit] is not UnitState.GATHERED:
             what = "gathered" if w.params[unit] is UnitState.SHARDED else "waited for"
-            w.fail(f"unit {_quoted(unit)} is used from op #{since} ({w.sched.ops[since]}) but is not {what} by then; "
+            w.fail(f"unit {_quoted(unit)} is used from op #{since} ({w.ops[since]}) but is not {what} by then; "
                    f"add 'wait {unit_label(unit)}' (after a 'gather') between op #{since} and op #{w.at}")
 
 
@@ -517,15 +573,22 @@ def _not_freed_in_use(w: _Walk, op: Op) -> None:
 
 
 def _reduced_once_complete(w: _Walk, op: Op) -> None:
-    """A unit is reduced once, after its gradients are complete."""
-    if op.kind is not OpKind.REDUCE:
+    """A unit is reduced (or accumulated) once, after its gradients are complete."""
+    if op.kind not in (OpKind.REDUCE, OpKind.ACCUMULATE):
         return
     state = w.grads[op.unit]
     if state is GradState.PENDING:
         complete = "end" if op.unit == ROOT else f"backward_done {unit_label(op.unit)}"
         w.fail(f"'{op}' before its gradients are complete; move it after '{complete}'")
     if state is not GradState.COMPLETE:
-        w.fail(f"unit {_quoted(op.unit)} is reduced twice")
+        w.fail(f"unit {_quoted(op.unit)} is reduced or accumulated twice")
+
+
+def _accumulated_only_before_the_end(w: _Walk, op: Op) -> None:
+    """The micro-batch that ends the step reduces every unit: 'accumulate' only in the others."""
+    if op.kind is OpKind.ACCUMULATE and w.ending:
+        w.fail(f"the micro-batch that ends the step must reduce every unit; replace '{op}' by 'reduce {unit_label(op.unit)}' "
+               "and a 'wait_reduce', or put it in Schedule.accumulating (the micro-batches that do not end the step)")
 
 
 def _reduce_waited_after_reduce(w: _Walk, op: Op) -> None:
@@ -557,11 +620,12 @@ def _copied_out_after_reduce(w: _Walk, op: Op) -> None:
 
 def _every_offloaded_unit_copied_out(w: _Walk) -> None:
     """Every offloaded unit's gradients reach host memory, and no copy is left unused."""
-    for unit in sorted(w.offloaded - w.copied_out):
-        raise ScheduleError(f"invalid schedule: 'copy_out {unit_label(unit)}' is missing after 'wait_reduce {unit_label(unit)}'; "
-                            "an offloaded unit's gradients must reach host memory")
+    accumulated = {u for u, state in w.grads.items() if state is GradState.ACCUMULATED}  # nothing reduced to copy out
+    for unit in sorted(w.offloaded - w.copied_out - accumulated):
+        raise w.final(f"'copy_out {unit_label(unit)}' is missing after 'wait_reduce {unit_label(unit)}'; "
+                      "an offloaded unit's gradients must reach host memory")
     for unit in sorted(w.staged):
-        raise ScheduleError(f"invalid schedule: 'copy_in {unit_label(unit)}' is never consumed by a gather; remove it")
+        raise w.final(f"'copy_in {unit_label(unit)}' is never consumed by a gather; remove it")
 
 
 def _every_event_present(w: _Walk) -> None:
@@ -570,28 +634,27 @@ def _every_event_present(w: _Walk) -> None:
         wanted = [OpKind.FORWARD, OpKind.FORWARD_DONE, OpKind.BACKWARD] + ([] if unit == ROOT else [OpKind.BACKWARD_DONE])
         for kind in wanted:
             if Op(kind, unit) not in w.seen:
-                raise ScheduleError(f"invalid schedule: event '{Op(kind, unit)}' is missing; every unit needs "
-                                    f"{', '.join(k.value for k in wanted)}")
+                raise w.final(f"event '{Op(kind, unit)}' is missing; every unit needs {', '.join(k.value for k in wanted)}")
     if Op(OpKind.END) not in w.seen:
-        raise ScheduleError("invalid schedule: the 'end' event is missing; put it after the last 'backward_done'")
+        raise w.final("the 'end' event is missing; put it after the last 'backward_done'")
 
 
 def _every_reduce_waited(w: _Walk) -> None:
-    """Every unit's gradients are reduced and waited for."""
+    """Every unit's gradients are reduced and waited for (or, before the end, accumulated)."""
     for unit, state in w.grads.items():
         label = unit_label(unit)
         if state is GradState.COMPLETE:
-            raise ScheduleError(f"invalid schedule: the reduce of unit {_quoted(unit)} is missing; add 'reduce {label}' "
-                                f"after its gradients are complete and 'wait_reduce {label}' after it")
+            raise w.final(f"the reduce of unit {_quoted(unit)} is missing; add 'reduce {label}' "
+                          f"after its gradients are complete and 'wait_reduce {label}' after it")
         if state is GradState.REDUCING:
-            raise ScheduleError(f"invalid schedule: 'wait_reduce {label}' is missing after op #{len(w.sched.ops) - 1}")
+            raise w.final(f"'wait_reduce {label}' is missing after op #{len(w.ops) - 1}")
 
 
 def _every_unit_freed(w: _Walk) -> None:
     """Every unit is freed by the end."""
     for unit, state in w.params.items():
         if state is not UnitState.SHARDED:
-            raise ScheduleError(f"invalid schedule: unit {_quoted(unit)} is still unsharded at the end; add 'free {unit_label(unit)}'")
+            raise w.final(f"unit {_quoted(unit)} is still unsharded at the end; add 'free {unit_label(unit)}'")
 
 
 _OP_RULES = (
@@ -606,6 +669,7 @@ _OP_RULES = (
     _freed_when_gathered,
     _not_freed_in_use,
     _reduced_once_complete,
+    _accumulated_only_before_the_end,
     _reduce_waited_after_reduce,
     _copies_only_offloaded,
     _offloaded_copied_in_before_gather,

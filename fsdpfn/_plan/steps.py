@@ -35,9 +35,10 @@ each reduce, HSDP      all-reduce of the reduced shard               replicate  
 =====================  ============================================  ================  ==========
 
 A unit is gathered once per micro-batch, twice if it is freed between its forward and backward
-(``reshard_after_forward``). It is reduced in every micro-batch, except where gradients
-accumulate locally (:func:`reduces_now`): ``accumulate="local"``, and ``zero1`` units always,
-sum full gradients over the micro-batches and reduce once, in the last.
+(``reshard_after_forward``). It is reduced in every micro-batch that has a ``reduce`` op for it
+(:func:`micro_batch_ops`): by default every micro-batch, except where gradients accumulate locally
+(:func:`reduces_now`): ``accumulate="local"``, and ``zero1`` units always, sum full gradients over
+the micro-batches (an ``accumulate`` op) and reduce once, in the last.
 
 Per tensor-parallel module (:mod:`fsdpfn.transforms._tp`, over the ``tp`` axis), with ``N``
 tokens per rank per micro-batch and the activations in the gather dtype:
@@ -85,7 +86,8 @@ from fsdpfn._plan.schedule import Op, OpKind
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn._plan.wire import wire_bytes
 
-__all__ = ["Collective", "CollectiveCost", "PHASES", "StepOp", "reduces_now", "static_memory", "step_collectives", "step_ops", "totals"]
+__all__ = ["Collective", "CollectiveCost", "PHASES", "StepOp", "micro_batch_ops", "reduces_now", "static_memory", "step_collectives",
+           "step_ops", "totals", "unsharded_bytes", "unsharded_peak"]
 
 PHASES = ("forward", "backward", "optimizer")
 ACCUMULATE = ("reduce", "local")
@@ -156,7 +158,8 @@ def reduces_now(unit: Unit, last: bool, accumulate: str = "reduce") -> bool:
 
     ``accumulate="reduce"`` reduces every micro-batch, except ``zero1`` units, which keep full
     gradients and reduce once per step (ZeRO-1); ``"local"`` reduces every unit only in the last.
-    The runtime's executor, :func:`step_collectives` and the simulator all ask this function.
+    Only :func:`micro_batch_ops` asks it, to derive the ops of a micro-batch that does not end
+    its step; the runtime, :func:`step_collectives` and the simulator read those ops.
 
     Example:
       >>> [reduces_now(u, last=False) for u in fsdpfn.plan(model, (2,), strategy="zero1").units][:1]
@@ -165,6 +168,35 @@ def reduces_now(unit: Unit, last: bool, accumulate: str = "reduce") -> bool:
       (True, True)
     """
     return last or (accumulate == "reduce" and not unit.strategy.keeps_full_grads)
+
+
+def micro_batch_ops(plan: PlanValues, sched: Any, last: bool, accumulate: str = "reduce") -> tuple[Op, ...]:
+    """The ops one micro-batch of a step runs: ``sched.ops`` for the micro-batch that ends the
+    step (``last``), else ``sched.accumulating`` if the schedule gives it, else ``sched.ops`` with
+    each unit that does not reduce now (:func:`reduces_now`) accumulating instead: its ``reduce``
+    becomes ``accumulate`` and its ``wait_reduce`` and ``copy_out`` go (see [Note: micro-batches
+    that do not end the step]). The runtime executes these ops; :func:`step_ops` expands them.
+
+    Example:
+      >>> zero1 = fsdpfn.plan(model, (2,), strategy="zero1")
+      >>> ops = micro_batch_ops(zero1, runtime.schedule(zero1), last=False)
+      >>> sorted({op.kind.value for op in ops} & {"reduce", "wait_reduce", "accumulate"})
+      ['accumulate']
+    """
+    ops = tuple(op if isinstance(op, Op) else Op(op.kind, op.unit) for op in (sched.ops if hasattr(sched, "ops") else sched))
+    if last:
+        return ops
+    given = getattr(sched, "accumulating", None)
+    if given is not None:
+        return tuple(given)
+    keep = {u.name for u in plan.units if not reduces_now(u, False, accumulate)}
+    out = []
+    for op in ops:
+        if op.unit in keep and op.kind is OpKind.REDUCE:
+            out.append(Op(OpKind.ACCUMULATE, op.unit))
+        elif not (op.unit in keep and op.kind in (OpKind.WAIT_REDUCE, OpKind.COPY_OUT)):
+            out.append(op)
+    return tuple(out)
 
 
 def _axis(plan: PlanValues, role: Role) -> tuple[str | None, int]:
@@ -258,11 +290,12 @@ class StepOp:
 
     Attributes:
       micro_batch: which micro-batch of the step runs it.
-      index: its index in the schedule's ops.
+      index: its index in its micro-batch's ops (:func:`micro_batch_ops`: the schedule's ops in
+        the micro-batch that ends the step).
       op: the :class:`fsdpfn.runtime.Op`.
       phase: ``"forward"`` until the first backward event of the micro-batch, then ``"backward"``.
-      reduces: whether a ``reduce``/``wait_reduce``/``copy_out`` of this micro-batch moves
-        gradients (:func:`reduces_now`); ``False`` for other ops.
+      reduces: ``True`` for a ``reduce``/``wait_reduce``/``copy_out`` (they are in the
+        micro-batch's ops only where it reduces, :func:`micro_batch_ops`); ``False`` for other ops.
       collectives: what the op issues when it is reached (an event: before the actions after it).
       with_compute: an event's activation collectives, issued while its unit computes, after the
         actions that follow the event (tensor-parallel modules, an expert layer's combine).
@@ -298,8 +331,9 @@ def step_ops(
     """The ops of ``sched`` (a :class:`fsdpfn.runtime.Schedule`, or anything with ``ops`` of
     ``kind`` and ``unit``) as each micro-batch of a step runs them, each with the collectives it
     issues (see [Note: what a step issues]). :func:`step_collectives` is their collectives in
-    order; the simulator times them op by op. ``indexed=False`` lists each collective with
-    ``op=-1``.
+    order; the simulator times them op by op. Each micro-batch runs :func:`micro_batch_ops` (a
+    micro-batch that does not end the step has ``accumulate`` ops where gradients are summed
+    locally) and ``index`` points into those. ``indexed=False`` lists each collective with ``op=-1``.
 
     Example:
       >>> ops = step_ops(plan, fsdpfn.runtime.schedule(plan))
@@ -307,7 +341,6 @@ def step_ops(
       [('forward <root>', 'forward', []), ('gather <root>', 'forward', ['all_gather'])]
     """
     _check_step_args(micro_batches, accumulate, tokens)
-    ops = [op if isinstance(op, Op) else Op(op.kind, op.unit) for op in (sched.ops if hasattr(sched, "ops") else sched)]
     units = {u.name: u for u in plan.units}
     tp = _tp_modules(plan) if plan.tp else {}
     axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
@@ -328,9 +361,8 @@ def step_ops(
 
     out: list[StepOp] = []
     for m in range(micro_batches):
-        last = m == micro_batches - 1
         phase = "forward"
-        for i, op in enumerate(ops):
+        for i, op in enumerate(micro_batch_ops(plan, sched, m == micro_batches - 1, accumulate)):
             kind, name = op.kind, op.unit
             unit = units.get(name)
             if kind in backward_events:
@@ -347,8 +379,8 @@ def step_ops(
             elif unit is not None and kind is OpKind.GATHER:
                 now = listed(_unit_gather(plan, unit), name, phase, m, i)
             elif unit is not None and kind in (OpKind.REDUCE, OpKind.WAIT_REDUCE, OpKind.COPY_OUT):
-                reduces = reduces_now(unit, last, accumulate)
-                if reduces and kind is not OpKind.COPY_OUT:
+                reduces = True  # the op is there: this micro-batch reduces the unit
+                if kind is not OpKind.COPY_OUT:
                     now = listed(_unit_reduce(plan, unit)[kind is OpKind.WAIT_REDUCE], name, phase, m, i)
             out.append(StepOp(m, i, op, phase, reduces, now, later))
     return tuple(out)
@@ -392,8 +424,9 @@ def step_collectives(
       reshard_after_forward: as :func:`fsdpfn.runtime.schedule` (``None``: every ``zero3`` unit
         but the root is gathered again in backward); ignored with a ``schedule``.
       micro_batches: micro-batches per step, each running the whole schedule.
-      accumulate: ``"reduce"`` or ``"local"``, as :class:`fsdpfn.runtime.Runtime`'s (see
-        :func:`reduces_now`; ``zero1`` units accumulate locally either way).
+      accumulate: ``"reduce"`` or ``"local"``, as :class:`fsdpfn.runtime.Runtime`'s: which units
+        accumulate in the micro-batches that do not end the step, unless the schedule lists them
+        (:func:`micro_batch_ops`; ``zero1`` units accumulate locally either way).
       tokens: tokens per rank per micro-batch (batch x sequence on one rank), for the bytes of
         tensor-parallel activation collectives; ``None``: they are listed with 0 bytes.
 
@@ -465,3 +498,33 @@ def static_memory(plan: PlanValues) -> dict[str, int]:
         grads += master if unit.strategy.keeps_full_grads else sharded
     return {"params": params, "grads": grads, "optimizer_state_per_slot": params}
 
+
+def unsharded_bytes(plan: PlanValues, ops: Iterable[Any]) -> tuple[int, ...]:
+    """Bytes of unsharded parameters alive after each of ``ops`` (schedule ops or
+    :class:`StepOp` s): a unit counts, in its gather dtype, from its ``gather`` to its ``free``,
+    as the runtime's :class:`fsdpfn.runtime.MemoryTracker` counts it. The one walk of a step's
+    unsharded memory: ``plan.cost()`` and the simulator read it.
+
+    Example:
+      >>> ops = runtime.schedule(plan, prefetch=0).ops
+      >>> live = unsharded_bytes(plan, ops)
+      >>> live[-1], max(live) == unsharded_peak(plan, ops)
+      (0, True)
+    """
+    size = {u.name: u.numel * plan.gather_dtype(u).itemsize for u in plan.units}
+    live: dict[str, int] = {}
+    out = []
+    for s in ops:
+        op = s.op if isinstance(s, StepOp) else s
+        if op.kind is OpKind.GATHER:
+            live[op.unit] = size[op.unit]
+        elif op.kind is OpKind.FREE:
+            live.pop(op.unit, None)
+        out.append(sum(live.values()))
+    return tuple(out)
+
+
+def unsharded_peak(plan: PlanValues, ops: Iterable[Any]) -> int:
+    """The most bytes of unsharded parameters alive at once over ``ops`` (:func:`unsharded_bytes`):
+    the runtime's ``rt.memory.high_water`` for a step that runs them."""
+    return max(unsharded_bytes(plan, ops), default=0)

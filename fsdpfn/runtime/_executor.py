@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, Plan, Unit, unit_label
-from fsdpfn._plan.steps import reduces_now
+from fsdpfn._plan.steps import micro_batch_ops
 from fsdpfn.runtime._comm import CpuComm, Handle
 from fsdpfn.runtime._memory import MemoryTracker
 from fsdpfn._plan.schedule import Op, OpKind, Schedule
@@ -63,11 +63,19 @@ class StepRecord:
 
 
 class Executor:
-    """Runs a :class:`Schedule`'s ops as the model reaches its events. One per runtime."""
+    """Runs a :class:`Schedule`'s ops as the model reaches its events. One per runtime.
+
+    Each micro-batch runs its op list (:func:`fsdpfn._plan.steps.micro_batch_ops`): the one
+    that ends the step ``sched.ops``, the others their ``accumulate`` ops where gradients are
+    summed locally. Whether a unit reduces is whether its ``reduce`` op is there; the executor
+    asks no rule of its own, so a hand-edited list is obeyed as written.
+    """
 
     def __init__(self, plan: Plan, sched: Schedule, comm=None, accumulate: str = "reduce"):
         self.plan = plan
         self.sched = sched
+        self.micro_batch_ops = {last: micro_batch_ops(plan, sched, last, accumulate) for last in (True, False)}
+        self.ops = self.micro_batch_ops[True]  # the ops of the micro-batch running now
         self.comm = comm or CpuComm()
         self.accumulate = accumulate
         self.units: dict[str, Unit] = {u.name: u for u in plan.units}
@@ -80,9 +88,8 @@ class Executor:
         self.local_acc: dict[str, list] = {}
         self.results: dict[str, list[torch.Tensor]] = {}
         self.staged: dict[str, list[torch.Tensor]] = {}  # offloaded units' shards copied to the device
-        self.cursor = len(sched.ops)
+        self.cursor = len(self.ops)
         self.step = 0
-        self.last = True
         self.record = StepRecord()
         self.inside: str | None = None  # the unit whose own code runs now (it calls its modules plainly)
         self.actions = {
@@ -93,17 +100,18 @@ class Executor:
             OpKind.WAIT_REDUCE: self._wait_reduce,
             OpKind.COPY_IN: self._copy_in,
             OpKind.COPY_OUT: self._copy_out,
+            OpKind.ACCUMULATE: self._accumulate,
         }
 
     # ---- step lifecycle ------------------------------------------------------------------
 
     def begin(self, *, sync: bool) -> int:
         """Starts a step (abandoning one still open) and returns its number."""
-        if self.cursor < len(self.sched.ops):
+        if self.cursor < len(self.ops):
             self.abandon()
         self.step += 1
         self.cursor = 0
-        self.last = sync  # the micro-batch that ends the step: every unit reduces
+        self.ops = self.micro_batch_ops[sync]  # sync: the micro-batch that ends the step, every unit reduces
         self.results = {}
         self.record = StepRecord()
         return self.step
@@ -128,14 +136,14 @@ class Executor:
             self.staged.clear()
             self.memory.offloaded.clear()
             self.full_grads.clear()
-            self.cursor = len(self.sched.ops)
+            self.cursor = len(self.ops)
 
     def check_step(self, step: int, what: str) -> None:
         """Raises unless ``step`` is the step in progress (a stale graph is differentiated)."""
-        if step != self.step or self.cursor >= len(self.sched.ops):
+        if step != self.step or self.cursor >= len(self.ops):
             raise RuntimeScheduleError(
                 f"{what} belongs to step {step}, but the runtime is at step {self.step}"
-                f"{' (finished)' if self.cursor >= len(self.sched.ops) else ''}: differentiate each step's loss "
+                f"{' (finished)' if self.cursor >= len(self.ops) else ''}: differentiate each step's loss "
                 "once, before the next forward (no retain_graph=True double backward through the runtime)"
             )
 
@@ -146,7 +154,7 @@ class Executor:
         run the actions up to the following event."""
         if unit == ROOT and kind is not OpKind.END and ROOT not in self.units:
             return  # the root owns no parameters: the plan has no root unit, its schedule no root events
-        ops = self.sched.ops
+        ops = self.ops
         got = Op(kind, unit)
         if self.cursor >= len(ops) or ops[self.cursor] != got:
             expected = ops[self.cursor] if self.cursor < len(ops) else "nothing (the step is over)"
@@ -225,27 +233,34 @@ class Executor:
             t.untyped_storage().resize_(0)
         self.memory.release(name)
 
-    def _reduce(self, name: str) -> None:
-        unit = self.units[name]
+    def _summed(self, name: str) -> tuple[list, bool]:
+        """The unit's gradients of this micro-batch plus those it accumulated before (and
+        whether there were any)."""
         grads = self.full_grads.pop(name, None)
         if grads is None:
             raise RuntimeScheduleError(f"unit {unit_label(name)!r} has no gradients to reduce: its backward did not run. "
                                        "Every unit the forward used must take part in the loss's backward.")
-        rdtype = self.plan.reduce_dtype(unit)
+        rdtype = self.plan.reduce_dtype(self.units[name])
         acc = self.local_acc.pop(name, None)
         if acc is not None:
             grads = [a if g is None else (g.to(rdtype) if a is None else a + g) for a, g in zip(acc, grads)]
-        if not reduces_now(unit, self.last, self.accumulate):  # full gradients summed here until the last micro-batch
-            self.local_acc[name] = [None if g is None else g.to(rdtype, copy=True) if acc is None else g for g in grads]
-            return
+        return grads, acc is not None
+
+    def _accumulate(self, name: str) -> None:
+        # Full gradients summed here until a micro-batch reduces them.
+        grads, summed = self._summed(name)
+        rdtype = self.plan.reduce_dtype(self.units[name])
+        self.local_acc[name] = [None if g is None else g if summed else g.to(rdtype, copy=True) for g in grads]
+
+    def _reduce(self, name: str) -> None:
+        unit = self.units[name]
+        grads, _ = self._summed(name)
         plan = self.plan
         self.reduces[name] = self.comm.start(
             "reduce_scatter", lambda: reduce_unit(plan, unit, list(grads), async_op=True)
         )
 
     def _wait_reduce(self, name: str) -> None:
-        if not reduces_now(self.units[name], self.last, self.accumulate):
-            return
         handle = self.reduces.pop(name)
         self.comm.wait(handle)
         self.results[name] = handle.finish()

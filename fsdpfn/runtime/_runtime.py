@@ -16,7 +16,6 @@ from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn._plan.schedule import OpKind, Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._plan.steps import reduces_now
 from fsdpfn.comm import compiling, count_compiled
 from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced
 
@@ -48,7 +47,8 @@ class Runtime:
         which always accumulate locally (that is ZeRO-1: full gradients, one reduce per step).
         ``"local"``: micro-batches inside :meth:`accumulating` keep summed full gradients locally
         and do not communicate; the next micro-batch outside it reduces the total (one reduce per
-        step, full-gradient memory).
+        step, full-gradient memory). A schedule that lists the ops of those micro-batches
+        (``Schedule.accumulating``, ``accumulate u`` where u sums locally) is run as written instead.
       device: where collectives run: ``"cpu"`` (async gloo work handles, the default) or
         ``"cuda"`` (one stream per collective kind, ordered with events; see
         :class:`~fsdpfn.runtime.CudaComm`). Every buffer is allocated on the device of the
@@ -104,6 +104,8 @@ class Runtime:
         self._modules = {u.name: modules[u.name] for u in plan.units if u.name != ROOT}
         apply_tp(model, plan)  # the tensor-parallel activation collectives, if the plan has any
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
+        # Read under compile: whether an accumulating micro-batch's op list sums some unit locally.
+        self._accumulates = any(op.kind is OpKind.ACCUMULATE for op in self._ex.micro_batch_ops[False])
         self._local_only = False
         self._in_apply = False
         self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
@@ -183,10 +185,10 @@ class Runtime:
         passes where enabled), not the schedule's: ``prefetch`` does not apply, but the units the
         schedule reshards after forward are gathered again in the backward graph (see [Note:
         reshard-after-forward under torch.compile]). Micro-batches that would not reduce
-        (``accumulating()`` with ``accumulate="local"``, ``zero1`` units) are refused: the compiled
-        step reduces every call."""
-        if self._local_only and (self._ex.accumulate == "local" or any(not reduces_now(u, False, self._ex.accumulate)
-                                                                        for u in self.plan.units)):
+        (those whose op list has ``accumulate`` ops: ``accumulating()`` with ``accumulate="local"``,
+        ``zero1`` units, a hand-edited ``Schedule.accumulating``) are refused: the compiled step
+        reduces every call."""
+        if self._local_only and self._accumulates:
             raise CompileUnsupportedError(
                 "a micro-batch that accumulates locally (accumulating() with accumulate='local', or zero1 units) "
                 "does not compile: the compiled step reduces on every call. Use accumulate='reduce' or run "

@@ -19,13 +19,19 @@ of the timeline engine (``fsdpfn/sim/_engine.py``):
   replicate axis then runs *blocking* (``fsdpfn.transforms`` issues it inside the reduce's
   finish), and the shard is cast and scaled;
 - ``free u``: memory only;
+- ``accumulate u``: u's full gradients added to the kept sum (a copy), nothing sent;
 - a tensor-parallel unit's activation collectives (its rowwise outputs' all-reduces in forward,
   its colwise inputs' gradient all-reduces in backward) run blocking on the ``tp`` stream after
   the unit's compute of that event (they sit between its matmuls; the compute stream waits for
   each). The root's run with its first stretch (after ``forward <root>`` / ``backward <root>``).
+  An expert layer's token exchange before its experts (the counts and the dispatch at ``forward``
+  of the expert unit, the combine's transpose at its ``backward``) runs blocking when the event
+  is reached, before the experts' gather and compute; its combine after them. So the timeline
+  issues the collectives in the op list's order (:func:`fsdpfn.step_collectives`).
 
 Memory follows the same walk in op order: a unit's unsharded parameters count from its
-``gather`` to its ``free``, exactly as ``fsdpfn.runtime.MemoryTracker`` counts them, so
+``gather`` to its ``free``, exactly as ``fsdpfn.runtime.MemoryTracker`` counts them
+(:func:`fsdpfn._plan.steps.unsharded_bytes`, the walk ``plan.cost()`` reads too), so
 ``SimResult.memory["unsharded_peak"]`` is the runtime's ``rt.memory.high_water``. Flat
 communication buffers, full gradients (from a unit's backward to its reduce), and activations
 (from a unit's forward to the end of its backward) are added on top for the total peak, and
@@ -52,7 +58,7 @@ from typing import Any, NamedTuple, cast
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
-from fsdpfn._plan.steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals
+from fsdpfn._plan.steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals, unsharded_bytes, unsharded_peak
 from fsdpfn.sim._engine import Task, run
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._optimizer import CommCost, Wait
@@ -257,7 +263,7 @@ class _Builder:
         total = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units) or 1
         self.streamed, self.streamed_bytes = False, (0, 0)
         self.host_fraction = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units if u.offload) / total
-        self.peak = {"unsharded": 0, "total": 0, "activations": 0}
+        self.peak = {"total": 0, "activations": 0}
         self.held: dict[tuple[str, str], int] = {}
 
     # ---- tasks -------------------------------------------------------------------------
@@ -319,7 +325,6 @@ class _Builder:
         key = (what, unit)
         self.held[key] = self.held.get(key, 0) + nbytes
         self.live[what] += nbytes
-        self.peak["unsharded"] = max(self.peak["unsharded"], self.live["unsharded"])
         self.peak["activations"] = max(self.peak["activations"], self.live["activations"])
         self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
 
@@ -337,7 +342,6 @@ class _Builder:
         unit, plan = self.units[name], self.plan
         item = plan.gather_dtype(unit).itemsize
         w = plan.shard_size
-        self.hold("unsharded", name, unit.numel * item)
         for c in self.listed(s, "amax"):  # the per-tensor FP8 scales need the whole tensor's amax first
             self.blocking(c, "all_gather")
         copied = self.copies.pop(name, None)
@@ -364,8 +368,6 @@ class _Builder:
     def copy_out(self, s: StepOp) -> None:
         name = s.op.unit
         unit = self.units[name]
-        if not s.reduces:
-            return
         nbytes = _shard_bytes(unit, self.plan.reduce_dtype(unit).itemsize)
         self.hold("buffers", "grad out " + name, nbytes)
         done = self.copy("copy_out", name, nbytes)
@@ -373,7 +375,23 @@ class _Builder:
         self.drop("buffers", "grad out " + name)
 
     def free(self, s: StepOp) -> None:
-        self.drop("unsharded", s.op.unit)
+        pass  # unsharded bytes: step() sets them from the op list's walk
+
+    def unsharded(self, nbytes: int) -> None:
+        """The unsharded parameters alive from this op on (:func:`fsdpfn._plan.steps.unsharded_bytes`)."""
+        self.live["unsharded"] = nbytes
+        self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
+
+    def accumulate(self, s: StepOp) -> None:
+        """Summed into a kept full gradient, nothing sent."""
+        name = s.op.unit
+        unit = self.units[name]
+        r_item = self.plan.reduce_dtype(unit).itemsize
+        self.drop("grads", name)
+        self.compute(Work(bytes=3 * unit.numel * r_item, ops=len(unit.params)), "copy", name)
+        if ("acc", name) not in self.held:
+            self.held[("acc", name)] = 0
+            self.hold("grads", "acc " + name, unit.numel * r_item)
 
     def reduce(self, s: StepOp) -> None:
         name = s.op.unit
@@ -381,12 +399,6 @@ class _Builder:
         r_item = plan.reduce_dtype(unit).itemsize
         w = plan.shard_size
         self.drop("grads", name)
-        if not s.reduces:  # summed into a kept full gradient, nothing sent
-            self.compute(Work(bytes=3 * unit.numel * r_item, ops=len(unit.params)), "copy", name)
-            if ("acc", name) not in self.held:
-                self.held[("acc", name)] = 0
-                self.hold("grads", "acc " + name, unit.numel * r_item)
-            return
         self.drop("grads", "acc " + name)
         self.held.pop(("acc", name), None)
         if unit.sharded:
@@ -403,8 +415,6 @@ class _Builder:
     def wait_reduce(self, s: StepOp) -> None:
         name = s.op.unit
         unit, plan = self.units[name], self.plan
-        if not s.reduces:
-            return
         r_item = plan.reduce_dtype(unit).itemsize
         n = unit.reduce_numel if unit.sharded else unit.numel
         after = self.reduces.pop(name, None)
@@ -429,30 +439,35 @@ class _Builder:
             self.drop("activations", ROOT)
 
     def work(self, s: StepOp) -> None:
-        """The work after event ``s`` (and the actions following it): its compute, then its
-        unit's activation collectives, blocking on the ``tp`` stream (they sit between its matmuls)."""
+        """The work after event ``s`` (and the actions following it): its compute, in the op's
+        phase, then the activation collectives issued while it computes (``with_compute``),
+        blocking on the ``tp`` stream (they sit between its matmuls)."""
         self.op, self.micro_batch = s.index, s.micro_batch
-        phase = "forward" if s.op.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE) else "backward"
         # After a unit's *_done event (and 'end') the root's own code runs.
         owner = s.op.unit if s.op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
-        self.compute(self.wl.at(s.op), phase, owner)
+        self.compute(self.wl.at(s.op), s.phase, owner)
         self.momentary(self.wl.transient_at(s.op))
-        for c in s.collectives + s.with_compute:
-            if c.activation:
-                self.blocking(c, "tp")
+        for c in s.with_compute:
+            self.blocking(c, "tp")
 
     def step(self, ops: tuple[StepOp, ...]) -> None:
-        """Walks the step's ops (every micro-batch's), each with the collectives it issues."""
+        """Walks the step's ops (every micro-batch's), each with the collectives it issues, in
+        the op list's order: an event's own collectives (an expert layer's token exchange) when
+        it is reached, before the actions after it (the experts' gather), as the runtime issues them."""
         actions = {OpKind.GATHER: self.gather, OpKind.WAIT: self.wait, OpKind.FREE: self.free, OpKind.REDUCE: self.reduce,
-                   OpKind.WAIT_REDUCE: self.wait_reduce, OpKind.COPY_IN: self.copy_in, OpKind.COPY_OUT: self.copy_out}
+                   OpKind.WAIT_REDUCE: self.wait_reduce, OpKind.COPY_IN: self.copy_in, OpKind.COPY_OUT: self.copy_out,
+                   OpKind.ACCUMULATE: self.accumulate}
         pending: StepOp | None = None
-        for s in ops:
+        for s, unsharded in zip(ops, unsharded_bytes(self.plan, ops)):
             if pending is not None and (s.op.is_event or s.micro_batch != pending.micro_batch):
                 self.work(pending)
                 pending = None
             self.op, self.micro_batch = s.index, s.micro_batch
+            self.unsharded(unsharded)
             if s.op.is_event:
                 self.event(s.op)
+                for c in s.collectives:
+                    self.blocking(c, "tp")
                 pending = s
             else:
                 actions[s.op.kind](s)
@@ -569,7 +584,7 @@ def simulate(
     if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != listed:
         raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {listed} listed collectives")
     peak = sum(v for k, v in static.items() if k != "host") + b.peak["total"]
-    memory = {**static, "unsharded_peak": b.peak["unsharded"], "activations_peak": b.peak["activations"],
+    memory = {**static, "unsharded_peak": unsharded_peak(plan, ops), "activations_peak": b.peak["activations"],
               "peak": peak, "reserved": int(peak * (1.0 + hardware.memory_reserve))}
     notes = []
     if plan.hsdp:

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
+from fsdpfn._plan.schedule import reshards_after_forward
 from fsdpfn.transforms import _unit_comm
 from fsdpfn.transforms._dtensor import from_local
 
@@ -137,8 +138,11 @@ class _TracedUnshardUnit(torch.autograd.Function):
 
 def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, reshard=None) -> dict[str, torch.Tensor]:
     """:func:`fsdpfn.unshard` while dynamo traces. ``reshard``: names of the units the backward
-    graph gathers again (default: every ``zero3`` unit; the runtime passes the units its schedule
-    reshards after forward)."""
+    graph gathers again (the runtime passes the units its schedule reshards after forward).
+    Default: those the schedule's own rule reshards with ``reshard_after_forward=True``
+    (:func:`fsdpfn._plan.schedule.reshards_after_forward`): every ``zero3`` unit, the root too,
+    since one graph holds the whole step and a kept root would be saved from its first use to
+    its last."""
     _refuse_functorch("fsdpfn.unshard")
     _unit_comm.check_op(grad_op)
     check_compilable(plan)
@@ -146,7 +150,7 @@ def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, r
     for unit in plan.units:
         locals_ = [params[p.name].to_local() if isinstance(params[p.name], DTensor) else params[p.name] for p in unit.params]
         info = (plan, unit, grad_op, grad_scale)
-        again = unit.strategy.reshards_after_forward if reshard is None else unit.name in reshard
+        again = reshards_after_forward(plan, unit.name, True) if reshard is None else unit.name in reshard
         if again and torch.is_grad_enabled():
             # [Note: reshard-after-forward under torch.compile]
             fulls = torch.utils.checkpoint.checkpoint(_TracedUnshardUnit.apply, info, *locals_, use_reentrant=False)
