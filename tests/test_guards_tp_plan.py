@@ -319,6 +319,19 @@ def test_colwise_without_rowwise_partner_and_back_are_named():
     fsdpfn.plan(Net(), {"dp": 1, "tp": 2}, tp={"mlp.fc": "colwise", "mlp.out": "rowwise"})
 
 
+def test_a_replicated_layer_fed_by_a_colwise_one_is_named():
+    """Before: GPT's out marked 'replicate' beside a colwise fc passed the partner rule (proj is
+    the block's rowwise layer) and the forward failed on a matmul shape, naming nothing."""
+    with pytest.raises(ValueError) as e:
+        fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp={**GPT_TP_PLAN, "blocks.*.out": "replicate"})
+    msg = str(e.value)
+    assert "tp marks 'blocks.0.out' 'replicate'" in msg and "the output of 'blocks.0.fc'" in msg, msg
+    assert "tp={'blocks.*.out': 'rowwise'}" in msg and "'blocks.*.fc' 'colwise_gather'" in msg, msg
+    # Both fixes pass, and so does a replicated layer that reads the block's input (a router).
+    fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp={**GPT_TP_PLAN, "blocks.*.fc": "colwise_gather", "blocks.*.out": "replicate"})
+    fsdpfn.plan(Net(), {"dp": 1, "tp": 2}, tp={"mlp.fc": "colwise_gather", "mlp.out": "replicate"})
+
+
 class BertLikeSelf(nn.Module):
     def __init__(self):
         super().__init__()
@@ -382,6 +395,7 @@ def _every_rank(rank, world):
         "heads": lambda: fsdpfn.plan(_gpt(heads=2), testing.mesh((1, 4), ("dp", "tp")), tp=GPT_TP_PLAN),
         "fused_dp": lambda: fsdpfn.plan(_fused_model(), testing.mesh((2, 2), ("dp", "tp")), tp=FUSED_TP),
         "rebind": lambda: fsdpfn.plan(_gpt(), {"dp": 2, "tp": 2}, tp=GPT_TP_PLAN).bind(testing.mesh((1, 4), ("dp", "tp"))),
+        "replicated_reader": lambda: fsdpfn.plan(_gpt(), testing.mesh((2, 2), ("dp", "tp")), tp={**GPT_TP_PLAN, "blocks.*.out": "replicate"}),
     }
     return refusals(cases)
 
@@ -394,6 +408,7 @@ def test_tp_layout_errors_reach_every_rank_before_any_collective(run_on_ranks):
     assert "beside ones left whole (proj, fc, out)" in out["beside"], out["beside"]
     assert "has heads = 2, which does not divide over tp=4" in out["heads"], out["heads"]
     assert out["fused_dp"].startswith("NotImplementedError") and "colwise_fused:3" in out["fused_dp"], out["fused_dp"]
+    assert out["replicated_reader"].startswith("ValueError: tp marks 'blocks.0.out' 'replicate'"), out["replicated_reader"]
     rebind = out["rebind"]
     assert "mesh has shape (1, 4), but the plan was made for (2, 2)" in rebind, rebind
     assert "Build the plan again on the new mesh" in rebind and "load it into the plan built for the new mesh" in rebind, rebind
