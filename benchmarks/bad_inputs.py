@@ -531,7 +531,7 @@ CASES: list[Case] = [
     Case("tp_state_dict", "1. shard(model.state_dict()) of another instance", tp_state_dict,
          "'blocks.0.qkv'", "fsdpfn.apply_tp(model, plan)", f"{_S}::test_tp_weight_without_its_hooks_raises_on_every_rank"),
     Case("fused_qkv_colwise", "2. a q|k|v-major fused qkv split 'colwise'", fused_qkv_colwise,
-         "'blocks.0.attn.qkv'", "colwise_fused:3", f"{_T}::test_plain_colwise_on_a_fused_qkv_is_wrong"),
+         "'blocks.0.attn.qkv'", "colwise_fused:3", f"{_T}::test_plain_colwise_on_a_fused_qkv_is_refused_on_every_rank"),
     Case("fused_qkv_colwise_fused", "2. the same split 'colwise_fused:3'", fused_qkv_colwise_fused,
          "'blocks.0.attn.qkv'", "", f"{_T}::test_fused_qkv_split_colwise_fused_trains_as_one_process"),
     Case("batch_by_global_rank", "3. tp peers' batches indexed by the global rank", batch_by_global_rank,
@@ -559,7 +559,7 @@ CASES: list[Case] = [
     Case("muon_labels_tok_emb_unembed", "9. muon() on 'tok_emb' and an untied 'unembed'", muon_labels_tok_emb_unembed,
          "'tok_emb.weight'", "", f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names"),
     Case("muon_labels_tied_token_embedding", "9. muon() on a tied 'token_embedding' and a 'pos_table'",
-         muon_labels_tied_token_embedding, "'pos_table'", "", ""),
+         muon_labels_tied_token_embedding, "'pos_table'", "", f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names"),
     Case("ep_1d_mesh", "10. a 1-D mesh named 'ep'", ep_1d_mesh,
          "'ep'", "mesh_dim_names=('ep', 'edp')", f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective"),
     Case("unequal_batches", "11. per-rank batches of 3 and 2 rows", unequal_batches,
@@ -574,7 +574,7 @@ CASES: list[Case] = [
     Case("heads_tp_does_not_divide", "U. 3 heads on tp=2", heads_tp_does_not_divide,
          "heads = 3", "", f"{_T}::test_head_counts_tp_does_not_divide_are_named"),
     Case("colwise_without_rowwise", "U. fc colwise, its partner out replicate", colwise_without_rowwise,
-         "'blocks.0.fc'", "rowwise", f"{_T}::test_colwise_without_rowwise_partner_and_back_are_named"),
+         "'blocks.0.fc'", "rowwise", f"{_T}::test_a_replicated_layer_fed_by_a_colwise_one_is_named"),
     Case("plan_bound_to_another_mesh", "U. a plan for (2, 2) bound to (1, 2)", plan_bound_to_another_mesh,
          "(2, 2)", "Build the plan again", f"{_T}::test_tp_layout_errors_reach_every_rank_before_any_collective"),
     Case("router_as_expert_weight", "U. the router listed as an expert weight", router_as_expert_weight,
@@ -598,15 +598,16 @@ CASES: list[Case] = [
     Case("muon_blocks_overlap", "P. muon(blocks={'*qkv.weight': 6, 'blocks.0.qkv.weight': 3})", muon_blocks_overlap,
          "'blocks.0.qkv.weight'", "", f"{_P}::test_muon_blocks_pattern_matching_nothing_is_refused_at_init"),
     Case("tp_pattern_matches_nothing", "P. tp={..., 'blocks.*.mlp': 'colwise'}", tp_pattern_matches_nothing,
-         "'blocks.*.mlp'", "", ""),
+         "'blocks.*.mlp'", "did you mean", "tests/test_mesh.py::test_bad_tp_input_is_named_on_every_rank_before_any_collective"),
     Case("tp_overlap", "P. tp={**GPT_TP_PLAN, 'blocks.0.fc': 'replicate', ...} (later, dead)", tp_overlap,
          "'blocks.0.fc'", "", f"{_P}::test_tp_first_match_wins_and_dead_patterns_are_refused"),
     Case("offload_pattern_matches_nothing", "P. offload={'block.*': True}", offload_pattern_matches_nothing,
-         "'block.*'", "", ""),
+         "'block.*'", "did you mean", "tests/test_offload.py::test_offload_per_unit_and_in_the_plan_json"),
     Case("experts_pattern_matches_nothing", "P. experts=['blocks.*.moe.experts.w9']", experts_pattern_matches_nothing,
-         "'blocks.*.moe.experts.w9'", "", ""),
+         "'blocks.*.moe.experts.w9'", "did you mean",
+         "tests/test_moe_plan.py::test_bad_expert_plans_are_named_on_every_rank_before_any_collective"),
     Case("fp8_exclude_matches_nothing", "P. Float8GatherPolicy(exclude=['*.head.weight'])", fp8_exclude_matches_nothing,
-         "'*.head.weight'", "", ""),
+         "'*.head.weight'", "did you mean", "tests/test_fp8_gather.py::test_plan_time_errors_name_the_unit_parameter_or_setting"),
 ]
 BY_ID = {c.id: c for c in CASES}
 NEEDS_TRANSFORMERS = {"hf_gqa_q_without_kv", "hf_gqa_kv_heads_tp_does_not_divide", "hf_model_output"}
@@ -630,7 +631,9 @@ def classify(case: Case, answers: list[tuple] | str) -> tuple[str, str]:
         return "unnamed", answers.strip().splitlines()[0][:160]
     raised = [a for a in answers if a[0] == "raised"]
     if raised:
-        first = raised[0][1].strip().splitlines()[0] if raised[0][1].strip() else raised[0][1]
+        lines = raised[0][1].strip().splitlines() or [raised[0][1]]
+        # The line that names the culprit, if any (dynamo puts its own summary first).
+        first = next((line for line in lines if case.culprit in line), lines[0])
         named = len(raised) == len(answers) and all(case.culprit in a[1] and case.fix in a[1] for a in raised)
         where = "" if len(raised) == len(answers) else f" (only rank(s) {[i for i, a in enumerate(answers) if a[0] == 'raised']})"
         return ("named" if named else "unnamed"), first[:160] + where
