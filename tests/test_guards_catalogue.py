@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import os
 import re
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bad_inputs.py")
@@ -18,6 +19,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bad_inputs.py")
 def _catalogue():
     spec = importlib.util.spec_from_file_location("_bad_inputs", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
