@@ -18,7 +18,7 @@ fraction of parameters or units whose setting differs from what the user asked f
 correct, anything else silent.
 
 Usage:
-  python benchmarks/bad_inputs.py               # every case, about a minute on 2 cores
+  python benchmarks/bad_inputs.py               # every case, under a minute on 2 cores
   python benchmarks/bad_inputs.py --case tp_second_instance --case remat_counter_full
 """
 
@@ -636,7 +636,10 @@ def classify(case: Case, answers: list[tuple] | str) -> tuple[str, str]:
         first = next((line for line in lines if case.culprit in line), lines[0])
         named = len(raised) == len(answers) and all(case.culprit in a[1] and case.fix in a[1] for a in raised)
         where = "" if len(raised) == len(answers) else f" (only rank(s) {[i for i, a in enumerate(answers) if a[0] == 'raised']})"
-        return ("named" if named else "unnamed"), first[:160] + where
+        # How many collectives ran before the error: 0 for what the plan sees when it is built,
+        # the step's gathers for what only the forward shows.
+        ran = max(a[2] for a in raised)
+        return ("named" if named else "unnamed"), f"{first[:160]}{where} [{ran} collectives first]"
     worst = max(a[1] for a in answers)
     return ("correct" if worst <= TOL else "silent"), f"max relative error {worst:.3g}"
 

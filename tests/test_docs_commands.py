@@ -86,7 +86,7 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/exit_stress\.py\b", "run", "-n 1"),
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
-    (r"^python benchmarks/bad_inputs\.py\b", "run", ""),  # the whole catalogue: half a minute
+    (r"^python benchmarks/bad_inputs\.py\b", "run", ""),  # the whole catalogue: under a minute
     (r"^python benchmarks/fp8_gather\.py\b", "run",
      "--width 64 --vocab 256 --seq 32 --small-width 64 --small-vocab 256 --small-seq 32 --batch 1 --steps 1 --warmup 0 "
      "--demo-steps 10 --runs {shared}/fp8_off {shared}/fp8_on --plot {tmp}/fp8_loss.png"),

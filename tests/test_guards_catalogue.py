@@ -1,5 +1,5 @@
 """benchmarks/bad_inputs.py, the catalogue of mistakes on tp, ep, remat, Muon and compile, run
-whole on 2 ranks (about half a minute): every case is a named error on every rank or computes what
+whole on 2 ranks (under a minute): every case is a named error on every rank or computes what
 one process computes; and its classifier tells the four classes apart, so a case that went silent
 or lost its name would fail here."""
 
@@ -42,7 +42,7 @@ def test_the_classifier_tells_the_classes_apart():
     case = cat.Case("c", "a case", lambda rank, world: 0.0, "'blocks.0.qkv'", "apply_tp")
     named = ("raised", "ValueError: module 'blocks.0.qkv' ... Call fsdpfn.apply_tp(model, plan)", 0)
     assert cat.classify(case, [named, named])[0] == "named"
-    assert cat.classify(case, [named, ("ran", 0.0, 3)]) == ("unnamed", named[1] + " (only rank(s) [0])")
+    assert cat.classify(case, [named, ("ran", 0.0, 3)]) == ("unnamed", named[1] + " (only rank(s) [0]) [0 collectives first]")
     no_fix = ("raised", "ValueError: module 'blocks.0.qkv' is wrong", 0)
     assert cat.classify(case, [no_fix, no_fix])[0] == "unnamed"  # the culprit without the fix
     shape = ("raised", "RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x32 and 64x16)", 0)
