@@ -249,8 +249,9 @@ def remat_choice_save_dots(rank, world):
     return _remat_step("choice", "save_dots")
 
 
-def _tags_kept(remat):
-    """The names of the activations a save_names unit keeps, seen by a step on 2 ranks."""
+def _save_names_step(remat):
+    """A step on 2 ranks under a ``save_names`` policy whose tag the model never uses: if it runs,
+    the unit keeps nothing, i.e. runs as ``full``, not as asked (mismatch 1)."""
     model = _gpt()
     plan = fsdpfn.plan(model, testing.mesh((2,)), remat=remat)
     params = fsdpfn.shard(model, plan)
@@ -260,7 +261,7 @@ def _tags_kept(remat):
 
 
 def remat_save_names_typo(rank, world):
-    return _tags_kept("save_names:atention")
+    return _save_names_step("save_names:atention")
 
 
 def _unit_remats(remat, want) -> float:
