@@ -51,7 +51,7 @@ from fsdpfn._remat import ReplayMode, SaveMode
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.comm import count_compiled
 from fsdpfn.runtime._executor import RuntimeScheduleError
-from fsdpfn.transforms._guards import cut_watch
+from fsdpfn.transforms import cut_watch
 from fsdpfn._schedule import OpKind
 
 __all__ = ["RootExit", "RootGather", "StepBoundary", "UnitCall", "UnitFn"]
