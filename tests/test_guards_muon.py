@@ -204,12 +204,15 @@ def test_muon_labels_by_name_still_work():
         optim.muon_labels(42)
 
 
-@pytest.mark.parametrize("model", [Classifier(), TokLM()], ids=["emb-classifier", "tok_emb-unembed"])
+@pytest.mark.parametrize("model", [Classifier(), TokLM(), TiedLM()], ids=["emb-classifier", "tok_emb-unembed", "tied-pos_table"])
 def test_muon_default_name_rule_knows_common_embedding_and_head_names(model):
     # Without a model, muon reads names: the usual spellings of embeddings and heads (emb,
-    # tok_emb, token_embedding, unembed, classifier) must reach AdamW, as the module rule says.
+    # tok_emb, token_embedding, unembed, classifier) and a bare position table (pos_table: Muon
+    # before, AdamW by the module rule) must reach AdamW, as the module rule says. The tree muon
+    # sees has each tensor once (a tied weight under its first name), as named_parameters() gives.
     by_name = {n: optim.muon_labels(n, p) for n, p in model.named_parameters()}
-    assert by_name == optim.muon_labels(model)
+    by_module = optim.muon_labels(model)
+    assert by_name == {n: by_module[n] for n in by_name}
     assert optim.muon_labels("encoder.word_embeddings.weight", torch.zeros(8, 4)) == "adamw"
     assert optim.muon_labels("member.weight", torch.zeros(8, 4)) == "muon"  # not an embedding
 

@@ -158,11 +158,66 @@ def test_fused_qkv_split_colwise_fused_trains_as_one_process(run_on_ranks, shape
         assert placed == "(Replicate(), _StridedShard(dim=0, sf=3))", placed
 
 
-def test_plain_colwise_on_a_fused_qkv_is_wrong(run_on_ranks):
-    """Why the style exists: 'colwise' gives tp rank 0 all of q and half of k (it is for head-major
-    rows), and the gradients are silently wrong; the docs say which style fits which layout."""
-    for grad_err, _, _, _ in run_on_ranks(_train, 2, (1, 2), PLAIN_TP, "zero3", 1):
-        assert grad_err > 1e-2, grad_err
+def _plain_colwise(rank, world, runtime, steps):
+    """Steps of the fused model with its qkv split plainly: the first error, and the forwards run
+    under the cut watch (the mode is on the torch function stack while the model's forward runs)."""
+    from fsdpfn.transforms import _guards
+
+    model = _fused_model()
+    plan = fsdpfn.plan(model, testing.mesh((1, 2), ("dp", "tp")), tp=PLAIN_TP)
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(1, 0)
+    watched = []
+    model.head.register_forward_pre_hook(lambda m, a: watched.append(bool(_guards._MODE)))
+    try:
+        for _ in range(steps):
+            if runtime:
+                rt = Runtime(model, plan)
+                rt.value_and_grad(lambda ps: _loss(rt.apply(ps, x), y))(params)
+            else:
+                torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+    except ValueError as e:
+        return str(e), watched, bool(_guards._MODE)
+    return None, watched, bool(_guards._MODE)
+
+
+@pytest.mark.parametrize("runtime", [False, True], ids=["pure", "runtime"])
+def test_plain_colwise_on_a_fused_qkv_is_refused_on_every_rank(run_on_ranks, runtime):
+    """'colwise' gives tp rank 0 all of q and half of k (it is for head-major rows): before, the
+    gradients were silently wrong (1.35 relative, norm-wise). The forward cuts qkv's output into
+    3 along its last dimension, which names the layout: refused with the style that fits."""
+    for err, _, left_on in run_on_ranks(_plain_colwise, 2, runtime, 1):
+        assert err is not None, "a q|k|v-major qkv split plainly trained without a word"
+        assert "tp splits 'blocks.0.attn.qkv' 'colwise'" in err and "into 3 parts along its last dimension (chunk)" in err, err
+        assert "tp={'blocks.*.attn.qkv': 'colwise_fused:3'}" in err, err
+        assert not left_on  # the watch is left when the forward raises
+
+
+def test_the_cut_watch_runs_on_the_checked_forwards_only(run_on_ranks):
+    """The head-major GPT splits colwise and views qkv into heads: nothing refused, and the torch
+    function mode is on for the first CHECKED_STEPS forwards only."""
+    from fsdpfn.transforms._guards import CHECKED_STEPS
+
+    for err, watched, left_on in run_on_ranks(_gpt_steps_watched, 2, CHECKED_STEPS + 2):
+        assert err is None and not left_on, err
+        assert watched == [True] * CHECKED_STEPS + [False] * 2, watched
+
+
+def _gpt_steps_watched(rank, world, steps):
+    from fsdpfn.transforms import _guards
+
+    model = _gpt()
+    plan = fsdpfn.plan(model, testing.mesh((1, 2), ("dp", "tp")), tp=GPT_TP_PLAN)
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(1, 0)
+    watched = []
+    model.head.register_forward_pre_hook(lambda m, a: watched.append(bool(_guards._MODE)))
+    try:
+        for _ in range(steps):
+            torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+    except ValueError as e:
+        return str(e), watched, bool(_guards._MODE)
+    return None, watched, bool(_guards._MODE)
 
 
 def _fused_state(rank, world, root):
@@ -319,6 +374,19 @@ def test_colwise_without_rowwise_partner_and_back_are_named():
     fsdpfn.plan(Net(), {"dp": 1, "tp": 2}, tp={"mlp.fc": "colwise", "mlp.out": "rowwise"})
 
 
+def test_a_replicated_layer_fed_by_a_colwise_one_is_named():
+    """Before: GPT's out marked 'replicate' beside a colwise fc passed the partner rule (proj is
+    the block's rowwise layer) and the forward failed on a matmul shape, naming nothing."""
+    with pytest.raises(ValueError) as e:
+        fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp={**GPT_TP_PLAN, "blocks.*.out": "replicate"})
+    msg = str(e.value)
+    assert "tp marks 'blocks.0.out' 'replicate'" in msg and "the output of 'blocks.0.fc'" in msg, msg
+    assert "tp={'blocks.*.out': 'rowwise'}" in msg and "'blocks.*.fc' 'colwise_gather'" in msg, msg
+    # Both fixes pass, and so does a replicated layer that reads the block's input (a router).
+    fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp={**GPT_TP_PLAN, "blocks.*.fc": "colwise_gather", "blocks.*.out": "replicate"})
+    fsdpfn.plan(Net(), {"dp": 1, "tp": 2}, tp={"mlp.fc": "colwise_gather", "mlp.out": "replicate"})
+
+
 class BertLikeSelf(nn.Module):
     def __init__(self):
         super().__init__()
@@ -382,6 +450,7 @@ def _every_rank(rank, world):
         "heads": lambda: fsdpfn.plan(_gpt(heads=2), testing.mesh((1, 4), ("dp", "tp")), tp=GPT_TP_PLAN),
         "fused_dp": lambda: fsdpfn.plan(_fused_model(), testing.mesh((2, 2), ("dp", "tp")), tp=FUSED_TP),
         "rebind": lambda: fsdpfn.plan(_gpt(), {"dp": 2, "tp": 2}, tp=GPT_TP_PLAN).bind(testing.mesh((1, 4), ("dp", "tp"))),
+        "replicated_reader": lambda: fsdpfn.plan(_gpt(), testing.mesh((2, 2), ("dp", "tp")), tp={**GPT_TP_PLAN, "blocks.*.out": "replicate"}),
     }
     return refusals(cases)
 
@@ -394,6 +463,7 @@ def test_tp_layout_errors_reach_every_rank_before_any_collective(run_on_ranks):
     assert "beside ones left whole (proj, fc, out)" in out["beside"], out["beside"]
     assert "has heads = 2, which does not divide over tp=4" in out["heads"], out["heads"]
     assert out["fused_dp"].startswith("NotImplementedError") and "colwise_fused:3" in out["fused_dp"], out["fused_dp"]
+    assert out["replicated_reader"].startswith("ValueError: tp marks 'blocks.0.out' 'replicate'"), out["replicated_reader"]
     rebind = out["rebind"]
     assert "mesh has shape (1, 4), but the plan was made for (2, 2)" in rebind, rebind
     assert "Build the plan again on the new mesh" in rebind and "load it into the plan built for the new mesh" in rebind, rebind

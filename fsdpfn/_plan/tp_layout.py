@@ -17,7 +17,9 @@ For each module ``P`` whose Linear children tp splits (in model order):
    stays split, so a ``rowwise`` layer must take it and all-reduce; a ``rowwise`` layer's input
    must come split from a colwise one. The partner is a sibling (Megatron's and HF's attention and
    MLP blocks), or, failing that, a layer in a sibling module (BERT's ``attention.self.query``
-   and ``attention.output.dense``). ``colwise_gather`` needs none: its output is whole again.
+   and ``attention.output.dense``). ``colwise_gather`` needs none: its output is whole again. A
+   layer marked ``"replicate"`` beside them must not read a split output: one whose input width
+   only a colwise sibling makes (and no rowwise sibling takes) is refused.
 3. *Whole heads per rank.* Head counts the module states (``heads``, ``num_heads``,
    ``num_key_value_heads``, ...; for a Hugging Face attention module, its ``config``'s) must
    divide by tp: attention splits by heads, and a kv head cannot be shared across ranks.
@@ -96,6 +98,7 @@ def check_tp_layout(model: nn.Module, tp: Mapping[str, str], styles: Mapping[str
             )
         for n in split:
             _check_partner(n, styles, modules, parent)
+        _check_replicated_readers(parent, [n for n in linears if n in marked and n not in styles], split, styles, children)
         if any(styles[n] != "colwise_gather" for n in split):
             for attr, count in _head_counts(mod).items():
                 if count % tp_size:
@@ -105,6 +108,28 @@ def check_tp_layout(model: nn.Module, tp: Mapping[str, str], styles: Mapping[str
                         f"attention heads (and whole key/value heads). Choose a tp degree that divides every head count, or "
                         f"leave {_pattern(parent) or 'its layers'}'s layers out of tp="
                     )
+
+
+def _check_replicated_readers(parent: str, replicated: list[str], split: list[str], styles: Mapping[str, str],
+                              children: Mapping[str, nn.Module]) -> None:
+    """Rule 2 for a layer marked ``"replicate"``: it reads whole activations, so no split output
+    may feed it. Which layer feeds which is only known when the forward runs; the widths tell
+    it here: a marked layer whose input width only a split sibling makes, and no rowwise sibling
+    takes, would get that sibling's 1/tp slice (MLP's ``out`` marked beside a colwise ``fc``
+    while attention's ``proj`` is the block's one rowwise layer)."""
+    for n in replicated:
+        width = children[n].in_features
+        feeders = [s for s in split if _leaves_split(styles[s]) and children[s].out_features == width]
+        takers = [s for s in split if styles[s] == _SPLIT_INPUT and children[s].in_features == width]
+        if feeders and not takers:
+            feeder = feeders[0]
+            raise ValueError(
+                f"tp marks {n!r} 'replicate' (it reads whole activations), but its input width ({width}) is the output of "
+                f"{feeder!r}, which {styles[feeder]!r} leaves split over tp, and no 'rowwise' layer in {_label(parent)} takes that "
+                f"width: {n!r} would get a 1/tp slice (the matmul fails on a shape, or computes on a part). Make it "
+                f"{feeder.rpartition('.')[2]}'s rowwise partner (tp={{{_pattern(n)!r}: 'rowwise'}}), or split {_pattern(feeder)!r} "
+                "'colwise_gather' to gather its output back"
+            )
 
 
 def _check_partner(name: str, styles: Mapping[str, str], modules: Mapping[str, nn.Module], parent: str) -> None:

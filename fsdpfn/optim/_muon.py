@@ -261,8 +261,9 @@ def scale_by_muon_lr(
 
 _NOT_HIDDEN = frozenset({"embed", "embedding", "embeddings", "pos", "head", "lm_head", "wte", "wpe", "output", "classifier", "logits"})
 # A component that spells an embedding in any of the usual ways: emb, tok_emb, pos_emb,
-# token_embedding, word_embeddings, embed_tokens, unembed (the output side of a tied pair).
-_EMBEDDING = re.compile(r"(^|_)(un)?emb(ed|eds|edding|eddings)?($|_)")
+# token_embedding, word_embeddings, embed_tokens, unembed (the output side of a tied pair), or a
+# position table by its prefix (pos_table, pos_enc: a bare parameter the module rule gives AdamW).
+_EMBEDDING = re.compile(r"(^|_)(un)?emb(ed|eds|edding|eddings)?($|_)|^pos_")
 
 # [Note: which parameters Muon takes]
 # Muon is for hidden matrices. An embedding's rows are looked up one token at a time, the output
@@ -350,8 +351,8 @@ def muon_labels(model: nn.Module | str, param: torch.Tensor | None = None, *, he
     ``muon_labels(name, param)`` is the rule :func:`muon` uses when it is given no labels and
     sees only the parameter tree: by name, ``"adamw"`` for a path with a component that spells
     an embedding (``embed*``, ``emb``, ``tok_emb``, ``token_embedding``, ``unembed``, ...),
-    ``pos``, ``head``, ``lm_head``, ``wte``, ``wpe``, ``output``, ``classifier`` or ``logits``,
-    or a parameter below 2-D; ``"muon"`` otherwise. A model whose head has another name (``fc``,
+    ``pos`` or ``pos_*``, ``head``, ``lm_head``, ``wte``, ``wpe``, ``output``, ``classifier`` or
+    ``logits``, or a parameter below 2-D; ``"muon"`` otherwise. A model whose head has another name (``fc``,
     ``proj``) needs ``labels=muon_labels(model)``.
 
     Args:

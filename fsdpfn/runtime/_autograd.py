@@ -51,6 +51,7 @@ from fsdpfn._remat import ReplayMode, SaveMode
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.comm import count_compiled
 from fsdpfn.runtime._executor import RuntimeScheduleError
+from fsdpfn.transforms import cut_watch
 from fsdpfn._plan.schedule import OpKind
 
 __all__ = ["RootExit", "RootGather", "StepBoundary", "UnitCall", "UnitFn"]
@@ -230,7 +231,7 @@ class UnitFn(torch.autograd.Function):
             # Under "full" too: it records the operator trace the recompute is checked against.
             kept = SaveMode(policy, call.unit.label) if remat else contextlib.nullcontext()
             full = ex.full_params(name)
-            with kept, _outside_functorch(call):
+            with kept, _outside_functorch(call), cut_watch():  # see [Note: a fused layout split plainly]
                 params, xs_used, flat, call.out_tree = _run_unit(call, full, xs, call.needs_grad and not remat)
             for o in flat:
                 if not isinstance(o, torch.Tensor):

@@ -42,6 +42,7 @@ from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
 from fsdpfn.transforms._guards import check_batch as check_batch
 from fsdpfn.transforms._guards import note_step as note_step
+from fsdpfn.transforms._guards import cut_watch as cut_watch
 
 __all__ = [
     "apply_remat",
@@ -54,6 +55,7 @@ __all__ = [
     "check_batch",
     "check_params",
     "note_step",
+    "cut_watch",
     "compile",
     "recording_backend",
     "unshard_traced",

@@ -27,15 +27,32 @@ often opens with a step on a fixed batch (a warm-up, a compile, the same example
 the second is the first from the loader. Later steps are not checked (each check is a round trip
 to the store for every rank), so a short last batch of an epoch is the loader's business: drop
 it (``drop_last=True``) or reduce with ``grad_op="sum"``.
+
+[Note: a fused layout split plainly]
+``colwise`` hands each tp rank a contiguous block of a Linear's output features: whole heads of
+a head-major ``qkv``. A fused projection whose parts lie side by side (HF GPT-2's q | k | v,
+a fused gate | up) needs ``colwise_fused:k`` (each rank a slice of every part); split plainly,
+rank 0 gets all of q and half of k and the step trains, wrong. The weights look the same either
+way; what tells them apart is the forward: a fused layout's output is cut into its parts along
+the last dimension (``chunk``, ``split``, ``tensor_split``), a head-major one is viewed into
+heads. So on the first :data:`CHECKED_STEPS` forwards of a model with a ``colwise`` layer, a
+torch function mode (entered by a root pre-hook, left by a root hook that runs even when the
+forward raises; again inside each runtime unit's autograd Function, whose forward runs without
+its caller's modes) watches the outputs of its colwise layers, noted by identity by a forward hook
+on each, and raises on the first cut of one along its last dimension, naming the layer and the
+``colwise_fused:k`` to use. Every rank runs the same forward, so every rank raises there; later
+steps run without the mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Mapping, cast
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from fsdpfn import comm as C
 from fsdpfn._plan.axes import Role
@@ -44,7 +61,8 @@ from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
 
-__all__ = ["CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "note_step", "note_unshard"]
+__all__ = ["CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "install_split_watch", "note_step", "note_unshard",
+           "watch_output", "cut_watch"]
 
 TP_ATTR = "_fsdpfn_tp"
 _BATCH_ATTR = "_fsdpfn_batch"
@@ -188,3 +206,102 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean") -> No
 
 def _show(d) -> str:
     return "no tensor" if d is None else f"shape {tuple(d[0])}, sum {d[1]:g}"
+
+
+# ---- [Note: a fused layout split plainly] ------------------------------------------------------
+
+_SPLIT_WATCH_ATTR = "_fsdpfn_split_watch"
+# id(output) -> (weakref to it, the colwise module's name): outputs of this checked forward.
+_OUTPUTS: dict[int, tuple[Any, str]] = {}
+_MODE: list[TorchFunctionMode] = []  # the watch while a checked forward runs
+_CUTS = {torch.Tensor.chunk: "chunk", torch.chunk: "chunk", torch.Tensor.split: "split", torch.split: "split",
+         torch.Tensor.tensor_split: "tensor_split", torch.tensor_split: "tensor_split"}
+
+
+def _parts(how: str, t: torch.Tensor, what: Any, dim: int) -> int:
+    if isinstance(what, int):
+        return -(-t.shape[dim] // what) if how == "split" else what
+    return len(what) + (1 if how == "tensor_split" else 0)
+
+
+class _CutWatch(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        how = _CUTS.get(func) if _OUTPUTS else None
+        if how is not None and args and isinstance(args[0], torch.Tensor):
+            entry = _OUTPUTS.get(id(args[0]))
+            t = args[0]
+            if entry is not None and entry[0]() is t and t.dim():
+                dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+                what = kwargs.get("chunks", kwargs.get("split_size_or_sections", kwargs.get("indices_or_sections",
+                                                                                             args[1] if len(args) > 1 else 1)))
+                parts = _parts(how, t, what, dim % t.dim())
+                if dim % t.dim() == t.dim() - 1 and parts > 1:
+                    _refuse_fused(entry[1], how, parts)
+        return func(*args, **kwargs)
+
+
+def _refuse_fused(name: str, how: str, parts: int) -> None:
+    from fsdpfn._plan.tp_layout import _pattern
+
+    raise ValueError(
+        f"tp splits {name!r} 'colwise', which gives each tp rank a contiguous block of its output features (whole heads of a "
+        f"head-major layout), but the model cuts that output into {parts} parts along its last dimension ({how}): the "
+        "layout of a fused projection whose parts lie side by side (q | k | v, gate | up). Split plainly, each rank gets "
+        "whole parts instead of its slice of every part, and trains wrong with no error. Split it "
+        f"tp={{{_pattern(name)!r}: 'colwise_fused:{parts}'}} (see docs/tour/tensor-parallel.md)")
+
+
+def watch_output(name: str):
+    """A forward hook for the colwise layer ``name``: notes its output while a checked forward runs."""
+
+    def hook(module, args, output):
+        if _MODE and isinstance(output, torch.Tensor):
+            _OUTPUTS[id(output)] = (weakref.ref(output), name)
+        return None
+
+    return hook
+
+
+def cut_watch():
+    """The watch again where the modes around it are off: an autograd Function's forward (a
+    runtime unit's) runs without the torch function modes of its caller."""
+    return _CutWatch() if _MODE else contextlib.nullcontext()
+
+
+def _leave_watch() -> None:
+    _OUTPUTS.clear()
+    while _MODE:
+        _MODE.pop().__exit__(None, None, None)
+
+
+def install_split_watch(model: nn.Module, plan: Plan) -> None:
+    """Installs (or removes) the root hooks of [Note: a fused layout split plainly] on ``model``:
+    only a plan with a plain ``colwise`` layer needs them."""
+    installed = getattr(model, _SPLIT_WATCH_ATTR, None)
+    if installed is not None:
+        if installed[0] == plan.fingerprint and installed[1] is plan.mesh:
+            return
+        for handle in installed[2]:
+            handle.remove()
+        delattr(model, _SPLIT_WATCH_ATTR)
+    if not any(style == "colwise" for _, style in plan.tp):
+        return
+    left = [CHECKED_STEPS]
+
+    def enter(module, args):
+        _leave_watch()  # a forward that raised before its root hook ran
+        if not left[0] or C.compiling():
+            return None
+        left[0] -= 1
+        mode = _CutWatch()
+        mode.__enter__()
+        _MODE.append(mode)
+        return None
+
+    def leave(module, args, output):
+        _leave_watch()
+        return None
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+    setattr(model, _SPLIT_WATCH_ATTR, (plan.fingerprint, plan.mesh, handles))

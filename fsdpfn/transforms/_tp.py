@@ -30,7 +30,7 @@ from torch import nn
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import ep_group, tp_group
-from fsdpfn.transforms._guards import TP_ATTR, install_batch_check
+from fsdpfn.transforms._guards import TP_ATTR, install_batch_check, install_split_watch, watch_output
 
 __all__ = ["apply_tp"]
 
@@ -116,6 +116,7 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         raise ValueError("apply_tp needs a plan bound to a mesh; bind one with plan.bind(mesh)")
     _apply_ep(model, plan)
     install_batch_check(model, plan)  # every plan: see [Note: checking the batch]
+    install_split_watch(model, plan)  # a plain colwise split of a fused layout: see [Note: a fused layout split plainly]
     if not plan.tp:
         return model
     group = tp_group(plan) if plan.mesh is not None else None
@@ -130,6 +131,8 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         handles = []
         if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k
             handles.append(mod.register_forward_pre_hook(_pre_copy(group, name)))
+        if style == "colwise":
+            handles.append(mod.register_forward_hook(watch_output(name)))
         if style == "colwise_gather":
             handles.append(mod.register_forward_hook(_post_gather(group, name)))
         if style == "rowwise":
