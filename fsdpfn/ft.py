@@ -10,9 +10,9 @@ of a live replica. A :class:`Lighthouse` (one per job) decides which replicas ar
 ``fsdpfn/comm/_replicas.py`` for how the pieces fit.
 
 Example (each replica group runs this on its ranks; ``lighthouse`` is a
-``Lighthouse().address``):
-  >>> replicas = fsdpfn.ft.ReplicaGroup(lighthouse, replica_id="r0")     # doctest: +SKIP
-  >>> while replicas.step < steps:                                        # doctest: +SKIP
+``Lighthouse().address``; ``examples/ft_replicas.py`` is the whole job):
+  >>> replicas = fsdpfn.ft.ReplicaGroup(lighthouse, replica_id="r0")  # needs a lighthouse  # doctest: +SKIP
+  >>> while replicas.step < steps:  # a training loop  # doctest: +SKIP
   ...     params, state = replicas.start_step((params, state))            # a late replica: the live state
   ...     grads, loss = torch.func.grad_and_value(loss_fn)(params, *batch(replicas.step))
   ...     grads = replicas.mean(grads)                                    # over the replicas alive

@@ -86,6 +86,7 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/exit_stress\.py\b", "run", "-n 1"),
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
+    (r"^python benchmarks/replicas\.py\b", "run", "--steps 9 --fault 4"),
     (r"^python benchmarks/fp8_gather\.py\b", "run",
      "--width 64 --vocab 256 --seq 32 --small-width 64 --small-vocab 256 --small-seq 32 --batch 1 --steps 1 --warmup 0 "
      "--demo-steps 10 --runs {shared}/fp8_off {shared}/fp8_on --plot {tmp}/fp8_loss.png"),
@@ -372,6 +373,7 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"compile_bucket\.py", [r"^step time, bucket=True / bucket=False: "]),
     (r"compile_probe\.py", [r"^runtime: forward \+ loss\.backward\(\): \d+ graph"]),
     (r"benchmarks/checkpoint\.py", [r"^async/sync stall ratio: \d+\.\d+$"]),
+    (r"benchmarks/replicas\.py", [r"^steps lost, fsdpfn\.ft / stop-and-restart: \d+\.\d+x$"]),
     (r"exit_stress\.py", [r"^non-zero exits: 0$"]),
     (r"flight_recorder\.py", [r"^after +\d"]),
     (r"fp8_gather\.py(?!.*--parts)|--parts bytes", [r"^counted == plan\.cost\(\) for all-gather and reduce-scatter: True;"]),

@@ -73,9 +73,9 @@ class Lighthouse:
     quorum.
 
     Example:
-      >>> lighthouse = fsdpfn.ft.Lighthouse(min_replicas=1)   # doctest: +SKIP
-      >>> lighthouse.address                                  # doctest: +SKIP
-      'http://myhost:29510'
+      >>> with fsdpfn.ft.Lighthouse(min_replicas=1) as lighthouse:   # a server on a free port
+      ...     lighthouse.address.startswith("http://")
+      True
     """
 
     def __init__(self, min_replicas: int = 1, *, bind: str = "[::]:0", join_timeout_s: float = 1.0,
@@ -192,7 +192,8 @@ class ReplicaGroup:
                     what = (f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs).__name__)
                     raise ValueError(f"replica {self.replica_id!r}: leaf {i} of the received state is {what}, its own "
                                      f"is {tuple(local.shape)} {local.dtype}: the replicas' plans differ")
-                out.append(_like(mine, theirs.to(local.device)))
+                # a copy: what arrives may be a read-only view of the transfer's buffer
+                out.append(_like(mine, theirs.to(local.device, copy=True)))
             else:
                 out.append(theirs)
         return optree.tree_unflatten(spec, out)
@@ -220,8 +221,9 @@ class ReplicaGroup:
         if self._received is not None:
             state = self._state = self._rebuild(state)
             self._healed = True
-            log.warning("replica %s: rejoined at step %d with the state of a live replica (%d replicas)",
-                        self.replica_id, self.step, self.replicas)
+            if self.step > 0:  # at step 0 every replica starts from one replica's state: nothing to say
+                log.warning("replica %s: rejoined at step %d with the state of a live replica (%d replicas)",
+                            self.replica_id, self.step, self.replicas)
         n = self.replicas
         if self._last_replicas is not None and n != self._last_replicas:
             log.warning("replica %s: step %d: %d replica group(s) alive (was %d); the gradient is their mean",
@@ -257,7 +259,14 @@ class ReplicaGroup:
         of this replica group gets the same answer."""
         step, n = self.step, self.replicas
         error = self._manager.errored()
-        ok = self._manager.should_commit()
+        try:
+            ok = self._manager.should_commit()
+        except Exception as e:  # noqa: BLE001 - re-raised with what it means for this replica
+            raise RuntimeError(
+                f"replica {self.replica_id!r}, rank {_groups.rank()}: the ranks of this replica group could not agree on "
+                f"step {step} ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); a rank "
+                "of it is dead or stopped. The other replicas go on without it; restart this replica group as a "
+                "whole and it rejoins with a live replica's state") from e
         why = "" if ok else (str(error.original_exception).strip().splitlines()[0][:300] if error is not None
                               else "another rank of the quorum failed it")
         self.history.append(ReplicaStep(step, n, ok, self._healed, why))
