@@ -3,11 +3,12 @@ ranks (the shard dim), averaged with the other replica groups through ``fsdpfn.f
 replicate dim), which goes on without a replica that dies or stops and takes it back when it
 is started again.
 
-Start a lighthouse once, then each replica group (any order; restart one at any time):
+Start a lighthouse once (torchft's command, or ``fsdpfn.ft.Lighthouse()`` in a Python process),
+then each replica group (any order; restart one at any time):
 
-    python -c "import fsdpfn.ft, time; l = fsdpfn.ft.Lighthouse(); print(l.address); time.sleep(1e9)"
-    python examples/ft_replicas.py --lighthouse http://host:port --replica 0
-    python examples/ft_replicas.py --lighthouse http://host:port --replica 1
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 2000
+    python examples/ft_replicas.py --lighthouse http://localhost:29510 --replica 0
+    python examples/ft_replicas.py --lighthouse http://localhost:29510 --replica 1
 
 Each rank appends one JSON line per attempted step to ``--log``: the step, this rank's loss, the
 replica groups averaged, whether the step was committed and whether this replica received its

@@ -34,6 +34,7 @@ import datetime
 import logging
 import os
 import socket
+import warnings
 from typing import Any, NamedTuple
 
 import optree
@@ -140,12 +141,21 @@ class ReplicaGroup:
     when this one is behind), the gradient, :meth:`mean` (over the replicas alive), then
     :meth:`commit` says whether to apply the update. :attr:`step` counts committed steps: use it
     as the data index, so that a step that runs again sees the same batch.
+
+    ``timeout``: seconds the all-reduce and the commit wait (default :func:`timeout`);
+    ``quorum_timeout``: how long a step waits for a quorum (default the larger of that and 30 s);
+    ``max_retries``: :meth:`commit` raises after this many uncommitted steps in a row (``None``:
+    never), so that a replica that cannot make progress ends instead of trying forever.
     """
 
     def __init__(self, lighthouse: str, replica_id: str, *, min_replicas: int = 1, timeout: float | None = None,
-                 quorum_timeout: float | None = None):
+                 quorum_timeout: float | None = None, max_retries: int | None = 5):
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
+
+        # torch warns that the state torchft receives is a read-only buffer; it is copied before
+        # use (see _rebuild), and under PYTHONWARNINGS=error the warning would fail every rejoin.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
         seconds = _groups.timeout() if timeout is None else _groups._check_timeout(timeout, "timeout")
         quorum_s = max(seconds, 30.0) if quorum_timeout is None else _groups._check_timeout(quorum_timeout, "quorum_timeout")
@@ -162,6 +172,7 @@ class ReplicaGroup:
             min_replica_size=min_replicas, use_async_quorum=False, timeout=_td(seconds),
             quorum_timeout=_td(quorum_s), connect_timeout=_td(quorum_s), rank=group_rank, world_size=group_size,
             store_addr=host, store_port=port, lighthouse_addr=lighthouse, replica_id=self.replica_id,
+            max_retries=max_retries,
         )
 
     # -- the state a recovering replica receives -------------------------------------------------
@@ -263,10 +274,10 @@ class ReplicaGroup:
             ok = self._manager.should_commit()
         except Exception as e:  # noqa: BLE001 - re-raised with what it means for this replica
             raise RuntimeError(
-                f"replica {self.replica_id!r}, rank {_groups.rank()}: the ranks of this replica group could not agree on "
-                f"step {step} ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); a rank "
-                "of it is dead or stopped. The other replicas go on without it; restart this replica group as a "
-                "whole and it rejoins with a live replica's state") from e
+                f"replica {self.replica_id!r}, rank {_groups.rank()}: step {step} could not be committed "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); when a rank of "
+                "this replica group is dead or stopped, the other replicas go on without it: restart this replica "
+                "group as a whole and it rejoins with a live replica's state") from e
         why = "" if ok else (str(error.original_exception).strip().splitlines()[0][:300] if error is not None
                               else "another rank of the quorum failed it")
         self.history.append(ReplicaStep(step, n, ok, self._healed, why))
