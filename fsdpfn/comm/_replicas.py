@@ -153,9 +153,13 @@ class ReplicaGroup:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
-        # torch warns that the state torchft receives is a read-only buffer; it is copied before
-        # use (see _rebuild), and under PYTHONWARNINGS=error the warning would fail every rejoin.
+        # Two warnings raised inside torchft's own threads and calls, harmless, that would fail
+        # the quorum and every commit under PYTHONWARNINGS=error: torch's, that the state torchft
+        # receives is a read-only buffer (it is copied before use, see _rebuild), and logging's,
+        # that torchft calls the deprecated Logger.warn.
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated", category=DeprecationWarning,
+                                module=r"torchft\.")
 
         seconds = _groups.timeout() if timeout is None else _groups._check_timeout(timeout, "timeout")
         quorum_s = max(seconds, 30.0) if quorum_timeout is None else _groups._check_timeout(quorum_timeout, "quorum_timeout")
