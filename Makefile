@@ -10,7 +10,7 @@ PYTHON ?= python3
 # (or install torch first, as the README says, and make leaves it alone).
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,demo,hf,docs
+EXTRAS ?= test,demo,hf,docs,ft
 # pip runs only when pyproject.toml, the extras or the interpreter changed since the last setup,
 # or fsdpfn (its pytest plugin included) is not installed or a required package is not importable
 # (a new virtual environment): otherwise setup costs a fraction of a second instead of pip's ~15 s.
@@ -18,7 +18,7 @@ STAMP := .setup-stamp
 SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read() + b'$(EXTRAS)' + sys.prefix.encode()).hexdigest())"
 # fsdpfn must import from this checkout (an editable install of another, or a deleted, checkout
 # in the same environment does not count), looked up without the current directory on the path.
-SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy']))"
+SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy', 'torchft']))"
 
 .PHONY: setup demo test docs docs-refresh bench
 

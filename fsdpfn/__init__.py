@@ -49,6 +49,7 @@ from fsdpfn.transforms import unshard as unshard
 from fsdpfn import checkpoint as checkpoint
 from fsdpfn import comm as comm
 from fsdpfn import fp8 as fp8
+from fsdpfn import ft as ft
 from fsdpfn import optim as optim
 from fsdpfn import runtime as runtime
 from fsdpfn import sim as sim
@@ -83,6 +84,7 @@ __all__ = [
     "compile",
     "count_collectives",
     "fp8",
+    "ft",
     "init_full",
     "init_shards",
     "load_safetensors",

@@ -87,6 +87,10 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
     (r"^python benchmarks/bad_inputs\.py\b", "run", ""),  # the whole catalogue: under a minute
+    (r"^python benchmarks/replicas\.py\b", "run", "--steps 9 --fault 4"),
+    # A replica group of a fault-tolerant job needs a lighthouse and peers: the test starts both.
+    (r"^python examples/ft_replicas\.py\b", "test",
+     "tests/test_ft.py::test_a_lost_replica_does_not_stop_the_job_and_a_restarted_one_rejoins"),
     (r"^python benchmarks/fp8_gather\.py\b", "run",
      "--width 64 --vocab 256 --seq 32 --small-width 64 --small-vocab 256 --small-seq 32 --batch 1 --steps 1 --warmup 0 "
      "--demo-steps 10 --runs {shared}/fp8_off {shared}/fp8_on --plot {tmp}/fp8_loss.png"),
@@ -374,6 +378,7 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"compile_probe\.py", [r"^runtime: forward \+ loss\.backward\(\): \d+ graph"]),
     (r"benchmarks/checkpoint\.py", [r"^async/sync stall ratio: \d+\.\d+$"]),
     (r"bad_inputs\.py", [r"^\d+ cases in \d+ s: \d+ named, 0 unnamed, \d+ correct, 0 silent$"]),
+    (r"benchmarks/replicas\.py", [r"^steps lost, fsdpfn\.ft / stop-and-restart: \d+\.\d+x$"]),
     (r"exit_stress\.py", [r"^non-zero exits: 0$"]),
     (r"flight_recorder\.py", [r"^after +\d"]),
     (r"fp8_gather\.py(?!.*--parts)|--parts bytes", [r"^counted == plan\.cost\(\) for all-gather and reduce-scatter: True;"]),

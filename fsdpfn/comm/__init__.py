@@ -49,6 +49,9 @@ from fsdpfn.comm._objects import arrive as arrive
 from fsdpfn.comm._objects import broadcast_object as broadcast_object
 from fsdpfn.comm._objects import full_tensor as full_tensor
 from fsdpfn.comm._record import CollectiveCall as CollectiveCall
+from fsdpfn.comm._replicas import Lighthouse as Lighthouse
+from fsdpfn.comm._replicas import ReplicaGroup as ReplicaGroup
+from fsdpfn.comm._replicas import ReplicaStep as ReplicaStep
 from fsdpfn.comm._record import CollectiveCounter as CollectiveCounter
 from fsdpfn.comm._record import FlightRecord as FlightRecord
 from fsdpfn.comm._record import count_collectives as count_collectives
@@ -76,6 +79,9 @@ __all__ = [
     "CollectiveCounter",
     "CollectiveError",
     "FlightRecord",
+    "Lighthouse",
+    "ReplicaGroup",
+    "ReplicaStep",
     "Pending",
     "all_gather",
     "all_gather_object",
