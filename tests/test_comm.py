@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 import fsdpfn
 from fsdpfn import comm, optim, testing

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fsdpfn
 from fsdpfn import optim, runtime, sim, testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
-from fsdpfn.runtime import Op, OpKind
+from fsdpfn.runtime import OpKind
 
 # Uneven on purpose: 37 vocabulary rows and width 20 split unevenly over 3 and 4 ranks.
 CFG = GPTConfig(vocab_size=37, seq_len=8, width=20, depth=3, heads=2)

@@ -340,7 +340,6 @@ class _Builder:
     def gather(self, s: StepOp) -> None:
         name = s.op.unit
         unit, plan = self.units[name], self.plan
-        item = plan.gather_dtype(unit).itemsize
         w = plan.shard_size
         for c in self.listed(s, "amax"):  # the per-tensor FP8 scales need the whole tensor's amax first
             self.blocking(c, "all_gather")
