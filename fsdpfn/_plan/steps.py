@@ -489,13 +489,9 @@ def static_memory(plan: PlanValues) -> dict[str, int]:
     params = grads = 0
     for unit in plan.units:
         master = sum(p.numel * p.dtype.itemsize for p in unit.params)
-        if not unit.sharded:
-            params += master
-            grads += master
-            continue
-        sharded = unit.reduce_numel * unit.params[0].dtype.itemsize
-        params += sharded
-        grads += master if unit.strategy.keeps_full_grads else sharded
+        local = unit.local_numel * unit.params[0].dtype.itemsize
+        params += local
+        grads += master if not unit.sharded or unit.strategy.keeps_full_grads else local
     return {"params": params, "grads": grads, "optimizer_state_per_slot": params}
 
 

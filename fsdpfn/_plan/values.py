@@ -515,6 +515,13 @@ class Unit:
         """Elements of each rank's segment of the unit's reduce-scatter (sharded + replicated)."""
         return sum(s.size for s in self.slots.values())
 
+    @functools.cached_property
+    def local_numel(self) -> int:
+        """Elements of the unit one rank holds between steps (the largest rank's): its segment of the
+        reduce-scatter (sharded rows, padding and replicated parameters) for a sharded unit, every
+        element otherwise. The one source of a unit's shard bytes per rank."""
+        return self.reduce_numel if self.sharded else self.numel
+
     def local_rows(self, param: str, rank: int) -> tuple[int, int]:
         """``(start, stop)`` rows of ``param`` held by shard rank ``rank``."""
         slot = self.slots[param]
@@ -806,12 +813,11 @@ class PlanValues:
         head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
         rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
         for u in self.units:
-            per_rank = u.shard_numel + sum(p.numel for p in u.params if not u.slots[p.name].sharded) if u.sharded else u.numel
             itemsize = u.params[0].dtype.itemsize
             pad = max(u.padding(r) for r in range(u.shard_size)) if u.sharded else 0
             extra = (str(len(u.fp8)),) if fp8 else ()
             elements = sum(p.global_numel for p in u.params)
-            rows.append((u.label, u.strategy.value, str(len(u.params)), f"{elements:,}", _human(per_rank * itemsize), f"{pad:,}") + extra)
+            rows.append((u.label, u.strategy.value, str(len(u.params)), f"{elements:,}", _human(u.local_numel * itemsize), f"{pad:,}") + extra)
         total = sum(p.global_numel for u in self.units for p in u.params)
         rows.append(("total", "", str(len(self.param_names)), f"{total:,}", "", "") + ((str(sum(len(u.fp8) for u in self.units)),) if fp8 else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

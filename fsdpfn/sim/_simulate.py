@@ -260,9 +260,9 @@ class _Builder:
         self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
         # memory, in op order
         self.live = {"unsharded": 0, "buffers": 0, "activations": 0, "grads": 0}
-        total = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units) or 1
+        total = sum(u.local_numel for u in plan.units) or 1
         self.streamed, self.streamed_bytes = False, (0, 0)
-        self.host_fraction = sum(u.reduce_numel if u.sharded else u.numel for u in plan.units if u.offload) / total
+        self.host_fraction = sum(u.local_numel for u in plan.units if u.offload) / total
         self.peak = {"total": 0, "activations": 0}
         self.held: dict[tuple[str, str], int] = {}
 
@@ -415,7 +415,7 @@ class _Builder:
         name = s.op.unit
         unit, plan = self.units[name], self.plan
         r_item = plan.reduce_dtype(unit).itemsize
-        n = unit.reduce_numel if unit.sharded else unit.numel
+        n = unit.local_numel
         after = self.reduces.pop(name, None)
         for c in self.listed(s, "replicate_reduce"):  # HSDP: fsdpfn.transforms runs it inside the reduce's finish
             if after is not None:
@@ -634,7 +634,7 @@ def _traffic(calls) -> dict[str, Traffic]:
 def _shard_bytes(unit, itemsize: int | None = None) -> int:
     """Bytes of one rank's shards of ``unit`` (the largest rank's), in its master dtype or ``itemsize``."""
     item = itemsize or (unit.params[0].dtype.itemsize if unit.params else 4)
-    return (unit.reduce_numel if unit.sharded else unit.numel) * item
+    return unit.local_numel * item
 
 
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
