@@ -55,7 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdpfn._flops import is_attention, op_flops
+from fsdpfn._flops import op_flops, rate_key
 
 __all__ = [
     "DOT_OPS",
@@ -193,8 +193,7 @@ def _cost(func, args, kwargs, out) -> tuple:
     if counted is None or not counted[0]:
         return None, 0.0, nbytes
     flops, dtype = counted
-    rate = str(dtype).removeprefix("torch.")
-    return (f"attention {rate}" if is_attention(func) else rate), flops, nbytes
+    return rate_key(func, args, kwargs, dtype), flops, nbytes
 
 
 def _signature(args) -> tuple:

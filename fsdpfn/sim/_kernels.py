@@ -25,6 +25,13 @@ fixed costs, per device, and :meth:`Kernels.seconds` prices one operator:
   backward as 2 (torch's FLOP counter: the gradient matmuls only), 3 in all. A kernel therefore
   takes ``attention_flop_ratio * flops / rate`` (3.5 / 3 for a rate taken from that benchmark's
   forward + backward figure): the rate applies to the FLOPs the kernels execute;
+- where the profile knows a matmul's shape (its rate key carries ``@m x n x k``, see
+  :func:`fsdpfn._flops.rate_key`) and the part has a measured table by shape
+  (``matmul_shapes``, :func:`fsdpfn.sim._rates.matmul_shape_efficiency`), the table's
+  throughput for that shape replaces ``matmul_efficiency`` and the fixed latency (the table timed
+  whole kernels, launch and partial waves included);
+- a fused attention kernel whose head dimension the kernel class pads (FlashAttention-2 runs a
+  head of 112 in its 128 kernel: ``attention_kernel="fa2"``) executes the padded FLOPs;
 - every other operator is memory-bound: ``bytes / (memory_efficiency * bandwidth)``;
 - every dispatched operator costs ``Hardware.op_overhead`` on top (the framework's dispatch and
   launch; a GPU runs ahead of the host, so it is small there);
@@ -46,6 +53,9 @@ import dataclasses
 import math
 
 import torch
+
+from fsdpfn._flops import split_key
+from fsdpfn.sim import _rates
 
 __all__ = ["Kernels"]
 
@@ -82,6 +92,10 @@ class Kernels:
       memory_efficiency: fraction of ``Hardware.memory_bandwidth`` that streaming kernels reach.
       sustained: fraction of all those rates a whole training step sustains (clocks under the
         power limit, SMs shared with communication kernels); 1: the kernels' own benchmarks.
+      matmul_shapes: the part whose measured GEMM table by shape prices matmuls of known shape
+        (``"h100"``; ``""``: none, ``matmul_efficiency`` for every shape).
+      attention_kernel: the fused attention kernel class (``"fa2"``, ``"fa3"``; ``""``: no
+        head-dimension padding).
 
     Example:
       >>> k = Kernels(matmul_efficiency=0.8, matmul_latency=5e-6, attention_efficiency=0.4,
@@ -98,6 +112,8 @@ class Kernels:
     memory_efficiency: float
     sustained: float = 1.0
     attention_flop_ratio: float = 1.0
+    matmul_shapes: str = ""
+    attention_kernel: str = ""
 
     def __post_init__(self):
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "sustained"):
@@ -121,20 +137,34 @@ class Kernels:
         ramp = 1.0 if math.isinf(intensity) else intensity / (intensity + self.attention_half_intensity)
         return self.sustained * self.attention_efficiency * hw.peak(dtype) * ramp
 
+    def matmul_fraction(self, dtype: str, shape: tuple[int, ...]) -> tuple[float, bool]:
+        """``(fraction of the peak, from the shape table)`` of a matmul of ``shape`` (``(m, n,
+        k)`` or ``()``) in ``dtype``, before ``sustained``."""
+        if self.matmul_shapes and len(shape) == 3:
+            eff = _rates.matmul_shape_efficiency(self.matmul_shapes, dtype, *shape)
+            if eff is not None:
+                return eff, True
+        return self.matmul_efficiency, False
+
     def seconds(self, rate: str, flops: float, nbytes: float, hw) -> float:
         """Seconds of one matmul-like kernel: ``rate`` is its dtype (``"bfloat16"``) or
-        ``"attention <dtype>"`` (see [Note: the kernel model])."""
+        ``"attention <dtype>"``, with ``"@<shape>"`` where known (see [Note: the kernel model])."""
+        rate, shape = split_key(rate)
         memory = self.memory_seconds(nbytes, hw)
         if rate.startswith("attention "):
             executed = self.attention_flop_ratio * flops
+            if self.attention_kernel and len(shape) == 3 and shape[2]:
+                executed *= _rates.attention_head_dim(self.attention_kernel, shape[2]) / shape[2]
             return max(executed / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory) + self.matmul_latency
-        return max(flops / (self.sustained * self.matmul_efficiency * hw.peak(rate)), memory) + self.matmul_latency
+        fraction, tabled = self.matmul_fraction(rate, shape)
+        latency = 0.0 if tabled else self.matmul_latency
+        return max(flops / (self.sustained * fraction * hw.peak(rate)), memory) + latency
 
     def matmul_seconds(self, m: int, n: int, k: int, dtype, hw) -> float:
         """Seconds of an ``(m x k) @ (k x n)`` matmul in ``dtype`` (operands and result read and
         written once)."""
         key = _dtype_key(dtype)
-        return self.seconds(key, 2.0 * m * n * k, (m * k + k * n + m * n) * _itemsize(key), hw)
+        return self.seconds(f"{key}@{m}x{n}x{k}", 2.0 * m * n * k, (m * k + k * n + m * n) * _itemsize(key), hw)
 
     def achieved(self, m: int, n: int, k: int, dtype, hw) -> float:
         """FLOP/s an ``(m x k) @ (k x n)`` matmul reaches: the efficiency curve of this device."""

@@ -12,12 +12,19 @@ is fitted. The presets of ``fsdpfn/sim/_hardware.py`` read them through :func:`m
   and FlashAttention-3 (``"fa3"``: Hopper's asynchronous tensor-core instructions). Which
   kernel a published run used is read from its configuration, not assumed: see
   ``benchmarks/sim_published.py``;
-- the slow-down of compute kernels while a collective runs beside them on the same GPU.
+- the slow-down of compute kernels while a collective runs beside them on the same GPU;
+- matmul throughput *by shape* (:func:`matmul_shape_efficiency`: a measured table, interpolated);
+- the head dimension FlashAttention-2 computes at (:func:`attention_head_dim`);
+- the bus bandwidth NCCL reaches of a link's line rate (:func:`nccl_efficiency`).
 """
 
 from __future__ import annotations
 
-__all__ = ["ATTENTION_KERNELS", "OVERLAP", "OVERLAP_SLOWDOWN", "attention_efficiency", "matmul_efficiency"]
+import bisect
+import math
+
+__all__ = ["ATTENTION_KERNELS", "MATMUL_SHAPES", "NCCL", "OVERLAP", "OVERLAP_SLOWDOWN", "attention_efficiency", "attention_head_dim",
+           "matmul_efficiency", "matmul_shape_efficiency", "nccl_efficiency"]
 
 # Maximum achievable matmul FLOPS: stas00/ml-engineering, compute/accelerator/README.md, table
 # "Maximum Achievable Matmul FLOPS comparison table" (measured with
@@ -100,3 +107,119 @@ def attention_efficiency(arch: str, kernel: str = "fa2") -> float:
 # overlaps runs at 1 / (2 - overlap) of its speed, so overlap = 1 - 0.189.
 OVERLAP_SLOWDOWN = 0.189
 OVERLAP = 1.0 - OVERLAP_SLOWDOWN
+
+
+# Matmul throughput by shape on H100: XLA's measured GEMM table, tensorflow/tensorflow at commit
+# 9bebee8e429eea3a9a0cfcbd989f1aa6a470c15d, third_party/xla/xla/service/gpu/model/
+# matmul_interpolator_data.h, ``kDefaultMatmulPTable``, key "sm_90" (its sibling
+# hlo_op_profiles_data.h names the sm_90 device "NVIDIA H100 80GB HBM3"), "bf16xbf16->bf16" FLOP/s
+# of a (b, m, n, k) batched GEMM. Kept here: the points the profiled models' matmuls fall between,
+# TFLOP/s by (rows, cols, k), rows = b * m (the table's b = 2 and 4 at m = 4096 stand for 8,192 and
+# 16,384 rows: as many output tiles), cols = n. Its best point, 808.7, sits beside ml-engineering's
+# maximum achievable 794.5 (the _MAMF table above).
+_XLA_SM90_BF16 = {
+    (1024, 1024, 1024): 236.3, (1024, 1024, 2048): 350.0, (1024, 1024, 4096): 470.1,
+    (2048, 1024, 1024): 373.3, (2048, 1024, 2048): 523.3, (2048, 1024, 4096): 653.1,
+    (2048, 2048, 1024): 493.9, (2048, 2048, 2048): 632.0, (2048, 2048, 4096): 738.0,
+    (4096, 1024, 1024): 488.1, (4096, 1024, 2048): 632.0, (4096, 1024, 4096): 738.5,
+    (4096, 2048, 1024): 593.2, (4096, 2048, 2048): 716.1, (4096, 2048, 4096): 758.4,
+    (4096, 4096, 1024): 677.4, (4096, 4096, 2048): 738.7, (4096, 4096, 4096): 783.3,
+    (8192, 1024, 1024): 598.2, (8192, 1024, 2048): 713.4, (8192, 1024, 4096): 750.6,
+    (8192, 2048, 1024): 680.9, (8192, 2048, 2048): 733.3, (8192, 2048, 4096): 783.2,
+    (8192, 4096, 1024): 693.0, (8192, 4096, 2048): 763.0, (8192, 4096, 4096): 807.7,
+    (16384, 1024, 1024): 673.8, (16384, 1024, 2048): 720.5, (16384, 1024, 4096): 777.6,
+    (16384, 2048, 1024): 687.9, (16384, 2048, 2048): 759.3, (16384, 2048, 4096): 808.7,
+    (16384, 4096, 1024): 725.5, (16384, 4096, 2048): 764.6, (16384, 4096, 4096): 793.1,
+}
+MATMUL_SHAPES = {("h100", "bfloat16"): (_XLA_SM90_BF16, 989.0), ("h100", "float16"): (_XLA_SM90_BF16, 989.0)}
+
+
+def _axis(points, x: float) -> tuple[float, float, float]:
+    """``(lo, hi, t)``: the grid points around ``x`` (clipped to the grid) and the weight of ``hi``
+    in log2 space."""
+    x = min(max(x, points[0]), points[-1])
+    i = min(bisect.bisect_left(points, x), len(points) - 1)
+    if points[i] == x or i == 0:
+        return points[i], points[i], 0.0
+    lo, hi = points[i - 1], points[i]
+    return lo, hi, math.log2(x / lo) / math.log2(hi / lo)
+
+
+def matmul_shape_efficiency(arch: str, dtype: str, m: int, n: int, k: int) -> float | None:
+    """Fraction of the dense peak an ``(m x k) @ (k x n)`` ``dtype`` GEMM reaches on ``arch``,
+    interpolated in log2 of each dimension on the measured table (``None``: no table for them).
+    ``m`` and ``n`` are interchangeable (a GEMM and its transpose); dimensions beyond the table
+    are clipped to it (larger GEMMs sit at its top, where throughput has levelled off).
+
+    Example:
+      >>> round(matmul_shape_efficiency("h100", "bfloat16", 4096, 4096, 4096), 3)   # 783.3 of 989
+      0.792
+      >>> round(matmul_shape_efficiency("h100", "bfloat16", 16384, 1536, 1536), 3)   # small inner dimension
+      0.726
+    """
+    found = MATMUL_SHAPES.get((arch, dtype))
+    if found is None:
+        return None
+    table, peak = found
+    rows_grid = sorted({r for r, _, _ in table})
+    cols_grid = sorted({c for _, c, _ in table})
+    ks = sorted({kk for _, _, kk in table})
+    rows, cols = max(m, n), min(m, n)
+
+    def at(r, c, kk):
+        return table.get((r, c, kk)) or table[(c, r, kk)]  # below 4,096 rows the table is kept with rows >= cols
+
+    r0, r1, tr = _axis(rows_grid, rows)
+    c0, c1, tc = _axis(cols_grid, cols)
+    k0, k1, tk = _axis(ks, k)
+    total = 0.0
+    for r, wr in ((r0, 1 - tr), (r1, tr)):
+        for c, wc in ((c0, 1 - tc), (c1, tc)):
+            for kk, wk in ((k0, 1 - tk), (k1, tk)):
+                if wr * wc * wk:
+                    total += wr * wc * wk * at(r, c, kk)
+    return total / peak
+
+
+# FlashAttention-2 runs a kernel compiled for a fixed head dimension: flash_api.cpp
+# (Dao-AILab/flash-attention, csrc/flash_attn/flash_api.cpp, ``head_size_rounded =
+# round_multiple(head_size, head_size <= 128 ? 32 : 64)`` and the per-head-dim kernels
+# flash_fwd_hdim{32,64,96,128,160,192,224,256}): a head of 112 (MPT-30B: 7168 / 64) runs the
+# 128 kernel, 128/112 of the FLOPs counted.
+def attention_head_dim(kernel: str, head_dim: int) -> int:
+    """The head dimension ``kernel`` computes at for heads of ``head_dim``.
+
+    Example:
+      >>> attention_head_dim("fa2", 112), attention_head_dim("fa2", 128), attention_head_dim("fa2", 80)
+      (128, 128, 96)
+    """
+    if kernel != "fa2":
+        return head_dim
+    step = 32 if head_dim <= 128 else 64
+    return -(-head_dim // step) * step
+
+
+# NCCL's bus bandwidth against a link's line rate: NVIDIA's NCCL maintainer (S. Jeaugey,
+# NVIDIA/nccl-tests issue #212, 2024-05-06): "450GB/s is the line rate. With the protocol overhead
+# (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when
+# running non-allreduce operations" (H100, 8 GPUs; issue #326, 2025-06-24: "360 GB/s is exactly
+# what we'd expect on H100"). A100: one DGX-class node's all_reduce_perf at 232.54 GB/s bus
+# bandwidth of NVLink 3's 300 (NVIDIA/nccl-tests issue #175, 2023-10-29), and two nodes at 86 of
+# their cards' 100 GB/s (same issue). Across nodes on H100 the same protocol overhead is taken
+# (no published per-card figure for 400 Gb/s NDR at hand): 370 / 450.
+NCCL = {("h100", "intra"): 370.0 / 450.0, ("h100", "inter"): 370.0 / 450.0,
+        ("a100", "intra"): 232.54 / 300.0, ("a100", "inter"): 86.0 / 100.0}
+
+
+def nccl_efficiency(arch: str, level: str) -> float:
+    """Fraction of the line rate NCCL's collectives reach as bus bandwidth on ``arch``'s
+    ``level`` (``"intra"``: NVLink, ``"inter"``: the network cards).
+
+    Example:
+      >>> round(nccl_efficiency("h100", "intra") * 450, 1)
+      370.0
+    """
+    try:
+        return NCCL[(arch, level)]
+    except KeyError:
+        raise ValueError(f"no published NCCL bus bandwidth for {arch!r} {level!r}; known: {sorted(NCCL)}") from None

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn._plan import Plan
-from fsdpfn._flops import is_attention, op_flops, tensors_of
+from fsdpfn._flops import op_flops, rate_key, tensors_of
 from fsdpfn._plan.axes import Role
 from fsdpfn._remat import SaveMode
 from fsdpfn._plan.schedule import Op, OpKind
@@ -324,13 +324,10 @@ class _Counter(TorchDispatchMode):
         if self.allocated is not None:
             self.allocated(outs)
         nbytes = sum(_nbytes(t) for t in ins + outs)
-        attention = is_attention(func)
         counted = op_flops(func, args, kwargs, out)
         if counted is not None and counted[0]:
             flops, dtype = counted
-            rate = str(dtype).removeprefix("torch.")
-            key = f"attention {rate}" if attention else rate
-            acc["matmuls"][(key, flops, float(nbytes))] += 1
+            acc["matmuls"][(rate_key(func, args, kwargs, dtype), flops, float(nbytes))] += 1
         else:
             acc["bytes"] += nbytes
         return out
