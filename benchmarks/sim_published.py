@@ -47,6 +47,8 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import runtime, sim
+from fsdpfn._flops import split_key
+from fsdpfn.sim import _rates
 from fsdpfn.models import GPT, LLAMA3_70B, LLAMA3_8B, GPTConfig, LlamaConfig
 from torch import nn
 
@@ -349,18 +351,40 @@ def components(res: sim.SimResult, wl: sim.Workload, hw: sim.Hardware, micro_bat
     """Seconds per step of each predicted component on one rank: matmuls, fused attention,
     memory-bound operators (one micro-batch's work times ``micro_batches``, before any slow-down
     from running beside a collective), the compute stream's busy time, collectives in flight,
-    and the communication the compute stream waits for."""
-    mm = att = mem = 0.0
+    and the communication the compute stream waits for; and the FLOPs of the matmuls and of
+    attention (as the kernels execute them: FlashAttention's count, padded heads included)."""
+    mm = att = mem = mm_flops = att_flops = 0.0
+    k = hw.kernels
     for _, w in wl.work:
         for d, f, b, c in w.matmuls:
             t = c * hw.kernel_seconds(d, f, b)
             if d.startswith("attention "):
                 att += t
+                _, shape = split_key(d)
+                pad = _rates.attention_head_dim(k.attention_kernel, shape[2]) / shape[2] if k and k.attention_kernel and shape else 1.0
+                att_flops += c * f * (k.attention_flop_ratio if k else 1.0) * pad
             else:
                 mm += t
+                mm_flops += c * f
         mem += hw.memory_seconds(w.bytes) + w.ops * hw.op_overhead
     return {"matmul": mm * micro_batches, "attention": att * micro_batches, "memory": mem * micro_batches,
-            "compute": res.compute_time, "comm": res.comm_time, "exposed": res.exposed_comm, "step": res.step_time}
+            "compute": res.compute_time, "comm": res.comm_time, "exposed": res.exposed_comm, "step": res.step_time,
+            "matmul_flops": mm_flops * micro_batches, "attention_flops": att_flops * micro_batches}
+
+
+def needed(row: Row, comp: dict[str, float]) -> dict[str, float]:
+    """For a run the prediction misses: the published step less the predicted one (``gap``, s),
+    and the rate each compute component alone would have to run at to close it, beside the rate
+    the presets give it (TFLOP/s: ``matmul``/``matmul_needed``, ``attention``/``attention_needed``,
+    attention in FlashAttention's own FLOP count)."""
+    published = row.micro_batch * row.accum * row.seq / row.tps
+    gap = published - comp["step"]
+    out = {"gap": gap, "published_step": published}
+    for part in ("matmul", "attention"):
+        t, f = comp[part], comp[part + "_flops"]
+        out[part] = f / t / 1e12 if t else 0.0
+        out[part + "_needed"] = f / (t + gap) / 1e12 if t + gap > 0 else float("inf")
+    return out
 
 
 def predict(row: Row, hw: sim.Hardware) -> tuple[sim.SimResult, dict[str, float]]:
@@ -386,6 +410,7 @@ def main(argv=None) -> None:
     done = 0
     ratios: dict[str, list[float]] = {"calibration": [], "held-out": []}
     skipped = []
+    misses: list[tuple[Row, float, dict[str, float]]] = []
     t0 = time.perf_counter()
     for group in ("calibration", "held-out"):
         todo = [r for r in rows if r.group == group]
@@ -409,6 +434,8 @@ def main(argv=None) -> None:
             done += 1
             mem = f"{r.memory_gib:.1f} GiB" if r.memory_gib else "-"
             ratios[group].append(ratio)
+            if abs(ratio - 1) > 0.15:
+                misses.append((r, ratio, {**comp, **needed(r, comp)}))
             shown = f"{ratio:.2f}{'' if abs(ratio - 1) <= 0.15 else ' *'}"
             parts = " | ".join(f"{comp[k]:.3f}" for k in ("matmul", "attention", "memory", "compute", "comm", "exposed", "step"))
             print(f"| {r.label} | {r.source[0]} | {ATTENTION_KERNEL[r.source]} | {r.tps:,.0f} | {tps:,.0f} | {shown} | {parts} | {mem} | "
@@ -419,6 +446,21 @@ def main(argv=None) -> None:
             within = sum(abs(x - 1) <= 0.15 for x in rs)
             print(f"{group}: {len(rs)} rows, median predicted/published {statistics.median(rs):.2f}, "
                   f"range {min(rs):.2f}-{max(rs):.2f}, {within} within 15%")
+    if misses:
+        print("\n## runs outside 15%: the rate each component alone would need\n")
+        print("The gap is the published step less the predicted one. For matmuls and for attention: the rate the presets give "
+              "them in this run (TFLOP/s, sustained included; attention in FlashAttention's own FLOP count, padded heads "
+              "included) and the rate that alone would close the gap; 'closest' is the component whose needed rate is the "
+              "smaller change from its published source. Collectives: in flight / exposed, seconds.\n")
+        print("| run | predicted / published | published step | gap | matmul: modelled -> needed | attention: modelled -> needed | "
+              "comm in flight / exposed | closest |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r, ratio, c in misses:
+            change = {p: c[p] / c[p + "_needed"] if c[p + "_needed"] else float("inf") for p in ("matmul", "attention") if c[p]}
+            closest = min(change, key=lambda p: change[p])
+            print(f"| {r.label} | {ratio:.2f} | {c['published_step']:.3f} s | {c['gap']:+.3f} s | {c['matmul']:.0f} -> "
+                  f"{c['matmul_needed']:.0f} ({1 / change['matmul']:.2f}x) | {c['attention']:.0f} -> {c['attention_needed']:.0f} "
+                  f"({1 / change['attention']:.2f}x) | {c['comm']:.3f} / {c['exposed']:.3f} | {closest} |")
     if skipped:
         print("\n## rows the simulator cannot express\n")
         for r in skipped:

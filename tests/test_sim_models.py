@@ -105,7 +105,8 @@ def test_h100_attention_is_the_published_flashattention2_time():
 
     w = _attention_work(2, 16, 8192, 128)
     fwd_flops = 4.0 * 2 * 16 * 8192 * 8192 * 128 / 2  # causal: half
-    assert [(r, f) for r, f, _, _ in w.matmuls] == [("attention bfloat16", fwd_flops), ("attention bfloat16", 2 * fwd_flops)]
+    key = "attention bfloat16@8192x8192x128"  # the shape rides along: s_q x s_k x head dim
+    assert [(r, f) for r, f, _, _ in w.matmuls] == [(key, fwd_flops), (key, 2 * fwd_flops)]
     hw = dataclasses.replace(sim.H100_SXM, kernels=dataclasses.replace(sim.H100_SXM.kernels, sustained=1.0))
     seconds = sum(c * (hw.kernel_seconds(r, f, b) - hw.kernels.matmul_latency) for r, f, b, c in w.matmuls)
     # attention_efficiency is 0.2894 / 0.9578 rounded to three digits (0.302 for 0.30215): 0.05%.
