@@ -12,7 +12,7 @@ from fsdpfn._plan import Plan
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["axis_index", "dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
+__all__ = ["axis_index", "cp_group", "cp_rank", "dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
            "unit_group", "unit_mesh", "unit_rank"]
 
 
@@ -73,6 +73,28 @@ def ep_rank(plan: Plan) -> int:
     return _axis_rank(plan, Role.EP)
 
 
+def cp_group(plan: Plan):
+    """The process group of the plan's context-parallel axis (``None`` without one): the ranks
+    that hold parts of the same sequences.
+
+    Example:
+      >>> fsdpfn.transforms.cp_group(plan) is None  # a plan without a cp axis
+      True
+    """
+    return _group(plan, Role.CP)
+
+
+def cp_rank(plan: Plan) -> int:
+    """This process's index on the context-parallel axis (0 without one): which head and tail
+    chunks of each sequence it holds (:func:`fsdpfn.context_parallel_shard`).
+
+    Example:
+      >>> fsdpfn.transforms.cp_rank(plan)
+      0
+    """
+    return _axis_rank(plan, Role.CP)
+
+
 def axis_index(plan: Plan, spec, rank: int | None = None) -> dict[Role, int]:
     """``{axis: position}`` of this process on every axis that splits parameter ``spec`` (what
     :mod:`fsdpfn._plan.placements` cuts its part by); ``rank`` instead of the process's position
@@ -89,8 +111,8 @@ _DENSE = "_fsdpfn_dense_mesh"
 
 
 def _dense_mesh(plan: Plan):
-    """The mesh dense parameters live on beside experts: the axes their rows are cut over
-    (:func:`fsdpfn._plan.placements.row_roles`: ``ep`` and ``shard``) flattened into one dim (in mesh order), after the replicate axis when there is one (which the mesh
+    """The mesh dense parameters live on beside experts or cp: the axes their rows are cut over
+    (:func:`fsdpfn._plan.placements.row_roles`: ``ep`` or ``cp``, and ``shard``) flattened into one dim (in mesh order), after the replicate axis when there is one (which the mesh
     has first). Its last dim is the dense shard group. Made once per mesh (its groups are
     created collectively, at the same point of every rank's program)."""
     mesh = _mesh(plan)
@@ -110,7 +132,7 @@ def _dense_mesh(plan: Plan):
 
 def unit_mesh(plan: Plan, unit) -> DeviceMesh:
     """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for dense units
-    beside an ``ep`` axis, which live on the ``ep`` x ``shard`` axes flattened (after the
+    beside an ``ep`` or ``cp`` axis, which live on the ``ep`` (``cp``) x ``shard`` axes flattened (after the
     replicate axis, when the mesh has one).
 
     Example:
@@ -124,8 +146,9 @@ def unit_mesh(plan: Plan, unit) -> DeviceMesh:
 
 def unit_group(plan: Plan, unit):
     """The process group ``unit`` is gathered and reduced over: the shard axis, or, for dense
-    units beside an ``ep`` axis, the ``ep`` x ``shard`` axes flattened (see [Note: expert
-    units] in ``fsdpfn/_plan/values.py``).
+    units beside an ``ep`` or ``cp`` axis, those axes and ``shard`` flattened (see [Note: expert
+    units] in ``fsdpfn/_plan/values.py``; a parameter is not split over cp, so every cp rank
+    holds a distinct shard of it).
 
     Example:
       >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)
@@ -153,7 +176,8 @@ def unit_rank(plan: Plan, unit) -> int:
 def dp_rank(plan: Plan) -> int:
     """This process's index among the data-parallel ranks (``replicate_rank * shard_size +
     shard_rank``), in ``[0, plan.dp_size)``: which slice of the global batch it reads. Ranks
-    that differ only in their tensor-parallel position read the same slice.
+    that differ only in their tensor- or context-parallel position read the same slice (cp
+    ranks then keep their own part of each sequence: :func:`fsdpfn.context_parallel_shard`).
 
     Example:
       >>> fsdpfn.transforms.dp_rank(plan), plan.dp_size
