@@ -50,6 +50,8 @@ class GPTConfig:
     # are sharper: the key part of a qkv bias has an exactly-zero true gradient (softmax ignores
     # a per-query constant), so Adam turns its rounding noise into full-size steps.
     bias: bool = True
+    # Causal self-attention (a decoder); False: every token attends to the whole sequence.
+    causal: bool = True
     # Mixture of experts (0: dense MLPs everywhere). Block i's MLP is a top_k-of-experts MoE
     # (fsdpfn.models.MoE, each expert as wide as the dense MLP) when i % moe_every == 0: every
     # block with 1, blocks 0, 2, 4, ... with 2 (Megatron's moe_layer_freq). The model then returns
@@ -77,7 +79,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
-        self.heads = cfg.heads
+        self.heads, self.causal = cfg.heads, cfg.causal
         self.norm1 = nn.LayerNorm(cfg.width, bias=cfg.bias)
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.bias)
         self.proj = nn.Linear(cfg.width, cfg.width, bias=cfg.bias)
@@ -97,7 +99,7 @@ class Block(nn.Module):
         # Named for remat="save_names:attention,mlp_up" (fsdpfn.checkpoint_name is a no-op otherwise).
         # Over a cp axis (inside `with fsdpfn.context_parallel(plan):`) x holds this rank's part of
         # each sequence and attention fetches the rest; elsewhere this is plain causal SDPA.
-        att = checkpoint_name(context_parallel_attention(q, k, v, causal=True), "attention")
+        att = checkpoint_name(context_parallel_attention(q, k, v, causal=self.causal), "attention")
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
             y, aux = self.moe(self.norm2(x).reshape(b * t, c))
