@@ -116,7 +116,7 @@ def _cp_train(rank, world, mesh_shape, names, configs, steps=STEPS):
 ALL = [(s, c, style) for s in ("allgather", "ring") for c in (True, False) for style in ("pure", "eager")]
 
 
-@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("dp", "cp")), ((2, 2), ("cp", "tp")), ((1, 4), ("dp", "cp"))],
+@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("dp", "cp")), ((1, 2, 2), ("dp", "cp", "tp")), ((1, 4), ("dp", "cp"))],
                          ids=["dp2-cp2", "cp2-tp2", "cp4"])
 def test_adamw_10_steps_match_one_process(run_on_ranks, mesh_shape, names):
     """Both strategies, causal and not, the pure loop and the runtime: see [Note: the tolerance

@@ -131,9 +131,12 @@ class MeshAxes:
             if len(dims) > 1:
                 raise ValueError(f"mesh axes {dims} all have role {role.value!r}; give each role to one axis (flatten them into one mesh dim)")
         if Role.SHARD not in self.roles:
+            example = ("init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))" if Role.CP not in self.roles else
+                       f"init_device_mesh('cpu', {(1, *self.shape)}, mesh_dim_names={('dp', *self.names)}): FSDP then "
+                       "shards over dp x cp")
             raise ValueError(
                 f"mesh {dict(zip(self.names, self.shape))} has no data-parallel shard axis; add one (size 1 is fine), "
-                "e.g. init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))"
+                f"e.g. {example}"
             )
         if Role.EP in self.roles:
             ep = self.names[self.roles.index(Role.EP)]
