@@ -149,7 +149,7 @@ def _mentions_attention(cls: type) -> bool | None:
     if any(w in cls.__name__.lower() for w in _ATTENTION_WORDS):
         return True
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(getattr(cls, "forward"))
     except (OSError, TypeError):
         return None
     return any(w in source.lower() for w in _ATTENTION_WORDS)

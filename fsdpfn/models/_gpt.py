@@ -25,10 +25,11 @@ except ImportError:  # this file also runs on its own, without fsdpfn (exported 
     def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
         return x
 
-    def context_parallel_attention(q, k, v, plan_or_group=None, *, causal=True, strategy=None, scale=None):
+    def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_or_group=None, *,
+                                   causal: bool = True, strategy: str | None = None, scale: float | None = None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
-    def context_parallel_positions(local_len, plan_or_group=None, *, device=None):
+    def context_parallel_positions(local_len: int, plan_or_group=None, *, device=None) -> torch.Tensor:
         return torch.arange(local_len, device=device)
 
 

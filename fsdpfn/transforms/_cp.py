@@ -174,7 +174,7 @@ def context_parallel_shard(tensors: T, plan_or_group=None, *, seq_dim: int = 1) 
     """
     a = _axis(plan_or_group)
     many = not isinstance(tensors, torch.Tensor)
-    items = list(tensors) if many else [tensors]
+    items: list[torch.Tensor] = list(tensors) if many else [tensors]  # type: ignore[list-item]
     if a.size == 1:
         return tensors
     out = [_cut(t, seq_dim, a.size, a.rank, f"context_parallel_shard(tensor {i} of shape {tuple(t.shape)}, seq_dim={seq_dim})")
@@ -256,7 +256,7 @@ def _ring(q, k, v, a: _Axis, causal: bool, scale: float) -> torch.Tensor:
         mask = pos_q[:, None] >= _positions(local, a.size, src, q.device)[None, :] if causal else None
         if mask is None or bool(mask.any()):  # positions are the same on every rank: so is the skip
             o_b, l_b = _block(q, _expand_kv(q, kv[0]), _expand_kv(q, kv[1]), mask, scale)
-            out, lse = (o_b, l_b) if out is None else ring_merge(out, lse, o_b, l_b)
+            out, lse = (o_b, l_b) if out is None or lse is None else ring_merge(out, lse, o_b, l_b)
         if s < a.size - 1:
             kv = C.cp_ring_shift(kv, a.group, tag="cp_ring_kv")
     assert out is not None  # step 0 is this rank's own block, which holds the diagonal
