@@ -104,10 +104,12 @@ def context_parallel(plan_or_group, *, strategy: str = "allgather") -> Iterator[
     recomputes activations (remat), so that the recomputed attention is the same.
 
     Example:
-      >>> with fsdpfn.context_parallel(plan, strategy="ring"):
+      >>> q = k = v = torch.randn(1, 2, 4, 8)
+      >>> with fsdpfn.context_parallel(plan, strategy="ring"):   # plan: any plan; here cp = 1
       ...     out = fsdpfn.context_parallel_attention(q, k, v, causal=True)
-      >>> out.shape
-      torch.Size([1, 2, 4, 8])
+      ...     logits = model(x)   # GPT's attention and positions use the block's cp axis
+      >>> out.shape, logits.shape
+      (torch.Size([1, 2, 4, 8]), torch.Size([2, 8, 64]))
     """
     _ACTIVE.append(_axis(plan_or_group, strategy))
     try:
