@@ -410,3 +410,40 @@ def test_checkpoint_cp2_to_cp1_to_cp4_bitwise(run_on_ranks, tmp_path):
     for p, v in first.items():
         for other in (second[p], third[p]):
             assert (torch.equal(v, other) and v.dtype == other.dtype) if isinstance(v, torch.Tensor) else v == other, p
+
+
+# ---- remat: the recompute attends over cp again ---------------------------------------------------
+
+
+def _remat_grads(rank, world, style, remat):
+    """Gradients of one step on (dp=2, cp=2) with the forward inside ``context_parallel`` and the
+    backward after the block has ended; ``remat="full"`` recomputes each block there."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, testing.mesh((2, 2), ("dp", "cp")), remat=remat)
+    params = fsdpfn.shard(model, plan, requires_grad=True)
+    mine = slice(fsdpfn.transforms.dp_rank(plan) * PER_RANK, (fsdpfn.transforms.dp_rank(plan) + 1) * PER_RANK)
+    x, y = fsdpfn.context_parallel_shard(tuple(t[mine] for t in _batch(2, 0)), plan)
+    if style == "pure":
+        with fsdpfn.context_parallel(plan, strategy="ring"):
+            loss = _ce(torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,)), y)
+        loss.backward()
+        grads = {n: p.grad for n, p in params.items()}
+    else:
+        rt = Runtime(model, plan)
+        with rt.bind(params):
+            with fsdpfn.context_parallel(plan, strategy="ring"):
+                loss = _ce(model(x), y)
+            loss.backward()
+        grads = rt.grads(params)
+    return {n: g.full_tensor() for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("style", ["pure", "eager"])
+def test_remat_recomputes_attention_over_cp_after_the_block_ended(run_on_ranks, style):
+    """The remat recompute restores the cp axes its forward saw (fsdpfn/_ambient.py): the
+    gradients are those of the run that keeps its activations, bit for bit (the same operators
+    on the same values, in the same order)."""
+    plain = run_on_ranks(_remat_grads, 4, style, "none")[0]
+    for got in run_on_ranks(_remat_grads, 4, style, "full"):
+        assert all(torch.equal(got[n], plain[n]) for n in plain), [n for n in plain if not torch.equal(got[n], plain[n])]

@@ -50,6 +50,7 @@ from typing import Iterator, Sequence, TypeVar
 import torch
 import torch.nn.functional as F
 
+from fsdpfn import _ambient
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import cp_group, cp_rank
@@ -70,7 +71,7 @@ class _Axis:
     strategy: str = "allgather"
 
 
-_ACTIVE: list[_Axis] = []
+_ACTIVE: list[_Axis] = _ambient.CP_STACK  # restored around a remat recompute (fsdpfn/_ambient.py)
 
 
 def _check_strategy(strategy: str) -> str:
