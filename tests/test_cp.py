@@ -26,8 +26,10 @@ The attention gradients are compared in float64 (u = 2^-53 ~= 1.1e-16) on 64 tok
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from hypothesis import given, strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,8 +118,9 @@ def _cp_train(rank, world, mesh_shape, names, configs, steps=STEPS):
 ALL = [(s, c, style) for s in ("allgather", "ring") for c in (True, False) for style in ("pure", "eager")]
 
 
-@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("dp", "cp")), ((1, 2, 2), ("dp", "cp", "tp")), ((1, 4), ("dp", "cp"))],
-                         ids=["dp2-cp2", "cp2-tp2", "cp4"])
+@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("dp", "cp")), ((1, 2, 2), ("dp", "cp", "tp")), ((1, 4), ("dp", "cp")),
+                                              ((2, 1, 2), ("replicate", "shard", "cp"))],
+                         ids=["dp2-cp2", "cp2-tp2", "cp4", "hsdp2-cp2"])
 def test_adamw_10_steps_match_one_process(run_on_ranks, mesh_shape, names):
     """Both strategies, causal and not, the pure loop and the runtime: see [Note: the tolerance
     of the cp parity tests]."""
@@ -217,6 +220,21 @@ def test_head_tail_chunks_positions_and_the_inverse(run_on_ranks):
     assert len({sum(p + 1 for p in o[1]) for o in out}) == 1
 
 
+@given(cp=st.integers(1, 8), chunk=st.integers(1, 4), dim=st.integers(0, 2))
+def test_the_parts_of_every_rank_put_back_in_order_are_the_sequence(cp, chunk, dim):
+    """Property: the ranks' parts (``_cut``), concatenated in rank order as the all-gather
+    concatenates them and reordered by ``_order``, are the input; each part's positions are
+    the tokens it holds."""
+    shape = [3, 2, 5]
+    shape[dim] = 2 * cp * chunk
+    x = torch.arange(math.prod(shape)).view(shape)
+    parts = [_cp._cut(x, dim, cp, r, "test") for r in range(cp)]
+    assert torch.equal(torch.cat(parts, dim).index_select(dim, _cp._order(parts[0].shape[dim], cp)), x)
+    for r, part in enumerate(parts):
+        pos = _cp._positions(part.shape[dim], cp, r)
+        assert torch.equal(part, x.index_select(dim, pos))
+
+
 # ---- the plan: placements, groups, JSON ---------------------------------------------------------
 
 
@@ -244,11 +262,16 @@ def _placements(rank, world):
     w = params["blocks.0.fc.weight"]
     full = fsdpfn.unshard(params, plan)
     rows = w.to_local().shape[0]
+    with torch.device("meta"):  # meta init: each rank initialises only its shard x cp rows, one process's values
+        skeleton = GPT(CFG)
+    inits = fsdpfn.init_shards(skeleton, fsdpfn.plan(skeleton, mesh), seed=3)
+    twin = fsdpfn.init_full(skeleton, seed=3)
+    same_init = all(torch.equal(fsdpfn.comm.full_tensor(v), twin[n]) for n, v in inits.items())
     return (fsdpfn.transforms.dp_rank(plan), fsdpfn.transforms.cp_rank(plan), rows, tuple(w.placements),
-            w.device_mesh.size(), torch.equal(full["blocks.0.fc.weight"], model.blocks[0].fc.weight.detach()))
+            w.device_mesh.size(), torch.equal(full["blocks.0.fc.weight"], model.blocks[0].fc.weight.detach()) and same_init)
 
 
-def test_every_cp_rank_holds_a_distinct_shard(run_on_ranks):
+def test_every_cp_rank_holds_a_distinct_shard_and_meta_init_is_one_processs(run_on_ranks):
     out = run_on_ranks(_placements, 4)
     assert [(o[0], o[1]) for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(o[2] == 64 // 4 and o[4] == 4 and o[5] for o in out)  # 64 rows of fc over shard x cp = 4
