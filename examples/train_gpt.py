@@ -8,6 +8,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py --resume --steps 400            # continue the run to step 400
     python examples/train_gpt.py --resume --steps 500 --world-size 1 --strategy zero2  # resharded
     python examples/train_gpt.py --world-size 4 --tp 2                # FSDP x tensor parallel
+    python examples/train_gpt.py --world-size 4 --cp 2 --seq-len 256  # context parallel: each rank half of every sequence
     python examples/train_gpt.py --world-size 4 --experts 4 --ep 2    # mixture of experts, expert parallel
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
@@ -35,6 +36,7 @@ sharded, reduced gradients; ``fsdpfn.optim`` turns them into updates. See :func:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -83,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: attention and MLP matmuls split over tp ranks (mesh (dp, tp), or "
                         "(replicate, shard, tp) with --replicas); ranks differing only in tp read the same batch")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: every sequence split over cp ranks (a head and a tail chunk each), "
+                        "attention over cp, parameters sharded over shard x cp (mesh (dp, cp[, tp]))")
+    g.add_argument("--cp-strategy", default="allgather", choices=["allgather", "ring"],
+                   help="how attention fetches the other ranks' keys and values (with --cp)")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (with --experts): each MoE layer's experts split over ep ranks, tokens "
                         "sent to their experts by all-to-alls, each expert sharded over the world / ep ranks of its "
@@ -196,7 +203,7 @@ def check_experts(args, world: int) -> str | None:
 
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a message naming it, or ``None``."""
-    positive = ("world_size", "replicas", "tp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
+    positive = ("world_size", "replicas", "tp", "cp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
                 "keep", "log_every", "max_nonfinite")
     for name in positive:
         if getattr(args, name) < 1:
@@ -216,8 +223,12 @@ def check_args(args) -> str | None:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     if world % args.replicas:
         return f"--replicas {args.replicas} must divide the world size {world} (the mesh is (replicas, world / replicas))"
-    if world % (args.replicas * args.tp):
-        return f"--tp {args.tp} x --replicas {args.replicas} must divide the world size {world}"
+    if world % (args.replicas * args.tp * args.cp):
+        return f"--tp {args.tp} x --cp {args.cp} x --replicas {args.replicas} must divide the world size {world}"
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        return f"--seq-len {args.seq_len} must divide by 2 x --cp = {2 * args.cp} (each cp rank holds a head and a tail chunk)"
+    if args.cp > 1 and (args.experts or args.ep > 1):
+        return f"--cp {args.cp} with --experts/--ep: context parallelism beside expert parallelism is not supported yet"
     if args.heads % args.tp:
         return f"--tp {args.tp} must divide --heads {args.heads} (each tp rank computes whole heads)"
     problem = check_experts(args, world)
@@ -330,12 +341,18 @@ def make_forward(model, plan, args):
     return pure
 
 
-def make_loss(forward):
+def make_loss(forward, plan=None, cp_strategy="allgather"):
     """``loss_fn(params, x, y, aux=True)``: cross-entropy, plus the MoE layers' load-balancing
-    loss (with ``--experts``) unless ``aux=False``."""
+    loss (with ``--experts``) unless ``aux=False``. With a cp axis in ``plan``, each rank keeps
+    its part of every sequence and the forward runs inside ``fsdpfn.context_parallel`` (the
+    loss is then the mean over this rank's tokens; gradients are averaged over dp x cp)."""
+    cp = plan is not None and plan.cp_size > 1
 
     def loss_fn(params, x, y, aux=True):
-        out = forward(params, x)
+        if cp:
+            x, y = fsdpfn.context_parallel_shard((x, y), plan)
+        with fsdpfn.context_parallel(plan, strategy=cp_strategy) if cp else contextlib.nullcontext():
+            out = forward(params, x)
         logits, balance = out if isinstance(out, tuple) else (out, None)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         return loss + balance if aux and balance is not None else loss
@@ -517,7 +534,12 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     else:  # shapes only: no rank ever holds the whole model
         with torch.device("meta"):
             model = GPT(cfg)
-    if args.tp > 1:  # named axes: data parallel (HSDP with --replicas) x tensor parallel
+    if args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
+        shard = world // (args.replicas * args.cp * args.tp)
+        dims = {"replicate": args.replicas, "shard": shard, "cp": args.cp, "tp": args.tp}
+        dims = {n: d for n, d in dims.items() if d > 1 or n in ("shard", "cp")}
+        mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    elif args.tp > 1:  # named axes: data parallel (HSDP with --replicas) x tensor parallel
         shard = world // (args.replicas * args.tp)
         mesh = init_device_mesh(device.type, (args.replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp")) \
             if args.replicas > 1 else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
@@ -555,7 +577,7 @@ def announce(job: Job) -> None:
         args = job.args
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
               f"training characters; {job.world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; "
-              f"{args.strategy}{f' x tp={args.tp}' if args.tp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
+              f"{args.strategy}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
 
 def resume(job: Job, state: dict) -> tuple[dict, dict | None]:
@@ -764,7 +786,7 @@ def train(rank: int, world: int, args) -> None:
             print(note)
     start = state["step"]
     start_logs(job, start)
-    loss_fn = make_loss(make_forward(job.model, job.plan, args))
+    loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn)
     finish(job, state, start, last_loss, time.perf_counter() - t0)

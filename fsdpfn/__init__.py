@@ -38,6 +38,11 @@ from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.transforms import CompileUnsupportedError as CompileUnsupportedError
 from fsdpfn.transforms import apply_tp as apply_tp
 from fsdpfn.transforms import compile as compile
+from fsdpfn.transforms import context_parallel as context_parallel
+from fsdpfn.transforms import context_parallel_attention as context_parallel_attention
+from fsdpfn.transforms import context_parallel_positions as context_parallel_positions
+from fsdpfn.transforms import context_parallel_shard as context_parallel_shard
+from fsdpfn.transforms import context_parallel_unshard as context_parallel_unshard
 from fsdpfn.transforms import init_full as init_full
 from fsdpfn.transforms import init_shards as init_shards
 from fsdpfn.transforms import load_safetensors as load_safetensors
@@ -82,6 +87,11 @@ __all__ = [
     "checkpoint",
     "comm",
     "compile",
+    "context_parallel",
+    "context_parallel_attention",
+    "context_parallel_positions",
+    "context_parallel_shard",
+    "context_parallel_unshard",
     "count_collectives",
     "fp8",
     "ft",

@@ -47,6 +47,7 @@ kernels (atomics on CUDA) needs ``torch.use_deterministic_algorithms(True)`` or
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 from typing import Callable
 
@@ -55,6 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fsdpfn import _ambient
 from fsdpfn._flops import op_flops, rate_key
 
 __all__ = [
@@ -323,6 +325,7 @@ class SaveMode(TorchDispatchMode):
         self.signatures: dict = {}  # (op, n) -> shapes and dtypes of its tensor arguments
         self.costs: dict = {}  # (op, n) -> (rate key or None, FLOPs, bytes read and written): what a kept op saves
         self._producer = WeakIdKeyDictionary()  # tensor -> (key, weak refs to the op's outputs)
+        self.ambient = _ambient.snapshot()  # the cp axes the recompute must attend over again
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -434,6 +437,13 @@ class ReplayMode(TorchDispatchMode):
         self.unit = unit
         self.counts: collections.Counter = collections.Counter()
         self.skipped = 0
+        self._ambient = contextlib.ExitStack()
+        self._snap = save.ambient if save is not None else None
+
+    def __enter__(self):
+        if self._snap is not None:  # the forward's cp axes, even after its `with` block ended
+            self._ambient.enter_context(_ambient.restored(self._snap))
+        return super().__enter__()
 
     def _refuse(self, why: str):
         """The first value difference before this point is the culprit, if there is one."""
@@ -495,6 +505,7 @@ class ReplayMode(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        self._ambient.close()
         if exc[0] is None and self.trace is not None:
             if len(self.sums) < len(self.trace.ops):
                 self._refuse(f"it ran {len(self.sums)} operators, the forward {len(self.trace.ops)} (the next was "

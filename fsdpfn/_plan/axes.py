@@ -20,11 +20,19 @@ role               what the axis does
                    over ``ep`` x ``shard`` flattened. A replicate axis may come first (HSDP
                    over experts): every parameter is replicated over it and every gradient
                    all-reduced over it, and tokens travel over ``ep`` within each replica.
+``cp``             context parallel; activations are split along the sequence over it (each rank
+                   a head and a tail chunk, see :func:`fsdpfn.context_parallel_shard`) and
+                   attention exchanges keys and values over it
+                   (:func:`fsdpfn.context_parallel_attention`). Parameters are not split over it,
+                   so, like dense parameters beside ``ep``, they are sharded over ``shard`` x
+                   ``cp`` flattened (every cp rank holds a distinct shard, as torchtitan's
+                   ``dp_shard x cp``), and gradients are averaged over it. cp ranks read the
+                   same sequences, so it is not part of :attr:`MeshAxes.dp_size`.
 =================  ==============================================================================
 
 Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,
 ``edp``, ``efsdp`` -> ``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
--> ``ep``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
+-> ``ep``; ``cp`` -> ``cp``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
 its name, except ``ep`` (refused, see below), and a 2-D mesh named ``("replicate", "shard")`` is
 HSDP, as they always were.
 
@@ -62,11 +70,12 @@ class Role(str, enum.Enum):
     REPLICATE = "replicate"
     TP = "tp"
     EP = "ep"
+    CP = "cp"
 
     @property
     def is_data_parallel(self) -> bool:
-        """Gradients are averaged over this axis (``shard``, ``replicate`` and ``ep``)."""
-        return self in (Role.SHARD, Role.REPLICATE, Role.EP)
+        """Gradients are averaged over this axis (``shard``, ``replicate``, ``ep`` and ``cp``)."""
+        return self in (Role.SHARD, Role.REPLICATE, Role.EP, Role.CP)
 
     def __str__(self) -> str:
         return self.value
@@ -75,7 +84,7 @@ class Role(str, enum.Enum):
 DEFAULT_ROLES: Mapping[str, Role] = {
     "shard": Role.SHARD, "dp_shard": Role.SHARD, "dp": Role.SHARD, "fsdp": Role.SHARD, "edp": Role.SHARD, "efsdp": Role.SHARD,
     "replicate": Role.REPLICATE, "dp_replicate": Role.REPLICATE, "ddp": Role.REPLICATE,
-    "tp": Role.TP, "ep": Role.EP,
+    "tp": Role.TP, "ep": Role.EP, "cp": Role.CP,
 }
 
 
@@ -122,9 +131,12 @@ class MeshAxes:
             if len(dims) > 1:
                 raise ValueError(f"mesh axes {dims} all have role {role.value!r}; give each role to one axis (flatten them into one mesh dim)")
         if Role.SHARD not in self.roles:
+            example = ("init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))" if Role.CP not in self.roles else
+                       f"init_device_mesh('cpu', {(1, *self.shape)}, mesh_dim_names={('dp', *self.names)}): FSDP then "
+                       "shards over dp x cp")
             raise ValueError(
                 f"mesh {dict(zip(self.names, self.shape))} has no data-parallel shard axis; add one (size 1 is fine), "
-                "e.g. init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))"
+                f"e.g. {example}"
             )
         if Role.EP in self.roles:
             ep = self.names[self.roles.index(Role.EP)]
@@ -138,6 +150,12 @@ class MeshAxes:
                     f"shard axis and, optionally, a replicate axis before both; {why}. Use a mesh such as "
                     f"init_device_mesh('cpu', (ep, edp), mesh_dim_names=('ep', 'edp')) or "
                     f"init_device_mesh('cpu', (r, ep, edp), mesh_dim_names=('replicate', 'ep', 'edp'))"
+                )
+            if Role.CP in self.roles:
+                raise NotImplementedError(
+                    f"mesh {dict(zip(self.names, self.shape))}: context parallelism (axis "
+                    f"{self.names[self.roles.index(Role.CP)]!r}) beside expert parallelism (axis {ep!r}) is not supported yet; "
+                    "use cp with shard, replicate and tp axes, e.g. init_device_mesh('cpu', (dp, cp), mesh_dim_names=('dp', 'cp'))"
                 )
 
     # ---- construction ----------------------------------------------------------------------
@@ -183,7 +201,7 @@ class MeshAxes:
                 known = ", ".join(sorted(DEFAULT_ROLES))
                 raise ValueError(
                     f"mesh axis {name!r} has no role. Name it one of {known}, or say what it is for with "
-                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp' | 'ep'}})"
+                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp' | 'ep' | 'cp'}})"
                 )
         return cls(shape, names, tuple(roles))
 
@@ -234,15 +252,33 @@ class MeshAxes:
         return self.size(Role.EP)
 
     @property
+    def cp_size(self) -> int:
+        return self.size(Role.CP)
+
+    @property
     def dense_shard_size(self) -> int:
         """Ranks a dense (non-expert) parameter is sharded over: the shard axis, times the ``ep``
-        axis when there is one (both flattened into one group)."""
-        return self.shard_size * self.ep_size
+        or ``cp`` axis when there is one (flattened into one group)."""
+        return self.shard_size * self.ep_size * self.cp_size
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: gradients are averaged over these (shard x replicate x ep)."""
+        """Data-parallel ranks, which read different examples (shard x replicate x ep): the
+        global batch is cut into this many slices. ``cp`` ranks read the same examples (each a
+        part of every sequence), so they are not counted here; see :attr:`grad_ranks`."""
         return self.shard_size * self.replicate_size * self.ep_size
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks a gradient is averaged over: :attr:`dp_size` x ``cp``. Each cp rank's loss is
+        the mean over its own tokens, an equal share of its sequences' (the balancer gives every
+        rank as many), so the mean over dp x cp is the mean over the global batch's tokens.
+
+        Example:
+          >>> MeshAxes.from_shape({"dp": 2, "cp": 2}).grad_ranks, MeshAxes.from_shape({"dp": 2, "cp": 2}).dp_size
+          (4, 2)
+        """
+        return self.dp_size * self.cp_size
 
     @property
     def world_size(self) -> int:

@@ -4,6 +4,8 @@ validated :class:`~fsdpfn.Plan` (the value types live in ``values.py``).
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from torch import nn
@@ -137,6 +139,46 @@ def _check_not_parallelised(model: nn.Module) -> None:
                 "would lose that split: pass the model before parallelize_module and give the tensor-parallel styles to "
                 "fsdpfn.plan(model, mesh, tp={'blocks.*.attn.qkv': 'colwise', ...})."
             )
+
+
+_ATTENTION_WORDS = ("attention", "attn", "softmax")
+
+
+def _mentions_attention(cls: type) -> bool | None:
+    """Whether ``cls``'s name or ``forward`` source mentions attention (``None``: no source)."""
+    if any(w in cls.__name__.lower() for w in _ATTENTION_WORDS):
+        return True
+    try:
+        source = inspect.getsource(getattr(cls, "forward"))
+    except (OSError, TypeError):
+        return None
+    return any(w in source.lower() for w in _ATTENTION_WORDS)
+
+
+def _check_has_attention(model: nn.Module, axes: MeshAxes) -> None:
+    """[Note: cp on a model without attention]
+    A cp axis splits each sequence and only attention joins the parts again; a model without
+    attention would train correctly but every cp rank would just be a data-parallel rank reading
+    a part of each sequence, at the cost of the cp collectives it never uses, which is a
+    misconfiguration worth naming at plan time. A model has attention if one of its module
+    classes is named for it or its ``forward`` mentions it (``attention``, ``attn``,
+    ``softmax``); a class whose source cannot be read is given the benefit of the doubt. Whether
+    the attention is cp-aware is checked at the first step ([Note: detecting attention that is
+    not cp-aware] in ``fsdpfn/transforms/_cp.py``)."""
+    seen: set[type] = set()
+    for _, m in model.named_modules():
+        cls = type(m)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if isinstance(m, nn.MultiheadAttention) or _mentions_attention(cls) is not False:
+            return
+    cp = axes.names[axes.roles.index(Role.CP)]
+    raise ValueError(
+        f"the mesh {axes.describe()} splits each sequence over {axes.cp_size} ranks (axis {cp!r}), but model "
+        f"{type(model).__name__} has no attention (no module class named for it, no forward that mentions attention or "
+        f"softmax), the one layer that joins the parts of a sequence; use those ranks as data-parallel ones instead "
+        f"(fold {cp!r} into the shard axis)")
 
 
 def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
@@ -294,6 +336,8 @@ def plan(
         raise ValueError(f"mp must be fsdpfn.MixedPrecision(...), got {type(mp).__name__}")
     mesh_axes, names, mesh = _axes_of(mesh, axes)
     _check_not_parallelised(model)
+    if mesh_axes.cp_size > 1:
+        _check_has_attention(model, mesh_axes)
     tp_styles = _tp_styles(model, tp)
     if tp_styles and Role.TP not in mesh_axes.roles:
         raise ValueError(

@@ -11,9 +11,12 @@ checkpointing: the mesh carries its roles, every parameter not replicated over t
 carries ``expert`` and its unit ``experts``. Format 4 is format 3 with ``colwise_fused:k`` layers: their
 parameters carry ``tp_stride`` (see [Note: fused colwise] in ``fsdpfn/_plan/values.py``); a plan without
 them is still written as format 3. Format 5 is any of these with ``MixedPrecision(codec=...)``: ``mp``
-carries the codec's name (see [Note: codec selection] in ``fsdpfn/_codec.py``). A reader refuses
+carries the codec's name (see [Note: codec selection] in ``fsdpfn/_codec.py``). Format 6 is any of these on
+a mesh with a context-parallel axis: ``mesh.roles`` holds ``"cp"`` (nothing else changes: parameters are
+not placed over cp, and the units' ``shard_size`` is read back from the mesh). A reader refuses
 formats it does not know, so an older fsdpfn never runs a tensor-parallel plan as if it were a
-data-parallel one, a fused split as a plain one, nor a registered codec's wire format as the plain one.
+data-parallel one, a fused split as a plain one, a registered codec's wire format as the plain one, nor a
+plan sharded over shard x cp as one over shard alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from fsdpfn._plan import placements as P
+from fsdpfn._plan.axes import Role
 
 __all__ = ["plan_to_dict", "plan_fingerprint", "FORMATS"]
 
@@ -33,7 +37,8 @@ FORMAT_FP8 = 2
 FORMAT_AXES = 3
 FORMAT_FUSED = 4
 FORMAT_CODEC = 5
-FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC)
+FORMAT_CP = 6
+FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC, FORMAT_CP)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -93,6 +98,8 @@ def plan_to_dict(plan: Any) -> dict:
     if plan.mp.codec is not None:
         d["format"] = FORMAT_CODEC
         d["mp"]["codec"] = plan.mp.codec
+    if Role.CP in plan.axes.roles:
+        d["format"] = FORMAT_CP
     return d
 
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Placement", "Replicate", "Shard", "StridedShard", "Partial", "AxisPlacement", "PLACED_ROLES", "placement_of",
            "axis_size", "local_shape", "local_part", "local_box", "uses_zeros", "split_roles", "row_roles", "rows_over",
-           "rows_size", "unit_row_roles", "reduce_roles", "dtensor_placements", "normalise", "check", "from_legacy",
+           "rows_size", "unit_row_roles", "reduce_roles", "mesh_dims", "dtensor_placements", "normalise", "check", "from_legacy",
            "legacy_fields", "module_placement"]
 
 # The mesh axes a ParamSpec carries placements for, in the order they are composed (an axis
@@ -480,14 +480,35 @@ def reduce_roles(spec, axes: MeshAxes) -> tuple[Role, ...]:
     return row_roles(spec, axes) + rep
 
 
+def mesh_dims(rows: Sequence[Role], axes: MeshAxes) -> tuple[tuple[Role, ...], ...]:
+    """The dims of the mesh a parameter whose rows are cut over ``rows`` (its
+    :func:`row_roles`) is placed on, in mesh order, each as the roles it joins: the row axes
+    flattened into one dim where the first of them is, every other axis a dim of its own. With
+    one row axis, the plan's mesh itself; a dense parameter beside ``ep`` lives on
+    ``(ep x shard)``, one beside ``cp`` and ``tp`` on ``(shard x cp, tp)``.
+
+    Example:
+      >>> mesh_dims((Role.SHARD, Role.CP), MeshAxes.from_shape({"replicate": 2, "dp": 2, "cp": 2, "tp": 2}))
+      ((<Role.REPLICATE: 'replicate'>,), (<Role.SHARD: 'shard'>, <Role.CP: 'cp'>), (<Role.TP: 'tp'>,))
+    """
+    rows = tuple(rows)
+    out: list[tuple[Role, ...]] = []
+    for role in axes.roles:
+        if role not in rows:
+            out.append((role,))
+        elif role is rows[0]:
+            out.append(rows)
+    return tuple(out)
+
+
 def dtensor_placements(spec, axes: MeshAxes, sharded: bool) -> tuple:
-    """The DTensor placements of ``spec``, one per dim of the mesh its unit lives on (see
-    :func:`row_roles`): when the rows are cut over one axis, the plan's mesh, each axis placed as
-    ``spec`` says and the shard axis ``Shard(0)`` if ``sharded`` (its unit shards it) else
-    ``Replicate()``; data-parallel rows cut from a part that a later mesh dim splits along dim 0
-    are ``_StridedShard(0, split_factor=that axis's size)`` (as FSDP2 places them on a 2-D mesh).
-    When the rows are cut over several axes (flattened into one dim), the replicate axis if any,
-    then that dim.
+    """The DTensor placements of ``spec``, one per dim of the mesh its unit lives on
+    (:func:`mesh_dims` of its :func:`row_roles`: the plan's mesh when its rows are cut over one
+    axis, else those axes flattened into one dim): the rows' dim ``Shard(0)`` if ``sharded``
+    (its unit shards it) else ``Replicate()``, each model-parallel axis placed as ``spec`` says,
+    the replicate axis ``Replicate()``. Data-parallel rows cut from a part that a later mesh dim
+    splits along dim 0 are ``_StridedShard(0, split_factor=that axis's size)`` (as FSDP2 places
+    them on a 2-D mesh).
 
     Example:
       >>> p = fsdpfn.ParamSpec("w", (4, 6), torch.float32, tp="shard0", tp_size=2)
@@ -498,23 +519,22 @@ def dtensor_placements(spec, axes: MeshAxes, sharded: bool) -> tuple:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     rows = row_roles(spec, axes)
-    if len(rows) > 1:  # on the flattened mesh (fsdpfn.transforms.unit_mesh)
-        flat = (DShard(0) if sharded else DReplicate(),)
-        return (DReplicate(), *flat) if axes.hsdp else flat
+    dims = mesh_dims(rows, axes)
+    position = {role: i for i, dim in enumerate(dims) for role in dim}
     out: list = []
-    for d, role in enumerate(axes.roles):
-        if role is Role.SHARD:
-            later = [e for e in spec.placements
-                     if e.placement.dim == 0 and e.size > 1 and (axes.dim(e.axis) or 0) > d]
-            if not sharded or (axes.shard_size == 1 and not all(e.placement.cuts_rows for e in spec.placements)):
+    for i, dim in enumerate(dims):
+        if dim == rows:
+            later = [e for e in spec.placements if e.placement.dim == 0 and e.size > 1 and position.get(e.axis, -1) > i]
+            rows_one = math.prod(axes.size(r) for r in rows) == 1
+            if not sharded or (rows_one and not all(e.placement.cuts_rows for e in spec.placements)):
                 # A fused part is never cut over a data-parallel axis of > 1 rank (the plan refuses it).
                 out.append(DReplicate())
             elif later:
                 out.append(_StridedShard(0, split_factor=later[0].size))
             else:
                 out.append(DShard(0))
-        elif role in PLACED_ROLES:
-            out.append(placement_of(spec, role).to_dtensor())
+        elif dim[0] in PLACED_ROLES:
+            out.append(placement_of(spec, dim[0]).to_dtensor())
         else:
             out.append(DReplicate())
     return tuple(out)

@@ -28,13 +28,13 @@ def _param_from(p: dict, axes: MeshAxes) -> ParamSpec:
 
 
 def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
-    """Inverts :func:`fsdpfn._plan.encode.plan_to_dict` (formats 1 to 5), building a ``cls``."""
+    """Inverts :func:`fsdpfn._plan.encode.plan_to_dict` (formats 1 to 6), building a ``cls``."""
     fmt = d.get("format")
     if fmt not in FORMATS:
         raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
     shape = tuple(d["mesh"]["shape"])
     names = tuple(d["mesh"]["dim_names"]) if d["mesh"]["dim_names"] else None
-    # format 5 may hold a plan of any earlier format beside its codec: roles only if it wrote them
+    # formats 5 and 6 may hold a plan of any earlier format: roles only if it wrote them
     roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
     params = [tuple(_param_from(p, axes) for p in u["params"]) for u in d["units"]]

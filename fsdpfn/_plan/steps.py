@@ -343,7 +343,7 @@ def step_ops(
     _check_step_args(micro_batches, accumulate, tokens)
     units = {u.name: u for u in plan.units}
     tp = _tp_modules(plan) if plan.tp else {}
-    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP)}
+    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP, Role.CP)}
     ntok = 0 if tokens is None else tokens
     backward_events = (OpKind.BACKWARD, OpKind.BACKWARD_DONE, OpKind.END)
 
@@ -352,7 +352,7 @@ def step_ops(
         for kind, role, nbytes, dtype, purpose, *tag in entries:
             name, size = axes[role]
             rows = unit_row_roles(units[unit], plan.axes) if role is Role.SHARD else ()
-            if len(rows) > 1:  # a unit whose rows run over several axes (dense beside ep): them flattened, in mesh order
+            if len(rows) > 1:  # a unit whose rows run over several axes (dense beside ep or cp): them flattened, in mesh order
                 name = "_".join(plan.axes.names[cast(int, plan.axes.dim(r))] for r in rows)
                 size = math.prod(plan.axes.size(r) for r in rows)
             out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,

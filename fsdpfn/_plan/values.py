@@ -603,7 +603,8 @@ class PlanValues:
             # A unit cuts rows over the data-parallel axes that do not split its parameters.
             want = math.prod(axes.size(r) for r in P.unit_row_roles(unit, axes))
             if unit.shard_size != want:
-                what = "the mesh's shard axis" if unit.experts or axes.ep_size == 1 else "the mesh's ep x shard axes"
+                what = ("the mesh's shard axis" if unit.experts or axes.dense_shard_size == axes.shard_size else
+                        f"the mesh's {' x '.join(r.value for r in P.unit_row_roles(unit, axes))} axes")
                 raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
             if unit.experts and Role.EP not in axes.roles:
                 raise ValueError(f"unit {unit.label!r} holds expert weights, but the mesh {axes.describe()} has no 'ep' axis")
@@ -691,9 +692,21 @@ class PlanValues:
         return self.axes.ep_size
 
     @property
+    def cp_size(self) -> int:
+        """Ranks on the context-parallel axis (1 without one): each holds ``1 / cp`` of every
+        sequence."""
+        return self.axes.cp_size
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks (shard x replicate x ep): gradients are averaged over these."""
+        """Data-parallel ranks (shard x replicate x ep), which read different examples: the
+        global batch is cut into this many slices (:func:`fsdpfn.transforms.dp_rank`)."""
         return self.axes.dp_size
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks gradients are averaged over: ``dp_size`` x ``cp_size``."""
+        return self.axes.grad_ranks
 
     @property
     def world_size(self) -> int:

@@ -13,6 +13,7 @@ The algebra (``W`` = group size, ``x`` a rank's shard, ``y`` a full-length buffe
     reduce_scatter : R^(W n) -> R^n      transpose: all_gather
     all_reduce     = all_gather . reduce_scatter        (self-transpose)
     all_to_all(in_splits, out_splits)    transpose: all_to_all(out_splits, in_splits)
+    send_recv(shift)                     transpose: send_recv(-shift)
 
 so that ``<all_gather(x), y> == <x, reduce_scatter(y)>`` summed over ranks.
 
@@ -52,6 +53,7 @@ __all__ = [
     "healthy",
     "reduce_scatter",
     "reduce_scatter_impl",
+    "send_recv",
     "set_reduce_scatter_impl",
 ]
 
@@ -394,6 +396,38 @@ def all_to_all(
         group=group, async_op=True,
     )
     return _start("all_to_all", group, nbytes, input.dtype, tag, launch, output, async_op)
+
+
+def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: int = 1, async_op: bool = False,
+              tag: str = "") -> Pending:
+    """One hop of a ring: rank ``r`` of the group sends ``input`` to rank ``(r + shift) % W``
+    and receives rank ``(r - shift) % W``'s into ``output`` (same number of elements).
+
+    Transpose: ``send_recv`` with ``-shift`` (what went forward comes back). It is one
+    all-to-all with one non-empty split each way, so it is counted, flight-recorded and bounded
+    by the timeout like every collective, on gloo and NCCL alike; its wire bytes are the
+    buffer's (:func:`fsdpfn._plan.wire.wire_bytes`, ``"send_recv"``).
+
+    Example:
+      >>> out = torch.empty(2)
+      >>> fsdpfn.comm.send_recv(out, torch.tensor([5.0, 6.0])).wait()   # one process: to itself
+      tensor([5., 6.])
+    """
+    if output.numel() != input.numel():
+        raise ValueError(f"send_recv: output has {output.numel()} elements, input {input.numel()}; a ring hop moves equal buffers")
+    w = _groups.group_size(group)
+    if w == 1:
+        record("send_recv", 1, _nbytes(input), input.dtype, tag)
+        output.copy_(input)
+        return Pending(output)
+    r, n = _groups.group_rank(group), input.numel()
+    dst, src = (r + shift) % w, (r - shift) % w
+    send = [n if q == dst else 0 for q in range(w)]
+    recv = [n if q == src else 0 for q in range(w)]
+    launch = lambda: dist.all_to_all_single(  # noqa: E731
+        _wire_view(output), _wire_view(input), output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True,
+    )
+    return _start("send_recv", group, _nbytes(input), input.dtype, tag, launch, output, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, *, tag: str = "") -> torch.Tensor:

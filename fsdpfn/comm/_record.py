@@ -87,7 +87,7 @@ class CollectiveCall(NamedTuple):
     """One recorded collective.
 
     Attributes:
-      kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"``,
+      kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"``, ``"send_recv"``,
         ``"broadcast"`` or ``"barrier"``.
       group_size: ranks taking part.
       nbytes: size of the larger of input and output buffer (the full-length buffer).
@@ -238,7 +238,7 @@ def group_info(group=None) -> tuple[tuple[int, ...], int]:
     return info
 
 
-_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier")
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "send_recv")  # append only: codes are stored
 _KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 _MAGIC = b"FSDPFNFR"
 _HEADER = struct.Struct("<8sIIqi4x")  # magic, version, slots, pid, slot written last

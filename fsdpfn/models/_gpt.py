@@ -5,6 +5,8 @@ unit policy makes each block a unit and leaves the embeddings, final norm and he
 :data:`TP_PLAN` splits its attention and MLP over a tensor-parallel axis (Megatron-style).
 With ``GPTConfig(experts=E)`` the MLP of every ``moe_every``-th block is a top-k
 mixture of experts (:class:`fsdpfn.models.MoE`), and the model returns ``(logits, aux)``.
+Its attention is :func:`fsdpfn.context_parallel_attention`, so it runs on a mesh with a ``cp``
+axis inside ``with fsdpfn.context_parallel(plan):`` on each rank's part of the sequences.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ from torch import nn
 
 try:
     from fsdpfn._remat import checkpoint_name
+    from fsdpfn.transforms import context_parallel_attention, context_parallel_positions
 except ImportError:  # this file also runs on its own, without fsdpfn (exported checkpoints load into it)
 
     def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
         return x
+
+    def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_or_group=None, *,
+                                   causal: bool = True, strategy: str | None = None, scale: float | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    def context_parallel_positions(local_len: int, plan_or_group=None, *, device=None) -> torch.Tensor:
+        return torch.arange(local_len, device=device)
 
 
 # fsdpfn.plan(model, mesh, tp=TP_PLAN): qkv and fc split by output features, proj and out by
@@ -41,6 +51,8 @@ class GPTConfig:
     # are sharper: the key part of a qkv bias has an exactly-zero true gradient (softmax ignores
     # a per-query constant), so Adam turns its rounding noise into full-size steps.
     bias: bool = True
+    # Causal self-attention (a decoder); False: every token attends to the whole sequence.
+    causal: bool = True
     # Mixture of experts (0: dense MLPs everywhere). Block i's MLP is a top_k-of-experts MoE
     # (fsdpfn.models.MoE, each expert as wide as the dense MLP) when i % moe_every == 0: every
     # block with 1, blocks 0, 2, 4, ... with 2 (Megatron's moe_layer_freq). The model then returns
@@ -68,7 +80,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
-        self.heads = cfg.heads
+        self.heads, self.causal = cfg.heads, cfg.causal
         self.norm1 = nn.LayerNorm(cfg.width, bias=cfg.bias)
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.bias)
         self.proj = nn.Linear(cfg.width, cfg.width, bias=cfg.bias)
@@ -86,7 +98,9 @@ class Block(nn.Module):
         # heads, and the same code runs on heads / tp of them.
         q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, c // self.heads).permute(3, 0, 2, 1, 4)
         # Named for remat="save_names:attention,mlp_up" (fsdpfn.checkpoint_name is a no-op otherwise).
-        att = checkpoint_name(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attention")
+        # Over a cp axis (inside `with fsdpfn.context_parallel(plan):`) x holds this rank's part of
+        # each sequence and attention fetches the rest; elsewhere this is plain causal SDPA.
+        att = checkpoint_name(context_parallel_attention(q, k, v, causal=self.causal), "attention")
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
             y, aux = self.moe(self.norm2(x).reshape(b * t, c))
@@ -123,9 +137,12 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        t = tokens.shape[1]
-        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # positions: of each token in its sequence; by default 0..t-1, or this rank's positions
+        # inside a context-parallel block (fsdpfn.context_parallel_positions).
+        if positions is None:
+            positions = context_parallel_positions(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.pos(positions)
         aux = None
         for block in self.blocks:
             x = block(x)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdpfn.transforms import context_parallel_attention
+
 __all__ = ["LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig"]
 
 
@@ -62,7 +64,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        # Plain causal SDPA, or over a cp axis (inside `with fsdpfn.context_parallel(plan):`) the
+        # attention of this rank's part of each sequence to the whole of it.
+        out = context_parallel_attention(q, k, v, causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -49,7 +49,7 @@ import torch
 from fsdpfn import optim
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
-from fsdpfn._plan.placements import unit_row_roles
+from fsdpfn._plan.placements import mesh_dims, unit_row_roles
 from fsdpfn._rows import chunk_bounds
 from fsdpfn._plan.wire import wire_bytes
 from fsdpfn.sim._workload import EMPTY, Work, count_work
@@ -117,21 +117,24 @@ def _dense(plan: Plan, unit) -> bool:
 
 
 def _mesh_of(plan: Plan, unit, rank: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """``(key, sizes, rank's coordinates)`` of the mesh ``unit``'s parameters are placed on."""
+    """``(key, sizes, rank's coordinates)`` of the mesh ``unit``'s parameters are placed on
+    (:func:`fsdpfn._plan.placements.mesh_dims`, as ``fsdpfn.transforms.unit_mesh`` builds it)."""
     coords = _coords(plan, rank)
     if not _dense(plan, unit):
         return "mesh", tuple(plan.mesh_shape), coords
-    dims = [cast(int, plan.axes.dim(r)) for r in unit_row_roles(unit, plan.axes)]  # in mesh order
-    index = 0
-    for d in dims:
-        index = index * plan.mesh_shape[d] + coords[d]
-    flat = ((math.prod(plan.mesh_shape[d] for d in dims),), (index,))
-    rep = plan.axes.dim(Role.REPLICATE) if plan.axes.hsdp else None
-    if rep is None:
-        return "dense", *flat
-    # The replicate axis stays a dim of its own, before the flattened one, as on the mesh the
-    # transforms place dense units on (transforms.unit_mesh): one placement per dim.
-    return "dense", (plan.mesh_shape[rep], *flat[0]), (coords[rep], *flat[1])
+    sizes, index = [], []
+    for dim in mesh_dims(unit_row_roles(unit, plan.axes), plan.axes):
+        i = 0
+        for d in (cast(int, plan.axes.dim(r)) for r in dim):  # in mesh order, flattened row-major
+            i = i * plan.mesh_shape[d] + coords[d]
+        sizes.append(math.prod(plan.axes.size(r) for r in dim))
+        index.append(i)
+    return "dense", tuple(sizes), tuple(index)
+
+
+def _rows_dim(plan: Plan, unit) -> int:
+    rows = unit_row_roles(unit, plan.axes)
+    return mesh_dims(rows, plan.axes).index(rows)
 
 
 def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
@@ -148,8 +151,8 @@ def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
     for unit in plan.units:
         _, sizes, coords = _mesh_of(plan, unit, rank)
         dense = _dense(plan, unit)
-        w = sizes[-1] if dense else plan.shard_size
-        s = coords[-1] if dense else coords[cast(int, plan.axes.dim(Role.SHARD))] if plan.axes.dim(Role.SHARD) is not None else 0
+        w = sizes[_rows_dim(plan, unit)] if dense else plan.shard_size
+        s = coords[_rows_dim(plan, unit)] if dense else coords[cast(int, plan.axes.dim(Role.SHARD))] if plan.axes.dim(Role.SHARD) is not None else 0
         for p in unit.params:
             if unit.sharded and p.shape:
                 start, stop = chunk_bounds(p.rows, w, s)

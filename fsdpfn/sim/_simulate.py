@@ -232,11 +232,12 @@ def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
         strides[i] = strides[i + 1] * shape[i + 1]
     base = sum(c * st for c, st in zip(coords, strides))
     groups = {}
-    for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP):
+    for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP, Role.CP):
         d = plan.axes.dim(role)
         groups[role.value] = [rank] if d is None else [base + (q - coords[d]) * strides[d] for q in range(shape[d])]
-    if plan.axes.dim(Role.EP) is not None:  # dense units beside ep: the ep and shard axes flattened
-        groups["dense"] = sorted({e - rank + s for e in groups["ep"] for s in groups["shard"]})
+    for role in (Role.EP, Role.CP):  # dense units beside ep or cp: that axis and the shard axis flattened
+        if plan.axes.dim(role) is not None:
+            groups["dense"] = sorted({e - rank + s for e in groups[role.value] for s in groups["shard"]})
     return groups
 
 

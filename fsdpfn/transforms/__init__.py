@@ -33,6 +33,14 @@ from fsdpfn.transforms._sharding import unshard as unshard
 from fsdpfn.transforms._sharding import tp_group as tp_group
 from fsdpfn.transforms._sharding import tp_rank as tp_rank
 from fsdpfn.transforms._sharding import tp_slice as tp_slice
+from fsdpfn.transforms._axes import cp_group as cp_group
+from fsdpfn.transforms._cp import context_parallel as context_parallel
+from fsdpfn.transforms._cp import context_parallel_attention as context_parallel_attention
+from fsdpfn.transforms._cp import context_parallel_positions as context_parallel_positions
+from fsdpfn.transforms._cp import context_parallel_shard as context_parallel_shard
+from fsdpfn.transforms._cp import context_parallel_unshard as context_parallel_unshard
+from fsdpfn.transforms._cp import ring_merge as ring_merge
+from fsdpfn.transforms._axes import cp_rank as cp_rank
 from fsdpfn.transforms._axes import ep_group as ep_group
 from fsdpfn.transforms._axes import ep_rank as ep_rank
 from fsdpfn.transforms._axes import unit_group as unit_group
@@ -45,6 +53,14 @@ from fsdpfn.transforms._guards import note_step as note_step
 from fsdpfn.transforms._guards import cut_watch as cut_watch
 
 __all__ = [
+    "context_parallel",
+    "context_parallel_attention",
+    "context_parallel_positions",
+    "context_parallel_shard",
+    "context_parallel_unshard",
+    "ring_merge",
+    "cp_group",
+    "cp_rank",
     "apply_remat",
     "apply_tp",
     "CollectiveCall",

@@ -58,7 +58,7 @@ from fsdpfn import comm as C
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import split_roles
 from fsdpfn._plan import Plan
-from fsdpfn.transforms._axes import dp_rank
+from fsdpfn.transforms._axes import cp_rank, dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
 
 __all__ = ["CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "install_split_watch", "note_step", "note_unshard",
@@ -180,17 +180,19 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean") -> No
       >>> fsdpfn.transforms.check_batch(plan, (x,))  # every rank passes
     """
     x = _first_tensor(args, kwargs or {})
-    mine = [dp_rank(plan), _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean"]
+    # cp ranks hold different parts of the same sequences: peers are the ranks at one (dp, cp) index.
+    mine = [[dp_rank(plan), cp_rank(plan)], _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean"]
     table = cast("dict[int, list]", C.exchange_values(f"batch of plan {plan.fingerprint}", mine, None))
-    by_dp: dict[int, list[int]] = {}
+    by_dp: dict[tuple, list[int]] = {}
     for r in sorted(table):
-        by_dp.setdefault(table[r][0], []).append(r)
-    for dp, ranks in sorted(by_dp.items()):
+        by_dp.setdefault(tuple(table[r][0]), []).append(r)
+    for (dp, cp), ranks in sorted(by_dp.items()):
         seen = [table[r][1] for r in ranks]
         if any(s != seen[0] for s in seen):
             inputs = ", ".join(f"rank {r}: {_show(table[r][1])}" for r in ranks)
+            where = f"data-parallel index {dp}" + (f", context-parallel index {cp}" if plan.cp_size > 1 else "")
             raise ValueError(
-                f"ranks {ranks} are tensor-parallel peers (data-parallel index {dp}) but were given different inputs ({inputs}); "
+                f"ranks {ranks} are tensor-parallel peers ({where}) but were given different inputs ({inputs}); "
                 "the tp all-reduces would add up parts of different examples. Index the batch by "
                 "fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), not by the global rank")
     rows = {r: (table[r][1][0][0] if table[r][1] and table[r][1][0] else None) for r in table}

@@ -19,6 +19,7 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import uses_zeros
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._axes import _axis_rank, replicate_group, tp_group, unit_group, unit_rank
+from fsdpfn.transforms._cp import check_reduce, note_gather
 
 __all__ = ["EagerWire", "TracedWire", "Wire", "check_op", "gather", "reduce"]
 
@@ -108,6 +109,7 @@ def gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], wire: Wire) -> t
     """
     codec = plan.gather_codec(unit)
     w = unit.shard_size
+    note_gather(plan)
     amax = codec.local_amax(locals_)
     if amax is not None:
         amax = wire.all_reduce(amax, wire.group(plan, unit, Role.SHARD), "max", unit.name).wait()
@@ -145,8 +147,9 @@ def reduce(plan: Plan, unit: Unit, grads: list[torch.Tensor | None], op: str, sc
     codec = plan.reduce_codec(unit)
     axes = cached(plan, "axes")
     w = unit.shard_size
+    check_reduce(plan)
     group = wire.group(plan, unit, Role.SHARD)
-    factor = (1.0 / axes.dp_size if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
+    factor = (1.0 / axes.grad_ranks if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
     buf = codec.encode(grads, w)
     if not codec.numel:
         first = C.Pending(buf.to(codec.accum_dtype))
