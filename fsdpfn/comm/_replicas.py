@@ -290,6 +290,20 @@ class ReplicaGroup:
                         self.replica_id, step, why)
         return ok
 
+    def reduce(self, grads):
+        """:meth:`mean` then :meth:`commit`: the mean of ``grads`` over the replicas of this
+        step, or ``None`` when the step was not committed (skip the update; the step runs again
+        with the replicas alive, on the same batch, at the next :meth:`start_step`).
+
+        Example (one step of a training loop; ``replicas`` as in the module's example):
+          >>> state = replicas.start_step(state)  # doctest: +SKIP
+          >>> grads = replicas.reduce(torch.func.grad(loss_fn)(state["params"], *batch(replicas.step)))  # doctest: +SKIP
+          >>> if grads is not None:  # doctest: +SKIP
+          ...     updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        """
+        mean = self.mean(grads)
+        return mean if self.commit() else None
+
     def shutdown(self) -> None:
         """Leaves the job: the other replicas go on without this one."""
         self._manager.shutdown(wait=False)
