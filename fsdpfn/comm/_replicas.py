@@ -221,6 +221,12 @@ class ReplicaGroup:
         return self._manager.current_step()
 
     @property
+    def healed(self) -> bool:
+        """Whether the last :meth:`start_step` returned a live replica's state instead of the
+        one it was given (this replica was behind)."""
+        return self._healed
+
+    @property
     def replicas(self) -> int:
         """Replica groups taking part in the current step."""
         return self._manager.num_participants()
