@@ -836,6 +836,7 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
                 # be the job's run (its survivors finished, or died too)
                 if rank == 0:
                     print(f"{job.tag}restarted, but no live replica group to rejoin: nothing to do", flush=True)
+                    open(os.path.join(args.out, NOTHING_TO_REJOIN_FILE), "w").close()
                 break
             first = False
             if state["step"] >= stop:
@@ -984,6 +985,9 @@ def lock_run_dir(out: str):
     return handle
 
 
+NOTHING_TO_REJOIN_FILE = ".nothing_to_rejoin"  # left by a restarted replica group's rank 0 for its main process
+
+
 def run_ft(args, argv: list[str]) -> int:
     """``--ft`` without ``--replica-group``: a lighthouse (unless given) and one process per
     replica group (this script with ``--replica-group I``), each restarted when it fails while
@@ -997,7 +1001,7 @@ def run_ft(args, argv: list[str]) -> int:
     code = fsdpfn.ft.run_replica_groups(command, args.replicas, lighthouse=args.lighthouse,
                                         max_restarts=args.ft_restarts,
                                         echo=lambda line: print(line, flush=True))
-    print("ft: every replica group finished" if code == 0 else f"ft: finished with status {code}", flush=True)
+    print("ft: the job finished" if code == 0 else f"ft: finished with status {code}", flush=True)
     return code
 
 
@@ -1021,10 +1025,16 @@ def main(argv=None) -> None:
     world = args.world_size
     if args.ft:  # this process is one replica group
         world //= args.replicas
+    marker = os.path.join(args.out, NOTHING_TO_REJOIN_FILE)
+    if args.ft and os.path.exists(marker):
+        os.remove(marker)
     try:
         launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
         sys.exit(f"\ntraining failed:\n{e.summary()}")
+    if args.ft and os.path.exists(marker):  # tells the supervisor: neither finished nor failed
+        os.remove(marker)
+        sys.exit(fsdpfn.ft.NOTHING_TO_REJOIN)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,13 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
-__all__ = ["restarts", "run_replica_groups", "start_together"]
+__all__ = ["NOTHING_TO_REJOIN", "restarts", "run_replica_groups", "start_together"]
 
 START_ENV = "FSDPFN_FT_START"
 RESTARTS_ENV = "FSDPFN_FT_RESTARTS"
+# The exit status of a restarted replica group that found no live one to rejoin (EX_TEMPFAIL):
+# not a failure to restart again, and not a group that finished the job.
+NOTHING_TO_REJOIN = 75
 
 
 def restarts() -> int:
@@ -108,8 +111,9 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
       echo: where the supervisor's lines go (default ``print``).
 
     Returns:
-      0 if every replica group finished; 1 if at least one finished but another was left out
-      (its restarts used up); 2 if none finished.
+      0 if a replica group finished the job and none was left out; 1 if one finished but another
+      was left out (its restarts used up); 2 if none finished. A restarted group that exits with
+      :data:`NOTHING_TO_REJOIN` (no live group was left to take it back) counts as neither.
 
     Example:
       >>> argv = lambda r, address: [sys.executable, "examples/train_gpt.py", "--ft", "--replicas", "2",
@@ -134,6 +138,7 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
     tries = dict.fromkeys(range(replicas), 0)
     finished: set[int] = set()
     dropped: set[int] = set()
+    idle: set[int] = set()  # restarted after the others were gone: nothing to rejoin
 
     def start(r: int) -> None:
         child = {**base, RESTARTS_ENV: str(tries[r])}
@@ -147,7 +152,7 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
         for r in range(replicas):
             start(r)
         gone = False
-        while len(finished) + len(dropped) < replicas:
+        while len(finished) + len(dropped) + len(idle) < replicas:
             if not gone and all(os.path.exists(os.path.join(start_dir, f"up.{r}")) for r in range(replicas)):
                 open(os.path.join(start_dir, "go"), "w").close()
                 gone = True
@@ -158,6 +163,10 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
                 del procs[r]
                 if code == 0:
                     finished.add(r)
+                    continue
+                if code == NOTHING_TO_REJOIN:
+                    echo(f"ft: replica group {r} was restarted, but no live replica group was left to rejoin")
+                    idle.add(r)
                     continue
                 if not gone:  # before the first step: nothing to rejoin, the job cannot start as asked
                     echo(f"ft: replica group {r} failed before the job started ({exit_reason(code)}); stopping")
@@ -183,6 +192,8 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
                 p.wait()
         if own is not None:
             own.shutdown()
-    if dropped:
-        echo(f"ft: replica group(s) {sorted(dropped)} left out; {sorted(finished)} finished")
-    return 0 if not dropped else (1 if finished else 2)
+    if dropped or idle:
+        echo(f"ft: replica group(s) {sorted(finished)} finished; {sorted(dropped | idle)} did not")
+    if not finished:
+        return 2
+    return 1 if dropped else 0

@@ -29,11 +29,12 @@ import importlib.util
 from fsdpfn.comm import Lighthouse as Lighthouse
 from fsdpfn.comm import ReplicaGroup as ReplicaGroup
 from fsdpfn.comm import ReplicaStep as ReplicaStep
+from fsdpfn._ft_supervisor import NOTHING_TO_REJOIN as NOTHING_TO_REJOIN
 from fsdpfn._ft_supervisor import restarts as restarts
 from fsdpfn._ft_supervisor import run_replica_groups as run_replica_groups
 from fsdpfn._ft_supervisor import start_together as start_together
 
-__all__ = ["Lighthouse", "ReplicaGroup", "ReplicaStep", "available", "restarts", "run_replica_groups", "start_together"]
+__all__ = ["NOTHING_TO_REJOIN", "Lighthouse", "ReplicaGroup", "ReplicaStep", "available", "restarts", "run_replica_groups", "start_together"]
 
 
 def available() -> bool:

@@ -171,15 +171,16 @@ def _committed(entries: list[dict]) -> dict[int, dict]:
 
 
 def _check_losses(run: _Run, fault_step: int, ckpt=None, ckpt_step=None):
-    """Replica group 0 committed every step once; group 1 took part until the fault and again
-    from a rejoin at a step boundary; every loss equals the replay's. Returns the rejoin step
-    and whether the checkpoint equals the replay's state (see :func:`_replay`)."""
+    """Replica group 0 committed every step once; group 1 committed exactly the steps group 0
+    averaged over two groups: every step before the fault, none in the fault step, and again
+    from a rejoin at a step boundary (with a live group's state); every loss equals the replay's.
+    Returns the rejoin step and whether the checkpoint equals the replay's state (see
+    :func:`_replay`)."""
     text = run.text()
     survivor = _committed(run.log(0))
     assert sorted(survivor) == list(range(STEPS)), text
     lives = [{0, 1} if survivor[s]["replicas"] == 2 else {0} for s in range(STEPS)]
-    assert all(len(live) == 2 for live in lives[:fault_step]), lives
-    assert lives[fault_step] == {0}, (lives, text)
+    assert all(len(live) == 2 for live in lives[:fault_step]) and lives[fault_step] == {0}, (lives, text)
     # The fault step's first attempt was not committed on group 0, and ran again without group 1.
     broken = [e for e in run.log(0) if e["step"] == fault_step and not e["committed"]]
     assert broken and broken[0]["error"], run.log(0)
@@ -187,23 +188,19 @@ def _check_losses(run: _Run, fault_step: int, ckpt=None, ckpt_step=None):
     healed = [e for e in group1 if e["healed"] and e["step"] > 0]
     assert healed, f"replica group 1 did not rejoin\n{text}"
     rejoin = healed[0]["step"]
-    assert fault_step < rejoin < STEPS and lives[rejoin] == {0, 1}, (rejoin, lives)
-    assert all(live == {0} for live in lives[fault_step:rejoin]) and all(live == {0, 1} for live in lives[rejoin:])
-    after = [e for e in group1[group1.index(healed[0]):]]
-    assert after and all(e["committed"] and e["replicas"] == 2 for e in after), after
+    assert fault_step < rejoin < STEPS, (rejoin, lives)
+    mine = _committed(group1)
+    assert sorted(mine) == [s for s in range(STEPS) if lives[s] == {0, 1}], (sorted(mine), lives)
+    assert all(e["replicas"] == 2 for e in mine.values())
 
     replay, same = testing.run_on_ranks(_replay, GROUP, lives, ckpt, ckpt_step)[0]
     straight, _ = testing.run_on_ranks(_replay, GROUP, [{0, 1}] * STEPS)[0]  # the run without a fault
     for s in range(STEPS):
         assert survivor[s]["loss"] == replay[s][0], (s, survivor[s], replay[s])
-        if s < fault_step:
-            assert survivor[s]["loss"] == straight[s][0], s
-    before = _committed(group1[:group1.index(healed[0])])
-    assert sorted(before) == list(range(fault_step)), before
-    for s, e in before.items():
-        assert e["loss"] == replay[s][1] == straight[s][1], (s, e)
-    for e in after:
-        assert e["loss"] == replay[e["step"]][1], e
+    for s in range(fault_step):  # before the fault: the run without one, both groups
+        assert (survivor[s]["loss"], mine[s]["loss"]) == (straight[s][0], straight[s][1]), s
+    for s, e in mine.items():
+        assert e["loss"] == replay[s][1], (s, e)
     # Not vacuous: without the fault, group 0 would have trained otherwise.
     assert any(survivor[s]["loss"] != straight[s][0] for s in range(fault_step + 1, STEPS))
     return rejoin, same
