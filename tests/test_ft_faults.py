@@ -246,33 +246,45 @@ def test_demo_rank_killed_during_an_async_save_keeps_the_previous_checkpoint_and
 
 
 def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins(tmp_path):
-    """Rank 0 of replica group 1 stops itself (SIGSTOP) in a random step after its backward. Replica
-    group 0 gives up on it after the collective timeout and trains on; once group 0 has, the
-    stopped process is continued (SIGCONT) if it is still there. Whatever it does then (its
-    group's launcher has usually killed it already: its other rank failed the commit), nothing
-    it does reaches group 0's training, and the group, restarted, rejoins."""
+    """Rank 0 of replica group 1 (the rank that heartbeats for its group) stops itself (SIGSTOP)
+    in a random step after its backward. Replica group 0 gives up on it after the collective
+    timeout and trains on; once it has, the stopped process is continued (SIGCONT). Continued, it
+    finds its all-reduce gone, its group does not commit that step, and the group, behind now,
+    rejoins with group 0's state at the next step boundary (or, if its other rank's commit had
+    already given up, the group's launcher kills the stopped rank and the supervisor restarts the
+    group, which rejoins). Either way nothing it does reaches group 0's training: every loss is
+    the replay's."""
     fault = random.randrange(2, 7)
     print("stop in step", fault)
     run = _Run(tmp_path, f"1:0:{fault}:stop")
     pid: list[int] = []
+    when: dict[str, float] = {}
     continued: list[bool] = []
-    run.on(r"fault injection: replica group 1, rank 0 \(pid (\d+)\): SIGSTOP", lambda m: pid.append(int(m.group(1))))
+
+    def stopped(m):
+        pid.append(int(m.group(1)))
+        when["stop"] = time.monotonic()
 
     def cont(_):
+        when["on"] = time.monotonic()
         try:
             os.kill(pid[0], signal.SIGCONT)
             continued.append(True)
         except (ProcessLookupError, IndexError):
             continued.append(False)
 
+    run.on(r"fault injection: replica group 1, rank 0 \(pid (\d+)\): SIGSTOP", stopped)
     run.on(rf"replica replica0: step {fault}: 1 replica group\(s\) alive", cont)
     code = run.wait()
     text = run.text()
     assert code == 0, text
-    assert pid, text
-    timed_out = re.search(rf"replica replica0: step {fault} was not committed \((.*)\)", text)
-    assert timed_out, text
+    assert pid and continued, text
+    assert re.search(rf"replica replica0: step {fault} was not committed \(.*Timed out waiting {int(TIMEOUT * 1000)}ms", text), text
+    # Group 0 waited for the timeout (not less: a stopped peer looks like a slow one until then),
+    # and not much more: the next quorum leaves the silent group out after the heartbeat timeout.
+    waited = when["on"] - when["stop"]
+    assert TIMEOUT * 0.9 <= waited < TIMEOUT + 15, waited
     rejoin, _ = _check_losses(run, fault)
-    gap = [e["time"] for e in run.log(0) if e["step"] == fault]
-    assert gap[-1] - gap[0] >= TIMEOUT * 0.9 or "Timed out" in timed_out.group(1) or "closed" in timed_out.group(1)
-    print(f"stop in step {fault}: rejoined at {rejoin}; continued while alive: {continued}")
+    restarted = "ft: replica group 1 failed" in text
+    print(f"stop in step {fault}: group 0 went on after {waited:.1f} s; continued: {continued[0]}; "
+          f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}")
