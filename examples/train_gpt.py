@@ -11,7 +11,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py --world-size 4 --experts 4 --ep 2    # mixture of experts, expert parallel
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
-    python examples/train_gpt.py --world-size 4 --replicas 2 --ft --out runs/ft
+    python examples/train_gpt.py --world-size 4 --replicas 2 --ft --timeout 10 --out runs/ft
                                                                  # fault-tolerant HSDP: a replica group that
                                                                  # loses a rank is restarted and rejoins
 
