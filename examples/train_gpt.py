@@ -920,7 +920,10 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
         print(f"plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
         print(f"checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
         print(f"model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
-    comm.barrier(tag="finish")
+    # The other ranks wait here for rank 0's own work (the plot, the sample), which a short
+    # --timeout (as --ft wants, so that a stopped rank is given up on soon) need not cover.
+    with comm.timeout_scope(max(comm.timeout(), 300.0)):
+        comm.barrier(tag="finish")
 
 
 def train(rank: int, world: int, args) -> None:
