@@ -288,3 +288,66 @@ def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins
     restarted = "ft: replica group 1 failed" in text
     print(f"stop in step {fault}: group 0 went on after {waited:.1f} s; continued: {continued[0]}; "
           f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}")
+
+
+# ---- what needs no ranks: the demo's refusals and the supervisor's restarts ----------------------
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--ft"], "--ft needs --replicas >= 2"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--experts", "4", "--ep", "2"], "--ft with --ep 2"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--resume"], "--ft with --resume: not supported yet"),
+    (["--fault", "1:0:3:kill"], "--fault needs --ft"),
+    (["--replica-group", "0"], "--replica-group needs --ft"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--replica-group", "2", "--lighthouse", "x"],
+     "--replica-group 2 must be in [0, --replicas 2)"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3"], "expected R:K:STEP:HOW"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:2:3:kill"], "do not exist"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3:save"], "needs --ckpt-async"),
+])
+def test_demo_refuses_bad_ft_flags_before_any_rank_starts(flags, says, capsys, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        _demo().parse_args(flags)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def _fake_group(script: str) -> str:
+    """A replica group's stand-in: says it is up (as start_together does), then runs ``script``
+    (which sees ``R``, this group, and ``N``, its restarts)."""
+    return ("import os, sys, time\n"
+            "R, N = int(sys.argv[1]), int(os.environ['FSDPFN_FT_RESTARTS'])\n"
+            "d = os.environ.get('FSDPFN_FT_START')\n"
+            "if d:\n"
+            "    open(os.path.join(d, f'up.{R}'), 'w').close()\n"
+            "    while not os.path.exists(os.path.join(d, 'go')): time.sleep(0.01)\n" + script)
+
+
+@pytest.mark.parametrize("script, code, lines", [
+    # group 1 fails on its first start only: restarted once, the job finishes
+    ("time.sleep(1.5 if R == 0 else 0.2)\nsys.exit(1 if (R, N) == (1, 0) else 0)", 0,
+     ["ft: replica group 1 failed (exit code 1); restarting it (1 of 2)"]),
+    # group 1 always fails: restarted twice, then left out while group 0 finishes
+    ("time.sleep(1.5 if R == 0 else 0.1)\nsys.exit(1 if R == 1 else 0)", 1,
+     ["restarting it (2 of 2)", "ft: replica group 1 failed (exit code 1) after 2 restart(s); left out"]),
+    # group 1 is killed, restarted, and finds no one to rejoin: neither finished nor failed
+    ("time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)", 0,
+     ["failed (killed by SIGKILL); restarting it", "ft: replica group 1 was restarted, but no live replica group"]),
+])
+def test_run_replica_groups_restarts_a_failed_group_while_another_trains(script, code, lines):
+    import fsdpfn.ft
+
+    said: list[str] = []
+    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
+                                       lighthouse="unused", max_restarts=2, echo=said.append)
+    assert got == code, said
+    for line in lines:
+        assert any(line in s for s in said), (line, said)
+
+
+def test_run_replica_groups_refuses_fewer_than_two_groups():
+    import fsdpfn.ft
+
+    with pytest.raises(ValueError, match="replicas must be an int >= 2"):
+        fsdpfn.ft.run_replica_groups(lambda r, a: ["true"], 1, lighthouse="unused")
