@@ -11,7 +11,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py --world-size 4 --experts 4 --ep 2    # mixture of experts, expert parallel
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
-    python examples/train_gpt.py --world-size 4 --replicas 2 --ft --timeout 10 --out runs/ft
+    python examples/train_gpt.py --world-size 4 --replicas 2 --ft --ft-timeout 10 --out runs/ft
                                                                  # fault-tolerant HSDP: a replica group that
                                                                  # loses a rank is restarted and rejoins
 
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ft: run only replica group I (0 <= I < --replicas) on --world-size / --replicas ranks, "
                         "against --lighthouse (jobs on several hosts, or under a supervisor of your own)")
     g.add_argument("--ft-restarts", type=int, default=3, help="with --ft: restarts per replica group")
+    g.add_argument("--ft-timeout", type=float, default=30.0,
+                   help="with --ft: seconds the other replica groups wait in the replicas' all-reduce for a stopped "
+                        "one before going on without it (--timeout is for the collectives inside a group)")
     g.add_argument("--fault", default=None, metavar="R:K:STEP:HOW",
                    help="with --ft, to see it work: rank K of replica group R kills (HOW=kill) or stops (stop) itself "
                         "in step STEP (from 0) after its backward, or kills itself during the background write of the "
@@ -252,6 +255,8 @@ def check_ft(args, world: int) -> str | None:
                 "a checkpoint); resume without --ft, or start the --ft run afresh")
     if args.ft_restarts < 0:
         return f"--ft-restarts must be >= 0, got {args.ft_restarts}"
+    if not 0 < args.ft_timeout < float("inf"):
+        return f"--ft-timeout must be a positive number of seconds, got {args.ft_timeout}"
     if not args.step_delay >= 0:
         return f"--step-delay must be >= 0 seconds, got {args.step_delay}"
     if not fsdpfn.ft.available():
@@ -920,10 +925,7 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
         print(f"plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
         print(f"checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
         print(f"model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
-    # The other ranks wait here for rank 0's own work (the plot, the sample), which a short
-    # --timeout (as --ft wants, so that a stopped rank is given up on soon) need not cover.
-    with comm.timeout_scope(max(comm.timeout(), 300.0)):
-        comm.barrier(tag="finish")
+    comm.barrier(tag="finish")
 
 
 def train(rank: int, world: int, args) -> None:
@@ -952,7 +954,7 @@ def train(rank: int, world: int, args) -> None:
     if args.ft:
         job.tag = f"[replica group {args.replica_group}] "
         replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica_group}", min_replicas=1,
-                                          timeout=args.timeout)
+                                          timeout=args.ft_timeout)
         fsdpfn.ft.start_together(args.replica_group)
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn, replicas)

@@ -73,10 +73,10 @@ HOW: list[tuple[str, str, str]] = [
     # the rejoins).
     (r"^python examples/train_gpt\.py .*--ft\b.*--fault", "run",
      "--steps 6 --fault 1:1:3:kill --step-delay 0 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 "
-     "--log-every 1 --eval-every 0 --sample-chars 0 --no-progress --ckpt-every 3 --timeout 10 --out {tmp}/ft"),
+     "--log-every 1 --eval-every 0 --sample-chars 0 --no-progress --ckpt-every 3 --ft-timeout 10 --out {tmp}/ft"),
     (r"^python examples/train_gpt\.py .*--ft\b", "run",
      "--steps 4 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 --log-every 1 --eval-every 0 "
-     "--sample-chars 0 --no-progress --ckpt-every 2 --timeout 10 --out {tmp}/ft"),
+     "--sample-chars 0 --no-progress --ckpt-every 2 --ft-timeout 10 --out {tmp}/ft"),
     (r"^(python|torchrun .*) examples/train_gpt\.py\b",
      "validate", "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory"),
     (r"^python examples/tensor_parallel\.py$",

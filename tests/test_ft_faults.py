@@ -46,7 +46,7 @@ DEMO = os.path.join(ROOT, "examples", "train_gpt.py")
 GROUP = 2  # ranks per replica group
 STEPS = 80
 CKPT_EVERY = 4
-TIMEOUT = 4.0  # the collective timeout: a stopped rank is given up on after this
+TIMEOUT = 4.0  # --ft-timeout: a stopped replica group is given up on after this
 # Slows the survivors so that the restarted group (fresh interpreters importing torch on two busy
 # cores: 10-25 s) finds them still training: STEPS x DELAY leaves it about 20 s after the fault.
 DELAY = 0.3
@@ -118,7 +118,7 @@ class _Run:
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env.pop("TORCHFT_LIGHTHOUSE", None)
         cmd = [sys.executable, DEMO, "--world-size", str(2 * GROUP), "--replicas", "2", "--ft", "--out", self.out,
-               "--timeout", str(TIMEOUT), "--step-delay", str(DELAY), "--fault", fault, *TINY]
+               "--ft-timeout", str(TIMEOUT), "--step-delay", str(DELAY), "--fault", fault, *TINY]
         self.lines: list[str] = []
         self.hooks: list[tuple[re.Pattern, object]] = []
         self.t0 = time.monotonic()
