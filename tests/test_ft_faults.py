@@ -170,20 +170,18 @@ def _committed(entries: list[dict]) -> dict[int, dict]:
     return out
 
 
-def _check_losses(run: _Run, fault_step: int, ckpt=None, ckpt_step=None):
+def _check_losses(run: _Run, ckpt=None, ckpt_step=None):
     """Replica group 0 committed every step once; group 1 committed exactly the steps group 0
-    averaged over two groups: every step before the fault, none in the fault step, and again
-    from a rejoin at a step boundary (with a live group's state); every loss equals the replay's.
-    Returns the rejoin step and whether the checkpoint equals the replay's state (see
-    :func:`_replay`)."""
+    averaged over two groups: every step before the fault (the first step group 0 committed
+    alone), none from there, and again from a rejoin at a step boundary (with a live group's
+    state); every loss equals the replay's. Returns the fault step, the rejoin step and whether
+    the checkpoint equals the replay's state (see :func:`_replay`)."""
     text = run.text()
     survivor = _committed(run.log(0))
     assert sorted(survivor) == list(range(STEPS)), text
     lives = [{0, 1} if survivor[s]["replicas"] == 2 else {0} for s in range(STEPS)]
-    assert all(len(live) == 2 for live in lives[:fault_step]) and lives[fault_step] == {0}, (lives, text)
-    # The fault step's first attempt was not committed on group 0, and ran again without group 1.
-    broken = [e for e in run.log(0) if e["step"] == fault_step and not e["committed"]]
-    assert broken and broken[0]["error"], run.log(0)
+    assert {0} in lives, (lives, text)
+    fault_step = lives.index({0})
     group1 = run.log(1)
     healed = [e for e in group1 if e["healed"] and e["step"] > 0]
     assert healed, f"replica group 1 did not rejoin\n{text}"
@@ -203,7 +201,7 @@ def _check_losses(run: _Run, fault_step: int, ckpt=None, ckpt_step=None):
         assert e["loss"] == replay[s][1], (s, e)
     # Not vacuous: without the fault, group 0 would have trained otherwise.
     assert any(survivor[s]["loss"] != straight[s][0] for s in range(fault_step + 1, STEPS))
-    return rejoin, same
+    return fault_step, rejoin, same
 
 
 def test_demo_rank_killed_during_an_async_save_keeps_the_previous_checkpoint_and_rejoins(tmp_path):
@@ -232,11 +230,10 @@ def test_demo_rank_killed_during_an_async_save_keeps_the_previous_checkpoint_and
     latest = checkpoint.read_info(ckpt)
     assert latest["values"]["step"] == fault + 1 - CKPT_EVERY, latest["dir"]  # the previous save
     assert any(n.startswith(f".partial-step_{fault + 1:08d}") for n in os.listdir(ckpt)), os.listdir(ckpt)
-    # The fault step, for the losses: the kill is on the save's background thread, so the step
-    # the training thread was in when the rank died is the first group 0 did not commit after it.
-    broken = min(e["step"] for e in run.log(0) if not e["committed"])
+    # The kill is on the save's background thread: the training thread was in a later step, or
+    # between two (then group 0 has no failed attempt: its next quorum just lacks group 1).
+    broken, rejoin, same = _check_losses(run, ckpt, fault + 1 - CKPT_EVERY)
     assert broken > fault, run.log(0)
-    rejoin, same = _check_losses(run, broken, ckpt, fault + 1 - CKPT_EVERY)
     assert same, "the checkpoint left by the kill does not hold the training state of its step"
     # The restarted group's own later checkpoints are complete, and the debris is gone.
     final = os.path.join(run.out, "replica1", "ckpt")
@@ -284,7 +281,10 @@ def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins
     # and not much more: the next quorum leaves the silent group out after the heartbeat timeout.
     waited = when["on"] - when["stop"]
     assert TIMEOUT * 0.9 <= waited < TIMEOUT + 15, waited
-    rejoin, _ = _check_losses(run, fault)
+    at, rejoin, _ = _check_losses(run)
+    assert at == fault, (at, fault)
+    # The stop step's first attempt was not committed on group 0, and ran again without group 1.
+    assert any(e["step"] == fault and not e["committed"] and e["error"] for e in run.log(0)), run.log(0)
     restarted = "ft: replica group 1 failed" in text
     print(f"stop in step {fault}: group 0 went on after {waited:.1f} s; continued: {continued[0]}; "
           f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}")
