@@ -188,7 +188,10 @@ def _check_losses(run: _Run, ckpt=None, ckpt_step=None):
     rejoin = healed[0]["step"]
     assert fault_step < rejoin < STEPS, (rejoin, lives)
     mine = _committed(group1)
-    assert sorted(mine) == [s for s in range(STEPS) if lives[s] == {0, 1}], (sorted(mine), lives)
+    both = {s for s in range(STEPS) if lives[s] == {0, 1}}
+    # A group that dies right after a commit may not live to log it (its log line follows an
+    # all-reduce inside the group): that one step may be missing, no other.
+    assert set(mine) <= both and both - set(mine) <= {fault_step - 1}, (sorted(mine), lives)
     assert all(e["replicas"] == 2 for e in mine.values())
 
     replay, same = testing.run_on_ranks(_replay, GROUP, lives, ckpt, ckpt_step)[0]
@@ -196,7 +199,7 @@ def _check_losses(run: _Run, ckpt=None, ckpt_step=None):
     for s in range(STEPS):
         assert survivor[s]["loss"] == replay[s][0], (s, survivor[s], replay[s])
     for s in range(fault_step):  # before the fault: the run without one, both groups
-        assert (survivor[s]["loss"], mine[s]["loss"]) == (straight[s][0], straight[s][1]), s
+        assert survivor[s]["loss"] == straight[s][0] and (s not in mine or mine[s]["loss"] == straight[s][1]), s
     for s, e in mine.items():
         assert e["loss"] == replay[s][1], (s, e)
     # Not vacuous: without the fault, group 0 would have trained otherwise.
