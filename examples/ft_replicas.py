@@ -83,8 +83,8 @@ def train(rank, world_size, args):
             grads, loss = torch.func.grad_and_value(f)(params, x, y)
             if step == args.die_at and rank == args.die_rank:
                 os.kill(os.getpid(), signal.SIGSTOP if args.how == "stop" else signal.SIGKILL)
-            grads = replicas.mean(grads)
-            committed = replicas.commit()
+            grads = replicas.reduce(grads)  # the mean over the replicas alive, or None: not committed
+            committed = grads is not None
             if committed:
                 updates, state = opt.update(grads, state, params)
                 params = optim.apply_updates(params, updates)

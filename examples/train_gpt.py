@@ -12,6 +12,16 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py --world-size 4 --experts 4 --ep 2    # mixture of experts, expert parallel
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
+    python examples/train_gpt.py --world-size 4 --replicas 2 --ft --ft-timeout 10 --out runs/ft
+                                                                 # fault-tolerant HSDP: a replica group that
+                                                                 # loses a rank is restarted and rejoins
+
+``--ft`` (fsdpfn.ft, on torchft): each of the ``--replicas`` replica groups is a job of its own
+(``--world-size / --replicas`` ranks, outputs in ``--out/replica<I>``, one line per attempted step
+in its ``ft.jsonl``); the replicas' gradient mean spans the groups alive. This process starts a
+lighthouse (or uses ``--lighthouse`` / ``$TORCHFT_LIGHTHOUSE``) and the groups, and restarts a
+group that fails; the restarted group receives a live group's parameters and optimizer state at
+a step boundary. ``--replica-group I`` runs one group alone (several hosts, another supervisor).
 
 ``--resume`` (or ``--resume latest``) continues from the newest intact checkpoint in
 ``--out/ckpt``. The learning-rate schedule (warm-up, then cosine decay to 10% of the peak) has
@@ -40,6 +50,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -101,6 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds any collective may wait before the job fails naming the ranks that are behind "
                         "(default: $FSDPFN_TIMEOUT, else 600)")
+    g = p.add_argument_group("fault tolerance (fsdpfn.ft, on torchft: pip install 'fsdpfn[ft]')")
+    g.add_argument("--ft", action="store_true",
+                   help="each of the --replicas replica groups is a job of its own: when a rank of one dies or stops, "
+                        "the others go on (the gradient mean over the groups alive) and the failed group, restarted, "
+                        "rejoins with a live group's state")
+    g.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                   help="with --ft: the address of a running torchft lighthouse (default: $TORCHFT_LIGHTHOUSE; "
+                        "unset: this process starts one)")
+    g.add_argument("--replica-group", type=int, default=None, metavar="I",
+                   help="with --ft: run only replica group I (0 <= I < --replicas) on --world-size / --replicas ranks, "
+                        "against --lighthouse (jobs on several hosts, or under a supervisor of your own)")
+    g.add_argument("--ft-restarts", type=int, default=3, help="with --ft: restarts per replica group")
+    g.add_argument("--ft-timeout", type=float, default=30.0,
+                   help="with --ft: seconds the other replica groups wait in the replicas' all-reduce for a stopped "
+                        "one before going on without it (--timeout is for the collectives inside a group)")
+    g.add_argument("--fault", default=None, metavar="R:K:STEP:HOW",
+                   help="with --ft, to see it work: rank K of replica group R kills (HOW=kill) or stops (stop) itself "
+                        "in step STEP (from 0) after its backward, or kills itself during the background write of the "
+                        "checkpoint saved after step STEP (save, with --ckpt-async); on the group's first start only")
+    g.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step (to watch a fault by hand)")
     g = p.add_argument_group("model")
     g.add_argument("--width", type=int, default=128, help="embedding width")
     g.add_argument("--depth", type=int, default=4, help="transformer blocks (each one fsdpfn unit)")
@@ -201,6 +232,66 @@ def check_experts(args, world: int) -> str | None:
     return None
 
 
+FAULTS = ("kill", "stop", "save")
+
+
+def parse_fault(text: str) -> tuple[int, int, int, str]:
+    """``--fault R:K:STEP:HOW`` as ``(R, K, STEP, HOW)``, or ``ValueError`` saying what is wrong."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[3] not in FAULTS or not all(x.isdigit() for x in parts[:3]):
+        raise ValueError(f"--fault {text!r}: expected R:K:STEP:HOW (replica group, rank in it, step, one of "
+                         f"{'/'.join(FAULTS)}), e.g. --fault 1:0:5:kill")
+    return int(parts[0]), int(parts[1]), int(parts[2]), parts[3]
+
+
+def check_ft(args, world: int) -> str | None:
+    """The first fault-tolerance flag that cannot work with the others, or ``None``."""
+    if not args.ft:
+        for flag, value in (("--replica-group", args.replica_group), ("--fault", args.fault)):
+            if value is not None:
+                return f"{flag} needs --ft (fault-tolerant replica groups, e.g. --ft --replicas 2)"
+        return None
+    if args.replicas < 2:
+        return (f"--ft needs --replicas >= 2 (replica groups that outlive each other), got --replicas {args.replicas}: "
+                f"e.g. --world-size {max(2, 2 * (world // 2))} --replicas 2")
+    if args.ep > 1:
+        return (f"--ft with --ep {args.ep}: an expert-parallel mesh has no replicate axis to make fault-tolerant; "
+                "drop --ft, or --ep")
+    if args.resume:
+        return ("--ft with --resume: not supported yet (a restarted replica group rejoins from a live one, not from "
+                "a checkpoint); resume without --ft, or start the --ft run afresh")
+    if args.ft_restarts < 0:
+        return f"--ft-restarts must be >= 0, got {args.ft_restarts}"
+    if not 0 < args.ft_timeout < float("inf"):
+        return f"--ft-timeout must be a positive number of seconds, got {args.ft_timeout}"
+    if not args.step_delay >= 0:
+        return f"--step-delay must be >= 0 seconds, got {args.step_delay}"
+    if not fsdpfn.ft.available():
+        return "--ft runs on torchft, which is not installed: pip install 'fsdpfn[ft]' (or pip install torchft)"
+    if args.replica_group is not None:
+        if not 0 <= args.replica_group < args.replicas:
+            return f"--replica-group {args.replica_group} must be in [0, --replicas {args.replicas})"
+        if not args.lighthouse:
+            return ("--replica-group needs a lighthouse: --lighthouse ADDR or $TORCHFT_LIGHTHOUSE (start one with "
+                    "torchft_lighthouse --min_replicas 1), or drop --replica-group to have this job start one")
+    elif under_torchrun():
+        return ("--ft under torchrun: each torchrun job is one replica group: pass --replica-group I and "
+                "--lighthouse ADDR")
+    if args.fault is not None:
+        try:
+            r, k, step, how = parse_fault(args.fault)
+        except ValueError as e:
+            return str(e)
+        group = world // args.replicas
+        if r >= args.replicas or k >= group or step >= stop_step(args):
+            return (f"--fault {args.fault}: replica group {r}, rank {k}, step {step} do not exist (replica groups "
+                    f"0..{args.replicas - 1}, ranks 0..{group - 1}, steps 0..{stop_step(args) - 1})")
+        if how == "save" and (not args.ckpt_async or ((step + 1) % args.ckpt_every and step + 1 != stop_step(args))):
+            return (f"--fault {args.fault}: HOW=save kills a rank during the background write of an asynchronous "
+                    f"checkpoint: needs --ckpt-async and a save after step {step} (--ckpt-every dividing {step + 1})")
+    return None
+
+
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a message naming it, or ``None``."""
     positive = ("world_size", "replicas", "tp", "cp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
@@ -231,7 +322,7 @@ def check_args(args) -> str | None:
         return f"--cp {args.cp} with --experts/--ep: context parallelism beside expert parallelism is not supported yet"
     if args.heads % args.tp:
         return f"--tp {args.tp} must divide --heads {args.heads} (each tp rank computes whole heads)"
-    problem = check_experts(args, world)
+    problem = check_ft(args, world) or check_experts(args, world)
     if problem:
         return problem
     if args.fp8 and args.strategy == "replicate":
@@ -360,14 +451,25 @@ def make_loss(forward, plan=None, cp_strategy="allgather"):
     return loss_fn
 
 
-def make_step(loss_fn, opt):
+def make_step(loss_fn, opt, replicas=None, before_reduce=None):
     """``step(state, x, y, norm=False) -> (state, local loss, global gradient norm or None)``.
     ``torch.func.grad`` of a loss over sharded parameters gives sharded, reduced gradients;
-    ``opt`` turns them into updates. The norm (one all-reduce) is computed only when asked."""
+    ``opt`` turns them into updates. The norm (one all-reduce) is computed only when asked.
+
+    With ``replicas`` (a :class:`fsdpfn.ft.ReplicaGroup`) the gradients are first averaged over
+    the replica groups alive; a step that was not committed returns ``state`` unchanged (its
+    ``"step"`` too). ``before_reduce(step)`` runs between the backward and that average (fault
+    injection)."""
     grad_and_loss = torch.func.grad_and_value(loss_fn)
 
     def step(state, x, y, norm=False):
         grads, loss = grad_and_loss(state["params"], x, y)
+        if replicas is not None:
+            if before_reduce is not None:
+                before_reduce(state["step"])
+            grads = replicas.reduce(grads)
+            if grads is None:
+                return state, loss.detach(), None
         grad_norm = optim.global_norm(grads).item() if norm else None
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         params = optim.apply_updates(state["params"], updates)
@@ -513,9 +615,10 @@ class Job:
     plan: fsdpfn.Plan
     opt: optim.GradientTransformation
     data_rank: int  # which batches this rank reads: its data-parallel index (tp ranks share one)
+    tag: str = ""  # before the lines this job prints: which replica group, with --ft
 
 
-OUTPUTS = dict(metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt")
+OUTPUTS = dict(ft="ft.jsonl", metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt")
 
 
 def setup(rank: int, world: int, args) -> tuple[Job, dict]:
@@ -534,19 +637,21 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     else:  # shapes only: no rank ever holds the whole model
         with torch.device("meta"):
             model = GPT(cfg)
+    # With --ft this process is one replica group: the replicate dim is fsdpfn.ft's, not the mesh's.
+    replicas = 1 if args.ft else args.replicas
     if args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
-        shard = world // (args.replicas * args.cp * args.tp)
-        dims = {"replicate": args.replicas, "shard": shard, "cp": args.cp, "tp": args.tp}
+        shard = world // (replicas * args.cp * args.tp)
+        dims = {"replicate": replicas, "shard": shard, "cp": args.cp, "tp": args.tp}
         dims = {n: d for n, d in dims.items() if d > 1 or n in ("shard", "cp")}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     elif args.tp > 1:  # named axes: data parallel (HSDP with --replicas) x tensor parallel
-        shard = world // (args.replicas * args.tp)
-        mesh = init_device_mesh(device.type, (args.replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp")) \
-            if args.replicas > 1 else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
+        shard = world // (replicas * args.tp)
+        mesh = init_device_mesh(device.type, (replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp")) \
+            if replicas > 1 else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
     elif args.ep > 1:  # experts split over ep; each expert sharded over edp, the rest over ep x edp
         mesh = init_device_mesh(device.type, (args.ep, world // args.ep), mesh_dim_names=("ep", "edp"))
-    elif args.replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
-        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+    elif replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
+        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
     plan = fsdpfn.plan(model, mesh, strategy=args.strategy, mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None,
@@ -558,8 +663,10 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         params = fsdpfn.init_shards(model, plan, seed=args.seed, device=device)
     state = {"params": params, "opt_state": opt.init(params), "step": 0}
     model = model.to("meta")  # the shards are copies: keep only a skeleton for functional_call
-    job = Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt,
-              fsdpfn.transforms.dp_rank(plan))
+    data_rank = fsdpfn.transforms.dp_rank(plan)
+    if args.ft:  # replica group I reads the batches of the I-th replica of the same HSDP job without --ft
+        data_rank += args.replica_group * plan.dp_size
+    job = Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt, data_rank)
     return job, state
 
 
@@ -659,8 +766,11 @@ def start_logs(job: Job, start: int) -> None:
     if job.rank != 0:
         return
     os.makedirs(job.args.out, exist_ok=True)
-    if start == 0 and not job.args.resume:
+    if job.args.ft and fsdpfn.ft.restarts() > 0:
+        pass  # a restarted replica group appends: its logs say what happened before it failed
+    elif start == 0 and not job.args.resume:
         open(job.paths["metrics"], "w").close()
+        open(job.paths["ft"], "w").close()
     else:
         truncate_metrics(job.paths["metrics"], start)
     with open(job.paths["config"], "w") as f:
@@ -677,12 +787,64 @@ def dropped_fraction(job: Job) -> float:
     return round(counts.item() / pairs, 5)
 
 
-def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
+class Fault:
+    """``--fault R:K:STEP:HOW`` on this rank: nothing unless it is rank K of replica group R on
+    the group's first start."""
+
+    def __init__(self, args, rank: int):
+        self.step, self.how = -1, ""
+        if args.fault is not None and fsdpfn.ft.restarts() == 0:
+            r, k, step, how = parse_fault(args.fault)
+            if (r, k) == (args.replica_group, rank):
+                self.step, self.how = step, how
+        self.where = f"fault injection: replica group {args.replica_group}, rank {rank} (pid {os.getpid()})"
+
+    def before_reduce(self, step: int) -> None:
+        if step == self.step and self.how in ("kill", "stop"):
+            sig = signal.SIGSTOP if self.how == "stop" else signal.SIGKILL
+            print(f"{self.where}: {sig.name} in step {step}, after its backward", flush=True)
+            os.kill(os.getpid(), sig)
+
+    def before_save(self, step: int) -> None:
+        if step != self.step or self.how != "save":
+            return
+        import torch.distributed.checkpoint as dcp
+
+        write_data = dcp.FileSystemWriter.write_data
+        where = self.where
+
+        def dying_write_data(writer, plan, planner):  # this process alone: its shards written, not yet committed
+            write_data(writer, plan, planner).wait()
+            print(f"{where}: SIGKILL during the background write of the checkpoint after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        dcp.FileSystemWriter.write_data = dying_write_data
+
+
+def ft_log(job: Job, replicas, loss: torch.Tensor) -> None:
+    """One line per attempted step in ``--out/replica<I>/ft.jsonl`` (rank 0): the step, the
+    replica groups averaged, whether it was committed, whether this group received a live
+    group's state first, why it was not committed, and this group's mean loss (not rounded)."""
+    total = loss.detach().clone()
+    comm.all_reduce(total, tag="ft loss")
+    last = replicas.history[-1]
+    if job.rank == 0:
+        with open(job.paths["ft"], "a") as f:
+            f.write(json.dumps({"step": last.step, "replicas": last.replicas, "committed": last.committed,
+                                "healed": last.healed, "loss": total.item() / job.world, "error": last.error,
+                                "time": time.time()}) + "\n")
+
+
+def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, float]:
     """Steps from ``state["step"]`` to ``--steps`` (or ``--stop-at``): logs, evaluates and saves
-    checkpoints on the way. Returns the state and the last logged loss."""
+    checkpoints on the way. Returns the state and the last logged loss.
+
+    With ``replicas`` (``--ft``) each step starts with the replica groups' quorum, which may hand
+    this group a live group's state (and step); a step that is not committed runs again."""
     args, rank, world, device = job.args, job.rank, job.world, job.device
     data_rank = job.data_rank
-    step_fn = make_step(loss_fn, job.opt)
+    fault = Fault(args, rank) if replicas is not None else None
+    step_fn = make_step(loss_fn, job.opt, replicas, fault.before_reduce if fault else None)
     progress = Progress(args.steps, state["step"], enabled=rank == 0 and not args.no_progress)
     tokens_per_step = job.plan.dp_size * args.batch_size * args.seq_len
     t_start = t_window = time.perf_counter()
@@ -691,10 +853,31 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
     lr = main_lr(args)
     # Saved beside the state: a resume keeps this horizon (see --schedule-steps).
     horizon = {"schedule_steps": schedule_steps(args)}
-    for step in range(state["step"], stop):
+    first = True
+    while state["step"] < stop:
+        if replicas is not None:
+            state = replicas.start_step(state)
+            alone = replicas.replicas == 1 and not replicas.healed
+            if first and fsdpfn.ft.restarts() > 0 and alone and state["step"] == 0:
+                # a restart with no live group to rejoin: training alone from scratch would not
+                # be the job's run (its survivors finished, or died too)
+                if rank == 0:
+                    print(f"{job.tag}restarted, but no live replica group to rejoin: nothing to do", flush=True)
+                    open(os.path.join(args.out, NOTHING_TO_REJOIN_FILE), "w").close()
+                break
+            first = False
+            if state["step"] >= stop:
+                break
+        step = state["step"]
         x, y = get_batch(job.train_data, step, data_rank, args.batch_size, args.seq_len, args.seed, device)
         log = (step + 1) % args.log_every == 0 or step + 1 == stop
         state, loss, grad_norm = step_fn(state, x, y, norm=log)
+        if replicas is not None:
+            ft_log(job, replicas, loss)
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            if state["step"] == step:  # not committed: the step runs again
+                continue
         finite = state["opt_state"]  # optim.ApplyIfFiniteState: the same on every rank
         if finite.last_finite:
             loss_sum += loss
@@ -721,10 +904,12 @@ def train_loop(job: Job, state: dict, loss_fn) -> tuple[dict, float]:
                                                                   "tok/s": f"{tok_s:,.0f}"})
                 if args.no_progress:
                     drop = f" dropped {row['dropped']:.1%}" if "dropped" in row else ""
-                    print(f"step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
+                    print(f"{job.tag}step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
                           f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         if done % args.ckpt_every == 0 or done == stop:
+            if fault is not None:
+                fault.before_save(done - 1)
             save = checkpoint.async_save if args.ckpt_async else checkpoint.save
             save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
     checkpoint.wait()  # the last checkpoint is committed (or its error raised) before the job reports it
@@ -787,8 +972,18 @@ def train(rank: int, world: int, args) -> None:
     start = state["step"]
     start_logs(job, start)
     loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
+    replicas = None
+    if args.ft:
+        job.tag = f"[replica group {args.replica_group}] "
+        replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica_group}", min_replicas=1,
+                                          timeout=args.ft_timeout)
+        fsdpfn.ft.start_together(args.replica_group)
     t0 = time.perf_counter()
-    state, last_loss = train_loop(job, state, loss_fn)
+    state, last_loss = train_loop(job, state, loss_fn, replicas)
+    if replicas is not None:
+        replicas.shutdown()  # the other groups go on without this one
+        if state["step"] == start:
+            return  # a restart with nothing to rejoin: no outputs
     finish(job, state, start, last_loss, time.perf_counter() - t0)
 
 
@@ -817,12 +1012,34 @@ def lock_run_dir(out: str):
     return handle
 
 
+NOTHING_TO_REJOIN_FILE = ".nothing_to_rejoin"  # left by a restarted replica group's rank 0 for its main process
+
+
+def run_ft(args, argv: list[str]) -> int:
+    """``--ft`` without ``--replica-group``: a lighthouse (unless given) and one process per
+    replica group (this script with ``--replica-group I``), each restarted when it fails while
+    another trains (:func:`fsdpfn.ft.run_replica_groups`). Returns the exit status."""
+    def command(replica: int, lighthouse: str) -> list[str]:
+        return [sys.executable, os.path.abspath(__file__), *argv, "--replica-group", str(replica),
+                "--lighthouse", lighthouse]
+
+    print(f"ft: {args.replicas} replica groups of {args.world_size // args.replicas} rank(s), outputs in "
+          f"{os.path.join(args.out, 'replica<I>')}", flush=True)
+    code = fsdpfn.ft.run_replica_groups(command, args.replicas, lighthouse=args.lighthouse,
+                                        max_restarts=args.ft_restarts,
+                                        echo=lambda line: print(line, flush=True))
+    print("ft: the job finished" if code == 0 else f"ft: finished with status {code}", flush=True)
+    return code
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.device == "cuda" and not under_torchrun():
         sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
     if args.resume:
         check_resumable(os.path.join(args.out, "config.json"), args)
+    if args.ft and args.replica_group is not None:
+        args.out = os.path.join(args.out, f"replica{args.replica_group}")
     if not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0":
         lock = lock_run_dir(args.out)  # noqa: F841 - held until this process exits
     finished = args.resume and nothing_left(args)
@@ -830,10 +1047,21 @@ def main(argv=None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(finished)
         return
+    if args.ft and args.replica_group is None:
+        sys.exit(run_ft(args, sys.argv[1:] if argv is None else list(argv)))
+    world = args.world_size
+    if args.ft:  # this process is one replica group
+        world //= args.replicas
+    marker = os.path.join(args.out, NOTHING_TO_REJOIN_FILE)
+    if args.ft and os.path.exists(marker):
+        os.remove(marker)
     try:
-        launch(train, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
+        launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
         sys.exit(f"\ntraining failed:\n{e.summary()}")
+    if args.ft and os.path.exists(marker):  # tells the supervisor: neither finished nor failed
+        os.remove(marker)
+        sys.exit(fsdpfn.ft.NOTHING_TO_REJOIN)
 
 
 if __name__ == "__main__":

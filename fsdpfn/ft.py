@@ -10,13 +10,14 @@ of a live replica. A :class:`Lighthouse` (one per job) decides which replicas ar
 ``fsdpfn/comm/_replicas.py`` for how the pieces fit.
 
 Example (each replica group runs this on its ranks; ``lighthouse`` is a
-``Lighthouse().address``; ``examples/ft_replicas.py`` is the whole job):
+``Lighthouse().address``; ``examples/ft_replicas.py`` is the whole job; :func:`run_replica_groups` starts the replica
+groups of a job on one host and restarts a failed one, as ``examples/train_gpt.py --ft`` does):
   >>> replicas = fsdpfn.ft.ReplicaGroup(lighthouse, replica_id="r0")  # needs a lighthouse  # doctest: +SKIP
   >>> while replicas.step < steps:  # a training loop  # doctest: +SKIP
   ...     params, state = replicas.start_step((params, state))            # a late replica: the live state
   ...     grads, loss = torch.func.grad_and_value(loss_fn)(params, *batch(replicas.step))
-  ...     grads = replicas.mean(grads)                                    # over the replicas alive
-  ...     if replicas.commit():                                           # every replica finished the step
+  ...     grads = replicas.reduce(grads)          # the mean over the replicas alive, or None: not committed
+  ...     if grads is not None:                                           # every replica finished the step
   ...         updates, state = opt.update(grads, state, params)
   ...         params = fsdpfn.optim.apply_updates(params, updates)
 """
@@ -28,8 +29,12 @@ import importlib.util
 from fsdpfn.comm import Lighthouse as Lighthouse
 from fsdpfn.comm import ReplicaGroup as ReplicaGroup
 from fsdpfn.comm import ReplicaStep as ReplicaStep
+from fsdpfn._ft_supervisor import NOTHING_TO_REJOIN as NOTHING_TO_REJOIN
+from fsdpfn._ft_supervisor import restarts as restarts
+from fsdpfn._ft_supervisor import run_replica_groups as run_replica_groups
+from fsdpfn._ft_supervisor import start_together as start_together
 
-__all__ = ["Lighthouse", "ReplicaGroup", "ReplicaStep", "available"]
+__all__ = ["NOTHING_TO_REJOIN", "Lighthouse", "ReplicaGroup", "ReplicaStep", "available", "restarts", "run_replica_groups", "start_together"]
 
 
 def available() -> bool:

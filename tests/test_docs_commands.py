@@ -67,6 +67,16 @@ HOW: list[tuple[str, str, str]] = [
      "test", "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory"),
     (r"^torchrun .* examples/train_gpt\.py .*--device cuda",  # on a GPU machine; here: the flags, with --device cpu
      "gpu", "tests/test_train_gpt.py::test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason"),
+    # The fault-tolerant demo, run for real: a lighthouse, two replica groups of 2 ranks, a tiny
+    # model; the fault (a rank of group 1 killed in step 3) leaves the survivors finishing before
+    # the restarted group is up, which then has nothing to rejoin (tests/test_ft_faults.py runs
+    # the rejoins).
+    (r"^python examples/train_gpt\.py .*--ft\b.*--fault", "run",
+     "--steps 6 --fault 1:1:3:kill --step-delay 0 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 "
+     "--log-every 1 --eval-every 0 --sample-chars 0 --no-progress --ckpt-every 3 --ft-timeout 10 --out {tmp}/ft"),
+    (r"^python examples/train_gpt\.py .*--ft\b", "run",
+     "--steps 4 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 --log-every 1 --eval-every 0 "
+     "--sample-chars 0 --no-progress --ckpt-every 2 --ft-timeout 10 --out {tmp}/ft"),
     (r"^(python|torchrun .*) examples/train_gpt\.py\b",
      "validate", "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory"),
     (r"^python examples/tensor_parallel\.py$",

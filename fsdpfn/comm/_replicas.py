@@ -142,7 +142,8 @@ class ReplicaGroup:
     :meth:`commit` says whether to apply the update. :attr:`step` counts committed steps: use it
     as the data index, so that a step that runs again sees the same batch.
 
-    ``timeout``: seconds the all-reduce and the commit wait (default :func:`timeout`);
+    ``timeout``: seconds the all-reduce waits (default :func:`timeout`); the commit waits twice
+    that and 5 s more (see the comment in ``__init__``);
     ``quorum_timeout``: how long a step waits for a quorum (default the larger of that and 30 s);
     ``max_retries``: :meth:`commit` raises after this many uncommitted steps in a row (``None``:
     never), so that a replica that cannot make progress ends instead of trying forever.
@@ -171,9 +172,13 @@ class ReplicaGroup:
         self._last_replicas: int | None = None
         group_rank, group_size = _groups.rank(), _groups.world_size()
         host, port, self._store = _replica_store(group_rank)
+        # The commit waits for every rank of the group to vote, and a rank whose all-reduce peer
+        # stopped votes only when that all-reduce times out: with equal timeouts the live ranks'
+        # commit would race it and fail the survivors too. So the commit gets twice as long.
+        commit_s = 2 * seconds + 5.0
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=_td(seconds)), load_state_dict=self._receive, state_dict=self._send,
-            min_replica_size=min_replicas, use_async_quorum=False, timeout=_td(seconds),
+            min_replica_size=min_replicas, use_async_quorum=False, timeout=_td(commit_s),
             quorum_timeout=_td(quorum_s), connect_timeout=_td(quorum_s), rank=group_rank, world_size=group_size,
             store_addr=host, store_port=port, lighthouse_addr=lighthouse, replica_id=self.replica_id,
             max_retries=max_retries,
@@ -219,6 +224,12 @@ class ReplicaGroup:
     def step(self) -> int:
         """Steps committed by the job so far (the same on every live replica)."""
         return self._manager.current_step()
+
+    @property
+    def healed(self) -> bool:
+        """Whether the last :meth:`start_step` returned a live replica's state instead of the
+        one it was given (this replica was behind)."""
+        return self._healed
 
     @property
     def replicas(self) -> int:
@@ -289,6 +300,20 @@ class ReplicaGroup:
             log.warning("replica %s: step %d was not committed (%s); it runs again with the replicas that are alive",
                         self.replica_id, step, why)
         return ok
+
+    def reduce(self, grads):
+        """:meth:`mean` then :meth:`commit`: the mean of ``grads`` over the replicas of this
+        step, or ``None`` when the step was not committed (skip the update; the step runs again
+        with the replicas alive, on the same batch, at the next :meth:`start_step`).
+
+        Example (one step of a training loop; ``replicas`` as in the module's example):
+          >>> state = replicas.start_step(state)  # doctest: +SKIP
+          >>> grads = replicas.reduce(torch.func.grad(loss_fn)(state["params"], *batch(replicas.step)))  # doctest: +SKIP
+          >>> if grads is not None:  # doctest: +SKIP
+          ...     updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        """
+        mean = self.mean(grads)
+        return mean if self.commit() else None
 
     def shutdown(self) -> None:
         """Leaves the job: the other replicas go on without this one."""

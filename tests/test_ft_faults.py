@@ -1,0 +1,356 @@
+"""The demo job (examples/train_gpt.py --ft) under faults, for real on gloo.
+
+One command, as a user runs it: ``train_gpt.py --ft --world-size 4 --replicas 2`` starts a
+lighthouse and two replica groups of 2 ranks (fresh processes), and restarts a group that fails.
+``--fault 1:K:STEP:HOW`` makes rank K of replica group 1 stop itself (SIGSTOP) in step STEP after
+its backward, or kill itself (SIGKILL) during the background write of the asynchronous
+checkpoint saved after step STEP. Each test checks what the issue asks: the other replica group
+trains on, the failed one is restarted and rejoins with its state, and the loss curve is what it
+would have been with the replica groups alive at each step.
+
+Reference: the losses in each group's ``ft.jsonl`` (the group's mean loss, not rounded) are
+compared with a replay of the demo's own training (its ``setup``, optimizer and loss, on a
+2-rank test pool) that, at each step, computes the gradient of every replica group alive in
+that step on that group's batches and averages them as fsdpfn.ft does: the local shards summed
+and divided by the number of groups. The replay with both groups at every step is the run
+without a fault; the steps before the fault are compared with it. Tolerance: none (bitwise),
+for the reasons of tests/test_ft.py: each group's gradient is the same computation on the same
+2-rank shard group, the sum of two is one commutative IEEE addition per element, the division
+by 1 or 2 the same rounding, and the optimizer then sees equal inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import optree
+import pytest
+import torch
+
+from fsdpfn import testing
+
+pytest.importorskip("torchft", reason="fsdpfn.ft runs on torchft: pip install 'fsdpfn[ft]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "examples", "train_gpt.py")
+GROUP = 2  # ranks per replica group
+STEPS = 80
+CKPT_EVERY = 4
+TIMEOUT = 4.0  # --ft-timeout: a stopped replica group is given up on after this
+# Slows the survivors so that the restarted group (fresh interpreters importing torch on two busy
+# cores: 10-25 s) finds them still training: STEPS x DELAY leaves it about 20 s after the fault.
+DELAY = 0.3
+TINY = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", str(STEPS),
+        "--log-every", "1", "--eval-every", "0", "--sample-chars", "0", "--no-progress", "--ckpt-every", str(CKPT_EVERY),
+        "--ckpt-async", "--keep", "2", "--optimizer", "adamw", "--adamw-lr", "1e-2", "--warmup", "2"]
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("train_gpt_ft", DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _replay(rank, world, lives, ckpt=None, ckpt_step=None):
+    """``([{group: its mean loss}] per step, whether ``ckpt`` (a checkpoint of replica group 1)
+    loads and equals, bitwise, the replay's state after ``ckpt_step`` steps)``, for training
+    where step s averages the replica groups ``lives[s]`` (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdpfn import checkpoint, comm, optim
+
+    demo = _demo()
+    args = demo.parse_args(["--world-size", str(2 * world), "--replicas", "2", "--ft", "--replica-group", "0",
+                            "--lighthouse", "unused", *TINY])
+    job, state = demo.setup(rank, world, args)
+    loss_fn = demo.make_loss(demo.make_forward(job.model, job.plan, args))
+    grad_and_loss = torch.func.grad_and_value(loss_fn)
+    base = job.data_rank  # group 0's; group r reads those of the r-th replica
+    out, same = [], None
+    for step, live in enumerate(lives):
+        if step == ckpt_step and ckpt is not None:
+            got = checkpoint.load(ckpt, state, job.plan)
+            pairs = zip(*(optree.tree_leaves(s, none_is_leaf=True) for s in (got, state)))
+            same = all(torch.equal(a.to_local(), b.to_local()) if isinstance(a, DTensor) else
+                       torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in pairs)
+        grads, losses = [], {}
+        for r in sorted(live):
+            x, y = demo.get_batch(job.train_data, step, base + r * job.plan.dp_size, args.batch_size, args.seq_len,
+                                  args.seed)
+            g, loss = grad_and_loss(state["params"], x, y)
+            grads.append(g)
+            total = loss.detach().clone()
+            comm.all_reduce(total)
+            losses[r] = total.item() / world
+        mean = {}
+        for k, g in grads[0].items():
+            local = g.to_local().clone()
+            for other in grads[1:]:
+                local += other[k].to_local()
+            local /= len(live)
+            mean[k] = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape,
+                                         stride=g.stride())
+        updates, opt_state = job.opt.update(mean, state["opt_state"], state["params"])
+        state = {"params": optim.apply_updates(state["params"], updates), "opt_state": opt_state, "step": step + 1}
+        out.append(losses)
+    return out, same
+
+
+class _Run:
+    """The demo with ``--ft``, its output read line by line as it comes (``on(pattern, fn)``:
+    ``fn(match)`` at the first line matching)."""
+
+    def __init__(self, tmp, fault: str):
+        self.out = os.path.join(str(tmp), "run")
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env.pop("TORCHFT_LIGHTHOUSE", None)
+        cmd = [sys.executable, DEMO, "--world-size", str(2 * GROUP), "--replicas", "2", "--ft", "--out", self.out,
+               "--ft-timeout", str(TIMEOUT), "--step-delay", str(DELAY), "--fault", fault, *TINY]
+        self.lines: list[str] = []
+        self.hooks: list[tuple[re.Pattern, object]] = []
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def on(self, pattern: str, fn) -> None:
+        self.hooks.append((re.compile(pattern), fn))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(f"{time.monotonic() - self.t0:6.1f} {line.rstrip()}")
+            for hook in list(self.hooks):
+                m = hook[0].search(line)
+                if m:
+                    self.hooks.remove(hook)
+                    hook[1](m)  # type: ignore[operator]
+
+    def wait(self, seconds: float = 240) -> int:
+        try:
+            code = self.proc.wait(timeout=seconds)
+        finally:
+            if self.proc.poll() is None:  # a failed test leaves no job running (its groups die with it)
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        return code
+
+    def text(self) -> str:
+        with open(os.path.join(os.path.dirname(self.out), "output.txt"), "w") as f:  # for a failed test
+            f.write("\n".join(self.lines))
+        return "\n".join(line for line in self.lines if "[INFO]" not in line)
+
+    def log(self, group: int) -> list[dict]:
+        with open(os.path.join(self.out, f"replica{group}", "ft.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+def _committed(entries: list[dict]) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for e in entries:
+        if e["committed"]:
+            assert e["step"] not in out, f"step {e['step']} committed twice"
+            out[e["step"]] = e
+    return out
+
+
+def _check_losses(run: _Run, ckpt=None, ckpt_step=None):
+    """Replica group 0 committed every step once; group 1 committed exactly the steps group 0
+    averaged over two groups: every step before the fault (the first step group 0 committed
+    alone), none from there, and again from a rejoin at a step boundary (with a live group's
+    state); every loss equals the replay's. Returns the fault step, the rejoin step and whether
+    the checkpoint equals the replay's state (see :func:`_replay`)."""
+    text = run.text()
+    survivor = _committed(run.log(0))
+    assert sorted(survivor) == list(range(STEPS)), text
+    lives = [{0, 1} if survivor[s]["replicas"] == 2 else {0} for s in range(STEPS)]
+    assert {0} in lives, (lives, text)
+    fault_step = lives.index({0})
+    group1 = run.log(1)
+    healed = [e for e in group1 if e["healed"] and e["step"] > 0]
+    assert healed, f"replica group 1 did not rejoin\n{text}"
+    rejoin = healed[0]["step"]
+    assert fault_step < rejoin < STEPS, (rejoin, lives)
+    mine = _committed(group1)
+    both = {s for s in range(STEPS) if lives[s] == {0, 1}}
+    # A group that dies right after a commit may not live to log it (its log line follows an
+    # all-reduce inside the group): that one step may be missing, no other.
+    assert set(mine) <= both and both - set(mine) <= {fault_step - 1}, (sorted(mine), lives)
+    assert all(e["replicas"] == 2 for e in mine.values())
+
+    replay, same = testing.run_on_ranks(_replay, GROUP, lives, ckpt, ckpt_step)[0]
+    straight, _ = testing.run_on_ranks(_replay, GROUP, [{0, 1}] * STEPS)[0]  # the run without a fault
+    for s in range(STEPS):
+        assert survivor[s]["loss"] == replay[s][0], (s, survivor[s], replay[s])
+    for s in range(fault_step):  # before the fault: the run without one, both groups
+        assert survivor[s]["loss"] == straight[s][0] and (s not in mine or mine[s]["loss"] == straight[s][1]), s
+    for s, e in mine.items():
+        assert e["loss"] == replay[s][1], (s, e)
+    # Not vacuous: without the fault, group 0 would have trained otherwise.
+    assert any(survivor[s]["loss"] != straight[s][0] for s in range(fault_step + 1, STEPS))
+    return fault_step, rejoin, same
+
+
+def test_demo_rank_killed_during_an_async_save_keeps_the_previous_checkpoint_and_rejoins(tmp_path):
+    """Rank 1 of replica group 1 is killed (SIGKILL) during the background write of the
+    checkpoint after step ``fault``, at a random save. Its replica group's previous checkpoint
+    stays the latest, verifies and equals the training state of that step bitwise; replica
+    group 0 trains on; group 1, restarted, rejoins and trains the job's run to the end."""
+    fault = random.choice(range(2 * CKPT_EVERY - 1, 4 * CKPT_EVERY, CKPT_EVERY))  # a save's step: 7, 11 or 15
+    print("fault after step", fault)
+    run = _Run(tmp_path, f"1:1:{fault}:save")
+    ckpt = os.path.join(str(tmp_path), "replica1_ckpt_at_the_kill")
+
+    def copy(_):  # before the restarted group saves anything: what the kill left on disk
+        shutil.copytree(os.path.join(run.out, "replica1", "ckpt"), ckpt)
+
+    run.on(r"ft: replica group 1 failed", copy)
+    t0 = time.monotonic()
+    code = run.wait()
+    elapsed = time.monotonic() - t0
+    text = run.text()
+    assert code == 0, text
+    assert "SIGKILL during the background write of the checkpoint after step" in text, text
+    assert re.search(r"ft: replica group 1 failed \(exit code 1\); restarting it \(1 of 3\)", text), text
+    from fsdpfn import checkpoint
+
+    latest = checkpoint.read_info(ckpt)
+    assert latest["values"]["step"] == fault + 1 - CKPT_EVERY, latest["dir"]  # the previous save
+    assert any(n.startswith(f".partial-step_{fault + 1:08d}") for n in os.listdir(ckpt)), os.listdir(ckpt)
+    # The kill is on the save's background thread: the training thread was in a later step, or
+    # between two (then group 0 has no failed attempt: its next quorum just lacks group 1).
+    broken, rejoin, same = _check_losses(run, ckpt, fault + 1 - CKPT_EVERY)
+    assert broken > fault, run.log(0)
+    assert same, "the checkpoint left by the kill does not hold the training state of its step"
+    # The restarted group's own later checkpoints are complete, and the debris is gone.
+    final = os.path.join(run.out, "replica1", "ckpt")
+    assert checkpoint.read_info(final)["values"]["step"] == STEPS
+    assert not any(n.startswith(".partial-") for n in os.listdir(final)), os.listdir(final)
+    print(f"save kill after step {fault}: broken step {broken}, rejoined at {rejoin}, {elapsed:.1f} s")
+
+
+def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins(tmp_path):
+    """Rank 0 of replica group 1 (the rank that heartbeats for its group) stops itself (SIGSTOP)
+    in a random step after its backward. Replica group 0 gives up on it after the collective
+    timeout and trains on; once it has, the stopped process is continued (SIGCONT). Continued, it
+    finds its all-reduce gone, its group does not commit that step, and the group, behind now,
+    rejoins with group 0's state at the next step boundary (or, if its other rank's commit had
+    already given up, the group's launcher kills the stopped rank and the supervisor restarts the
+    group, which rejoins). Either way nothing it does reaches group 0's training: every loss is
+    the replay's."""
+    fault = random.randrange(2, 7)
+    print("stop in step", fault)
+    run = _Run(tmp_path, f"1:0:{fault}:stop")
+    pid: list[int] = []
+    when: dict[str, float] = {}
+    continued: list[bool] = []
+
+    def stopped(m):
+        pid.append(int(m.group(1)))
+        when["stop"] = time.monotonic()
+
+    def cont(_):
+        when["on"] = time.monotonic()
+        try:
+            os.kill(pid[0], signal.SIGCONT)
+            continued.append(True)
+        except (ProcessLookupError, IndexError):
+            continued.append(False)
+
+    run.on(r"fault injection: replica group 1, rank 0 \(pid (\d+)\): SIGSTOP", stopped)
+    run.on(rf"replica replica0: step {fault}: 1 replica group\(s\) alive", cont)
+    code = run.wait()
+    text = run.text()
+    assert code == 0, text
+    assert pid and continued, text
+    assert re.search(rf"replica replica0: step {fault} was not committed \(.*Timed out waiting {int(TIMEOUT * 1000)}ms", text), text
+    # Group 0 waited for the timeout (not less: a stopped peer looks like a slow one until then),
+    # and not much more: the next quorum leaves the silent group out after the heartbeat timeout.
+    waited = when["on"] - when["stop"]
+    assert TIMEOUT * 0.9 <= waited < TIMEOUT + 15, waited
+    at, rejoin, _ = _check_losses(run)
+    assert at == fault, (at, fault)
+    # The stop step's first attempt was not committed on group 0, and ran again without group 1.
+    assert any(e["step"] == fault and not e["committed"] and e["error"] for e in run.log(0)), run.log(0)
+    restarted = "ft: replica group 1 failed" in text
+    print(f"stop in step {fault}: group 0 went on after {waited:.1f} s; continued: {continued[0]}; "
+          f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}")
+
+
+# ---- what needs no ranks: the demo's refusals and the supervisor's restarts ----------------------
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--ft"], "--ft needs --replicas >= 2"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--experts", "4", "--ep", "2"], "--ft with --ep 2"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--resume"], "--ft with --resume: not supported yet"),
+    (["--fault", "1:0:3:kill"], "--fault needs --ft"),
+    (["--replica-group", "0"], "--replica-group needs --ft"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--replica-group", "2", "--lighthouse", "x"],
+     "--replica-group 2 must be in [0, --replicas 2)"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3"], "expected R:K:STEP:HOW"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:2:3:kill"], "do not exist"),
+    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3:save"], "needs --ckpt-async"),
+])
+def test_demo_refuses_bad_ft_flags_before_any_rank_starts(flags, says, capsys, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        _demo().parse_args(flags)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def _fake_group(script: str) -> str:
+    """A replica group's stand-in: says it is up (as start_together does), then runs ``script``
+    (which sees ``R``, this group, and ``N``, its restarts)."""
+    return ("import os, sys, time\n"
+            "R, N = int(sys.argv[1]), int(os.environ['FSDPFN_FT_RESTARTS'])\n"
+            "d = os.environ.get('FSDPFN_FT_START')\n"
+            "if d:\n"
+            "    open(os.path.join(d, f'up.{R}'), 'w').close()\n"
+            "    while not os.path.exists(os.path.join(d, 'go')): time.sleep(0.01)\n" + script)
+
+
+@pytest.mark.parametrize("script, code, lines", [
+    # group 1 fails on its first start only: restarted once, the job finishes
+    ("time.sleep(1.5 if R == 0 else 0.2)\nsys.exit(1 if (R, N) == (1, 0) else 0)", 0,
+     ["ft: replica group 1 failed (exit code 1); restarting it (1 of 2)"]),
+    # group 1 always fails: restarted twice, then left out while group 0 finishes
+    ("time.sleep(1.5 if R == 0 else 0.1)\nsys.exit(1 if R == 1 else 0)", 1,
+     ["restarting it (2 of 2)", "ft: replica group 1 failed (exit code 1) after 2 restart(s); left out"]),
+    # group 1 is killed, restarted, and finds no one to rejoin: neither finished nor failed
+    ("time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)", 0,
+     ["failed (killed by SIGKILL); restarting it", "ft: replica group 1 was restarted, but no live replica group"]),
+])
+def test_run_replica_groups_restarts_a_failed_group_while_another_trains(script, code, lines):
+    import fsdpfn.ft
+
+    said: list[str] = []
+    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
+                                       lighthouse="unused", max_restarts=2, echo=said.append)
+    assert got == code, said
+    for line in lines:
+        assert any(line in s for s in said), (line, said)
+
+
+def test_run_replica_groups_refuses_fewer_than_two_groups():
+    import fsdpfn.ft
+
+    with pytest.raises(ValueError, match="replicas must be an int >= 2"):
+        fsdpfn.ft.run_replica_groups(lambda r, a: ["true"], 1, lighthouse="unused")
