@@ -186,7 +186,14 @@ def test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason(t
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
-    assert proc.stderr.count("--device cuda: this torch") == 2, proc.stderr[-3000:]  # each rank says it
+    # Each rank checks its flags before any collective and says why it stops. Under torchrun the
+    # first rank to exit makes the agent SIGTERM the others, so a rank still importing torch on a
+    # busy machine is stopped before it prints: every rank that printed must give this reason, and
+    # the ones that did not were ended by the agent's SIGTERM, not left waiting.
+    said = proc.stderr.count("--device cuda: this torch")
+    assert said >= 1, proc.stderr[-3000:]
+    assert said == 2 or "SIGTERM" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback (most recent call last):\n  File \"" + SCRIPT not in proc.stderr, proc.stderr[-3000:]
     assert "_cuda_setDevice" not in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr[-3000:]
 
 
