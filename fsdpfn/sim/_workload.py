@@ -480,6 +480,7 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         self.unit_of, self.save = unit_of, save
         self.calls: list[AttentionCall] = []
         self.unsaved: set[int] = set()  # storages a kernel keeps that the real step does not (see the Note)
+        self.held: list[torch.Tensor] = []  # them, alive until the transient peaks leave them out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -516,6 +517,7 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         full_k, full_v = torch.cat([k] * self.cp, dim=-2), torch.cat([v] * self.cp, dim=-2)
         if self.strategy == "ring":
             self.unsaved.update(t.untyped_storage()._cdata for t in (full_k, full_v))
+            self.held += [full_k, full_v]
             if self.save is not None:
                 self.save(k)
                 self.save(v)
@@ -532,7 +534,8 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
 # and the kernel's shape of an all-gather. What it keeps for backward depends on the strategy:
 # ``"allgather"`` keeps the gathered keys and values (SDPA saves them, as fsdpfn's does);
 # ``"ring"`` keeps the rank's own (flash ring kernels pass the blocks around again in backward,
-# torchtitan's among them), so the repeated buffers are left out of the saved bytes. The
+# torchtitan's among them), so the repeated buffers are left out of the saved and the transient
+# bytes (a ring holds two blocks at a time, next to nothing beside them). The
 # exchange itself is communication: the op list lists it from the recorded calls.
 
 
@@ -675,8 +678,9 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
     transient = {}
     if live is not None:
         grads = {p.grad.untyped_storage()._cdata for p in params.values() if p.grad is not None}
-        transient = live.peaks(seen | grads)
+        transient = live.peaks(seen | grads | fused.unsaved)
         live.close()
+    fused.held.clear()
     keep.clear()
     for h in hooks:
         h.remove()
