@@ -79,3 +79,14 @@ def test_search_names_bad_cp_degrees_before_profiling():
         sim.search(model, 4, 2**30, x, cp=(2,), cp_strategy="ulysses", **kw)
     with pytest.raises(ValueError, match="needs world as a number of ranks"):
         sim.search(model, (2, 2), 2**30, x, cp=(2,), **kw)
+    with pytest.raises(ValueError, match=r"selective remat policies \('save_dots',\)"):
+        sim.search(model, 4, 2**30, x, cp=(1, 2), remat=("none", "save_dots"), **kw)
+    # On the op list itself, a selective policy beside cp is "not yet", named with the unit.
+    plan = fsdpfn.plan(model, {"dp": 2, "cp": 2}, remat="save_dots")
+    with pytest.raises(NotImplementedError, match="unit 'blocks.0' recomputes with the selective policy 'save_dots'"):
+        plan.cost(tokens=SEQ // 2, attention=[fsdpfn.AttentionCall("blocks.0", CFG.width)])
+    plain = fsdpfn.plan(model, {"dp": 2, "cp": 2})
+    with pytest.raises(ValueError, match="attention call of unit 'blocks.9': the plan has no such unit"):
+        plain.cost(tokens=SEQ // 2, attention=[fsdpfn.AttentionCall("blocks.9", CFG.width)])
+    with pytest.raises(ValueError, match="strategy 'ulysses' is not one of"):
+        fsdpfn.AttentionCall("blocks.0", CFG.width, strategy="ulysses")

@@ -365,6 +365,9 @@ def search(
     eps = _check_ep(model, world, ep, tp, mp)  # first: ep beside tp is named before tp_plan is tried on the model
     tps = _check_tp(model, world, tp, tp_plan, mp)
     cps = _check_cp(model, world, cp, cp_strategy, tps, eps, inputs, mp)
+    if max(cps) > 1 and extra:
+        raise ValueError(f"search: cp={cps} with the selective remat policies {extra}: the op list does not model which of "
+                         "attention's exchanges over cp a selective policy recomputes yet; search cp with remat 'none' and 'full'")
     if isinstance(world, int):
         world_size = world
         shapes = []  # (tp degree, ep degree, cp degree, data-parallel shape without them)
