@@ -32,6 +32,7 @@ from fsdpfn._remat import RematReplayError as RematReplayError
 from fsdpfn._remat import checkpoint_name as checkpoint_name
 from fsdpfn._remat import register_remat_policy as register_remat_policy
 from fsdpfn._remat import remat_policies as remat_policies
+from fsdpfn._plan.attention import AttentionCall as AttentionCall
 from fsdpfn._plan.steps import Collective as Collective
 from fsdpfn._plan.steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
@@ -73,6 +74,7 @@ __all__ = [
     "checkpoint_name",
     "register_remat_policy",
     "remat_policies",
+    "AttentionCall",
     "Collective",
     "CompileUnsupportedError",
     "MeshAxes",

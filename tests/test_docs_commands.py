@@ -92,6 +92,8 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python examples/plan_search\.py .*--hardware measure", "run", "--global-tokens 4096 --prefetch 1"),  # starts ranks
     (r"^python examples/plan_search\.py\b", "here", "--global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png"),
     (r"^python benchmarks/compile_bucket\.py\b", "run", "--steps 1"),
+    # Two short sequences at every cp degree, and the projection of its first row (cp 1, 32k tokens).
+    (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
     (r"^python benchmarks/compile_probe\.py\b", "run", ""),
     (r"^python benchmarks/exit_stress\.py\b", "run", "-n 1"),
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
@@ -385,6 +387,8 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"examples/(tensor|expert)_parallel\.py", [r"^largest relative difference from one process: "]),
     (r"examples/plan_search\.py", [r"^pick: ", r"^  plan = fsdpfn\.plan\(model, mesh, "]),
     (r"compile_bucket\.py", [r"^step time, bucket=True / bucket=False: "]),
+    (r"benchmarks/cp\.py(?!.*--no-gloo)", [r"^cp exchange counted == listed \(calls, bytes\) in (\d+)/\1 rows; every rank sends the same: True$"]),
+    (r"benchmarks/cp\.py(?!.*--no-project)", [r"^\(\d+ s\) projected / torchtitan tokens/s/GPU: "]),
     (r"compile_probe\.py", [r"^runtime: forward \+ loss\.backward\(\): \d+ graph"]),
     (r"benchmarks/checkpoint\.py", [r"^async/sync stall ratio: \d+\.\d+$"]),
     (r"bad_inputs\.py", [r"^\d+ cases in \d+ s: \d+ named, 0 unnamed, \d+ correct, 0 silent$"]),

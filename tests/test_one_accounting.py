@@ -202,3 +202,106 @@ def test_hand_edits_change_the_list_as_they_change_the_step():
     assert kept_cost.memory["unsharded_peak"] > plain[1].cost(schedule=plain[2]).memory["unsharded_peak"]
     with pytest.raises(runtime.ScheduleError, match="made for plan"):
         fsdpfn.plan(GPT(CFG), (2,)).cost(schedule=plain[2])
+
+
+# ---- context parallelism: attention's exchange over cp is on the list too ------------------------
+
+CP_CASES = [  # (mesh, names, strategy, remat, prefetch)
+    ((2, 2), ("dp", "cp"), "allgather", None, 1),
+    ((1, 4), ("dp", "cp"), "ring", None, 0),
+    ((2, 2), ("dp", "cp"), "ring", "full", 2),
+]
+
+
+def _cp_build(case, mesh):
+    shape, names, strategy, remat, prefetch = case
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, mesh, remat=remat)
+    return model, plan, runtime.schedule(plan, prefetch)
+
+
+def _cp_profile(model, plan, strategy):
+    """The workload of one cp rank's micro-batch (its attention calls are the op list's input)."""
+    x = torch.zeros(PER_RANK, CFG.seq_len // plan.cp_size, dtype=torch.long)
+    return sim.profile(model, plan, x, cp_strategy=strategy)
+
+
+def _cp_counted(rank, world, cases):
+    out = []
+    for case in cases:
+        shape, names, strategy, remat, prefetch = case
+        model, plan, sched = _cp_build(case, testing.mesh(shape, names))
+        params = fsdpfn.shard(model, plan, requires_grad=True)
+        rt = Runtime(model, plan, sched)
+        x, y = _batch(plan.dp_size, 1)
+        s = _slice(fsdpfn.transforms.dp_rank(plan), plan.dp_size, 0)
+        x, y = fsdpfn.context_parallel_shard((x[s], y[s]), plan)
+        with fsdpfn.context_parallel(plan, strategy=strategy):
+            with fsdpfn.count_collectives() as fwd:
+                loss = _ce(rt.apply(params, x), y)
+            with fsdpfn.count_collectives() as bwd:
+                loss.backward()
+        wl = _cp_profile(model, plan, strategy)
+        counted = [_record_key(c, phase, False) for phase, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls]
+        listed = [_record_key(c, c.phase, False) for c in
+                  fsdpfn.step_collectives(plan, schedule=sched, tokens=x.numel(), attention=wl.attention)]
+        first_diff = next(((i, a, b) for i, (a, b) in enumerate(zip(counted, listed)) if a != b), None)
+        out.append(dict(case=case, equal=counted == listed, lengths=(len(counted), len(listed)), first_diff=first_diff,
+                        cp_calls=sum(c.tag.startswith("cp_") for c in fwd.calls + bwd.calls)))
+    return out
+
+
+def test_attention_over_cp_is_on_the_list_the_cost_and_the_simulation(run_on_ranks):
+    """A real runtime step on 4 gloo ranks issues exactly the op list's collectives, in order,
+    cp's key/value exchange included (all-gather and its reduce-scatter; ring hops both ways; a
+    remat unit's recomputed hops in backward); the list is built from the attention calls the
+    profile recorded, which are the GPT's blocks with keys as wide as the model; ``plan.cost()``
+    and the simulator (on the abstract plan of the same shape) sum to it."""
+    for rank, results in enumerate(run_on_ranks(_cp_counted, 4, CP_CASES)):
+        for r in results:
+            assert r["equal"], (rank, r["case"], r["lengths"], r["first_diff"])
+            cp, strategy, remat = r["case"][0][1], r["case"][2], r["case"][3]
+            per_call = 2 if strategy == "allgather" else 2 * (cp - 1) + (cp - 1 if remat == "full" else 0)
+            assert r["cp_calls"] == CFG.depth * per_call, (rank, r["case"], r["cp_calls"])
+    for case in CP_CASES:
+        shape, names, strategy, remat, _ = case
+        model, plan, sched = _cp_build(case, dict(zip(names, shape)))
+        wl = _cp_profile(model, plan, strategy)
+        assert wl.attention == tuple(fsdpfn.AttentionCall(f"blocks.{i}", CFG.width, True, strategy, torch.float32)
+                                     for i in range(CFG.depth))
+        tokens = PER_RANK * CFG.seq_len // plan.cp_size
+        assert wl.tokens == tokens
+        listed = fsdpfn.step_collectives(plan, schedule=sched, tokens=tokens, attention=wl.attention)
+        cost = plan.cost(schedule=sched, tokens=tokens, attention=wl.attention)
+        assert list(cost.calls) == list(listed)
+        # every call keeps the whole sequence's keys and values: 2 (K, V) x seq x width x 4 bytes a row
+        assert cost.memory["attention_kv"] == CFG.depth * PER_RANK * 2 * CFG.seq_len * CFG.width * 4
+        r = sim.simulate(plan, sched, wl, None, HW)
+        assert {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["step"].items()} == _sums(listed), case
+        assert sorted(map(str, r.calls)) == sorted(map(str, listed)), case
+
+
+def _cp_hardware(link: float) -> sim.Hardware:
+    """Slow compute (attention far longer than a hop at ``link`` bytes/s), one link level."""
+    rates = {"float32": 1e7, "attention float32": 1e7}
+    return sim.Hardware("cp test", rates, 1e10, 2**34, 8, intra=sim.Link(1e-6, link), inter=sim.Link(1e-6, link), overlap=1.0)
+
+
+def test_ring_hops_overlap_the_attention_in_the_simulation():
+    """The simulator hides a ring hop behind the attention block it overlaps: with hops far
+    shorter than a block, every hop lies inside a compute span; with links 10^7 times slower
+    the hops outlast the compute and at least their excess is exposed."""
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, {"dp": 1, "cp": 4})
+    fast = _cp_hardware(1e12)
+    ring = sim.simulate(plan, None, _cp_profile(model, plan, "ring"), None, fast)
+    hops = [sp for sp in ring.spans if sp.kind == "send_recv"]
+    assert len(hops) == 2 * 3 * CFG.depth  # 3 hops each way per block
+    computing = [sp for sp in ring.spans if sp.stream == "compute" and sp.kind in ("forward", "backward")]
+    assert all(any(c.start <= h.start and h.end <= c.end for c in computing) for h in hops)
+    slow = sim.simulate(plan, None, _cp_profile(model, plan, "ring"), None, _cp_hardware(1e5))
+    # A hop hides only behind compute: what the compute cannot cover is exposed.
+    in_flight = sum(h.end - h.start for h in slow.spans if h.kind == "send_recv")
+    compute = sum(c.end - c.start for c in slow.spans if c.stream == "compute")
+    assert slow.exposed_comm >= in_flight - compute > ring.exposed_comm, (slow.exposed_comm, in_flight, compute, ring.exposed_comm)

@@ -11,6 +11,7 @@ or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
     steps        step_collectives / step_ops: the schedule's ops expanded into collectives
     schedule     schedule(): the one op list of a training step
     wire         wire_bytes: what one rank sends for one collective (the one formula)
+    attention    AttentionCall: attention's key/value exchange over cp, as the op list costs it
     values       PlanValues, Unit, ParamSpec, MixedPrecision, Strategy: the data and its layouts
     encode       plan -> JSON and the fingerprint
     placements   a parameter's placement on each model-parallel axis, and everything derived from it

@@ -10,13 +10,16 @@ FP8 units (``MixedPrecision(fp8=...)``) all-gather their byte segment
 (:meth:`fsdpfn.Plan.gather_bytes`: E4M3 elements, scales, ``param_dtype`` for the rest, see
 [Note: FP8 gather layout]); the per-tensor recipe adds one all-reduce (max) of a float32 amax per
 FP8 parameter before each of the unit's gathers. Tensor-parallel modules add their activation
-all-reduces and all-gathers over the ``tp`` axis, whose bytes need ``tokens``.
+all-reduces and all-gathers over the ``tp`` axis, whose bytes need ``tokens``; attention calls
+(``attention=``) add their keys' and values' exchange over ``cp`` and, in ``memory``, the keys
+and values of the whole sequence they keep for backward (``attention_kv``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from fsdpfn._plan.attention import AttentionCall, kv_bytes
 from fsdpfn._plan.values import PlanValues, _human
 from fsdpfn._plan.schedule import Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
@@ -36,7 +39,10 @@ class PlanCost:
         for zero2/zero3, full for zero1/replicate), ``optimizer_state_per_slot`` (one fp32-like
         slot shaped like the sharded masters, e.g. Adam needs two), ``unsharded_peak`` (full
         parameters alive at once in the gather dtype, walking the schedule's gathers and frees:
-        :func:`fsdpfn._plan.steps.unsharded_peak`, the runtime's ``rt.memory.high_water``).
+        :func:`fsdpfn._plan.steps.unsharded_peak`, the runtime's ``rt.memory.high_water``);
+        with ``attention=`` calls on a cp plan, ``attention_kv``: the keys and values of the whole
+        sequence every attention call keeps from its forward to its backward, ``cp`` times a
+        rank's own (see [Note: what attention over cp issues]).
       calls: every collective of the step, in order (:class:`fsdpfn.Collective`), which
         ``collectives`` sums.
       tokens: the tokens per rank per micro-batch the activation bytes were counted for
@@ -79,24 +85,27 @@ class PlanCost:
         if tp:
             t = totals(tp, lambda c: "tp")["tp"]
             if self.tokens is None:
-                lines.append(f"  of which {t.calls} tensor-parallel activation collectives, listed with 0 bytes: "
+                lines.append(f"  of which {t.calls} activation collectives (tensor, expert or context parallel), listed with 0 bytes: "
                              "pass cost(tokens=...) (tokens per rank per micro-batch) to count them")
             else:
-                lines.append(f"  of which tensor- and expert-parallel activations ({self.tokens:,} tokens per rank per micro-batch): "
+                lines.append(f"  of which activations over tp, ep and cp ({self.tokens:,} tokens per rank per micro-batch): "
                              f"{t.calls} calls, {_human(t.nbytes)} buffers, {_human(t.wire_bytes)} sent")
         lines.append("memory per rank: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
         return "\n".join(lines)
 
 
 def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-              micro_batches: int = 1, accumulate: str = "reduce", schedule: Schedule | None = None) -> PlanCost:
+              micro_batches: int = 1, accumulate: str = "reduce", schedule: Schedule | None = None,
+              attention: tuple[AttentionCall, ...] = ()) -> PlanCost:
     """:meth:`fsdpfn.Plan.cost` (see there)."""
+    attention = tuple(attention)
     if schedule is not None:
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(schedule).__name__}")
         validate(schedule, plan)
     calls: tuple[Collective, ...] = step_collectives(plan, schedule=schedule, reshard_after_forward=reshard_after_forward,
-                                                     micro_batches=micro_batches, accumulate=accumulate, tokens=tokens)
+                                                     micro_batches=micro_batches, accumulate=accumulate, tokens=tokens,
+                                                     attention=attention)
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds.update(totals(calls))
     # The unsharded peak walks the gathers and frees of the ops the runtime runs, every
@@ -105,5 +114,8 @@ def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefe
     sched = schedule if schedule is not None else default_schedule(plan, prefetch, reshard_after_forward)
     ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate)
     mem = {**static_memory(plan), "unsharded_peak": unsharded_peak(plan, ops)}
+    if plan.cp_size > 1 and attention:
+        units = {u.name: u for u in plan.units}
+        mem["attention_kv"] = sum(plan.cp_size * kv_bytes(a, tokens or 0, plan.gather_dtype(units[a.unit])) for a in attention)
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem, calls, tokens)
 

@@ -58,7 +58,7 @@ class Plan(PlanValues):
         return plan_from_dict(json.loads(s), cls, mesh)
 
     def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-             micro_batches: int = 1, accumulate: str = "reduce", schedule: Any = None) -> PlanCost:
+             micro_batches: int = 1, accumulate: str = "reduce", schedule: Any = None, attention: Any = ()) -> PlanCost:
         """Bytes each collective kind moves per rank per training step, and memory per rank.
 
         Every figure is summed from :func:`fsdpfn.step_collectives`, the list of the step's
@@ -82,6 +82,9 @@ class Plan(PlanValues):
             the step it runs is costed, its ops expanded as the runtime runs them;
             ``reshard_after_forward`` and ``prefetch`` are then read from it. ``None``: the
             runtime's default schedule with those two.
+          attention: the step's attention calls (:class:`fsdpfn.AttentionCall`, by hand or
+            ``fsdpfn.sim.profile(...).attention``): on a plan with a cp axis, their keys' and
+            values' exchange over cp (sized by ``tokens``) and ``memory["attention_kv"]``.
 
         Returns:
           a :class:`fsdpfn.PlanCost`.
@@ -90,6 +93,10 @@ class Plan(PlanValues):
           >>> c = plan.cost(micro_batches=4)
           >>> c.collectives["all_gather"].calls, c.collectives["reduce_scatter"].calls
           (20, 12)
+          >>> cp = fsdpfn.plan(model, {"dp": 2, "cp": 4})
+          >>> calls = [fsdpfn.AttentionCall(f"blocks.{i}", kv_width=64, strategy="ring") for i in range(2)]
+          >>> cp.cost(tokens=2 * 256, attention=calls).collectives["send_recv"]   # 3 hops each way per block
+          CollectiveCost(calls=12, nbytes=3145728, wire_bytes=3145728.0)
         """
         return plan_cost(self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate,
-                              schedule=schedule)
+                              schedule=schedule, attention=attention)

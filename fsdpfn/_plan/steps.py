@@ -69,6 +69,13 @@ backward    the two transposed all-to-alls                   N x k x d each
 ==========  ===============================================  =================================
 
 (the dispatch sends exactly ``N k`` rows whatever the routing; what comes back depends on it).
+
+Over a ``cp`` axis each attention call (an :class:`fsdpfn.AttentionCall` given as
+``attention=``: the op list cannot see inside a unit's forward) adds its key/value exchange to its
+unit's ``forward`` and ``backward`` events (all-gather and reduce-scatter, or ``cp - 1`` ring
+hops each way, ``2 N kv_width`` elements a hop; [Note: what attention over cp issues] in
+``fsdpfn/_plan/attention.py``), after the unit's tensor-parallel ones in forward and before them
+in backward.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ from typing import Any, Iterable, cast
 
 import torch
 
+from fsdpfn._plan.attention import AttentionCall, attention_entries
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import unit_row_roles
 from fsdpfn._plan.values import PlanValues, Unit, unit_label
@@ -110,7 +118,9 @@ class Collective:
       phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
       purpose: ``"gather"``, ``"amax"``, ``"reduce"``, ``"replicate_reduce"``, ``"tp_copy"``
         (a colwise input's gradient), ``"tp_reduce"`` (a rowwise output), ``"tp_gather"`` (a
-        colwise_gather output), or an optimizer's label.
+        colwise_gather output), ``"cp_gather"``/``"cp_scatter"`` (attention's keys and values
+        over cp, and their gradients), ``"cp_ring"``/``"cp_ring_grad"`` (a ring hop of them),
+        or an optimizer's label.
       micro_batch: which micro-batch of the step issues it.
       op: the index of the schedule op that issues it (the gather, reduce or wait_reduce op, or
         the unit's forward/backward event for tensor-parallel ones); ``-1`` when listed without
@@ -143,8 +153,8 @@ class Collective:
 
     @property
     def activation(self) -> bool:
-        """A tensor- or expert-parallel activation collective (its bytes need ``tokens``)."""
-        return self.purpose.startswith(("tp_", "ep_"))
+        """A tensor-, expert- or context-parallel activation collective (its bytes need ``tokens``)."""
+        return self.purpose.startswith(("tp_", "ep_", "cp_"))
 
     def describe(self) -> str:
         """One line: phase, kind, tag, axis, size, bytes, dtype."""
@@ -284,6 +294,34 @@ def _unit_ep(plan: PlanValues, unit: Unit, event: str, tokens: int) -> list[tupl
     }[event]
 
 
+def _cp_calls(plan: PlanValues, attention: Iterable[AttentionCall]) -> dict[str, list[AttentionCall]]:
+    """``{unit: [attention calls]}``, checked against the plan's units."""
+    out: dict[str, list[AttentionCall]] = {}
+    names = {u.name for u in plan.units}
+    for a in attention:
+        if not isinstance(a, AttentionCall):
+            raise ValueError(f"attention= takes fsdpfn.AttentionCall values (fsdpfn.sim.profile(...).attention), got {a!r}")
+        if a.unit not in names:
+            raise ValueError(f"attention call of unit {a.unit!r}: the plan has no such unit (units: "
+                             f"{', '.join(unit_label(n) for n in sorted(names))})")
+        out.setdefault(a.unit, []).append(a)
+    return out
+
+
+def _unit_cp(plan: PlanValues, unit: Unit, calls, phase: str, tokens: int) -> list[tuple]:
+    """``(kind, role, nbytes, dtype, purpose, tag)`` of one unit's attention calls over cp in ``phase``."""
+    if plan.cp_size == 1 or not calls:
+        return []
+    if unit.remat not in ("none", "full"):
+        raise NotImplementedError(
+            f"unit {unit_label(unit.name)!r} recomputes with the selective policy {unit.remat!r}; whether its attention's "
+            "exchange over cp runs again in backward depends on what the policy keeps, which the op list does not model yet: "
+            "cost it with remat='none' or 'full'")
+    order = calls if phase == "forward" else list(reversed(calls))
+    dtype = plan.gather_dtype(unit)
+    return [e for a in order for e in attention_entries(a, plan.cp_size, phase, tokens, dtype, recompute=unit.remat == "full")]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOp:
     """One op of a schedule as one micro-batch of a step runs it, with what it issues.
@@ -327,6 +365,7 @@ def step_ops(
     accumulate: str = "reduce",
     tokens: int | None = None,
     indexed: bool = True,
+    attention: Iterable[AttentionCall] = (),
 ) -> tuple[StepOp, ...]:
     """The ops of ``sched`` (a :class:`fsdpfn.runtime.Schedule`, or anything with ``ops`` of
     ``kind`` and ``unit``) as each micro-batch of a step runs them, each with the collectives it
@@ -334,6 +373,8 @@ def step_ops(
     order; the simulator times them op by op. Each micro-batch runs :func:`micro_batch_ops` (a
     micro-batch that does not end the step has ``accumulate`` ops where gradients are summed
     locally) and ``index`` points into those. ``indexed=False`` lists each collective with ``op=-1``.
+    ``attention``: the step's attention calls (:class:`fsdpfn.AttentionCall`), whose key/value
+    exchange over a cp axis their units' events issue.
 
     Example:
       >>> ops = step_ops(plan, fsdpfn.runtime.schedule(plan))
@@ -343,6 +384,7 @@ def step_ops(
     _check_step_args(micro_batches, accumulate, tokens)
     units = {u.name: u for u in plan.units}
     tp = _tp_modules(plan) if plan.tp else {}
+    cp = _cp_calls(plan, attention)
     axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP, Role.CP)}
     ntok = 0 if tokens is None else tokens
     backward_events = (OpKind.BACKWARD, OpKind.BACKWARD_DONE, OpKind.END)
@@ -370,8 +412,10 @@ def step_ops(
             now: tuple[Collective, ...] = ()
             later: tuple[Collective, ...] = ()
             reduces = False
-            if kind in (OpKind.FORWARD, OpKind.BACKWARD) and name in tp:
-                later = listed(_unit_tp(plan, tp[name], kind.value, ntok), name, phase, m, i)
+            if kind in (OpKind.FORWARD, OpKind.BACKWARD) and (name in tp or name in cp):
+                tp_now = _unit_tp(plan, tp[name], kind.value, ntok) if name in tp else []
+                cp_now = _unit_cp(plan, units[name], cp.get(name, ()), kind.value, ntok)
+                later = listed(tp_now + cp_now if kind is OpKind.FORWARD else cp_now + tp_now, name, phase, m, i)
             elif unit is not None and unit.experts and kind in (OpKind.FORWARD, OpKind.BACKWARD):
                 now = listed(_unit_ep(plan, unit, kind.value, ntok), name, phase, m, i)  # before the experts' gather
             elif unit is not None and unit.experts and kind in (OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE):
@@ -410,6 +454,7 @@ def step_collectives(
     micro_batches: int = 1,
     accumulate: str = "reduce",
     tokens: int | None = None,
+    attention: Iterable[AttentionCall] = (),
 ) -> tuple[Collective, ...]:
     """Every collective one rank issues in a training step of ``plan``, in issue order (see
     [Note: what a step issues]): the collectives of the schedule's ops (:func:`step_ops`).
@@ -429,6 +474,9 @@ def step_collectives(
         (:func:`micro_batch_ops`; ``zero1`` units accumulate locally either way).
       tokens: tokens per rank per micro-batch (batch x sequence on one rank), for the bytes of
         tensor-parallel activation collectives; ``None``: they are listed with 0 bytes.
+      attention: the step's attention calls (:class:`fsdpfn.AttentionCall`, e.g.
+        ``fsdpfn.sim.profile(...).attention``): on a plan with a cp axis, their key/value
+        exchange (sized by ``tokens``).
 
     Returns:
       a tuple of :class:`Collective`.
@@ -444,7 +492,8 @@ def step_collectives(
     indexed = schedule is not None
     if schedule is None:
         schedule = default_schedule(plan, 0, reshard_after_forward)
-    ops = step_ops(plan, schedule, micro_batches=micro_batches, accumulate=accumulate, tokens=tokens, indexed=indexed)
+    ops = step_ops(plan, schedule, micro_batches=micro_batches, accumulate=accumulate, tokens=tokens, indexed=indexed,
+                   attention=attention)
     return tuple(_in_issue_order(ops))
 
 

@@ -15,6 +15,15 @@ For a model and a number of ranks the search tries:
   ``{"ep": E, "edp": W/E}`` and its HSDP shapes ``{"replicate": R, "ep": E, "edp": W/(R E)}``,
   profiled once (the expert units are the same for every ``E``, and each rank routes its own
   micro-batch) and timed with the expert all-to-alls. Not beside a tp degree above 1;
+  for long sequences and ``cp=(1, 2, ...)``, every context-parallel degree ``C``: the same
+  data-parallel shapes of ``W/C`` ranks beside a ``cp`` axis of ``C`` (``{"dp": W/C, "cp": C}``,
+  ``{"replicate": R, "shard": W/(R C), "cp": C}``). A cp group of ``C`` ranks reads one batch
+  of sequences, each rank ``1/C`` of every sequence (``inputs`` cut along dim 1): to train the
+  same global batch it runs ``C`` times the micro-batches, each of ``S/C`` tokens a sequence,
+  so a rank's tokens per step are the same and its activations per micro-batch ``1/C``; each is
+  profiled as one cp rank's (attention against the whole sequence's keys, [Note: one cp rank's
+  attention] in ``fsdpfn/sim/_workload.py``) and timed with attention's exchange over cp (the
+  strategy ``cp_strategy``). Not beside a tp or ep degree above 1 yet;
 - unit groupings: the default (each child of every ``nn.ModuleList`` a unit), and one level
   finer (each child module of those), or the policies given in ``units=``;
 - per-unit strategies: units with the same parameter shapes form a class (the blocks of a
@@ -74,6 +83,7 @@ class Candidate:
     remat: tuple[tuple[str, str], ...] = ()  # (unit, policy) of rematerialised units
     tp: int = 1  # tensor-parallel degree (the last mesh dim when > 1)
     ep: int = 1  # expert-parallel degree (the mesh dim after a replicate dim, if any, when > 1)
+    cp: int = 1  # context-parallel degree (the last mesh dim when > 1); cp times the micro-batches
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
@@ -85,6 +95,7 @@ class Candidate:
         remat = f", remat {_fold(self.remat)}" if self.remat else ""
         tp = f" (tp {self.tp})" if self.tp > 1 else ""
         tp += f" (ep {self.ep})" if self.ep > 1 else ""
+        tp += f" (cp {self.cp}, {self.cp}x the micro-batches)" if self.cp > 1 else ""
         return f"mesh {'x'.join(map(str, self.mesh_shape))}{tp}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
 
 
@@ -151,6 +162,12 @@ class SearchResult:
     def ep(self) -> int:
         """The pick's expert-parallel degree (1: no ``ep`` axis)."""
         return self.candidate.ep if self.candidate else 1
+
+    @property
+    def cp(self) -> int:
+        """The pick's context-parallel degree (1: no ``cp`` axis); it runs ``cp`` times the
+        micro-batches, each of ``1/cp`` of every sequence."""
+        return self.candidate.cp if self.candidate else 1
 
     @property
     def speedup(self) -> float:
@@ -275,6 +292,8 @@ def search(
     tp: Sequence[int] = (1,),
     tp_plan: Mapping[str, str] | None = None,
     ep: Sequence[int] = (1,),
+    cp: Sequence[int] = (1,),
+    cp_strategy: str = "allgather",
 ) -> SearchResult:
     """The plan and schedule with the lowest predicted step time whose predicted peak memory per
     rank fits ``budget`` (see [Note: the search space]).
@@ -313,6 +332,13 @@ def search(
         and every such layer's experts. ``1`` is no ``ep`` axis; a degree ``E`` searches the
         mesh ``("ep", "edp") = (E, W/E)`` and its HSDP shapes ``("replicate", "ep", "edp")``.
         ``SearchResult.ep`` says which won. Not with a tp degree above 1.
+      cp: context-parallel degrees to try for long sequences (each must divide ``world``, and
+        ``2 x C`` the length of dim 1 of every tensor input: the sequence); a degree ``C`` searches
+        the mesh ``("dp", "cp") = (W/C, C)`` and its HSDP shapes, at ``C`` times the
+        micro-batches of ``S/C`` tokens a sequence (the same global batch).
+        ``SearchResult.cp`` says which won. Not with a tp or ep degree above 1.
+      cp_strategy: how attention reaches the other cp ranks' keys (``"allgather"`` or
+        ``"ring"``, as :func:`fsdpfn.context_parallel`).
 
     Returns:
       a :class:`SearchResult`; ``print(result)`` compares the pick with the default plan.
@@ -338,19 +364,24 @@ def search(
     extra = tuple(r for r in remats if r not in ("none", "full"))
     eps = _check_ep(model, world, ep, tp, mp)  # first: ep beside tp is named before tp_plan is tried on the model
     tps = _check_tp(model, world, tp, tp_plan, mp)
+    cps = _check_cp(model, world, cp, cp_strategy, tps, eps, inputs, mp)
+    if max(cps) > 1 and extra:
+        raise ValueError(f"search: cp={cps} with the selective remat policies {extra}: the op list does not model which of "
+                         "attention's exchanges over cp a selective policy recomputes yet; search cp with remat 'none' and 'full'")
     if isinstance(world, int):
         world_size = world
-        shapes = []  # (tp degree, ep degree, data-parallel shape without them)
+        shapes = []  # (tp degree, ep degree, cp degree, data-parallel shape without them)
         for t in tps:
             for e in eps:
-                d = t * e
-                if d == 1:
-                    dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
-                else:  # the given shapes of W/T (or W/E) ranks, else all of them
-                    dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(world // d)
-                shapes += [(t, e, s) for s in dp_shapes]
+                for c in cps:
+                    d = t * e * c
+                    if d == 1:
+                        dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+                    else:  # the given shapes of W/T (or W/E, W/C) ranks, else all of them
+                        dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(world // d)
+                    shapes += [(t, e, c, s) for s in dp_shapes]
     else:
-        shapes = [(1, 1, tuple(world))]
+        shapes = [(1, 1, 1, tuple(world))]
         world_size = math.prod(world)
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
@@ -358,17 +389,18 @@ def search(
     seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
-    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1):
+    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1, c=1):
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
-        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e)
+        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e, c)
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-            plan = build_plan(model, _mesh_arg(shape, t, e), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
+            plan = build_plan(model, _mesh_arg(shape, t, e, c), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
                                tp=tp_plan if t > 1 else None)
             sched = make_schedule(plan, prefetch=p)
-            res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches, accumulate=acc)
+            res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches * c,
+                           accumulate=acc)
             cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc,
-                             key[5], t, e)
+                             key[5], t, e, c)
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -383,26 +415,30 @@ def search(
     default = None
     for u_opt in unit_options:
         label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
-        for t, e, shape in shapes:
+        for t, e, c, shape in shapes:
             # The workload depends on the units and the tp degree (tp-local layers), not the rest;
             # an ep plan's units (expert units of their own) name its workload, the same for every
             # degree: each rank routes its own batch, and dropless its experts see as many pairs.
-            base = build_plan(model, _mesh_arg((world_size // (t * e),), t, e), units=u_opt, mp=mp, tp=tp_plan if t > 1 else None)
+            # A cp degree's is one cp rank's part of each sequence.
+            base = build_plan(model, _mesh_arg((world_size // (t * e * c),), t, e, c), units=u_opt, mp=mp,
+                              tp=tp_plan if t > 1 else None)
             key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
+            key = key if c == 1 else (*key, ("cp", c, cp_strategy))
             if key not in cache:
-                cache[key] = profile(model, base, *_tp_batch(inputs, t), loss_fn=loss_fn, remat_policies=extra)
+                cache[key] = profile(model, base, *_cp_part(_tp_batch(inputs, t), c), loss_fn=loss_fn, remat_policies=extra,
+                                     cp_strategy=cp_strategy)
             wl: Workload = cache[key]
             classes = _classes(base)
             start_p = 1 if 1 in prefetch else prefetch[0]
             state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e)
-            if u_opt is None and shape == (world_size,) and t == 1 and e == 1 and start_p == 1:
+            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e, c=c)
+            if u_opt is None and shape == (world_size,) and t == 1 and e == 1 and c == 1 and start_p == 1:
                 default = current
             while True:
                 best_state, best = None, current
                 for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates, remats):
                     entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
-                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t, e)
+                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t, e, c)
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -436,9 +472,21 @@ def _tp_batch(inputs: tuple, t: int) -> tuple:
     return tuple(torch.cat([x] * t) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
 
 
-def _mesh_arg(shape: tuple[int, ...], t: int, e: int = 1):
-    """What ``fsdpfn.plan`` takes for data-parallel ``shape`` beside a tp axis of ``t``, or
-    with an ep axis of ``e``: ``shape`` is then ``(edp,)`` or ``(replicate, edp)``."""
+def _cp_part(inputs: tuple, c: int) -> tuple:
+    """One cp rank's part of every sequence of ``inputs`` (dim 1 of each tensor cut to ``1/c``:
+    the profile needs its shapes, not which tokens)."""
+    if c == 1:
+        return inputs
+    # A copy, not a view: the profile counts an input by its storage.
+    return tuple(x.narrow(1, 0, x.shape[1] // c).clone() if isinstance(x, torch.Tensor) and x.dim() > 1 else x for x in inputs)
+
+
+def _mesh_arg(shape: tuple[int, ...], t: int, e: int = 1, c: int = 1):
+    """What ``fsdpfn.plan`` takes for data-parallel ``shape`` beside a tp axis of ``t`` or a cp
+    axis of ``c``, or with an ep axis of ``e``: ``shape`` is then ``(edp,)`` or ``(replicate, edp)``."""
+    if c > 1:
+        names = ("dp",) if len(shape) == 1 else ("replicate", "shard")
+        return {**dict(zip(names, shape)), "cp": c}
     if e > 1:
         return {"ep": e, "edp": shape[0]} if len(shape) == 1 else {"replicate": shape[0], "ep": e, "edp": shape[1]}
     if t == 1:
@@ -506,6 +554,36 @@ def _check_ep(model: torch.nn.Module, world, ep: Sequence[int], tp: Sequence[int
                                  "choose ep degrees that divide every layer's number of experts")
     build_plan(model, {"ep": big, "edp": world // big}, mp=mp)  # whatever else the plan refuses: named here
     return eps
+
+
+def _check_cp(model: torch.nn.Module, world, cp: Sequence[int], strategy: str, tps, eps, inputs, mp) -> tuple[int, ...]:
+    """The cp degrees to try, each checked against ``world``, the inputs' sequence length and
+    the other degrees, before anything is profiled."""
+    cps = tuple(dict.fromkeys((cp,) if isinstance(cp, int) else cp))
+    if not cps or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cps):
+        raise ValueError(f"search: cp must be context-parallel degrees >= 1, e.g. (1, 2, 4), got {cp!r}")
+    if strategy not in ("allgather", "ring"):
+        raise ValueError(f"search: cp_strategy must be 'allgather' or 'ring', got {strategy!r}")
+    if cps == (1,):
+        return cps
+    if not isinstance(world, int):
+        raise ValueError(f"search: cp={cps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
+    if max(tps) > 1 or max(eps) > 1:
+        raise ValueError(f"search: cp={cps} with tp={tps}, ep={eps}: the search does not combine a cp axis with a tp or ep "
+                         "axis yet; search cp with tp=(1,) and ep=(1,)")
+    seqs = [x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 1]
+    if not seqs:
+        raise ValueError("search: cp needs inputs of shape (batch, sequence, ...): a cp rank holds a part of each sequence (dim 1)")
+    for c in cps:
+        if world % c:
+            raise ValueError(f"search: cp={c} does not divide world={world}; choose degrees that divide the number of ranks")
+        bad = [s for s in seqs if s % (2 * c)]
+        if bad:
+            raise ValueError(f"search: cp={c} needs sequences (dim 1 of the inputs) divisible by 2 x cp = {2 * c}, got {bad[0]}: "
+                             "each cp rank holds a head and a tail chunk")
+        if c > 1:
+            build_plan(model, {"dp": world // c, "cp": c}, mp=mp)  # a model without attention: named here
+    return cps
 
 
 def _check_search_args(world, budget, strategies, prefetch, accumulate, micro_batches, splits) -> tuple[str, ...]:

@@ -441,14 +441,35 @@ class _Builder:
     def work(self, s: StepOp) -> None:
         """The work after event ``s`` (and the actions following it): its compute, in the op's
         phase, then the activation collectives issued while it computes (``with_compute``),
-        blocking on the ``tp`` stream (they sit between its matmuls)."""
+        blocking on the ``tp`` stream (they sit between its matmuls), or on the ``cp`` stream: an
+        all-gather of keys and values blocks; ring hops overlap the attention (:meth:`ring`)."""
         self.op, self.micro_batch = s.index, s.micro_batch
         # After a unit's *_done event (and 'end') the root's own code runs.
         owner = s.op.unit if s.op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
-        self.compute(self.wl.at(s.op), s.phase, owner)
+        hops = [c for c in s.with_compute if c.purpose in ("cp_ring", "cp_ring_grad")]
+        if hops:
+            self.ring(self.wl.at(s.op), hops, s.phase, owner)
+        else:
+            self.compute(self.wl.at(s.op), s.phase, owner)
         self.momentary(self.wl.transient_at(s.op))
         for c in s.with_compute:
-            self.blocking(c, "tp")
+            if c.purpose not in ("cp_ring", "cp_ring_grad"):
+                self.blocking(c, "cp" if c.role is Role.CP else "tp")
+
+    def ring(self, work: Work, hops: list[Collective], phase: str, owner: str) -> None:
+        """A unit's work whose attention passes key/value blocks around the cp ring: the rest of
+        its work first, then the attention in ``len(hops) + 1`` equal blocks, block ``k + 1``
+        after hop ``k``; the hops run back to back on the ``cp`` stream from the start of the
+        attention, each one's block already received (double buffering, as ring attention
+        kernels overlap them), so a hop shorter than a block is hidden."""
+        attention = Work(tuple(m for m in work.matmuls if m[0].startswith("attention")))
+        self.compute(work.minus(attention) if attention else work, phase, owner)
+        landed = [self.collective(c, "cp") for c in hops]
+        piece = attention.unmeasured().seconds(self.hw) / (len(hops) + 1)
+        for k in range(len(hops) + 1):
+            deps = (landed[k - 1],) if k else ()
+            self.tasks.append(Task("compute", "compute", piece, deps, phase, owner, 0.0, self.op, self.micro_batch))
+            self.last_compute = len(self.tasks) - 1
 
     def step(self, ops: tuple[StepOp, ...]) -> None:
         """Walks the step's ops (every micro-batch's), each with the collectives it issues, in
@@ -562,7 +583,7 @@ def simulate(
     validate(sched, plan)
     if micro_batches > 3 and not exact:
         return _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank)
-    ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens)
+    ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens, attention=workload.attention)
     listed = sum(len(s.collectives) + len(s.with_compute) for s in ops)
     b = _Builder(plan, workload, hardware, rank)
     b.step(ops)
@@ -593,6 +614,10 @@ def simulate(
         notes.append("tensor parallel: activation collectives of " + (f"{workload.tokens:,} tokens per micro-batch" if workload.tokens else
                      "0 tokens (the workload has none: profile it with integer token inputs)") + ", blocking after each unit's compute; "
                      "compute is the workload's as profiled (fsdpfn.sim.profile runs each rank's tp-local layers)")
+    if plan.cp_size > 1:
+        kinds = sorted({a.strategy for a in workload.attention})
+        notes.append(f"context parallel over {plan.cp_size} ranks: {len(workload.attention)} attention calls ({', '.join(kinds) or 'none profiled'}); "
+                     "an all-gather of keys and values blocks, ring hops overlap the attention's blocks")
     traffic = {"step": _traffic(c for c in b.calls if c.phase != "optimizer"), "optimizer": _traffic(c for c in b.calls if c.phase == "optimizer")}
     return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, in_flight,
                      plan, sched, hardware, tuple(notes), tuple(b.calls), dict(b.copied))
@@ -608,7 +633,8 @@ def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, acc
         return b + k * (b - a)
 
     # Bytes need no extension: the whole step's list is at hand.
-    step = step_collectives(plan, schedule=sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens)
+    step = step_collectives(plan, schedule=sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens,
+                            attention=workload.attention)
     opt = tuple(c for c in r3.calls if c.phase == "optimizer")
     traffic = {"step": _traffic(step), "optimizer": r3.traffic["optimizer"]}
     calls = step + opt

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn._plan import Plan
+from fsdpfn._plan.attention import CP_STRATEGIES, AttentionCall
 from fsdpfn._flops import op_flops, rate_key, tensors_of
 from fsdpfn._plan.axes import Role
 from fsdpfn._remat import SaveMode
@@ -154,6 +155,9 @@ class Workload:
       transient: ``((event Op, bytes), ...)``: the most bytes the work after each event holds at
         once besides the saved activations and the parameters' gradients (see [Note: transient
         memory]): the simulator adds it to what is live while that work runs.
+      attention: every attention call the step made (:class:`fsdpfn.AttentionCall`: its unit,
+        key width, mask and cp strategy), in order: under a cp plan the simulator lists their
+        exchange over cp from them (:func:`fsdpfn.step_collectives` ``attention=``).
 
     Example:
       >>> wl = fsdpfn.sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()))
@@ -170,6 +174,7 @@ class Workload:
     kept: tuple[tuple[str, str, int, Work], ...] = ()
     remat: tuple[tuple[str, str], ...] = ()
     transient: tuple[tuple[Op, int], ...] = ()
+    attention: tuple[AttentionCall, ...] = ()
     base: "Workload | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     def at(self, event: Op) -> Work:
@@ -463,7 +468,19 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
     """Fused kernels on meta, as a GPU runs them. RMSNorm: see below. Attention: on the meta device ``scaled_dot_product_attention`` would take its unfused math path
     (matmuls over the whole score matrix); a GPU or CPU run takes a fused kernel. Route it to
     the CPU flash kernel's meta function, so the profile counts one fused attention operator
-    forward and one backward, as on real hardware."""
+    forward and one backward, as on real hardware.
+
+    Every attention call, on any device, is recorded as an :class:`fsdpfn.AttentionCall` of the
+    unit running it (``calls``), the step's op list's input for the exchange over cp. See
+    [Note: one cp rank's attention] for what a call costs on meta under a cp plan."""
+
+    def __init__(self, cp: int = 1, strategy: str = "allgather", unit_of=None, save=None):
+        super().__init__()
+        self.cp, self.strategy = cp, strategy
+        self.unit_of, self.save = unit_of, save
+        self.calls: list[AttentionCall] = []
+        self.unsaved: set[int] = set()  # storages a kernel keeps that the real step does not (see the Note)
+        self.held: list[torch.Tensor] = []  # them, alive until the transient peaks leave them out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -475,6 +492,11 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
             eps = kwargs.get("eps", args[3] if len(args) > 3 else None)
             return _FusedRMSNorm.apply(args[0], weight, len(shape))
+        if func is torch.nn.functional.scaled_dot_product_attention and args:
+            q, k, v = args[:3]
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            if k.dim() == 4 and self.unit_of is not None:
+                self.calls.append(AttentionCall(self.unit_of(), int(k.shape[1] * k.shape[3]), bool(causal), self.strategy, k.dtype))
         if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -484,8 +506,37 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
                 if k.shape[-3] != q.shape[-3]:  # grouped-query attention: kernels read shared heads
                     rep = q.shape[-3] // k.shape[-3]
                     k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+                if self.cp > 1:
+                    k, v = self._over_cp(k, v)
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
+
+    def _over_cp(self, k, v):
+        """Keys and values of the whole sequence, as one cp rank attends to them (see [Note:
+        one cp rank's attention])."""
+        full_k, full_v = torch.cat([k] * self.cp, dim=-2), torch.cat([v] * self.cp, dim=-2)
+        if self.strategy == "ring":
+            self.unsaved.update(t.untyped_storage()._cdata for t in (full_k, full_v))
+            self.held += [full_k, full_v]
+            if self.save is not None:
+                self.save(k)
+                self.save(v)
+        return full_k, full_v
+
+
+# [Note: one cp rank's attention]
+# Under a plan with a cp axis the profile runs one rank's micro-batch: ``S / cp`` tokens of each
+# sequence. Everything but attention is per token and costs what it costs on those; attention
+# joins every rank's keys. With head-tail balancing each rank's causal work is ``1 / cp`` of the
+# sequence's, ``(S / cp) x S / 2`` query-key pairs, exactly what one fused call of the rank's
+# queries against keys and values of ``S`` tokens counts under a causal mask (``attention_flops``
+# halves it). So on meta the call runs against the rank's keys repeated ``cp`` times: the FLOPs
+# and the kernel's shape of an all-gather. What it keeps for backward depends on the strategy:
+# ``"allgather"`` keeps the gathered keys and values (SDPA saves them, as fsdpfn's does);
+# ``"ring"`` keeps the rank's own (flash ring kernels pass the blocks around again in backward,
+# torchtitan's among them), so the repeated buffers are left out of the saved and the transient
+# bytes (a ring holds two blocks at a time, next to nothing beside them). The
+# exchange itself is communication: the op list lists it from the recorded calls.
 
 
 def _default_loss(out) -> torch.Tensor:
@@ -559,10 +610,11 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool, selective=None):
+def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool, selective=None, cp: int = 1,
+                  cp_strategy: str = "allgather"):
     """One forward, loss and backward under the counter: ``(event order, accumulators, saved
     activation bytes per unit, input bytes per unit, {(unit, policy): (kept bytes, kept Work)},
-    transient bytes per event)``."""
+    transient bytes per event, attention calls)``."""
     selective = selective or {}
     param_storages = {p.untyped_storage()._cdata for p in params.values()}
     events = _Events(units, type(model).__name__)
@@ -608,13 +660,14 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
     with ModuleTracker() as tracker:
         def pack(t: torch.Tensor):
             key = t.untyped_storage()._cdata
-            if key not in param_storages and key not in seen:
+            if key not in param_storages and key not in seen and key not in fused.unsaved:
                 seen.add(key)
                 keep.append(t)
                 saved[events.unit_of(tracker.parents)] += t.untyped_storage().nbytes()
             return t
 
-        with _FusedAttentionOnMeta(), _Counter(lambda: events.sink(tracker), timed=timed, allocated=None if live is None else live.allocated):
+        fused = _FusedAttentionOnMeta(cp, cp_strategy, lambda: events.unit_of(tracker.parents), pack)
+        with fused, _Counter(lambda: events.sink(tracker), timed=timed, allocated=None if live is None else live.allocated):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, params, inputs) if cast else model(*inputs)
                 events.end_forward()
@@ -625,8 +678,9 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
     transient = {}
     if live is not None:
         grads = {p.grad.untyped_storage()._cdata for p in params.values() if p.grad is not None}
-        transient = live.peaks(seen | grads)
+        transient = live.peaks(seen | grads | fused.unsaved)
         live.close()
+    fused.held.clear()
     keep.clear()
     for h in hooks:
         h.remove()
@@ -635,7 +689,7 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
             modules[u]._fsdpfn_in_remat = False
     for p in params.values():
         p.grad = None
-    return events.order, events.acc, saved, unit_inputs, kept, transient
+    return events.order, events.acc, saved, unit_inputs, kept, transient, tuple(fused.calls)
 
 
 def _tp_local(p: torch.Tensor, spec) -> torch.Tensor:
@@ -657,6 +711,7 @@ def profile(
     timed: bool = False,
     repeats: int = 3,
     remat_policies: Sequence[str] = (),
+    cp_strategy: str = "allgather",
 ) -> Workload:
     """Runs ``loss_fn(model(*inputs))`` and its backward once, on one process, and returns what
     each stretch of the runtime's schedule computes (see [Note: work between events]).
@@ -678,6 +733,10 @@ def profile(
       repeats: timed runs (``timed`` only).
       remat_policies: selective activation-checkpointing policies to profile for every unit
         besides ``"save_dots"`` and the plan's own, so :meth:`Workload.with_remat` can cost them.
+      cp_strategy: under a plan with a cp axis, how attention reaches the other ranks' keys
+        (``"allgather"`` or ``"ring"``, as :func:`fsdpfn.context_parallel`): recorded in the
+        workload's attention calls, and on meta what a call keeps for backward (see [Note: one
+        cp rank's attention]). ``inputs`` are then one cp rank's part of each sequence.
 
     Returns:
       a :class:`Workload`; its ``tokens`` is the number of elements of the first integer input.
@@ -688,6 +747,8 @@ def profile(
       >>> round(bwd.flops / fwd.flops, 2)   # backward: about twice the forward
       2.0
     """
+    if cp_strategy not in CP_STRATEGIES:
+        raise ValueError(f"profile: cp_strategy {cp_strategy!r} is not one of {CP_STRATEGIES}")
     units = [u.name for u in plan.units]
     dtype = param_dtype or plan.mp.param_dtype
     params: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters()}
@@ -708,11 +769,13 @@ def profile(
             selective[u.name].add(u.remat)
         selective[u.name].update(p for p in remat_policies if p not in ("none", "full"))
     try:
-        order, acc, saved, unit_inputs, kept, transient = _profile_once(model, params, units, inputs, loss_fn, cast, timed=False, selective=selective)
+        order, acc, saved, unit_inputs, kept, transient, attention = _profile_once(
+            model, params, units, inputs, loss_fn, cast, timed=False, selective=selective, cp=plan.cp_size, cp_strategy=cp_strategy)
         measured: dict[Op, float] = {}
         if timed:
             for i in range(repeats + 1):
-                t_order, t_acc, *_ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True)
+                t_order, t_acc, *_ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True, cp=plan.cp_size,
+                                                   cp_strategy=cp_strategy)
                 if t_order != order:
                     raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
                 if i:  # the first run warms up
@@ -725,5 +788,5 @@ def profile(
     work = tuple((op, dataclasses.replace(_to_work(acc[op]), measured=measured.get(op))) for op in order)
     acts = tuple((u, saved.get(u, 0)) for u in units)
     base = Workload(work, acts, tokens, tuple(unit_inputs.items()), tuple((u, p, b, w) for (u, p), (b, w) in sorted(kept.items())),
-                    transient=tuple((op, transient.get(op, 0)) for op in order))
+                    transient=tuple((op, transient.get(op, 0)) for op in order), attention=attention)
     return base.with_remat(plan) if any(u.remat != "none" for u in plan.units) else base
