@@ -25,6 +25,7 @@ from fsdpfn._plan.axes import Role as Role
 from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import ParamSpec as ParamSpec
 from fsdpfn._plan import Plan as Plan
+from fsdpfn._plan import Stages as Stages
 from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
 from fsdpfn._plan import plan as plan
@@ -81,6 +82,7 @@ __all__ = [
     "Plan",
     "PlanCost",
     "Role",
+    "Stages",
     "Strategy",
     "Unit",
     "apply_tp",

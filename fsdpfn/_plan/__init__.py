@@ -4,6 +4,7 @@ No module here talks to a rank or imports ``fsdpfn.transforms``, ``fsdpfn.runtim
 or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
 
     builder      fsdpfn.plan(): reads a model and a mesh, returns a validated Plan
+    stages       Stages, split_stages: pipeline stages as runs of units
     tp_layout    the tensor-parallel layout checks on the model (fused and GQA projections)
     plan_type    Plan: the values plus cost() and from_json()
     cost         plan.cost(): sums of the step's collectives and static memory
@@ -23,6 +24,7 @@ figure from its module (``from fsdpfn._plan.steps import step_collectives``).
 from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.builder import plan
 from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.stages import Stages, split_stages
 from fsdpfn._plan.values import (
     HSDP_DIM_NAMES,
     ROOT,
@@ -42,5 +44,5 @@ from fsdpfn._plan.values import (
 
 __all__ = [
     "ByteSlot", "Float8Layout", "HSDP_DIM_NAMES", "MeshAxes", "MixedPrecision", "ParamSpec", "Plan", "ROOT", "ROOT_LABEL",
-    "Role", "STRATEGIES", "Slot", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "plan", "unit_label",
+    "Role", "STRATEGIES", "Slot", "Stages", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "plan", "split_stages", "unit_label",
 ]

@@ -562,6 +562,9 @@ class PlanValues:
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
     mesh_roles: tuple[str, ...] | None = None
     tp: tuple[tuple[str, str], ...] = ()
+    # A pipelined plan's fsdpfn.Stages (a mesh with a pp axis); typed Any because stages.py sits
+    # above this module (it reads unit names), and the check below needs only its fields.
+    stages: Any = None
 
     def __post_init__(self):
         if self.mesh is not None:
@@ -590,6 +593,7 @@ class PlanValues:
                 )
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
             raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
+        self._check_stages(axes)
         seen: dict[str, str] = {}
         if self.mp.codec is not None:
             codec_factories(self.codec_names, "gather")  # an unregistered name is refused here, before any step
@@ -657,6 +661,27 @@ class PlanValues:
                     "(fsdpfn.plan(model, mesh, ...)), or name the mesh's dims as the plan's"
                 )
 
+    def _check_stages(self, axes: MeshAxes) -> None:
+        if Role.PP in axes.roles and self.stages is None:
+            raise ValueError(f"the mesh {axes.describe()} has a pipeline axis, but the plan has no stages; build it with "
+                             "fsdpfn.plan(model, mesh, ...), which splits the units into stages (stages=... to choose how)")
+        if self.stages is None:
+            return
+        if Role.PP not in axes.roles:
+            raise ValueError(f"the plan has {self.stages.num_stages} pipeline stages, but the mesh {axes.describe()} has no 'pp' "
+                             "axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))")
+        if self.stages.pp_size != axes.pp_size:
+            raise ValueError(f"the plan's stages are laid out for {self.stages.pp_size} pp ranks, but the mesh's pp axis has "
+                             f"{axes.pp_size}; build the plan again on this mesh")
+        staged = [u for names in self.stages.units for u in names]
+        names = [u.name for u in self.units]
+        missing = [unit_label(u) for u in names if u not in staged]
+        extra = [unit_label(u) for u in staged if u not in names]
+        if missing or extra:
+            raise ValueError(f"the plan's stages do not hold its units: {'in no stage: ' + str(missing) if missing else ''}"
+                             f"{'; ' if missing and extra else ''}{'not units of the plan: ' + str(extra) if extra else ''}; "
+                             "every unit belongs to exactly one stage")
+
     # ---- mesh ----------------------------------------------------------------------------
 
     @functools.cached_property
@@ -696,6 +721,11 @@ class PlanValues:
         """Ranks on the context-parallel axis (1 without one): each holds ``1 / cp`` of every
         sequence."""
         return self.axes.cp_size
+
+    @property
+    def pp_size(self) -> int:
+        """Ranks on the pipeline axis (1 without one)."""
+        return self.axes.pp_size
 
     @property
     def dp_size(self) -> int:
@@ -824,6 +854,8 @@ class PlanValues:
         if self.mp.codec is not None:
             mp += f", codec={self.mp.codec}"
         head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
+        if self.stages is not None:
+            head += f"\n{self.stages.num_stages} pipeline stages: {self.stages}"
         rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
         for u in self.units:
             itemsize = u.params[0].dtype.itemsize
