@@ -10,6 +10,8 @@ or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
     cost         plan.cost(): sums of the step's collectives and static memory
     serialise    JSON -> plan, every format an fsdpfn wrote
     steps        step_collectives / step_ops: the schedule's ops expanded into collectives
+    pipeline     pipeline_schedule(): every pp rank's op list (stage ops, send/recv, FSDP's actions per
+                 stage from schedule.unit_ops); validate_pipeline, pipeline_times
     schedule     schedule(): the one op list of a training step
     wire         wire_bytes: what one rank sends for one collective (the one formula)
     values       PlanValues, Unit, ParamSpec, MixedPrecision, Strategy: the data and its layouts
@@ -23,6 +25,16 @@ figure from its module (``from fsdpfn._plan.steps import step_collectives``).
 
 from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.builder import plan
+from fsdpfn._plan.pipeline import (
+    PIPELINE_SCHEDULES,
+    PipeKind,
+    PipelineSchedule,
+    PipelineTimes,
+    PipeOp,
+    pipeline_schedule,
+    pipeline_times,
+    validate_pipeline,
+)
 from fsdpfn._plan.plan_type import Plan
 from fsdpfn._plan.stages import Stages, split_stages
 from fsdpfn._plan.values import (
@@ -43,6 +55,8 @@ from fsdpfn._plan.values import (
 )
 
 __all__ = [
+    "PIPELINE_SCHEDULES", "PipeKind", "PipeOp", "PipelineSchedule", "PipelineTimes", "pipeline_schedule", "pipeline_times",
+    "validate_pipeline",
     "ByteSlot", "Float8Layout", "HSDP_DIM_NAMES", "MeshAxes", "MixedPrecision", "ParamSpec", "Plan", "ROOT", "ROOT_LABEL",
     "Role", "STRATEGIES", "Slot", "Stages", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "plan", "split_stages", "unit_label",
 ]
