@@ -314,3 +314,21 @@ def test_parse_errors_name_the_line():
         PipelineSchedule.from_str("Pipeline schedule x for plan - (pp=1, stages=1, micro_batches=1):\nrank 0:\nstage_forward s0")
     with pytest.raises(ScheduleError, match=r"unknown pipeline op kind 'stage_fwd'"):
         PipelineSchedule.from_str("Pipeline schedule x for plan - (pp=1, stages=1, micro_batches=1):\nrank 0:\nstage_fwd s0 m0")
+
+
+# ---- a stage's plan -------------------------------------------------------------------------------
+
+
+def test_stage_plan_holds_its_units_on_the_mesh_without_pp(model):
+    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2, "tp": 1}, units=UNITS, stages=4)
+    s2 = plan.stage_plan(2)
+    assert [u.name for u in s2.units] == list(plan.stages.units[2])
+    assert s2.axes.roles == (Role.SHARD, Role.TP) and s2.stages is None and s2.pp_stage == (2, 2)
+    assert s2.mesh is None  # a shape plan stays unbound
+    back = fsdpfn.Plan.from_json(s2.to_json())
+    assert back == s2 and json.loads(s2.to_json())["pp_stage"] == [2, 2]
+    assert s2.fingerprint != plan.stage_plan(1).fingerprint
+    with pytest.raises(ValueError, match=r"stage 4 is not a stage of the plan; its stages are 0..3"):
+        plan.stage_plan(4)
+    with pytest.raises(ValueError, match="the plan has no pipeline stages"):
+        fsdpfn.plan(model, (2,)).stage_plan(0)

@@ -62,5 +62,6 @@ def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
     )
     tp = tuple(tuple(t) for t in d.get("tp", ()))
     stages = Stages.from_dict(d["stages"]) if fmt >= FORMAT_PP and d.get("stages") is not None else None
-    return cls(units, shape, names, mp, mesh, roles, tp, stages)
+    pp_stage = tuple(d["pp_stage"]) if fmt >= FORMAT_PP and d.get("pp_stage") is not None else None
+    return cls(units, shape, names, mp, mesh, roles, tp, stages, pp_stage)
 

@@ -73,7 +73,7 @@ import enum
 import functools
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed
@@ -251,14 +251,14 @@ class MixedPrecision:
         return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8}{codec})"
 
 
-def _check_mesh_covers_world(mesh) -> None:
+def _check_mesh_covers_world(mesh, pp: int = 1) -> None:
     """Refuses a live mesh with fewer ranks than the job: ranks outside it would fail on their
     first shard while the ones inside trained without them. Every rank knows both sizes, so
     every rank refuses, before any collective. (Checkpoints and non-finite checks also agree
     over every process, so a plan's mesh must be all of them.)"""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    world, size = torch.distributed.get_world_size(), mesh.mesh.numel()
+    world, size = torch.distributed.get_world_size(), mesh.mesh.numel() * pp  # a stage's mesh: one pp rank's part
     if size != world:
         shape = tuple(mesh.mesh.shape)
         names = f", mesh_dim_names={tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
@@ -565,10 +565,14 @@ class PlanValues:
     # A pipelined plan's fsdpfn.Stages (a mesh with a pp axis); typed Any because stages.py sits
     # above this module (it reads unit names), and the check below needs only its fields.
     stages: Any = None
+    # (stage, pp size) of a stage's plan (PlanValues.stage_plan): its mesh is one pp rank's part.
+    pp_stage: tuple[int, int] | None = None
 
     def __post_init__(self):
+        if self.pp_stage is not None:
+            object.__setattr__(self, "pp_stage", (int(self.pp_stage[0]), int(self.pp_stage[1])))
         if self.mesh is not None:
-            _check_mesh_covers_world(self.mesh)
+            _check_mesh_covers_world(self.mesh, 1 if self.pp_stage is None else self.pp_stage[1])
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         if self.mesh_dim_names is not None:
             object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))
@@ -681,6 +685,36 @@ class PlanValues:
             raise ValueError(f"the plan's stages do not hold its units: {'in no stage: ' + str(missing) if missing else ''}"
                              f"{'; ' if missing and extra else ''}{'not units of the plan: ' + str(extra) if extra else ''}; "
                              "every unit belongs to exactly one stage")
+
+    def stage_plan(self, stage: int) -> "PlanValues":
+        """The plan of one pipeline stage: its units on the mesh without the ``pp`` axis, where
+        every other axis works as in a plan without pp (``fsdpfn.shard``, ``unshard`` and
+        ``reduce`` take it as they are). Bound to this rank's part of the mesh when this rank
+        runs ``stage``, else unbound (a shape, for printing and costing).
+
+        Example:
+          >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+          >>> p = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=units)
+          >>> s1 = p.stage_plan(1)
+          >>> [u.name for u in s1.units], s1.axes.describe(), s1.pp_stage
+          (['blocks.1', 'norm', 'head'], 'dp=2 (shard)', (1, 2))
+        """
+        if self.stages is None:
+            raise ValueError(f"the plan has no pipeline stages (mesh {self.axes.describe()}); build it on a mesh with a 'pp' axis")
+        if not isinstance(stage, int) or not 0 <= stage < self.stages.num_stages:
+            raise ValueError(f"stage {stage!r} is not a stage of the plan; its stages are 0..{self.stages.num_stages - 1}")
+        axes = self.axes
+        pp_dim = axes.dim(Role.PP)
+        keep = [d for d in range(len(axes.shape)) if d != pp_dim]
+        names = tuple(axes.names[d] for d in keep)
+        mesh = None
+        if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(stage):
+            mesh = self.mesh[names if len(names) > 1 else names[0]]
+        units = tuple(u for u in self.units if u.name in self.stages.units[stage])
+        held = {p.name for u in units for p in u.params}
+        tp = tuple((m, style) for m, style in self.tp if any(n.startswith(m + ".") for n in held))
+        return type(self)(units, tuple(axes.shape[d] for d in keep), names, self.mp, mesh,
+                          tuple(axes.roles[d].value for d in keep), tp, None, (stage, self.stages.pp_size))
 
     # ---- mesh ----------------------------------------------------------------------------
 
