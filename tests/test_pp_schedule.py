@@ -332,3 +332,10 @@ def test_stage_plan_holds_its_units_on_the_mesh_without_pp(model):
         plan.stage_plan(4)
     with pytest.raises(ValueError, match="the plan has no pipeline stages"):
         fsdpfn.plan(model, (2,)).stage_plan(0)
+
+
+def test_a_pipelined_plan_has_no_single_step_schedule(model):
+    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    with pytest.raises(ValueError, match=r"its step is a pipeline schedule, fsdpfn.pipeline_schedule\(plan"):
+        plan.cost()
+    assert plan.stage_plan(0).cost().collectives  # a stage costs as any plan
