@@ -399,12 +399,15 @@ class PipelineTimes:
       busy: each rank's compute time.
       makespan: the step's length (the latest finish).
       bubble: the fraction of ``pp x makespan`` no rank computes.
+      in_flight: each rank's peak count of (stage, micro-batch) forwards whose backward has not
+        run: the activations it keeps at once (GPipe: ``v m``; 1F1B: ``p - r`` on rank r).
     """
 
     finish: tuple[float, ...]
     busy: tuple[float, ...]
     makespan: float
     bubble: float
+    in_flight: tuple[int, ...] = ()
 
 
 def _fail(r: int, i: int, op: AnyOp, msg: str) -> ScheduleError:
@@ -603,7 +606,17 @@ def pipeline_times(ps: PipelineSchedule, forward: float = 1.0, backward: float =
                             "earlier (before the recv its rank blocks in) or a recv later")
     makespan = max(clock)
     return PipelineTimes(tuple(clock), tuple(busy), makespan,
-                         1.0 - sum(busy) / (ps.pp_size * makespan) if makespan > 0 else 0.0)
+                         1.0 - sum(busy) / (ps.pp_size * makespan) if makespan > 0 else 0.0,
+                         tuple(_peak_in_flight(ops) for ops in ps.ranks))
+
+
+def _peak_in_flight(ops: tuple[AnyOp, ...]) -> int:
+    live = peak = 0
+    for op in ops:
+        if isinstance(op, PipeOp) and op.kind.is_compute:
+            live += 1 if op.kind is PipeKind.STAGE_FORWARD else -1
+            peak = max(peak, live)
+    return peak
 
 
 def validate_pipeline(ps: PipelineSchedule, plan: PlanValues | None = None) -> None:
