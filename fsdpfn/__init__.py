@@ -25,6 +25,12 @@ from fsdpfn._plan.axes import Role as Role
 from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import ParamSpec as ParamSpec
 from fsdpfn._plan import Plan as Plan
+from fsdpfn._plan import Stages as Stages
+from fsdpfn._plan import PipeOp as PipeOp
+from fsdpfn._plan import PipelineSchedule as PipelineSchedule
+from fsdpfn._plan import pipeline_schedule as pipeline_schedule
+from fsdpfn._plan import pipeline_times as pipeline_times
+from fsdpfn._plan import validate_pipeline as validate_pipeline
 from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
 from fsdpfn._plan import plan as plan
@@ -83,6 +89,12 @@ __all__ = [
     "Plan",
     "PlanCost",
     "Role",
+    "Stages",
+    "PipeOp",
+    "PipelineSchedule",
+    "pipeline_schedule",
+    "pipeline_times",
+    "validate_pipeline",
     "Strategy",
     "Unit",
     "apply_tp",

@@ -4,11 +4,14 @@ No module here talks to a rank or imports ``fsdpfn.transforms``, ``fsdpfn.runtim
 or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
 
     builder      fsdpfn.plan(): reads a model and a mesh, returns a validated Plan
+    stages       Stages, split_stages: pipeline stages as runs of units
     tp_layout    the tensor-parallel layout checks on the model (fused and GQA projections)
     plan_type    Plan: the values plus cost() and from_json()
     cost         plan.cost(): sums of the step's collectives and static memory
     serialise    JSON -> plan, every format an fsdpfn wrote
     steps        step_collectives / step_ops: the schedule's ops expanded into collectives
+    pipeline     pipeline_schedule(): every pp rank's op list (stage ops, send/recv, FSDP's actions per
+                 stage from schedule.unit_ops); validate_pipeline, pipeline_times
     schedule     schedule(): the one op list of a training step
     wire         wire_bytes: what one rank sends for one collective (the one formula)
     attention    AttentionCall: attention's key/value exchange over cp, as the op list costs it
@@ -23,7 +26,18 @@ figure from its module (``from fsdpfn._plan.steps import step_collectives``).
 
 from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.builder import plan
+from fsdpfn._plan.pipeline import (
+    PIPELINE_SCHEDULES,
+    PipeKind,
+    PipelineSchedule,
+    PipelineTimes,
+    PipeOp,
+    pipeline_schedule,
+    pipeline_times,
+    validate_pipeline,
+)
 from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.stages import Stages, split_stages
 from fsdpfn._plan.values import (
     HSDP_DIM_NAMES,
     ROOT,
@@ -42,6 +56,8 @@ from fsdpfn._plan.values import (
 )
 
 __all__ = [
+    "PIPELINE_SCHEDULES", "PipeKind", "PipeOp", "PipelineSchedule", "PipelineTimes", "pipeline_schedule", "pipeline_times",
+    "validate_pipeline",
     "ByteSlot", "Float8Layout", "HSDP_DIM_NAMES", "MeshAxes", "MixedPrecision", "ParamSpec", "Plan", "ROOT", "ROOT_LABEL",
-    "Role", "STRATEGIES", "Slot", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "plan", "unit_label",
+    "Role", "STRATEGIES", "Slot", "Stages", "Strategy", "TP_MODULE_STYLES", "TP_STYLES", "Unit", "plan", "split_stages", "unit_label",
 ]

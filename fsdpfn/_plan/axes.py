@@ -28,12 +28,18 @@ role               what the axis does
                    ``cp`` flattened (every cp rank holds a distinct shard, as torchtitan's
                    ``dp_shard x cp``), and gradients are averaged over it. cp ranks read the
                    same sequences, so it is not part of :attr:`MeshAxes.dp_size`.
+``pp``             pipeline parallel; the model's units are cut into stages (the plan's
+                   :class:`fsdpfn.Stages`) and each pp rank holds and runs only its stages'
+                   units, passing activations forward and gradients back by send/recv. Every
+                   other axis works within a stage as it does without pp. It is not data
+                   parallel: parameters are neither sharded nor averaged over it, and pp ranks
+                   read the same micro-batches.
 =================  ==============================================================================
 
 Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,
 ``edp``, ``efsdp`` -> ``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
--> ``ep``; ``cp`` -> ``cp``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
-its name, except ``ep`` (refused, see below), and a 2-D mesh named ``("replicate", "shard")`` is
+-> ``ep``; ``cp`` -> ``cp``; ``pp`` -> ``pp``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
+its name, except ``ep`` and ``pp`` (refused, see below), and a 2-D mesh named ``("replicate", "shard")`` is
 HSDP, as they always were.
 
 [Note: a 1-D ep mesh]
@@ -71,6 +77,7 @@ class Role(str, enum.Enum):
     TP = "tp"
     EP = "ep"
     CP = "cp"
+    PP = "pp"
 
     @property
     def is_data_parallel(self) -> bool:
@@ -84,7 +91,7 @@ class Role(str, enum.Enum):
 DEFAULT_ROLES: Mapping[str, Role] = {
     "shard": Role.SHARD, "dp_shard": Role.SHARD, "dp": Role.SHARD, "fsdp": Role.SHARD, "edp": Role.SHARD, "efsdp": Role.SHARD,
     "replicate": Role.REPLICATE, "dp_replicate": Role.REPLICATE, "ddp": Role.REPLICATE,
-    "tp": Role.TP, "ep": Role.EP, "cp": Role.CP,
+    "tp": Role.TP, "ep": Role.EP, "cp": Role.CP, "pp": Role.PP,
 }
 
 
@@ -188,6 +195,13 @@ class MeshAxes:
                 f"axis beside it (size 1 is fine). Build init_device_mesh('cpu', ({shape[0]}, 1), mesh_dim_names=('ep', 'edp')) "
                 "(or 'cuda'); for plain sharding over every rank, name the axis 'dp'"
             )
+        if len(shape) == 1 and _as_role(axes.get(names[0], DEFAULT_ROLES.get(names[0], Role.SHARD)), f"axes[{names[0]!r}]") is Role.PP:
+            # Sharding over it instead would give the user who asked for stages none, silently.
+            raise ValueError(
+                f"a 1-D mesh named {names[0]!r} of {shape[0]} ranks: pipeline parallelism needs a data-parallel axis beside "
+                f"it (size 1 is fine). Build init_device_mesh('cpu', ({shape[0]}, 1), mesh_dim_names=('pp', 'dp')) "
+                "(or 'cuda'); for plain sharding over every rank, name the axis 'dp'"
+            )
         if len(shape) == 1 and names[0] not in axes and DEFAULT_ROLES.get(names[0]) is not Role.SHARD:
             # A 1-D mesh has always meant plain sharding over it, whatever it is called.
             return cls(shape, names, (Role.SHARD,))
@@ -201,7 +215,7 @@ class MeshAxes:
                 known = ", ".join(sorted(DEFAULT_ROLES))
                 raise ValueError(
                     f"mesh axis {name!r} has no role. Name it one of {known}, or say what it is for with "
-                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp' | 'ep' | 'cp'}})"
+                    f"fsdpfn.plan(..., axes={{{name!r}: 'shard' | 'replicate' | 'tp' | 'ep' | 'cp' | 'pp'}})"
                 )
         return cls(shape, names, tuple(roles))
 
@@ -254,6 +268,16 @@ class MeshAxes:
     @property
     def cp_size(self) -> int:
         return self.size(Role.CP)
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline ranks (1 without a pp axis): the model's stages are spread over them.
+
+        Example:
+          >>> MeshAxes.from_shape({"pp": 2, "dp": 2}).pp_size, MeshAxes.from_shape({"pp": 2, "dp": 2}).dp_size
+          (2, 2)
+        """
+        return self.size(Role.PP)
 
     @property
     def dense_shard_size(self) -> int:

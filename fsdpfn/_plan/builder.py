@@ -30,6 +30,7 @@ from fsdpfn._plan.values import (
 )
 from fsdpfn._patterns import first_match
 from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.stages import split_stages
 from fsdpfn._plan.tp_layout import check_tp_layout
 from fsdpfn.fp8 import check_te
 
@@ -237,6 +238,8 @@ def plan(
     remat: StrategyArg | None = None,
     offload: bool | Mapping[str, bool] | None = None,
     experts: Sequence[str] | Mapping[str, int] | None = None,
+    stages: int | Sequence[Sequence[str]] | None = None,
+    stage_costs: Mapping[str, float] | None = None,
 ) -> Plan:
     """Builds a validated :class:`Plan` for ``model`` on ``mesh``.
 
@@ -294,6 +297,16 @@ def plan(
         ``nn.Linear`` weight), and its module, or one around it, must dispatch tokens over
         ``ep``: have a ``set_ep_group`` method, as :class:`fsdpfn.models.MoE` does (see
         docs/tour/experts.md). Ignored on meshes without ``ep``.
+      stages: on a mesh with a ``pp`` axis (pipeline parallelism, e.g. ``("pp", "dp")``), how the
+        units are cut into pipeline stages (:class:`fsdpfn.Stages`; stage ``s`` runs on pp rank
+        ``s % pp``). ``None``: one stage per pp rank, balanced by parameter count; an int: that
+        many stages, a multiple of ``pp`` (``stages / pp`` virtual stages per rank, for
+        interleaved 1F1B); a list with one list of module-name prefixes per stage
+        (``[["embed", "pos", "blocks.0"], ["blocks.1", "norm", "head"]]``). A stage holds whole
+        units, so the root unit must be empty or fall in one stage (list the modules at the
+        model's two ends as units).
+      stage_costs: ``{unit name: cost}`` to balance by instead of parameter counts (e.g. a
+        profile's per-unit seconds, :func:`fsdpfn.sim.profile`).
 
     Returns:
       the plan.
@@ -398,7 +411,20 @@ def plan(
     if tp_styles:
         check_tp_layout(model, tp or {}, tp_styles, tp_size)
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
-    return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()))
+    return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()),
+                _stages_of(built, mesh_axes, stages, stage_costs))
+
+
+def _stages_of(units, axes: MeshAxes, stages, stage_costs):
+    if Role.PP not in axes.roles:
+        if stages is not None or stage_costs is not None:
+            raise ValueError(f"stages= / stage_costs= split the model into pipeline stages, but the mesh {axes.describe()} has no "
+                             "'pp' axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))")
+        return None
+    if stage_costs is not None and not (stages is None or isinstance(stages, int)):
+        raise ValueError("stage_costs= balances a split by cost; it cannot be combined with stages=[[...], ...], a split by name")
+    return split_stages([(u.name, [p.name for p in u.params]) for u in units], axes.pp_size, stages, costs=stage_costs,
+                        numels={u.name: sum(p.global_numel for p in u.params) for u in units})
 
 
 def _expert_params(model: nn.Module, experts, ep_size: int) -> tuple[dict[str, str], dict[str, int]]:

@@ -13,7 +13,9 @@ parameters carry ``tp_stride`` (see [Note: fused colwise] in ``fsdpfn/_plan/valu
 them is still written as format 3. Format 5 is any of these with ``MixedPrecision(codec=...)``: ``mp``
 carries the codec's name (see [Note: codec selection] in ``fsdpfn/_codec.py``). Format 6 is any of these on
 a mesh with a context-parallel axis: ``mesh.roles`` holds ``"cp"`` (nothing else changes: parameters are
-not placed over cp, and the units' ``shard_size`` is read back from the mesh). A reader refuses
+not placed over cp, and the units' ``shard_size`` is read back from the mesh). Format 7 is any of these with
+pipeline stages: ``mesh.roles`` holds ``"pp"`` and ``stages`` lists each stage's units and the pp size; or the plan
+of one stage (``Plan.stage_plan``), whose ``pp_stage`` is ``[stage, pp size]``. A reader refuses
 formats it does not know, so an older fsdpfn never runs a tensor-parallel plan as if it were a
 data-parallel one, a fused split as a plain one, a registered codec's wire format as the plain one, nor a
 plan sharded over shard x cp as one over shard alone.
@@ -38,7 +40,8 @@ FORMAT_AXES = 3
 FORMAT_FUSED = 4
 FORMAT_CODEC = 5
 FORMAT_CP = 6
-FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC, FORMAT_CP)
+FORMAT_PP = 7
+FORMATS = (FORMAT_PLAIN, FORMAT_FP8, FORMAT_AXES, FORMAT_FUSED, FORMAT_CODEC, FORMAT_CP, FORMAT_PP)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -100,6 +103,12 @@ def plan_to_dict(plan: Any) -> dict:
         d["mp"]["codec"] = plan.mp.codec
     if Role.CP in plan.axes.roles:
         d["format"] = FORMAT_CP
+    if plan.stages is not None:
+        d["format"] = FORMAT_PP
+        d["stages"] = plan.stages.to_dict()
+    if plan.pp_stage is not None:
+        d["format"] = FORMAT_PP
+        d["pp_stage"] = list(plan.pp_stage)
     return d
 
 

@@ -62,7 +62,7 @@ from typing import cast
 from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
 __all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "reshards_after_forward", "schedule",
-           "validate"]
+           "unit_ops", "validate"]
 
 
 class ScheduleError(ValueError):
@@ -294,9 +294,27 @@ def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | 
       >>> s.reshard_after_forward("blocks.0"), s.reshard_after_forward("")  # the root is kept
       (True, False)
     """
+    if plan.stages is not None:
+        # One list for every unit would run (and cost) every stage on every rank: no pipeline.
+        raise ValueError(f"the plan is cut into {plan.stages.num_stages} pipeline stages; its step is a pipeline schedule, "
+                         "fsdpfn.pipeline_schedule(plan, '1f1b', micro_batches), and each stage's own step is that of "
+                         "plan.stage_plan(stage) (schedule(), cost() and the runtime take it as they are)")
+    return Schedule(tuple(unit_ops(plan, None, prefetch, reshard_after_forward)), plan.fingerprint, prefetch)
+
+
+def unit_ops(plan: PlanValues, names: "set[str] | frozenset[str] | None" = None, prefetch: int = 1,
+             reshard_after_forward: bool | None = None) -> list[Op]:
+    """:func:`schedule`'s ops for the units ``names`` alone (``None``: every unit), in the
+    plan's order: the one builder of a unit's gathers, frees and reduces, which a pipeline
+    schedule asks once per stage (:func:`fsdpfn.pipeline_schedule`).
+
+    Example:
+      >>> [str(op) for op in unit_ops(plan, {"blocks.1"}, reshard_after_forward=False)]
+      ['forward blocks.1', 'gather blocks.1', 'wait blocks.1', 'forward_done blocks.1', 'backward blocks.1', 'backward_done blocks.1', 'free blocks.1', 'reduce blocks.1', 'end', 'wait_reduce blocks.1']
+    """
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    units = [u.name for u in plan.units]
+    units = [u.name for u in plan.units if names is None or u.name in names]
     root_present = ROOT in units
     # An expert unit (the expert weights of one MoE layer, beside an ep axis) runs inside the
     # unit that encloses its layer: its ops nest between that unit's events.
@@ -380,7 +398,7 @@ def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | 
     ops += [Op(OpKind.WAIT_REDUCE, name) for name in ([ROOT] if root_present else []) + back[-1:]]
     if root_present:
         ops.append(Op(OpKind.FREE, ROOT))
-    return Schedule(tuple(_with_copies(ops, plan)), plan.fingerprint, prefetch)
+    return _with_copies(ops, plan)
 
 
 def _with_copies(ops: list[Op], plan: PlanValues) -> list[Op]:

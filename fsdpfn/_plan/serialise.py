@@ -10,7 +10,8 @@ import torch
 
 from fsdpfn._plan import placements as P
 from fsdpfn._plan.axes import MeshAxes
-from fsdpfn._plan.encode import FORMAT_AXES, FORMATS
+from fsdpfn._plan.encode import FORMAT_AXES, FORMAT_PP, FORMATS
+from fsdpfn._plan.stages import Stages
 from fsdpfn._plan.values import MixedPrecision, ParamSpec, PlanValues, Unit, _dtype_from
 from fsdpfn.fp8 import Float8GatherPolicy
 
@@ -28,7 +29,7 @@ def _param_from(p: dict, axes: MeshAxes) -> ParamSpec:
 
 
 def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
-    """Inverts :func:`fsdpfn._plan.encode.plan_to_dict` (formats 1 to 6), building a ``cls``."""
+    """Inverts :func:`fsdpfn._plan.encode.plan_to_dict` (formats 1 to 7), building a ``cls``."""
     fmt = d.get("format")
     if fmt not in FORMATS:
         raise ValueError(f"plan JSON has format {fmt!r}; this fsdpfn reads formats {', '.join(map(str, FORMATS))}")
@@ -60,5 +61,7 @@ def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
         d["mp"].get("codec"),
     )
     tp = tuple(tuple(t) for t in d.get("tp", ()))
-    return cls(units, shape, names, mp, mesh, roles, tp)
+    stages = Stages.from_dict(d["stages"]) if fmt >= FORMAT_PP and d.get("stages") is not None else None
+    pp_stage = tuple(d["pp_stage"]) if fmt >= FORMAT_PP and d.get("pp_stage") is not None else None
+    return cls(units, shape, names, mp, mesh, roles, tp, stages, pp_stage)
 

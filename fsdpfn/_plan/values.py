@@ -73,7 +73,7 @@ import enum
 import functools
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed
@@ -251,14 +251,14 @@ class MixedPrecision:
         return f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{fp8}{codec})"
 
 
-def _check_mesh_covers_world(mesh) -> None:
+def _check_mesh_covers_world(mesh, pp: int = 1) -> None:
     """Refuses a live mesh with fewer ranks than the job: ranks outside it would fail on their
     first shard while the ones inside trained without them. Every rank knows both sizes, so
     every rank refuses, before any collective. (Checkpoints and non-finite checks also agree
     over every process, so a plan's mesh must be all of them.)"""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    world, size = torch.distributed.get_world_size(), mesh.mesh.numel()
+    world, size = torch.distributed.get_world_size(), mesh.mesh.numel() * pp  # a stage's mesh: one pp rank's part
     if size != world:
         shape = tuple(mesh.mesh.shape)
         names = f", mesh_dim_names={tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
@@ -562,10 +562,17 @@ class PlanValues:
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
     mesh_roles: tuple[str, ...] | None = None
     tp: tuple[tuple[str, str], ...] = ()
+    # A pipelined plan's fsdpfn.Stages (a mesh with a pp axis); typed Any because stages.py sits
+    # above this module (it reads unit names), and the check below needs only its fields.
+    stages: Any = None
+    # (stage, pp size) of a stage's plan (PlanValues.stage_plan): its mesh is one pp rank's part.
+    pp_stage: tuple[int, int] | None = None
 
     def __post_init__(self):
+        if self.pp_stage is not None:
+            object.__setattr__(self, "pp_stage", (int(self.pp_stage[0]), int(self.pp_stage[1])))
         if self.mesh is not None:
-            _check_mesh_covers_world(self.mesh)
+            _check_mesh_covers_world(self.mesh, 1 if self.pp_stage is None else self.pp_stage[1])
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         if self.mesh_dim_names is not None:
             object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))
@@ -590,6 +597,7 @@ class PlanValues:
                 )
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
             raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
+        self._check_stages(axes)
         seen: dict[str, str] = {}
         if self.mp.codec is not None:
             codec_factories(self.codec_names, "gather")  # an unregistered name is refused here, before any step
@@ -657,6 +665,57 @@ class PlanValues:
                     "(fsdpfn.plan(model, mesh, ...)), or name the mesh's dims as the plan's"
                 )
 
+    def _check_stages(self, axes: MeshAxes) -> None:
+        if Role.PP in axes.roles and self.stages is None:
+            raise ValueError(f"the mesh {axes.describe()} has a pipeline axis, but the plan has no stages; build it with "
+                             "fsdpfn.plan(model, mesh, ...), which splits the units into stages (stages=... to choose how)")
+        if self.stages is None:
+            return
+        if Role.PP not in axes.roles:
+            raise ValueError(f"the plan has {self.stages.num_stages} pipeline stages, but the mesh {axes.describe()} has no 'pp' "
+                             "axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))")
+        if self.stages.pp_size != axes.pp_size:
+            raise ValueError(f"the plan's stages are laid out for {self.stages.pp_size} pp ranks, but the mesh's pp axis has "
+                             f"{axes.pp_size}; build the plan again on this mesh")
+        staged = [u for names in self.stages.units for u in names]
+        names = [u.name for u in self.units]
+        missing = [unit_label(u) for u in names if u not in staged]
+        extra = [unit_label(u) for u in staged if u not in names]
+        if missing or extra:
+            raise ValueError(f"the plan's stages do not hold its units: {'in no stage: ' + str(missing) if missing else ''}"
+                             f"{'; ' if missing and extra else ''}{'not units of the plan: ' + str(extra) if extra else ''}; "
+                             "every unit belongs to exactly one stage")
+
+    def stage_plan(self, stage: int) -> "PlanValues":
+        """The plan of one pipeline stage: its units on the mesh without the ``pp`` axis, where
+        every other axis works as in a plan without pp (``fsdpfn.shard``, ``unshard`` and
+        ``reduce`` take it as they are). Bound to this rank's part of the mesh when this rank
+        runs ``stage``, else unbound (a shape, for printing and costing).
+
+        Example:
+          >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+          >>> p = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=units)
+          >>> s1 = p.stage_plan(1)
+          >>> [u.name for u in s1.units], s1.axes.describe(), s1.pp_stage
+          (['blocks.1', 'norm', 'head'], 'dp=2 (shard)', (1, 2))
+        """
+        if self.stages is None:
+            raise ValueError(f"the plan has no pipeline stages (mesh {self.axes.describe()}); build it on a mesh with a 'pp' axis")
+        if not isinstance(stage, int) or not 0 <= stage < self.stages.num_stages:
+            raise ValueError(f"stage {stage!r} is not a stage of the plan; its stages are 0..{self.stages.num_stages - 1}")
+        axes = self.axes
+        pp_dim = axes.dim(Role.PP)
+        keep = [d for d in range(len(axes.shape)) if d != pp_dim]
+        names = tuple(axes.names[d] for d in keep)
+        mesh = None
+        if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(stage):
+            mesh = self.mesh[names if len(names) > 1 else names[0]]
+        units = tuple(u for u in self.units if u.name in self.stages.units[stage])
+        held = {p.name for u in units for p in u.params}
+        tp = tuple((m, style) for m, style in self.tp if any(n.startswith(m + ".") for n in held))
+        return type(self)(units, tuple(axes.shape[d] for d in keep), names, self.mp, mesh,
+                          tuple(axes.roles[d].value for d in keep), tp, None, (stage, self.stages.pp_size))
+
     # ---- mesh ----------------------------------------------------------------------------
 
     @functools.cached_property
@@ -696,6 +755,11 @@ class PlanValues:
         """Ranks on the context-parallel axis (1 without one): each holds ``1 / cp`` of every
         sequence."""
         return self.axes.cp_size
+
+    @property
+    def pp_size(self) -> int:
+        """Ranks on the pipeline axis (1 without one)."""
+        return self.axes.pp_size
 
     @property
     def dp_size(self) -> int:
@@ -824,6 +888,8 @@ class PlanValues:
         if self.mp.codec is not None:
             mp += f", codec={self.mp.codec}"
         head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
+        if self.stages is not None:
+            head += f"\n{self.stages.num_stages} pipeline stages: {self.stages}"
         rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
         for u in self.units:
             itemsize = u.params[0].dtype.itemsize

@@ -3,7 +3,8 @@
 Collectives on flat tensors, each beside its transpose (``all_gather`` / ``reduce_scatter``,
 ``all_reduce``, ``all_to_all``, ``broadcast``), the differentiable tensor-parallel activation
 collectives (``tp_copy`` / ``tp_reduce``, ``tp_gather_last`` / ``tp_split_last``), the
-context-parallel ones (``cp_all_gather``, ``cp_ring_shift``, on ``send_recv``), object and DTensor
+context-parallel ones (``cp_all_gather``, ``cp_ring_shift``, on ``send_recv``), the pipeline's
+point-to-point hop (``pp_send_recv``, on ``send_recv`` too), object and DTensor
 collectives built on them, one
 timeout for all of them, a counter (:func:`count_collectives`) and a flight recorder that names
 the ranks which are behind when a collective fails (:class:`CollectiveError`).
@@ -29,6 +30,7 @@ from fsdpfn.comm._collectives import reduce_scatter_impl as reduce_scatter_impl
 from fsdpfn.comm._collectives import send_recv as send_recv
 from fsdpfn.comm._cp import cp_all_gather as cp_all_gather
 from fsdpfn.comm._cp import cp_ring_shift as cp_ring_shift
+from fsdpfn.comm._pp import pp_send_recv as pp_send_recv
 from fsdpfn.comm._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
 from fsdpfn.comm._groups import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from fsdpfn.comm._groups import backend as backend
@@ -120,6 +122,7 @@ __all__ = [
     "send_recv",
     "cp_all_gather",
     "cp_ring_shift",
+    "pp_send_recv",
     "set_reduce_scatter_impl",
     "set_flight_dir",
     "set_job",

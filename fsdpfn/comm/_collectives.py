@@ -401,7 +401,10 @@ def all_to_all(
 def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: int = 1, async_op: bool = False,
               tag: str = "") -> Pending:
     """One hop of a ring: rank ``r`` of the group sends ``input`` to rank ``(r + shift) % W``
-    and receives rank ``(r - shift) % W``'s into ``output`` (same number of elements).
+    and receives rank ``(r - shift) % W``'s into ``output``. ``output`` has as many elements as
+    that rank's ``input`` (every rank's, on a ring of equal buffers); a rank whose ``input`` or
+    ``output`` is empty sends or receives nothing, so the same call is a point-to-point hop in
+    which one stage of a pipeline passes its activation to the next while the others idle.
 
     Transpose: ``send_recv`` with ``-shift`` (what went forward comes back). It is one
     all-to-all with one non-empty split each way, so it is counted, flight-recorded and bounded
@@ -413,9 +416,10 @@ def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: i
       >>> fsdpfn.comm.send_recv(out, torch.tensor([5.0, 6.0])).wait()   # one process: to itself
       tensor([5., 6.])
     """
-    if output.numel() != input.numel():
-        raise ValueError(f"send_recv: output has {output.numel()} elements, input {input.numel()}; a ring hop moves equal buffers")
     w = _groups.group_size(group)
+    if w == 1 and output.numel() != input.numel():
+        raise ValueError(f"send_recv: output has {output.numel()} elements, input {input.numel()}; on one rank the hop sends "
+                         "the buffer to itself, so they must be equal")
     if w == 1:
         record("send_recv", 1, _nbytes(input), input.dtype, tag)
         output.copy_(input)
@@ -423,7 +427,9 @@ def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: i
     r, n = _groups.group_rank(group), input.numel()
     dst, src = (r + shift) % w, (r - shift) % w
     send = [n if q == dst else 0 for q in range(w)]
-    recv = [n if q == src else 0 for q in range(w)]
+    # What src sends: the output's size (a mismatch with src's input fails in the all-to-all,
+    # which names the collective and the ranks through the flight recorder).
+    recv = [output.numel() if q == src else 0 for q in range(w)]
     launch = lambda: dist.all_to_all_single(  # noqa: E731
         _wire_view(output), _wire_view(input), output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True,
     )
