@@ -43,6 +43,8 @@ from fsdpfn.sim._search import Candidate as Candidate
 from fsdpfn.sim._search import SearchResult as SearchResult
 from fsdpfn.sim._search import finer_units as finer_units
 from fsdpfn.sim._search import search as search
+from fsdpfn.sim._pipeline import PipelineSimResult as PipelineSimResult
+from fsdpfn.sim._pipeline import simulate_pipeline as simulate_pipeline
 from fsdpfn.sim._simulate import SimResult as SimResult
 from fsdpfn.sim._simulate import Span as Span
 from fsdpfn.sim._simulate import Traffic as Traffic
@@ -67,6 +69,7 @@ __all__ = [
     "Muon",
     "OptimizerCost",
     "PRESETS",
+    "PipelineSimResult",
     "SearchResult",
     "SimResult",
     "Span",
@@ -88,5 +91,6 @@ __all__ = [
     "run_tasks",
     "search",
     "simulate",
+    "simulate_pipeline",
     "wire_bytes",
 ]
