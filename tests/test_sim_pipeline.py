@@ -143,3 +143,38 @@ def test_bad_arguments_are_named(meta_gpt):
         sim.simulate_pipeline(other, ps, wl, None, sim.H100_SXM)
     with pytest.raises(ValueError, match="global rank"):
         sim.simulate_pipeline(plan, ps, wl, None, sim.H100_SXM, rank=8)
+
+
+def test_pipeline_units_are_the_top_modules_and_each_block(meta_gpt):
+    model, _ = meta_gpt
+    assert sim.pipeline_units(model) == UNITS
+
+
+def test_search_considers_pp_degrees_and_schedules(meta_gpt):
+    model, x = meta_gpt
+    res = sim.search(model, 8, 2**34, x, hardware=sim.H100_SXM, optimizer=sim.AdamW(), prefetch=(1,), units=[None],
+                     strategies=("zero3", "zero2"), pp=(1, 2, 4), pp_schedules=("1f1b", "interleaved_1f1b"), micro_batches=2)
+    tried = {(c.pp, c.pipeline) for c in res.candidates}
+    assert tried == {(1, ""), (2, "1f1b"), (2, "interleaved_1f1b"), (4, "1f1b"), (4, "interleaved_1f1b")}
+    for c in res.candidates:
+        if c.pp > 1:  # P times the micro-batches of a pipeline: the same global batch on W / (P dp) pipelines
+            assert c.mesh_shape[0] == c.pp and c.pipeline in c.describe()
+    # the best pipelined candidate, simulated by hand from its own plan and schedule, predicts the same
+    best = min((c for c in res.candidates if c.pp == 2), key=lambda c: c.step_time)
+    stages = 4 if best.pipeline == "interleaved_1f1b" else 2
+    dp = {"dp": 4} if len(best.mesh_shape) == 2 else dict(zip(("replicate", "shard"), best.mesh_shape[1:]))
+    plan = fsdpfn.plan(model, {"pp": 2, **dp}, units=UNITS, stages=stages, strategy={"*": "zero3", **dict(best.strategy)})
+    wl = sim.profile(model, plan, x)
+    r = sim.simulate_pipeline(plan, fsdpfn.pipeline_schedule(plan, best.pipeline, 2 * 2), wl, sim.AdamW(), sim.H100_SXM)
+    assert r.step_time == pytest.approx(best.step_time, rel=1e-12)
+    assert res.pp == res.candidate.pp
+
+
+@pytest.mark.parametrize("kw,says", [({"pp": (3,)}, "pp=3 does not divide world=8"),
+                                     ({"pp": (2,), "pp_schedules": ("zb",)}, "pp_schedules must be some of"),
+                                     ({"pp": (8,), "pp_schedules": ("interleaved_1f1b",)}, "needs 16 stages, but GPT has 8 pipeline units"),
+                                     ({"pp": (2,), "cp": (2,)}, "does not combine a pp axis with an ep or cp axis")])
+def test_search_names_bad_pp_arguments_before_profiling(meta_gpt, kw, says):
+    model, x = meta_gpt
+    with pytest.raises(ValueError, match=says):
+        sim.search(model, 8, 2**34, x, hardware=sim.H100_SXM, **kw)

@@ -42,6 +42,7 @@ from fsdpfn.sim._optimizer import owner_loads as owner_loads
 from fsdpfn.sim._search import Candidate as Candidate
 from fsdpfn.sim._search import SearchResult as SearchResult
 from fsdpfn.sim._search import finer_units as finer_units
+from fsdpfn.sim._search import pipeline_units as pipeline_units
 from fsdpfn.sim._search import search as search
 from fsdpfn.sim._pipeline import PipelineSimResult as PipelineSimResult
 from fsdpfn.sim._pipeline import simulate_pipeline as simulate_pipeline
@@ -87,6 +88,7 @@ __all__ = [
     "measure",
     "measure_timings",
     "owner_loads",
+    "pipeline_units",
     "profile",
     "run_tasks",
     "search",
