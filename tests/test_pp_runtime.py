@@ -134,6 +134,7 @@ def _check(results, configs, world):
     for r in results:
         for schedule, stages, wp, wl, _ in r:
             worst[(schedule, stages)] = max(worst.get((schedule, stages), (0.0, 0.0)), (wp, wl))
+    print("worst relative differences (params, loss):", {k: (f"{wp:.2e}", f"{wl:.2e}") for k, (wp, wl) in worst.items()})
     for key, (wp, wl) in worst.items():
         assert wp < TOL and wl < TOL, (key, wp, wl)
     return worst
@@ -145,19 +146,19 @@ PP4 = [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 8)]
 
 def test_pp2_matches_one_process(run_on_ranks):
     """pp=2 on 2 ranks: GPipe, 1F1B, interleaved 1F1B (2 virtual stages per rank)."""
-    _check(run_on_ranks(_parity, 2, (2,), ("pp",), PP2), PP2, 2)
+    _check(run_on_ranks(_parity, 2, (2, 1), ("pp", "dp"), PP2), PP2, 2)
 
 
 def test_pp4_matches_one_process(run_on_ranks):
     """pp=4 on 4 ranks; interleaved with 8 stages of one unit each (2 per rank)."""
-    _check(run_on_ranks(_parity, 4, (4,), ("pp",), PP4), PP4, 4)
+    _check(run_on_ranks(_parity, 4, (4, 1), ("pp", "dp"), PP4), PP4, 4)
 
 
-@pytest.mark.parametrize("names", [("pp", "dp"), ("pp", "tp")], ids=["pp2_dp2", "pp2_tp2"])
-def test_pp2_with_dp2_or_tp2_matches_one_process(run_on_ranks, names):
+@pytest.mark.parametrize("shape, names", [((2, 2), ("pp", "dp")), ((2, 1, 2), ("pp", "dp", "tp"))], ids=["pp2_dp2", "pp2_tp2"])
+def test_pp2_with_dp2_or_tp2_matches_one_process(run_on_ranks, shape, names):
     """(pp=2, dp=2): each stage's units FSDP-sharded over 2 ranks, gradients reduced once per
     step; (pp=2, tp=2): each stage's blocks split Megatron-style over 2 ranks."""
-    _check(run_on_ranks(_parity, 4, (2, 2), names, PP2), PP2, 4)
+    _check(run_on_ranks(_parity, 4, shape, names, PP2), PP2, 4)
 
 
 # ---- hand-edited schedules -----------------------------------------------------------------
@@ -178,8 +179,8 @@ def _move_before(text: str, rank: int, line: str, before: str) -> str:
 
 
 def _edited(rank, world):
-    mesh = testing.mesh((2,), ("pp",))
-    names = ("pp",)
+    names = ("pp", "dp")
+    mesh = testing.mesh((2, 1), names)
     out = {}
     with fsdpfn.comm.timeout_scope(60):
         model, plan = _setup(mesh, names, "1f1b", 2)
@@ -194,10 +195,12 @@ def _edited(rank, world):
             except fsdpfn.runtime.ScheduleError as e:
                 out["deadlock"] = str(e)
         out["sent_before_refusal"] = len(counter.calls)
-        # Valid: rank 0 receives micro-batch 0's gradient as early as it can (right after
-        # sending the last warm-up activation, before its next forward), rank 1 sends as before.
+        # Valid: rank 1 receives micro-batch 1's activation before it computes micro-batch 0
+        # (rank 0 sends it before it waits for anything): another interleaving, the same
+        # arithmetic. (Also moving rank 0's first recv_grad before its second forward would
+        # deadlock: each rank would wait for what the other sends after its recv.)
         base = fsdpfn.PipelineSchedule.from_str(text)
-        moved = _move_before(text, 0, "recv_grad s0 m0", "stage_forward s0 m2")
+        moved = _move_before(text, 1, "recv_act s1 m1", "stage_forward s1 m0")
         good = fsdpfn.PipelineSchedule.from_str(moved)
         assert good != base
         _, _, trace_base, _ = _train(model, plan, mesh, names, base, 3)
@@ -221,8 +224,8 @@ def test_hand_edited_schedules(run_on_ranks):
 
 
 def _bad_inputs(rank, world):
-    mesh = testing.mesh((2,), ("pp",))
-    model, plan = _setup(mesh, ("pp",), "1f1b", 2)
+    mesh = testing.mesh((2, 1), ("pp", "dp"))
+    model, plan = _setup(mesh, ("pp", "dp"), "1f1b", 2)
     errors = []
     with fsdpfn.comm.count_collectives() as counter:
         for args in [("zigzag", MICRO), ("1f1b", 0)]:
@@ -230,7 +233,7 @@ def _bad_inputs(rank, world):
                 PipelineRuntime(model, plan, *args, loss_fn=_ce)
             except ValueError as e:
                 errors.append(str(e))
-        model4, plan4 = _setup(mesh, ("pp",), "interleaved_1f1b", 4)
+        model4, plan4 = _setup(mesh, ("pp", "dp"), "interleaved_1f1b", 4)
         try:
             PipelineRuntime(model4, plan4, "interleaved_1f1b", 3, loss_fn=_ce)
         except ValueError as e:
