@@ -12,6 +12,7 @@ axis inside ``with fsdpfn.context_parallel(plan):`` on each rank's part of the s
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +175,7 @@ class GPT(nn.Module):
         def add_pos(pos: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return x + pos(context_parallel_positions(x.shape[1], device=x.device))
 
-        parts = {"embed": (self.embed, call), "pos": (self.pos, add_pos)}
+        parts: dict[str, tuple[nn.Module, Callable]] = {"embed": (self.embed, call), "pos": (self.pos, add_pos)}
         parts.update({f"blocks.{i}": (b, call) for i, b in enumerate(self.blocks)})
         parts.update({"norm": (self.norm, call), "head": (self.head, call)})
         return ModelStage("GPT", list(parts), parts, units)

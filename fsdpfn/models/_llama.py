@@ -10,6 +10,7 @@ policy makes each block a unit.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,7 @@ class Llama(nn.Module):
         """
         from fsdpfn.models._stage import ModelStage, call
 
-        parts = {"embed": (self.embed, call)}
+        parts: dict[str, tuple[nn.Module, Callable]] = {"embed": (self.embed, call)}
         parts.update({f"layers.{i}": (b, call) for i, b in enumerate(self.layers)})
         parts.update({"norm": (self.norm, call), "output": (self.output, call)})
         return ModelStage("Llama", list(parts), parts, units)

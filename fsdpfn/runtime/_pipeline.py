@@ -31,7 +31,7 @@ before it exists is refused with the op named.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import nn
@@ -91,15 +91,17 @@ class PipelineRuntime:
       prefetch: the FSDP prefetch inside each stage's gathers (``pipeline_schedule``'s).
       device: where collectives run (``"cpu"``: gloo).
 
-    Example (each rank runs the same lines; 2 pp ranks):
-      >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
-      >>> plan = fsdpfn.plan(model, mesh, units=units)     # mesh with a "pp" axis of size 2
-      >>> loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
-      >>> pipe = fsdpfn.runtime.PipelineRuntime(model, plan, "1f1b", micro_batches=4, loss_fn=loss_fn)
-      >>> params = pipe.shard(model)                       # this rank's stages' parameters
-      >>> grads, loss = pipe.step(params, x, y)            # x, y: (batch, seq), batch % 4 == 0
-      >>> sorted(grads) == sorted(params)
-      True
+    Example (one process here, with a pp axis of size 1 and two virtual stages; on 2 pp ranks
+    build the mesh ``(2, 1)`` and run the same lines on every rank):
+      >>> pp_mesh = fsdpfn.testing.mesh((1, 1), ("pp", "dp"))
+      >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]  # the ends as units of their own
+      >>> pp_plan = fsdpfn.plan(model, pp_mesh, units=units, stages=2)
+      >>> ce = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+      >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "gpipe", micro_batches=2, loss_fn=ce)
+      >>> pp_params = pipe.shard(model)                   # this rank's stages' parameters
+      >>> grads, loss = pipe.step(pp_params, x, y)        # x, y: (batch, seq), batch % 2 == 0
+      >>> grads["head.weight"].shape, torch.allclose(loss, ce(model(x), y))
+      (torch.Size([64, 32]), True)
     """
 
     def __init__(self, model: nn.Module, plan: Plan, schedule: str | PipelineSchedule = "1f1b", micro_batches: int | None = 8,
@@ -136,7 +138,7 @@ class PipelineRuntime:
         self._global = group_ranks(self.group)
         st = plan.stages
         self.stages_here = st.stages_of(self.pp_rank)
-        self.stage_plans = {s: plan.stage_plan(s) for s in self.stages_here}
+        self.stage_plans = {s: cast(Plan, plan.stage_plan(s)) for s in self.stages_here}
         self.modules = {s: self._stage_module(stages, s) for s in self.stages_here}
         self._names = {s: self._param_names(s) for s in self.stages_here}
         apply_tp(model, plan)  # the tensor-parallel activation collectives of every stage's modules
@@ -148,7 +150,7 @@ class PipelineRuntime:
     # ---- set-up --------------------------------------------------------------------------
 
     def _stage_module(self, stages, s: int) -> nn.Module:
-        units = list(self.plan.stages.units[s])  # type: ignore[union-attr]
+        units = list(self.plan.stages.units[s])
         if stages is None:
             build = getattr(self.model, "pipeline_stage", None)
             if build is None:
@@ -177,7 +179,7 @@ class PipelineRuntime:
         if foreign or got != expected:
             missing = sorted(expected - got)
             extra = sorted(n for n in got - expected if n is not None)
-            raise ValueError(f"stage {s}'s module must hold exactly the parameters of its units {list(self.plan.stages.units[s])}"  # type: ignore[union-attr]
+            raise ValueError(f"stage {s}'s module must hold exactly the parameters of its units {list(self.plan.stages.units[s])}"
                              f" (the model's own objects): missing {missing[:4]}, from other stages {extra[:4]}, not the "
                              f"model's {foreign[:4]}; share the model's submodules (do not copy them)")
         return pairs  # type: ignore[return-value]
@@ -187,8 +189,10 @@ class PipelineRuntime:
         plan), the ``params`` :meth:`step` takes.
 
         Example:
-          >>> params = pipe.shard(model)
-          >>> all(n in plan.stage_plan(pipe.stages_here[0]).param_names for n in params)
+          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          ...                       "blocks.1", "norm", "head"])
+          >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "1f1b", 2, loss_fn=lambda out, y: out.mean())
+          >>> sorted(pipe.shard(model)) == sorted(pp_plan.param_names)  # pp=1: every stage is here
           True
         """
         from fsdpfn.transforms import shard
