@@ -273,3 +273,69 @@ def test_stage_modules_of_the_reference_models():
         model.pipeline_stage(["embed", "blocks.0"])
     with pytest.raises(ValueError, match="not parts"):
         model.pipeline_stage(["blocks"])
+
+
+# ---- a user's stage modules ----------------------------------------------------------------
+
+
+class _First(torch.nn.Module):
+    """A user's first stage, written by hand: it shares the model's modules."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.embed, self.pos, self.blocks = model.embed, model.pos, model.blocks[:2]
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Last(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.blocks, self.norm, self.head = model.blocks[2:], model.norm, model.head
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+SPLIT = [["embed", "pos", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "norm", "head"]]
+
+
+def _user_stages(rank, world):
+    import copy
+
+    names = ("pp", "dp")
+    mesh = testing.mesh((2, 1), names)
+    traces, errors = [], []
+    with fsdpfn.comm.timeout_scope(60):
+        for user in (False, True):
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            plan = fsdpfn.plan(model, mesh, units=UNITS, stages=SPLIT)
+            stages = {0: _First(model)} if rank == 0 else {1: _Last(model)}
+            pipe = PipelineRuntime(model, plan, "1f1b", MICRO, loss_fn=_ce, stages=stages if user else None)
+            params = pipe.shard(model)
+            x, y = _batch(1, 0)
+            grads, loss = pipe.step(params, x, y)
+            traces.append((loss.item(), {n: g.full_tensor() for n, g in grads.items()}))
+        for bad in ({rank: copy.deepcopy(stages[rank])}, {1 - rank: stages[rank]}):
+            try:
+                PipelineRuntime(model, plan, "1f1b", MICRO, loss_fn=_ce, stages=bad)
+            except ValueError as e:
+                errors.append(str(e))
+    (la, ga), (lb, gb) = traces
+    return la == lb and all(torch.equal(ga[n], gb[n]) for n in ga), errors
+
+
+def test_user_stage_modules_run_like_the_reference_split(run_on_ranks):
+    """Stage modules written by hand (torch.distributed.pipelining style: a module per stage
+    sharing the model's submodules) give bitwise the gradients of model.pipeline_stage's."""
+    for same, errors in run_on_ranks(_user_stages, 2):
+        assert same
+        assert "not the model's" in errors[0] and "share the model's submodules" in errors[0], errors[0]
+        assert "stages has no module for stage" in errors[1], errors[1]

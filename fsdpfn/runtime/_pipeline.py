@@ -324,6 +324,12 @@ class PipelineRuntime:
                 self._outbox[(s, k)] = g
 
     def _send(self, op: PipeOp) -> None:
+        # A sent tensor stays referenced until its transfer finished; those that have are
+        # dropped here, so 1F1B keeps only the transfers in flight, not every micro-batch's.
+        done = [p for p in self._sends if p.is_completed()]
+        for pending in done:
+            pending.wait()  # raises if the transfer failed
+        self._sends = [p for p in self._sends if not p.done]
         t = self._outbox.pop((op.stage, op.micro)).contiguous()
         peer = self.schedule.peer(op)
         if op.kind is PipeKind.SEND_ACT:
