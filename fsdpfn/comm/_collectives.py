@@ -166,11 +166,6 @@ class Pending:
     def done(self) -> bool:
         return self._done
 
-    def is_completed(self) -> bool:
-        """Whether ``wait()`` would return at once (the work finished, or failed: ``wait()``
-        then raises); never blocks."""
-        return self._done or self._work is None or bool(self._work.is_completed())
-
 
 _SLICE = 1.0  # seconds between looks for a peer's announced failure
 

@@ -26,7 +26,7 @@ gloo's threads whenever the peer posts the matching ``irecv``; a recv waits. Tha
 model :func:`fsdpfn.validate_pipeline` checks (sends do not wait, recvs do, messages between two
 ranks arrive in the order they are sent: one tag, one TCP pair, FIFO), so a schedule it accepts
 cannot deadlock here. Each transfer is counted and flight-recorded under the pair's ranks, and
-its wait is bounded by the collective timeout.
+its wait is bounded by the process group's timeout (see ``_p2p``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,20 @@ def _p2p(ranks: tuple[int, ...], tensor: torch.Tensor, launch, tag: str) -> Pend
         work = launch()
     except RuntimeError as e:  # a peer already gone fails the launch itself
         raise _failure(rec, "send_recv", tag, e) from e
-    return Pending(tensor, work, None, rec, "send_recv", tag)
+
+    def finish() -> torch.Tensor:
+        # One wait, bounded by the process group's own timeout (the collective timeout when the
+        # group was made), not the collectives' one-second slices: on gloo, a point-to-point
+        # wait that times out closes the connection to the peer ("Application timeout caused
+        # pair closure"), so a slice expiring while the peer is still computing would break the
+        # pair. A peer that dies closes it too, so the wait still ends at once.
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise _failure(rec, "send_recv", tag, e) from e
+        return tensor
+
+    return Pending(tensor, None, finish, rec, "send_recv", tag)
 
 
 def pp_send(tensor: torch.Tensor, peer: int, group=None, *, tag: str = "pp_send") -> Pending:
@@ -125,8 +138,8 @@ def pp_send(tensor: torch.Tensor, peer: int, group=None, *, tag: str = "pp_send"
 
 def pp_recv(out: torch.Tensor, peer: int, group=None, *, tag: str = "pp_recv") -> Pending:
     """Starts receiving rank ``peer``'s next :func:`pp_send` into ``out`` (contiguous, shaped and
-    typed as what it sent); ``wait()`` returns ``out`` once it arrived, bounded by the collective
-    timeout.
+    typed as what it sent); ``wait()`` returns ``out`` once it arrived, bounded by the process
+    group's timeout.
 
     Example: see :func:`pp_send`.
     """

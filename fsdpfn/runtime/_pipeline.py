@@ -231,10 +231,10 @@ class PipelineRuntime:
             raise ValueError(f"PipelineRuntime.step: targets must be a tensor with the inputs' {rows} rows (dim 0), got "
                              f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
         for s, sp in self.stage_plans.items():
-            check_params({n: params[n] for n in sp.param_names if n in params}, sp, "PipelineRuntime.step(params)")
             missing = [n for n in sp.param_names if n not in params]
             if missing:
                 raise ValueError(f"PipelineRuntime.step: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
+            check_params({n: params[n] for n in sp.param_names}, sp, "PipelineRuntime.step(params)")
         self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
@@ -324,12 +324,9 @@ class PipelineRuntime:
                 self._outbox[(s, k)] = g
 
     def _send(self, op: PipeOp) -> None:
-        # A sent tensor stays referenced until its transfer finished; those that have are
-        # dropped here, so 1F1B keeps only the transfers in flight, not every micro-batch's.
-        done = [p for p in self._sends if p.is_completed()]
-        for pending in done:
-            pending.wait()  # raises if the transfer failed
-        self._sends = [p for p in self._sends if not p.done]
+        # A sent tensor stays referenced until the step ends, where every send is waited for:
+        # gloo reports a send finished only inside its wait, and waiting for it here could block
+        # until the peer reaches its recv (a send that waits, which the validator does not model).
         t = self._outbox.pop((op.stage, op.micro)).contiguous()
         peer = self.schedule.peer(op)
         if op.kind is PipeKind.SEND_ACT:
