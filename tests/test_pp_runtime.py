@@ -12,15 +12,17 @@ adds 2 partial sums. Every gradient element is the same sum of the same products
 another order. Reordering a sum of n terms in float32 moves it by at most (n - 1) eps |terms|
 with eps = 2^-24 ~= 6e-8; the reordered sums here have n <= 16 terms (8 micro-batches x 2 dp
 ranks, or tp partials inside a K = 64 dot product whose other 62 terms keep their order), so a
-gradient element moves by <= 15 eps ~= 1e-6 of the sum of its terms' magnitudes, and in norm
-(errors of both signs, sqrt-averaged) by ~sqrt(n) eps ~= 2.4e-7 relative: measured <= 2e-7.
+gradient element moves by <= 15 eps ~= 9e-7 of the sum of its terms' magnitudes, and a gradient
+in norm (errors of both signs, adding like a random walk) by ~sqrt(n) eps ~= 2.4e-7 relative.
 AdamW (lr = 1e-3) turns a gradient's relative error into an update error of the same relative
 size for elements well away from zero, and bounded by 2 lr for elements whose true gradient is
 within rounding of zero (see [Note: the tolerance of the TP parity tests] in test_tp.py; biases
 are off for that reason). Over 10 steps the parameters' relative difference is thus bounded by
 10 x lr x (gradient relative error) / |p| plus those few elements' lr-sized steps over |p| ~ 4:
 well under the 1e-6 asked for. The loss, one number per step, is a mean of m means against one
-mean: within n eps ~= 1e-6 relative of one process's too.
+mean: within n eps ~= 1e-6 relative of one process's too. Measured (every schedule and mesh
+here, under ATEN_CPU_CAPABILITY native, default and avx2): parameters <= 6.6e-8 relative after
+10 steps, losses <= 1.4e-7.
 """
 
 from __future__ import annotations
