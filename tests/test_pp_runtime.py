@@ -235,6 +235,10 @@ def _bad_inputs(rank, world):
                 PipelineRuntime(model, plan, *args, loss_fn=_ce)
             except ValueError as e:
                 errors.append(str(e))
+        try:
+            fsdpfn.plan(model, mesh, units=UNITS, stages=3)
+        except ValueError as e:
+            errors.append(str(e))
         model4, plan4 = _setup(mesh, ("pp", "dp"), "interleaved_1f1b", 4)
         try:
             PipelineRuntime(model4, plan4, "interleaved_1f1b", 3, loss_fn=_ce)
@@ -255,11 +259,12 @@ def _bad_inputs(rank, world):
 def test_bad_input_is_named_before_any_collective(run_on_ranks):
     for errors, calls in run_on_ranks(_bad_inputs, 2):
         assert calls == 0
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert "unknown pipeline schedule 'zigzag'" in errors[0]
         assert "micro_batches" in errors[1]
-        assert "micro_batches" in errors[2] and "multiple" in errors[2]
-        assert "micro_batches=8" in errors[3] and "6 rows" in errors[3]
+        assert "stages=3" in errors[2] and "multiple of the pp size 2" in errors[2]
+        assert "micro_batches" in errors[3] and "multiple" in errors[3]
+        assert "micro_batches=8" in errors[4] and "6 rows" in errors[4]
 
 
 def test_stage_modules_of_the_reference_models():
