@@ -244,7 +244,7 @@ class PipelineRuntime:
         self._outbox: dict[tuple[int, int], torch.Tensor] = {}    # computed, to be sent
         self._saved: dict[tuple[int, int], tuple] = {}            # forward graphs awaiting their backward
         self._losses: dict[int, torch.Tensor] = {}
-        self._sends: list = []
+        self._sends: dict[PipeOp, list] = {}                     # transfers in flight, by their send op
         self.last_ops = []
         run = {PipeKind.STAGE_FORWARD: self._forward, PipeKind.STAGE_BACKWARD: self._backward,
                PipeKind.SEND_ACT: self._send, PipeKind.SEND_GRAD: self._send,
@@ -258,14 +258,15 @@ class PipelineRuntime:
                 else:
                     run[op.kind](op)
                 self.last_ops.append(str(op))
-            for pending in self._sends:  # what was sent must stay alive until it left
-                pending.wait()
+            for pendings in self._sends.values():  # what was sent must stay alive until it left
+                for pending in pendings:
+                    pending.wait()
         except BaseException:
             for ex in self._ex.values():
                 ex.abandon()
             raise
         finally:
-            self._sends, self._saved, self._acts, self._grads, self._outbox = [], {}, {}, {}, {}
+            self._sends, self._saved, self._acts, self._grads, self._outbox = {}, {}, {}, {}, {}
         last = ps.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32)
         if ps.rank_of(last) == self.pp_rank:
@@ -324,14 +325,16 @@ class PipelineRuntime:
                 self._outbox[(s, k)] = g
 
     def _send(self, op: PipeOp) -> None:
-        # A sent tensor stays referenced until the step ends, where every send is waited for:
-        # gloo reports a send finished only inside its wait, and waiting for it here could block
-        # until the peer reaches its recv (a send that waits, which the validator does not model).
+        # A sent tensor stays referenced until its transfer is known to be over: an activation's
+        # when its gradient comes back (see _recv_grad), the rest at the end of the step. Not
+        # sooner: gloo reports a send finished only inside its wait, and a wait before the peer
+        # received it could block (a send that waits, which the validator does not model).
         t = self._outbox.pop((op.stage, op.micro)).contiguous()
         peer = self.schedule.peer(op)
+        sends = self._sends.setdefault(op, [])
         if op.kind is PipeKind.SEND_ACT:
-            self._sends.append(pp_send(_header(t), peer, self.group, tag=f"{op.kind.value}_header"))
-        self._sends.append(pp_send(t, peer, self.group, tag=str(op)))
+            sends.append(pp_send(_header(t), peer, self.group, tag=f"{op.kind.value}_header"))
+        sends.append(pp_send(t, peer, self.group, tag=str(op)))
 
     def _recv_act(self, op: PipeOp) -> None:
         peer = self.schedule.peer(op)
@@ -343,3 +346,8 @@ class PipelineRuntime:
         out = self._saved[(op.stage, op.micro)][1]
         buf = torch.empty(out.shape, dtype=out.dtype)
         self._grads[(op.stage, op.micro)] = pp_recv(buf, self.schedule.peer(op), self.group, tag=str(op)).wait()
+        # The peer computed this gradient from the activation this rank sent it, so that send is
+        # over: its wait returns at once and the activation is released (1F1B then keeps only
+        # the micro-batches in flight, as its memory bound says, not every sent activation).
+        for pending in self._sends.pop(PipeOp(PipeKind.SEND_ACT, op.stage, op.micro), ()):
+            pending.wait()
