@@ -30,6 +30,8 @@ from fsdpfn.comm._collectives import reduce_scatter_impl as reduce_scatter_impl
 from fsdpfn.comm._collectives import send_recv as send_recv
 from fsdpfn.comm._cp import cp_all_gather as cp_all_gather
 from fsdpfn.comm._cp import cp_ring_shift as cp_ring_shift
+from fsdpfn.comm._pp import pp_recv as pp_recv
+from fsdpfn.comm._pp import pp_send as pp_send
 from fsdpfn.comm._pp import pp_send_recv as pp_send_recv
 from fsdpfn.comm._collectives import set_reduce_scatter_impl as set_reduce_scatter_impl
 from fsdpfn.comm._groups import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
@@ -122,6 +124,8 @@ __all__ = [
     "send_recv",
     "cp_all_gather",
     "cp_ring_shift",
+    "pp_recv",
+    "pp_send",
     "pp_send_recv",
     "set_reduce_scatter_impl",
     "set_flight_dir",

@@ -12,15 +12,34 @@ A rank that sends nothing passes an empty ``x``, one that receives nothing ``sha
 a stage passing its activation to the next is then one hop in which only two ranks move data,
 and its backward carries the activation's gradient the other way. Every rank of the group calls
 it, in the same order, as with every collective.
+
+[Note: pipeline transfers are point-to-point]
+The pipeline runtime (:class:`fsdpfn.runtime.PipelineRuntime`) moves activations and gradients
+with :func:`pp_send` / :func:`pp_recv`, gloo's (or NCCL's) ``isend`` / ``irecv`` between two
+ranks of the pp group, not with ``send_recv``. ``send_recv`` is an all-to-all that every rank of
+the group must enter in the same order; in a 1F1B or interleaved schedule on more than two pp
+ranks, neighbouring pairs exchange at different moments, so no common order exists, and a
+2-rank group per pair would make every send wait for its recv (a send that blocks until the
+peer reaches its recv can deadlock a schedule that is correct with buffered sends, e.g. two
+ranks that both send before they receive). ``isend`` returns at once and its work completes in
+gloo's threads whenever the peer posts the matching ``irecv``; a recv waits. That is exactly the
+model :func:`fsdpfn.validate_pipeline` checks (sends do not wait, recvs do, messages between two
+ranks arrive in the order they are sent: one tag, one TCP pair, FIFO), so a schedule it accepts
+cannot deadlock here. Each transfer is counted and flight-recorded under the pair's ranks, and
+its wait is bounded by the process group's timeout (see ``_p2p``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fsdpfn.comm._collectives import send_recv
+import torch.distributed as dist
 
-__all__ = ["pp_send_recv"]
+from fsdpfn.comm import _groups
+from fsdpfn.comm._collectives import Pending, _failure, _wire_view, send_recv
+from fsdpfn.comm._record import record
+
+__all__ = ["pp_recv", "pp_send", "pp_send_recv"]
 
 
 def _hop(x: torch.Tensor, shape: tuple[int, ...], shift: int, group, tag: str) -> torch.Tensor:
@@ -65,3 +84,69 @@ def pp_send_recv(x: torch.Tensor, shape, group=None, *, shift: int = 1, tag: str
     """
     shape = tuple(int(d) for d in shape)
     return _Hop.apply(x, shape, shift, group, tag)
+
+
+def _pair(group, peer: int) -> tuple[tuple[int, ...], int]:
+    me = _groups.group_rank(group)
+    ranks = _groups.group_ranks(group)
+    return tuple(sorted((ranks[me], ranks[peer]))), me
+
+
+def _p2p(ranks: tuple[int, ...], tensor: torch.Tensor, launch, tag: str) -> Pending:
+    # Recorded under the pair's ranks: the pair's sequence numbers, not the pp group's (whose
+    # ranks each make different transfers).
+    rec = record("send_recv", 2, tensor.numel() * tensor.element_size(), tensor.dtype, tag, ranks)
+    try:
+        work = launch()
+    except RuntimeError as e:  # a peer already gone fails the launch itself
+        raise _failure(rec, "send_recv", tag, e) from e
+
+    def finish() -> torch.Tensor:
+        # One wait, bounded by the process group's own timeout (the collective timeout when the
+        # group was made), not the collectives' one-second slices: on gloo, a point-to-point
+        # wait that times out closes the connection to the peer ("Application timeout caused
+        # pair closure"), so a slice expiring while the peer is still computing would break the
+        # pair. A peer that dies closes it too, so the wait still ends at once.
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise _failure(rec, "send_recv", tag, e) from e
+        return tensor
+
+    return Pending(tensor, None, finish, rec, "send_recv", tag)
+
+
+def pp_send(tensor: torch.Tensor, peer: int, group=None, *, tag: str = "pp_send") -> Pending:
+    """Starts sending ``tensor`` to rank ``peer`` of ``group`` and returns at once (see [Note:
+    pipeline transfers are point-to-point]); ``wait()`` the result before changing ``tensor``.
+    The peer receives it with :func:`pp_recv` into a tensor of the same shape and dtype; between
+    two ranks, messages are received in the order they are sent.
+
+    Example (rank 0 sends, rank 1 receives):
+      >>> if fsdpfn.comm.group_rank() == 0:  # needs two ranks  # doctest: +SKIP
+      ...     fsdpfn.comm.pp_send(torch.ones(3), peer=1).wait()
+      ... else:
+      ...     fsdpfn.comm.pp_recv(torch.empty(3), peer=0).wait()
+    """
+    ranks, me = _pair(group, peer)
+    if peer == me:
+        raise ValueError(f"pp_send: peer {peer} is this rank; stages on one rank pass data in memory")
+    tensor = tensor.contiguous()
+    launch = lambda: dist.isend(_wire_view(tensor), group=group, group_dst=peer)  # noqa: E731
+    return _p2p(ranks, tensor, launch, tag)
+
+
+def pp_recv(out: torch.Tensor, peer: int, group=None, *, tag: str = "pp_recv") -> Pending:
+    """Starts receiving rank ``peer``'s next :func:`pp_send` into ``out`` (contiguous, shaped and
+    typed as what it sent); ``wait()`` returns ``out`` once it arrived, bounded by the process
+    group's timeout.
+
+    Example: see :func:`pp_send`.
+    """
+    ranks, me = _pair(group, peer)
+    if peer == me:
+        raise ValueError(f"pp_recv: peer {peer} is this rank; stages on one rank pass data in memory")
+    if not out.is_contiguous():
+        raise ValueError("pp_recv: out must be contiguous")
+    launch = lambda: dist.irecv(_wire_view(out), group=group, group_src=peer)  # noqa: E731
+    return _p2p(ranks, out, launch, tag)

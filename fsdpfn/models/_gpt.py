@@ -12,6 +12,7 @@ axis inside ``with fsdpfn.context_parallel(plan):`` on each rank's part of the s
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -151,3 +152,30 @@ class GPT(nn.Module):
                 aux = a if aux is None else aux + a
         logits = self.head(self.norm(x))
         return logits if aux is None else (logits, aux)
+
+    def pipeline_stage(self, units) -> nn.Module:
+        """The module that runs pipeline stage ``units`` (a contiguous run of ``embed``, ``pos``,
+        ``blocks.0``, ..., ``norm``, ``head``), sharing this model's parameters: the first stage
+        takes tokens, the last returns logits, the others take and return hidden states.
+        :class:`fsdpfn.runtime.PipelineRuntime` builds one per stage of its rank from the plan's
+        stages (as torchtitan splits its models); dense blocks only.
+
+        Example:
+          >>> model = GPT(GPTConfig(vocab_size=64, width=32, depth=2))
+          >>> first, last = model.pipeline_stage(["embed", "pos", "blocks.0"]), model.pipeline_stage(["blocks.1", "norm", "head"])
+          >>> last(first(torch.zeros(2, 8, dtype=torch.long))).shape
+          torch.Size([2, 8, 64])
+        """
+        from fsdpfn.models._stage import ModelStage, call
+
+        if self.cfg.experts:
+            raise NotImplementedError("GPT.pipeline_stage: MoE blocks return (x, aux), which a stage cannot pass on yet; "
+                                      "pipeline a dense GPT (experts=0)")
+
+        def add_pos(pos: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return x + pos(context_parallel_positions(x.shape[1], device=x.device))
+
+        parts: dict[str, tuple[nn.Module, Callable]] = {"embed": (self.embed, call), "pos": (self.pos, add_pos)}
+        parts.update({f"blocks.{i}": (b, call) for i, b in enumerate(self.blocks)})
+        parts.update({"norm": (self.norm, call), "head": (self.head, call)})
+        return ModelStage("GPT", list(parts), parts, units)

@@ -10,6 +10,7 @@ policy makes each block a unit.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -119,3 +120,21 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
+
+    def pipeline_stage(self, units) -> nn.Module:
+        """The module that runs pipeline stage ``units`` (a contiguous run of ``embed``,
+        ``layers.0``, ..., ``norm``, ``output``), sharing this model's parameters (see
+        :meth:`fsdpfn.models.GPT.pipeline_stage`).
+
+        Example:
+          >>> m = Llama(LlamaConfig(dim=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=50))
+          >>> a, b = m.pipeline_stage(["embed", "layers.0"]), m.pipeline_stage(["layers.1", "norm", "output"])
+          >>> b(a(torch.zeros(2, 8, dtype=torch.long))).shape
+          torch.Size([2, 8, 50])
+        """
+        from fsdpfn.models._stage import ModelStage, call
+
+        parts: dict[str, tuple[nn.Module, Callable]] = {"embed": (self.embed, call)}
+        parts.update({f"layers.{i}": (b, call) for i, b in enumerate(self.layers)})
+        parts.update({"norm": (self.norm, call), "output": (self.output, call)})
+        return ModelStage("Llama", list(parts), parts, units)

@@ -1,0 +1,353 @@
+"""The pipeline runtime: runs a pipeline schedule's op lists (see [Note: pipeline ops] in
+``fsdpfn/_plan/pipeline.py``), one per pp rank, with micro-batches and gradient accumulation.
+
+[Note: the pipeline executor]
+Each pp rank walks its own list, in order, op by op:
+
+- ``stage_forward s m``: stage ``s``'s module (a ``pipeline_stage`` of a reference model, or the
+  user's) on micro-batch ``m``'s input (the tokens on stage 0, else the activation received or
+  computed by stage ``s - 1`` on this rank), with the stage's unsharded parameters as autograd
+  leaves; the last stage also applies ``loss_fn``. The graph is kept until the backward.
+- ``stage_backward s m``: ``torch.autograd.grad`` of that graph, seeded with the gradient of
+  the stage's output (received, or from stage ``s + 1`` on this rank); on the last stage, of
+  the micro-batch's loss divided by ``m``. So the accumulated gradient is that of
+  ``sum_k loss_k / m``, which for equal micro-batches and a mean loss is the gradient of the
+  whole batch's mean: one process's. The parameters' gradients join the unit's locally summed
+  full gradients (the existing executor's accumulation, in the unit's reduce dtype).
+- ``send_*`` / ``recv_*``: point-to-point transfers over the pp group (see [Note: pipeline
+  transfers are point-to-point] in ``fsdpfn/comm/_pp.py``). An activation travels with a
+  small header (its shape and dtype): the receiver cannot know the shape a user's stage
+  returns. A gradient needs none, it is shaped as the output the receiver kept.
+- ``gather``, ``wait``, ``free``, ``reduce``, ``wait_reduce``, ``copy_in``, ``copy_out``: run by
+  one :class:`~fsdpfn.runtime._executor.Executor` per stage, over the stage's plan
+  (``plan.stage_plan(s)``: the stage's units on the mesh without pp), exactly as the one-stage
+  runtime runs them: the same gather buffers, codecs, reduce (mean over data-parallel ranks) and
+  offload copies.
+
+The schedule is validated (:func:`fsdpfn.validate_pipeline`) when the runtime is built, on every
+rank, before anything is communicated: a hand-edited list that would deadlock or use data
+before it exists is refused with the op named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdpfn._plan import Plan
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, pipeline_schedule, validate_pipeline
+from fsdpfn._plan.schedule import Op
+from fsdpfn._plan.schedule import schedule as default_schedule
+from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send
+from fsdpfn.runtime._comm import comm_for
+from fsdpfn.runtime._executor import Executor
+from fsdpfn.transforms import apply_tp, check_params
+
+__all__ = ["PipelineRuntime"]
+
+# An activation's header: ndim, dtype code, then the dims (padded with -1).
+_HEADER = 10
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ValueError(f"a pipeline stage returned a {t.dtype} tensor of shape {tuple(t.shape)}; stages pass tensors of at "
+                         f"most {_HEADER - 2} dims and dtype one of {[str(d) for d in _DTYPES]}")
+    h = torch.full((_HEADER,), -1, dtype=torch.int64)
+    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+class PipelineRuntime:
+    """Trains a pipelined plan: each pp rank runs its stages' micro-batches in the order of a
+    pipeline schedule (GPipe, 1F1B, interleaved 1F1B, or a hand-edited one), with its stages'
+    FSDP gathers and reduces over the stage's data-parallel ranks (see [Note: the pipeline
+    executor]).
+
+    Args:
+      model: the module the plan was made for (its parameters are never read: they come from
+        the shards you pass).
+      plan: a pipelined plan (a mesh with a ``pp`` axis), bound to the mesh.
+      schedule: a name for :func:`fsdpfn.pipeline_schedule` (``"gpipe"``, ``"1f1b"``,
+        ``"interleaved_1f1b"``) or a :class:`fsdpfn.PipelineSchedule` made for this plan (e.g.
+        a printed one edited and parsed back).
+      micro_batches: micro-batches per step, ``m`` (with a schedule object: its own, or ``None``).
+      loss_fn: ``loss_fn(output, target)``: the last stage's output and a micro-batch's targets
+        to the micro-batch's mean loss.
+      stages: how to run a stage's forward. ``None``: ``model.pipeline_stage(units)`` for each
+        stage's units, which fsdpfn's reference models provide (:meth:`fsdpfn.models.GPT.pipeline_stage`,
+        as torchtitan splits its models); else, as torch.distributed.pipelining's
+        ``PipelineStage`` takes a submodule, ``{stage index: nn.Module}`` for the stages this rank
+        runs (or a callable ``stages(s, units) -> nn.Module``): the module takes the previous
+        stage's output (the inputs on stage 0) and returns the next stage's input (what
+        ``loss_fn`` takes on the last), and its parameters must be exactly the stage's units'
+        parameters of ``model`` (the same objects: share the submodules, do not copy them).
+      prefetch: the FSDP prefetch inside each stage's gathers (``pipeline_schedule``'s).
+      device: where collectives run (``"cpu"``: gloo).
+
+    Example (one process here, with a pp axis of size 1 and two virtual stages; on 2 pp ranks
+    build the mesh ``(2, 1)`` and run the same lines on every rank):
+      >>> pp_mesh = fsdpfn.testing.mesh((1, 1), ("pp", "dp"))
+      >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]  # the ends as units of their own
+      >>> pp_plan = fsdpfn.plan(model, pp_mesh, units=units, stages=2)
+      >>> ce = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+      >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "gpipe", micro_batches=2, loss_fn=ce)
+      >>> pp_params = pipe.shard(model)                   # this rank's stages' parameters
+      >>> grads, loss = pipe.step(pp_params, x, y)        # x, y: (batch, seq), batch % 2 == 0
+      >>> grads["head.weight"].shape, torch.allclose(loss, ce(model(x), y))
+      (torch.Size([64, 32]), True)
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, schedule: str | PipelineSchedule = "1f1b", micro_batches: int | None = 8,
+                 *, loss_fn: Callable[[Any, Any], torch.Tensor], stages=None, prefetch: int = 1,
+                 device: str | torch.device | None = "cpu"):
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
+        if plan.stages is None:
+            raise ValueError(f"PipelineRuntime needs a pipelined plan, but the plan's mesh ({plan.axes.describe()}) has no 'pp' "
+                             "axis; for one stage use fsdpfn.runtime.Runtime")
+        if plan.mesh is None:
+            raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a PipelineRuntime")
+        if not callable(loss_fn):
+            raise ValueError("loss_fn must be a callable loss_fn(output, target) -> the micro-batch's mean loss")
+        if isinstance(schedule, str):
+            if micro_batches is None:
+                raise ValueError("micro_batches: give the number of micro-batches per step (e.g. micro_batches=8)")
+            ps = pipeline_schedule(plan, schedule, micro_batches, prefetch=prefetch)
+        elif isinstance(schedule, PipelineSchedule):
+            if micro_batches is not None and micro_batches != schedule.micro_batches:
+                raise ValueError(f"micro_batches={micro_batches}, but the schedule runs {schedule.micro_batches}; pass "
+                                 f"micro_batches=None (or {schedule.micro_batches}) with a schedule object")
+            ps = schedule
+        else:
+            raise ValueError(f"schedule must be a pipeline schedule name (gpipe, 1f1b, interleaved_1f1b) or an "
+                             f"fsdpfn.PipelineSchedule, got {type(schedule).__name__}")
+        # Every rank checks every rank's list, before the first transfer: a deadlock is refused
+        # here, naming the op, instead of leaving ranks blocked in recvs.
+        validate_pipeline(ps, plan)
+        self.model, self.plan, self.schedule, self.loss_fn = model, plan, ps, loss_fn
+        pp_name = plan.axes.names[plan.axes.dim(Role.PP)]  # type: ignore[index]
+        self.pp_rank = plan.mesh.get_local_rank(pp_name)
+        self.group = plan.mesh.get_group(pp_name)
+        self._global = group_ranks(self.group)
+        st = plan.stages
+        self.stages_here = st.stages_of(self.pp_rank)
+        self.stage_plans = {s: cast(Plan, plan.stage_plan(s)) for s in self.stages_here}
+        self.modules = {s: self._stage_module(stages, s) for s in self.stages_here}
+        self._names = {s: self._param_names(s) for s in self.stages_here}
+        apply_tp(model, plan)  # the tensor-parallel activation collectives of every stage's modules
+        comm = comm_for(device)
+        self._ex = {s: Executor(sp, default_schedule(sp, prefetch), comm) for s, sp in self.stage_plans.items()}
+        self._stage_of_unit = {u.name: s for s, sp in self.stage_plans.items() for u in sp.units}
+        self.last_ops: list[str] = []
+
+    # ---- set-up --------------------------------------------------------------------------
+
+    def _stage_module(self, stages, s: int) -> nn.Module:
+        units = list(self.plan.stages.units[s])
+        if stages is None:
+            build = getattr(self.model, "pipeline_stage", None)
+            if build is None:
+                raise ValueError(f"{type(self.model).__name__} has no pipeline_stage(units) method; pass stages={{stage index: "
+                                 "module}} (for this rank's stages) or stages=callable(s, units) -> module")
+            return build(units)
+        if isinstance(stages, Mapping):
+            if s not in stages:
+                raise ValueError(f"stages has no module for stage {s} (units {units}), which runs on this rank (pp rank "
+                                 f"{self.pp_rank}); give one for each of stages {list(self.stages_here)}")
+            return stages[s]
+        if callable(stages):
+            return stages(s, tuple(units))
+        raise ValueError(f"stages must be None, a dict {{stage index: nn.Module}} or a callable (s, units) -> nn.Module, got {type(stages).__name__}")
+
+    def _param_names(self, s: int) -> list[tuple[str, str]]:
+        """``(module-local name, plan name)`` of the stage module's parameters, matched by
+        identity with the model's: a stage shares the model's parameters, so its own naming
+        (a wrapper, a submodule) does not matter."""
+        by_id = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        module = self.modules[s]
+        pairs = [(local, by_id.get(id(p))) for local, p in module.named_parameters()]
+        foreign = [local for local, name in pairs if name is None]
+        expected = set(self.stage_plans[s].param_names)
+        got = {name for _, name in pairs}
+        if foreign or got != expected:
+            missing = sorted(expected - got)
+            extra = sorted(n for n in got - expected if n is not None)
+            raise ValueError(f"stage {s}'s module must hold exactly the parameters of its units {list(self.plan.stages.units[s])}"
+                             f" (the model's own objects): missing {missing[:4]}, from other stages {extra[:4]}, not the "
+                             f"model's {foreign[:4]}; share the model's submodules (do not copy them)")
+        return pairs  # type: ignore[return-value]
+
+    def shard(self, model_or_params) -> dict[str, DTensor]:
+        """This rank's shards of its stages' parameters (:func:`fsdpfn.shard` over each stage's
+        plan), the ``params`` :meth:`step` takes.
+
+        Example:
+          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          ...                       "blocks.1", "norm", "head"])
+          >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "1f1b", 2, loss_fn=lambda out, y: out.mean())
+          >>> sorted(pipe.shard(model)) == sorted(pp_plan.param_names)  # pp=1: every stage is here
+          True
+        """
+        from fsdpfn.transforms import shard
+
+        full = dict(model_or_params.named_parameters()) if isinstance(model_or_params, nn.Module) else dict(model_or_params)
+        out: dict[str, DTensor] = {}
+        for s, sp in self.stage_plans.items():
+            out.update(shard({n: full[n] for n in sp.param_names}, sp))
+        return out
+
+    # ---- a step --------------------------------------------------------------------------
+
+    def step(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, targets: Any) -> tuple[dict[str, DTensor | None], torch.Tensor]:
+        """One training step: forward and backward of every micro-batch through the pipeline.
+
+        Args:
+          params: this rank's stages' sharded parameters (:meth:`shard`, or an optimizer update).
+          inputs: the stage-0 input of this data-parallel rank's batch (tokens), split along dim 0
+            into ``micro_batches`` equal micro-batches.
+          targets: ``loss_fn``'s targets for the batch, split alike.
+
+        Returns:
+          ``(grads, loss)``: the gradients of this rank's parameters, sharded like them and
+          reduced (mean over data-parallel ranks), of the batch's mean loss; ``loss``, on every
+          pp rank, ``sum_k loss_fn(out_k, y_k) / m``: the batch's mean (this data-parallel
+          rank's, as :meth:`fsdpfn.runtime.Runtime.value_and_grad` returns it).
+
+        Example: see :class:`PipelineRuntime`.
+        """
+        ps, m = self.schedule, self.schedule.micro_batches
+        rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
+        if rows is None or rows % m:
+            raise ValueError(f"PipelineRuntime.step: inputs has {rows} rows (dim 0), which micro_batches={m} does not divide; "
+                             f"pass a batch of a multiple of {m} rows, or build the runtime with a micro_batches that divides {rows}")
+        if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or targets.shape[0] != rows:
+            raise ValueError(f"PipelineRuntime.step: targets must be a tensor with the inputs' {rows} rows (dim 0), got "
+                             f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
+        for s, sp in self.stage_plans.items():
+            missing = [n for n in sp.param_names if n not in params]
+            if missing:
+                raise ValueError(f"PipelineRuntime.step: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
+            check_params({n: params[n] for n in sp.param_names}, sp, "PipelineRuntime.step(params)")
+        self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
+        for s, ex in self._ex.items():
+            ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
+            ex.results, ex.full_grads, ex.local_acc = {}, {}, {}
+        self._acts: dict[tuple[int, int], torch.Tensor] = {}      # a stage's input, before its forward
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}     # a stage's output gradient, before its backward
+        self._outbox: dict[tuple[int, int], torch.Tensor] = {}    # computed, to be sent
+        self._saved: dict[tuple[int, int], tuple] = {}            # forward graphs awaiting their backward
+        self._losses: dict[int, torch.Tensor] = {}
+        self._sends: dict[PipeOp, list] = {}                     # transfers in flight, by their send op
+        self.last_ops = []
+        run = {PipeKind.STAGE_FORWARD: self._forward, PipeKind.STAGE_BACKWARD: self._backward,
+               PipeKind.SEND_ACT: self._send, PipeKind.SEND_GRAD: self._send,
+               PipeKind.RECV_ACT: self._recv_act, PipeKind.RECV_GRAD: self._recv_grad}
+        try:
+            for op in ps.ranks[self.pp_rank]:
+                if isinstance(op, Op):
+                    ex = self._ex[self._stage_of_unit[op.unit]]
+                    with torch.no_grad():
+                        ex.actions[op.kind](op.unit)
+                else:
+                    run[op.kind](op)
+                self.last_ops.append(str(op))
+            for pendings in self._sends.values():  # what was sent must stay alive until it left
+                for pending in pendings:
+                    pending.wait()
+        except BaseException:
+            for ex in self._ex.values():
+                ex.abandon()
+            raise
+        finally:
+            self._sends, self._saved, self._acts, self._grads, self._outbox = {}, {}, {}, {}, {}
+        last = ps.num_stages - 1
+        loss = torch.zeros((), dtype=torch.float32)
+        if ps.rank_of(last) == self.pp_rank:
+            loss = torch.stack([self._losses[k].float() for k in range(m)]).sum() / m
+        loss = broadcast(loss.reshape(1), src=self._global[ps.rank_of(last)], group=self.group, tag="pp_loss").reshape(())
+        grads: dict[str, DTensor | None] = {}
+        for s, ex in self._ex.items():
+            names = [p.name for u in self.stage_plans[s].units for p in u.params]
+            grads.update(zip(names, ex.shard_grads()))
+        return grads, loss
+
+    def _forward(self, op: PipeOp) -> None:
+        s, k = op.stage, op.micro
+        last = s == self.schedule.num_stages - 1
+        ex = self._ex[s]
+        leaves = {p.name: t.detach().requires_grad_() for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
+        if s == 0:
+            x = self._xs[k]
+        else:
+            x = self._acts.pop((s, k)).detach()
+            x.requires_grad_(x.is_floating_point())
+        with torch.enable_grad():
+            out = torch.func.functional_call(self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,))
+            if last:
+                loss = self.loss_fn(out, self._ys[k])
+                self._losses[k] = loss.detach()
+                out = loss / self.schedule.micro_batches  # see [Note: the pipeline executor]
+        self._saved[(s, k)] = (x if s > 0 else None, out, leaves)
+        if not last:
+            nxt = out.detach()
+            if self.schedule.rank_of(s + 1) == self.pp_rank:
+                self._acts[(s + 1, k)] = nxt
+            else:
+                self._outbox[(s, k)] = nxt
+
+    def _backward(self, op: PipeOp) -> None:
+        s, k = op.stage, op.micro
+        x, out, leaves = self._saved.pop((s, k))
+        names = list(leaves)
+        through = x is not None and x.requires_grad
+        inputs = [leaves[n] for n in names] + ([x] if through else [])
+        seed = None if s == self.schedule.num_stages - 1 else self._grads.pop((s, k))
+        got = torch.autograd.grad(out, inputs, grad_outputs=seed, allow_unused=True)
+        by_name = dict(zip(names, got))
+        ex = self._ex[s]
+        for u in self.stage_plans[s].units:
+            if u.name in ex.full_grads:  # an earlier micro-batch's: summed locally, in the reduce dtype
+                with torch.no_grad():
+                    ex._accumulate(u.name)
+            ex.full_grads[u.name] = [by_name[p.name] for p in u.params]
+        if x is not None:  # the gradient of the stage's input (zeros where it does not reach it)
+            g = got[-1] if through and got[-1] is not None else torch.zeros_like(x)
+            if self.schedule.rank_of(s - 1) == self.pp_rank:
+                self._grads[(s - 1, k)] = g
+            else:
+                self._outbox[(s, k)] = g
+
+    def _send(self, op: PipeOp) -> None:
+        # A sent tensor stays referenced until its transfer is known to be over: an activation's
+        # when its gradient comes back (see _recv_grad), the rest at the end of the step. Not
+        # sooner: gloo reports a send finished only inside its wait, and a wait before the peer
+        # received it could block (a send that waits, which the validator does not model).
+        t = self._outbox.pop((op.stage, op.micro)).contiguous()
+        peer = self.schedule.peer(op)
+        sends = self._sends.setdefault(op, [])
+        if op.kind is PipeKind.SEND_ACT:
+            sends.append(pp_send(_header(t), peer, self.group, tag=f"{op.kind.value}_header"))
+        sends.append(pp_send(t, peer, self.group, tag=str(op)))
+
+    def _recv_act(self, op: PipeOp) -> None:
+        peer = self.schedule.peer(op)
+        h = pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag=f"{op.kind.value}_header").wait().tolist()
+        buf = torch.empty(h[2:2 + h[0]], dtype=_DTYPES[h[1]])
+        self._acts[(op.stage, op.micro)] = pp_recv(buf, peer, self.group, tag=str(op)).wait()
+
+    def _recv_grad(self, op: PipeOp) -> None:
+        out = self._saved[(op.stage, op.micro)][1]
+        buf = torch.empty(out.shape, dtype=out.dtype)
+        self._grads[(op.stage, op.micro)] = pp_recv(buf, self.schedule.peer(op), self.group, tag=str(op)).wait()
+        # The peer computed this gradient from the activation this rank sent it, so that send is
+        # over: its wait returns at once and the activation is released (1F1B then keeps only
+        # the micro-batches in flight, as its memory bound says, not every sent activation).
+        for pending in self._sends.pop(PipeOp(PipeKind.SEND_ACT, op.stage, op.micro), ()):
+            pending.wait()
