@@ -191,7 +191,7 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--budget-mib", type=float, default=32.0, help="per-rank saved-activation budget the last table checks")
+    p.add_argument("--budget-mib", type=float, default=16.0, help="per-rank saved-activation budget the last table checks")
     p.add_argument("--project-cps", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--no-project", action="store_true")

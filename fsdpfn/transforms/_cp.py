@@ -7,13 +7,18 @@ balancing]). Everything outside attention is per token, so the model runs unchan
 rank's ``S / cp`` tokens; attention is the one place a token needs the others, and
 :func:`context_parallel_attention` brings them in, one of two ways:
 
-- ``"allgather"``: every rank's keys and values are all-gathered (``fsdpfn.comm.cp_all_gather``,
-  whose transpose, the reduce-scatter of dK and dV, is its backward), put back in sequence
-  order, and attended to with a causal mask by position. Pure and differentiable.
-- ``"ring"``: the key/value block of each rank travels around the cp ring
-  (``fsdpfn.comm.cp_ring_shift``, transposed by the shift back); each rank attends to one block
-  at a time and merges the partial results by their log-sum-exp (online softmax), so it never
-  holds more than two blocks. Blocks a causal mask hides entirely are skipped.
+- ``"allgather"``: every rank's keys and values are all-gathered and put back in sequence
+  order; each local chunk attends to the chunks before it in full and to itself under a causal
+  mask, merged by log-sum-exp: no mask is built. Backward gathers them again and
+  reduce-scatters dK and dV.
+- ``"ring"``: the key/value block of each rank travels around the cp ring (``send_recv`` hops,
+  each overlapping the block before it); each rank attends to one block at a time and merges the
+  partial results by their log-sum-exp (online softmax), so it never holds more than two blocks.
+  Chunk pairs a causal mask hides entirely are skipped. Backward sends the blocks around again
+  with an accumulator of their dK and dV.
+
+Both are one autograd Function that saves only the rank's own q, k, v, output and log-sum-exp
+(see [Note: fused attention over cp]).
 
 [Note: head-tail balancing]
 With a causal mask, token ``i`` attends to ``i + 1`` keys: split the sequence into ``cp``
@@ -402,7 +407,11 @@ class _CPAttention(torch.autograd.Function):
     def forward(q, k, v, a, causal, scale):
         with torch._C._DisableFuncTorch():
             acc = torch.promote_types(q.dtype, torch.float32)
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
+            # (batch, seq, heads, dim) in memory, as the flash kernel writes its output: the usual
+            # out.transpose(1, 2).reshape(batch, seq, width) is then a view, not a copy that the
+            # output projection would save beside this one.
+            b, h, n, d = q.shape
+            out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
             lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
             c = q.shape[2] // 2
             mine = _chunks(a.size, a.rank)
