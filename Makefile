@@ -31,8 +31,9 @@ setup:
 demo: setup
 	$(PYTHON) examples/train_gpt.py
 
+# --durations: the slowest tests of each run, listed at its end, to keep the suite short.
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 
 # --strict: any warning (a broken link or anchor, a docstring mkdocstrings cannot read) fails it.
 # NO_MKDOCS_2_WARNING silences mkdocs-material's notice about future MkDocs versions.

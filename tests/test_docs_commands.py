@@ -95,6 +95,8 @@ HOW: list[tuple[str, str, str]] = [
     # Two short sequences at every cp degree, and the projection of its first row (cp 1, 32k tokens).
     (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
     (r"^python benchmarks/compile_probe\.py\b", "run", ""),
+    # The bubbles (instant) and the 405B projection (a profile on meta, seconds): as written.
+    (r"^python benchmarks/pp\.py\b", "here", ""),
     (r"^python benchmarks/exit_stress\.py\b", "run", "-n 1"),
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
@@ -389,6 +391,7 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"compile_bucket\.py", [r"^step time, bucket=True / bucket=False: "]),
     (r"benchmarks/cp\.py(?!.*--no-gloo)", [r"^cp exchange counted == listed \(calls, bytes\) in (\d+)/\1 rows; every rank sends the same: True$"]),
     (r"benchmarks/cp\.py(?!.*--no-project)", [r"^\(\d+ s\) projected / torchtitan tokens/s/GPU: "]),
+    (r"benchmarks/pp\.py", [r"^largest \|op lists - closed form\|: .*; equal to rounding: True$"]),
     (r"compile_probe\.py", [r"^runtime: forward \+ loss\.backward\(\): \d+ graph"]),
     (r"benchmarks/checkpoint\.py", [r"^async/sync stall ratio: \d+\.\d+$"]),
     (r"bad_inputs\.py", [r"^\d+ cases in \d+ s: \d+ named, 0 unnamed, \d+ correct, 0 silent$"]),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Sequence
 from typing import Union
 
 from fsdpfn._plan.schedule import GradState, Op, OpKind, ScheduleError, UnitState, unit_ops
@@ -401,6 +402,8 @@ class PipelineTimes:
       bubble: the fraction of ``pp x makespan`` no rank computes.
       in_flight: each rank's peak count of (stage, micro-batch) forwards whose backward has not
         run: the activations it keeps at once (GPipe: ``v m``; 1F1B: ``p - r`` on rank r).
+      peak_activations: with ``activations`` given, each rank's most activation bytes kept at
+        once (stages may keep different amounts: the count alone does not give it).
     """
 
     finish: tuple[float, ...]
@@ -408,6 +411,7 @@ class PipelineTimes:
     makespan: float
     bubble: float
     in_flight: tuple[int, ...] = ()
+    peak_activations: tuple[int, ...] = ()
 
 
 def _fail(r: int, i: int, op: AnyOp, msg: str) -> ScheduleError:
@@ -552,16 +556,33 @@ def _check_pairs(ps: PipelineSchedule) -> dict[tuple[int, int], int]:
     return match
 
 
-def pipeline_times(ps: PipelineSchedule, forward: float = 1.0, backward: float = 2.0, *, plan: PlanValues | None = None) -> PipelineTimes:
-    """Validates ``ps`` (see :func:`validate_pipeline`) and runs every rank's list together,
-    a stage's forward taking ``forward`` and its backward ``backward`` (everything else no time;
-    a recv waits for its send).
+def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.0, backward: "float | Sequence[float]" = 2.0, *,
+                   transfer: "float | Sequence[float]" = 0.0, start: "float | Sequence[float]" = 0.0,
+                   after: "float | Sequence[float]" = 0.0, activations: "Sequence[int] | None" = None,
+                   plan: PlanValues | None = None) -> PipelineTimes:
+    """Validates ``ps`` (see :func:`validate_pipeline`) and runs every rank's list together:
+    a recv waits for its send, a send does not wait, FSDP's ops take no time of their own.
+
+    Args:
+      ps: the schedule.
+      forward, backward: seconds of one micro-batch's stage forward and backward: one number
+        for every stage, or one per stage.
+      transfer: seconds from a send to its data's arrival across the boundary after stage ``s``
+        (an activation forward, its gradient back): one number, or one per boundary
+        (``num_stages - 1``).
+      start: seconds each rank spends before its first op (its stages' gathers), one number or
+        one per rank; ``after``: after its last op (its stages' reduces).
+      activations: bytes one micro-batch's forward of each stage keeps until its backward;
+        gives ``PipelineTimes.peak_activations``.
+      plan: the plan it was made for (its fingerprint and stages are checked).
 
     Example:
       >>> ps = pipeline_schedule(Stages((("a",), ("b",)), 2), "1f1b", 4)
       >>> t = pipeline_times(ps)  # f = 1, b = 2: (m + p - 1)(f + b) = 15
       >>> t.makespan, round(t.bubble, 4)  # (p - 1) / (m + p - 1) = 1 / 5
       (15.0, 0.2)
+      >>> pipeline_times(ps, transfer=0.5).makespan  # 4 hops lie on the critical path
+      17.0
     """
     if plan is not None:
         if ps.plan_fingerprint != plan.fingerprint:
@@ -574,10 +595,12 @@ def pipeline_times(ps: PipelineSchedule, forward: float = 1.0, backward: float =
     for r in range(ps.pp_size):
         _check_rank(ps, r, stages)
     match = _check_pairs(ps)
-    cost = {PipeKind.STAGE_FORWARD: float(forward), PipeKind.STAGE_BACKWARD: float(backward)}
-    pc = [0] * ps.pp_size
-    clock = [0.0] * ps.pp_size
-    busy = [0.0] * ps.pp_size
+    S, p = ps.num_stages, ps.pp_size
+    cost = {PipeKind.STAGE_FORWARD: _per("forward", forward, S, "stage"), PipeKind.STAGE_BACKWARD: _per("backward", backward, S, "stage")}
+    hop = _per("transfer", transfer, max(S - 1, 0), "boundary between stages")
+    pc = [0] * p
+    clock = list(_per("start", start, p, "pp rank"))
+    busy = [0.0] * p
     sent_at: dict[tuple[int, int], float] = {}  # (rank, op index) of a send -> when it was sent
     moved = True
     while moved:
@@ -589,12 +612,13 @@ def pipeline_times(ps: PipelineSchedule, forward: float = 1.0, backward: float =
                     key = (ps.peer(op), match[(r, pc[r])])
                     if key not in sent_at:
                         break  # its send has not run yet: wait, let the other ranks move
-                    clock[r] = max(clock[r], sent_at[key])
+                    boundary = min(op.stage, op.peer_stage)  # the activation of s -> s + 1, or its gradient back
+                    clock[r] = max(clock[r], sent_at[key] + hop[boundary])
                 if isinstance(op, PipeOp) and op.kind.is_send:
                     sent_at[(r, pc[r])] = clock[r]
                 if isinstance(op, PipeOp) and op.kind.is_compute:
-                    clock[r] += cost[op.kind]
-                    busy[r] += cost[op.kind]
+                    clock[r] += cost[op.kind][op.stage]
+                    busy[r] += cost[op.kind][op.stage]
                 pc[r] += 1
                 moved = True
     stuck = [r for r in range(ps.pp_size) if pc[r] < len(ps.ranks[r])]
@@ -604,10 +628,35 @@ def pipeline_times(ps: PipelineSchedule, forward: float = 1.0, backward: float =
                           for r in stuck)
         raise ScheduleError(f"invalid pipeline schedule: deadlock, every rank left waits for another: {waits}. Move a send "
                             "earlier (before the recv its rank blocks in) or a recv later")
-    makespan = max(clock)
-    return PipelineTimes(tuple(clock), tuple(busy), makespan,
-                         1.0 - sum(busy) / (ps.pp_size * makespan) if makespan > 0 else 0.0,
-                         tuple(_peak_in_flight(ops) for ops in ps.ranks))
+    finish = [c + a for c, a in zip(clock, _per("after", after, p, "pp rank"))]
+    makespan = max(finish)
+    acts = _per("activations", activations, S, "stage") if activations is not None else None
+    return PipelineTimes(tuple(finish), tuple(busy), makespan,
+                         1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
+                         tuple(_peak_in_flight(ops) for ops in ps.ranks),
+                         tuple(_peak_bytes(ops, acts) for ops in ps.ranks) if acts is not None else ())
+
+
+def _per(name: str, value, n: int, what: str) -> tuple[float, ...]:
+    """``value`` for each of ``n`` (stages, boundaries or ranks): one number for all, or one each."""
+    if isinstance(value, (int, float)):
+        if not value >= 0:
+            raise ValueError(f"pipeline_times: {name} must be >= 0, got {value!r}")
+        return (float(value),) * n
+    values = tuple(float(v) for v in value)
+    if len(values) != n or not all(v >= 0 for v in values):
+        raise ValueError(f"pipeline_times: {name} needs one number >= 0 per {what} ({n}), got {list(values)}")
+    return values
+
+
+def _peak_bytes(ops: tuple[AnyOp, ...], acts: tuple[float, ...]) -> int:
+    """The most activation bytes one rank keeps at once: each stage forward's until its backward."""
+    live = peak = 0.0
+    for op in ops:
+        if isinstance(op, PipeOp) and op.kind.is_compute:
+            live += acts[op.stage] if op.kind is PipeKind.STAGE_FORWARD else -acts[op.stage]
+            peak = max(peak, live)
+    return int(peak)
 
 
 def _peak_in_flight(ops: tuple[AnyOp, ...]) -> int:

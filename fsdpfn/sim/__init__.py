@@ -42,7 +42,10 @@ from fsdpfn.sim._optimizer import owner_loads as owner_loads
 from fsdpfn.sim._search import Candidate as Candidate
 from fsdpfn.sim._search import SearchResult as SearchResult
 from fsdpfn.sim._search import finer_units as finer_units
+from fsdpfn.sim._search import pipeline_units as pipeline_units
 from fsdpfn.sim._search import search as search
+from fsdpfn.sim._pipeline import PipelineSimResult as PipelineSimResult
+from fsdpfn.sim._pipeline import simulate_pipeline as simulate_pipeline
 from fsdpfn.sim._simulate import SimResult as SimResult
 from fsdpfn.sim._simulate import Span as Span
 from fsdpfn.sim._simulate import Traffic as Traffic
@@ -67,6 +70,7 @@ __all__ = [
     "Muon",
     "OptimizerCost",
     "PRESETS",
+    "PipelineSimResult",
     "SearchResult",
     "SimResult",
     "Span",
@@ -84,9 +88,11 @@ __all__ = [
     "measure",
     "measure_timings",
     "owner_loads",
+    "pipeline_units",
     "profile",
     "run_tasks",
     "search",
     "simulate",
+    "simulate_pipeline",
     "wire_bytes",
 ]

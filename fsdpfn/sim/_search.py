@@ -58,12 +58,14 @@ import torch
 from fsdpfn._plan import ROOT, MixedPrecision, Plan
 from fsdpfn._plan import plan as build_plan
 from fsdpfn._remat import check_policy
+from fsdpfn._plan.pipeline import PIPELINE_SCHEDULES, PipelineSchedule, pipeline_schedule
 from fsdpfn._plan.schedule import Schedule, schedule as make_schedule
 from fsdpfn.sim._hardware import Hardware
+from fsdpfn.sim._pipeline import PipelineSimResult, simulate_pipeline
 from fsdpfn.sim._simulate import SimResult, simulate
 from fsdpfn.sim._workload import Workload, profile
 
-__all__ = ["Candidate", "SearchResult", "finer_units", "search"]
+__all__ = ["Candidate", "SearchResult", "finer_units", "pipeline_units", "search"]
 
 DEFAULT_STRATEGIES = ("zero3", "zero2", "zero1", "replicate")
 
@@ -84,6 +86,8 @@ class Candidate:
     tp: int = 1  # tensor-parallel degree (the last mesh dim when > 1)
     ep: int = 1  # expert-parallel degree (the mesh dim after a replicate dim, if any, when > 1)
     cp: int = 1  # context-parallel degree (the last mesh dim when > 1); cp times the micro-batches
+    pp: int = 1  # pipeline degree (the first mesh dim when > 1); pp times the micro-batches
+    pipeline: str = ""  # the pipeline schedule's name when pp > 1
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
@@ -96,6 +100,7 @@ class Candidate:
         tp = f" (tp {self.tp})" if self.tp > 1 else ""
         tp += f" (ep {self.ep})" if self.ep > 1 else ""
         tp += f" (cp {self.cp}, {self.cp}x the micro-batches)" if self.cp > 1 else ""
+        tp += f" (pp {self.pp}, {self.pipeline}, {self.pp}x the micro-batches)" if self.pp > 1 else ""
         return f"mesh {'x'.join(map(str, self.mesh_shape))}{tp}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
 
 
@@ -132,7 +137,8 @@ class SearchResult:
     """The search's pick and how it compares.
 
     Attributes:
-      plan, schedule, result: the winning plan, its schedule and its :class:`SimResult`.
+      plan, schedule, result: the winning plan, its schedule and its :class:`SimResult` (a
+        pipelined pick: its :class:`fsdpfn.PipelineSchedule` and :class:`PipelineSimResult`).
       accumulate: the pick's gradient accumulation (``fsdpfn.runtime.Runtime(accumulate=...)``).
       candidate: the pick as a :class:`Candidate` (``candidate.describe()`` says what it is).
         Among candidates within ``rel_tol`` of the fastest, the pick is the default if it is
@@ -144,8 +150,8 @@ class SearchResult:
     """
 
     plan: Plan
-    schedule: Schedule
-    result: SimResult
+    schedule: Schedule | PipelineSchedule
+    result: SimResult | PipelineSimResult
     default: SimResult
     default_fits: bool
     candidates: tuple[Candidate, ...]
@@ -170,6 +176,12 @@ class SearchResult:
         return self.candidate.cp if self.candidate else 1
 
     @property
+    def pp(self) -> int:
+        """The pick's pipeline degree (1: no ``pp`` axis); each pipeline runs ``pp`` times the
+        micro-batches, by the schedule ``candidate.pipeline``."""
+        return self.candidate.pp if self.candidate else 1
+
+    @property
     def speedup(self) -> float:
         """Default step time / the pick's (1.0: the search found nothing faster)."""
         return self.default.step_time / self.result.step_time
@@ -180,7 +192,7 @@ class SearchResult:
         lines = [f"search under {self.budget / gib:,.2f} GiB per rank: {len(self.candidates)} candidates, "
                  f"{len(self.candidates_fitting)} fit",
                  f"pick:    {best.describe() if best else '-'}: step {self.result.step_time * 1e3:,.2f} ms, "
-                 f"peak {self.result.memory['peak'] / gib:,.2f} GiB",
+                 f"peak {(best.peak if best else 0) / gib:,.2f} GiB",
                  f"default: zero3, prefetch 1: step {self.default.step_time * 1e3:,.2f} ms, peak "
                  f"{self.default.memory['peak'] / gib:,.2f} GiB{'' if self.default_fits else ' (over budget)'}; "
                  f"speedup {self.speedup:.3f}x",
@@ -294,6 +306,8 @@ def search(
     ep: Sequence[int] = (1,),
     cp: Sequence[int] = (1,),
     cp_strategy: str = "allgather",
+    pp: Sequence[int] = (1,),
+    pp_schedules: Sequence[str] = ("1f1b",),
 ) -> SearchResult:
     """The plan and schedule with the lowest predicted step time whose predicted peak memory per
     rank fits ``budget`` (see [Note: the search space]).
@@ -339,6 +353,15 @@ def search(
         ``SearchResult.cp`` says which won. Not with a tp or ep degree above 1.
       cp_strategy: how attention reaches the other cp ranks' keys (``"allgather"`` or
         ``"ring"``, as :func:`fsdpfn.context_parallel`).
+      pp: pipeline degrees to try (each must divide ``world`` with the tp degree); a degree
+        ``P`` searches the mesh ``("pp", "dp") = (P, W/P)`` (beside a tp axis: ``(P, W/(P T), T)``)
+        with the model's top-level modules and each block of a module list as units (see
+        :func:`pipeline_units`), cut into ``P`` balanced stages (``2 P`` for
+        ``"interleaved_1f1b"``), each pipeline running ``P`` times the micro-batches (the same
+        global batch), priced by :func:`simulate_pipeline`. ``SearchResult.pp`` says which won.
+        Not with an ep or cp degree above 1.
+      pp_schedules: the pipeline schedules to try for each degree above 1
+        (``fsdpfn.PIPELINE_SCHEDULES``).
 
     Returns:
       a :class:`SearchResult`; ``print(result)`` compares the pick with the default plan.
@@ -365,23 +388,27 @@ def search(
     eps = _check_ep(model, world, ep, tp, mp)  # first: ep beside tp is named before tp_plan is tried on the model
     tps = _check_tp(model, world, tp, tp_plan, mp)
     cps = _check_cp(model, world, cp, cp_strategy, tps, eps, inputs, mp)
+    pps, pipes = _check_pp(model, world, pp, pp_schedules, tps, eps, cps, mp, tp_plan)
     if max(cps) > 1 and extra:
         raise ValueError(f"search: cp={cps} with the selective remat policies {extra}: the op list does not model which of "
                          "attention's exchanges over cp a selective policy recomputes yet; search cp with remat 'none' and 'full'")
     if isinstance(world, int):
         world_size = world
-        shapes = []  # (tp degree, ep degree, cp degree, data-parallel shape without them)
-        for t in tps:
-            for e in eps:
-                for c in cps:
-                    d = t * e * c
-                    if d == 1:
-                        dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
-                    else:  # the given shapes of W/T (or W/E, W/C) ranks, else all of them
-                        dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(world // d)
-                    shapes += [(t, e, c, s) for s in dp_shapes]
+        shapes = []  # (tp, ep, cp, pp degree, pipeline schedule, data-parallel shape without them)
+        for q in pps:
+            for t in tps:
+                if world % (q * t):
+                    continue
+                for e in eps:
+                    for c in cps:
+                        d = q * t * e * c
+                        if d == 1:
+                            dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+                        else:  # the given shapes of W/T (or W/E, W/C, W/(P T)) ranks, else all of them
+                            dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(world // d)
+                        shapes += [(t, e, c, q, name, s) for name in (pipes if q > 1 else ("",)) for s in dp_shapes]
     else:
-        shapes = [(1, 1, 1, tuple(world))]
+        shapes = [(1, 1, 1, 1, "", tuple(world))]
         world_size = math.prod(world)
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
@@ -389,11 +416,21 @@ def search(
     seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
-    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1, c=1):
+    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1, c=1, q=1, pipe=""):
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
-        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e, c)
+        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e, c, q, pipe)
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
+            if q > 1:
+                plan = build_plan(model, {"pp": q, **_mesh_arg_dict(shape, t)}, units=u_opt, strategy=strategy, mp=mp,
+                                  remat=rm or None, tp=tp_plan if t > 1 else None, stages=_stage_count(q, pipe))
+                psched = pipeline_schedule(plan, pipe, micro_batches * q, prefetch=p)
+                pres = simulate_pipeline(plan, psched, wl.with_remat(plan) if rm else wl, optimizer, hardware)
+                peak = max(m["peak"] for m in pres.memory)
+                cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, pres.step_time, peak, peak <= budget, acc,
+                                 key[5], t, e, c, q, pipe)
+                seen[key] = (cand, plan, psched, pres)
+                return seen[key]
             plan = build_plan(model, _mesh_arg(shape, t, e, c), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
                                tp=tp_plan if t > 1 else None)
             sched = make_schedule(plan, prefetch=p)
@@ -413,15 +450,19 @@ def search(
         return sa[0] < sb[0] or (sa[0] == sb[0] and sa[1] < sb[1] * (1 - rel_tol))
 
     default = None
+    pipe_units = pipeline_units(model) if max(pps) > 1 else None
     for u_opt in unit_options:
         label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
-        for t, e, c, shape in shapes:
+        for t, e, c, q, pipe, shape in shapes:
+            if q > 1 and u_opt is not unit_options[0]:  # pipelined candidates have units of their own: searched once
+                continue
+            uo, lab = (pipe_units, "pipeline") if q > 1 else (u_opt, label)
             # The workload depends on the units and the tp degree (tp-local layers), not the rest;
             # an ep plan's units (expert units of their own) name its workload, the same for every
             # degree: each rank routes its own batch, and dropless its experts see as many pairs.
             # A cp degree's is one cp rank's part of each sequence.
-            base = build_plan(model, _mesh_arg((world_size // (t * e * c),), t, e, c), units=u_opt, mp=mp,
-                              tp=tp_plan if t > 1 else None)
+            base = build_plan(model, _mesh_arg((world_size // (t * e * c),), t, e, c), units=uo, mp=mp,
+                              tp=tp_plan if t > 1 else None)  # the profile does not depend on pp: its units and tp do
             key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
             key = key if c == 1 else (*key, ("cp", c, cp_strategy))
             if key not in cache:
@@ -431,14 +472,16 @@ def search(
             classes = _classes(base)
             start_p = 1 if 1 in prefetch else prefetch[0]
             state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = evaluate(u_opt, label, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e, c=c)
-            if u_opt is None and shape == (world_size,) and t == 1 and e == 1 and c == 1 and start_p == 1:
+            current = evaluate(uo, lab, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e, c=c, q=q, pipe=pipe)
+            if uo is None and shape == (world_size,) and t == 1 and e == 1 and c == 1 and q == 1 and start_p == 1:
                 default = current
+            # A pipeline reduces once per step, after its stages' last backward: accumulate is not a choice there.
+            accs = accumulates if q == 1 else (default_acc,)
             while True:
                 best_state, best = None, current
-                for nxt in _moves(state, classes, strategies, prefetch, splits, accumulates, remats):
-                    entry = evaluate(u_opt, label, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
-                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t, e, c)
+                for nxt in _moves(state, classes, strategies, prefetch, splits, accs, remats):
+                    entry = evaluate(uo, lab, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
+                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t, e, c, q, pipe)
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -462,6 +505,72 @@ def search(
     pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
     ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
     return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate, pick[0])
+
+
+def pipeline_units(model: torch.nn.Module) -> list[str]:
+    """The units a pipelined search cuts into stages: every child module with parameters, in
+    order, and each module of a child ``nn.ModuleList`` (a transformer's blocks) one unit; the
+    root keeps none (a balanced split cuts units in order, and the root's parameters would have
+    no place in it).
+
+    Example:
+      >>> fsdpfn.sim.pipeline_units(model)
+      ['embed', 'pos', 'blocks.0', 'blocks.1', 'norm', 'head']
+    """
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            out += [f"{name}.{i}" for i, m in enumerate(child) if any(True for _ in m.parameters())]
+        elif any(True for _ in child.parameters()):
+            out.append(name)
+    if any(True for _ in model.parameters(recurse=False)):
+        raise ValueError(f"search: {type(model).__name__} holds parameters of its own (not in a child module), which no pipeline "
+                         "stage can take; search it with pp=(1,)")
+    return out
+
+
+def _stage_count(q: int, pipe: str) -> int:
+    return 2 * q if pipe == "interleaved_1f1b" else q
+
+
+def _mesh_arg_dict(shape: tuple[int, ...], t: int) -> dict[str, int]:
+    """A pipelined candidate's axes after ``pp``: data-parallel ``shape`` and a tp axis of ``t``."""
+    names = ("dp",) if len(shape) == 1 else ("replicate", "shard")
+    return {**dict(zip(names, shape)), **({"tp": t} if t > 1 else {})}
+
+
+def _check_pp(model: torch.nn.Module, world, pp: Sequence[int], schedules: Sequence[str], tps, eps, cps, mp,
+              tp_plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The pp degrees and schedules to try, each checked against ``world``, the model's units and
+    the other degrees, before anything is profiled."""
+    pps = tuple(dict.fromkeys((pp,) if isinstance(pp, int) else pp))
+    if not pps or any(isinstance(q, bool) or not isinstance(q, int) or q < 1 for q in pps):
+        raise ValueError(f"search: pp must be pipeline degrees >= 1, e.g. (1, 2, 4), got {pp!r}")
+    names = (schedules,) if isinstance(schedules, str) else tuple(dict.fromkeys(schedules))
+    bad = [n for n in names if n not in PIPELINE_SCHEDULES]
+    if not names or bad:
+        raise ValueError(f"search: pp_schedules must be some of {PIPELINE_SCHEDULES}, got {tuple(schedules)!r}")
+    if pps == (1,):
+        return pps, names
+    if not isinstance(world, int):
+        raise ValueError(f"search: pp={pps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
+    if max(eps) > 1 or max(cps) > 1:
+        raise ValueError(f"search: pp={pps} with ep={eps}, cp={cps}: the search does not combine a pp axis with an ep or cp "
+                         "axis yet; search pp with ep=(1,) and cp=(1,)")
+    units = pipeline_units(model)
+    for q in pps:
+        if world % q:
+            raise ValueError(f"search: pp={q} does not divide world={world}; choose degrees that divide the number of ranks")
+        if q == 1:
+            continue
+        if not any((world // q) % t == 0 for t in tps):
+            raise ValueError(f"search: pp={q} leaves {world // q} ranks per stage, which no tp degree of {tps} divides")
+        most = max(_stage_count(q, n) for n in names)
+        if most > len(units):
+            raise ValueError(f"search: pp={q} with {', '.join(names)} needs {most} stages, but {type(model).__name__} has "
+                             f"{len(units)} pipeline units ({units[:4]}...); choose a smaller pp degree")
+        build_plan(model, {"pp": q, "dp": world // q}, units=units, mp=mp, stages=q)  # whatever else the plan refuses: named here
+    return pps, names
 
 
 def _tp_batch(inputs: tuple, t: int) -> tuple:
