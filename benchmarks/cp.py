@@ -10,15 +10,16 @@ torchtitan's published throughput.
    - *bytes*: what ``fsdpfn.count_collectives`` records, split into attention's exchange over
      cp (tags ``cp_*``) and the parameters' gathers and reduce-scatters, beside the step's list
      (``plan.cost(tokens=S / cp, attention=...)``, the attention calls recorded by
-     ``fsdpfn.sim.profile``), and the closed form of the exchange: ``4 L S kv (cp - 1) / cp``
-     elements sent per rank (K and V, forward and backward);
+     ``fsdpfn.sim.profile``), and the closed form of the exchange: ``6 L S kv (cp - 1) / cp``
+     elements sent per rank (K and V forward, and again in backward with dK and dV: attention
+     keeps only a rank's own keys for its backward);
    - *memory*: the bytes the forward saves for backward on the rank (``saved_tensors_hooks``,
      each storage once, unsharded parameters left out) beside the simulator's figure for the
-     same rank (``fsdpfn.sim.profile`` on meta of the abstract plan: a fused kernel against the
-     whole sequence's keys), the ratio of the two, and the measured figure over cp = 1's at the
-     same length (the ideal is ``1 / cp``). fsdpfn's all-gather attention builds a boolean
-     causal mask of ``(S / cp) x S`` that the CPU kernel saves as float32: its bytes are the
-     column ``mask``, and the measured bytes without them over the simulator's are printed too.
+     same rank (``fsdpfn.sim.profile`` on meta of the abstract plan: a fused kernel that keeps
+     the rank's own keys and values), the ratio of the two, and the measured figure over cp =
+     1's at the same length (the ideal is ``1 / cp``);
+   - *budget*: for each length, the cp degrees whose measured saved bytes per rank fit
+     ``--budget-mib`` (a length one rank cannot hold at cp = 1 that cp = 4 can).
 
 2. **projection**: Llama-3-8B on 8 H100s (the SXM preset), batch 1 sequence per data-parallel
    rank, sequence ``32k x cp`` on a ``(8 / cp, cp)`` mesh (FSDP over dp x cp), bf16 parameters
@@ -127,25 +128,30 @@ def gloo(args) -> None:
     print(f"\n({time.time() - t0:.0f} s) GPT width {args.width}, {args.depth} block(s), {args.heads} heads, vocabulary "
           f"{args.vocab}, fp32, 1 sequence per dp rank, strategy {args.strategy!r}; {WORLD} gloo ranks, rank 0's figures\n")
     print("| cp | seq | cp bytes counted (MiB) | listed | closed form | other bytes counted / listed | saved counted (MiB) "
-          "| simulator (MiB) | counted / simulator | mask (MiB) | (counted - mask) / simulator | saved / cp=1's |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| simulator (MiB) | counted / simulator | saved / cp=1's |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = {r["seq"]: r["saved"] for r in rows if r["cp"] == 1}
     agree = 0
     for r in rows:
         cp, seq = r["cp"], r["seq"]
         cp_listed, rest_listed, sim_saved, kinds = _listed(args, cp, seq)
-        closed = 4 * args.depth * seq * kv * 4 * (cp - 1) / cp
+        closed = 6 * args.depth * seq * kv * 4 * (cp - 1) / cp
         same = kinds == r["cp_calls"] and abs(r["cp_sent"] - cp_listed) < 0.5 and abs(r["rest"] - rest_listed) < 0.5
         agree += same
-        mask = args.depth * (seq // cp) * seq * 4 if cp > 1 and args.strategy == "allgather" else 0
         other = r["rest"] / rest_listed if rest_listed else float("nan")
         print(f"| {cp} | {seq:,} | {r['cp_sent'] / MIB:.3f} | {cp_listed / MIB:.3f} | {closed / MIB:.3f} | {other:.3f} "
-              f"| {r['saved'] / MIB:.2f} | {sim_saved / MIB:.2f} | {r['saved'] / sim_saved:.2f} | {mask / MIB:.1f} "
-              f"| {(r['saved'] - mask) / sim_saved:.3f} "
+              f"| {r['saved'] / MIB:.2f} | {sim_saved / MIB:.2f} | {r['saved'] / sim_saved:.3f} "
               f"| {r['saved'] / base[seq]:.3f} (1/cp {1 / cp:.3f}) |")
     same_ranks = all([(q["cp_sent"], q["rest"]) for q in other_rows] == [(q["cp_sent"], q["rest"]) for q in rows]
                      for other_rows in per_rank)
     print(f"\ncp exchange counted == listed (calls, bytes) in {agree}/{len(rows)} rows; every rank sends the same: {same_ranks}")
+    budget = args.budget_mib * MIB
+    print(f"\nSaved activations per rank (measured, the largest rank's) against a budget of {args.budget_mib:g} MiB:")
+    for seq in args.seqs:
+        worst = {cp: max(q["saved"] for rr in per_rank for q in rr if q["cp"] == cp and q["seq"] == seq) for cp in CPS}
+        fits = [cp for cp in CPS if worst[cp] <= budget]
+        print(f"  {seq:>6,} tokens: " + ", ".join(f"cp={cp} {worst[cp] / MIB:.1f} MiB" for cp in CPS)
+              + f" -> fits at cp in {fits or 'none'}")
 
 
 def project(args) -> None:
@@ -185,6 +191,7 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--budget-mib", type=float, default=16.0, help="per-rank saved-activation budget the last table checks")
     p.add_argument("--project-cps", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--no-project", action="store_true")

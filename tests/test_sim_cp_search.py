@@ -59,7 +59,8 @@ def test_a_budget_one_ranks_sequences_exceed_picks_a_cp_plan_and_predicts_it():
     by_hand = sim.simulate(plan, schedule(plan, prefetch=c.prefetch), work, None, sim.H100_SXM, micro_batches=c.cp)
     assert by_hand.step_time == c.step_time and by_hand.memory["peak"] == c.peak
     gathers = [x for x in by_hand.calls if x.purpose == "cp_gather"]
-    assert len(gathers) == CFG.depth * c.cp  # one per block per micro-batch
+    # two per block per micro-batch: forward, and again in backward (attention keeps only its own keys)
+    assert len(gathers) == 2 * CFG.depth * c.cp
     # each: cp ranks' keys and values, 2 x (SEQ / cp) tokens x width x 4 B
     assert {x.nbytes for x in gathers} == {c.cp * 2 * (SEQ // c.cp) * CFG.width * 4}
 

@@ -16,19 +16,23 @@ ranks (``fsdpfn/transforms/_cp.py`` stacks K and V into one buffer ``2 N kv_widt
 ===============  =====================================  ==========================================
 strategy         forward                                backward
 ===============  =====================================  ==========================================
-``"allgather"``  all-gather over cp: ``cp`` x the       reduce-scatter of dK, dV (the all-gather's
-                 stacked K/V                            transpose): the same bytes
-``"ring"``       ``cp - 1`` send_recv hops of the       ``cp - 1`` hops of their gradients back
-                 stacked K/V                            (each hop's transpose)
+``"allgather"``  all-gather over cp: ``cp`` x the       the all-gather again (the gathered keys are
+                 stacked K/V                            not kept), then the reduce-scatter of dK,
+                                                        dV (its transpose): the same bytes
+``"ring"``       ``cp - 1`` send_recv hops of the       ``cp - 1`` hops of the stacked K/V again,
+                 stacked K/V                            interleaved with ``cp - 1`` hops of a dK/dV
+                                                        accumulator in float32 or wider (tag
+                                                        ``cp_ring_dkv``, purpose ``cp_ring_grad``)
 ===============  =====================================  ==========================================
 
 Every hop happens under causal masking too: with head-tail balancing no rank's query block is
 hidden from any key block, so none is skipped. A unit recomputed in backward (``remat="full"``)
 issues its forward's collectives again there, before the backward's.
 
-Memory: each call keeps the keys and values of the whole sequence for its backward (the
-gathered buffer SDPA saves, or every block the ring attended to): ``2 cp N kv_width e`` bytes,
-``cp`` times what a rank's own tokens need.
+Memory: each call keeps only its rank's own queries, keys, values, output and log-sum-exp for
+its backward (the fused Function of ``fsdpfn/transforms/_cp.py``, [Note: fused attention over
+cp]); the keys and values of the whole sequence, ``2 cp N kv_width e`` bytes, are transient: the
+all-gather holds them at once in forward and again in backward, the ring two blocks at a time.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def attention_entries(a: AttentionCall, cp: int, phase: str, tokens: int, dtype:
     ``fsdpfn.transforms`` gives the collectives, so a record of a real step compares.
 
     Example:
-      >>> [e[0] for e in attention_entries(AttentionCall("b", 4, strategy="ring"), 4, "backward", 8, torch.float32)]
-      ['send_recv', 'send_recv', 'send_recv']
+      >>> [e[5] for e in attention_entries(AttentionCall("b", 4, strategy="ring"), 3, "backward", 8, torch.float32)]
+      ['cp_ring_kv', 'cp_ring_kv', 'cp_ring_dkv', 'cp_ring_dkv']
     """
     if cp == 1:
         return []
@@ -102,10 +106,15 @@ def attention_entries(a: AttentionCall, cp: int, phase: str, tokens: int, dtype:
     n = kv_bytes(a, tokens, dt)
     if a.strategy == "allgather":
         fwd = [("all_gather", Role.CP, cp * n, dt, "cp_gather", "cp_gather_kv")]
-        bwd = [("reduce_scatter", Role.CP, cp * n, dt, "cp_scatter", "cp_gather_kv")]
+        bwd = fwd + [("reduce_scatter", Role.CP, cp * n, dt, "cp_scatter", "cp_gather_kv")]
     else:
-        fwd = [("send_recv", Role.CP, n, dt, "cp_ring", "cp_ring_kv")] * (cp - 1)
-        bwd = [("send_recv", Role.CP, n, dt, "cp_ring_grad", "cp_ring_kv")] * (cp - 1)
+        kv = ("send_recv", Role.CP, n, dt, "cp_ring", "cp_ring_kv")
+        acc = torch.promote_types(dt, torch.float32)
+        dkv = ("send_recv", Role.CP, kv_bytes(a, tokens, acc), acc, "cp_ring_grad", "cp_ring_dkv")
+        fwd = [kv] * (cp - 1)
+        # In the order the backward starts them: K/V hop s + 1 before block s, the accumulator
+        # of block s after it.
+        bwd = [kv] + [kv, dkv] * (cp - 2) + [dkv]
     if phase == "forward":
         return fwd
     return (fwd if recompute else []) + bwd

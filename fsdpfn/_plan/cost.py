@@ -12,7 +12,7 @@ FP8 units (``MixedPrecision(fp8=...)``) all-gather their byte segment
 FP8 parameter before each of the unit's gathers. Tensor-parallel modules add their activation
 all-reduces and all-gathers over the ``tp`` axis, whose bytes need ``tokens``; attention calls
 (``attention=``) add their keys' and values' exchange over ``cp`` and, in ``memory``, the keys
-and values of the whole sequence they keep for backward (``attention_kv``).
+and values of the whole sequence they hold at once while they run (``attention_kv``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ class PlanCost:
         parameters alive at once in the gather dtype, walking the schedule's gathers and frees:
         :func:`fsdpfn._plan.steps.unsharded_peak`, the runtime's ``rt.memory.high_water``);
         with ``attention=`` calls on a cp plan, ``attention_kv``: the keys and values of the whole
-        sequence every attention call keeps from its forward to its backward, ``cp`` times a
-        rank's own (see [Note: what attention over cp issues]).
+        sequence, ``cp`` times a rank's own, summed over the calls: what the all-gather strategy
+        holds at once inside each call, in forward and again in backward (transient: a call
+        keeps only its rank's own for backward; the ring holds two blocks at a time; see [Note:
+        what attention over cp issues]).
       calls: every collective of the step, in order (:class:`fsdpfn.Collective`), which
         ``collectives`` sums.
       tokens: the tokens per rank per micro-batch the activation bytes were counted for

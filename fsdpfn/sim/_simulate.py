@@ -458,16 +458,19 @@ class _Builder:
 
     def ring(self, work: Work, hops: list[Collective], phase: str, owner: str) -> None:
         """A unit's work whose attention passes key/value blocks around the cp ring: the rest of
-        its work first, then the attention in ``len(hops) + 1`` equal blocks, block ``k + 1``
-        after hop ``k``; the hops run back to back on the ``cp`` stream from the start of the
-        attention, each one's block already received (double buffering, as ring attention
-        kernels overlap them), so a hop shorter than a block is hidden."""
+        its work first, then the attention in one equal block per key/value block (``cp_ring``
+        hops + 1), block ``k + 1`` after the ``k``-th key/value hop; the hops (and, in backward,
+        the dK/dV accumulator's, ``cp_ring_grad``, between them) run back to back on the ``cp``
+        stream from the start of the attention, each one's block already received (double
+        buffering, as ring attention kernels overlap them), so a hop shorter than a block is
+        hidden."""
         attention = Work(tuple(m for m in work.matmuls if m[0].startswith("attention")))
         self.compute(work.minus(attention) if attention else work, phase, owner)
         landed = [self.collective(c, "cp") for c in hops]
-        piece = attention.unmeasured().seconds(self.hw) / (len(hops) + 1)
-        for k in range(len(hops) + 1):
-            deps = (landed[k - 1],) if k else ()
+        kv = [t for t, c in zip(landed, hops) if c.purpose == "cp_ring"] or landed
+        piece = attention.unmeasured().seconds(self.hw) / (len(kv) + 1)
+        for k in range(len(kv) + 1):
+            deps = (kv[k - 1],) if k else ()
             self.tasks.append(Task("compute", "compute", piece, deps, phase, owner, 0.0, self.op, self.micro_batch))
             self.last_compute = len(self.tasks) - 1
 

@@ -503,24 +503,25 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
             if mask is None and not dropout:
+                own = (k, v)
                 if k.shape[-3] != q.shape[-3]:  # grouped-query attention: kernels read shared heads
                     rep = q.shape[-3] // k.shape[-3]
                     k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
                 if self.cp > 1:
-                    k, v = self._over_cp(k, v)
+                    k, v = self._over_cp(k, v, own)
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
 
-    def _over_cp(self, k, v):
+    def _over_cp(self, k, v, own):
         """Keys and values of the whole sequence, as one cp rank attends to them (see [Note:
-        one cp rank's attention])."""
+        one cp rank's attention]); ``own``: the rank's own keys and values, what the real call
+        saves."""
         full_k, full_v = torch.cat([k] * self.cp, dim=-2), torch.cat([v] * self.cp, dim=-2)
-        if self.strategy == "ring":
-            self.unsaved.update(t.untyped_storage()._cdata for t in (full_k, full_v))
-            self.held += [full_k, full_v]
-            if self.save is not None:
-                self.save(k)
-                self.save(v)
+        self.unsaved.update(t.untyped_storage()._cdata for t in (full_k, full_v))
+        self.held += [full_k, full_v]
+        if self.save is not None:
+            for t in own:
+                self.save(t)
         return full_k, full_v
 
 
@@ -531,11 +532,12 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
 # sequence's, ``(S / cp) x S / 2`` query-key pairs, exactly what one fused call of the rank's
 # queries against keys and values of ``S`` tokens counts under a causal mask (``attention_flops``
 # halves it). So on meta the call runs against the rank's keys repeated ``cp`` times: the FLOPs
-# and the kernel's shape of an all-gather. What it keeps for backward depends on the strategy:
-# ``"allgather"`` keeps the gathered keys and values (SDPA saves them, as fsdpfn's does);
-# ``"ring"`` keeps the rank's own (flash ring kernels pass the blocks around again in backward,
-# torchtitan's among them), so the repeated buffers are left out of the saved and the transient
-# bytes (a ring holds two blocks at a time, next to nothing beside them). The
+# and the kernel's shape of an all-gather. What it keeps for backward is the rank's own keys and
+# values, under either strategy (fsdpfn's attention over cp is one fused Function that exchanges
+# them again in backward, [Note: fused attention over cp] in ``fsdpfn/transforms/_cp.py``, as
+# flash ring kernels do, torchtitan's among them), so the repeated buffers are left out of the
+# saved and the transient bytes (a ring holds two blocks at a time; the all-gather's whole-sequence
+# buffer, which lives only inside the call, is left out too). The
 # exchange itself is communication: the op list lists it from the recorded calls.
 
 

@@ -7,13 +7,18 @@ balancing]). Everything outside attention is per token, so the model runs unchan
 rank's ``S / cp`` tokens; attention is the one place a token needs the others, and
 :func:`context_parallel_attention` brings them in, one of two ways:
 
-- ``"allgather"``: every rank's keys and values are all-gathered (``fsdpfn.comm.cp_all_gather``,
-  whose transpose, the reduce-scatter of dK and dV, is its backward), put back in sequence
-  order, and attended to with a causal mask by position. Pure and differentiable.
-- ``"ring"``: the key/value block of each rank travels around the cp ring
-  (``fsdpfn.comm.cp_ring_shift``, transposed by the shift back); each rank attends to one block
-  at a time and merges the partial results by their log-sum-exp (online softmax), so it never
-  holds more than two blocks. Blocks a causal mask hides entirely are skipped.
+- ``"allgather"``: every rank's keys and values are all-gathered and put back in sequence
+  order; each local chunk attends to the chunks before it in full and to itself under a causal
+  mask, merged by log-sum-exp: no mask is built. Backward gathers them again and
+  reduce-scatters dK and dV.
+- ``"ring"``: the key/value block of each rank travels around the cp ring (``send_recv`` hops,
+  each overlapping the block before it); each rank attends to one block at a time and merges the
+  partial results by their log-sum-exp (online softmax), so it never holds more than two blocks.
+  Chunk pairs a causal mask hides entirely are skipped. Backward sends the blocks around again
+  with an accumulator of their dK and dV.
+
+Both are one autograd Function that saves only the rank's own q, k, v, output and log-sum-exp
+(see [Note: fused attention over cp]).
 
 [Note: head-tail balancing]
 With a causal mask, token ``i`` attends to ``i + 1`` keys: split the sequence into ``cp``
@@ -222,7 +227,8 @@ def _block(q, k, v, mask, scale):
     """Attention of ``q`` to one key block: ``(out, lse)`` in float32 at least (the merge of
     bf16 blocks would lose what the softmax keeps), ``lse`` the log of each row's softmax
     denominator. A row the mask hides entirely gets a finite lse about ``finfo.min`` (not
-    ``-inf``: no NaN in forward or backward), which weighs nothing in the merge."""
+    ``-inf``: no NaN in forward or backward), which weighs nothing in the merge. The exact
+    unfused path of [Note: fused attention over cp] (``k``, ``v`` with ``q``'s heads)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
     if mask is not None:
@@ -249,33 +255,227 @@ def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)  # SDPA's enable_gqa grouping
 
 
-def _ring(q, k, v, a: _Axis, causal: bool, scale: float) -> torch.Tensor:
-    local = q.shape[2]
-    pos_q = _positions(local, a.size, a.rank, q.device)
-    kv = torch.stack([k, v])
-    out = lse = None
-    for s in range(a.size):
-        src = (a.rank - s) % a.size
-        mask = pos_q[:, None] >= _positions(local, a.size, src, q.device)[None, :] if causal else None
-        if mask is None or bool(mask.any()):  # positions are the same on every rank: so is the skip
-            o_b, l_b = _block(q, _expand_kv(q, kv[0]), _expand_kv(q, kv[1]), mask, scale)
-            out, lse = (o_b, l_b) if out is None or lse is None else ring_merge(out, lse, o_b, l_b)
-        if s < a.size - 1:
-            kv = C.cp_ring_shift(kv, a.group, tag="cp_ring_kv")
-    assert out is not None  # step 0 is this rank's own block, which holds the diagonal
-    return out.to(q.dtype)
+# [Note: fused attention over cp]
+# Attention over cp is one autograd Function per call (_CPAttention), which runs its exchange
+# and its kernels itself and saves only what a rank's own tokens need: q, k, v (local), the
+# merged output and its log-sum-exp, O(S/cp x d) a layer. (Composed of SDPA with a materialised
+# causal mask, or of unfused score blocks, autograd would save an (S/cp) x S mask or
+# (S/cp)^2 probabilities per block: at 16k tokens that outgrew everything else.)
+#
+# Forward: the keys a rank's queries see are cut into *calls* (_calls): rows of local queries
+# against a contiguous run of keys, either all visible (a key chunk before the query chunk) or
+# the diagonal chunk under a top-left causal mask; key chunks after a query chunk are skipped.
+# Each call is one CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu, which
+# returns the log-sum-exp and reads grouped-query heads itself), merged into the rows' running
+# (out, lse) by log-sum-exp in float32 or wider (float64 stays float64).
+#
+# Backward: with the MERGED out and lse, exp(score - lse) is each key's share of the whole
+# softmax and rowsum(dout * out) the whole row's, so the flash backward of each call alone gives
+# that call's exact dq and its keys' exact dk, dv; summing them is the gradient. The keys of the
+# other ranks are exchanged again rather than kept: the all-gather gathers them again and
+# reduce-scatters dK, dV; the ring sends K/V around again and, beside them, an accumulator of
+# each block's dK/dV that collects every other rank's share on its way home (cp - 1 hops: the
+# owner keeps its own share locally). Each ring hop is started before the block it overlaps is
+# computed and waited for after: the exchange hides behind the kernels.
+#
+# Exact fallback: off CPU or in a dtype the kernel does not take, each call runs _block (matmul,
+# softmax; its probabilities are transient, never saved) and the backward its formula.
+
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _allgather(q, k, v, a: _Axis, causal: bool, scale: float | None) -> torch.Tensor:
-    local = q.shape[2]
-    kv = C.cp_all_gather(torch.stack([k, v]), a.group, dim=3, tag="cp_gather_kv")
-    # Keys back in sequence order, so each row sums its keys in one process's order.
-    kv = kv.index_select(3, _order(local, a.size, q.device))
-    mask = None
-    if causal:
-        pos_q = _positions(local, a.size, a.rank, q.device)
-        mask = pos_q[:, None] >= torch.arange(local * a.size, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=kv.shape[2] != q.shape[1])
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+
+
+def _calls(q_chunks, k_chunks, c: int, causal: bool, nk: int) -> list[tuple[int, int, int, int, bool]]:
+    """``(q_lo, q_hi, k_lo, k_hi, diagonal)`` calls of local query rows against a contiguous key
+    run of the buffer; ``q_chunks``/``k_chunks``: the global chunk index of each ``c``-token
+    chunk in local order. Without a causal mask: one call of everything."""
+    if not causal:
+        return [(0, c * len(q_chunks), 0, nk, False)]
+    calls: list[tuple[int, int, int, int, bool]] = []
+    for i, qc in enumerate(q_chunks):
+        run: list[int] = []
+        for j, kc in enumerate(k_chunks):
+            if kc < qc and run and run[-1] == j - 1:
+                run.append(j)
+            elif kc < qc:
+                if run:
+                    calls.append((i * c, (i + 1) * c, run[0] * c, (run[-1] + 1) * c, False))
+                run = [j]
+            if kc == qc:
+                calls.append((i * c, (i + 1) * c, j * c, (j + 1) * c, True))
+        if run:
+            calls.append((i * c, (i + 1) * c, run[0] * c, (run[-1] + 1) * c, False))
+    # Query chunks that are adjacent and see the same keys in full: one call.
+    merged: list[tuple[int, int, int, int, bool]] = []
+    for call in sorted(calls, key=lambda t: (t[2], t[3], t[4], t[0])):
+        last = merged[-1] if merged else None
+        if last and not call[4] and not last[4] and last[2:4] == call[2:4] and last[1] == call[0]:
+            merged[-1] = (last[0], call[1], last[2], last[3], False)
+        else:
+            merged.append(call)
+    return merged
+
+
+def _forward_calls(q, k, v, calls, scale, out, lse) -> None:
+    """Runs ``calls`` against ``k``, ``v`` and merges each into the running ``out``, ``lse``
+    (accumulation dtype; ``lse`` of shape ``(b, h, rows)``), in place."""
+    fused = _fused(q)
+    for q_lo, q_hi, k_lo, k_hi, diag in calls:
+        qb, kb, vb = q[:, :, q_lo:q_hi], k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi]
+        if fused:
+            ob, lb = _flash(qb, kb, vb, 0.0, diag, scale=scale)
+        else:
+            mask = torch.ones(q_hi - q_lo, k_hi - k_lo, dtype=torch.bool, device=q.device).tril() if diag else None
+            ob, lb = _block(qb, _expand_kv(qb, kb), _expand_kv(qb, vb), mask, scale)
+            lb = lb.squeeze(-1)
+        o, l_ = out[:, :, q_lo:q_hi], lse[:, :, q_lo:q_hi]
+        new = torch.logaddexp(l_, lb.to(l_.dtype))
+        o.mul_(torch.exp(l_ - new).unsqueeze(-1)).add_(ob.to(o.dtype) * torch.exp(lb.to(new.dtype) - new).unsqueeze(-1))
+        l_.copy_(new)
+
+
+def _backward_calls(g, q, k, v, out, lse, calls, scale, dq, dk, dv) -> None:
+    """Each call's exact share of the gradient (see the Note), added into ``dq`` (rows) and
+    ``dk``, ``dv`` (keys of this buffer), in place."""
+    fused = _fused(q)
+    for q_lo, q_hi, k_lo, k_hi, diag in calls:
+        rows, keys = slice(q_lo, q_hi), slice(k_lo, k_hi)
+        qb, kb, vb, gb, ob, lb = q[:, :, rows], k[:, :, keys], v[:, :, keys], g[:, :, rows], out[:, :, rows], lse[:, :, rows]
+        if fused:
+            gq, gk, gv = _flash_bwd(gb, qb, kb, vb, ob, lb, 0.0, diag, scale=scale)
+        else:
+            gq, gk, gv = _block_backward(gb, qb, kb, vb, ob, lb, diag, scale)
+        dq[:, :, rows] += gq
+        dk[:, :, keys] += gk
+        dv[:, :, keys] += gv
+
+
+def _block_backward(g, q, k, v, out, lse, diag: bool, scale: float):
+    """The exact fallback's backward of one call, given the merged ``out`` and ``lse``."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    ke, ve = _expand_kv(q, k).to(acc), _expand_kv(q, v).to(acc)
+    qa, ga = q.to(acc), g.to(acc)
+    scores = torch.matmul(qa, ke.transpose(-2, -1)) * scale
+    if diag:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), -math.inf)
+    p = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+    dp = torch.matmul(ga, ve.transpose(-2, -1))
+    ds = p * (dp - (ga * out.to(acc)).sum(-1, keepdim=True)) * scale
+    dq, dk, dv = torch.matmul(ds, ke), torch.matmul(ds.transpose(-2, -1), qa), torch.matmul(p.transpose(-2, -1), ga)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # the gradient of a shared head sums its query heads'
+        dk, dv = (t.unflatten(1, (k.shape[1], rep)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+def _chunks(size: int, rank: int) -> list[int]:
+    return [rank, 2 * size - 1 - rank]
+
+
+class _Hop:
+    """One ring hop of ``x`` to the next rank, started on creation; ``wait()`` returns what the
+    previous rank sent, shaped as ``x``."""
+
+    def __init__(self, x: torch.Tensor, group, tag: str):
+        self.buf = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.pending = C.send_recv(self.buf.view(-1), x.contiguous().view(-1), group, shift=1, async_op=True, tag=tag)
+
+    def wait(self) -> torch.Tensor:
+        self.pending.wait()
+        return self.buf
+
+
+def _gathered(kv: torch.Tensor, a: _Axis) -> torch.Tensor:
+    """Every rank's stacked K/V, in sequence order."""
+    local = kv.shape[3]
+    front = kv.movedim(3, 0).contiguous()
+    out = torch.empty(a.size * front.numel(), dtype=kv.dtype, device=kv.device)
+    C.all_gather(out, front.view(-1), a.group, tag="cp_gather_kv").wait()
+    full = out.view(a.size * local, *front.shape[1:]).movedim(0, 3)
+    return full.index_select(3, _order(local, a.size, kv.device))
+
+
+class _CPAttention(torch.autograd.Function):
+    """[Note: fused attention over cp]. Returns ``(out, lse)``; ``lse`` is not differentiable."""
+
+    @staticmethod
+    def forward(q, k, v, a, causal, scale):
+        with torch._C._DisableFuncTorch():
+            acc = torch.promote_types(q.dtype, torch.float32)
+            # (batch, seq, heads, dim) in memory, as the flash kernel writes its output: the usual
+            # out.transpose(1, 2).reshape(batch, seq, width) is then a view, not a copy that the
+            # output projection would save beside this one.
+            b, h, n, d = q.shape
+            out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
+            lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
+            c = q.shape[2] // 2
+            mine = _chunks(a.size, a.rank)
+            kv = torch.stack([k, v])
+            if a.strategy == "allgather":
+                full = _gathered(kv, a)
+                calls = _calls(mine, list(range(2 * a.size)), c, causal, full.shape[3])
+                _forward_calls(q, full[0], full[1], calls, scale, out, lse)
+            else:
+                for s in range(a.size):
+                    nxt = _Hop(kv, a.group, "cp_ring_kv") if s < a.size - 1 else None
+                    src = (a.rank - s) % a.size
+                    _forward_calls(q, kv[0], kv[1], _calls(mine, _chunks(a.size, src), c, causal, kv.shape[3]), scale, out, lse)
+                    if nxt is not None:
+                        kv = nxt.wait()
+            return out.to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.axis, ctx.causal, ctx.scale = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+
+    @staticmethod
+    def backward(ctx, g, _g_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        a, causal, scale = ctx.axis, ctx.causal, ctx.scale
+        with torch._C._DisableFuncTorch():
+            g = g.contiguous()
+            acc = torch.promote_types(q.dtype, torch.float32)
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            c = q.shape[2] // 2
+            mine = _chunks(a.size, a.rank)
+            kv = torch.stack([k, v])
+            if a.strategy == "allgather":
+                full = _gathered(kv, a)
+                dfull = torch.zeros(full.shape, dtype=acc, device=q.device)
+                calls = _calls(mine, list(range(2 * a.size)), c, causal, full.shape[3])
+                _backward_calls(g, q, full[0], full[1], out, lse, calls, scale, dq, dfull[0], dfull[1])
+                # Back to the all-gather's rank order, then its transpose: the reduce-scatter.
+                ranked = torch.empty_like(dfull).index_copy_(3, _order(q.shape[2], a.size, q.device), dfull)
+                front = ranked.to(k.dtype).movedim(3, 0).contiguous()
+                mine_grad = torch.empty(front.numel() // a.size, dtype=k.dtype, device=k.device)
+                C.reduce_scatter(mine_grad, front.view(-1), a.group, tag="cp_gather_kv").wait()
+                dkv = mine_grad.view(front.shape[0] // a.size, *front.shape[1:]).movedim(0, 3)
+            else:
+                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's own share, and at the end the others'
+                travelling = None  # the Pending accumulator of another rank's block, on its way home
+                for s in range(a.size):
+                    nxt = _Hop(kv, a.group, "cp_ring_kv") if s < a.size - 1 else None
+                    src = (a.rank - s) % a.size
+                    calls = _calls(mine, _chunks(a.size, src), c, causal, kv.shape[3])
+                    if s == 0:
+                        _backward_calls(g, q, kv[0], kv[1], out, lse, calls, scale, dq, dkv[0], dkv[1])
+                    else:
+                        part = travelling.wait() if travelling is not None else torch.zeros(kv.shape, dtype=acc, device=q.device)
+                        _backward_calls(g, q, kv[0], kv[1], out, lse, calls, scale, dq, part[0], part[1])
+                        travelling = _Hop(part, a.group, "cp_ring_dkv")
+                    if nxt is not None:
+                        kv = nxt.wait()
+                if travelling is not None:
+                    dkv += travelling.wait()
+            return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_or_group=None, *,
@@ -320,9 +520,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"an odd number; over cp={a.size} each rank holds two equal chunks. Split the batch with "
                          "fsdpfn.context_parallel_shard, whose sequence length must divide by 2 x cp")
     _CALLS[0] += 1
-    if a.strategy == "ring":
-        return _ring(q, k, v, a, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    return _allgather(q, k, v, a, causal, scale)
+    return _CPAttention.apply(q, k, v, a, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)[0]
 
 
 # ---- [Note: detecting attention that is not cp-aware] ---------------------------------------------
