@@ -17,7 +17,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+import queue
 import re
 import socket
 import statistics
@@ -84,9 +86,12 @@ def _rank(rank, world, init, folder, numel, calls, rounds, out):
             times[n].append((time.perf_counter() - t) / calls)
     # The recorder alone, no collective: what differs between the two sides on every call.
     ranks, gid = comm._record.group_info(None)
-    store = before._groups.store()
+    # record() took the store as its last argument up to 737b6ff and a group id since: call the
+    # one --before has with what it takes.
+    takes_store = list(inspect.signature(before.record).parameters)[-1] == "store"
+    last = before._groups.store() if takes_store else before._record.group_info(None)[1]
     alone = {
-        "before: record()": lambda: before.record("all_reduce", world, 4 * numel, x.dtype, "", list(ranks), store),
+        "before: record()": lambda: before.record("all_reduce", world, 4 * numel, x.dtype, "", list(ranks) if takes_store else ranks, last),
         "after: record()": lambda: comm._record.record("all_reduce", world, 4 * numel, x.dtype, "", ranks, gid),
     }
     for name, fn in alone.items():
@@ -128,7 +133,18 @@ def main() -> None:
                  for r in range(world)]
         for p in procs:
             p.start()
-        results = dict(out.get(timeout=1800) for _ in procs)
+        results = {}
+        while len(results) < world:  # a rank that dies (its traceback above) ends the run instead of a silent wait
+            try:
+                rank, times = out.get(timeout=1.0)
+                results[rank] = times
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    for p in procs:
+                        p.kill()
+                    sys.exit(f"flight_recorder: rank {dead[0][0]} exited with code {dead[0][1]} before reporting; see its "
+                             "traceback above")
         for p in procs:
             p.join()
     print(f"{args.calls} x all_reduce of {args.numel} float32 per block, {args.rounds} rounds, 2 gloo ranks, "
