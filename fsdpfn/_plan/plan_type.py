@@ -95,8 +95,8 @@ class Plan(PlanValues):
           (20, 12)
           >>> cp = fsdpfn.plan(model, {"dp": 2, "cp": 4})
           >>> calls = [fsdpfn.AttentionCall(f"blocks.{i}", kv_width=64, strategy="ring") for i in range(2)]
-          >>> cp.cost(tokens=2 * 256, attention=calls).collectives["send_recv"]   # 3 hops each way per block
-          CollectiveCost(calls=12, nbytes=3145728, wire_bytes=3145728.0)
+          >>> cp.cost(tokens=2 * 256, attention=calls).collectives["send_recv"]   # per block: 3 hops forward; K/V again and dK/dV home, 6 back
+          CollectiveCost(calls=18, nbytes=4718592, wire_bytes=4718592.0)
         """
         return plan_cost(self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate,
                               schedule=schedule, attention=attention)
