@@ -244,8 +244,9 @@ def _report_loss(args):
     print(f"\n3. Demo loss (examples/train_gpt.py, {last} steps, 2 ranks, zero3, Muon), without / with --fp8")
     print("| step | loss, fp32 gathers | loss, MXFP8 gathers | gap (MXFP8 - fp32) | validation loss fp32 / MXFP8 |")
     print("|---|---|---|---|---|")
-    for step in (last // 3, last):  # steps 100 and 300 of the demo
-        s = max(k for k in off if k <= step)
+    early = max((k for k in off if k <= last // 3), default=last)  # a short run may log nothing before last // 3
+    for step in dict.fromkeys((early, last)):  # steps 100 and 300 of the demo
+        s = step
         val = f"{off_val[step]:.4f} / {on_val[step]:.4f}" if step in off_val and step in on_val else ""
         print(f"| {s} | {off[s]:.4f} | {on[s]:.4f} | {on[s] - off[s]:+.4f} | {val} |")
     import matplotlib
