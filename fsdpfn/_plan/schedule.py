@@ -297,8 +297,9 @@ def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | 
     if plan.stages is not None:
         # One list for every unit would run (and cost) every stage on every rank: no pipeline.
         raise ValueError(f"the plan is cut into {plan.stages.num_stages} pipeline stages; its step is a pipeline schedule, "
-                         "fsdpfn.pipeline_schedule(plan, '1f1b', micro_batches), and each stage's own step is that of "
-                         "plan.stage_plan(stage) (schedule(), cost() and the runtime take it as they are)")
+                         "fsdpfn.pipeline_schedule(plan, '1f1b', micro_batches), which fsdpfn.runtime.PipelineRuntime runs; "
+                         "each stage's own step is that of plan.stage_plan(stage) (schedule(), cost() and the runtime take it "
+                         "as they are)")
     return Schedule(tuple(unit_ops(plan, None, prefetch, reshard_after_forward)), plan.fingerprint, prefetch)
 
 

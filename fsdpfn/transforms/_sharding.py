@@ -81,6 +81,18 @@ def tp_slice(plan: Plan, name: str, full: torch.Tensor, rank: int | None = None)
 # ---------------------------------------------------------------------------------------------
 
 
+def _refuse_pipelined(plan: Plan, what: str) -> None:
+    """Raises ``ValueError`` for a whole pipelined plan: each pp rank holds its own stages'
+    parameters only, so a transform over every parameter of the plan would hold (and step) every
+    stage on every rank, a model that trains without its pipeline."""
+    if plan.stages is not None:
+        raise ValueError(
+            f"{what}: the plan is cut into {plan.stages.num_stages} pipeline stages, and each pp rank holds its own stages' "
+            "parameters only. Use fsdpfn.runtime.PipelineRuntime(model, plan, schedule, micro_batches).shard(model), or pass "
+            "plan.stage_plan(stage) for each stage this rank runs (plan.stages.stages_of(its pp rank))"
+        )
+
+
 def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allow_none: bool = False, tp_local: bool = False) -> None:
     """Raises ``ValueError`` unless ``tree`` is a dict holding exactly the plan's parameters, each
     a tensor of the plan's global shape (``None`` allowed with ``allow_none``): the one check of
@@ -93,6 +105,7 @@ def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allo
       ...
       ValueError: params does not match the plan (missing [...]...
     """
+    _refuse_pipelined(plan, what)
     if not isinstance(tree, Mapping):
         raise ValueError(f"{what} must be a dict {{parameter name: tensor}}, got {type(tree).__name__}")
     expected = set(plan.param_names)
@@ -174,6 +187,8 @@ def shard(model_or_params, plan: Plan, *, requires_grad: bool = False, check: bo
         full: dict[str, torch.Tensor] = dict(model_or_params.named_parameters())
     else:
         full = model_or_params
+    if plan.pp_stage is not None and isinstance(full, Mapping) and set(plan.param_names) <= set(full):
+        full = {n: full[n] for n in plan.param_names}  # one stage's plan takes its own of the whole model's parameters
     check_params(full, plan, "shard(model_or_params)")
     meta = [n for n, v in full.items() if v.is_meta]
     if meta:  # even with check=False: meta shards would hold no values at all
