@@ -112,6 +112,9 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/memory_levers\.py\b", "run", "--steps 1 --width 64 --depth 2 --heads 2 --vocab 128 --seq 32 --batch 1"),
     (r"^python benchmarks/moe\.py\b", "run", "--width 32 --tokens 32 --steps 1 --warmup 0"),
     (r"^python benchmarks/muon\.py --project$", "here", ""),
+    # With --mesh (a tp axis of up to 4), heads that every tp degree divides.
+    (r"^python benchmarks/muon\.py .*--mesh\b", "run",
+     "--width 64 --depth 1 --vocab 128 --seq 16 --heads 4 --batch 1 --steps 1 --warmup 0 --batches 1,2"),
     (r"^python benchmarks/muon\.py\b", "run",
      "--width 64 --depth 1 --vocab 128 --seq 16 --heads 2 --batch 1 --steps 1 --warmup 0 --batches 1,2"),
     (r"^python benchmarks/sim_project\.py\b", "here", "--models 8b --gpus 8 --global-tokens 32768"),  # one search, not eight
