@@ -1,6 +1,7 @@
 """The pipeline runtime (fsdpfn.runtime.PipelineRuntime) trains a tiny GPT on gloo ranks
-(pp=2; pp=4; pp=2 x dp=2; pp=2 x tp=2) with GPipe, 1F1B and interleaved 1F1B, 8 micro-batches,
-10 AdamW steps, and matches one process training on the whole batch, step by step. Hand-edited
+(pp=2; pp=4; pp=2 x dp=2; pp=2 x tp=2) with GPipe, 1F1B, interleaved 1F1B and zero bubble, 8
+micro-batches, 10 AdamW steps, and matches one process training on the whole batch, step by step;
+zero bubble (backward split in input and weight halves) bitwise as 1F1B. Hand-edited
 schedules: a deadlocking one is refused before anything is sent, a valid one runs bitwise alike.
 
 [Note: the tolerance of the pipeline parity tests]
@@ -116,15 +117,22 @@ def _train(model, plan, mesh, names, schedule, steps, ref=None):
 
 
 def _parity(rank, world, shape, names, configs):
+    """Per config: (schedule, stages, worst parameter and loss differences, this rank's stages,
+    whether every step's loss and parameters equal 1F1B's bitwise: ``None`` but for zero bubble)."""
     mesh = testing.mesh(shape, names)
     dp = mesh.size(names.index("dp")) if "dp" in names else 1
     ref = _reference(dp, STEPS)
-    out = []
+    out, traces = [], {}
     with fsdpfn.comm.timeout_scope(60):
         for schedule, num_stages in configs:
             model, plan = _setup(mesh, names, schedule, num_stages)
-            worst_p, worst_l, _, pipe = _train(model, plan, mesh, names, schedule, STEPS, ref)
-            out.append((schedule, num_stages, worst_p, worst_l, sorted(pipe.stages_here)))
+            worst_p, worst_l, trace, pipe = _train(model, plan, mesh, names, schedule, STEPS, ref)
+            traces[schedule] = trace
+            same = None
+            if schedule == "zero_bubble" and "1f1b" in traces:
+                same = all(la == lb and all(torch.equal(pa[n], pb[n]) for n in pa)
+                           for (la, pa), (lb, pb) in zip(traces["1f1b"], trace))
+            out.append((schedule, num_stages, worst_p, worst_l, sorted(pipe.stages_here), same))
     return out
 
 
@@ -134,7 +142,9 @@ def _check(results, configs, world):
     assert len(pp_ranks) >= 2  # the ranks ran different stages
     worst = {}
     for r in results:
-        for schedule, stages, wp, wl, _ in r:
+        for schedule, stages, wp, wl, _, same in r:
+            # the split backward's halves sum what stage_backward sums, in its order
+            assert same is None or same, (schedule, "differs from 1f1b's gradients bitwise")
             worst[(schedule, stages)] = max(worst.get((schedule, stages), (0.0, 0.0)), (wp, wl))
     print("worst relative differences (params, loss):", {k: (f"{wp:.2e}", f"{wl:.2e}") for k, (wp, wl) in worst.items()})
     for key, (wp, wl) in worst.items():
@@ -142,12 +152,12 @@ def _check(results, configs, world):
     return worst
 
 
-PP2 = [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 4)]
-PP4 = [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 8)]
+PP2 = [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 2)]
+PP4 = [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 8), ("zero_bubble", 4)]
 
 
 def test_pp2_matches_one_process(run_on_ranks):
-    """pp=2 on 2 ranks: GPipe, 1F1B, interleaved 1F1B (2 virtual stages per rank)."""
+    """pp=2 on 2 ranks: GPipe, 1F1B, interleaved 1F1B (2 virtual stages per rank), zero bubble."""
     _check(run_on_ranks(_parity, 2, (2, 1), ("pp", "dp"), PP2), PP2, 2)
 
 
