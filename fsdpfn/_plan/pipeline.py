@@ -322,13 +322,17 @@ def _zero_bubble_order(p: int, m: int, r: int) -> list[tuple[PipeKind, int, int]
     weight half (that half needs the stage's inputs), so rank r keeps ``(p - r) + r = p`` at
     once: every rank holds rank 0's 1F1B peak, and no rank more.
 
-    With forward ``f``, input half ``b`` and weight half ``w`` per stage (``w <= b``, no
-    transfer time, ``m >= p``), each rank idles ``(p - 1)(f + b - w)`` of a makespan
-    ``m (f + b + w) + (p - 1)(f + b - w)``: with ``f = b = w = 1`` that is ``p - 1`` of
-    ``3m + p - 1``, where 1F1B (``b + w = 2``) idles ``3 (p - 1)``. (With fewer micro-batches
-    than stages the step is the round trip of the last one: ``2m + 2p - 1`` at ``f = b = w =
-    1``. A weight half longer than the input half leaves the last rank's deferred halves
-    longer than the gradients' way back, and the makespan grows past the formula.)
+    The bubble, with forward ``f``, input half ``b`` and weight half ``w`` per stage, no transfer
+    time and ``m >= p``: each rank computes ``m (f + b + w)`` of a makespan
+    ``m (f + b + w) + (p - 1) max(f + b - w, f, b)``. Two of the terms are waits no order can
+    avoid: the last rank's first input arrives after ``p - 1`` forwards, and rank 0, done with
+    its ``p`` warm-up forwards, waits ``p - 1`` input halves for its first gradient. The third is
+    the ZB-H1 paper's ``(p - 1)(f + b - w)``: the weight halves that rank 0 and the last rank
+    cannot place in a wait. The largest of the three is what ``pipeline_times`` gives on every
+    (``p``, ``m >= p``, ``f``, ``b``, ``w``) the tests try. With ``f = b = w = 1`` each rank idles
+    ``p - 1`` of ``3m + p - 1``, where 1F1B (``b + w = 2``) idles ``3 (p - 1)`` of
+    ``3 (m + p - 1)``: the bubble ``(p - 1) / (3m + p - 1)``. (With fewer micro-batches than
+    stages the step is the last micro-batch's round trip: ``2m + 2p - 1`` at ``f = b = w = 1``.)
     """
     F, BI, BW = PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT
     warmup = min(m, p - r - 1)
@@ -682,7 +686,7 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
       >>> pipeline_times(ps, transfer=0.5).makespan  # 4 hops lie on the critical path
       17.0
       >>> zb = pipeline_schedule(Stages((("a",), ("b",)), 2), "zero_bubble", 4)
-      >>> pipeline_times(zb, 1.0, 2.0).makespan  # b = w = 1: 3m + (p - 1)(f + b - w) = 13
+      >>> pipeline_times(zb, 1.0, 2.0).makespan  # halves b = w = 1: 3m + p - 1 = 13
       13.0
     """
     if plan is not None:
