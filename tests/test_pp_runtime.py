@@ -221,6 +221,21 @@ def _edited(rank, world):
         out["ran_edited_order"] = pipe.last_ops == [str(op) for op in good.ranks[rank]]
         out["bitwise"] = all(lb == lg and all(torch.equal(pb[n], pg[n]) for n in pb)
                              for (lb, pb), (lg, pg) in zip(trace_base, trace_good))
+        # A split by hand: 1F1B's micro-batch 0 backward as its input half in place and its
+        # weight half moved after micro-batch 1's whole backward, on both ranks. The gradient
+        # accumulator then takes micro-batch 1's before 0's: the first of its additions, and a
+        # float addition of two terms commutes, so the step is still bitwise 1F1B's.
+        split = text
+        for r in range(2):
+            split = split.replace(f"stage_backward s{r} m0\n", f"stage_backward_input s{r} m0\n")
+            split = split.replace(f"stage_backward s{r} m1\n", f"stage_backward s{r} m1\n  stage_backward_weight s{r} m0\n")
+        split_ps = fsdpfn.PipelineSchedule.from_str(split)
+        model, plan = _setup(mesh, names, "1f1b", 2)
+        _, _, trace_split, pipe = _train(model, plan, mesh, names, split_ps, 3)
+        out["ran_split"] = (pipe.last_ops == [str(op) for op in split_ps.ranks[rank]]
+                            and f"stage_backward_weight s{rank} m0" in pipe.last_ops)
+        out["split_bitwise"] = all(lb == ls and all(torch.equal(pb[n], ps_[n]) for n in pb)
+                                   for (lb, pb), (ls, ps_) in zip(trace_base, trace_split))
     return out
 
 
@@ -230,6 +245,7 @@ def test_hand_edited_schedules(run_on_ranks):
         assert msg is not None and "deadlock" in msg and "recv_grad s0 m0" in msg, msg
         assert out["sent_before_refusal"] == 0
         assert out["ran_edited_order"] and out["bitwise"], (r, out)
+        assert out["ran_split"] and out["split_bitwise"], (r, out)
 
 
 # ---- bad input, named before anything is sent ----------------------------------------------
