@@ -70,6 +70,9 @@ class PipeKind(enum.Enum):
     Example:
       >>> PipeKind("send_act"), PipeKind.RECV_GRAD.is_recv, PipeKind.STAGE_FORWARD.is_compute
       (<PipeKind.SEND_ACT: 'send_act'>, True, True)
+      >>> [(k.computes_input_grad, k.computes_weight_grad) for k in (PipeKind.STAGE_BACKWARD,
+      ...  PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT)]
+      [(True, True), (True, False), (False, True)]
     """
 
     STAGE_FORWARD = "stage_forward"

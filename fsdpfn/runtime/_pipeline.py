@@ -25,7 +25,8 @@ Each pp rank walks its own list, in order, op by op:
   keep the activation gradients of the input half for the weight half, so the weight half
   walks the graph from the stage's output again: on this runtime the split reproduces the
   schedule's order and numerics, not its speed-up (a stage's backward costs up to one more
-  activation-gradient pass).
+  activation-gradient pass, and a tp stage's backward collectives on that path run in both
+  halves, in the same order on every tp rank).
 - ``send_*`` / ``recv_*``: point-to-point transfers over the pp group (see [Note: pipeline
   transfers are point-to-point] in ``fsdpfn/comm/_pp.py``). An activation travels with a
   small header (its shape and dtype): the receiver cannot know the shape a user's stage
