@@ -507,7 +507,7 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
     grads = dict.fromkeys(units, GradState.PENDING)
     backs = {s: 0 for s in _stages_on(ps, r)}
     ops = ps.ranks[r]
-    split = {op for op in ops if isinstance(op, PipeOp) and op.kind is BI}  # to name the op a send_grad waits for
+    input_halves = {op for op in ops if isinstance(op, PipeOp) and op.kind is BI}  # to name the op a send_grad waits for
     for i, op in enumerate(ops):
         if isinstance(op, Op):
             if op.kind not in _FSDP_ACTIONS:
@@ -562,7 +562,7 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
             if op.kind is PipeKind.SEND_ACT:
                 src = PipeOp(F, s, mb)
             else:  # whichever backward the rank runs for (s, mb) computes the input gradient
-                src = PipeOp(BI if PipeOp(BI, s, mb) in split else B, s, mb)
+                src = PipeOp(BI if PipeOp(BI, s, mb) in input_halves else B, s, mb)
             if src not in done:
                 raise _fail(r, i, op, f"sends what '{src}' computes before it runs; move the send after it")
         if op.kind.is_compute:
