@@ -2,8 +2,8 @@
 
 A :class:`PipelineSchedule` holds, for every pp rank, the ordered ops that rank runs in one
 training step of ``micro_batches`` micro-batches. It is generated (:func:`pipeline_schedule`:
-GPipe, 1F1B, interleaved 1F1B, zero bubble), prints, parses back from its printed form, can be edited by hand
-and is checked by :func:`validate_pipeline`, which runs every rank's list together.
+GPipe, 1F1B, interleaved 1F1B, zero bubble), prints, parses back from its printed form, can be
+edited by hand and is checked by :func:`validate_pipeline`, which runs every rank's list together.
 
 [Note: pipeline ops]
 Stage ops, ``<kind> s<stage> m<micro-batch>``::
@@ -37,10 +37,11 @@ locally and reduced once per stage at the end of the step, as torchtitan runs FS
 pipelining), and it is in the list to be read or edited, not hidden in the runtime.
 
 The validator's rules: every op is on the rank of its stage; each stage runs forward and backward
-once per micro-batch, in order, the backward either whole (``stage_backward``) or as
-one ``stage_backward_input`` then one ``stage_backward_weight``, never both; an activation or gradient is received (or computed on the same
-rank) before it is used, and computed before it is sent; every recv has a matching send on its
-peer, in order, and every send a recv; run together, no rank waits forever (a deadlock names
+once per micro-batch, in order, the backward either whole (``stage_backward``) or as one
+``stage_backward_input`` then one ``stage_backward_weight``, never both; an activation or
+gradient is received (or computed on the same rank) before it is used, and computed before it
+is sent (``send_grad`` after the input half); every recv has a matching send on its peer, in
+order, and every send a recv; run together, no rank waits forever (a deadlock names
 each waiting rank's op); a unit is gathered and waited for whenever its stage computes, reduced
 once after its stage's last backward (its last parameter gradients: a split backward's
 weight half), and freed by the end.
@@ -329,7 +330,9 @@ def _zero_bubble_order(p: int, m: int, r: int) -> list[tuple[PipeKind, int, int]
     time and ``m >= p``: each rank computes ``m (f + b + w)`` of a makespan
     ``m (f + b + w) + (p - 1) max(f + b - w, f, b)``. Two of the terms are waits no order can
     avoid: the last rank's first input arrives after ``p - 1`` forwards, and rank 0, done with
-    its ``p`` warm-up forwards, waits ``p - 1`` input halves for its first gradient. The third is
+    the ``p`` forwards it runs before its first input half, waits ``p - 1`` input halves (one
+    per later rank) for that half's gradient; every rank computes the same ``m (f + b + w)``, so
+    a wait of one rank's lengthens the step by as much. The third is
     the ZB-H1 paper's ``(p - 1)(f + b - w)``: the weight halves that rank 0 and the last rank
     cannot place in a wait. The largest of the three is what ``pipeline_times`` gives on every
     (``p``, ``m >= p``, ``f``, ``b``, ``w``) the tests try. With ``f = b = w = 1`` each rank idles
