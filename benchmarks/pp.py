@@ -4,11 +4,13 @@
 Usage:
   python benchmarks/pp.py
 
-Part 1 (instant): for GPipe, 1F1B and interleaved 1F1B at pp = 4 and 8 and 8-32 micro-batches,
-the bubble of each generated schedule as :func:`fsdpfn.pipeline_times` runs every rank's list
-together (a stage forward 1, backward 2, nothing else) against the closed forms
-(p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) / (v m + p - 1) for interleaved 1F1B with v
-stages per rank, and each schedule's peak micro-batches in flight per rank (GPipe v m, 1F1B p - r).
+Part 1 (instant): for GPipe, 1F1B, interleaved 1F1B and zero bubble (ZB-H1) at pp = 4 and 8 and
+8-32 micro-batches, the bubble of each generated schedule as :func:`fsdpfn.pipeline_times` runs
+every rank's list together (a stage forward 1, backward 2, nothing else; zero bubble's split
+backward an input half 1 and a weight half 1) against the closed forms (p - 1) / (m + p - 1) for
+GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank and
+(p - 1) / (3 m + p - 1) for zero bubble, and each schedule's peak micro-batches in flight per rank
+(GPipe v m, 1F1B p - r, zero bubble p).
 
 Part 2 (about a minute of profiling on meta): Llama 3.1 405B (126 blocks, width 16384, GQA 128/8,
 ffn 53248) at 8,192 tokens, micro-batch 1, 32 micro-batches per step, bf16 parameters with float32
@@ -50,10 +52,12 @@ def bubbles() -> list[float]:
     worst = 0.0
     for p in (4, 8):
         for m in (8, 16, 32):
-            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
                 ps = fsdpfn.pipeline_schedule(_stages(p, v), name, m)
-                t = fsdpfn.pipeline_times(ps, forward=1.0 / v, backward=2.0 / v)
-                closed = (p - 1) / (v * m + p - 1)
+                # zero bubble: backward 2 split into an input and a weight half of 1 each
+                t = fsdpfn.pipeline_times(ps, forward=1.0 / v, backward=2.0 / v, backward_input=1.0, backward_weight=1.0)
+                # zero bubble idles p - 1 of 3m + p - 1 per rank (see [Note: the zero-bubble schedule])
+                closed = (p - 1) / (3 * m + p - 1) if name == "zero_bubble" else (p - 1) / (v * m + p - 1)
                 worst = max(worst, abs(t.bubble - closed))
                 print(f"| {name} | {p} | {v} | {m} | {t.bubble:.4f} | {closed:.4f} | {', '.join(map(str, t.in_flight))} |")
     print(f"\nlargest |op lists - closed form|: {worst:.2e}; equal to rounding: {worst < 1e-12}")

@@ -1,6 +1,7 @@
 """The pipeline runtime (fsdpfn.runtime.PipelineRuntime) trains a tiny GPT on gloo ranks
-(pp=2; pp=4; pp=2 x dp=2; pp=2 x tp=2) with GPipe, 1F1B and interleaved 1F1B, 8 micro-batches,
-10 AdamW steps, and matches one process training on the whole batch, step by step. Hand-edited
+(pp=2; pp=4; pp=2 x dp=2; pp=2 x tp=2) with GPipe, 1F1B, interleaved 1F1B and zero bubble, 8
+micro-batches, 10 AdamW steps, and matches one process training on the whole batch, step by step;
+zero bubble (backward split in input and weight halves) bitwise as 1F1B. Hand-edited
 schedules: a deadlocking one is refused before anything is sent, a valid one runs bitwise alike.
 
 [Note: the tolerance of the pipeline parity tests]
@@ -22,7 +23,10 @@ are off for that reason). Over 10 steps the parameters' relative difference is t
 well under the 1e-6 asked for. The loss, one number per step, is a mean of m means against one
 mean: within n eps ~= 1e-6 relative of one process's too. Measured (every schedule and mesh
 here, under ATEN_CPU_CAPABILITY native, default and avx2): parameters <= 6.6e-8 relative after
-10 steps, losses <= 1.4e-7.
+10 steps, losses <= 1.4e-7. Zero bubble adds no reordering: its two backward halves compute what
+stage_backward computes (autograd sums each node's incoming gradients in the same order in a pass
+pruned to the input or to the parameters) and its weight halves run in micro-batch order, so its
+steps are checked bitwise equal to 1F1B's.
 """
 
 from __future__ import annotations
@@ -116,15 +120,22 @@ def _train(model, plan, mesh, names, schedule, steps, ref=None):
 
 
 def _parity(rank, world, shape, names, configs):
+    """Per config: (schedule, stages, worst parameter and loss differences, this rank's stages,
+    whether every step's loss and parameters equal 1F1B's bitwise: ``None`` but for zero bubble)."""
     mesh = testing.mesh(shape, names)
     dp = mesh.size(names.index("dp")) if "dp" in names else 1
     ref = _reference(dp, STEPS)
-    out = []
+    out, traces = [], {}
     with fsdpfn.comm.timeout_scope(60):
         for schedule, num_stages in configs:
             model, plan = _setup(mesh, names, schedule, num_stages)
-            worst_p, worst_l, _, pipe = _train(model, plan, mesh, names, schedule, STEPS, ref)
-            out.append((schedule, num_stages, worst_p, worst_l, sorted(pipe.stages_here)))
+            worst_p, worst_l, trace, pipe = _train(model, plan, mesh, names, schedule, STEPS, ref)
+            traces[schedule] = trace
+            same = None
+            if schedule == "zero_bubble" and "1f1b" in traces:
+                same = all(la == lb and all(torch.equal(pa[n], pb[n]) for n in pa)
+                           for (la, pa), (lb, pb) in zip(traces["1f1b"], trace))
+            out.append((schedule, num_stages, worst_p, worst_l, sorted(pipe.stages_here), same))
     return out
 
 
@@ -134,7 +145,9 @@ def _check(results, configs, world):
     assert len(pp_ranks) >= 2  # the ranks ran different stages
     worst = {}
     for r in results:
-        for schedule, stages, wp, wl, _ in r:
+        for schedule, stages, wp, wl, _, same in r:
+            # the split backward's halves sum what stage_backward sums, in its order
+            assert same is None or same, (schedule, "differs from 1f1b's gradients bitwise")
             worst[(schedule, stages)] = max(worst.get((schedule, stages), (0.0, 0.0)), (wp, wl))
     print("worst relative differences (params, loss):", {k: (f"{wp:.2e}", f"{wl:.2e}") for k, (wp, wl) in worst.items()})
     for key, (wp, wl) in worst.items():
@@ -142,12 +155,12 @@ def _check(results, configs, world):
     return worst
 
 
-PP2 = [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 4)]
-PP4 = [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 8)]
+PP2 = [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 2)]
+PP4 = [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 8), ("zero_bubble", 4)]
 
 
 def test_pp2_matches_one_process(run_on_ranks):
-    """pp=2 on 2 ranks: GPipe, 1F1B, interleaved 1F1B (2 virtual stages per rank)."""
+    """pp=2 on 2 ranks: GPipe, 1F1B, interleaved 1F1B (2 virtual stages per rank), zero bubble."""
     _check(run_on_ranks(_parity, 2, (2, 1), ("pp", "dp"), PP2), PP2, 2)
 
 
@@ -211,6 +224,21 @@ def _edited(rank, world):
         out["ran_edited_order"] = pipe.last_ops == [str(op) for op in good.ranks[rank]]
         out["bitwise"] = all(lb == lg and all(torch.equal(pb[n], pg[n]) for n in pb)
                              for (lb, pb), (lg, pg) in zip(trace_base, trace_good))
+        # A split by hand: 1F1B's micro-batch 0 backward as its input half in place and its
+        # weight half moved after micro-batch 1's whole backward, on both ranks. The gradient
+        # accumulator then takes micro-batch 1's before 0's: the first of its additions, and a
+        # float addition of two terms commutes, so the step is still bitwise 1F1B's.
+        split = text
+        for r in range(2):
+            split = split.replace(f"stage_backward s{r} m0\n", f"stage_backward_input s{r} m0\n")
+            split = split.replace(f"stage_backward s{r} m1\n", f"stage_backward s{r} m1\n  stage_backward_weight s{r} m0\n")
+        split_ps = fsdpfn.PipelineSchedule.from_str(split)
+        model, plan = _setup(mesh, names, "1f1b", 2)
+        _, _, trace_split, pipe = _train(model, plan, mesh, names, split_ps, 3)
+        out["ran_split"] = (pipe.last_ops == [str(op) for op in split_ps.ranks[rank]]
+                            and f"stage_backward_weight s{rank} m0" in pipe.last_ops)
+        out["split_bitwise"] = all(lb == ls and all(torch.equal(pb[n], ps_[n]) for n in pb)
+                                   for (lb, pb), (ls, ps_) in zip(trace_base, trace_split))
     return out
 
 
@@ -220,6 +248,7 @@ def test_hand_edited_schedules(run_on_ranks):
         assert msg is not None and "deadlock" in msg and "recv_grad s0 m0" in msg, msg
         assert out["sent_before_refusal"] == 0
         assert out["ran_edited_order"] and out["bitwise"], (r, out)
+        assert out["ran_split"] and out["split_bitwise"], (r, out)
 
 
 # ---- bad input, named before anything is sent ----------------------------------------------

@@ -178,3 +178,32 @@ def test_search_names_bad_pp_arguments_before_profiling(meta_gpt, kw, says):
     model, x = meta_gpt
     with pytest.raises(ValueError, match=says):
         sim.search(model, 8, 2**34, x, hardware=sim.H100_SXM, **kw)
+
+
+def test_zero_bubble_prices_the_backward_halves(meta_gpt):
+    """A split backward: half the stage's backward compute each, its activation collectives
+    (tp) with the input half; the schedule priced from those halves idles less than 1F1B and
+    keeps 1F1B's rank 0 activations on every rank."""
+    model, x = meta_gpt
+    plan, wl, ps, r = _run(model, x, {"pp": 2, "dp": 2, "tp": 2}, "zero_bubble", tp=GPT_TP_PLAN)
+    _, _, _, one = _run(model, x, {"pp": 2, "dp": 2, "tp": 2}, "1f1b", tp=GPT_TP_PLAN)
+    for s in range(2):
+        assert r.backward_input[s] + r.backward_weight[s] == pytest.approx(r.backward[s], rel=1e-12)
+        assert r.backward_input[s] > r.backward_weight[s]  # the tp collectives carry activation gradients
+    t = fsdpfn.pipeline_times(ps, r.forward, r.backward, transfer=r.transfer, start=r.gather, after=r.reduce, plan=plan,
+                              backward_input=r.backward_input, backward_weight=r.backward_weight,
+                              activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units])
+    assert t == r.times
+    assert r.times.bubble < one.times.bubble and r.step_time < one.step_time
+    acts = [sum(b for u, b in wl.activations if u in names) for names in plan.stages.units]
+    assert [m["activations"] for m in r.memory] == [2 * a for a in acts]  # p = 2 in flight on every rank
+    assert [m["activations"] for m in one.memory] == [2 * acts[0], acts[1]]  # 1F1B: p - r
+
+
+def test_search_accepts_zero_bubble(meta_gpt):
+    model, x = meta_gpt
+    res = sim.search(model, 8, 2**34, x, hardware=sim.H100_SXM, optimizer=sim.AdamW(), prefetch=(1,), units=[None],
+                     strategies=("zero3",), pp=(2,), pp_schedules=("1f1b", "zero_bubble"), micro_batches=2)
+    by = {c.pipeline: c for c in res.candidates if c.pp == 2}
+    assert set(by) == {"1f1b", "zero_bubble"}
+    assert by["zero_bubble"].step_time < by["1f1b"].step_time

@@ -2,14 +2,18 @@
 
 A :class:`PipelineSchedule` holds, for every pp rank, the ordered ops that rank runs in one
 training step of ``micro_batches`` micro-batches. It is generated (:func:`pipeline_schedule`:
-GPipe, 1F1B, interleaved 1F1B), prints, parses back from its printed form, can be edited by hand
-and is checked by :func:`validate_pipeline`, which runs every rank's list together.
+GPipe, 1F1B, interleaved 1F1B, zero bubble), prints, parses back from its printed form, can be
+edited by hand and is checked by :func:`validate_pipeline`, which runs every rank's list together.
 
 [Note: pipeline ops]
 Stage ops, ``<kind> s<stage> m<micro-batch>``::
 
     stage_forward s m   run stage s's forward on micro-batch m
     stage_backward s m  run its backward (gradients reach the stage's input and parameters)
+    stage_backward_input s m   the first half of a split backward: the gradient of the stage's
+                        input only (what stage s - 1 waits for)
+    stage_backward_weight s m  the second half: the gradients of the stage's parameters (which
+                        nothing downstream waits for; the zero-bubble schedule defers them)
     send_act s m        send stage s's output activation of m to the rank of stage s + 1
     recv_act s m        receive stage s's input activation of m from the rank of stage s - 1
     send_grad s m       send the gradient of stage s's input to the rank of stage s - 1
@@ -26,17 +30,21 @@ Between them, FSDP's actions on the stage's units (``gather u``, ``wait u``, ``f
 ``reduce u``, ``wait_reduce u``, ``copy_in u``, ``copy_out u``; see [Note: schedule ops and
 events] in ``schedule.py``), in the order :func:`fsdpfn._plan.schedule.unit_ops` issues them for
 the stage's units: its forward's gathers and waits before the stage's first ``stage_forward``,
-its backward's frees and reduces after its last ``stage_backward``. That is the generated
+its backward's frees and reduces after its last ``stage_backward`` (or
+``stage_backward_weight``). That is the generated
 policy (parameters stay unsharded through the step's micro-batches, gradients are accumulated
 locally and reduced once per stage at the end of the step, as torchtitan runs FSDP under
 pipelining), and it is in the list to be read or edited, not hidden in the runtime.
 
 The validator's rules: every op is on the rank of its stage; each stage runs forward and backward
-once per micro-batch, in order; an activation or gradient is received (or computed on the same
-rank) before it is used, and computed before it is sent; every recv has a matching send on its
-peer, in order, and every send a recv; run together, no rank waits forever (a deadlock names
+once per micro-batch, in order, the backward either whole (``stage_backward``) or as one
+``stage_backward_input`` then one ``stage_backward_weight``, never both; an activation or
+gradient is received (or computed on the same rank) before it is used, and computed before it
+is sent (``send_grad`` after the input half); every recv has a matching send on its peer, in
+order, and every send a recv; run together, no rank waits forever (a deadlock names
 each waiting rank's op); a unit is gathered and waited for whenever its stage computes, reduced
-once after its stage's last backward, and freed by the end.
+once after its stage's last backward (its last parameter gradients: a split backward's
+weight half), and freed by the end.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 __all__ = ["PIPELINE_SCHEDULES", "PipeKind", "PipeOp", "PipelineSchedule", "PipelineTimes", "pipeline_schedule",
            "pipeline_times", "validate_pipeline"]
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 class PipeKind(enum.Enum):
@@ -63,10 +71,15 @@ class PipeKind(enum.Enum):
     Example:
       >>> PipeKind("send_act"), PipeKind.RECV_GRAD.is_recv, PipeKind.STAGE_FORWARD.is_compute
       (<PipeKind.SEND_ACT: 'send_act'>, True, True)
+      >>> [(k.computes_input_grad, k.computes_weight_grad) for k in (PipeKind.STAGE_BACKWARD,
+      ...  PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT)]
+      [(True, True), (True, False), (False, True)]
     """
 
     STAGE_FORWARD = "stage_forward"
     STAGE_BACKWARD = "stage_backward"
+    STAGE_BACKWARD_INPUT = "stage_backward_input"
+    STAGE_BACKWARD_WEIGHT = "stage_backward_weight"
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
@@ -74,7 +87,18 @@ class PipeKind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD)
+        return self in (PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_INPUT,
+                        PipeKind.STAGE_BACKWARD_WEIGHT)
+
+    @property
+    def computes_input_grad(self) -> bool:
+        """A backward that produces the gradient of the stage's input (what ``send_grad`` sends)."""
+        return self in (PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_INPUT)
+
+    @property
+    def computes_weight_grad(self) -> bool:
+        """A backward that completes the stage's parameter gradients of its micro-batch."""
+        return self in (PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_WEIGHT)
 
     @property
     def is_send(self) -> bool:
@@ -137,7 +161,8 @@ class PipelineSchedule:
     """Every pp rank's ops for one step (see [Note: pipeline ops]).
 
     Attributes:
-      name: the generator (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``) or any label.
+      name: the generator (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``) or
+        any label.
       plan_fingerprint: the plan it was made for; ``"-"`` for one made from bare :class:`fsdpfn.Stages`.
       pp_size: pp ranks; stage ``s`` runs on rank ``s % pp_size``.
       num_stages: stages (``pp_size`` x virtual stages per rank).
@@ -265,6 +290,8 @@ def _compute_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[Pipe
     stages = list(range(r, p * v, p))
     if name == "gpipe":  # every forward, then every backward (last stage first)
         return [(F, s, i) for s in stages for i in range(m)] + [(B, s, i) for s in reversed(stages) for i in range(m)]
+    if name == "zero_bubble":
+        return _zero_bubble_order(p, m, r)
     total = m * v
 
     def pick(k: int, kind: PipeKind) -> tuple[PipeKind, int, int]:
@@ -282,6 +309,51 @@ def _compute_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[Pipe
     return order + [pick(k, B) for k in range(total - warmup, total)]
 
 
+def _zero_bubble_order(p: int, m: int, r: int) -> list[tuple[PipeKind, int, int]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) on rank r: 1F1B's forwards
+    and input gradients, each micro-batch's weight gradient deferred by ``r`` micro-batches.
+
+    [Note: the zero-bubble schedule]
+    In 1F1B the gradient of micro-batch k reaches rank r only after every later stage ran its
+    whole backward of k. Split, only the input half is on that path: the weight half of k can
+    wait. Rank r runs 1F1B's warm-up (``p - r - 1`` forwards), then per step one forward, one
+    input half, and the weight half of the micro-batch ``r`` before; after its last forward, an
+    input half then a deferred weight half; the remaining weight halves last. Deferring ``r`` on
+    rank r is what makes every rank finish together: the last rank (``r = p - 1``) runs ``F B``
+    pairs for its first ``p - 1`` micro-batches, so gradients start flowing back a weight half
+    sooner per micro-batch, and rank r's ``r + 1`` trailing weight halves fill what in 1F1B is
+    its cool-down wait for gradients. A micro-batch's activations live from its forward to its
+    weight half (that half needs the stage's inputs), so rank r keeps ``(p - r) + r = p`` at
+    once: every rank holds rank 0's 1F1B peak, and no rank more.
+
+    The bubble, with forward ``f``, input half ``b`` and weight half ``w`` per stage, no transfer
+    time and ``m >= p``: each rank computes ``m (f + b + w)`` of a makespan
+    ``m (f + b + w) + (p - 1) max(f + b - w, f, b)``. Two of the terms are waits no order can
+    avoid: the last rank's first input arrives after ``p - 1`` forwards, and rank 0, done with
+    the ``p`` forwards it runs before its first input half, waits ``p - 1`` input halves (one
+    per later rank) for that half's gradient; every rank computes the same ``m (f + b + w)``, so
+    a wait of one rank's lengthens the step by as much. The third is
+    the ZB-H1 paper's ``(p - 1)(f + b - w)``: the weight halves that rank 0 and the last rank
+    cannot place in a wait. The largest of the three is what ``pipeline_times`` gives on every
+    (``p``, ``m >= p``, ``f``, ``b``, ``w``) the tests try. With ``f = b = w = 1`` each rank idles
+    ``p - 1`` of ``3m + p - 1``, where 1F1B (``b + w = 2``) idles ``3 (p - 1)`` of
+    ``3 (m + p - 1)``: the bubble ``(p - 1) / (3m + p - 1)``. (With fewer micro-batches than
+    stages the step is the last micro-batch's round trip: ``2m + 2p - 1`` at ``f = b = w = 1``.)
+    """
+    F, BI, BW = PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT
+    warmup = min(m, p - r - 1)
+    order = [(F, r, i) for i in range(warmup)]
+    weights = 0  # weight halves issued so far, in micro-batch order
+    for k in range(m):
+        if warmup + k < m:
+            order.append((F, r, warmup + k))
+        order.append((BI, r, k))
+        if k - weights >= r:  # keep exactly r input halves ahead of the weight halves
+            order.append((BW, r, weights))
+            weights += 1
+    return order + [(BW, r, i) for i in range(weights, m)]
+
+
 def _with_p2p(order: list[tuple[PipeKind, int, int]], p: int, num_stages: int) -> list[PipeOp]:
     """Each recv right before the op that uses what it brings, each send right after the op that
     computes it; none between stages on one rank."""
@@ -294,6 +366,8 @@ def _with_p2p(order: list[tuple[PipeKind, int, int]], p: int, num_stages: int) -
             ops.append(PipeOp(kind, s, i))
             if s < num_stages - 1 and (s + 1) % p != s % p:
                 ops.append(PipeOp(PipeKind.SEND_ACT, s, i))
+        elif kind is PipeKind.STAGE_BACKWARD_WEIGHT:  # nothing arrives for it, nothing leaves
+            ops.append(PipeOp(kind, s, i))
         else:
             if s < num_stages - 1 and (s + 1) % p != s % p:
                 ops.append(PipeOp(PipeKind.RECV_GRAD, s, i))
@@ -320,7 +394,7 @@ def _with_fsdp(ops: list[PipeOp], plan: PlanValues, stages: Stages, prefetch: in
     for i, op in enumerate(ops):
         if op.kind is PipeKind.STAGE_FORWARD and op.stage not in first:
             first[op.stage] = i - 1 if i and ops[i - 1] == PipeOp(PipeKind.RECV_ACT, op.stage, op.micro) else i
-        if op.kind is PipeKind.STAGE_BACKWARD:
+        if op.kind.computes_weight_grad:
             sends = i + 1 < len(ops) and ops[i + 1] == PipeOp(PipeKind.SEND_GRAD, op.stage, op.micro)
             last[op.stage] = i + 1 if sends else i
     out: list[AnyOp] = []
@@ -342,17 +416,22 @@ def pipeline_schedule(plan_or_stages: "PlanValues | Stages", name: str = "1f1b",
         micro-batches live at once), ``"1f1b"`` (after a warm-up, one forward then one
         backward: at most ``p`` micro-batches' activations live; one stage per rank) or
         ``"interleaved_1f1b"`` (1F1B over ``v`` virtual stages per rank, Megatron's order:
-        the bubble shrinks ``v``-fold; ``micro_batches`` a multiple of ``p``).
+        the bubble shrinks ``v``-fold; ``micro_batches`` a multiple of ``p``) or ``"zero_bubble"``
+        (ZB-H1: 1F1B with each backward split into ``stage_backward_input`` and
+        ``stage_backward_weight``, the weight halves deferred into the cool-down; 1F1B's peak
+        activations, ``p`` micro-batches; one stage per rank; see [Note: the zero-bubble schedule]).
       micro_batches: micro-batches per step, ``m``.
       prefetch: the FSDP builder's prefetch within a stage's gathers.
 
     Returns:
       a :class:`PipelineSchedule`; :func:`validate_pipeline` accepts it. With forward time
       ``f`` and backward ``b`` per stage, GPipe and 1F1B idle a fraction ``(p - 1) / (m + p - 1)``
-      of the step (:func:`pipeline_times`), interleaved 1F1B ``(p - 1) / (v m + p - 1)``.
+      of the step (:func:`pipeline_times`), interleaved 1F1B ``(p - 1) / (v m + p - 1)``; zero
+      bubble, with each backward half as long as the forward, ``(p - 1) / (3 m + p - 1)``
+      (``m >= p``): a third of 1F1B's idle time.
 
     Raises:
-      ValueError: an unknown name, ``1f1b`` with virtual stages, an interleaved schedule whose
+      ValueError: an unknown name, ``1f1b`` or ``zero_bubble`` with virtual stages, an interleaved schedule whose
         ``micro_batches`` is not a multiple of ``p``, or a plan without stages.
 
     Example:
@@ -373,8 +452,8 @@ def pipeline_schedule(plan_or_stages: "PlanValues | Stages", name: str = "1f1b",
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
     p, v, m = stages.pp_size, stages.virtual, micro_batches
-    if name == "1f1b" and v > 1:
-        raise ValueError(f"1f1b runs one stage per pp rank, but the plan has {v} virtual stages per rank "
+    if name in ("1f1b", "zero_bubble") and v > 1:
+        raise ValueError(f"{name} runs one stage per pp rank, but the plan has {v} virtual stages per rank "
                          f"({stages.num_stages} stages over pp={p}); use 'interleaved_1f1b', or build the plan with stages={p}")
     if name == "interleaved_1f1b" and m % p:
         raise ValueError(f"interleaved_1f1b sends micro-batches through each virtual stage in groups of pp={p}; micro_batches="
@@ -400,8 +479,9 @@ class PipelineTimes:
       busy: each rank's compute time.
       makespan: the step's length (the latest finish).
       bubble: the fraction of ``pp x makespan`` no rank computes.
-      in_flight: each rank's peak count of (stage, micro-batch) forwards whose backward has not
-        run: the activations it keeps at once (GPipe: ``v m``; 1F1B: ``p - r`` on rank r).
+      in_flight: each rank's peak count of (stage, micro-batch) forwards whose backward (a split
+        one's weight half) has not run: the activations it keeps at once (GPipe: ``v m``;
+        1F1B: ``p - r`` on rank r; zero bubble: ``p`` on every rank).
       peak_activations: with ``activations`` given, each rank's most activation bytes kept at
         once (stages may keep different amounts: the count alone does not give it).
     """
@@ -422,6 +502,7 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
     """One rank's list alone: stages on this rank, each compute once and after its inputs, sends
     after what they send, FSDP units gathered while their stage computes and reduced after."""
     F, B = PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD
+    BI, BW = PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT
     S, m = ps.num_stages, ps.micro_batches
     done: dict[PipeOp, int] = {}
     units = [u for names in stages.units for u in names] if stages is not None else []
@@ -429,6 +510,7 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
     grads = dict.fromkeys(units, GradState.PENDING)
     backs = {s: 0 for s in _stages_on(ps, r)}
     ops = ps.ranks[r]
+    input_halves = {op for op in ops if isinstance(op, PipeOp) and op.kind is BI}  # to name the op a send_grad waits for
     for i, op in enumerate(ops):
         if isinstance(op, Op):
             if op.kind not in _FSDP_ACTIONS:
@@ -459,15 +541,31 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
             need = PipeOp(F, s - 1, mb) if ps.rank_of(s - 1) == r else PipeOp(PipeKind.RECV_ACT, s, mb)
             if need not in done:
                 raise _fail(r, i, op, f"uses the activation of micro-batch {mb} before it arrives; put '{need}' before it")
-        if op.kind is B:
+        if op.kind in (B, BI, BW):
+            # a micro-batch's backward is whole or split in two, not both
+            other = [PipeOp(k, s, mb) for k in ((BI, BW) if op.kind is B else (B,)) if PipeOp(k, s, mb) in done]
+            if other:
+                raise _fail(r, i, op, f"'{other[0]}' already ran (op #{done[other[0]]}); a micro-batch's backward is either one "
+                                      f"'stage_backward s{s} m{mb}' or one 'stage_backward_input s{s} m{mb}' and one "
+                                      f"'stage_backward_weight s{s} m{mb}': remove one of them")
+        if op.kind in (B, BI):
             if PipeOp(F, s, mb) not in done:
                 raise _fail(r, i, op, f"runs before 'stage_forward s{s} m{mb}'; a backward follows its forward")
             if s < S - 1:
-                need = PipeOp(B, s + 1, mb) if ps.rank_of(s + 1) == r else PipeOp(PipeKind.RECV_GRAD, s, mb)
+                if ps.rank_of(s + 1) == r:
+                    need = next((PipeOp(k, s + 1, mb) for k in (BI, B) if PipeOp(k, s + 1, mb) in done), PipeOp(B, s + 1, mb))
+                else:
+                    need = PipeOp(PipeKind.RECV_GRAD, s, mb)
                 if need not in done:
                     raise _fail(r, i, op, f"uses the gradient of micro-batch {mb} before it arrives; put '{need}' before it")
+        if op.kind is BW and PipeOp(BI, s, mb) not in done:
+            raise _fail(r, i, op, f"runs before 'stage_backward_input s{s} m{mb}'; the weight half follows the input half "
+                                  "(it reuses the output gradient the input half was seeded with)")
         if op.kind.is_send:
-            src = PipeOp(F if op.kind is PipeKind.SEND_ACT else B, s, mb)
+            if op.kind is PipeKind.SEND_ACT:
+                src = PipeOp(F, s, mb)
+            else:  # whichever backward the rank runs for (s, mb) computes the input gradient
+                src = PipeOp(BI if PipeOp(BI, s, mb) in input_halves else B, s, mb)
             if src not in done:
                 raise _fail(r, i, op, f"sends what '{src}' computes before it runs; move the send after it")
         if op.kind.is_compute:
@@ -475,18 +573,24 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
                 if params[u] is not UnitState.GATHERED:
                     raise _fail(r, i, op, f"stage {s}'s unit {unit_label(u)!r} is not gathered and waited for; put "
                                           f"'gather {unit_label(u)}' and 'wait {unit_label(u)}' before it")
-        if op.kind is B:
+        if op.kind.computes_weight_grad:
             backs[s] += 1
             if backs[s] == m:
                 for u in (stages.units[s] if stages is not None else ()):
                     grads[u] = GradState.COMPLETE
         done[op] = i
     for s in _stages_on(ps, r):
-        for kind in (F, B):
-            for mb in range(m):
-                if PipeOp(kind, s, mb) not in done:
-                    raise ScheduleError(f"invalid pipeline schedule: rank {r} never runs '{PipeOp(kind, s, mb)}'; each stage runs "
-                                        "forward and backward once per micro-batch")
+        for mb in range(m):
+            missing = PipeOp(F, s, mb) if PipeOp(F, s, mb) not in done else None
+            if missing is None and PipeOp(B, s, mb) not in done:
+                split = [PipeOp(k, s, mb) for k in (BI, BW)]
+                if any(o in done for o in split):
+                    missing = next((o for o in split if o not in done), None)
+                else:
+                    missing = PipeOp(B, s, mb)
+            if missing is not None:
+                raise ScheduleError(f"invalid pipeline schedule: rank {r} never runs '{missing}'; each stage runs forward and "
+                                    "backward once per micro-batch (a backward whole, or its input and weight halves)")
     for u in units:
         if ps.rank_of(stages.stage_of(u)) != r:  # type: ignore[union-attr]
             continue
@@ -559,7 +663,8 @@ def _check_pairs(ps: PipelineSchedule) -> dict[tuple[int, int], int]:
 def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.0, backward: "float | Sequence[float]" = 2.0, *,
                    transfer: "float | Sequence[float]" = 0.0, start: "float | Sequence[float]" = 0.0,
                    after: "float | Sequence[float]" = 0.0, activations: "Sequence[int] | None" = None,
-                   plan: PlanValues | None = None) -> PipelineTimes:
+                   plan: PlanValues | None = None, backward_input: "float | Sequence[float] | None" = None,
+                   backward_weight: "float | Sequence[float] | None" = None) -> PipelineTimes:
     """Validates ``ps`` (see :func:`validate_pipeline`) and runs every rank's list together:
     a recv waits for its send, a send does not wait, FSDP's ops take no time of their own.
 
@@ -567,6 +672,9 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
       ps: the schedule.
       forward, backward: seconds of one micro-batch's stage forward and backward: one number
         for every stage, or one per stage.
+      backward_input, backward_weight: seconds of a split backward's halves
+        (``stage_backward_input``, ``stage_backward_weight``), alike; ``None``: half of
+        ``backward`` each (then a split backward costs what a whole one does).
       transfer: seconds from a send to its data's arrival across the boundary after stage ``s``
         (an activation forward, its gradient back): one number, or one per boundary
         (``num_stages - 1``).
@@ -583,6 +691,9 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
       (15.0, 0.2)
       >>> pipeline_times(ps, transfer=0.5).makespan  # 4 hops lie on the critical path
       17.0
+      >>> zb = pipeline_schedule(Stages((("a",), ("b",)), 2), "zero_bubble", 4)
+      >>> pipeline_times(zb, 1.0, 2.0).makespan  # halves b = w = 1: 3m + p - 1 = 13
+      13.0
     """
     if plan is not None:
         if ps.plan_fingerprint != plan.fingerprint:
@@ -596,7 +707,12 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
         _check_rank(ps, r, stages)
     match = _check_pairs(ps)
     S, p = ps.num_stages, ps.pp_size
-    cost = {PipeKind.STAGE_FORWARD: _per("forward", forward, S, "stage"), PipeKind.STAGE_BACKWARD: _per("backward", backward, S, "stage")}
+    whole = _per("backward", backward, S, "stage")
+    cost = {PipeKind.STAGE_FORWARD: _per("forward", forward, S, "stage"), PipeKind.STAGE_BACKWARD: whole,
+            PipeKind.STAGE_BACKWARD_INPUT: (tuple(b / 2 for b in whole) if backward_input is None
+                                            else _per("backward_input", backward_input, S, "stage")),
+            PipeKind.STAGE_BACKWARD_WEIGHT: (tuple(b / 2 for b in whole) if backward_weight is None
+                                             else _per("backward_weight", backward_weight, S, "stage"))}
     hop = _per("transfer", transfer, max(S - 1, 0), "boundary between stages")
     pc = [0] * p
     clock = list(_per("start", start, p, "pp rank"))
@@ -650,21 +766,26 @@ def _per(name: str, value, n: int, what: str) -> tuple[float, ...]:
 
 
 def _peak_bytes(ops: tuple[AnyOp, ...], acts: tuple[float, ...]) -> int:
-    """The most activation bytes one rank keeps at once: each stage forward's until its backward."""
+    """The most activation bytes one rank keeps at once: each stage forward's until its backward
+    (a split one's weight half: it needs the stage's inputs, so they live until then)."""
     live = peak = 0.0
     for op in ops:
-        if isinstance(op, PipeOp) and op.kind.is_compute:
-            live += acts[op.stage] if op.kind is PipeKind.STAGE_FORWARD else -acts[op.stage]
-            peak = max(peak, live)
+        if isinstance(op, PipeOp) and op.kind is PipeKind.STAGE_FORWARD:
+            live += acts[op.stage]
+        elif isinstance(op, PipeOp) and op.kind.computes_weight_grad:
+            live -= acts[op.stage]
+        peak = max(peak, live)
     return int(peak)
 
 
 def _peak_in_flight(ops: tuple[AnyOp, ...]) -> int:
     live = peak = 0
     for op in ops:
-        if isinstance(op, PipeOp) and op.kind.is_compute:
-            live += 1 if op.kind is PipeKind.STAGE_FORWARD else -1
-            peak = max(peak, live)
+        if isinstance(op, PipeOp) and op.kind is PipeKind.STAGE_FORWARD:
+            live += 1
+        elif isinstance(op, PipeOp) and op.kind.computes_weight_grad:
+            live -= 1
+        peak = max(peak, live)
     return peak
 
 

@@ -14,6 +14,19 @@ Each pp rank walks its own list, in order, op by op:
   ``sum_k loss_k / m``, which for equal micro-batches and a mean loss is the gradient of the
   whole batch's mean: one process's. The parameters' gradients join the unit's locally summed
   full gradients (the existing executor's accumulation, in the unit's reduce dtype).
+- ``stage_backward_input s m`` / ``stage_backward_weight s m`` (the zero-bubble schedule's
+  split): the input half is ``torch.autograd.grad`` of the same graph, seeded alike, with
+  respect to the stage's input only, keeping the graph (``retain_graph``) and the seed; the
+  weight half, later, with respect to the parameters only, then frees both, and its gradients
+  join the accumulator exactly as ``stage_backward``'s. Each half walks the graph autograd
+  prunes to what reaches its own leaves, and a node's incoming gradients come from nodes
+  that reach the same leaves, summed in the engine's same order: both halves give bitwise
+  ``stage_backward``'s gradients (the pp parity tests check it against 1F1B). Autograd cannot
+  keep the activation gradients of the input half for the weight half, so the weight half
+  walks the graph from the stage's output again: on this runtime the split reproduces the
+  schedule's order and numerics, not its speed-up (a stage's backward costs up to one more
+  activation-gradient pass, and a tp stage's backward collectives on that path run in both
+  halves, in the same order on every tp rank).
 - ``send_*`` / ``recv_*``: point-to-point transfers over the pp group (see [Note: pipeline
   transfers are point-to-point] in ``fsdpfn/comm/_pp.py``). An activation travels with a
   small header (its shape and dtype): the receiver cannot know the shape a user's stage
@@ -66,7 +79,7 @@ def _header(t: torch.Tensor) -> torch.Tensor:
 
 class PipelineRuntime:
     """Trains a pipelined plan: each pp rank runs its stages' micro-batches in the order of a
-    pipeline schedule (GPipe, 1F1B, interleaved 1F1B, or a hand-edited one), with its stages'
+    pipeline schedule (GPipe, 1F1B, interleaved 1F1B, zero bubble, or a hand-edited one), with its stages'
     FSDP gathers and reduces over the stage's data-parallel ranks (see [Note: the pipeline
     executor]).
 
@@ -75,7 +88,7 @@ class PipelineRuntime:
         the shards you pass).
       plan: a pipelined plan (a mesh with a ``pp`` axis), bound to the mesh.
       schedule: a name for :func:`fsdpfn.pipeline_schedule` (``"gpipe"``, ``"1f1b"``,
-        ``"interleaved_1f1b"``) or a :class:`fsdpfn.PipelineSchedule` made for this plan (e.g.
+        ``"interleaved_1f1b"``, ``"zero_bubble"``) or a :class:`fsdpfn.PipelineSchedule` made for this plan (e.g.
         a printed one edited and parsed back).
       micro_batches: micro-batches per step, ``m`` (with a schedule object: its own, or ``None``).
       loss_fn: ``loss_fn(output, target)``: the last stage's output and a micro-batch's targets
@@ -126,7 +139,7 @@ class PipelineRuntime:
                                  f"micro_batches=None (or {schedule.micro_batches}) with a schedule object")
             ps = schedule
         else:
-            raise ValueError(f"schedule must be a pipeline schedule name (gpipe, 1f1b, interleaved_1f1b) or an "
+            raise ValueError(f"schedule must be a pipeline schedule name (gpipe, 1f1b, interleaved_1f1b, zero_bubble) or an "
                              f"fsdpfn.PipelineSchedule, got {type(schedule).__name__}")
         # Every rank checks every rank's list, before the first transfer: a deadlock is refused
         # here, naming the op, instead of leaving ranks blocked in recvs.
@@ -246,7 +259,9 @@ class PipelineRuntime:
         self._losses: dict[int, torch.Tensor] = {}
         self._sends: dict[PipeOp, list] = {}                     # transfers in flight, by their send op
         self.last_ops = []
+        self._seeds: dict[tuple[int, int], torch.Tensor | None] = {}  # an input half's seed, for its weight half
         run = {PipeKind.STAGE_FORWARD: self._forward, PipeKind.STAGE_BACKWARD: self._backward,
+               PipeKind.STAGE_BACKWARD_INPUT: self._backward_input, PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
                PipeKind.SEND_ACT: self._send, PipeKind.SEND_GRAD: self._send,
                PipeKind.RECV_ACT: self._recv_act, PipeKind.RECV_GRAD: self._recv_grad}
         try:
@@ -266,7 +281,7 @@ class PipelineRuntime:
                 ex.abandon()
             raise
         finally:
-            self._sends, self._saved, self._acts, self._grads, self._outbox = {}, {}, {}, {}, {}
+            self._sends, self._saved, self._acts, self._grads, self._outbox, self._seeds = {}, {}, {}, {}, {}, {}
         last = ps.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32)
         if ps.rank_of(last) == self.pp_rank:
@@ -310,19 +325,44 @@ class PipelineRuntime:
         inputs = [leaves[n] for n in names] + ([x] if through else [])
         seed = None if s == self.schedule.num_stages - 1 else self._grads.pop((s, k))
         got = torch.autograd.grad(out, inputs, grad_outputs=seed, allow_unused=True)
-        by_name = dict(zip(names, got))
+        self._add_param_grads(s, dict(zip(names, got)))
+        if x is not None:
+            self._input_grad(s, k, x, got[-1] if through else None)
+
+    def _backward_input(self, op: PipeOp) -> None:
+        s, k = op.stage, op.micro
+        x, out, _ = self._saved[(s, k)]  # kept for the weight half
+        seed = None if s == self.schedule.num_stages - 1 else self._grads.pop((s, k))
+        self._seeds[(s, k)] = seed
+        if x is None:
+            return  # stage 0's input is the tokens: no gradient to compute
+        g = None
+        if x.requires_grad:
+            g = torch.autograd.grad(out, [x], grad_outputs=seed, retain_graph=True, allow_unused=True)[0]
+        self._input_grad(s, k, x, g)
+
+    def _backward_weight(self, op: PipeOp) -> None:
+        s, k = op.stage, op.micro
+        _, out, leaves = self._saved.pop((s, k))
+        names = list(leaves)
+        got = torch.autograd.grad(out, [leaves[n] for n in names], grad_outputs=self._seeds.pop((s, k)), allow_unused=True)
+        self._add_param_grads(s, dict(zip(names, got)))
+
+    def _add_param_grads(self, s: int, by_name: dict) -> None:
         ex = self._ex[s]
         for u in self.stage_plans[s].units:
             if u.name in ex.full_grads:  # an earlier micro-batch's: summed locally, in the reduce dtype
                 with torch.no_grad():
                     ex._accumulate(u.name)
             ex.full_grads[u.name] = [by_name[p.name] for p in u.params]
-        if x is not None:  # the gradient of the stage's input (zeros where it does not reach it)
-            g = got[-1] if through and got[-1] is not None else torch.zeros_like(x)
-            if self.schedule.rank_of(s - 1) == self.pp_rank:
-                self._grads[(s - 1, k)] = g
-            else:
-                self._outbox[(s, k)] = g
+
+    def _input_grad(self, s: int, k: int, x: torch.Tensor, g: torch.Tensor | None) -> None:
+        """Hands the gradient of stage ``s``'s input to stage ``s - 1`` (zeros where it does not reach it)."""
+        g = g if g is not None else torch.zeros_like(x)
+        if self.schedule.rank_of(s - 1) == self.pp_rank:
+            self._grads[(s - 1, k)] = g
+        else:
+            self._outbox[(s, k)] = g
 
     def _send(self, op: PipeOp) -> None:
         # A sent tensor stays referenced until its transfer is known to be over: an activation's

@@ -12,6 +12,12 @@ what the list names:
   among them, to the last), each operator priced as :meth:`Work.seconds` prices it, plus the
   stage's activation collectives (tp, cp) from :func:`fsdpfn.step_collectives` of
   ``plan.stage_plan(s)``, blocking as the one-stage simulator runs them;
+- ``stage_backward_input s m`` / ``stage_backward_weight s m`` (a split backward: the
+  zero-bubble schedule): the profile records each backward operator's FLOPs, not which
+  operand's gradient it computes, so the stage's backward compute is split half and half (a
+  matmul's two gradients, ``dX = dY W^T`` and ``dW = X^T dY``, cost the same FLOPs; the
+  elementwise rest, mostly on the activations' path, is the smaller part), and the backward's
+  activation collectives go to the input half: they carry activation gradients;
 - ``send_act`` / ``recv_act`` and ``send_grad`` / ``recv_grad``: the first unit of stage
   ``s + 1``'s tensor inputs as profiled, sent point to point over the pp axis's link (within a
   node or across, by the ranks' placement); a send does not wait, a recv waits for the data;
@@ -58,6 +64,8 @@ class PipelineSimResult:
       times: :func:`fsdpfn.pipeline_times` of the schedule with the priced stages: each rank's
         finish and compute time, the bubble, the peak activations per rank.
       forward, backward: seconds of one micro-batch's forward and backward of each stage.
+      backward_input, backward_weight: the two halves of each stage's backward, as a split
+        backward (``stage_backward_input`` / ``stage_backward_weight``) is priced.
       transfer: seconds of one hop across each stage boundary, and ``p2p_bytes`` its bytes.
       gather, reduce: seconds of each pp rank's stages' FSDP gathers (before its first op) and
         reduces (after its last).
@@ -92,6 +100,8 @@ class PipelineSimResult:
     schedule: PipelineSchedule = dataclasses.field(repr=False, compare=False)
     hardware: Hardware | None = dataclasses.field(default=None, repr=False, compare=False)
     notes: tuple[str, ...] = ()
+    backward_input: tuple[float, ...] = ()
+    backward_weight: tuple[float, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -204,6 +214,7 @@ def simulate_pipeline(
         return _rank_at(shape, c)
 
     fwd, bwd, acts, unsharded, in_bytes = [], [], [], [], []
+    bwd_in, bwd_w = [], []  # a split backward's halves (see [Note: pricing a pipeline schedule])
     static: list[dict] = []
     opt_s: list[float] = []
     gather_s, reduce_s = [0.0] * S, [0.0] * S
@@ -220,19 +231,22 @@ def simulate_pipeline(
 
         f = sum(w.seconds(hardware) for e, w in ws.work if e.kind in _FORWARD)
         b = sum(w.seconds(hardware) for e, w in ws.work if e.kind not in _FORWARD)
+        b_act = 0.0  # the backward's activation collectives: the input half's
         calls = step_collectives(sp, schedule=schedule(sp, reshard_after_forward=False), tokens=ws.tokens, attention=ws.attention)
         for c in calls:
             if c.activation:  # blocking after its unit's compute, as the one-stage simulator runs them
                 if c.phase == "forward":
                     f += seconds(c)
                 else:
-                    b += seconds(c)
+                    b_act += seconds(c)
             elif c.purpose == "gather" and c.phase == "forward":
                 gather_s[s] += seconds(c)
             elif c.phase == "backward":
                 reduce_s[s] += seconds(c)
         fwd.append(f)
-        bwd.append(b)
+        bwd.append(b + b_act)
+        bwd_in.append(b / 2 + b_act)
+        bwd_w.append(b / 2)
         acts.append(sum(b_ for _, b_ in ws.activations))
         first = stages.units[s][0]
         in_bytes.append(dict(workload.inputs).get(first, 0))
@@ -250,7 +264,8 @@ def simulate_pipeline(
     per_rank = [stages.stages_of(r) for r in range(p)]
     start = [sum(gather_s[s] for s in ss) for ss in per_rank]
     after = [sum(reduce_s[s] for s in ss) for ss in per_rank]
-    times = pipeline_times(schedule_, fwd, bwd, transfer=hops, start=start, after=after, activations=acts, plan=plan)
+    times = pipeline_times(schedule_, fwd, bwd, transfer=hops, start=start, after=after, activations=acts, plan=plan,
+                           backward_input=bwd_in, backward_weight=bwd_w)
     optimizer_r = [sum(opt_s[s] for s in ss) for ss in per_rank]
     step = max(t + o for t, o in zip(times.finish, optimizer_r))
     memory = []
@@ -266,4 +281,5 @@ def simulate_pipeline(
     notes = (f"per pp rank: {sends} activation sends on rank 0; tp/cp collectives block after their unit's compute; "
              "FSDP gathers before a rank's first op and reduces after its last (parameters stay unsharded through the step)",)
     return PipelineSimResult(step, times, tuple(fwd), tuple(bwd), tuple(hops), tuple(p2p), tuple(start), tuple(after),
-                             tuple(optimizer_r), tuple(memory), tokens, plan.world_size, schedule_, hardware, notes)
+                             tuple(optimizer_r), tuple(memory), tokens, plan.world_size, schedule_, hardware, notes,
+                             tuple(bwd_in), tuple(bwd_w))
