@@ -45,7 +45,7 @@ from fsdpfn._plan import ROOT, Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import Op, OpKind, schedule
 from fsdpfn._plan.steps import step_collectives
-from fsdpfn._plan.pipeline import PipeKind, PipeOp, PipelineSchedule, PipelineTimes, pipeline_times
+from fsdpfn._plan.pipeline import PipelineSchedule, PipelineTimes, pipeline_times
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._simulate import _mesh_groups, simulate
 from fsdpfn.sim._workload import EMPTY, Workload
@@ -232,7 +232,9 @@ def simulate_pipeline(
         f = sum(w.seconds(hardware) for e, w in ws.work if e.kind in _FORWARD)
         b = sum(w.seconds(hardware) for e, w in ws.work if e.kind not in _FORWARD)
         b_act = 0.0  # the backward's activation collectives: the input half's
-        calls = step_collectives(sp, schedule=schedule(sp, reshard_after_forward=False), tokens=ws.tokens, attention=ws.attention)
+        # The generated policy: a stage's units stay unsharded from their gather to the step's end.
+        held = schedule(sp, reshard_after_forward=False)
+        calls = step_collectives(sp, schedule=held, tokens=ws.tokens, attention=ws.attention)
         for c in calls:
             if c.activation:  # blocking after its unit's compute, as the one-stage simulator runs them
                 if c.phase == "forward":
@@ -250,7 +252,7 @@ def simulate_pipeline(
         acts.append(sum(b_ for _, b_ in ws.activations))
         first = stages.units[s][0]
         in_bytes.append(dict(workload.inputs).get(first, 0))
-        one = simulate(sp, schedule(sp, reshard_after_forward=False), ws, optimizer, hardware)
+        one = simulate(sp, held, ws, optimizer, hardware)
         opt_s.append(one.optimizer_time)
         static.append({k: one.memory[k] for k in ("params", "grads", "optimizer_state")})
         unsharded.append(one.memory["unsharded_peak"])  # reshard_after_forward=False: every unit of the stage at once
@@ -277,9 +279,8 @@ def simulate_pipeline(
         memory.append(m)
     # A micro-batch's tokens reach every tp rank of its pipeline; cp ranks each hold a part.
     tokens = workload.tokens * schedule_.micro_batches * plan.dp_size * plan.cp_size
-    sends = sum(1 for op in schedule_.ranks[0] if isinstance(op, PipeOp) and op.kind is PipeKind.SEND_ACT)
-    notes = (f"per pp rank: {sends} activation sends on rank 0; tp/cp collectives block after their unit's compute; "
-             "FSDP gathers before a rank's first op and reduces after its last (parameters stay unsharded through the step)",)
+    notes = ("tp/cp collectives block after their unit's compute; FSDP gathers before a rank's first op and reduces after "
+             "its last (parameters stay unsharded through the step)",)
     return PipelineSimResult(step, times, tuple(fwd), tuple(bwd), tuple(hops), tuple(p2p), tuple(start), tuple(after),
                              tuple(optimizer_r), tuple(memory), tokens, plan.world_size, schedule_, hardware, notes,
                              tuple(bwd_in), tuple(bwd_w))
