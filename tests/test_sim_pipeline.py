@@ -141,6 +141,9 @@ def test_bad_arguments_are_named(meta_gpt):
     other = fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=UNITS, stages=[["embed", "pos", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]])
     with pytest.raises(ScheduleError, match="was made for plan"):
         sim.simulate_pipeline(other, ps, wl, None, sim.H100_SXM)
+    coarse = sim.profile(model, fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks", "norm", "head"]), x)
+    with pytest.raises(ValueError, match=r"no work for units \['blocks.0'"):  # another plan's profile: named, not priced low
+        sim.simulate_pipeline(plan, ps, coarse, None, sim.H100_SXM)
     with pytest.raises(ValueError, match="global rank"):
         sim.simulate_pipeline(plan, ps, wl, None, sim.H100_SXM, rank=8)
 

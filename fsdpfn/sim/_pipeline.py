@@ -203,6 +203,11 @@ def simulate_pipeline(
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be a global rank of the plan's {plan.world_size} ranks, got {rank!r}")
     stages = plan.stages
+    profiled = {e.unit for e, _ in workload.work}
+    missing = [u for names in stages.units for u in names if u not in profiled]
+    if missing:  # their stages would be priced without their work
+        raise ValueError(f"simulate_pipeline: the workload has no work for units {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                         "of the plan; profile the model with this plan (fsdpfn.sim.profile(model, plan, micro_batch))")
     S, p, last = stages.num_stages, stages.pp_size, stages.num_stages - 1
     owner = {u: s for s, names in enumerate(stages.units) for u in names}
     pp_dim = cast(int, plan.axes.dim(Role.PP))  # a pipelined plan has a pp axis
