@@ -82,6 +82,7 @@ from fsdpfn._plan import placements as P
 from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.encode import _dtype_name, plan_fingerprint, plan_to_dict
 from fsdpfn._plan.placements import AxisPlacement
+from fsdpfn._plan.stage_mesh import mark_stage_mesh
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
@@ -710,6 +711,7 @@ class PlanValues:
         mesh = None
         if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(stage):
             mesh = self.mesh[names if len(names) > 1 else names[0]]
+            mark_stage_mesh(mesh, self.mesh, axes.names[cast(int, pp_dim)])  # [Note: a stage's parameters are part of one model]
         units = tuple(u for u in self.units if u.name in self.stages.units[stage])
         held = {p.name for u in units for p in u.params}
         tp = tuple((m, style) for m, style in self.tp if any(n.startswith(m + ".") for n in held))

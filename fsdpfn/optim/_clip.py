@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdpfn._plan.stage_mesh import pipeline_of
 from fsdpfn.optim._base import EmptyState, GradientTransformation
 from fsdpfn.optim._checks import check_real
 from fsdpfn.optim._tree import map_local
@@ -39,7 +40,10 @@ def global_norm(tree: Any) -> torch.Tensor:
     all-reduce per group of leaves placed alike) and counted once over the dimensions it is
     replicated on, so the result is the norm of the full tensors. On a (dp, tp) mesh a weight
     split over tp is summed over both axes, one replicated over tp over the data-parallel axis
-    only.
+    only. Leaves of a pipeline stage (a tree of :meth:`fsdpfn.runtime.PipelineRuntime.shard`'s
+    parameters or gradients, each pp rank holding its own stages') are summed over the pp ranks
+    too: the norm of the whole model's tree, the same on every stage (see [Note: a stage's
+    parameters are part of one model]).
 
     Example:
       >>> fsdpfn.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
@@ -47,13 +51,21 @@ def global_norm(tree: Any) -> torch.Tensor:
     """
     totals: dict[tuple, torch.Tensor] = {}
     meshes: dict[tuple, Any] = {}
+    pipelines: dict[int, Any] = {}  # the pp groups of stage leaves, first seen first
+    alone: list[str] = []  # leaves outside any pipeline, for the error below
     for x in optree.tree_leaves(tree):
         if isinstance(x, DTensor):
             key: tuple = (id(x.device_mesh), _sharded_dims(x))
             meshes[key] = x.device_mesh
             value = x._local_tensor
+            piped = pipeline_of(x.device_mesh)
+            if piped is not None:
+                pipelines.setdefault(id(piped[0]), piped)
+            else:
+                alone.append(f"a DTensor on {x.device_mesh}")
         else:
             key, value = (None, ()), x
+            alone.append(f"a plain {tuple(x.shape)} tensor")
         sq = value.float().square().sum()
         totals[key] = totals[key] + sq if key in totals else sq
     device = next(iter(totals.values())).device if totals else None  # the leaves' device, not the default one
@@ -63,6 +75,15 @@ def global_norm(tree: Any) -> torch.Tensor:
         for d in key[1]:
             C.all_reduce(buf, meshes[key].get_group(d), tag="global_norm")
         total = total + buf[0]
+    if pipelines:
+        if alone:  # the same leaf on every pp rank would be counted pp times
+            raise ValueError(f"global_norm: the tree mixes pipeline-stage parameters with {alone[0]}, which belongs to no "
+                             "stage; pass the stages' tree alone (PipelineRuntime.shard's parameters, or their gradients)")
+        buf = total.reshape(1).clone()
+        for mesh, pp_name in pipelines.values():
+            if mesh.size(mesh.mesh_dim_names.index(pp_name)) > 1:
+                C.all_reduce(buf, mesh.get_group(pp_name), tag="global_norm over pp")
+        total = buf[0]
     return total.sqrt()
 
 

@@ -12,7 +12,8 @@ ranks raise together.
 
 Which ranks: those of every mesh a DTensor leaf lives on (as :func:`global_norm` finds the meshes
 of its leaves), over all the mesh's dimensions, replicate dimensions included, so that replicas
-agree even if their gradients somehow differ. A mesh spanning every process, the usual case,
+agree even if their gradients somehow differ. For a pipeline stage's leaves that is the whole
+pipelined mesh, pp axis included: every stage skips the same steps. A mesh spanning every process, the usual case,
 HSDP included, reduces over the default group: one collective. A mesh over fewer processes
 reduces over each of its dimensions in turn (one collective per dimension). Plain-tensor leaves
 are this rank's alone, as in :func:`global_norm`: a run that keeps replicated plain tensors
@@ -28,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn import comm as C
+from fsdpfn._plan.stage_mesh import pipeline_of
 from fsdpfn.optim._base import GradientTransformation
 from fsdpfn.optim._checks import check_int, check_transform
 from fsdpfn.optim._tree import local, map_local, named_leaves
@@ -56,7 +58,11 @@ def _flag_groups(leaves: list[Any]) -> list[Any]:
     meshes: dict[int, Any] = {}
     for x in leaves:
         if isinstance(x, DTensor):
-            meshes.setdefault(id(x.device_mesh), x.device_mesh)
+            # a stage's leaves: the whole pipelined mesh decides (see [Note: a stage's
+            # parameters are part of one model])
+            piped = pipeline_of(x.device_mesh)
+            mesh = x.device_mesh if piped is None else piped[0]
+            meshes.setdefault(id(mesh), mesh)
     groups: dict[int, Any] = {}
     for mesh in meshes.values():  # first-seen order: the same on every rank
         if mesh.size() == 1:

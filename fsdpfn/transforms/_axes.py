@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, cast
 
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import mesh_dims, rows_over, split_roles, unit_row_roles
+from fsdpfn._plan.stage_mesh import copy_stage_mark
 from fsdpfn._plan import Plan
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def _dense_mesh(plan: Plan):
             parts.append(sub._flatten("_".join(names)) if len(names) > 1 else sub)
         # The other axes' groups already exist: nothing more is created collectively here.
         cached = parts[0] if len(parts) == 1 else type(mesh)._concatenate(parts)
+        copy_stage_mark(mesh, cached)  # a stage's dense mesh is still that stage's
         setattr(mesh, _DENSE, cached)
     return cached
 
