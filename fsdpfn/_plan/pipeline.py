@@ -53,13 +53,13 @@ import dataclasses
 import enum
 import re
 from collections.abc import Sequence
-from typing import Union
+from typing import Union, cast
 
 from fsdpfn._plan.schedule import GradState, Op, OpKind, ScheduleError, UnitState, unit_ops
 from fsdpfn._plan.stages import Stages
 from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
-__all__ = ["PIPELINE_SCHEDULES", "PipeKind", "PipeOp", "PipelineSchedule", "PipelineTimes", "pipeline_schedule",
+__all__ = ["PIPELINE_SCHEDULES", "PipeKind", "PipeOp", "PipelineSchedule", "PipelineTimes", "forward_only", "pipeline_schedule",
            "pipeline_times", "validate_pipeline"]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -465,6 +465,40 @@ def pipeline_schedule(plan_or_stages: "PlanValues | Stages", name: str = "1f1b",
             ops = _with_fsdp(ops, plan, stages, prefetch)  # type: ignore[arg-type]
         ranks.append(tuple(ops))
     return PipelineSchedule(name, plan.fingerprint if plan is not None else "-", p, stages.num_stages, m, tuple(ranks))
+
+
+def forward_only(plan: PlanValues, micro_batches: int, *, prefetch: int = 1) -> PipelineSchedule:
+    """Every pp rank's op list for a forward pass alone (``PipelineRuntime.evaluate``): GPipe's forwards and
+    activation transfers, each stage's gathers before its first forward and a ``free`` of each
+    unit after its last, and nothing of the backward (no gradient transfers, no reduces).
+
+    It is GPipe's list with the backward taken out, so its transfers pair up as GPipe's do (a
+    recv takes its peer's send in order, checked here); :func:`validate_pipeline`, which asks
+    every micro-batch for a backward, is for training lists.
+
+    Example:
+      >>> ps = forward_only(fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=["embed", "pos", "blocks.0", "blocks.1",
+      ...                   "norm", "head"]), 2)
+      >>> [str(op) for op in ps.ranks[1]][-5:]
+      ['recv_act s1 m1', 'stage_forward s1 m1', 'free blocks.1', 'free norm', 'free head']
+    """
+    full = pipeline_schedule(plan, "gpipe", micro_batches, prefetch=prefetch)
+    stages = cast(Stages, plan.stages)
+    ranks = []
+    for ops in full.ranks:
+        kept: list[AnyOp] = []
+        for op in ops:
+            if isinstance(op, Op):
+                if op.kind in (OpKind.GATHER, OpKind.WAIT):  # the forward's; frees and reduces are the backward's
+                    kept.append(op)
+            elif op.kind in (PipeKind.STAGE_FORWARD, PipeKind.SEND_ACT, PipeKind.RECV_ACT):
+                kept.append(op)
+                if op.kind is PipeKind.STAGE_FORWARD and op.micro == micro_batches - 1:
+                    kept += [Op(OpKind.FREE, u) for u in stages.units[op.stage]]
+        ranks.append(tuple(kept))
+    ps = PipelineSchedule("forward", full.plan_fingerprint, full.pp_size, full.num_stages, micro_batches, tuple(ranks))
+    _check_pairs(ps)
+    return ps
 
 
 # ---- the validator ------------------------------------------------------------------------------

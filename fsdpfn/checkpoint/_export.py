@@ -8,6 +8,7 @@ from typing import Mapping
 import torch
 
 from fsdpfn import comm
+from fsdpfn._plan.axes import Role
 from fsdpfn.transforms import check_params
 from fsdpfn.checkpoint._agree import agree, decide, timeout_scope
 
@@ -50,6 +51,9 @@ def export_full(
       model: the (unsharded) module the state dict is for. If given, the file has exactly
         ``model.state_dict()``'s keys: tied weights under each of their names, and the model's
         buffers. Without it, the keys are ``params``' names.
+        A pipelined plan (a mesh with a ``pp`` axis) takes each rank's own stages' parameters
+        (``PipelineRuntime.shard``'s): every stage's full tensors travel to rank 0, which
+        writes the whole model.
       dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``) on export.
       timeout: seconds each collective of the call may wait, the entry check included
         (see :func:`fsdpfn.checkpoint.save`); default ``None``: :func:`fsdpfn.comm.timeout`.
@@ -76,7 +80,10 @@ def export_full(
             problem = e
         agree(problem, "fsdpfn.checkpoint.export_full")
         with torch.no_grad():
-            full = {n: _full(x) for n, x in params.items()}  # same order on every rank
+            if plan is not None and plan.stages is not None:
+                full = _gather_stages(params, plan)
+            else:
+                full = {n: _full(x) for n, x in params.items()}  # same order on every rank
         if dtype is not None:
             full = {n: x.to(dtype) if x.is_floating_point() else x for n, x in full.items()}
         full = {n: x.cpu() for n, x in full.items()}
@@ -88,17 +95,61 @@ def export_full(
 def _check_names(params, plan, model) -> dict[str, str | None] | None:
     """``{state_dict key: parameter name or None}`` (``None`` without a model), after checking
     that ``params`` has the plan's and the model's parameters."""
-    if plan is not None:
+    here = plan.param_names if plan is not None else list(params)
+    if plan is not None and plan.stages is not None:
+        stage_plans = _stage_plans(plan)
+        for sp in stage_plans:
+            check_params({n: params.get(n) for n in sp.param_names}, sp, "export_full(params)")
+        here = [n for sp in stage_plans for n in sp.param_names]
+        extra = sorted(set(params) - set(here))
+        if extra:
+            raise ValueError(f"export_full: params holds {extra[:4]}, which are not in this rank's pipeline stages; pass "
+                             "this rank's stages' parameters (PipelineRuntime.shard's dict)")
+        here = plan.param_names  # every stage's, on rank 0
+    elif plan is not None:
         check_params(params, plan, "export_full(params)")
     if model is None:
         return None
     keys = _state_dict_names(model)
-    absent = [(k, n) for k, n in keys.items() if n is not None and n not in params]
+    absent = [(k, n) for k, n in keys.items() if n is not None and n not in here]
     if absent:
         key, name = absent[0]
-        raise ValueError(f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in params "
+        raise ValueError(f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in {'the plan' if plan is not None and plan.stages is not None else 'params'} "
                          f"({len(absent)} missing); pass every parameter of the model")
     return keys
+
+
+def _stage_plans(plan) -> list:
+    """The stage plans of the stages this rank runs."""
+    pp_name = plan.axes.names[plan.axes.dim(Role.PP)]
+    return [plan.stage_plan(s) for s in plan.stages.stages_of(plan.mesh.get_local_rank(pp_name))]
+
+
+def _gather_stages(params, plan) -> dict[str, torch.Tensor]:
+    """Every parameter's full tensor on rank 0 (the others return what they gathered).
+
+    [Note: exporting a pipeline]
+    Each stage's ranks gather its parameters as without pp (over the stage's mesh); then the pp
+    rank of the stage that holds global rank 0's other coordinates (its pp group) sends them to
+    rank 0, one point-to-point transfer per tensor, shaped and typed as the plan says. Every rank
+    walks the plan's parameters in the same order, so each stage's gathers and each pair's
+    transfers happen in one order everywhere."""
+    pp_name = plan.axes.names[plan.axes.dim(Role.PP)]
+    group = plan.mesh.get_group(pp_name)
+    me, to_zero = plan.mesh.get_local_rank(pp_name), 0 in comm.group_ranks(group)
+    full, sends = {}, []
+    for name in plan.param_names:  # one order on every rank
+        owner = plan.stages.rank_of(plan.stages.stage_of(plan.unit_of(name).name))
+        if owner == me:
+            full[name] = _full(params[name])
+            if to_zero and me != 0:
+                sends.append(comm.pp_send(full[name], 0, group, tag="export_full"))
+        elif to_zero and me == 0:
+            spec = plan.param(name)
+            full[name] = comm.pp_recv(torch.empty(spec.shape, dtype=spec.dtype), owner, group, tag="export_full").wait()
+    for pending in sends:
+        pending.wait()
+    return full
 
 
 def _write(path: str, full: dict[str, torch.Tensor], keys, model) -> None:

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
-from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, pipeline_schedule, validate_pipeline
+from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, forward_only, pipeline_schedule, validate_pipeline
 from fsdpfn._plan.schedule import Op
 from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send
@@ -159,6 +159,9 @@ class PipelineRuntime:
         self._ex = {s: Executor(sp, default_schedule(sp, prefetch), comm) for s, sp in self.stage_plans.items()}
         self._stage_of_unit = {u.name: s for s, sp in self.stage_plans.items() for u in sp.units}
         self.last_ops: list[str] = []
+        self._prefetch = prefetch
+        self._forward_only: PipelineSchedule | None = None  # built on the first evaluate
+        self._train = True
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -235,19 +238,23 @@ class PipelineRuntime:
 
         Example: see :class:`PipelineRuntime`.
         """
-        ps, m = self.schedule, self.schedule.micro_batches
+        return self._run(self.schedule, params, inputs, targets, train=True)
+
+    def _run(self, ps: PipelineSchedule, params, inputs, targets, train: bool) -> tuple[dict[str, DTensor | None], torch.Tensor]:
+        m = ps.micro_batches
+        what = "step" if train else "evaluate"
         rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
         if rows is None or rows % m:
-            raise ValueError(f"PipelineRuntime.step: inputs has {rows} rows (dim 0), which micro_batches={m} does not divide; "
+            raise ValueError(f"PipelineRuntime.{what}: inputs has {rows} rows (dim 0), which micro_batches={m} does not divide; "
                              f"pass a batch of a multiple of {m} rows, or build the runtime with a micro_batches that divides {rows}")
         if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or targets.shape[0] != rows:
-            raise ValueError(f"PipelineRuntime.step: targets must be a tensor with the inputs' {rows} rows (dim 0), got "
+            raise ValueError(f"PipelineRuntime.{what}: targets must be a tensor with the inputs' {rows} rows (dim 0), got "
                              f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
         for s, sp in self.stage_plans.items():
             missing = [n for n in sp.param_names if n not in params]
             if missing:
-                raise ValueError(f"PipelineRuntime.step: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
-            check_params({n: params[n] for n in sp.param_names}, sp, "PipelineRuntime.step(params)")
+                raise ValueError(f"PipelineRuntime.{what}: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
+            check_params({n: params[n] for n in sp.param_names}, sp, f"PipelineRuntime.{what}(params)")
         self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
@@ -259,6 +266,7 @@ class PipelineRuntime:
         self._losses: dict[int, torch.Tensor] = {}
         self._sends: dict[PipeOp, list] = {}                     # transfers in flight, by their send op
         self.last_ops = []
+        self._train = train
         self._seeds: dict[tuple[int, int], torch.Tensor | None] = {}  # an input half's seed, for its weight half
         run = {PipeKind.STAGE_FORWARD: self._forward, PipeKind.STAGE_BACKWARD: self._backward,
                PipeKind.STAGE_BACKWARD_INPUT: self._backward_input, PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
@@ -284,19 +292,65 @@ class PipelineRuntime:
             self._sends, self._saved, self._acts, self._grads, self._outbox, self._seeds = {}, {}, {}, {}, {}, {}
         last = ps.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32)
+        if not train:
+            for ex in self._ex.values():
+                ex.results, ex.full_grads, ex.local_acc = {}, {}, {}
         if ps.rank_of(last) == self.pp_rank:
             loss = torch.stack([self._losses[k].float() for k in range(m)]).sum() / m
         loss = broadcast(loss.reshape(1), src=self._global[ps.rank_of(last)], group=self.group, tag="pp_loss").reshape(())
         grads: dict[str, DTensor | None] = {}
-        for s, ex in self._ex.items():
+        for s, ex in self._ex.items() if train else ():
             names = [p.name for u in self.stage_plans[s].units for p in u.params]
             grads.update(zip(names, ex.shard_grads()))
         return grads, loss
+
+    @torch.no_grad()
+    def evaluate(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, targets: Any) -> torch.Tensor:
+        """The batch's mean loss, forward only (validation): the micro-batches go through the
+        stages in GPipe's order (the op list :attr:`eval_schedule`), each stage's units
+        gathered before its first micro-batch and freed after its last; no graph is kept and
+        nothing is reduced.
+
+        Args: as :meth:`step`'s.
+
+        Returns:
+          ``sum_k loss_fn(out_k, y_k) / m`` on every pp rank (this data-parallel rank's batch),
+          the loss :meth:`step` returns for the same parameters.
+
+        Example:
+          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          ...                       "blocks.1", "norm", "head"])
+          >>> ce = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+          >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "1f1b", micro_batches=2, loss_fn=ce)
+          >>> loss = pipe.evaluate(pipe.shard(model), x, y)
+          >>> torch.allclose(loss, ce(model(x), y)), loss.requires_grad
+          (True, False)
+        """
+        return self._run(self.eval_schedule, params, inputs, targets, train=False)[1]
+
+    @property
+    def eval_schedule(self) -> PipelineSchedule:
+        """The op lists :meth:`evaluate` runs: GPipe's forwards and activation transfers with
+        the stages' gathers and frees (printable like :attr:`schedule`)."""
+        if self._forward_only is None:
+            self._forward_only = forward_only(self.plan, self.schedule.micro_batches, prefetch=self._prefetch)
+        return self._forward_only
 
     def _forward(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
         last = s == self.schedule.num_stages - 1
         ex = self._ex[s]
+        if not self._train:  # evaluate: no graph, nothing saved for a backward
+            x = self._xs[k] if s == 0 else self._acts.pop((s, k))
+            params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
+            out = torch.func.functional_call(self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,))
+            if last:
+                self._losses[k] = self.loss_fn(out, self._ys[k]).detach()
+            elif self.schedule.rank_of(s + 1) == self.pp_rank:
+                self._acts[(s + 1, k)] = out
+            else:
+                self._outbox[(s, k)] = out
+            return
         leaves = {p.name: t.detach().requires_grad_() for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
         if s == 0:
             x = self._xs[k]
