@@ -10,6 +10,7 @@ loss, saves checkpoints as it goes, and prints a text sample at the end::
     python examples/train_gpt.py --world-size 4 --tp 2                # FSDP x tensor parallel
     python examples/train_gpt.py --world-size 4 --cp 2 --seq-len 256  # context parallel: each rank half of every sequence
     python examples/train_gpt.py --world-size 4 --experts 4 --ep 2    # mixture of experts, expert parallel
+    python examples/train_gpt.py --world-size 4 --pp 2 --schedule interleaved_1f1b  # pipeline x FSDP
     python examples/train_gpt.py --resume runs/gpt/ckpt/step_00000400 --steps 600 --out runs/from400
                                                                  # a given checkpoint, into another run
     python examples/train_gpt.py --world-size 4 --replicas 2 --ft --ft-timeout 10 --out runs/ft
@@ -63,6 +64,7 @@ import fsdpfn
 from fsdpfn import checkpoint, comm, optim
 from fsdpfn.launch import RankError, cuda_problem, launch, shutdown, under_torchrun
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
+from fsdpfn.runtime import PipelineRuntime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "tiny_tales.txt")
@@ -101,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention over cp, parameters sharded over shard x cp (mesh (dp, cp[, tp]))")
     g.add_argument("--cp-strategy", default="allgather", choices=["allgather", "ring"],
                    help="how attention fetches the other ranks' keys and values (with --cp)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel degree: the model cut into stages (embedding, blocks, head), each on its own "
+                        "ranks, with FSDP (and --tp) inside a stage")
+    g.add_argument("--schedule", default=None, choices=list(fsdpfn.PIPELINE_SCHEDULES),
+                   help="with --pp: the pipeline schedule (interleaved_1f1b: two stages per pp rank) (default: 1f1b)")
+    g.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="with --pp: micro-batches per step, dividing --batch-size (default: the most, up to 2 x --pp, "
+                        "that divide it)")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (with --experts): each MoE layer's experts split over ep ranks, tokens "
                         "sent to their experts by all-to-alls, each expert sharded over the world / ep ranks of its "
@@ -292,9 +302,46 @@ def check_ft(args, world: int) -> str | None:
     return None
 
 
+def check_pipeline(args, world: int) -> str | None:
+    """The first pipeline flag (``--pp``, ``--schedule``, ``--micro-batches``) that cannot work
+    with the others, or ``None``. Sets their defaults when ``--pp`` is given."""
+    if args.pp == 1:
+        for flag, value in (("--schedule", args.schedule), ("--micro-batches", args.micro_batches)):
+            if value is not None:
+                return f"{flag} needs --pp (the pipeline-parallel degree, e.g. --pp 2)"
+        return None
+    args.schedule = args.schedule or "1f1b"
+    for flag, value in (("--cp", args.cp > 1), ("--experts", args.experts > 0), ("--ft", args.ft), ("--fp8", args.fp8),
+                        ("--replicas", args.replicas > 1), ("--executor pure", args.executor == "pure")):
+        if value:
+            return (f"--pp {args.pp} with {flag}: not supported yet (pipelines run with FSDP and --tp inside each stage); "
+                    f"drop {flag.split()[0]} or --pp")
+    if world % (args.pp * args.tp):
+        return f"--pp {args.pp} x --tp {args.tp} must divide the world size {world} (the mesh is (pp, dp, tp))"
+    stages = 2 * args.pp if args.schedule == "interleaved_1f1b" else args.pp
+    units = args.depth + 4  # embedding, positions, each block, final norm, head
+    if stages > units:
+        return (f"--pp {args.pp} with --schedule {args.schedule} cuts the model into {stages} stages, but it has only {units} "
+                f"units (--depth {args.depth} blocks + embedding, positions, norm and head); raise --depth or lower --pp")
+    step = args.pp if args.schedule == "interleaved_1f1b" else 1
+    if args.micro_batches is None:  # the most up to 2 x pp that divide the batch (a multiple of pp when interleaved)
+        args.micro_batches = max((m for m in range(step, 2 * args.pp + 1, step) if args.batch_size % m == 0), default=None)
+        if args.micro_batches is None:
+            return (f"--pp {args.pp} with --schedule {args.schedule}: no micro-batch count divides --batch-size "
+                    f"{args.batch_size}{f' in multiples of {step}' if step > 1 else ''}; pass --batch-size {2 * args.pp} "
+                    "(or a multiple) or --micro-batches")
+    if args.micro_batches < 1 or args.batch_size % args.micro_batches:
+        return (f"--micro-batches {args.micro_batches} must be >= 1 and divide --batch-size {args.batch_size} (each "
+                "micro-batch holds batch-size / micro-batches sequences)")
+    if args.schedule == "interleaved_1f1b" and args.micro_batches % args.pp:
+        return (f"--schedule interleaved_1f1b sends micro-batches through each stage in groups of --pp {args.pp}: "
+                f"--micro-batches {args.micro_batches} must be a multiple of it")
+    return None
+
+
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a message naming it, or ``None``."""
-    positive = ("world_size", "replicas", "tp", "cp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
+    positive = ("world_size", "replicas", "tp", "cp", "pp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
                 "keep", "log_every", "max_nonfinite")
     for name in positive:
         if getattr(args, name) < 1:
@@ -322,7 +369,7 @@ def check_args(args) -> str | None:
         return f"--cp {args.cp} with --experts/--ep: context parallelism beside expert parallelism is not supported yet"
     if args.heads % args.tp:
         return f"--tp {args.tp} must divide --heads {args.heads} (each tp rank computes whole heads)"
-    problem = check_ft(args, world) or check_experts(args, world)
+    problem = check_ft(args, world) or check_experts(args, world) or check_pipeline(args, world)
     if problem:
         return problem
     if args.fp8 and args.strategy == "replicate":
@@ -432,6 +479,10 @@ def make_forward(model, plan, args):
     return pure
 
 
+def cross_entropy(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 def make_loss(forward, plan=None, cp_strategy="allgather"):
     """``loss_fn(params, x, y, aux=True)``: cross-entropy, plus the MoE layers' load-balancing
     loss (with ``--experts``) unless ``aux=False``. With a cp axis in ``plan``, each rank keeps
@@ -445,22 +496,24 @@ def make_loss(forward, plan=None, cp_strategy="allgather"):
         with fsdpfn.context_parallel(plan, strategy=cp_strategy) if cp else contextlib.nullcontext():
             out = forward(params, x)
         logits, balance = out if isinstance(out, tuple) else (out, None)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = cross_entropy(logits, y)
         return loss + balance if aux and balance is not None else loss
 
     return loss_fn
 
 
-def make_step(loss_fn, opt, replicas=None, before_reduce=None):
+def make_step(loss_fn, opt, replicas=None, before_reduce=None, pipe=None):
     """``step(state, x, y, norm=False) -> (state, local loss, global gradient norm or None)``.
     ``torch.func.grad`` of a loss over sharded parameters gives sharded, reduced gradients;
     ``opt`` turns them into updates. The norm (one all-reduce) is computed only when asked.
+    With ``pipe`` (``--pp``) the pipeline runtime's step gives this rank's stages' gradients,
+    and the norm spans every stage.
 
     With ``replicas`` (a :class:`fsdpfn.ft.ReplicaGroup`) the gradients are first averaged over
     the replica groups alive; a step that was not committed returns ``state`` unchanged (its
     ``"step"`` too). ``before_reduce(step)`` runs between the backward and that average (fault
     injection)."""
-    grad_and_loss = torch.func.grad_and_value(loss_fn)
+    grad_and_loss = pipe.step if pipe is not None else torch.func.grad_and_value(loss_fn)
 
     def step(state, x, y, norm=False):
         grads, loss = grad_and_loss(state["params"], x, y)
@@ -616,6 +669,7 @@ class Job:
     opt: optim.GradientTransformation
     data_rank: int  # which batches this rank reads: its data-parallel index (tp ranks share one)
     tag: str = ""  # before the lines this job prints: which replica group, with --ft
+    pipe: PipelineRuntime | None = None  # with --pp: runs this rank's stages
 
 
 OUTPUTS = dict(ft="ft.jsonl", metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt")
@@ -639,7 +693,11 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
             model = GPT(cfg)
     # With --ft this process is one replica group: the replicate dim is fsdpfn.ft's, not the mesh's.
     replicas = 1 if args.ft else args.replicas
-    if args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
+    if args.pp > 1:  # named axes: pipeline x data parallel (x tensor parallel)
+        dims = {"pp": args.pp, "dp": world // (args.pp * args.tp), "tp": args.tp}
+        dims = {n: d for n, d in dims.items() if d > 1 or n != "tp"}
+        mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    elif args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
         shard = world // (replicas * args.cp * args.tp)
         dims = {"replicate": replicas, "shard": shard, "cp": args.cp, "tp": args.tp}
         dims = {n: d for n, d in dims.items() if d > 1 or n in ("shard", "cp")}
@@ -654,10 +712,23 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
+    pipelined = {}
+    if args.pp > 1:  # stages are runs of whole units: the embedding and the head get units of their own
+        units = ["embed", "pos", *(f"blocks.{i}" for i in range(args.depth)), "norm", "head"]
+        pipelined = dict(units=units, stages=2 * args.pp if args.schedule == "interleaved_1f1b" else None)
     plan = fsdpfn.plan(model, mesh, strategy=args.strategy, mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None,
-                       tp=GPT_TP_PLAN if args.tp > 1 else None)
+                       tp=GPT_TP_PLAN if args.tp > 1 else None, **pipelined)
     opt = make_optimizer(args)
-    if args.init == "full":
+    pipe = None
+    if args.pp > 1:  # this rank's stages only, each sharded over its data-parallel ranks
+        pipe = PipelineRuntime(model, plan, args.schedule, args.micro_batches, loss_fn=cross_entropy, prefetch=args.prefetch,
+                               device=device)
+        if args.init == "full":
+            params = pipe.shard(model)
+        else:
+            params = {n: t for sp in pipe.stage_plans.values()
+                      for n, t in fsdpfn.init_shards(model, sp, seed=args.seed, device=device).items()}
+    elif args.init == "full":
         params = fsdpfn.shard(model, plan)
     else:  # one parameter at a time, seeded by its path: the same values on any world size or plan
         params = fsdpfn.init_shards(model, plan, seed=args.seed, device=device)
@@ -666,7 +737,7 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     data_rank = fsdpfn.transforms.dp_rank(plan)
     if args.ft:  # replica group I reads the batches of the I-th replica of the same HSDP job without --ft
         data_rank += args.replica_group * plan.dp_size
-    job = Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt, data_rank)
+    job = Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt, data_rank, pipe=pipe)
     return job, state
 
 
@@ -684,7 +755,7 @@ def announce(job: Job) -> None:
         args = job.args
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
               f"training characters; {job.world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; "
-              f"{args.strategy}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
+              f"{args.strategy}{f' x pp={args.pp} ({args.schedule}, {args.micro_batches} micro-batches)' if args.pp > 1 else ''}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
 
 def resume(job: Job, state: dict) -> tuple[dict, dict | None]:
@@ -844,7 +915,7 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
     args, rank, world, device = job.args, job.rank, job.world, job.device
     data_rank = job.data_rank
     fault = Fault(args, rank) if replicas is not None else None
-    step_fn = make_step(loss_fn, job.opt, replicas, fault.before_reduce if fault else None)
+    step_fn = make_step(loss_fn, job.opt, replicas, fault.before_reduce if fault else None, job.pipe)
     progress = Progress(args.steps, state["step"], enabled=rank == 0 and not args.no_progress)
     tokens_per_step = job.plan.dp_size * args.batch_size * args.seq_len
     t_start = t_window = time.perf_counter()
@@ -921,13 +992,22 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
     """A plain state dict, a sample, the plot, a summary."""
     args, paths = job.args, job.paths
     checkpoint.export_full(paths["model"], state["params"], job.plan, model=job.model)  # collective
-    with torch.no_grad():
-        full = fsdpfn.unshard(state["params"], job.plan)  # collective
-    # Under tp (ep) the model's layers run tp (all-to-all) collectives: every rank samples (the
-    # same text, same seed).
     want_sample = args.sample_chars > 0  # --sample-chars 0: no sample, no sample.txt, no frame
-    if want_sample and (job.rank == 0 or job.plan.tp_size > 1 or job.plan.ep_size > 1):
-        text = sample(job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device, args.seed)
+    if job.pipe is not None:  # each rank holds its stages only: rank 0 samples from the exported model
+        if want_sample and job.rank == 0:
+            with torch.device("meta"):
+                whole = GPT(job.cfg)
+            whole.load_state_dict(torch.load(paths["model"], weights_only=True), assign=True)
+            text = sample(whole, dict(whole.named_parameters()), job.vocab, "Once upon a time", args.sample_chars,
+                          args.seq_len, job.device, args.seed)
+    else:
+        with torch.no_grad():
+            full = fsdpfn.unshard(state["params"], job.plan)  # collective
+        # Under tp (ep) the model's layers run tp (all-to-all) collectives: every rank samples
+        # (the same text, same seed).
+        if want_sample and (job.rank == 0 or job.plan.tp_size > 1 or job.plan.ep_size > 1):
+            text = sample(job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device,
+                          args.seed)
     if job.rank == 0:
         if want_sample:
             with open(paths["sample"], "w") as f:
@@ -971,7 +1051,10 @@ def train(rank: int, world: int, args) -> None:
             print(note)
     start = state["step"]
     start_logs(job, start)
-    loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
+    if job.pipe is not None:  # the pipeline's forward-only pass, for the validation loss
+        loss_fn = lambda params, x, y, aux=True: job.pipe.evaluate(params, x, y)  # noqa: E731
+    else:
+        loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
     replicas = None
     if args.ft:
         job.tag = f"[replica group {args.replica_group}] "

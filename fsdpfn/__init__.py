@@ -27,6 +27,7 @@ from fsdpfn._plan import ParamSpec as ParamSpec
 from fsdpfn._plan import Plan as Plan
 from fsdpfn._plan import Stages as Stages
 from fsdpfn._plan import PipeOp as PipeOp
+from fsdpfn._plan import PIPELINE_SCHEDULES as PIPELINE_SCHEDULES
 from fsdpfn._plan import PipelineSchedule as PipelineSchedule
 from fsdpfn._plan import pipeline_schedule as pipeline_schedule
 from fsdpfn._plan import pipeline_times as pipeline_times
@@ -91,6 +92,7 @@ __all__ = [
     "Role",
     "Stages",
     "PipeOp",
+    "PIPELINE_SCHEDULES",
     "PipelineSchedule",
     "pipeline_schedule",
     "pipeline_times",

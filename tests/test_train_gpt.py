@@ -357,3 +357,67 @@ def test_moe_demo_on_an_ep_mesh_trains_and_resumes_bitwise(tmp_path):
         model = GPT(GPTConfig(**json.load(f)["model"]))
     model.load_state_dict(a)
     assert a["blocks.0.moe.experts.w1"].shape[0] == 4 and "blocks.1.fc.weight" in a
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline parallelism: --pp / --schedule / --micro-batches
+# ---------------------------------------------------------------------------------------------
+
+PP = ["--depth", "2", "--optimizer", "adamw"]
+
+
+def _close(a, b):
+    """Logged numbers (rounded to 5 decimals) of two runs whose gradients sum the same terms in
+    another order: within the rounding (1e-5) plus 1e-6 relative (see [Note: the tolerance of
+    the pipeline parity tests] in test_pp_runtime.py: <= 1e-6 relative after 10 AdamW steps)."""
+    return abs(a - b) <= 1e-5 + 1e-6 * abs(b)
+
+
+def test_pipelined_demo_equals_the_unpipelined_run_and_resumes_without_pp(tmp_path):
+    # (pp 2, dp 2) on 4 ranks reads the batches of dp 2 on 2 ranks: the same run, step by step;
+    # its step-4 checkpoint resumes on 2 ranks without pp, as the unpipelined run continues.
+    piped, flat, resumed = tmp_path / "piped", tmp_path / "flat", tmp_path / "resumed"
+    log = _run(piped, *PP, "--world-size", "4", "--pp", "2")
+    assert "zero3 x pp=2 (1f1b, 2 micro-batches)" in log, log
+    _run(flat, *PP)
+    a, b = _metrics(piped), _metrics(flat)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8]
+    for r, s in zip(a, b):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (key in r) == (key in s) and (key not in r or _close(r[key], s[key])), (key, r, s)
+    assert "Once upon a time" in (piped / "sample.txt").read_text()
+    pa = torch.load(piped / "model.pt", weights_only=True)
+    pb = torch.load(flat / "model.pt", weights_only=True)
+    assert pa.keys() == pb.keys()
+    for k in pb:
+        a_k, b_k = pa[k], pb[k]
+        if k.endswith("qkv.bias"):
+            # The key part of a qkv bias has an exactly-zero true gradient (softmax ignores a
+            # shift common to a row's logits): its gradient is rounding noise, which AdamW
+            # scales to steps of up to ~lr each, in either run. So it is bounded by 2 lr per step
+            # (--adamw-lr 3e-3, 8 steps), the rest as every other parameter. Rows are head-major
+            # (q, k, v of head 0, then head 1), heads of 16.
+            rows = a_k.view(2, 3, 16)
+            keys = (rows[:, 1] - b_k.view(2, 3, 16)[:, 1]).abs().max()
+            assert keys <= 2 * 3e-3 * 8, (k, keys)
+            a_k, b_k = rows[:, 0::2].reshape(-1), b_k.view(2, 3, 16)[:, 0::2].reshape(-1)
+        assert (a_k - b_k).norm() <= 1e-6 * b_k.norm(), (k, ((a_k - b_k).norm() / b_k.norm()).item())
+
+    log = _run(resumed, *PP, "--resume", str(piped / "ckpt" / "step_00000004"))
+    assert "(step 4, saved on 4 rank(s)" in log, log
+    for r, s in zip(_metrics(resumed), b[2:]):
+        assert r["step"] == s["step"] and _close(r["loss"], s["loss"]), (r, s)
+
+
+def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path):
+    for flags, named in [(["--schedule", "gpipe"], "--schedule needs --pp"),
+                         (["--micro-batches", "2"], "--micro-batches needs --pp"),
+                         (["--pp", "2", "--cp", "2", "--world-size", "4"], "--pp 2 with --cp: not supported yet"),
+                         (["--pp", "2", "--experts", "2"], "--pp 2 with --experts: not supported yet"),
+                         (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 must be >= 1 and divide --batch-size 2"),
+                         (["--pp", "2", "--world-size", "3"], "--pp 2 x --tp 1 must divide the world size 3"),
+                         (["--pp", "4", "--world-size", "4", "--schedule", "interleaved_1f1b"], "cuts the model into 8 stages"),
+                         (["--pp", "2", "--schedule", "nope"], "invalid choice: 'nope'")]:
+        proc = _run_raw(tmp_path / "bad", *flags, timeout=60)
+        assert proc.returncode == 2 and named in proc.stderr, (flags, proc.stderr[-500:])
+        assert not (tmp_path / "bad" / "metrics.jsonl").exists()
