@@ -12,7 +12,17 @@ GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per r
 (p - 1) / (3 m + p - 1) for zero bubble, and each schedule's peak micro-batches in flight per rank
 (GPipe v m, 1F1B p - r, zero bubble p).
 
-Part 2 (about a minute of profiling on meta): Llama 3.1 405B (126 blocks, width 16384, GQA 128/8,
+Part 2 (about a minute, 2 gloo ranks): the same four schedules run by
+:class:`fsdpfn.runtime.PipelineRuntime` on pp = 2 (a GPT of width 256, 4 blocks, 128 tokens per
+sequence, 8 micro-batches of 2 sequences), ``profile=True``: each rank's measured bubble (the
+fraction of its step outside stage forwards and backwards) beside what :func:`fsdpfn.pipeline_times`
+gives for the same op lists priced with the forward and backward times measured per stage (so
+the difference is what the schedule model leaves out: transfers, FSDP ops, the two ranks sharing
+2 cores with gloo's threads), and each rank's peak activation bytes against the op lists' count
+priced with the bytes one micro-batch's forward keeps (equal when the runtime frees exactly when
+the schedule says).
+
+Part 3 (about a minute of profiling on meta): Llama 3.1 405B (126 blocks, width 16384, GQA 128/8,
 ffn 53248) at 8,192 tokens, micro-batch 1, 32 micro-batches per step, bf16 parameters with float32
 reduces, remat="full", AdamW, on ``sim.H100_96GB_500W`` (torchtitan's part), mesh
 (pp 8, dp 8, tp 8), 1F1B over 8 stages and interleaved 1F1B over 16, simulated by
@@ -64,6 +74,88 @@ def bubbles() -> list[float]:
     return [worst]
 
 
+MEASURE_CFG = dict(vocab_size=64, seq_len=128, width=256, depth=4, heads=4)
+MEASURE_UNITS = ["embed", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+
+
+def _measure(rank, world, name, micro, per_micro, steps):
+    """One pp rank: ``steps`` profiled steps of ``name`` (the first one a warm-up, dropped)."""
+    from fsdpfn import testing
+    from fsdpfn.models import GPT, GPTConfig
+    from fsdpfn.runtime import PipelineRuntime
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    torch.manual_seed(0)
+    cfg = GPTConfig(**MEASURE_CFG)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=MEASURE_UNITS,
+                       stages=4 if name == "interleaved_1f1b" else 2)
+    ce = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    pipe = PipelineRuntime(model, plan, name, micro, loss_fn=ce, profile=True)
+    params = pipe.shard(model)
+    tokens = torch.randint(0, cfg.vocab_size, (micro * per_micro, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(steps):
+        pipe.step(params, tokens[:, :-1], tokens[:, 1:])
+        out.append(pipe.last_profile)
+    return out[1:], str(plan.fingerprint)
+
+
+def _stage_of(op: str) -> int:
+    return int(op.split()[1][1:])
+
+
+def measured(micro: int = 8, per_micro: int = 2, steps: int = 4) -> list[float]:
+    """Part 2: measured bubbles and peak activations on 2 gloo ranks against the op lists."""
+    from fsdpfn.testing import run_on_ranks
+
+    print(f"\nMeasured on 2 gloo ranks (pp 2, dp 1; GPT width {MEASURE_CFG['width']}, {MEASURE_CFG['depth']} blocks, "
+          f"{MEASURE_CFG['seq_len']} tokens, {micro} micro-batches of {per_micro}; median of {steps - 1} steps):\n")
+    print("| schedule | rank | step (ms) | measured bubble | op lists with measured f, b | closed form (f = b / 2) "
+          "| peak activations (MiB) | op lists' count x bytes | equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst_memory = 0.0
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
+        ranks = run_on_ranks(_measure, 2, name, micro, per_micro, steps, timeout=600)
+        v = 2 if name == "interleaved_1f1b" else 1
+        stages = fsdpfn.Stages(tuple((f"u{s}",) for s in range(2 * v)), 2)
+        ps = fsdpfn.pipeline_schedule(stages, name, micro)
+        # per stage: median forward and backward (halves) seconds, and one micro-batch's bytes
+        times: dict[tuple[str, int], list[float]] = {}
+        acts: dict[int, int] = {}
+        for profiles, _ in ranks:
+            for prof in profiles:
+                for op, start, end in prof.timeline:
+                    if op.startswith("stage_"):
+                        times.setdefault((op.split()[0], _stage_of(op)), []).append(end - start)
+                for s, _, nbytes in prof.activations:
+                    acts[s] = max(acts.get(s, 0), nbytes)
+        med = {k: sorted(x)[len(x) // 2] for k, x in times.items()}
+        n = 2 * v
+        f = [med[("stage_forward", s)] for s in range(n)]
+        kw = {}
+        if name == "zero_bubble":
+            bi = [med[("stage_backward_input", s)] for s in range(n)]
+            bw = [med[("stage_backward_weight", s)] for s in range(n)]
+            kw = dict(backward=[a + b for a, b in zip(bi, bw)], backward_input=bi, backward_weight=bw)
+        else:
+            kw = dict(backward=[med[("stage_backward", s)] for s in range(n)])
+        model = fsdpfn.pipeline_times(ps, forward=f, activations=[acts[s] for s in range(n)], **kw)
+        closed = fsdpfn.pipeline_times(ps, forward=1.0 / v, backward=2.0 / v, backward_input=1.0, backward_weight=1.0)
+        for r, (profiles, _) in enumerate(ranks):
+            bubble = sorted(p.bubble for p in profiles)[len(profiles) // 2]
+            span = sorted(p.makespan for p in profiles)[len(profiles) // 2]
+            idle = 1 - model.busy[r] / model.makespan
+            closed_idle = 1 - closed.busy[r] / closed.makespan
+            peak = max(p.peak_activations for p in profiles)
+            want = model.peak_activations[r]
+            worst_memory = max(worst_memory, abs(peak - want) / want)
+            print(f"| {name} | {r} | {span * 1e3:.0f} | {bubble:.3f} | {idle:.3f} | {closed_idle:.3f} | {peak / 2**20:.2f} | "
+                  f"{want / 2**20:.2f} | {peak == want} |")
+    print(f"\nlargest |measured - op lists| peak activations: {worst_memory:.1%}")
+    return [worst_memory]
+
+
 def project() -> None:
     hw = sim.H100_96GB_500W
     seq, m = 8192, 32
@@ -94,10 +186,13 @@ def project() -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--no-project", action="store_true", help="the bubbles only")
+    p.add_argument("--no-project", action="store_true", help="no 405B projection")
+    p.add_argument("--no-measure", action="store_true", help="no measured run on gloo ranks")
     args = p.parse_args(argv)
     print("$ python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
     bubbles()
+    if not args.no_measure:
+        measured()
     if not args.no_project:
         project()
 

@@ -107,3 +107,39 @@ def test_export_full_of_a_pipeline_writes_the_whole_model(run_on_ranks, shape, n
         assert written is None
     for _, _, refused in results:
         assert refused is not None and "export_full" in refused, refused
+
+
+def _profiled(rank, world, name):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS, stages=4 if name == "interleaved_1f1b" else 2)
+    pipe = PipelineRuntime(model, plan, name, 4, loss_fn=_ce, profile=True)
+    plain = PipelineRuntime(model, plan, name, 4, loss_fn=_ce)
+    params = pipe.shard(model)
+    tokens = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    g, loss = pipe.step(params, tokens[:, :-1], tokens[:, 1:])
+    g2, loss2 = plain.step(params, tokens[:, :-1], tokens[:, 1:])
+    same = torch.equal(loss, loss2) and all(torch.equal(g[n].to_local(), g2[n].to_local()) for n in g)
+    return pipe.last_profile, list(pipe.last_ops), same, plain.last_profile
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_profile_records_every_op_and_the_activations_the_schedule_counts(run_on_ranks, name):
+    """``profile=True``: one timeline entry per op in order, and the most activation bytes a
+    rank kept equal to what ``pipeline_times`` counts from the op lists with each stage's
+    measured bytes per micro-batch (the runtime frees a forward's saved tensors exactly at its
+    backward); the hooks change no number."""
+    results = run_on_ranks(_profiled, 2, name)
+    v = 2 if name == "interleaved_1f1b" else 1
+    per_stage = {}
+    for prof, _, _, _ in results:
+        for s, _, nbytes in prof.activations:
+            assert per_stage.setdefault(s, nbytes) == nbytes  # every micro-batch of a stage keeps the same
+    ps = fsdpfn.pipeline_schedule(fsdpfn.Stages(tuple((f"u{s}",) for s in range(2 * v)), 2), name, 4)
+    want = fsdpfn.pipeline_times(ps, activations=[per_stage[s] for s in range(2 * v)]).peak_activations
+    for r, (prof, ops, same, plain) in enumerate(results):
+        assert same and plain is None
+        assert prof.rank == r and prof.schedule == name
+        assert [op for op, _, _ in prof.timeline] == ops
+        assert all(0 <= a <= b for _, a, b in prof.timeline) and 0 < prof.busy <= prof.makespan
+        assert min(per_stage.values()) > 0 and prof.peak_activations == want[r], (prof.peak_activations, want)

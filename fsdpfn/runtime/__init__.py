@@ -6,6 +6,7 @@ from fsdpfn.runtime._comm import CudaComm as CudaComm
 from fsdpfn.runtime._executor import RuntimeScheduleError as RuntimeScheduleError
 from fsdpfn.runtime._executor import StepRecord as StepRecord
 from fsdpfn.runtime._memory import MemoryTracker as MemoryTracker
+from fsdpfn.runtime._pipeline import PipelineProfile as PipelineProfile
 from fsdpfn.runtime._pipeline import PipelineRuntime as PipelineRuntime
 from fsdpfn.runtime._runtime import Runtime as Runtime
 from fsdpfn._plan.schedule import GradState as GradState
@@ -24,6 +25,7 @@ __all__ = [
     "MemoryTracker",
     "Op",
     "OpKind",
+    "PipelineProfile",
     "PipelineRuntime",
     "Runtime",
     "RuntimeScheduleError",

@@ -44,6 +44,9 @@ before it exists is refused with the op named.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
 from typing import Any, Callable, Mapping, cast
 
 import torch
@@ -60,7 +63,7 @@ from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.transforms import apply_tp, check_params
 
-__all__ = ["PipelineRuntime"]
+__all__ = ["PipelineProfile", "PipelineRuntime"]
 
 # An activation's header: ndim, dtype code, then the dims (padded with -1).
 _HEADER = 10
@@ -75,6 +78,57 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
     h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return h
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineProfile:
+    """One pp rank's record of a step (``PipelineRuntime(..., profile=True)``).
+
+    Attributes:
+      rank: the pp rank.
+      schedule: the schedule's name.
+      timeline: ``(op, start, end)`` for each op in the order it ran, in seconds from the
+        step's start (a recv's time is mostly its wait for the peer).
+      activations: ``(stage, micro-batch, bytes)`` per forward: the storages it saved for its
+        backward (the stage's input and intermediates, not the parameters), each counted once.
+      peak_activations: the most activation bytes this rank kept at once, each forward's
+        counted from the forward until its backward (a split backward's weight half) ran.
+
+    Example:
+      >>> p = PipelineProfile(0, "1f1b", (("stage_forward s0 m0", 0.0, 1.0), ("recv_grad s0 m0", 1.0, 2.5),
+      ...                                 ("stage_backward s0 m0", 2.5, 4.5)), ((0, 0, 1024),), 1024)
+      >>> p.busy, p.makespan, p.bubble
+      (3.0, 4.5, 0.3333333333333333)
+    """
+
+    rank: int
+    schedule: str
+    timeline: tuple[tuple[str, float, float], ...]
+    activations: tuple[tuple[int, int, int], ...]
+    peak_activations: int
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent in stage forwards and backwards."""
+        return sum(end - start for op, start, end in self.timeline if op.startswith("stage_"))
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the step's start to this rank's last op's end."""
+        return max((end for _, _, end in self.timeline), default=0.0)
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the step this rank did not compute (waits, transfers, FSDP ops)."""
+        return 1.0 - self.busy / self.makespan if self.makespan else 0.0
+
+    def compute_times(self) -> dict[str, list[float]]:
+        """Seconds of each compute op kind (``stage_forward``, ``stage_backward``, ...), in order."""
+        out: dict[str, list[float]] = {}
+        for op, start, end in self.timeline:
+            if op.startswith("stage_"):
+                out.setdefault(op.split()[0], []).append(end - start)
+        return out
 
 
 class PipelineRuntime:
@@ -103,6 +157,9 @@ class PipelineRuntime:
         parameters of ``model`` (the same objects: share the submodules, do not copy them).
       prefetch: the FSDP prefetch inside each stage's gathers (``pipeline_schedule``'s).
       device: where collectives run (``"cpu"``: gloo).
+      profile: record each step's :class:`PipelineProfile` in :attr:`last_profile`: when each
+        op ran, and the activation bytes each micro-batch's forward kept for its backward (a
+        saved-tensor hook per forward, which costs a little time).
 
     Example (one process here, with a pp axis of size 1 and two virtual stages; on 2 pp ranks
     build the mesh ``(2, 1)`` and run the same lines on every rank):
@@ -119,7 +176,7 @@ class PipelineRuntime:
 
     def __init__(self, model: nn.Module, plan: Plan, schedule: str | PipelineSchedule = "1f1b", micro_batches: int | None = 8,
                  *, loss_fn: Callable[[Any, Any], torch.Tensor], stages=None, prefetch: int = 1,
-                 device: str | torch.device | None = "cpu"):
+                 device: str | torch.device | None = "cpu", profile: bool = False):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
         if plan.stages is None:
@@ -161,6 +218,8 @@ class PipelineRuntime:
         self.last_ops: list[str] = []
         self._prefetch = prefetch
         self._forward_only: PipelineSchedule | None = None  # built on the first evaluate
+        self._profile = profile
+        self.last_profile: PipelineProfile | None = None
         self._train = True
 
     # ---- set-up --------------------------------------------------------------------------
@@ -272,8 +331,14 @@ class PipelineRuntime:
                PipeKind.STAGE_BACKWARD_INPUT: self._backward_input, PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
                PipeKind.SEND_ACT: self._send, PipeKind.SEND_GRAD: self._send,
                PipeKind.RECV_ACT: self._recv_act, PipeKind.RECV_GRAD: self._recv_grad}
+        clock, timeline = time.perf_counter, []
+        self._kept: dict[tuple[int, int], int] = {}  # activation bytes of each forward awaiting its backward
+        self._peak_kept = 0
+        self._kept_log: list[tuple[int, int, int]] = []
+        begin = clock()
         try:
             for op in ps.ranks[self.pp_rank]:
+                t0 = clock()
                 if isinstance(op, Op):
                     ex = self._ex[self._stage_of_unit[op.unit]]
                     with torch.no_grad():
@@ -281,6 +346,7 @@ class PipelineRuntime:
                 else:
                     run[op.kind](op)
                 self.last_ops.append(str(op))
+                timeline.append((str(op), t0 - begin, clock() - begin))
             for pendings in self._sends.values():  # what was sent must stay alive until it left
                 for pending in pendings:
                     pending.wait()
@@ -290,6 +356,8 @@ class PipelineRuntime:
             raise
         finally:
             self._sends, self._saved, self._acts, self._grads, self._outbox, self._seeds = {}, {}, {}, {}, {}, {}
+        if self._profile:
+            self.last_profile = PipelineProfile(self.pp_rank, ps.name, tuple(timeline), tuple(self._kept_log), self._peak_kept)
         last = ps.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32)
         if not train:
@@ -357,13 +425,17 @@ class PipelineRuntime:
         else:
             x = self._acts.pop((s, k)).detach()
             x.requires_grad_(x.is_floating_point())
-        with torch.enable_grad():
+        saved: dict[int, int] = {}
+        with torch.enable_grad(), self._counting(saved, leaves.values()):
             out = torch.func.functional_call(self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,))
             if last:
                 loss = self.loss_fn(out, self._ys[k])
                 self._losses[k] = loss.detach()
                 out = loss / self.schedule.micro_batches  # see [Note: the pipeline executor]
         self._saved[(s, k)] = (x if s > 0 else None, out, leaves)
+        self._kept[(s, k)] = sum(saved.values())
+        self._kept_log.append((s, k, self._kept[(s, k)]))
+        self._peak_kept = max(self._peak_kept, sum(self._kept.values()))
         if not last:
             nxt = out.detach()
             if self.schedule.rank_of(s + 1) == self.pp_rank:
@@ -371,9 +443,25 @@ class PipelineRuntime:
             else:
                 self._outbox[(s, k)] = nxt
 
+    def _counting(self, saved: dict[int, int], params):
+        """With ``profile``: a saved-tensor hook adding to ``saved`` the bytes of each storage the
+        forward keeps for its backward, once each, the stage's gathered parameters not counted."""
+        if not self._profile:
+            return contextlib.nullcontext()
+        skip = {t.untyped_storage().data_ptr() for t in params}
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in skip:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
     def _backward(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
         x, out, leaves = self._saved.pop((s, k))
+        self._kept.pop((s, k), None)
         names = list(leaves)
         through = x is not None and x.requires_grad
         inputs = [leaves[n] for n in names] + ([x] if through else [])
@@ -398,6 +486,7 @@ class PipelineRuntime:
     def _backward_weight(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
         _, out, leaves = self._saved.pop((s, k))
+        self._kept.pop((s, k), None)
         names = list(leaves)
         got = torch.autograd.grad(out, [leaves[n] for n in names], grad_outputs=self._seeds.pop((s, k)), allow_unused=True)
         self._add_param_grads(s, dict(zip(names, got)))
