@@ -753,8 +753,10 @@ def announce(job: Job) -> None:
     if job.rank == 0:
         n_params = sum(p.numel() for p in job.model.parameters())
         args = job.args
+        dp = job.plan.dp_size  # the ranks reading different batches
+        ranks = f"{job.world} rank(s)" if dp == job.world else f"{dp} data-parallel rank(s) of {job.world}"
         print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
-              f"training characters; {job.world} rank(s) x {args.batch_size} x {args.seq_len} tokens per step; "
+              f"training characters; {ranks} x {args.batch_size} x {args.seq_len} tokens per step; "
               f"{args.strategy}{f' x pp={args.pp} ({args.schedule}, {args.micro_batches} micro-batches)' if args.pp > 1 else ''}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
 

@@ -378,7 +378,7 @@ def test_pipelined_demo_equals_the_unpipelined_run_and_resumes_without_pp(tmp_pa
     # its step-4 checkpoint resumes on 2 ranks without pp, as the unpipelined run continues.
     piped, flat, resumed = tmp_path / "piped", tmp_path / "flat", tmp_path / "resumed"
     log = _run(piped, *PP, "--world-size", "4", "--pp", "2")
-    assert "zero3 x pp=2 (1f1b, 2 micro-batches)" in log, log
+    assert "2 data-parallel rank(s) of 4 x 2 x 16 tokens per step; zero3 x pp=2 (1f1b, 2 micro-batches)" in log, log
     _run(flat, *PP)
     a, b = _metrics(piped), _metrics(flat)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8]
