@@ -311,13 +311,14 @@ def check_pipeline(args, world: int) -> str | None:
                 return f"{flag} needs --pp (the pipeline-parallel degree, e.g. --pp 2)"
         return None
     args.schedule = args.schedule or "1f1b"
-    for flag, value in (("--cp", args.cp > 1), ("--experts", args.experts > 0), ("--ft", args.ft), ("--fp8", args.fp8),
-                        ("--replicas", args.replicas > 1), ("--executor pure", args.executor == "pure")):
+    for flag, value in (("--experts", args.experts > 0), ("--ft", args.ft), ("--fp8", args.fp8),
+                        ("--executor pure", args.executor == "pure")):
         if value:
-            return (f"--pp {args.pp} with {flag}: not supported yet (pipelines run with FSDP and --tp inside each stage); "
-                    f"drop {flag.split()[0]} or --pp")
-    if world % (args.pp * args.tp):
-        return f"--pp {args.pp} x --tp {args.tp} must divide the world size {world} (the mesh is (pp, dp, tp))"
+            return (f"--pp {args.pp} with {flag}: not supported yet (pipelines run with FSDP, HSDP, --cp and --tp inside "
+                    f"each stage); drop {flag.split()[0]} or --pp")
+    if world % (args.pp * args.replicas * args.cp * args.tp):
+        return (f"--pp {args.pp} x --replicas {args.replicas} x --cp {args.cp} x --tp {args.tp} must divide the world size "
+                f"{world} (the mesh is (pp, replicas, dp, cp, tp))")
     stages = 2 * args.pp if args.schedule == "interleaved_1f1b" else args.pp
     units = args.depth + 4  # embedding, positions, each block, final norm, head
     if stages > units:
@@ -693,9 +694,10 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
             model = GPT(cfg)
     # With --ft this process is one replica group: the replicate dim is fsdpfn.ft's, not the mesh's.
     replicas = 1 if args.ft else args.replicas
-    if args.pp > 1:  # named axes: pipeline x data parallel (x tensor parallel)
-        dims = {"pp": args.pp, "dp": world // (args.pp * args.tp), "tp": args.tp}
-        dims = {n: d for n, d in dims.items() if d > 1 or n != "tp"}
+    if args.pp > 1:  # named axes: pipeline x data parallel (HSDP with --replicas) (x context x tensor parallel)
+        shard = world // (args.pp * replicas * args.cp * args.tp)
+        dims = {"pp": args.pp, "replicate": replicas, "shard" if replicas > 1 else "dp": shard, "cp": args.cp, "tp": args.tp}
+        dims = {n: d for n, d in dims.items() if d > 1 or n in ("pp", "shard", "dp")}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     elif args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
         shard = world // (replicas * args.cp * args.tp)
@@ -722,7 +724,7 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     pipe = None
     if args.pp > 1:  # this rank's stages only, each sharded over its data-parallel ranks
         pipe = PipelineRuntime(model, plan, args.schedule, args.micro_batches, loss_fn=cross_entropy, prefetch=args.prefetch,
-                               device=device)
+                               device=device, cp_strategy=args.cp_strategy)
         if args.init == "full":
             params = pipe.shard(model)
         else:

@@ -412,10 +412,10 @@ def test_pipelined_demo_equals_the_unpipelined_run_and_resumes_without_pp(tmp_pa
 def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path):
     for flags, named in [(["--schedule", "gpipe"], "--schedule needs --pp"),
                          (["--micro-batches", "2"], "--micro-batches needs --pp"),
-                         (["--pp", "2", "--cp", "2", "--world-size", "4"], "--pp 2 with --cp: not supported yet"),
+                         (["--pp", "2", "--ft", "--replicas", "2", "--world-size", "4"], "--pp 2 with --ft: not supported yet"),
                          (["--pp", "2", "--experts", "2"], "--pp 2 with --experts: not supported yet"),
                          (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 must be >= 1 and divide --batch-size 2"),
-                         (["--pp", "2", "--world-size", "3"], "--pp 2 x --tp 1 must divide the world size 3"),
+                         (["--pp", "2", "--world-size", "3"], "--pp 2 x --replicas 1 x --cp 1 x --tp 1 must divide the world size 3"),
                          (["--pp", "4", "--world-size", "4", "--schedule", "interleaved_1f1b"], "cuts the model into 8 stages"),
                          (["--pp", "2", "--schedule", "nope"], "invalid choice: 'nope'")]:
         proc = _run_raw(tmp_path / "bad", *flags, timeout=60)

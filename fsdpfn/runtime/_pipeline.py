@@ -61,7 +61,7 @@ from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
-from fsdpfn.transforms import apply_tp, check_params
+from fsdpfn.transforms import apply_tp, check_params, context_parallel, context_parallel_shard
 
 __all__ = ["PipelineProfile", "PipelineRuntime"]
 
@@ -157,6 +157,11 @@ class PipelineRuntime:
         parameters of ``model`` (the same objects: share the submodules, do not copy them).
       prefetch: the FSDP prefetch inside each stage's gathers (``pipeline_schedule``'s).
       device: where collectives run (``"cpu"``: gloo).
+      cp_strategy: with a ``cp`` axis beside ``pp``: the context-parallel attention's strategy
+        (``"allgather"`` or ``"ring"``, as :func:`fsdpfn.context_parallel`). Each cp rank then
+        takes its part of every sequence of the batch (:func:`fsdpfn.context_parallel_shard`,
+        inputs and targets alike), and the stages run inside ``fsdpfn.context_parallel``: the
+        loss is the mean over this rank's tokens, the gradients averaged over dp x cp.
       profile: record each step's :class:`PipelineProfile` in :attr:`last_profile`: when each
         op ran, and the activation bytes each micro-batch's forward kept for its backward (a
         saved-tensor hook per forward, which costs a little time).
@@ -176,7 +181,7 @@ class PipelineRuntime:
 
     def __init__(self, model: nn.Module, plan: Plan, schedule: str | PipelineSchedule = "1f1b", micro_batches: int | None = 8,
                  *, loss_fn: Callable[[Any, Any], torch.Tensor], stages=None, prefetch: int = 1,
-                 device: str | torch.device | None = "cpu", profile: bool = False):
+                 device: str | torch.device | None = "cpu", cp_strategy: str = "allgather", profile: bool = False):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
         if plan.stages is None:
@@ -184,6 +189,8 @@ class PipelineRuntime:
                              "axis; for one stage use fsdpfn.runtime.Runtime")
         if plan.mesh is None:
             raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a PipelineRuntime")
+        if cp_strategy not in ("allgather", "ring"):
+            raise ValueError(f"cp_strategy must be 'allgather' or 'ring', got {cp_strategy!r}")
         if not callable(loss_fn):
             raise ValueError("loss_fn must be a callable loss_fn(output, target) -> the micro-batch's mean loss")
         if isinstance(schedule, str):
@@ -219,6 +226,7 @@ class PipelineRuntime:
         self._prefetch = prefetch
         self._forward_only: PipelineSchedule | None = None  # built on the first evaluate
         self._profile = profile
+        self._cp_strategy = cp_strategy
         self.last_profile: PipelineProfile | None = None
         self._train = True
 
@@ -314,6 +322,10 @@ class PipelineRuntime:
             if missing:
                 raise ValueError(f"PipelineRuntime.{what}: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
             check_params({n: params[n] for n in sp.param_names}, sp, f"PipelineRuntime.{what}(params)")
+        cp_plan = next(iter(self.stage_plans.values()))
+        cp = cp_plan.cp_size > 1
+        if cp:  # this cp rank's part of every sequence (the whole step then runs inside its cp axis)
+            inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
         self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
@@ -337,16 +349,9 @@ class PipelineRuntime:
         self._kept_log: list[tuple[int, int, int]] = []
         begin = clock()
         try:
-            for op in ps.ranks[self.pp_rank]:
-                t0 = clock()
-                if isinstance(op, Op):
-                    ex = self._ex[self._stage_of_unit[op.unit]]
-                    with torch.no_grad():
-                        ex.actions[op.kind](op.unit)
-                else:
-                    run[op.kind](op)
-                self.last_ops.append(str(op))
-                timeline.append((str(op), t0 - begin, clock() - begin))
+            ambient = context_parallel(cp_plan, strategy=self._cp_strategy) if cp else contextlib.nullcontext()
+            with ambient:
+                self._walk(ps, run, clock, begin, timeline)
             for pendings in self._sends.values():  # what was sent must stay alive until it left
                 for pending in pendings:
                     pending.wait()
@@ -356,6 +361,24 @@ class PipelineRuntime:
             raise
         finally:
             self._sends, self._saved, self._acts, self._grads, self._outbox, self._seeds = {}, {}, {}, {}, {}, {}
+        return self._finish(ps, timeline, train)
+
+    def _walk(self, ps: PipelineSchedule, run, clock, begin: float, timeline: list) -> None:
+        """This rank's ops, in order."""
+        for op in ps.ranks[self.pp_rank]:
+            t0 = clock()
+            if isinstance(op, Op):
+                ex = self._ex[self._stage_of_unit[op.unit]]
+                with torch.no_grad():
+                    ex.actions[op.kind](op.unit)
+            else:
+                run[op.kind](op)
+            self.last_ops.append(str(op))
+            timeline.append((str(op), t0 - begin, clock() - begin))
+
+    def _finish(self, ps: PipelineSchedule, timeline: list, train: bool) -> tuple[dict[str, DTensor | None], torch.Tensor]:
+        """The step's loss on every pp rank, and this rank's reduced gradients (training)."""
+        m = ps.micro_batches
         if self._profile:
             self.last_profile = PipelineProfile(self.pp_rank, ps.name, tuple(timeline), tuple(self._kept_log), self._peak_kept)
         last = ps.num_stages - 1
