@@ -343,7 +343,7 @@ class PipelineRuntime:
                PipeKind.STAGE_BACKWARD_INPUT: self._backward_input, PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
                PipeKind.SEND_ACT: self._send, PipeKind.SEND_GRAD: self._send,
                PipeKind.RECV_ACT: self._recv_act, PipeKind.RECV_GRAD: self._recv_grad}
-        clock, timeline = time.perf_counter, []
+        clock, timeline = time.perf_counter, cast(list[tuple[str, float, float]], [])
         self._kept: dict[tuple[int, int], int] = {}  # activation bytes of each forward awaiting its backward
         self._peak_kept = 0
         self._kept_log: list[tuple[int, int, int]] = []
