@@ -97,8 +97,8 @@ class PipelineProfile:
     Example:
       >>> p = PipelineProfile(0, "1f1b", (("stage_forward s0 m0", 0.0, 1.0), ("recv_grad s0 m0", 1.0, 2.5),
       ...                                 ("stage_backward s0 m0", 2.5, 4.5)), ((0, 0, 1024),), 1024)
-      >>> p.busy, p.makespan, p.bubble
-      (3.0, 4.5, 0.3333333333333333)
+      >>> p.busy, p.makespan, round(p.bubble, 4)
+      (3.0, 4.5, 0.3333)
     """
 
     rank: int
