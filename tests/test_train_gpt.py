@@ -73,7 +73,14 @@ def _run_raw(out, *extra, timeout=300):
                           text=True, timeout=timeout)
 
 
-def test_bad_flags_are_named_before_any_rank_starts(tmp_path):
+def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
+    # End to end once (the exit code and message of the command, and nothing written), then
+    # every case through the script's own parse_args in this process, which is what main()
+    # runs before any rank starts (an interpreter per case would cost seconds each).
+    proc = _run_raw(tmp_path / "bad", "--heads", "3", timeout=60)
+    assert proc.returncode == 2 and "--heads 3 must divide --width 32" in proc.stderr, proc.stderr[-500:]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    mod = _example()
     for flags, named in [(["--replicas", "0"], "--replicas"), (["--heads", "3"], "--heads 3 must divide --width 32"),
                          (["--ckpt-every", "0"], "--ckpt-every"), (["--batch-size", "0"], "--batch-size"),
                          (["--lr", "-1"], "--lr"), (["--world-size", "3", "--replicas", "2"], "--replicas 2 must divide"),
@@ -82,9 +89,10 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path):
                          (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be a number > 0"),
                          (["--experts", "2", "--top-k", "3"], "--top-k 3 must be at most --experts 2"),
                          (["--experts", "4", "--tp", "2"], "--experts with --tp 2")]:
-        proc = _run_raw(tmp_path / "bad", *flags, timeout=60)
-        assert proc.returncode == 2 and named in proc.stderr, (flags, proc.stderr[-500:])
-        assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+        with pytest.raises(SystemExit) as exited:
+            mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and named in err, (flags, err[-500:])
 
 
 def test_logs_gradient_norm_and_lr_and_resumes_from_a_named_checkpoint(tmp_path):
@@ -409,7 +417,11 @@ def test_pipelined_demo_equals_the_unpipelined_run_and_resumes_without_pp(tmp_pa
         assert r["step"] == s["step"] and _close(r["loss"], s["loss"]), (r, s)
 
 
-def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path):
+def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path, capsys):
+    # The script's own parse_args (what main() runs first, before any rank starts), in this
+    # process: an interpreter per case would cost seconds each (test_bad_flags_are_named_...
+    # checks the exit code and message end to end).
+    mod = _example()
     for flags, named in [(["--schedule", "gpipe"], "--schedule needs --pp"),
                          (["--micro-batches", "2"], "--micro-batches needs --pp"),
                          (["--pp", "2", "--ft", "--replicas", "2", "--world-size", "4"], "--pp 2 with --ft: not supported yet"),
@@ -418,6 +430,9 @@ def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path):
                          (["--pp", "2", "--world-size", "3"], "--pp 2 x --replicas 1 x --cp 1 x --tp 1 must divide the world size 3"),
                          (["--pp", "4", "--world-size", "4", "--schedule", "interleaved_1f1b"], "cuts the model into 8 stages"),
                          (["--pp", "2", "--schedule", "nope"], "invalid choice: 'nope'")]:
-        proc = _run_raw(tmp_path / "bad", *flags, timeout=60)
-        assert proc.returncode == 2 and named in proc.stderr, (flags, proc.stderr[-500:])
-        assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+        with pytest.raises(SystemExit) as exited:
+            mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and named in err, (flags, err[-500:])
+    args = mod.parse_args([*TINY, "--pp", "2", "--world-size", "4", "--schedule", "interleaved_1f1b", "--batch-size", "8"])
+    assert (args.schedule, args.micro_batches) == ("interleaved_1f1b", 4)  # the most up to 2 x pp, a multiple of pp
