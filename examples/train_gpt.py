@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (with --experts): each MoE layer's experts split over ep ranks, tokens "
                         "sent to their experts by all-to-alls, each expert sharded over the world / ep ranks of its "
-                        "expert-data-parallel group (mesh (ep, edp)); every rank reads its own batch")
+                        "expert-data-parallel group (mesh (ep, edp), with --cp (ep, edp, cp)); every rank reads its own "
+                        "batch (the cp ranks of one position the same one, each its part of every sequence)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, NCCL")
     g.add_argument("--executor", default="runtime", choices=["runtime", "pure"],
                    help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad")
@@ -237,6 +238,8 @@ def check_experts(args, world: int) -> str | None:
         return f"--ep {args.ep} with --replicas {args.replicas}: an expert-parallel mesh has no replicate axis; drop --replicas"
     if world % args.ep:
         return f"--ep {args.ep} must divide the world size {world} (the mesh is (ep, world / ep))"
+    if world % (args.ep * args.cp):
+        return f"--ep {args.ep} x --cp {args.cp} must divide the world size {world} (the mesh is (ep, world / (ep x cp), cp))"
     if args.experts % args.ep:
         return f"--ep {args.ep} must divide --experts {args.experts} (each ep rank holds experts / ep of them)"
     return None
@@ -366,8 +369,6 @@ def check_args(args) -> str | None:
         return f"--tp {args.tp} x --cp {args.cp} x --replicas {args.replicas} must divide the world size {world}"
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         return f"--seq-len {args.seq_len} must divide by 2 x --cp = {2 * args.cp} (each cp rank holds a head and a tail chunk)"
-    if args.cp > 1 and (args.experts or args.ep > 1):
-        return f"--cp {args.cp} with --experts/--ep: context parallelism beside expert parallelism is not supported yet"
     if args.heads % args.tp:
         return f"--tp {args.tp} must divide --heads {args.heads} (each tp rank computes whole heads)"
     problem = check_ft(args, world) or check_experts(args, world) or check_pipeline(args, world)
@@ -699,6 +700,8 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         dims = {"pp": args.pp, "replicate": replicas, "shard" if replicas > 1 else "dp": shard, "cp": args.cp, "tp": args.tp}
         dims = {n: d for n, d in dims.items() if d > 1 or n in ("pp", "shard", "dp")}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    elif args.cp > 1 and args.ep > 1:  # experts over ep, each over edp x cp; the rest over ep x edp x cp
+        mesh = init_device_mesh(device.type, (args.ep, world // (args.ep * args.cp), args.cp), mesh_dim_names=("ep", "edp", "cp"))
     elif args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
         shard = world // (replicas * args.cp * args.tp)
         dims = {"replicate": replicas, "shard": shard, "cp": args.cp, "tp": args.tp}

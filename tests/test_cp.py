@@ -431,9 +431,13 @@ def test_cp_on_a_model_without_attention_is_refused_at_plan_time():
     fsdpfn.plan(_MLP(), {"dp": 2, "cp": 1})  # cp = 1 splits nothing: allowed
 
 
-def test_cp_beside_ep_is_not_supported_yet():
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        fsdpfn.MeshAxes.from_shape({"ep": 2, "edp": 1, "cp": 2})
+def test_cp_beside_ep_needs_cp_after_the_ep_and_shard_axes():
+    # Supported (trained against one process in tests/test_cp_ep.py) with cp after ep and edp;
+    # expert weights are sharded over edp x cp flattened, so a cp axis before them is refused.
+    axes = fsdpfn.MeshAxes.from_shape({"ep": 2, "edp": 1, "cp": 2})
+    assert (axes.dp_size, axes.grad_ranks, axes.dense_shard_size) == (2, 4, 4)
+    with pytest.raises(NotImplementedError, match=r"context parallelism \(axis 'cp'\) beside expert parallelism .* after"):
+        fsdpfn.MeshAxes.from_shape({"cp": 2, "ep": 2, "edp": 1})
 
 
 # ---- Muon over dp x cp; checkpoints across cp degrees --------------------------------------------

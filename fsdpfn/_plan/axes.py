@@ -159,11 +159,17 @@ class MeshAxes:
                     f"init_device_mesh('cpu', (r, ep, edp), mesh_dim_names=('replicate', 'ep', 'edp'))"
                 )
             if Role.CP in self.roles:
-                raise NotImplementedError(
-                    f"mesh {dict(zip(self.names, self.shape))}: context parallelism (axis "
-                    f"{self.names[self.roles.index(Role.CP)]!r}) beside expert parallelism (axis {ep!r}) is not supported yet; "
-                    "use cp with shard, replicate and tp axes, e.g. init_device_mesh('cpu', (dp, cp), mesh_dim_names=('dp', 'cp'))"
-                )
+                cp = self.names[self.roles.index(Role.CP)]
+                shard = cast(int, self.dim(Role.SHARD))
+                if self.roles.index(Role.CP) < max(cast(int, self.dim(Role.EP)), shard):
+                    # An expert weight's rows are cut over shard x cp flattened, one group of
+                    # mesh dims side by side: cp must come after the ep and shard axes.
+                    raise NotImplementedError(
+                        f"mesh {dict(zip(self.names, self.shape))}: context parallelism (axis {cp!r}) beside expert "
+                        f"parallelism (axis {ep!r}) needs the cp axis after the {ep!r} and shard axes (expert weights are "
+                        f"sharded over shard x cp flattened); use a mesh such as init_device_mesh('cpu', (ep, edp, cp), "
+                        "mesh_dim_names=('ep', 'edp', 'cp'))"
+                    )
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -282,7 +288,12 @@ class MeshAxes:
     @property
     def dense_shard_size(self) -> int:
         """Ranks a dense (non-expert) parameter is sharded over: the shard axis, times the ``ep``
-        or ``cp`` axis when there is one (flattened into one group)."""
+        and ``cp`` axes when there are (flattened into one group).
+
+        Example:
+          >>> MeshAxes.from_shape({"ep": 2, "edp": 1, "cp": 2}).dense_shard_size
+          4
+        """
         return self.shard_size * self.ep_size * self.cp_size
 
     @property

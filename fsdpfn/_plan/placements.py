@@ -25,7 +25,8 @@ transforms, the checkpoint and the simulator need from placements is derived her
 else: the local shape, the local part or box of the global tensor, which zeros a ``Partial``
 rank uses, which data-parallel axes a parameter's rows are cut over and its gradient reduced
 over (a dense parameter beside ``ep`` is replicated over it, so it is sharded and reduced over
-``ep`` x ``shard``; an expert weight is split over ``ep``, so over ``shard`` alone), the DTensor
+``ep`` x ``shard``; an expert weight is split over ``ep``, so over ``shard`` alone; a ``cp``
+axis beside them joins both: ``ep`` x ``shard`` x ``cp`` and ``shard`` x ``cp``), the DTensor
 placements the user sees, and the parameter's JSON fields.
 
 [Note: adding an axis]
@@ -433,6 +434,9 @@ def row_roles(spec, axes: MeshAxes) -> tuple[Role, ...]:
       >>> axes = MeshAxes.from_shape({"ep": 2, "edp": 2})
       >>> row_roles(dense, axes), row_roles(expert, axes)
       ((<Role.EP: 'ep'>, <Role.SHARD: 'shard'>), (<Role.SHARD: 'shard'>,))
+      >>> with_cp = MeshAxes.from_shape({"ep": 2, "edp": 1, "cp": 2})  # cp splits neither
+      >>> [r.value for r in row_roles(dense, with_cp)], [r.value for r in row_roles(expert, with_cp)]
+      (['ep', 'shard', 'cp'], ['shard', 'cp'])
     """
     return rows_over(split_roles(spec), axes)
 

@@ -39,7 +39,11 @@ holding it already sums every ``ep`` rank's tokens (the all-to-all's backward). 
 is sharded over ``ep`` x ``edp`` flattened into one group, and every gradient is averaged over all
 ``ep`` x ``edp`` ranks, which each read their own batch. A replicate axis (the first mesh dim)
 holds whole copies of that layout: every unit's gradient is also all-reduced over it, and tokens
-travel over ``ep`` within each replica.
+travel over ``ep`` within each replica. A ``cp`` axis (after ``ep`` and ``edp``) is one more
+data-parallel axis that splits nothing: expert units are sharded over ``edp`` x ``cp`` and the
+others over ``ep`` x ``edp`` x ``cp``, each flattened; tokens travel over ``ep`` among the ranks
+of one cp position (each routes its own part of every sequence), and every gradient is averaged
+over ``ep`` x ``edp`` x ``cp`` (``plan.grad_ranks``).
 
 [Note: fused colwise]
 A colwise Linear gives tp rank ``r`` the ``r``-th of ``tp`` blocks of its output features. That
@@ -612,7 +616,7 @@ class PlanValues:
             # A unit cuts rows over the data-parallel axes that do not split its parameters.
             want = math.prod(axes.size(r) for r in P.unit_row_roles(unit, axes))
             if unit.shard_size != want:
-                what = ("the mesh's shard axis" if unit.experts or axes.dense_shard_size == axes.shard_size else
+                what = ("the mesh's shard axis" if len(P.unit_row_roles(unit, axes)) == 1 else
                         f"the mesh's {' x '.join(r.value for r in P.unit_row_roles(unit, axes))} axes")
                 raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
             if unit.experts and Role.EP not in axes.roles:

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, cast
 
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import rows_over, unit_row_roles
 from fsdpfn._plan.schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
 from fsdpfn._plan.steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals, unsharded_bytes, unsharded_peak
 from fsdpfn.sim._engine import Task, run
@@ -235,9 +236,13 @@ def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
     for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP, Role.CP):
         d = plan.axes.dim(role)
         groups[role.value] = [rank] if d is None else [base + (q - coords[d]) * strides[d] for q in range(shape[d])]
-    for role in (Role.EP, Role.CP):  # dense units beside ep or cp: that axis and the shard axis flattened
-        if plan.axes.dim(role) is not None:
-            groups["dense"] = sorted({e - rank + s for e in groups[role.value] for s in groups["shard"]})
+    if plan.axes.dim(Role.EP) is not None or plan.axes.dim(Role.CP) is not None:
+        # dense units beside ep or cp: those axes and the shard axis flattened
+        dense = {rank}
+        for role in (Role.EP, Role.CP):
+            if plan.axes.dim(role) is not None:
+                dense = {e - rank + s for e in groups[role.value] for s in dense}
+        groups["dense"] = sorted({s - rank + q for s in dense for q in groups["shard"]})
     return groups
 
 
@@ -282,7 +287,11 @@ class _Builder:
         over ``rank``'s group ``key`` (default: the collective's role's)."""
         if key is None:
             key = c.role.value
-            if key == "shard" and "dense" in self.groups and c.group_size == len(self.groups["dense"]):
+            unit = self.units.get(c.unit)
+            rows = unit_row_roles(unit, self.plan.axes) if key == "shard" and unit is not None else ()
+            if len(rows) > 1 and rows != rows_over((), self.plan.axes):  # expert units beside cp: shard x cp
+                key = self._optimizer_group("+".join(r.value for r in rows))
+            elif key == "shard" and "dense" in self.groups and c.group_size == len(self.groups["dense"]):
                 key = "dense"
         ranks = self.groups[key]
         level = self.level[key]

@@ -108,68 +108,73 @@ def axis_index(plan: Plan, spec, rank: int | None = None) -> dict[Role, int]:
     return {role: _axis_rank(plan, role) if rank is None else rank for role in split_roles(spec)}
 
 
-_DENSE = "_fsdpfn_dense_mesh"
+_ROWS = "_fsdpfn_rows_meshes"
 
 
-def _dense_dims(plan: Plan):
-    return mesh_dims(rows_over((), plan.axes), plan.axes)
+def _rows_dim(plan: Plan, rows) -> int:
+    """Which dim of :func:`_rows_mesh` holds the axes ``rows``, flattened."""
+    return mesh_dims(rows, plan.axes).index(rows)
 
 
-def _rows_dim(plan: Plan) -> int:
-    """Which dim of :func:`_dense_mesh` holds the dense rows' axes, flattened."""
-    rows = rows_over((), plan.axes)
-    return _dense_dims(plan).index(rows)
-
-
-def _dense_mesh(plan: Plan):
-    """The mesh dense parameters live on beside experts or cp: the axes their rows are cut over
-    (:func:`fsdpfn._plan.placements.row_roles`: ``ep`` or ``cp``, and ``shard``) flattened into
-    one dim, every other axis (replicate, tp) a dim of its own, in mesh order
-    (:func:`fsdpfn._plan.placements.mesh_dims`). Made once per mesh (its groups are created
-    collectively, at the same point of every rank's program)."""
+def _rows_mesh(plan: Plan, rows):
+    """The mesh a parameter whose rows are cut over the axes ``rows`` (more than one: a dense
+    parameter beside ``ep`` or ``cp``, ``ep`` x ``shard`` x ``cp``; an expert weight beside
+    ``cp``, ``shard`` x ``cp``; :func:`fsdpfn._plan.placements.row_roles`) lives on: those axes
+    flattened into one dim, every other axis (replicate, ep, tp) a dim of its own, in mesh order
+    (:func:`fsdpfn._plan.placements.mesh_dims`). Made once per mesh and ``rows`` (its groups are
+    created collectively, at the same point of every rank's program)."""
     mesh = _mesh(plan)
-    cached = getattr(mesh, _DENSE, None)
+    meshes = getattr(mesh, _ROWS, None)
+    if meshes is None:
+        meshes = {}
+        setattr(mesh, _ROWS, meshes)
+    rows = tuple(rows)
+    cached = meshes.get(rows)
     if cached is None:
         axes = plan.axes
         parts = []
-        for dim in _dense_dims(plan):
+        for dim in mesh_dims(rows, axes):
             names = tuple(axes.names[cast(int, axes.dim(r))] for r in dim)
             sub = mesh[names if len(names) > 1 else names[0]]
             parts.append(sub._flatten("_".join(names)) if len(names) > 1 else sub)
         # The other axes' groups already exist: nothing more is created collectively here.
         cached = parts[0] if len(parts) == 1 else type(mesh)._concatenate(parts)
-        copy_stage_mark(mesh, cached)  # a stage's dense mesh is still that stage's
-        setattr(mesh, _DENSE, cached)
+        copy_stage_mark(mesh, cached)  # a stage's rows mesh is still that stage's
+        meshes[rows] = cached
     return cached
 
 
 def unit_mesh(plan: Plan, unit) -> DeviceMesh:
-    """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for dense units
-    beside an ``ep`` or ``cp`` axis, which live on the ``ep`` (``cp``) x ``shard`` axes flattened
-    (beside the replicate and tp axes, when the mesh has them).
+    """The mesh ``unit``'s parameters are placed on: the plan's mesh, except for units whose rows
+    are cut over more than one axis (dense units beside an ``ep`` or ``cp`` axis, which live on
+    the ``ep`` x ``shard`` x ``cp`` axes present flattened; expert units beside ``cp``, on
+    ``shard`` x ``cp`` flattened), beside the other axes the mesh has.
 
     Example:
       >>> fsdpfn.transforms.unit_mesh(plan, plan.units[0]) is plan.mesh
       True
     """
-    if len(unit_row_roles(unit, plan.axes)) == 1:  # its rows are cut over the shard axis alone
+    rows = unit_row_roles(unit, plan.axes)
+    if len(rows) == 1:  # its rows are cut over the shard axis alone
         return _mesh(plan)
-    return _dense_mesh(plan)
+    return _rows_mesh(plan, rows)
 
 
 def unit_group(plan: Plan, unit):
-    """The process group ``unit`` is gathered and reduced over: the shard axis, or, for dense
-    units beside an ``ep`` or ``cp`` axis, those axes and ``shard`` flattened (see [Note: expert
-    units] in ``fsdpfn/_plan/values.py``; a parameter is not split over cp, so every cp rank
-    holds a distinct shard of it).
+    """The process group ``unit`` is gathered and reduced over: the shard axis, or, for units
+    whose rows are cut over more than one axis (dense units beside ``ep`` or ``cp``, expert
+    units beside ``cp``), those axes flattened (see [Note: expert units] in
+    ``fsdpfn/_plan/values.py``; a parameter is not split over cp, so every cp rank holds a
+    distinct shard of it).
 
     Example:
       >>> fsdpfn.transforms.unit_group(plan, plan.units[0]) is fsdpfn.transforms.shard_group(plan)
       True
     """
-    if len(unit_row_roles(unit, plan.axes)) == 1:  # its rows are cut over the shard axis alone
+    rows = unit_row_roles(unit, plan.axes)
+    if len(rows) == 1:  # its rows are cut over the shard axis alone
         return shard_group(plan)
-    return _dense_mesh(plan).get_group(_rows_dim(plan))
+    return _rows_mesh(plan, rows).get_group(_rows_dim(plan, rows))
 
 
 def unit_rank(plan: Plan, unit) -> int:
@@ -179,24 +184,29 @@ def unit_rank(plan: Plan, unit) -> int:
       >>> fsdpfn.transforms.unit_rank(plan, plan.units[0])
       0
     """
-    if len(unit_row_roles(unit, plan.axes)) == 1:  # its rows are cut over the shard axis alone
+    rows = unit_row_roles(unit, plan.axes)
+    if len(rows) == 1:  # its rows are cut over the shard axis alone
         return shard_rank(plan)
-    return _dense_mesh(plan).get_local_rank(_rows_dim(plan))
+    return _rows_mesh(plan, rows).get_local_rank(_rows_dim(plan, rows))
 
 
 def dp_rank(plan: Plan) -> int:
-    """This process's index among the data-parallel ranks (``replicate_rank * shard_size +
-    shard_rank``), in ``[0, plan.dp_size)``: which slice of the global batch it reads. Ranks
+    """This process's index among the data-parallel ranks, in ``[0, plan.dp_size)``: which slice
+    of the global batch it reads. The replicate position, then the ``ep`` and shard positions
+    row-major in mesh order (``replicate_rank * shard_size + shard_rank`` without ``ep``). Ranks
     that differ only in their tensor- or context-parallel position read the same slice (cp
-    ranks then keep their own part of each sequence: :func:`fsdpfn.context_parallel_shard`).
+    ranks then keep their own part of each sequence: :func:`fsdpfn.context_parallel_shard`),
+    beside ``ep`` too.
 
     Example:
       >>> fsdpfn.transforms.dp_rank(plan), plan.dp_size
       (0, 1)
     """
-    if plan.axes.dim(Role.EP) is not None:  # every ep x shard rank of every replica reads its own batch
-        return _axis_rank(plan, Role.REPLICATE) * plan.axes.dense_shard_size + _dense_mesh(plan).get_local_rank(_rows_dim(plan))
-    return _axis_rank(plan, Role.REPLICATE) * plan.shard_size + shard_rank(plan)
+    index = _axis_rank(plan, Role.REPLICATE)
+    for role, size in zip(plan.axes.roles, plan.axes.shape):
+        if role in (Role.EP, Role.SHARD):  # every ep x shard rank of every replica reads its own batch
+            index = index * size + _axis_rank(plan, role)
+    return index
 
 
 def tp_rank(plan: Plan) -> int:
