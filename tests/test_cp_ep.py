@@ -244,3 +244,40 @@ def test_checkpoint_ep2_cp2_to_ep2_cp1_and_to_plain_dp_bitwise(run_on_ranks, tmp
     for p, v in first.items():
         for other in (second[p], third[p], plain[p]):
             assert (torch.equal(v, other) and v.dtype == other.dtype) if isinstance(v, torch.Tensor) else v == other, p
+
+
+def _compiled_refusal(rank, world, names):
+    import warnings
+
+    import fsdpfn
+    from fsdpfn import testing
+    from fsdpfn.models import GPT, GPTConfig
+
+    warnings.simplefilter("ignore")
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=1, heads=2, experts=2 if "ep" in names else 0)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, testing.mesh((2, 1) if "ep" in names else (1, 2), names))
+    params = fsdpfn.shard(model, plan)
+    x = torch.randint(0, 29, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(p, x):
+        with fsdpfn.context_parallel(plan):
+            out = torch.func.functional_call(model, fsdpfn.unshard(p, plan), (x,))
+        return (out[0] if isinstance(out, tuple) else out).float().mean()
+
+    try:
+        fsdpfn.compile(loss_fn, backend="aot_eager")(params, fsdpfn.context_parallel_shard(x, plan))
+    except Exception as e:  # noqa: BLE001 - which error it is is the test
+        return f"{type(e).__name__}: {e}"
+    return "compiled"
+
+
+@pytest.mark.parametrize("names,axis", [(("dp", "cp"), "context parallelism (cp=2)"), (("ep", "edp"), "expert parallelism (ep=2)")])
+def test_compiling_a_cp_or_ep_step_is_refused_by_name(run_on_ranks, names, axis):
+    """Their units gather over axes flattened with shard, which the traced collectives do not size:
+    the compile is refused naming the axis and the eager alternatives, not a fake-tensor error
+    from inside dynamo."""
+    for message in run_on_ranks(_compiled_refusal, 2, names, timeout=600):
+        assert axis in message and "does not run under torch.compile yet" in message and "Runtime" in message, message[:1500]

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
+from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import reshards_after_forward
 from fsdpfn.transforms import _unit_comm
 from fsdpfn.transforms._dtensor import from_local
@@ -59,6 +60,7 @@ CompileUnsupportedError.__module__ = "fsdpfn"
 
 def check_compilable(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for plans whose compiled path does not exist yet."""
+    check_traced_axes(plan)
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
     te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8 is not None and plan.mp.fp8.backend == "te"]
@@ -76,6 +78,18 @@ def check_compilable(plan: Plan) -> None:
             "in an autograd Function dynamo cannot trace. Compile a plan without remat (the default remat=None), or keep "
             "remat and run the step eagerly: the pure loop (torch.func.grad over fsdpfn.unshard) or "
             "fsdpfn.runtime.Runtime, which rematerialises these units itself")
+
+
+def check_traced_axes(plan: Plan) -> None:
+    """Raises :class:`CompileUnsupportedError` for a mesh with an ``ep`` or ``cp`` axis: their units
+    gather and reduce over axes flattened with ``shard`` (ep x shard, shard x cp), which the traced
+    collectives do not size yet (the trace would fail inside dynamo, unnamed)."""
+    if plan.cp_size > 1 or plan.axes.dim(Role.EP) is not None:
+        axis = f"context parallelism (cp={plan.cp_size})" if plan.cp_size > 1 else f"expert parallelism (ep={plan.ep_size})"
+        raise CompileUnsupportedError(
+            f"{axis} does not run under torch.compile yet (mesh {plan.axes.describe()}): its units gather and reduce over "
+            "mesh axes flattened with the shard axis, which the traced collectives do not handle. Run the step eagerly: "
+            "the pure loop (torch.func.grad over fsdpfn.unshard) or fsdpfn.runtime.Runtime")
 
 
 def _refuse_functorch(where: str) -> None:
