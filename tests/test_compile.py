@@ -64,7 +64,8 @@ def _graphs():
     for every step, not the first only. Under ``fullgraph=True`` (fsdpfn.compile's default) a
     break raises instead, so a broken step fails the test either way."""
     reasons = [str(r.reason)[:200] for r in torch._dynamo.utils.graph_break_reasons]
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"], len(reasons), reasons
+    reasons += [f"recompiled: {str(r)[:200]}" for fails in torch._dynamo.utils.guard_failures.values() for r in fails]
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"], len(torch._dynamo.utils.graph_break_reasons), reasons
 
 
 def _rel(a, b):
@@ -206,6 +207,7 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
             g_c, l_c = step(compiled, x, y)
         same &= _bitwise(l_c, l_e) and all(_bitwise(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
         if i == 0:
+            first = _graphs()
             # The compiled step gathers zero3 units again in its backward graph (the eager pure
             # loop keeps what it gathered): eager's collectives plus one more unshard of them.
             with torch.no_grad(), fsdpfn.count_collectives() as again:
@@ -216,7 +218,7 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
         eager = {n: (p - LR * g_e[n]).detach() for n, p in eager.items()}
         compiled = {n: (p - LR * g_c[n]).detach() for n, p in compiled.items()}
     same &= all(_bitwise(compiled[n].to_local(), eager[n].to_local()) for n in eager)
-    return (*_graphs(), same, calls)
+    return first, _graphs(), same, calls
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
@@ -225,9 +227,9 @@ def test_fp8_gathers_compile_with_the_eager_bytes(run_on_ranks, recipe):
     collective's kind, size and dtype equal to eager's, the per-tensor amax all-reduce included),
     gradients and 5 SGD steps bitwise equal to eager."""
     mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8=recipe)
-    for graphs, breaks, reasons, same, (compiled, eager) in run_on_ranks(
+    for _, (graphs, breaks, reasons), same, (compiled, eager) in run_on_ranks(
             _whole_step_vs_eager, 2, dict(strategy="zero3", mp=mp), (2,), None, FP8_CFG, timeout=COMPILE_TIMEOUT):
-        assert (graphs, breaks) == (1, 0), reasons
+        assert (graphs, breaks) == (1, 0), reasons  # over all 5 steps: no recompile either
         assert same
         assert compiled == eager and any(c[0] == "all_gather" and c[3] == torch.uint8 for c in compiled)
 
@@ -239,9 +241,12 @@ def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
     compiled graphs hold exactly the collectives eager runs."""
     from fsdpfn.models import GPT_TP_PLAN
 
-    for graphs, breaks, reasons, same, (compiled, eager) in run_on_ranks(
+    for (graphs, breaks, reasons), _, same, (compiled, eager) in run_on_ranks(
             _whole_step_vs_eager, 4, dict(strategy=strategy, tp=GPT_TP_PLAN), (2, 2), ("dp", "tp"), CFG,
             timeout=COMPILE_TIMEOUT):
+        # The first step's count, what torch._dynamo.explain of the first step checked here before.
+        # Not over all 5 steps: under tp the step was seen compiled 5 times in 5 steps (no break;
+        # a recompile per step), which the reasons of _graphs() name; left to the compile owners.
         assert (graphs, breaks) == (1, 0), reasons
         assert same
         assert compiled == eager
