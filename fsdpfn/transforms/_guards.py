@@ -104,7 +104,9 @@ def note_unshard(plan: Plan, full: Mapping[str, torch.Tensor], reduce: str) -> N
 
 
 def _check_module(module: nn.Module, args) -> None:
-    if not _SPLIT or C.compiling():
+    # compiling() first: under dynamo, reading _SPLIT would guard the compiled graph on its keys
+    # (ids of the last eager unshard's tensors), a recompile at every step that changes them.
+    if C.compiling() or not _SPLIT:
         return
     for t in module._parameters.values():
         entry = _SPLIT.get(id(t)) if t is not None else None
@@ -293,7 +295,7 @@ def install_split_watch(model: nn.Module, plan: Plan) -> None:
 
     def enter(module, args):
         _leave_watch()  # a forward that raised before its root hook ran
-        if not left[0] or C.compiling():
+        if C.compiling() or not left[0]:  # compiling() first: see _check_module
             return None
         left[0] -= 1
         mode = _CutWatch()
