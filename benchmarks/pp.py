@@ -188,11 +188,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--no-project", action="store_true", help="no 405B projection")
     p.add_argument("--no-measure", action="store_true", help="no measured run on gloo ranks")
+    p.add_argument("--measure-steps", type=int, default=4, help="steps per schedule on gloo ranks (the first a warm-up)")
     args = p.parse_args(argv)
+    if args.measure_steps < 2:
+        p.error(f"--measure-steps must be >= 2 (a warm-up, then measured steps), got {args.measure_steps}")
     print("$ python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
     bubbles()
     if not args.no_measure:
-        measured()
+        measured(steps=args.measure_steps)
     if not args.no_project:
         project()
 

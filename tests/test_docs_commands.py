@@ -95,8 +95,9 @@ HOW: list[tuple[str, str, str]] = [
     # Two short sequences at every cp degree, and the projection of its first row (cp 1, 32k tokens).
     (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
     (r"^python benchmarks/compile_probe\.py\b", "run", ""),
-    # The bubbles (instant) and the 405B projection (a profile on meta, seconds): as written.
-    (r"^python benchmarks/pp\.py\b", "here", ""),
+    # The bubbles (instant), the schedules measured on 2 gloo ranks (fewer steps) and the 405B
+    # projection (a profile on meta, seconds); in a process of its own, as it starts ranks.
+    (r"^python benchmarks/pp\.py\b", "run", "--measure-steps 2"),
     (r"^python benchmarks/exit_stress\.py\b", "run", "-n 1"),
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
