@@ -437,10 +437,8 @@ class PipelineRuntime:
             out = torch.func.functional_call(self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,))
             if last:
                 self._losses[k] = self.loss_fn(out, self._ys[k]).detach()
-            elif self.schedule.rank_of(s + 1) == self.pp_rank:
-                self._acts[(s + 1, k)] = out
             else:
-                self._outbox[(s, k)] = out
+                self._pass_on(s, k, out)
             return
         leaves = {p.name: t.detach().requires_grad_() for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
         if s == 0:
@@ -460,11 +458,14 @@ class PipelineRuntime:
         self._kept_log.append((s, k, self._kept[(s, k)]))
         self._peak_kept = max(self._peak_kept, sum(self._kept.values()))
         if not last:
-            nxt = out.detach()
-            if self.schedule.rank_of(s + 1) == self.pp_rank:
-                self._acts[(s + 1, k)] = nxt
-            else:
-                self._outbox[(s, k)] = nxt
+            self._pass_on(s, k, out.detach())
+
+    def _pass_on(self, s: int, k: int, out: torch.Tensor) -> None:
+        """Stage ``s``'s output of micro-batch ``k``: to stage ``s + 1`` here, or to be sent."""
+        if self.schedule.rank_of(s + 1) == self.pp_rank:
+            self._acts[(s + 1, k)] = out
+        else:
+            self._outbox[(s, k)] = out
 
     def _counting(self, saved: dict[int, int], params):
         """With ``profile``: a saved-tensor hook adding to ``saved`` the bytes of each storage the

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan.placements import local_part
 from fsdpfn._plan import Plan, Unit
-from fsdpfn.transforms._compiled import check_traced_axes, reduce_traced, unshard_traced
+from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
 from fsdpfn.transforms._axes import (_mesh, axis_index, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank, unit_group,
                                      unit_rank)
 from fsdpfn.transforms._dtensor import from_local, placements
@@ -329,7 +329,6 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
       (Shard(dim=0),)
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
-        check_traced_axes(plan)
         return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
     _unit_comm.check_op(grad_op)
@@ -364,7 +363,6 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
       (Shard(dim=0),)
     """
     if C.compiling():  # see [Note: unshard under torch.compile]
-        check_traced_axes(plan)
         return reduce_traced(full_grads, plan, op, scale)
     _unit_comm.check_op(op)
     check_params(full_grads, plan, "reduce(full_grads)", allow_none=True, tp_local=True)
