@@ -48,3 +48,12 @@ def test_constant_is_what_the_procedure_gives(sp):
         fitted = sp.fit_sweep(sp.SWEEP_A100)
     assert not math.isnan(fitted), out.getvalue()
     assert abs(fitted - sp.SWEEP_ATTENTION) <= 0.0005 + 1e-12, out.getvalue()[-400:]
+
+
+def test_the_sweeps_a100_rows_run_llm_foundrys_code(sp):
+    # Same configuration, same code on both parts: the same loss (llm-foundry's fused
+    # cross-entropy, not torchtitan's float32 one), so the same predicted memory.
+    a100 = next(r for r in sp.SWEEP_A100 if (r.model, r.seq, r.micro_batch, r.accum) == ("mpt-760m", 512, 96, 2))
+    h100 = next(r for r in sp.HELD_OUT if (r.model, r.seq, r.micro_batch, r.accum) == ("mpt-760m", 512, 96, 2))
+    mem = [sp.predict(r, sp.hardware(r.hardware, source=r.source))[0].memory for r in (a100, h100)]
+    assert mem[0] == mem[1]
