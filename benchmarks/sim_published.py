@@ -397,11 +397,13 @@ SWEEP_QUARTER = 0.25  # attention's least share of a row's predicted step for th
 # Which fused attention kernel each table's runs used, read from their configurations:
 # - torchtitan (2024): ``F.scaled_dot_product_attention`` with a causal mask, whose CUDA flash
 #   backend is FlashAttention-2 (torch 2.x ships FA2 as ``_scaled_dot_product_flash_attention``);
-# - llm-foundry's MPT sweep (scripts/train/benchmarking/sweep.sh) passes no ``--attn_impl``, so
-#   submit_benchmarks.py's default applies: ``--attn_impl flash`` with the ``gpu-flash2`` extra
-#   installed (submit_benchmarks.py at commit 51652eae71ec81ab388f7126a92c1b0c17158d80), i.e.
-#   flash-attn 2.x: FlashAttention-2.
-# Both are the presets' attention kernel class ("fa2": see fsdpfn/sim/_rates.py).
+# - llm-foundry's MPT sweep (scripts/train/benchmarking/sweep.sh) passes no ``--attn_impl``; a
+#   later submit_benchmarks.py (commit 51652eae71ec81ab388f7126a92c1b0c17158d80) defaults to
+#   ``flash`` with the ``gpu-flash2`` extra, but the sweep checked out its own llm-foundry tag,
+#   whose default and flash-attn pin are not recorded beside the results. Its runs are priced at
+#   FlashAttention-2's rate times SWEEP_ATTENTION, fitted on the sweep's A100 rows (see [Note: the
+#   sweep's attention term]).
+# The presets' attention kernel class is "fa2" (see fsdpfn/sim/_rates.py).
 ATTENTION_KERNEL = {TT_A100: "fa2", TT_H100: "fa2", TT_H200: "fa2", NEMO: "fa2", MBRIDGE: "fa2",
                     FOUNDRY: f"fa2 x {SWEEP_ATTENTION} (fitted)", FOUNDRY_SWEEP: f"fa2 x {SWEEP_ATTENTION} (fitted)"}
 
