@@ -456,6 +456,11 @@ def predict(row: Row, hw: sim.Hardware) -> tuple[sim.SimResult, dict[str, float]
     return res, components(res, wl, hw, row.accum)
 
 
+def above(res: sim.SimResult) -> str:
+    """A mark for a prediction whose reserved memory is above its part's (the simulator's note)."""
+    return f" (above the part's {res.hardware.memory / 2**30:.1f})" if any(n.startswith("memory") for n in res.notes) else ""
+
+
 def fit_sweep(rows: list[Row]) -> float:
     """[Note: the sweep's attention term]: each A100 row of the sweep predicted with the term at 1;
     the rows whose attention is at least SWEEP_QUARTER of the predicted step give the factor on
@@ -534,7 +539,7 @@ def main(argv=None) -> None:
             shown = f"{ratio:.2f}{'' if abs(ratio - 1) <= 0.15 else ' *'}"
             parts = " | ".join(f"{comp[k]:.3f}" for k in ("matmul", "attention", "memory", "compute", "comm", "exposed", "step"))
             print(f"| {r.label} | {r.source[0]} | {ATTENTION_KERNEL[r.source]} | {r.tps:,.0f} | {tps:,.0f} | {shown} | {parts} | {mem} | "
-                  f"{res.memory['reserved'] / 2**30:.1f} GiB |", flush=True)
+                  f"{res.memory['reserved'] / 2**30:.1f} GiB{above(res)} |", flush=True)
     print("\n(* outside 15%)")
     for group, rs in ratios.items():
         if rs:

@@ -413,3 +413,22 @@ def test_long_accumulations_extend_exactly():
         assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
         assert fast.comm_time == pytest.approx(slow.comm_time, rel=1e-9)
         assert fast.exposed_comm == pytest.approx(slow.exposed_comm, rel=1e-9, abs=1e-12)
+
+
+def test_a_step_above_the_parts_memory_says_so():
+    """The prediction of a step whose reserved bytes exceed the part's memory carries a note that
+    names both figures; the time is the same (the note says what it leaves out)."""
+    plan = fsdpfn.plan(_model("meta"), (3,))
+    wl = _workload(plan)
+    fits = sim.simulate(plan, None, wl, sim.AdamW(), HW)
+    assert not [n for n in fits.notes if n.startswith("memory")]
+    at = dataclasses.replace(HW, memory=fits.memory["reserved"])
+    assert not [n for n in sim.simulate(plan, None, wl, sim.AdamW(), at).notes if n.startswith("memory")]
+    small = dataclasses.replace(HW, memory=fits.memory["reserved"] - 1)
+    over = sim.simulate(plan, None, wl, sim.AdamW(), small)
+    said = [n for n in over.notes if n.startswith("memory")]
+    gib = 2**30
+    assert said == [f"memory: {fits.memory['reserved'] / gib:,.1f} GiB reserved is above the {small.memory / gib:,.1f} GiB of test: "
+                     "the step does not fit as planned (at the limit the caching allocator frees and retries, which this "
+                     "time leaves out)"]
+    assert over.step_time == fits.step_time and "note: memory: " in over.summary()

@@ -210,3 +210,21 @@ def test_search_accepts_zero_bubble(meta_gpt):
     by = {c.pipeline: c for c in res.candidates if c.pp == 2}
     assert set(by) == {"1f1b", "zero_bubble"}
     assert by["zero_bubble"].step_time < by["1f1b"].step_time
+
+
+def test_a_pp_rank_above_the_parts_memory_says_so(meta_gpt):
+    """Each pp rank's reserved bytes (its peak with the allocator's reserve) against the part: the
+    ranks above it, and only those, get a note naming the rank."""
+    import dataclasses
+
+    model, x = meta_gpt
+    plan, wl, ps, r = _run(model, x, {"pp": 2, "dp": 4})
+    assert not [n for n in r.notes if n.startswith("memory")]
+    reserved = [int(m["peak"] * (1.0 + sim.H100_SXM.memory_reserve)) for m in r.memory]
+    assert reserved[0] != reserved[1]
+    small = dataclasses.replace(sim.H100_SXM, memory=min(reserved))
+    over = sim.simulate_pipeline(plan, ps, wl, sim.AdamW(), small)
+    said = [n for n in over.notes if n.startswith("memory")]
+    high = reserved.index(max(reserved))
+    assert len(said) == 1 and said[0].startswith(f"memory on pp rank {high}: "), said
+    assert over.step_time == r.step_time

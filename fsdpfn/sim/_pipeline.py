@@ -47,7 +47,7 @@ from fsdpfn._plan.schedule import Op, OpKind, schedule
 from fsdpfn._plan.steps import step_collectives
 from fsdpfn._plan.pipeline import PipelineSchedule, PipelineTimes, pipeline_times
 from fsdpfn.sim._hardware import Hardware
-from fsdpfn.sim._simulate import _mesh_groups, simulate
+from fsdpfn.sim._simulate import _mesh_groups, over_memory, simulate
 from fsdpfn.sim._workload import EMPTY, Workload
 
 __all__ = ["PipelineSimResult", "simulate_pipeline"]
@@ -284,8 +284,10 @@ def simulate_pipeline(
         memory.append(m)
     # A micro-batch's tokens reach every tp rank of its pipeline; cp ranks each hold a part.
     tokens = workload.tokens * schedule_.micro_batches * plan.dp_size * plan.cp_size
-    notes = ("tp/cp collectives block after their unit's compute; FSDP gathers before a rank's first op and reduces after "
+    notes: tuple[str, ...] = ("tp/cp collectives block after their unit's compute; FSDP gathers before a rank's first op and reduces after "
              "its last (parameters stay unsharded through the step)",)
+    notes += tuple(n for r, m in enumerate(memory)
+                   if (n := over_memory(int(m["peak"] * (1.0 + hardware.memory_reserve)), hardware, f" on pp rank {r}")))
     return PipelineSimResult(step, times, tuple(fwd), tuple(bwd), tuple(hops), tuple(p2p), tuple(start), tuple(after),
                              tuple(optimizer_r), tuple(memory), tokens, plan.world_size, schedule_, hardware, notes,
                              tuple(bwd_in), tuple(bwd_w))

@@ -619,7 +619,7 @@ def simulate(
     peak = sum(v for k, v in static.items() if k != "host") + b.peak["total"]
     memory = {**static, "unsharded_peak": unsharded_peak(plan, ops), "activations_peak": b.peak["activations"],
               "peak": peak, "reserved": int(peak * (1.0 + hardware.memory_reserve))}
-    notes = []
+    notes = [n for n in (over_memory(memory["reserved"], hardware),) if n]
     if plan.hsdp:
         notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")
     if plan.tp:
@@ -674,6 +674,18 @@ def _shard_bytes(unit, itemsize: int | None = None) -> int:
     """Bytes of one rank's shards of ``unit`` (the largest rank's), in its master dtype or ``itemsize``."""
     item = itemsize or (unit.params[0].dtype.itemsize if unit.params else 4)
     return unit.local_numel * item
+
+
+def over_memory(reserved: int, hardware: Hardware, where: str = "") -> str | None:
+    """The note a prediction carries when its reserved bytes exceed the part's memory: the step
+    does not fit as planned, and near the limit the caching allocator frees its cache and retries
+    allocations (``num_alloc_retries`` in ``torch.cuda.memory_stats()``), time the prediction does
+    not include. ``None`` when it fits."""
+    if reserved <= hardware.memory:
+        return None
+    gib = 2**30
+    return (f"memory{where}: {reserved / gib:,.1f} GiB reserved is above the {hardware.memory / gib:,.1f} GiB of {hardware.name}: "
+            "the step does not fit as planned (at the limit the caching allocator frees and retries, which this time leaves out)")
 
 
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
