@@ -125,6 +125,8 @@ CALIBRATION = [
         "torch.compile and Float8 compute (torchao) with TP 8"),
     Row("calibration", TT_H200, "llama3-8b", "H200_SXM", 32, 8192, 2, 1, "full", 10938, 47.96,
         "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
+    Row("calibration", TT_H200, "llama3-8b", "H200_SXM", 64, 8192, 2, 1, "full", 10753, 46.97,
+        "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
     Row("calibration", NEMO, "llama2-7b", "H100_SXM", 8, 4096, 1, 16, "none", 16847, None,
         "Transformer Engine FP8 compute and Megatron's fused kernels"),
     # Megatron-Core tensor-parallel runs on DGX-H100 (26.02 container table). Every H100 row there
