@@ -40,6 +40,8 @@ from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import Runtime
 from fsdpfn.transforms import _cp
 
+from _cp_steps import cp_adamw_worst
+
 SEQ = 16
 CFG = GPTConfig(vocab_size=29, seq_len=SEQ, width=16, depth=2, heads=4, bias=False)
 PER_RANK = 2
@@ -87,31 +89,8 @@ def _cp_train(rank, world, mesh_shape, names, configs, steps=STEPS):
         model = GPT(cfg)
         plan = fsdpfn.plan(model, mesh, tp=GPT_TP_PLAN if "tp" in names else None)
         ref = _reference(cfg, plan.dp_size, steps)
-        mine = slice(fsdpfn.transforms.dp_rank(plan) * PER_RANK, (fsdpfn.transforms.dp_rank(plan) + 1) * PER_RANK)
-        params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
-        opt = fsdpfn.optim.adamw(1e-3, weight_decay=0.01)
-        state = opt.init(params)
-        rt = Runtime(model, plan) if style == "eager" else None
-        worst = 0.0
-        for step in range(steps):
-            x, y = _batch(plan.dp_size, step, cfg)
-            x, y = fsdpfn.context_parallel_shard((x[mine], y[mine]), plan)
-            with fsdpfn.context_parallel(plan, strategy=strategy):
-                if style == "pure":
-                    loss = lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)  # noqa: E731
-                    grads = torch.func.grad(loss)(params)
-                else:
-                    assert rt is not None
-                    with rt.bind(params):
-                        _ce(model(x), y).backward()
-                    grads = rt.grads(params)
-            with torch.no_grad():
-                updates, state = opt.update(grads, state, params)
-                params = fsdpfn.optim.apply_updates(params, updates)
-            if style == "eager":
-                params = {n: p.detach().requires_grad_() for n, p in params.items()}
-            worst = max(worst, max(_rel(params[n].full_tensor(), ref[step][n]) for n in params))
-        results.append(worst)
+        results.append(cp_adamw_worst(model, plan, style, strategy, lambda step: _batch(plan.dp_size, step, cfg), _ce, ref,
+                                      PER_RANK, steps))
     return results
 
 

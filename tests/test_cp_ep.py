@@ -45,7 +45,8 @@ import torch.nn.functional as F
 import fsdpfn
 from fsdpfn import testing
 from fsdpfn.models import GPT, GPTConfig, MoE
-from fsdpfn.runtime import Runtime
+
+from _cp_steps import cp_adamw_worst
 
 SEQ = 16
 CFG = GPTConfig(vocab_size=29, seq_len=SEQ, width=16, depth=2, heads=4, bias=False, experts=4, top_k=2, aux_weight=0.1,
@@ -129,31 +130,8 @@ def _train(rank, world, mesh_shape, names, configs, steps=STEPS):
         plan = fsdpfn.plan(model, mesh)
         ref = _reference(plan.dp_size, plan.axes.cp_size, steps)
         me = fsdpfn.transforms.dp_rank(plan)
-        mine = slice(me * PER_RANK, (me + 1) * PER_RANK)
-        params = fsdpfn.shard(model, plan, requires_grad=(style == "eager"))
-        opt = fsdpfn.optim.adamw(1e-3, weight_decay=0.01)
-        state = opt.init(params)
-        rt = Runtime(model, plan) if style == "eager" else None
-        worst = 0.0
-        for step in range(steps):
-            x, y = _batch(plan.dp_size, step)
-            x, y = fsdpfn.context_parallel_shard((x[mine], y[mine]), plan)
-            with fsdpfn.context_parallel(plan, strategy=strategy):
-                if style == "pure":
-                    loss = lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)  # noqa: E731
-                    grads = torch.func.grad(loss)(params)
-                else:
-                    assert rt is not None
-                    with rt.bind(params):
-                        _loss(model(x), y).backward()
-                    grads = rt.grads(params)
-            with torch.no_grad():
-                updates, state = opt.update(grads, state, params)
-                params = fsdpfn.optim.apply_updates(params, updates)
-            if style == "eager":
-                params = {n: p.detach().requires_grad_() for n, p in params.items()}
-            worst = max(worst, max(_rel(params[n].full_tensor(), ref[step][n]) for n in params))
-        results.append(worst)
+        results.append(cp_adamw_worst(model, plan, style, strategy, lambda step: _batch(plan.dp_size, step), _loss, ref,
+                                      PER_RANK, steps))
     return (me, fsdpfn.transforms.cp_rank(plan), plan.dp_size, plan.grad_ranks), results
 
 
