@@ -57,6 +57,9 @@ from fsdpfn.transforms import load_safetensors as load_safetensors
 from fsdpfn.transforms import reduce as reduce
 from fsdpfn.transforms import shard as shard
 from fsdpfn.transforms import unshard as unshard
+from fsdpfn.transforms import VerificationError as VerificationError
+from fsdpfn.transforms import VerifyReport as VerifyReport
+from fsdpfn.transforms import verify as verify
 
 # Subpackages users reach as fsdpfn.comm, fsdpfn.optim, fsdpfn.runtime, fsdpfn.checkpoint, ...
 from fsdpfn import checkpoint as checkpoint
@@ -123,4 +126,7 @@ __all__ = [
     "step_collectives",
     "testing",
     "unshard",
+    "VerificationError",
+    "VerifyReport",
+    "verify",
 ]

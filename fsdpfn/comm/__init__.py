@@ -63,6 +63,7 @@ from fsdpfn.comm._replicas import ReplicaStep as ReplicaStep
 from fsdpfn.comm._record import CollectiveCounter as CollectiveCounter
 from fsdpfn.comm._record import FlightRecord as FlightRecord
 from fsdpfn.comm._record import count_collectives as count_collectives
+from fsdpfn.comm._record import uncounted as uncounted
 from fsdpfn.comm._record import flight_records as flight_records
 from fsdpfn.comm._record import group_info as group_info
 from fsdpfn.comm._record import set_flight_dir as set_flight_dir
@@ -104,6 +105,7 @@ __all__ = [
     "broadcast_object",
     "compiling",
     "count_collectives",
+    "uncounted",
     "count_compiled",
     "destroy_process_group",
     "exchange_problems",

@@ -142,6 +142,28 @@ def _active() -> list[CollectiveCounter]:
 
 
 @contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Collectives inside the block are not counted by the enclosing :func:`count_collectives`
+    blocks (they still run, are timed out and flight-recorded): the differential check's
+    collectives are not part of the step that the counts, ``plan.cost()`` and the simulator
+    describe.
+
+    Example:
+      >>> with fsdpfn.comm.count_collectives() as counter:
+      ...     with fsdpfn.comm.uncounted():
+      ...         _ = fsdpfn.comm.all_reduce(torch.ones(4))
+      >>> counter.counts()
+      {}
+    """
+    saved = _active()[:]
+    _local.stack = []
+    try:
+        yield
+    finally:
+        _local.stack = saved
+
+
+@contextlib.contextmanager
 def count_collectives() -> Iterator[CollectiveCounter]:
     """Records every collective fsdpfn runs in this thread inside the block.
 

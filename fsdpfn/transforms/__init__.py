@@ -48,11 +48,19 @@ from fsdpfn.transforms._axes import unit_mesh as unit_mesh
 from fsdpfn.transforms._axes import unit_rank as unit_rank
 from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
+from fsdpfn.transforms._verify import Comparison as Comparison
+from fsdpfn.transforms._verify import VerificationError as VerificationError
+from fsdpfn.transforms._verify import VerifyReport as VerifyReport
+from fsdpfn.transforms._verify import verify as verify
 from fsdpfn.transforms._guards import check_batch as check_batch
 from fsdpfn.transforms._guards import note_step as note_step
 from fsdpfn.transforms._guards import cut_watch as cut_watch
 
 __all__ = [
+    "Comparison",
+    "VerificationError",
+    "VerifyReport",
+    "verify",
     "context_parallel",
     "context_parallel_attention",
     "context_parallel_positions",

@@ -25,6 +25,10 @@ tensor (``view(b, t, -1, head_dim)``), as :class:`fsdpfn.models.GPT` does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 from torch import nn
 
 from fsdpfn import comm as C
@@ -32,10 +36,24 @@ from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import ep_group, tp_group
 from fsdpfn.transforms._guards import TP_ATTR, install_batch_check, install_split_watch, watch_output
 
-__all__ = ["apply_tp"]
+__all__ = ["apply_tp", "reference_mode"]
 
 _ATTR = TP_ATTR
 _EP_ATTR = "_fsdpfn_ep"
+# True while the differential check runs a unit unsharded: the hooks pass their input through.
+_REFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdpfn_tp_reference", default=False)
+
+
+@contextlib.contextmanager
+def reference_mode(on: bool = True) -> Iterator[None]:
+    """Inside the block the tensor-parallel hooks do nothing (``on``; with ``on=False`` they run
+    again): a module given its global weights computes what one process computes (the reference
+    of [Note: the differential check] in ``fsdpfn/transforms/_verify.py``)."""
+    token = _REFERENCE.set(on)
+    try:
+        yield
+    finally:
+        _REFERENCE.reset(token)
 
 
 def _apply_ep(model: nn.Module, plan: Plan) -> None:
@@ -57,6 +75,8 @@ def _apply_ep(model: nn.Module, plan: Plan) -> None:
 
 def _pre_copy(group, tag):
     def hook(module, args):
+        if _REFERENCE.get():
+            return None
         return (C.tp_copy(args[0], group, tag=tag), *args[1:])
 
     return hook
@@ -64,6 +84,8 @@ def _pre_copy(group, tag):
 
 def _post_gather(group, tag):
     def hook(module, args, output):
+        if _REFERENCE.get():
+            return None
         return C.tp_gather_last(output, group, tag=tag)
 
     return hook
@@ -71,6 +93,8 @@ def _post_gather(group, tag):
 
 def _post_reduce(group, tag):
     def hook(module, args, output):
+        if _REFERENCE.get():
+            return None
         return C.tp_reduce(output, group, tag=tag)
 
     return hook

@@ -1,0 +1,609 @@
+"""The differential check: a sharded step compared, unit by unit, with the unsharded computation.
+
+[Note: the differential check]
+Guards that recognise one spelling of a mistake (a ``chunk`` of a colwise output, a step that
+never called the cp attention) miss the next spelling. What every mistake of a model-parallel
+layout has in common is its effect: the unit computes something other than the same code on the
+whole weights and the whole sequence. So :func:`verify` runs the model twice, without autograd:
+
+1. **sharded**: as the step runs it, each unit on this rank's tensor- and expert-parallel part
+   of its weights (gathered over the data-parallel axes, through the unit's codec), with the
+   plan's activation collectives (tp hooks, expert dispatch, cp attention) on this rank's part
+   of each sequence. Every unit's inputs and outputs are kept.
+2. **reference**: the same module code with every axis switched off: the unit's *global*
+   weights (its parts gathered over tp and ep and put together as the placements say; a
+   ``Partial`` bias taken once), every expert local, no tp collective, plain attention outside
+   any ``context_parallel`` block, on the whole sequences (the inputs gathered over cp).
+
+At each unit (the outermost units below the root, in call order) the reference's input must
+equal the sharded one (else the root's code between units differs, e.g. a tp-split embedding),
+the unit run on the sharded input must give the sharded output, and its vector-Jacobian product
+for a cotangent drawn at random (the same on the peers that must agree) must give the same input
+cotangent and parameter gradients: the reference's gradient of a parameter, cut to this rank's
+part, against the sharded one, summed over cp (each cp rank holds the gradient of its own
+tokens). Last, the model outputs are compared. Both sides compute in float32 from the same
+gathered values, so what differs is structure (splits and collectives), not the compute
+dtype's rounding.
+
+**The bound.** A dot product of ``K`` float32 terms summed in another order (partial sums per tp
+rank, then an all-reduce; chunks of keys merged by log-sum-exp) differs by at most ``2 K u``
+relative to ``sum |a_i b_i|`` (``u = 2**-24``; Higham, *Accuracy and Stability of Numerical
+Algorithms*, 3.1). A unit's forward and backward sum over each weight's fan-in and fan-out and,
+for the weight gradients and attention, over the tokens, so the check allows, norm-wise,
+``4 u (sum over the unit's weights of fan-in + fan-out, + tokens)``: twice the dot-product
+bound, for the normalisations and softmaxes between the sums. For the demo model (width 256,
+1k tokens per rank) that is about 1e-3, while every layout mistake seen so far is off by 1e-2
+to 1; rounding alone stays near 1e-7.
+
+**Memory.** One unit's weights at a time are gathered (and freed after it), plus its global
+copy; the unit boundaries' activations of this rank are kept (what a step keeps for backward
+anyway), and under cp one unit's input and output for the whole sequences.
+
+**Units with nothing to compare.** A unit none of whose parameters is split over a model-parallel
+axis, on a mesh without ``cp``, runs the same arithmetic on both sides: it is not recomputed.
+So a plain data-parallel plan costs one forward without autograd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import zlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdpfn import _ambient
+from fsdpfn import comm as C
+from fsdpfn._plan import ROOT, Plan, Unit, unit_label
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.placements import local_part, split_roles, uses_zeros
+from fsdpfn._tree import flatten, unflatten
+from fsdpfn.transforms._axes import _group, axis_index, cp_group, dp_rank
+from fsdpfn.transforms._tp import reference_mode
+
+__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify"]
+
+_U32 = 2.0**-24  # float32 unit roundoff
+
+
+class VerificationError(ValueError):
+    """The sharded computation of a unit differs from the unsharded one beyond the rounding
+    bound (see [Note: the differential check]). Raised on every rank, with the same text.
+
+    Attributes:
+      comparison: the first :class:`Comparison` that failed (on the first rank that found one).
+    """
+
+    def __init__(self, message: str, comparison: "Comparison | None" = None):
+        super().__init__(message)
+        self.comparison = comparison
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One value compared: ``what`` of ``unit`` (an output, an input cotangent, a parameter's
+    gradient), its norm-wise relative ``error`` and the ``bound`` it must stay within."""
+
+    unit: str
+    what: str
+    error: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify` compared on this rank, in order.
+
+    Example:
+      >>> report = fsdpfn.verify(model, plan, params, x)
+      >>> report.ok, report.worst().error <= report.worst().bound
+      (True, True)
+    """
+
+    comparisons: list[Comparison] = dataclasses.field(default_factory=list)
+    units: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.comparisons)
+
+    def worst(self) -> Comparison | None:
+        """The comparison closest to its bound (largest ``error / bound``)."""
+        return max(self.comparisons, key=lambda c: c.error / c.bound, default=None)
+
+    def __str__(self) -> str:
+        lines = [f"{'unit':<24} {'compared':<36} {'error':>10} {'bound':>10}"]
+        for c in self.comparisons:
+            lines.append(f"{unit_label(c.unit):<24} {c.what:<36} {c.error:>10.2e} {c.bound:>10.2e}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: this rank's part, and the global tensor put together from every rank's part
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _gathered(plan: Plan, unit: Unit, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``unit``'s parameters as the step gathers them (this rank's model-parallel part, through the
+    unit's codec), in float32."""
+    from fsdpfn.transforms._sharding import gather_unit
+
+    locals_ = []
+    for p in unit.params:
+        x = _plain(params[p.name])
+        locals_.append(x._local_tensor if isinstance(x, DTensor) else x)
+    pending, finish = gather_unit(plan, unit, locals_)
+    return {p.name: t.detach().float() for p, t in zip(unit.params, finish(pending.wait()))}
+
+
+def _global(plan: Plan, name: str, part: torch.Tensor) -> torch.Tensor:
+    """The global tensor of parameter ``name`` from every rank's ``part``: one all-gather per axis
+    that places it, then each part written where :func:`local_part` takes it from (so any
+    placement that selects elements works, a strided fused split included); a ``Partial``
+    parameter is taken from the position that does not use zeros."""
+    spec = plan.param(name)
+    placed = [e for e in spec.placements if e.size > 1]
+    if not placed:
+        return part
+    stack, keys = part.unsqueeze(0), [{}]
+    for e in placed:
+        rows = C.all_gather_rows(stack.contiguous(), _group(plan, e.axis), tag="verify")
+        keys = [{**k, e.axis: r} for r in range(e.size) for k in keys]
+        stack = rows.reshape(-1, *part.shape)
+    out = torch.zeros(spec.shape, dtype=part.dtype, device=part.device)
+    index = torch.arange(out.numel(), device=part.device).view(spec.shape)
+    for key, t in zip(keys, stack):
+        if uses_zeros(spec, key):
+            continue
+        out.view(-1)[local_part(spec, index, key).reshape(-1)] = t.reshape(-1)
+    return out
+
+
+def _split(plan: Plan, name: str) -> bool:
+    return any(e.size > 1 for e in plan.param(name).placements)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two passes
+# ---------------------------------------------------------------------------------------------
+
+
+class _Modes:
+    """The model's axes, switched on (as the step runs) or off (the reference): the tp hooks
+    (:func:`reference_mode`), the expert layers' ep group, the active cp axes."""
+
+    def __init__(self, model: nn.Module):
+        self.routed = [m for m in model.modules() if hasattr(m, "set_ep_group") and getattr(m, "ep", 1) > 1]
+        self.groups = [m.ep_group for m in self.routed]
+        self.cp = list(_ambient.CP_STACK)
+
+    @contextlib.contextmanager
+    def _set(self, on: bool) -> Iterator[None]:
+        saved = list(_ambient.CP_STACK)
+        _ambient.CP_STACK[:] = self.cp if on else []
+        try:
+            for m, g in zip(self.routed, self.groups):
+                m.set_ep_group(g if on else None)
+            with reference_mode(not on):
+                yield
+        finally:
+            for m, g in zip(self.routed, self.groups):
+                m.set_ep_group(g)
+            _ambient.CP_STACK[:] = saved
+
+    def sharded(self):
+        return self._set(True)
+
+    def unsharded(self):
+        return self._set(False)
+
+
+def _outer_units(plan: Plan, modules: Mapping[str, nn.Module]) -> list[Unit]:
+    """The units the check intercepts: below the root, inside no other unit."""
+    names = [u.name for u in plan.units if u.name != ROOT]
+    return [plan.unit(n) for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+
+
+def _members(plan: Plan, outer: Unit) -> list[Unit]:
+    return [u for u in plan.units if u.name == outer.name or u.name.startswith(outer.name + ".")]
+
+
+@contextlib.contextmanager
+def _intercept(modules: Mapping[str, nn.Module], calls: Callable[[str, nn.Module, Callable, tuple, dict], Any]) -> Iterator[None]:
+    """Routes each named module's calls through ``calls(name, module, original_forward, args, kwargs)``."""
+    installed = []
+    for name, module in modules.items():
+        # An instance's own forward (a patched method, a remat wrapper that steps aside while the
+        # check runs) is what its calls run.
+        original = module.__dict__.get("forward") or type(module).forward.__get__(module)
+        busy = [False]
+
+        def forward(*args, _name=name, _module=module, _orig=original, _busy=busy, **kwargs):
+            if _busy[0]:
+                return _orig(*args, **kwargs)
+            _busy[0] = True
+            try:
+                return calls(_name, _module, _orig, args, kwargs)
+            finally:
+                _busy[0] = False
+
+        installed.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, previous in installed:
+            del module.forward
+            if previous is not None:
+                module.forward = previous
+
+
+def _run(module: nn.Module, weights: Mapping[str, torch.Tensor], prefix: str, args, kwargs):
+    named = {n[len(prefix) + 1:] if prefix else n: t for n, t in weights.items()}
+    module._fsdpfn_in_remat = True  # a pure-loop remat wrapper passes straight through
+    try:
+        return torch.func.functional_call(module, named, tuple(args), kwargs, strict=False)
+    finally:
+        module._fsdpfn_in_remat = False
+
+
+class _Seq:
+    """How the whole sequences are made from this rank's part over cp and cut back (identity
+    without cp): tensors with a sequence dim of this rank's length, at ``dim``."""
+
+    def __init__(self, plan: Plan, local_len: int | None, dim: int = 1):
+        self.size, self.dim, self.local = plan.cp_size, dim, local_len
+        self.group = cp_group(plan) if plan.cp_size > 1 else None
+
+    def _has(self, x) -> bool:
+        return (self.size > 1 and isinstance(x, torch.Tensor) and x.dim() > self.dim
+                and x.shape[self.dim] == self.local)
+
+    def whole(self, x):
+        from fsdpfn.transforms._cp import context_parallel_unshard
+
+        return context_parallel_unshard(x, self.group, seq_dim=self.dim) if self._has(x) else x
+
+    def part(self, x, like=None):
+        from fsdpfn.transforms._cp import context_parallel_shard
+
+        if self.size == 1 or not isinstance(x, torch.Tensor) or like is None or not self._has(like):
+            return x
+        return context_parallel_shard(x, self.group, seq_dim=self.dim)
+
+
+def _floats(tree):
+    leaves, spec = flatten(tree, none_is_leaf=True)
+    return [x.detach().float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in leaves], spec
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    scale = float(b.norm())
+    diff = float((a - b).norm())
+    if not math.isfinite(diff):
+        return math.inf if torch.isfinite(a).all() != torch.isfinite(b).all() or not torch.equal(a.isnan(), b.isnan()) else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _worst(a: torch.Tensor, b: torch.Tensor) -> str:
+    d = (a.detach().double() - b.detach().double()).abs()
+    i = int(d.reshape(-1).argmax()) if d.numel() else 0
+    where = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), d.shape)) if d.dim() else ()
+    return f"at index {list(where)}: sharded {float(a.reshape(-1)[i]):.6g}, unsharded {float(b.reshape(-1)[i]):.6g}"
+
+
+def _bound(weights: Mapping[str, torch.Tensor], tokens: int) -> float:
+    terms = tokens
+    for t in weights.values():
+        if t.dim() >= 2:
+            terms += t.shape[0] + t[0].numel()  # fan-out + fan-in
+    return 4 * _U32 * max(terms, 1)
+
+
+class _Checker:
+    def __init__(self, plan: Plan, model: nn.Module, params: Mapping[str, torch.Tensor], seed: int):
+        self.plan, self.model, self.params, self.seed = plan, model, params, seed
+        modules = dict(model.named_modules())
+        for u in plan.units:
+            if u.name not in modules:
+                raise ValueError(f"unit {u.label!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?")
+        self.outer = _outer_units(plan, modules)
+        self.modules = {u.name: modules[u.name] for u in self.outer}
+        self.modes = _Modes(model)
+        self.report = VerifyReport()
+        self.problem: str | None = None
+        self.first: Comparison | None = None
+
+    # ---- what to say ---------------------------------------------------------------------
+
+    def _axes_of(self, unit_names: Sequence[str]) -> list[str]:
+        roles: set[Role] = set()
+        for u in unit_names:
+            for p in self.plan.unit(u).params:
+                roles.update(r for r in split_roles(p) if r in (Role.TP, Role.EP))
+        found = [r.value for r in (Role.TP, Role.EP) if r in roles]
+        if self.plan.cp_size > 1:
+            found.append("cp")
+        return found
+
+    def _hint(self, axes: Sequence[str], names: Sequence[str]) -> str:
+        hints = []
+        if "tp" in axes:
+            tp = [f"{n} ({s})" for n, s in self.plan.tp if any(n == m or n.startswith(m + ".") for m in names if m)] or [
+                f"{n} ({s})" for n, s in self.plan.tp]
+            hints.append(
+                f"tp: the unit runs tensor-parallel layers {tp[:6]}; a split the model's code does not compute as planned: a fused "
+                "projection whose parts lie side by side (q | k | v, gate | up) cut after a plain 'colwise' split needs "
+                "'colwise_fused:k' (and a head-major one plain 'colwise'), and a split layer called around its module "
+                "(F.linear(x, m.weight), m.forward(x)) skips its collective: call the module itself")
+        if "ep" in axes:
+            hints.append(
+                "ep: expert weights are split over the ep axis; every packed expert weight of a layer must be listed (all of "
+                "w1, w2, ... in experts=[...]) and the layer must dispatch with the ep group it is given")
+        if "cp" in axes:
+            hints.append(
+                "cp: each rank holds part of every sequence; every attention of the model must call "
+                "fsdpfn.context_parallel_attention (not F.scaled_dot_product_attention), and the forward must run inside "
+                "`with fsdpfn.context_parallel(plan):`")
+        return ("; likely cause, by axis: " + " | ".join(hints)) if hints else ""
+
+    def compare(self, unit: str, what: str, sharded: torch.Tensor, reference: torch.Tensor, bound: float, axes_units: Sequence[str]) -> None:
+        if self.problem is not None:
+            return
+        if sharded.shape != reference.shape:
+            err = math.inf
+            detail = f"shape {tuple(sharded.shape)} sharded, {tuple(reference.shape)} unsharded"
+        else:
+            err = _relative(sharded, reference)
+            detail = _worst(sharded, reference) if err > bound else ""
+        c = Comparison(unit, what, err, bound)
+        self.report.comparisons.append(c)
+        if err > bound:
+            axes = self._axes_of(axes_units)
+            self.first = c
+            self.problem = (
+                f"unit {unit_label(unit)!r}: {what} differs from the same computation unsharded (whole weights, every expert, "
+                f"the whole sequence): relative error {err:.3g} > bound {bound:.3g}; {detail}. "
+                f"Axes this unit is split over: {', '.join(axes) or 'none'}" + self._hint(axes, axes_units))
+
+    # ---- the agreement: every rank stops at the same place ----------------------------------
+
+    def settle(self, where: str) -> None:
+        found = C.exchange_problems(f"verify {self.plan.fingerprint} {where}", self.problem, None)
+        if found:
+            first = min(found)
+            others = "" if len(found) == 1 else f" (also on ranks {sorted(set(found) - {first})})"
+            raise VerificationError(
+                f"fsdpfn.verify: the sharded step does not compute what one process computes. On rank {first}{others}: "
+                f"{found[first]}. (Pass verify=False to skip this check.)", self.first)
+
+    # ---- the random cotangent --------------------------------------------------------------
+
+    def cotangent(self, like: torch.Tensor, unit: str, call: int, k: int, seq: _Seq) -> torch.Tensor:
+        # The same on tp peers (one dp index); drawn for the whole sequences and cut, so cp peers
+        # hold parts of one cotangent.
+        key = zlib.crc32(f"{self.seed}/{unit}/{call}/{k}/{dp_rank(self.plan)}".encode())
+        gen = torch.Generator(device="cpu").manual_seed(key)
+        shape = list(like.shape)
+        if seq._has(like):
+            shape[seq.dim] *= seq.size
+        full = torch.randn(shape, generator=gen, dtype=torch.float32).to(like.device)
+        return seq.part(full, like) if seq._has(like) else full
+
+
+def _grads(out_flat, ct, wrt):
+    pairs = [(o, g) for o, g in zip(out_flat, ct) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if not pairs:
+        return [None] * len(wrt)
+    return torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any) -> VerifyReport:
+    """Checks that ``plan`` computes, on ``model`` and this batch, what one process computes:
+    every unit's forward and vector-Jacobian product, sharded as the step runs it, against the
+    same module code on the whole weights, every expert and the whole sequence (see
+    [Note: the differential check] in ``fsdpfn/transforms/_verify.py``).
+
+    Every rank of the plan's mesh calls it with its own batch, at the same point of its program
+    (the runtimes and :func:`fsdpfn.compile` call it on their first step). Raises
+    :class:`VerificationError` on every rank, naming the first unit and value that differ, the
+    axes the unit is split over, both values and the bound. Nothing is trained or changed.
+
+    Args:
+      model: the module the plan was built for (the instance the step runs).
+      plan: a plan bound to a mesh.
+      params: the sharded parameters (:func:`fsdpfn.shard`'s dict).
+      *args, **kwargs: the model's inputs, as the step passes them (this rank's part of the
+        batch, and of each sequence under cp).
+      seed: seeds the random cotangents.
+
+    Returns:
+      a :class:`VerifyReport` of what was compared on this rank.
+
+    Example:
+      >>> report = fsdpfn.verify(model, plan, params, x)   # before the training loop
+      >>> report.ok
+      True
+    """
+    from fsdpfn.transforms._sharding import check_params
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"verify takes the nn.Module the plan was built for, got {type(model).__name__}")
+    check_params(params, plan, "verify(params)")
+    if plan.mesh is None:
+        raise ValueError("verify: the plan has no mesh; bind one with plan.bind(mesh)")
+    with torch._C._DisableFuncTorch(), C.uncounted():
+        return _verify(_Checker(plan, model, params, seed), args, kwargs)
+
+
+def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
+    plan, model = ck.plan, ck.model
+    root = plan.unit(ROOT) if any(u.name == ROOT for u in plan.units) else None
+    leaves, _ = flatten((list(args), kwargs), none_is_leaf=True)
+    first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 1), None)
+    seq = _Seq(plan, first.shape[1] if first is not None else None)
+    checked = {u.name for u in ck.outer if plan.cp_size > 1 or any(_split(plan, p.name) for m in _members(plan, u) for p in m.params)}
+    root_split = root is not None and any(_split(plan, p.name) for p in root.params)
+
+    # ---- 1. sharded: record every unit call's inputs and outputs -------------------------------
+    records: list[tuple[str, list, Any, list, Any]] = []
+    root_local = _gathered(plan, root, ck.params) if root is not None else {}
+
+    def sharded_call(name, module, orig, a, kw):
+        weights: dict[str, torch.Tensor] = {}
+        for u in _members(plan, plan.unit(name)):
+            weights.update(_gathered(plan, u, ck.params))
+        with torch.no_grad():
+            out = _run(module, weights, name, a, kw)
+        ins, in_spec = _floats((list(a), kw))
+        outs, out_spec = _floats(out)
+        records.append((name, ins, in_spec, outs, out_spec))
+        return out
+
+    try:
+        with torch.no_grad(), ck.modes.sharded(), _intercept(ck.modules, sharded_call):
+            out_sharded = torch.func.functional_call(model, root_local, args, kwargs, strict=False)
+        problem = None
+    except Exception as e:  # a model that fails under the plan: named on every rank
+        problem = f"the model's sharded forward raised {type(e).__name__}: {e}"
+        ck.problem = problem
+    ck.settle("sharded forward")
+    sharded_outs, _ = _floats(out_sharded)
+    del out_sharded
+
+    # ---- 2. reference: the same code with every axis off, checked unit by unit -----------------
+    root_global = {n: _global(plan, n, t) for n, t in root_local.items()}
+    del root_local
+    calls = iter(records)
+    counts: dict[str, int] = {}
+
+    def reference_call(name, module, orig, a, kw):
+        rec = next(calls, None)
+        if rec is None or rec[0] != name:
+            ck.problem = (f"the model called unit {unit_label(name)!r} where its sharded forward called "
+                          f"{unit_label(rec[0]) if rec else 'no more units'!r}: its control flow depends on the axis")
+            ck.settle(f"unit order {name}")
+        _, ins, in_spec, outs, out_spec = rec
+        call = counts[name] = counts.get(name, -1) + 1
+        members = [u.name for u in _members(plan, plan.unit(name))]
+        here = f"{name}#{call}"
+        # The reference's own input (root code between units, unsharded) against the sharded one.
+        ref_in, _ = _floats((list(a), kw))
+        tokens = max([x.numel() // max(x.shape[-1], 1) for x in ins if isinstance(x, torch.Tensor) and x.dim() > 1] or [1])
+        root_bound = _bound(root_global, tokens * seq.size)
+        for k, (r, s) in enumerate(zip(ref_in, ins)):
+            if isinstance(s, torch.Tensor) and s.is_floating_point():
+                ck.compare(ROOT, f"input {k} of unit {unit_label(name)!r} (call {call})", s, seq.part(r, s), root_bound, [ROOT])
+        ck.settle(f"{here} input")
+        if name not in checked:  # the same arithmetic on both sides: its sharded output stands
+            result = unflatten(out_spec, [seq.whole(o) for o in outs])
+            return result
+        weights_local: dict[str, torch.Tensor] = {}
+        for u in members:
+            weights_local.update(_gathered(plan, plan.unit(u), ck.params))
+        weights_global = {n: _global(plan, n, t) for n, t in weights_local.items()}
+        bound = _bound(weights_global, tokens * seq.size)
+        problem = None
+        try:
+            result = _check_unit(ck, name, call, module, ins, in_spec, outs, weights_local, weights_global, bound, members, seq)
+        except VerificationError:
+            raise
+        except Exception as e:
+            problem = f"unit {unit_label(name)!r} raised {type(e).__name__} while checked: {e}"
+            result = None
+        if problem is not None and ck.problem is None:
+            ck.problem = problem
+        ck.settle(f"{here} unit")
+        ck.report.units.append(name)
+        return result
+
+    try:
+        whole_args, whole_kwargs = unflatten(flatten((list(args), kwargs), none_is_leaf=True)[1],
+                                             [seq.whole(x) for x in leaves])
+        with torch.no_grad(), ck.modes.unsharded(), _intercept(ck.modules, reference_call):
+            out_ref = torch.func.functional_call(model, root_global, tuple(whole_args), whole_kwargs, strict=False)
+    except VerificationError:
+        raise
+    except Exception as e:
+        if ck.problem is None:
+            ck.problem = f"the model's unsharded forward raised {type(e).__name__}: {e}"
+        out_ref = None
+    ck.settle("reference forward")
+    ref_outs, _ = _floats(out_ref)
+    tokens = first.numel() if first is not None else 1
+    # The root's own sums, after (at most) the largest unit's.
+    bound = _bound(root_global, tokens * seq.size) + max((c.bound for c in ck.report.comparisons), default=0.0)
+    if root_split or checked:
+        for k, (s, r) in enumerate(zip(sharded_outs, ref_outs)):
+            if isinstance(s, torch.Tensor) and s.is_floating_point():
+                ck.compare(ROOT, f"model output {k}", s, seq.part(r, s), bound, [ROOT, *checked])
+    ck.settle("outputs")
+    return ck.report
+
+
+def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_local, weights_global, bound, members, seq: _Seq):
+    """Unit ``name`` on the sharded input: the sharded forward again (with autograd) and the
+    reference on the whole weights and sequences; outputs, input cotangents, parameter gradients."""
+    plan = ck.plan
+    # sharded, with autograd
+    xs = [_leaf(x) if isinstance(x, torch.Tensor) else x for x in ins]
+    wl = {n: _leaf(t) for n, t in weights_local.items()}
+    with torch.enable_grad(), ck.modes.sharded():
+        a, kw = unflatten(in_spec, xs)
+        got = flatten(_run(module, wl, name, a, kw))[0]
+    # reference
+    xr = [_leaf(seq.whole(x)) if isinstance(x, torch.Tensor) else x for x in ins]
+    wg = {n: _leaf(t) for n, t in weights_global.items()}
+    with torch.enable_grad(), ck.modes.unsharded():
+        a, kw = unflatten(in_spec, xr)
+        want, want_spec = flatten(_run(module, wg, name, a, kw))
+    for k, (s, r) in enumerate(zip(got, want)):
+        if isinstance(s, torch.Tensor) and s.is_floating_point():
+            ck.compare(name, f"output {k} (call {call})", s.float(), seq.part(r.float(), s), bound, members)
+    # the VJP for one random cotangent, the same on the peers that must agree
+    ct = [ck.cotangent(s, name, call, k, seq) if isinstance(s, torch.Tensor) and s.is_floating_point() else None
+          for k, s in enumerate(got)]
+    ct_whole = [seq.whole(c) if c is not None else None for c in ct]
+    x_sh = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    x_ref = [x for x in xr if isinstance(x, torch.Tensor) and x.requires_grad]
+    names = list(wl)
+    with torch.enable_grad(), ck.modes.sharded():
+        g_sh = _grads(got, ct, [*(wl[n] for n in names), *x_sh])
+    with torch.enable_grad(), ck.modes.unsharded():
+        g_ref = _grads(want, ct_whole, [*(wg[n] for n in names), *x_ref])
+    n = len(names)
+    for k, (s, r) in enumerate(zip(g_sh[n:], g_ref[n:])):
+        if s is not None or r is not None:
+            s = torch.zeros_like(x_sh[k]) if s is None else s
+            r = torch.zeros_like(x_ref[k]) if r is None else r
+            ck.compare(name, f"cotangent of input {k} (call {call})", s, seq.part(r, s), bound, members)
+    cp = cp_group(plan) if plan.cp_size > 1 else None
+    for p, s, r in zip(names, g_sh[:n], g_ref[:n]):
+        s = torch.zeros_like(wl[p]) if s is None else s.detach()
+        r = torch.zeros_like(wg[p]) if r is None else r.detach()
+        if cp is not None:  # each cp rank holds its own tokens' part of the gradient
+            s = s.contiguous()
+            C.all_reduce(s, cp, tag="verify")
+        spec = plan.param(p)
+        ck.compare(name, f"gradient of {p!r} (call {call})", s, local_part(spec, r, axis_index(plan, spec)), bound, members)
+    # The reference goes on from here with its own (whole-sequence) outputs.
+    return unflatten(want_spec, [w.detach() if isinstance(w, torch.Tensor) else w for w in want])
