@@ -60,6 +60,7 @@ from fsdpfn.transforms import unshard as unshard
 from fsdpfn.transforms import VerificationError as VerificationError
 from fsdpfn.transforms import VerifyReport as VerifyReport
 from fsdpfn.transforms import verify as verify
+from fsdpfn.transforms import verify_step as verify_step
 
 # Subpackages users reach as fsdpfn.comm, fsdpfn.optim, fsdpfn.runtime, fsdpfn.checkpoint, ...
 from fsdpfn import checkpoint as checkpoint
@@ -129,4 +130,5 @@ __all__ = [
     "VerificationError",
     "VerifyReport",
     "verify",
+    "verify_step",
 ]

@@ -17,7 +17,7 @@ from fsdpfn.runtime._executor import Executor
 from fsdpfn._plan.schedule import OpKind, Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn.comm import compiling, count_compiled
-from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced
+from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced, verify
 
 __all__ = ["Runtime"]
 
@@ -82,6 +82,7 @@ class Runtime:
         reshard_after_forward: bool | None = None,
         accumulate: str = "reduce",
         device: str | torch.device | None = "cpu",
+        verify: bool = True,
     ):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
@@ -109,6 +110,7 @@ class Runtime:
         self._local_only = False
         self._in_apply = False
         self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
+        self._verify = bool(verify)  # until the first step has been checked
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -148,6 +150,9 @@ class Runtime:
         if compiling():  # see [Note: the runtime under torch.compile]
             return self._apply_traced(params, *args, **kwargs)
         check_params(params, self.plan, "Runtime.apply(params)")
+        if self._verify:
+            self._verify = False
+            verify(self.model, self.plan, params, *args, **kwargs)
         ex = self._ex
         grad = torch.is_grad_enabled()
         step = ex.begin(sync=not self._local_only)

@@ -52,6 +52,7 @@ from fsdpfn.transforms._verify import Comparison as Comparison
 from fsdpfn.transforms._verify import VerificationError as VerificationError
 from fsdpfn.transforms._verify import VerifyReport as VerifyReport
 from fsdpfn.transforms._verify import verify as verify
+from fsdpfn.transforms._verify import verify_step as verify_step
 from fsdpfn.transforms._guards import check_batch as check_batch
 from fsdpfn.transforms._guards import note_step as note_step
 from fsdpfn.transforms._guards import cut_watch as cut_watch
@@ -61,6 +62,7 @@ __all__ = [
     "VerificationError",
     "VerifyReport",
     "verify",
+    "verify_step",
     "context_parallel",
     "context_parallel_attention",
     "context_parallel_positions",

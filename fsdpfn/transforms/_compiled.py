@@ -192,8 +192,9 @@ class CompiledStep:
     backward graphs when they were compiled."""
 
     def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor",
-                 bucket: bool = False):
+                 bucket: bool = False, verify: bool = True):
         self._graphs: dict[str, list] = {}
+        self._verify = verify  # until the first step has been checked
         backend = recording_backend(compiler, self._graphs, overlap, bucket)
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._n_outputs = 1
@@ -215,6 +216,11 @@ class CompiledStep:
         return self._graphs.get("forward", []) + self._graphs.get("backward", [])
 
     def __call__(self, params, *args, **kwargs):
+        if self._verify:
+            from fsdpfn.transforms._verify import verify_step
+
+            self._verify = False
+            verify_step(self.loss_fn, params, *args, **kwargs)
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         with torch.enable_grad():
             try:
@@ -308,7 +314,7 @@ OVERLAP_PASSES = {
 
 
 def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, bucket: bool = False,
-            backend: str = "inductor", **options) -> CompiledStep:
+            backend: str = "inductor", verify: bool = True, **options) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).
@@ -332,6 +338,8 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
       backend: ``"inductor"`` (the default: generated kernels) or ``"aot_eager"`` (the same
         traced forward and backward graphs, collectives included, run op by op without code
         generation: compiles in seconds, for checking a plan compiles).
+      verify: before the first step, check eagerly that the plan computes what one process
+        computes (:func:`fsdpfn.verify_step`).
       **options: passed to ``torch.compile`` (``mode``, ``dynamic``, ``options``).
 
     Returns:
@@ -350,4 +358,4 @@ def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: 
         raise ValueError(f"fsdpfn.compile: backend must be one of {COMPILERS}, got {backend!r}")
     if (overlap or bucket) and backend != "inductor":
         raise ValueError("fsdpfn.compile: overlap=True and bucket=True are inductor's passes; use backend='inductor'")
-    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options, backend, bucket)
+    return CompiledStep(loss_fn, has_aux, fullgraph, overlap, options, backend, bucket, verify)

@@ -47,6 +47,7 @@ steps run without the mode.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from typing import Any, Mapping, cast
 
@@ -61,7 +62,7 @@ from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import cp_rank, dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
 
-__all__ = ["CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "install_split_watch", "note_step", "note_unshard",
+__all__ = ["Captured", "capturing", "note_capture", "CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "install_split_watch", "note_step", "note_unshard",
            "watch_output", "cut_watch"]
 
 TP_ATTR = "_fsdpfn_tp"
@@ -75,6 +76,42 @@ _GLOBAL_HOOK: list = []
 # plan fingerprint -> how the step reduces ("mean", or "custom" for grad_op/grad_scale), set by
 # the step's unshard and consumed by the root hook: only sharded steps are checked.
 _STEPS: dict[str, str] = {}
+
+
+class Captured(Exception):
+    """Stops a forward whose model, plan, shards and batch :func:`capturing` was after."""
+
+
+class _Capture:
+    def __init__(self):
+        self.plan = self.params = self.model = None
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+
+
+# The capture a loss function's first call runs under (fsdpfn.verify of a loss_fn): eager unshard
+# notes the plan and shards, the model's root pre-hook the model and batch, and stops the forward.
+_CAPTURE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("fsdpfn_capture", default=None)
+
+
+@contextlib.contextmanager
+def capturing():
+    """Inside the block, the first model forward that follows an eager :func:`fsdpfn.unshard`
+    raises :class:`Captured` before it runs; the yielded value then holds the plan, the shards,
+    the model and its inputs."""
+    cap = _Capture()
+    token = _CAPTURE.set(cap)
+    try:
+        yield cap
+    finally:
+        _CAPTURE.reset(token)
+
+
+def note_capture(plan: Plan, params) -> None:
+    """Called by eager :func:`fsdpfn.unshard`: the plan and shards a capture is after."""
+    cap = _CAPTURE.get()
+    if cap is not None:
+        cap.plan, cap.params = plan, params
 
 
 def note_step(plan: Plan, reduce: str = "mean") -> None:
@@ -143,6 +180,10 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
     left = [CHECKED_STEPS]
 
     def hook(module, args, kwargs):
+        cap = _CAPTURE.get()
+        if cap is not None and cap.plan is not None and not C.compiling():
+            cap.model, cap.args, cap.kwargs = module, args, kwargs
+            raise Captured()
         step = _STEPS.pop(plan.fingerprint, None)
         if step is None or not left[0] or C.compiling():
             return None

@@ -43,7 +43,7 @@ from fsdpfn import comm as C
 from fsdpfn.transforms._checks import check_on_every_rank, check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
-from fsdpfn.transforms._guards import note_unshard
+from fsdpfn.transforms._guards import note_capture, note_unshard
 
 __all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
 
@@ -332,6 +332,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
         return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
     _unit_comm.check_op(grad_op)
+    note_capture(plan, params)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))

@@ -63,9 +63,10 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import local_part, split_roles, uses_zeros
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.transforms._axes import _group, axis_index, cp_group, dp_rank
+from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._tp import reference_mode
 
-__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify"]
+__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_step"]
 
 _U32 = 2.0**-24  # float32 unit roundoff
 
@@ -406,6 +407,15 @@ class _Checker:
         return seq.part(full, like) if seq._has(like) else full
 
 
+def _raised(e: BaseException) -> str:
+    """``Type: message (at file:line)``, the line the deepest frame of the traceback ran."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
 def _grads(out_flat, ct, wrt):
     pairs = [(o, g) for o, g in zip(out_flat, ct) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
     if not pairs:
@@ -451,8 +461,14 @@ def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *ar
     check_params(params, plan, "verify(params)")
     if plan.mesh is None:
         raise ValueError("verify: the plan has no mesh; bind one with plan.bind(mesh)")
-    with torch._C._DisableFuncTorch(), C.uncounted():
-        return _verify(_Checker(plan, model, params, seed), args, kwargs)
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    # Called from inside torch.func.grad (a runtime's first step): the check is no part of that
+    # transform, so it runs with the transforms set aside and on the plain tensors under them.
+    with temporarily_clear_interpreter_stack(), torch._C._DisableFuncTorch(), C.uncounted():
+        leaves, spec = flatten((list(args), kwargs), none_is_leaf=True)
+        plain_args, kwargs = unflatten(spec, [_plain(x) if isinstance(x, torch.Tensor) else x for x in leaves])
+        return _verify(_Checker(plan, model, {n: _plain(t) for n, t in params.items()}, seed), tuple(plain_args), kwargs)
 
 
 def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
@@ -463,6 +479,8 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     seq = _Seq(plan, first.shape[1] if first is not None else None)
     checked = {u.name for u in ck.outer if plan.cp_size > 1 or any(_split(plan, p.name) for m in _members(plan, u) for p in m.params)}
     root_split = root is not None and any(_split(plan, p.name) for p in root.params)
+    if not checked and not root_split:  # the same arithmetic on both sides: nothing can differ
+        return ck.report
 
     # ---- 1. sharded: record every unit call's inputs and outputs -------------------------------
     records: list[tuple[str, list, Any, list, Any]] = []
@@ -484,8 +502,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
             out_sharded = torch.func.functional_call(model, root_local, args, kwargs, strict=False)
         problem = None
     except Exception as e:  # a model that fails under the plan: named on every rank
-        problem = f"the model's sharded forward raised {type(e).__name__}: {e}"
-        ck.problem = problem
+        ck.problem = f"the model's sharded forward raised {_raised(e)}"
     ck.settle("sharded forward")
     sharded_outs, _ = _floats(out_sharded)
     del out_sharded
@@ -528,7 +545,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
         except VerificationError:
             raise
         except Exception as e:
-            problem = f"unit {unit_label(name)!r} raised {type(e).__name__} while checked: {e}"
+            problem = f"unit {unit_label(name)!r} raised {_raised(e)} while checked"
             result = None
         if problem is not None and ck.problem is None:
             ck.problem = problem
@@ -545,7 +562,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
         raise
     except Exception as e:
         if ck.problem is None:
-            ck.problem = f"the model's unsharded forward raised {type(e).__name__}: {e}"
+            ck.problem = f"the model's unsharded forward raised {_raised(e)}"
         out_ref = None
     ck.settle("reference forward")
     ref_outs, _ = _floats(out_ref)
@@ -607,3 +624,31 @@ def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_lo
         ck.compare(name, f"gradient of {p!r} (call {call})", s, local_part(spec, r, axis_index(plan, spec)), bound, members)
     # The reference goes on from here with its own (whole-sequence) outputs.
     return unflatten(want_spec, [w.detach() if isinstance(w, torch.Tensor) else w for w in want])
+
+
+def verify_step(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any) -> VerifyReport | None:
+    """:func:`verify` for the step ``loss_fn(params, *args, **kwargs)`` takes: the loss function
+    runs (without autograd) up to its model's forward, which is where the model, the plan, the
+    shards and the batch are found (:func:`fsdpfn.unshard` notes the plan and the shards, the
+    model's root hook from :func:`fsdpfn.shard` the model and its inputs), then :func:`verify`
+    runs on them. :func:`fsdpfn.compile` calls it on its first step.
+
+    Returns:
+      the :class:`VerifyReport`, or ``None`` when the loss function reached no model carrying a
+      plan's hooks (nothing could be compared).
+
+    Example:
+      >>> def loss_fn(params, x, y):
+      ...     logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+      ...     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+      >>> fsdpfn.verify_step(loss_fn, params, x, y).ok
+      True
+    """
+    with capturing() as cap, C.uncounted(), torch.no_grad():
+        try:
+            loss_fn(params, *args, **kwargs)
+        except Captured:
+            pass
+    if cap.model is None or cap.plan is None:
+        return None
+    return verify(cap.model, cap.plan, cap.params, *cap.args, seed=seed, **cap.kwargs)
