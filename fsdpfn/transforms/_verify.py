@@ -621,6 +621,11 @@ def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_lo
             s = s.contiguous()
             C.all_reduce(s, cp, tag="verify")
         spec = plan.param(p)
+        if Role.EP in split_roles(spec) and plan.ep_size > 1:
+            # ep ranks are data-parallel too: an expert's weight gradient on the rank holding it
+            # sums every ep rank's tokens routed to it, one process's gradient over their batches.
+            r = r.contiguous()
+            C.all_reduce(r, _group(plan, Role.EP), tag="verify")
         ck.compare(name, f"gradient of {p!r} (call {call})", s, local_part(spec, r, axis_index(plan, spec)), bound, members)
     # The reference goes on from here with its own (whole-sequence) outputs.
     return unflatten(want_spec, [w.detach() if isinstance(w, torch.Tensor) else w for w in want])

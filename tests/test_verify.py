@@ -1,0 +1,303 @@
+"""The differential check (fsdpfn.verify): a model-parallel layout the model's code does not
+compute as planned is named on every rank, however the model spells the mistake; a correct one
+passes with errors at rounding level, far inside the bound.
+
+Each mistake is written several ways (the ways a pattern guard would have to know one by one);
+each must raise fsdpfn.VerificationError naming the unit and the axis, on every rank, with the
+same text. The bound is 4 u (fan-in + fan-out + tokens), u = 2**-24 (see [Note: the differential
+check] in fsdpfn/transforms/_verify.py): for these models about 1e-4, while every mistake here
+is off by more than 1e-2 and rounding stays under 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fsdpfn
+from fsdpfn.models import GPT, GPTConfig, MoE, MoEConfig
+from fsdpfn.models._gpt import TP_PLAN
+
+WIDTH, HEADS, VOCAB, SEQ = 16, 2, 20, 8
+HD = WIDTH // HEADS
+
+
+class Block(nn.Module):
+    """A pre-norm block whose fused qkv lies q | k | v (HF GPT-2's layout, ``qkv="sides"``) or
+    head-major (``"heads"``), cut as ``cut`` says; the MLP called as ``mlp`` says."""
+
+    def __init__(self, layout: str, cut: str, mlp: str, sdpa: bool = False):
+        super().__init__()
+        self.layout, self.cut, self.mlp, self.sdpa = layout, cut, mlp, sdpa
+        self.norm1 = nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
+        self.out = nn.Linear(4 * WIDTH, WIDTH)
+
+    def _split(self, o):
+        b, t, n = o.shape
+        if self.layout == "heads":
+            q, k, v = o.view(b, t, -1, 3, HD).permute(3, 0, 2, 1, 4)
+            return q, k, v
+        d = n // 3
+        if self.cut == "unbind":
+            q, k, v = o.view(b, t, 3, -1, HD).unbind(2)
+        elif self.cut == "slice":
+            q, k, v = o[..., :d], o[..., d: 2 * d], o[..., 2 * d:]
+            q, k, v = (z.reshape(b, t, -1, HD) for z in (q, k, v))
+        elif self.cut == "permute":
+            q, k, v = o.reshape(b, t, 3, -1, HD).permute(2, 0, 1, 3, 4)
+        elif self.cut == "transpose_chunk":
+            q, k, v = (z.transpose(1, 2) for z in o.transpose(1, 2).chunk(3, 1))
+            q, k, v = (z.reshape(b, t, -1, HD) for z in (q, k, v))
+        else:
+            raise AssertionError(self.cut)
+        return tuple(z.transpose(1, 2) for z in (q, k, v))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self._split(self.qkv(self.norm1(x)))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True) if self.sdpa else \
+            fsdpfn.context_parallel_attention(q, k, v, causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
+        h = self.norm2(x)
+        if self.mlp == "module":
+            return x + self.out(F.gelu(self.fc(h)))
+        if self.mlp == "f_linear":  # the rowwise layer called around its module
+            return x + F.linear(F.gelu(self.fc(h)), self.out.weight, self.out.bias)
+        if self.mlp == "dot_forward":  # the colwise layer called around its hooks
+            return x + self.out(F.gelu(self.fc.forward(h)))
+        raise AssertionError(self.mlp)
+
+
+class Net(nn.Module):
+    def __init__(self, layout="heads", cut="unbind", mlp="module", sdpa_blocks=()):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(layout, cut, mlp, i in sdpa_blocks) for i in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+TP = {"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+
+
+def _batch(rank: int, plan=None, rows: int = 2, seq: int = SEQ):
+    g = torch.Generator().manual_seed(100 + (fsdpfn.transforms.dp_rank(plan) if plan is not None else rank))
+    return torch.randint(0, VOCAB, (rows, seq), generator=g)
+
+
+def _tp_case(rank, world, layout, cut, mlp, style):
+    torch.manual_seed(0)
+    model = Net(layout, cut, mlp)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    tp = {"blocks.*.qkv": style, "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+    plan = fsdpfn.plan(model, mesh, tp=tp)
+    params = fsdpfn.shard(model, plan)
+    return _outcome(lambda: fsdpfn.verify(model, plan, params, _batch(rank, plan)))
+
+
+def _outcome(fn):
+    try:
+        report = fn()
+    except fsdpfn.VerificationError as e:
+        return ("error", str(e), e.comparison.unit if e.comparison else None)
+    except ValueError as e:
+        return ("refused", str(e), None)
+    worst = report.worst()
+    return ("ok", max(c.error for c in report.comparisons), worst.bound if worst else None, len(report.comparisons))
+
+
+def _same_error_everywhere(results):
+    assert all(r[0] == "error" for r in results), results
+    assert len({r[1] for r in results}) == 1, "every rank raises the same text"
+    return results[0][1]
+
+
+def test_a_correct_tp_layout_passes_at_rounding_level(run_on_ranks):
+    """Head-major qkv split colwise (whole heads per rank), the MLP through its modules."""
+    for r in run_on_ranks(_tp_case, 2, "heads", "unbind", "module", "colwise"):
+        kind, worst, bound, n = r
+        assert kind == "ok" and n > 20
+        # rounding alone: a few float32 ulps, over fifty times inside the bound
+        assert worst < 1e-6 and worst * 50 < bound, r
+
+
+@pytest.mark.parametrize("cut", ["unbind", "slice", "permute", "transpose_chunk"])
+def test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut(run_on_ranks, cut):
+    """q | k | v split plainly gives rank 0 all of q and half of k. No chunk or split call
+    appears in any of these cuts, so only the check can see it."""
+    text = _same_error_everywhere(run_on_ranks(_tp_case, 2, "sides", cut, "module", "colwise"))
+    assert "unit 'blocks.0'" in text and "Axes this unit is split over: tp" in text
+    assert "colwise_fused:k" in text  # the fix is named
+    assert "bound" in text and "sharded" in text and "unsharded" in text
+
+
+def test_the_same_model_planned_colwise_fused_passes(run_on_ranks):
+    r = run_on_ranks(_tp_case, 2, "sides", "slice", "module", "colwise_fused:3")
+    assert all(x[0] == "ok" and x[1] < 1e-6 for x in r), r
+
+
+def test_a_head_major_qkv_planned_colwise_fused_is_named(run_on_ranks):
+    """The mirror mistake: a fused split of a layout that is not side by side."""
+    text = _same_error_everywhere(run_on_ranks(_tp_case, 2, "heads", "unbind", "module", "colwise_fused:3"))
+    assert "unit 'blocks.0'" in text and "tp" in text
+
+
+@pytest.mark.parametrize("mlp", ["f_linear", "dot_forward"])
+def test_a_split_layer_called_around_its_module_is_named(run_on_ranks, mlp):
+    """F.linear(h, out.weight) skips the rowwise all-reduce (the forward differs);
+    fc.forward(h) skips the colwise layer's hooks (the forward agrees, the input cotangent does
+    not: its backward all-reduce is missing)."""
+    text = _same_error_everywhere(run_on_ranks(_tp_case, 2, "heads", "unbind", mlp, "colwise"))
+    assert "unit 'blocks.0'" in text and "F.linear(x, m.weight), m.forward(x)" in text
+    assert ("output 0" if mlp == "f_linear" else "cotangent of input 0") in text
+
+
+# ---- experts -------------------------------------------------------------------------------------
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(MoEBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.moe = MoE(MoEConfig(width=WIDTH, hidden=24, experts=4, top_k=2))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        y, _ = self.moe(self.norm(x).reshape(b * t, c))
+        return x + y.view(b, t, c)
+
+
+def _ep_case(rank, world, experts):
+    torch.manual_seed(0)
+    model = MoENet()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "edp"))
+    plan = fsdpfn.plan(model, mesh, experts=experts)
+    params = fsdpfn.shard(model, plan)
+    return _outcome(lambda: fsdpfn.verify(model, plan, params, _batch(rank, plan)))
+
+
+def test_experts_over_ep_pass(run_on_ranks):
+    r = run_on_ranks(_ep_case, 2, ["blocks.*.moe.experts.w1", "blocks.*.moe.experts.w2"])
+    assert all(x[0] == "ok" and x[1] < 1e-6 for x in r), r
+
+
+def test_experts_with_one_packed_weight_left_out_are_named(run_on_ranks):
+    """Only w1 split over ep: the layer pairs this rank's w1 experts with the first of the whole
+    w2; the loss moves by about 0.05, silently, without the check."""
+    r = run_on_ranks(_ep_case, 2, ["blocks.*.moe.experts.w1"])
+    assert all(x[0] in ("error", "refused") for x in r), r
+    if r[0][0] == "error":
+        text = _same_error_everywhere(r)
+        assert "unit 'blocks.0'" in text and "ep" in text and "w1, w2" in text
+
+
+# ---- context parallelism -------------------------------------------------------------------------
+
+def _cp_case(rank, world, sdpa_blocks):
+    torch.manual_seed(0)
+    model = Net("heads", "unbind", "module", sdpa_blocks)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    plan = fsdpfn.plan(model, mesh)
+    params = fsdpfn.shard(model, plan)
+    (x,) = fsdpfn.context_parallel_shard((_batch(rank, plan),), plan)
+    with fsdpfn.context_parallel(plan):
+        return _outcome(lambda: fsdpfn.verify(model, plan, params, x))
+
+
+def test_cp_attention_passes(run_on_ranks):
+    r = run_on_ranks(_cp_case, 2, ())
+    assert all(x[0] == "ok" and x[1] < 1e-6 for x in r), r
+
+
+def test_cp_with_one_block_still_on_plain_sdpa_is_named(run_on_ranks):
+    """Block 0 calls context_parallel_attention, block 1 still F.scaled_dot_product_attention:
+    block 1 attends within this rank's tokens only."""
+    text = _same_error_everywhere(run_on_ranks(_cp_case, 2, (1,)))
+    assert "unit 'blocks.1'" in text and "cp" in text and "context_parallel_attention" in text
+
+
+# ---- where the check runs ------------------------------------------------------------------------
+
+def _runtime_case(rank, world, layout, verify):
+    torch.manual_seed(0)
+    model = Net(layout, "slice", "module")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = fsdpfn.plan(model, mesh, tp=TP)
+    params = fsdpfn.shard(model, plan)
+    rt = fsdpfn.runtime.Runtime(model, plan, verify=verify)
+    x = _batch(rank, plan)
+
+    def loss_fn(p, x):
+        return rt.apply(p, x).square().mean()
+
+    with fsdpfn.count_collectives() as counter:
+        try:
+            _, loss = rt.value_and_grad(loss_fn)(params, x)
+        except fsdpfn.VerificationError as e:
+            return ("error", str(e))
+    return ("ran", float(loss), counter.counts())
+
+
+def test_the_runtime_checks_its_first_step_and_the_check_is_not_counted(run_on_ranks):
+    good = run_on_ranks(_runtime_case, 2, "heads", True)
+    unchecked = run_on_ranks(_runtime_case, 2, "heads", False)
+    assert good[0][0] == "ran" and good[0][2] == unchecked[0][2]  # the step's collectives only
+    assert good[0][1] == unchecked[0][1]
+    bad = run_on_ranks(_runtime_case, 2, "sides", True)
+    assert "unit 'blocks.0'" in _same_error_everywhere(bad)
+    assert run_on_ranks(_runtime_case, 2, "sides", False)[0][0] == "ran"  # verify=False: trains, wrong
+
+
+def _pure_case(rank, world, layout):
+    torch.manual_seed(0)
+    model = Net(layout, "permute", "module")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = fsdpfn.plan(model, mesh, tp=TP)
+    params = fsdpfn.shard(model, plan)
+
+    def loss_fn(p, x):
+        return torch.func.functional_call(model, fsdpfn.unshard(p, plan), (x,)).square().mean()
+
+    return _outcome(lambda: fsdpfn.verify_step(loss_fn, params, _batch(rank, plan)))
+
+
+def test_verify_step_finds_the_model_plan_and_batch_of_a_pure_loss(run_on_ranks):
+    ok = run_on_ranks(_pure_case, 2, "heads")
+    assert all(x[0] == "ok" and x[3] > 10 for x in ok), ok
+    assert "unit 'blocks.0'" in _same_error_everywhere(run_on_ranks(_pure_case, 2, "sides"))
+
+
+def _gpt_case(rank, world):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, width=WIDTH, depth=2, heads=HEADS))
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = fsdpfn.plan(model, mesh, tp=TP_PLAN)
+    return _outcome(lambda: fsdpfn.verify(model, plan, fsdpfn.shard(model, plan), _batch(rank, plan)))
+
+
+def test_gpt_with_its_tp_plan_passes(run_on_ranks):
+    assert all(x[0] == "ok" and x[1] < 1e-6 for x in run_on_ranks(_gpt_case, 2))
