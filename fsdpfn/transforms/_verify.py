@@ -337,13 +337,15 @@ class _Checker:
         for u in unit_names:
             for p in self.plan.unit(u).params:
                 roles.update(r for r in split_roles(p) if r in (Role.TP, Role.EP))
-        found = [r.value for r in (Role.TP, Role.EP) if r in roles]
+        sizes = {Role.TP: self.plan.tp_size, Role.EP: self.plan.ep_size}
+        found = [f"{r.value}={sizes[r]}" for r in (Role.TP, Role.EP) if r in roles]
         if self.plan.cp_size > 1:
-            found.append("cp")
+            found.append(f"cp={self.plan.cp_size}")
         return found
 
     def _hint(self, axes: Sequence[str], names: Sequence[str]) -> str:
         hints = []
+        axes = [a.split("=")[0] for a in axes]
         if "tp" in axes:
             tp = [f"{n} ({s})" for n, s in self.plan.tp if any(n == m or n.startswith(m + ".") for m in names if m)] or [
                 f"{n} ({s})" for n, s in self.plan.tp]
