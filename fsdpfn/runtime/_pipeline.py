@@ -61,7 +61,8 @@ from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
-from fsdpfn.transforms import apply_tp, check_params, context_parallel, context_parallel_shard
+from fsdpfn.transforms import apply_tp, check_batch, check_params, context_parallel, context_parallel_shard
+from fsdpfn.transforms._guards import CHECKED_STEPS
 
 __all__ = ["PipelineProfile", "PipelineRuntime"]
 
@@ -209,6 +210,7 @@ class PipelineRuntime:
         # here, naming the op, instead of leaving ranks blocked in recvs.
         validate_pipeline(ps, plan)
         self.model, self.plan, self.schedule, self.loss_fn = model, plan, ps, loss_fn
+        self._batch_checks = CHECKED_STEPS
         pp_name = plan.axes.names[plan.axes.dim(Role.PP)]  # type: ignore[index]
         self.pp_rank = plan.mesh.get_local_rank(pp_name)
         self.group = plan.mesh.get_group(pp_name)
@@ -323,6 +325,14 @@ class PipelineRuntime:
                 raise ValueError(f"PipelineRuntime.{what}: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
             check_params({n: params[n] for n in sp.param_names}, sp, f"PipelineRuntime.{what}(params)")
         cp_plan = next(iter(self.stage_plans.values()))
+        if self._batch_checks:  # see [Note: checking the batch] in fsdpfn/transforms/_guards.py
+            self._batch_checks -= 1
+            # Every pp rank is given the batch: stage 0 reads its inputs, the last stage its
+            # targets; the peers of one data-parallel index must read the same ones, and the
+            # data-parallel ranks batches of one size (the reduce averages per-rank means).
+            reduce = "mean" if train else "custom"
+            check_batch(cp_plan, (inputs,), reduce=reduce)
+            check_batch(cp_plan, (targets,), reduce=reduce)
         cp = cp_plan.cp_size > 1
         if cp:  # this cp rank's part of every sequence (the whole step then runs inside its cp axis)
             inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
@@ -434,9 +444,11 @@ class PipelineRuntime:
         if not self._train:  # evaluate: no graph, nothing saved for a backward
             x = self._xs[k] if s == 0 else self._acts.pop((s, k))
             params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
-            out = torch.func.functional_call(self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,))
+            out = self._stage_output(s, torch.func.functional_call(self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,)))
             if last:
-                self._losses[k] = self.loss_fn(out, self._ys[k]).detach()
+                loss = self.loss_fn(out, self._ys[k])
+                self._check_loss(loss)
+                self._losses[k] = loss.detach()
             else:
                 self._pass_on(s, k, out)
             return
@@ -448,9 +460,18 @@ class PipelineRuntime:
             x.requires_grad_(x.is_floating_point())
         saved: dict[int, int] = {}
         with torch.enable_grad(), self._counting(saved, leaves.values()):
-            out = torch.func.functional_call(self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,))
+            try:
+                out = torch.func.functional_call(self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,))
+            except RuntimeError as e:
+                if "in-place operation" in str(e) and s > 0:
+                    raise ValueError(f"stage {s} modifies its input in place (e.g. `h *= 0.7` or `h.add_(...)` on the tensor it "
+                                     "is given), which is a leaf of the stage's graph: autograd cannot differentiate through it. "
+                                     "Write the stage out of place (`h = h * 0.7`)") from e
+                raise
+            out = self._stage_output(s, out)
             if last:
                 loss = self.loss_fn(out, self._ys[k])
+                self._check_loss(loss)
                 self._losses[k] = loss.detach()
                 out = loss / self.schedule.micro_batches  # see [Note: the pipeline executor]
         self._saved[(s, k)] = (x if s > 0 else None, out, leaves)
@@ -459,6 +480,21 @@ class PipelineRuntime:
         self._peak_kept = max(self._peak_kept, sum(self._kept.values()))
         if not last:
             self._pass_on(s, k, out.detach())
+
+    def _stage_output(self, s: int, out: Any) -> torch.Tensor:
+        """A stage hands one tensor on: a 1-tuple (what Hugging Face layers return) is named."""
+        if isinstance(out, torch.Tensor):
+            return out
+        kind = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}"
+        hint = " (Hugging Face layers return (hidden,): unpack it, `return layer(x)[0]`)" if isinstance(out, (tuple, list)) else ""
+        raise ValueError(f"stage {s} ({type(self.modules[s]).__name__}) returned {kind}; a pipeline stage must return one tensor, "
+                         f"which the next stage takes as its input{hint}")
+
+    def _check_loss(self, loss: Any) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"PipelineRuntime: loss_fn(output, target) must return the micro-batch's mean loss, a scalar; got "
+                             f"{got} (a loss built with reduction='none'? take its .mean(), or use the default reduction)")
 
     def _pass_on(self, s: int, k: int, out: torch.Tensor) -> None:
         """Stage ``s``'s output of micro-batch ``k``: to stage ``s + 1`` here, or to be sent."""

@@ -506,6 +506,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
       >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
       True
     """
+    if isinstance(plan_or_group, torch.Tensor):
+        raise ValueError(
+            "context_parallel_attention(q, k, v, plan_or_group): the fourth argument is the plan or process group whose cp "
+            f"axis splits the sequence, got a tensor of shape {tuple(plan_or_group.shape)} (F.scaled_dot_product_attention's "
+            "attn_mask?). Masks are not taken: pass causal=True for a causal mask, and leave plan_or_group out inside "
+            "`with fsdpfn.context_parallel(plan):`")
     a = _axis(plan_or_group, strategy)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"context_parallel_attention takes (batch, heads, seq, head_dim) tensors, got q {tuple(q.shape)}, "

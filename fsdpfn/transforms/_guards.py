@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fsdpfn import _ambient
 from fsdpfn import comm as C
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import split_roles
@@ -185,6 +186,12 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
             cap.model, cap.args, cap.kwargs = module, args, kwargs
             raise Captured()
         step = _STEPS.pop(plan.fingerprint, None)
+        if step is not None and plan.cp_size > 1 and not _ambient.CP_STACK and not C.compiling():
+            raise ValueError(
+                f"a forward of the cp plan (cp={plan.cp_size}: each rank holds 1/{plan.cp_size} of every sequence) runs outside "
+                "`with fsdpfn.context_parallel(plan):`, so its attention would see only this rank's tokens (a validation "
+                "loss too). Run every sharded forward of the plan inside the block, with the batch split by "
+                "fsdpfn.context_parallel_shard")
         if step is None or not left[0] or C.compiling():
             return None
         left[0] -= 1
