@@ -301,3 +301,82 @@ def _gpt_case(rank, world):
 
 def test_gpt_with_its_tp_plan_passes(run_on_ranks):
     assert all(x[0] == "ok" and x[1] < 1e-6 for x in run_on_ranks(_gpt_case, 2))
+
+
+# ---- every guard on every path: the pipeline, cp outside its block, named errors ------------------
+
+PP_UNITS = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+PP_CFG = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, width=WIDTH, depth=2, heads=HEADS, bias=False)
+
+
+def _pp_case(rank, world, mistake):
+    from fsdpfn.runtime import PipelineRuntime
+
+    torch.manual_seed(0)
+    model = GPT(PP_CFG)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    plan = fsdpfn.plan(model, mesh, units=PP_UNITS)
+
+    def ce(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none" if mistake == "reduction_none" else "mean")
+
+    pipe = PipelineRuntime(model, plan, "1f1b", 2, loss_fn=ce)
+    params = pipe.shard(model)
+    dp, pp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    rows = 4 if (mistake == "unequal_rows" and dp == 1) else 8
+    seed = rank if mistake == "stages_differ" else dp  # by global rank: stage 0 and the last read different batches
+    tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    try:
+        _, loss = pipe.step(params, tokens[:, :-1], tokens[:, 1:])
+    except ValueError as e:
+        return ("refused", str(e))
+    except Exception as e:  # what a peer sees when a rank stops: named by the comm layer
+        return ("peer", f"{type(e).__name__}: {e}")
+    return ("ran", float(loss))
+
+
+@pytest.mark.parametrize("mistake", ["unequal_rows", "stages_differ"])
+def test_the_pipeline_checks_the_batch_on_every_rank(run_on_ranks, mistake):
+    """pp 2 x dp 2: batches of 8 and 4 rows (the mean of unequal means), or a batch indexed by
+    the global rank (stage 0 reads one batch, the last stage the targets of another)."""
+    results = run_on_ranks(_pp_case, 4, mistake)
+    assert all(r[0] == "refused" for r in results), results
+    text = results[0][1]
+    assert ("batches of different sizes" if mistake == "unequal_rows" else "were given different inputs") in text
+
+
+def test_a_correct_pipeline_still_runs(run_on_ranks):
+    assert all(r[0] == "ran" for r in run_on_ranks(_pp_case, 4, None))
+
+
+def test_a_pipeline_loss_that_is_not_a_scalar_is_named(run_on_ranks):
+    results = run_on_ranks(_pp_case, 4, "reduction_none")
+    last = [r for r in results if r[0] == "refused"]
+    assert last and all("reduction='none'" in r[1] for r in last), results
+    assert all(r[0] in ("refused", "peer") for r in results), results
+
+
+def _cp_outside(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    plan = fsdpfn.plan(model, mesh)
+    params = fsdpfn.shard(model, plan)
+    (x,) = fsdpfn.context_parallel_shard((_batch(rank, plan),), plan)
+    try:  # a validation forward, written outside the block
+        with torch.no_grad():
+            torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_cp_forward_outside_its_block_is_refused(run_on_ranks):
+    for text in run_on_ranks(_cp_outside, 2):
+        assert text and "outside `with fsdpfn.context_parallel(plan):`" in text and "cp=2" in text
+
+
+def test_a_mask_given_to_cp_attention_is_named():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"fourth argument is the plan or process group .* attn_mask\?"):
+        fsdpfn.context_parallel_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool))

@@ -88,6 +88,7 @@ class _Capture:
         self.plan = self.params = self.model = None
         self.args: tuple = ()
         self.kwargs: dict = {}
+        self.cp: tuple = ()  # the cp axes active at the forward
 
 
 # The capture a loss function's first call runs under (fsdpfn.verify of a loss_fn): eager unshard
@@ -183,7 +184,7 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
     def hook(module, args, kwargs):
         cap = _CAPTURE.get()
         if cap is not None and cap.plan is not None and not C.compiling():
-            cap.model, cap.args, cap.kwargs = module, args, kwargs
+            cap.model, cap.args, cap.kwargs, cap.cp = module, args, kwargs, _ambient.snapshot()
             raise Captured()
         step = _STEPS.pop(plan.fingerprint, None)
         if step is not None and plan.cp_size > 1 and not _ambient.CP_STACK and not C.compiling():

@@ -474,7 +474,14 @@ def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *ar
 
 
 def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
+    from fsdpfn.transforms._guards import _STEPS
+
+    from fsdpfn.transforms._guards import check_batch
+
     plan, model = ck.plan, ck.model
+    _STEPS.pop(plan.fingerprint, None)  # the check's forwards are not the step the batch check looks at
+    # Peers given different batches would differ below too; the batch check names it better.
+    check_batch(plan, args, kwargs, reduce="custom")
     root = plan.unit(ROOT) if any(u.name == ROOT for u in plan.units) else None
     leaves, _ = flatten((list(args), kwargs), none_is_leaf=True)
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 1), None)
@@ -573,7 +580,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     bound = _bound(root_global, tokens * seq.size) + max((c.bound for c in ck.report.comparisons), default=0.0)
     if root_split or checked:
         for k, (s, r) in enumerate(zip(sharded_outs, ref_outs)):
-            if isinstance(s, torch.Tensor) and s.is_floating_point():
+            if isinstance(s, torch.Tensor) and s.is_floating_point() and (seq.size == 1 or seq._has(s)):
                 ck.compare(ROOT, f"model output {k}", s, seq.part(r, s), bound, [ROOT, *checked])
     ck.settle("outputs")
     return ck.report
@@ -595,12 +602,15 @@ def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_lo
     with torch.enable_grad(), ck.modes.unsharded():
         a, kw = unflatten(in_spec, xr)
         want, want_spec = flatten(_run(module, wg, name, a, kw))
+    # Under cp an output without the sequence dim (a loss over this rank's tokens, an MoE layer's
+    # load-balancing loss) is what the model defines per rank: the whole sequence's differs by
+    # design, so it is neither compared nor differentiated.
+    compared = [isinstance(s, torch.Tensor) and s.is_floating_point() and (seq.size == 1 or seq._has(s)) for s in got]
     for k, (s, r) in enumerate(zip(got, want)):
-        if isinstance(s, torch.Tensor) and s.is_floating_point():
+        if compared[k]:
             ck.compare(name, f"output {k} (call {call})", s.float(), seq.part(r.float(), s), bound, members)
     # the VJP for one random cotangent, the same on the peers that must agree
-    ct = [ck.cotangent(s, name, call, k, seq) if isinstance(s, torch.Tensor) and s.is_floating_point() else None
-          for k, s in enumerate(got)]
+    ct = [ck.cotangent(s, name, call, k, seq) if compared[k] else None for k, s in enumerate(got)]
     ct_whole = [seq.whole(c) if c is not None else None for c in ct]
     x_sh = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
     x_ref = [x for x in xr if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -658,4 +668,5 @@ def verify_step(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor],
             pass
     if cap.model is None or cap.plan is None:
         return None
-    return verify(cap.model, cap.plan, cap.params, *cap.args, seed=seed, **cap.kwargs)
+    with _ambient.restored(cap.cp):  # the loss function's own context_parallel block, if any
+        return verify(cap.model, cap.plan, cap.params, *cap.args, seed=seed, **cap.kwargs)
