@@ -331,8 +331,8 @@ class PipelineRuntime:
             # targets; the peers of one data-parallel index must read the same ones, and the
             # data-parallel ranks batches of one size (the reduce averages per-rank means).
             reduce = "mean" if train else "custom"
-            check_batch(cp_plan, (inputs,), reduce=reduce)
-            check_batch(cp_plan, (targets,), reduce=reduce)
+            check_batch(self.plan, (inputs,), reduce=reduce)  # the whole plan: one label on every pp rank
+            check_batch(self.plan, (targets,), reduce=reduce)
         cp = cp_plan.cp_size > 1
         if cp:  # this cp rank's part of every sequence (the whole step then runs inside its cp axis)
             inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
