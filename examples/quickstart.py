@@ -28,6 +28,8 @@ def train(rank, world_size, steps=20):
     for _ in range(steps):
         tokens = (torch.randint(0, 64, (8, 1), generator=data) + torch.arange(17)) % 64
         x, y = tokens[:, :-1], tokens[:, 1:]  # task: count on, modulo 64
+        if not losses:  # once: the sharded step computes what one process computes, or every rank raises
+            fsdpfn.verify_step(loss_fn, params, x, y)
         grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)  # sharded, mean over ranks
         updates, state = opt.update(grads, state, params)
         params = optim.apply_updates(params, updates)

@@ -111,6 +111,7 @@ class Runtime:
         self._in_apply = False
         self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
         self._verify = bool(verify)  # until the first step has been checked
+        self._verified = None
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -119,6 +120,18 @@ class Runtime:
         """The :class:`~fsdpfn.runtime.MemoryTracker`: ``high_water`` bytes of live unsharded
         parameters, ``reset()`` to start a new measurement."""
         return self._ex.memory
+
+    @property
+    def verified(self):
+        """The :class:`fsdpfn.VerifyReport` of the first step's check (``None`` before it ran,
+        or with ``verify=False``).
+
+        Example:
+          >>> report = rt.verified   # None until the first step ran
+          >>> report is None or report.ok
+          True
+        """
+        return self._verified
 
     @property
     def last_step(self):
@@ -152,7 +165,7 @@ class Runtime:
         check_params(params, self.plan, "Runtime.apply(params)")
         if self._verify:
             self._verify = False
-            verify(self.model, self.plan, params, *args, **kwargs)
+            self._verified = verify(self.model, self.plan, params, *args, **kwargs)
         ex = self._ex
         grad = torch.is_grad_enabled()
         step = ex.begin(sync=not self._local_only)
