@@ -18,6 +18,7 @@ from fsdpfn._plan.schedule import OpKind, Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn.comm import compiling, count_compiled
 from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced, verify
+from fsdpfn.transforms import VerifyReport
 
 __all__ = ["Runtime"]
 
@@ -111,7 +112,7 @@ class Runtime:
         self._in_apply = False
         self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
         self._verify = bool(verify)  # until the first step has been checked
-        self._verified = None
+        self._verified: VerifyReport | None = None
 
     # ---- inspection ----------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ import contextlib
 import dataclasses
 import math
 import zlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ def _global(plan: Plan, name: str, part: torch.Tensor) -> torch.Tensor:
     placed = [e for e in spec.placements if e.size > 1]
     if not placed:
         return part
-    stack, keys = part.unsqueeze(0), [{}]
+    stack, keys = part.unsqueeze(0), cast("list[dict[Role, int]]", [{}])
     for e in placed:
         rows = C.all_gather_rows(stack.contiguous(), _group(plan, e.axis), tag="verify")
         keys = [{**k, e.axis: r} for r in range(e.size) for k in keys]
@@ -198,12 +198,12 @@ class _Modes:
         _ambient.CP_STACK[:] = self.cp if on else []
         try:
             for m, g in zip(self.routed, self.groups):
-                m.set_ep_group(g if on else None)
+                m.set_ep_group(g if on else None)  # type: ignore[operator]  # found by hasattr; nn.Module's __getattr__ stub says Tensor | Module
             with reference_mode(not on):
                 yield
         finally:
             for m, g in zip(self.routed, self.groups):
-                m.set_ep_group(g)
+                m.set_ep_group(g)  # type: ignore[operator]  # as above
             _ambient.CP_STACK[:] = saved
 
     def sharded(self):
@@ -255,11 +255,11 @@ def _intercept(modules: Mapping[str, nn.Module], calls: Callable[[str, nn.Module
 
 def _run(module: nn.Module, weights: Mapping[str, torch.Tensor], prefix: str, args, kwargs):
     named = {n[len(prefix) + 1:] if prefix else n: t for n, t in weights.items()}
-    module._fsdpfn_in_remat = True  # a pure-loop remat wrapper passes straight through
+    setattr(module, "_fsdpfn_in_remat", True)  # a pure-loop remat wrapper passes straight through
     try:
         return torch.func.functional_call(module, named, tuple(args), kwargs, strict=False)
     finally:
-        module._fsdpfn_in_remat = False
+        setattr(module, "_fsdpfn_in_remat", False)
 
 
 class _Seq:
@@ -528,6 +528,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
             ck.problem = (f"the model called unit {unit_label(name)!r} where its sharded forward called "
                           f"{unit_label(rec[0]) if rec else 'no more units'!r}: its control flow depends on the axis")
             ck.settle(f"unit order {name}")
+        assert rec is not None  # settle raised otherwise
         _, ins, in_spec, outs, out_spec = rec
         call = counts[name] = counts.get(name, -1) + 1
         members = [u.name for u in _members(plan, plan.unit(name))]
