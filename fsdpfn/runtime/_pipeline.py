@@ -61,8 +61,7 @@ from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
-from fsdpfn.transforms import apply_tp, check_batch, check_params, context_parallel, context_parallel_shard
-from fsdpfn.transforms._guards import CHECKED_STEPS
+from fsdpfn.transforms import CHECKED_STEPS, apply_tp, check_batch, check_params, context_parallel, context_parallel_shard
 
 __all__ = ["PipelineProfile", "PipelineRuntime"]
 

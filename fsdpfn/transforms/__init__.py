@@ -53,11 +53,13 @@ from fsdpfn.transforms._verify import VerificationError as VerificationError
 from fsdpfn.transforms._verify import VerifyReport as VerifyReport
 from fsdpfn.transforms._verify import verify as verify
 from fsdpfn.transforms._verify import verify_step as verify_step
+from fsdpfn.transforms._guards import CHECKED_STEPS as CHECKED_STEPS
 from fsdpfn.transforms._guards import check_batch as check_batch
 from fsdpfn.transforms._guards import note_step as note_step
 from fsdpfn.transforms._guards import cut_watch as cut_watch
 
 __all__ = [
+    "CHECKED_STEPS",
     "Comparison",
     "VerificationError",
     "VerifyReport",

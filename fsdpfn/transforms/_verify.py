@@ -63,6 +63,7 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import local_part, split_roles, uses_zeros
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.transforms._axes import _group, axis_index, cp_group, dp_rank
+from fsdpfn.transforms._gather import check_params, gather_unit
 from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._tp import reference_mode
 
@@ -141,8 +142,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def _gathered(plan: Plan, unit: Unit, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``unit``'s parameters as the step gathers them (this rank's model-parallel part, through the
     unit's codec), in float32."""
-    from fsdpfn.transforms._sharding import gather_unit
-
     locals_ = []
     for p in unit.params:
         x = _plain(params[p.name])
@@ -456,8 +455,6 @@ def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *ar
       >>> report.ok
       True
     """
-    from fsdpfn.transforms._sharding import check_params
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"verify takes the nn.Module the plan was built for, got {type(model).__name__}")
     check_params(params, plan, "verify(params)")
