@@ -47,7 +47,6 @@ steps run without the mode.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
 from typing import Any, Mapping, cast
 
@@ -91,9 +90,10 @@ class _Capture:
         self.cp: tuple = ()  # the cp axes active at the forward
 
 
-# The capture a loss function's first call runs under (fsdpfn.verify of a loss_fn): eager unshard
-# notes the plan and shards, the model's root pre-hook the model and batch, and stops the forward.
-_CAPTURE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("fsdpfn_capture", default=None)
+# The capture a loss function's first call runs under (fsdpfn.verify_step): eager unshard notes the
+# plan and shards, the model's root pre-hook the model and batch, and stops the forward. A list,
+# not a ContextVar: the root hook is traced under torch.compile, which cannot trace ContextVar.get.
+_CAPTURE: list[_Capture | None] = [None]
 
 
 @contextlib.contextmanager
@@ -102,16 +102,16 @@ def capturing():
     raises :class:`Captured` before it runs; the yielded value then holds the plan, the shards,
     the model and its inputs."""
     cap = _Capture()
-    token = _CAPTURE.set(cap)
+    saved, _CAPTURE[0] = _CAPTURE[0], cap
     try:
         yield cap
     finally:
-        _CAPTURE.reset(token)
+        _CAPTURE[0] = saved
 
 
 def note_capture(plan: Plan, params) -> None:
     """Called by eager :func:`fsdpfn.unshard`: the plan and shards a capture is after."""
-    cap = _CAPTURE.get()
+    cap = _CAPTURE[0]
     if cap is not None:
         cap.plan, cap.params = plan, params
 
@@ -182,8 +182,8 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
     left = [CHECKED_STEPS]
 
     def hook(module, args, kwargs):
-        cap = _CAPTURE.get()
-        if cap is not None and cap.plan is not None and not C.compiling():
+        cap = None if C.compiling() else _CAPTURE[0]  # compiling() first: dynamo guards on what it reads
+        if cap is not None and cap.plan is not None:
             cap.model, cap.args, cap.kwargs, cap.cp = module, args, kwargs, _ambient.snapshot()
             raise Captured()
         step = _STEPS.pop(plan.fingerprint, None)

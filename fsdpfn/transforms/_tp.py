@@ -26,7 +26,6 @@ tensor (``view(b, t, -1, head_dim)``), as :class:`fsdpfn.models.GPT` does.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator
 
 from torch import nn
@@ -40,8 +39,10 @@ __all__ = ["apply_tp", "reference_mode"]
 
 _ATTR = TP_ATTR
 _EP_ATTR = "_fsdpfn_ep"
-# True while the differential check runs a unit unsharded: the hooks pass their input through.
-_REFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdpfn_tp_reference", default=False)
+# [True] while the differential check runs a unit unsharded: the hooks pass their input through.
+# A list, not a ContextVar: the hooks run under torch.compile too, which reads a global but
+# cannot trace ContextVar.get. The check runs on the thread of the step it checks.
+_REFERENCE = [False]
 
 
 @contextlib.contextmanager
@@ -49,11 +50,11 @@ def reference_mode(on: bool = True) -> Iterator[None]:
     """Inside the block the tensor-parallel hooks do nothing (``on``; with ``on=False`` they run
     again): a module given its global weights computes what one process computes (the reference
     of [Note: the differential check] in ``fsdpfn/transforms/_verify.py``)."""
-    token = _REFERENCE.set(on)
+    saved, _REFERENCE[0] = _REFERENCE[0], on
     try:
         yield
     finally:
-        _REFERENCE.reset(token)
+        _REFERENCE[0] = saved
 
 
 def _apply_ep(model: nn.Module, plan: Plan) -> None:
@@ -75,7 +76,7 @@ def _apply_ep(model: nn.Module, plan: Plan) -> None:
 
 def _pre_copy(group, tag):
     def hook(module, args):
-        if _REFERENCE.get():
+        if _REFERENCE[0]:
             return None
         return (C.tp_copy(args[0], group, tag=tag), *args[1:])
 
@@ -84,7 +85,7 @@ def _pre_copy(group, tag):
 
 def _post_gather(group, tag):
     def hook(module, args, output):
-        if _REFERENCE.get():
+        if _REFERENCE[0]:
             return None
         return C.tp_gather_last(output, group, tag=tag)
 
@@ -93,7 +94,7 @@ def _post_gather(group, tag):
 
 def _post_reduce(group, tag):
     def hook(module, args, output):
-        if _REFERENCE.get():
+        if _REFERENCE[0]:
             return None
         return C.tp_reduce(output, group, tag=tag)
 
