@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numbers
 
 import torch
@@ -259,6 +261,21 @@ def newton_schulz_flops(
       >>> newton_schulz_flops((512, 2048)) / newton_schulz_flops((512, 2048), method="gram")
       1.5
     """
+    # A plan search prices the same few shapes hundreds of thousands of times: cached by value.
+    if type(steps) is int and type(method) is str:  # not a bool that hashes like 1 and must be refused
+        try:
+            return _flops_cached(tuple(shape), steps, method, tuple(gram_restarts))
+        except TypeError:  # arguments that do not hash: checked (and refused by name) uncached
+            pass
+    return _flops(shape, steps, method, gram_restarts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _flops_cached(shape: tuple[int, ...], steps: int, method: str, gram_restarts: tuple[int, ...]) -> int:
+    return _flops(shape, steps, method, gram_restarts)
+
+
+def _flops(shape, steps, method, gram_restarts) -> int:
     *batch, r, cols = shape
     m, n = min(r, cols), max(r, cols)
     count = 1
