@@ -310,6 +310,9 @@ def _what_it_parses(command: str) -> str:
     if they do not parse, so that the run shows the error)."""
     argv = shlex.split(command)
     path, flags, _ = _script(argv)
+    with open(path, encoding="utf-8") as f:
+        if "parse_args" not in f.read():  # no flags to parse (examples/quickstart.py): running it would train
+            return repr(argv)
     flags += _with_places(how(command)[1], "/TMP", "/SHARED")
     saved = dict(os.environ), list(sys.path), sys.argv
     sys.argv = [path, *flags]
