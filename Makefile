@@ -20,7 +20,7 @@ SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproj
 # in the same environment does not count), looked up without the current directory on the path.
 SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy', 'torchft']))"
 
-.PHONY: setup demo test docs docs-refresh bench
+.PHONY: setup demo test test-faults docs docs-refresh bench
 
 setup:
 	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" || $(PYTHON) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -32,8 +32,14 @@ demo: setup
 	$(PYTHON) examples/train_gpt.py
 
 # --durations: the slowest tests of each run, listed at its end, to keep the suite short.
+# `make test` is every test but the real multi-process fault scenarios (pytest's `faults` marker:
+# ranks killed or stopped, replica groups restarted, real timeouts; about a minute each), which
+# `make test-faults` runs. CI (.ci/run) runs both.
 test: setup
-	$(PYTHON) -m pytest -q --durations=25
+	$(PYTHON) -m pytest -q --durations=25 -m "not faults"
+
+test-faults: setup
+	$(PYTHON) -m pytest -q --durations=25 -m faults
 
 # --strict: any warning (a broken link or anchor, a docstring mkdocstrings cannot read) fails it.
 # NO_MKDOCS_2_WARNING silences mkdocs-material's notice about future MkDocs versions.

@@ -310,6 +310,9 @@ def _what_it_parses(command: str) -> str:
     if they do not parse, so that the run shows the error)."""
     argv = shlex.split(command)
     path, flags, _ = _script(argv)
+    with open(path, encoding="utf-8") as f:
+        if "parse_args" not in f.read():  # no flags to parse (examples/quickstart.py): running it would train
+            return repr(argv)
     flags += _with_places(how(command)[1], "/TMP", "/SHARED")
     saved = dict(os.environ), list(sys.path), sys.argv
     sys.argv = [path, *flags]
@@ -449,10 +452,17 @@ def _first_of_its_script() -> set[str]:
 EVERY_SESSION = _first_of_its_script()
 
 
+# Commands that kill a rank of a replica group and wait for the others to give up on it: real
+# fault scenarios (pytest's `faults` marker: `make test-faults`, not `make test`).
+FAULTS = re.compile(r"--fault\b|benchmarks/replicas\.py")
+
+
 def _runs_param(command: str):
     if not (ALL or command in EVERY_SESSION):
         why = "minutes of compiling" if os.path.basename(_script(shlex.split(command))[0]) in TOO_SLOW else "another command of this script runs"
         return pytest.param(command, marks=pytest.mark.skip(reason=f"{why}; FSDPFN_DOCS_COMMANDS=all runs this one"))
+    if FAULTS.search(command):
+        return pytest.param(command, marks=pytest.mark.faults)
     return command
 
 

@@ -137,6 +137,7 @@ def _committed(entries: list[dict]) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_lost_replica_does_not_stop_the_job_and_a_restarted_one_rejoins(tmp_path, how):
     t0 = time.monotonic()

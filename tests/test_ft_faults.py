@@ -207,6 +207,7 @@ def _check_losses(run: _Run, ckpt=None, ckpt_step=None):
     return fault_step, rejoin, same
 
 
+@pytest.mark.faults
 def test_demo_rank_killed_during_an_async_save_keeps_the_previous_checkpoint_and_rejoins(tmp_path):
     """Rank 1 of replica group 1 is killed (SIGKILL) during the background write of the
     checkpoint after step ``fault``, at a random save. Its replica group's previous checkpoint
@@ -245,6 +246,7 @@ def test_demo_rank_killed_during_an_async_save_keeps_the_previous_checkpoint_and
     print(f"save kill after step {fault}: broken step {broken}, rejoined at {rejoin}, {elapsed:.1f} s")
 
 
+@pytest.mark.faults
 def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins(tmp_path):
     """Rank 0 of replica group 1 (the rank that heartbeats for its group) stops itself (SIGSTOP)
     in a random step after its backward. Replica group 0 gives up on it after the collective
