@@ -81,7 +81,7 @@ def test_orchestration_statuses_and_the_budget(tmp_path, monkeypatch):
     # that dies before writing anything.
     plan = {"install": (10, 0, dict(status="passed", reason="", results=dict(versions=dict(torch="2.x")))),
             "cuda_tests": (10, 0, dict(status="failed", reason="every CUDA test passed (tests/x.py::t)", results={})),
-            "streams": (50, 124, dict(status="failed", reason="it stopped before its end", results=dict(trace_summary={"overlap_us": 3.0}))),
+            "streams": (70, 124, dict(status="failed", reason="it stopped before its end", results=dict(trace_summary={"overlap_us": 3.0}))),
             "reshard_memory": (5, 137, None),
             "offload": (20, 1, None)}
     limits = {}
@@ -99,20 +99,20 @@ def test_orchestration_statuses_and_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(g, "_has_cuda", lambda: True)
     monkeypatch.setattr(g, "_run_limited", fake_run)
     monkeypatch.setattr(g, "_now", lambda: clock[0])
-    summary = g.orchestrate(g.parse_args(["--out", str(tmp_path), "--budget", "100"]))
+    summary = g.orchestrate(g.parse_args(["--out", str(tmp_path), "--budget", "120"]))
     by = {s["name"]: s for s in summary["steps"]}
     assert [by[n]["status"] for n in ALL[:5]] == ["passed", "failed", "timed out", "failed", "failed"]
     assert by["cuda_tests"]["reason"] == "every CUDA test passed (tests/x.py::t)"
-    assert by["streams"]["reason"] == "stopped at its limit of 50 s; it had finished: trace_summary"
+    assert by["streams"]["reason"] == "stopped at its limit of 70 s; it had finished: trace_summary"
     assert by["streams"]["results"]["trace_summary"]["overlap_us"] == 3.0
     assert by["reshard_memory"]["reason"] == "killed after 5 s (SIGKILL: out of host memory?)"
     assert by["offload"]["reason"] == "exit status 1 before it wrote a result: see log.txt"
-    assert limits["offload"] == 25 and by["offload"]["limit_s"] == 25  # 100 s budget, 75 s spent
-    assert all(by[n]["status"] == "did not run" and "(100 s) was spent" in by[n]["reason"] for n in ALL[5:])  # 5 s left < 15
+    assert limits["offload"] == 25 and by["offload"]["limit_s"] == 25  # 120 s budget, 95 s spent
+    assert all(by[n]["status"] == "did not run" and "(120 s) was spent" in by[n]["reason"] for n in ALL[5:])  # 5 s left < 15
     assert summary["counts"] == {"passed": 1, "failed": 3, "timed out": 1, "did not run": 6, "skipped": 0} and not summary["ok"]
     assert summary["versions"] == {"torch": "2.x"}
     md = (tmp_path / "summary.md").read_text()
-    assert "| streams | timed out | 50 / 50 s | stopped at its limit of 50 s; it had finished: trace_summary |" in md
+    assert "| streams | timed out | 70 / 70 s | stopped at its limit of 70 s; it had finished: trace_summary |" in md
 
 
 def test_a_step_that_raises_fails_with_the_reason_and_one_that_cannot_run_says_why(tmp_path, monkeypatch):
