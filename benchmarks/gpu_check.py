@@ -27,7 +27,11 @@ left of ``--budget``; a step with less than 15 s left does not run):
   te              Transformer Engine, if it imports or installs in time: the FP8 hand-over with
                   Hopper's recipe (Float8CurrentScaling), and the hand-over test
 
-Without CUDA every step says "skipped: no CUDA" (tests/test_gpu_check.py runs it so).
+Without CUDA every step says "skipped: no CUDA" (tests/test_gpu_check.py runs it so). To rehearse
+a step's code on a machine without a GPU, run it alone with ``FSDPFN_GPU_CHECK_DEVICE=cpu`` (small
+models; the CUDA-only measurements fail at once)::
+
+    FSDPFN_GPU_CHECK_DEVICE=cpu PYTHONPATH=. python3 benchmarks/gpu_check.py --run-step offload --result /tmp/offload.json --work /tmp
 
 Outputs (at most 8 files under ``--out``): ``summary.json`` (every step: status, reason, seconds,
 figures), ``summary.md`` (the same for people: passed / failed / did not run, with reasons, and
@@ -717,6 +721,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _empty_cache() -> None:
+    import torch
+
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _cuda_mesh(world: int):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -1078,29 +1089,30 @@ def step_sim_kernels(ctx: StepContext):
 
     hw = sim.H100_SXM
     dev, bf16 = "cuda", torch.bfloat16
-    measured = []
+    measured: list[tuple[str, int, int, int, str, float]] = []
     for label, m, n, k in matmul_shapes():
-        a, b = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(k, n, device=dev, dtype=bf16)
-        measured.append((label, m, n, k, "bfloat16", _time_cuda(lambda a=a, b=b: a @ b)))
-        del a, b
+        lhs, rhs = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(k, n, device=dev, dtype=bf16)
+        measured.append((label, m, n, k, "bfloat16", _time_cuda(lambda lhs=lhs, rhs=rhs: lhs @ rhs)))
+        del lhs, rhs
     ctx.record("matmul", matmul_rows(measured, hw))
-    att = []
-    for s in ATTENTION_SEQS:  # 16k tokens per batch below 16k (FlashAttention's benchmark keeps tokens fixed), 32 heads of 128
-        b, h, d = max(1, 16384 // s), 32, 128
-        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            fwd = _time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=3)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    att: list[tuple[int, int, int, int, float, float]] = []
+    for seq in ATTENTION_SEQS:  # 16k tokens per batch below 16k (FlashAttention's benchmark keeps tokens fixed), 32 heads of 128
+        batch, heads, head_dim = max(1, 16384 // seq), 32, 128
+        q, kk, v = (torch.randn(batch, heads, seq, head_dim, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # the kernel class the preset's rate is for (FlashAttention-2)
+            fwd = _time_cuda(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), repeats=3)
+            out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
             grad = torch.randn_like(out)
-            both = _time_cuda(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad), repeats=3)
-        att.append((b, h, s, d, fwd, max(both - fwd, 0.0)))
+            both = _time_cuda(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, kk, v, is_causal=True), (q, kk, v), grad),
+                              repeats=3)
+        att.append((batch, heads, seq, head_dim, fwd, max(both - fwd, 0.0)))
         ctx.record("attention", attention_rows(att, hw))
-        del q, k, v, out, grad
+        del q, kk, v, out, grad
     torch.cuda.empty_cache()
     n = 64 * 2**20  # elements: 128 MiB of bf16 per tensor
     x, y = torch.randn(n, device=dev, dtype=bf16), torch.randn(n, device=dev, dtype=bf16)
     rows, w = torch.randn(8192, 4096, device=dev, dtype=bf16), torch.ones(4096, device=dev, dtype=bf16)
-    mem = [("copy", 2 * 2 * n, _time_cuda(lambda: x.clone())), ("add", 3 * 2 * n, _time_cuda(lambda: x + y)),
+    mem: list[tuple[str, float, float]] = [("copy", 2 * 2 * n, _time_cuda(lambda: x.clone())), ("add", 3 * 2 * n, _time_cuda(lambda: x + y)),
            ("silu * mul (SwiGLU)", 3 * 2 * n, _time_cuda(lambda: F.silu(x) * y)),
            ("rms_norm 8192x4096", 2 * 2 * rows.numel(), _time_cuda(lambda: F.rms_norm(rows, (4096,), w))),
            ("float32 cast", (2 + 4) * n, _time_cuda(lambda: x.float()))]
@@ -1153,20 +1165,22 @@ def step_sim_step(ctx: StepContext):
     from fsdpfn.models._llama import Block
     from fsdpfn.models import LlamaConfig
 
-    seq = 8192
+    # A rehearsal on CPU runs the same code on 16 tokens in float32 (CPUs are slow at bf16).
+    seq, dtype = (8192, torch.bfloat16) if DEV == "cuda" else (16, torch.float32)
     torch.manual_seed(0)
-    block = Block(LlamaConfig(dim=4096, layers=1, heads=32, kv_heads=8, ffn=14336, vocab=256)).to("cuda", torch.bfloat16)
-    x = torch.randn(1, seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    block = Block(LlamaConfig(dim=4096, layers=1, heads=32, kv_heads=8, ffn=14336, vocab=256)).to(DEV, dtype)
+    x = torch.randn(1, seq, 4096, device=DEV, dtype=dtype, requires_grad=True)
     fwd = _time_cuda(lambda: block(x), repeats=3)
     out = block(x)
     grad = torch.randn_like(out)
     both = _time_cuda(lambda: torch.autograd.grad(block(x), [x, *block.parameters()], grad), repeats=3)
     p_fwd, p_bwd = _block_prediction(seq)
+    ctx.record("llama3_8b_block_tokens", seq)
     ctx.record("llama3_8b_block", [dict(part="forward", measured_s=fwd, predicted_s=p_fwd, ratio=_ratio(p_fwd, fwd)),
                                    dict(part="backward", measured_s=both - fwd, predicted_s=p_bwd, ratio=_ratio(p_bwd, both - fwd)),
                                    dict(part="forward+backward", measured_s=both, predicted_s=p_fwd + p_bwd, ratio=_ratio(p_fwd + p_bwd, both))])
     del block, x, out, grad
-    torch.cuda.empty_cache()
+    _empty_cache()
     demo = testing.run_on_ranks(_demo_step_rank, 1, demo_vocab(), timeout=40)[0]
     row = dict(demo, ratio=_ratio(demo["predicted_forward_backward_s"], demo["measured_forward_backward_s"]))
     demo_result = _read_json(os.path.join(ctx.work, "demo.json")) or {}

@@ -214,3 +214,10 @@ def test_the_summaries(tmp_path):
     assert md.startswith("# GPU check: NVIDIA H100 80GB HBM3\n") and "| sim_kernels | passed | 41.2 / 90 s |  |" in md
     assert "| label | measured_tflops | preset_tflops | ratio |\n|---|---|---|---|\n| 8B w2 | 701.5 | 783.2 | 0.896 |" in md
     assert "- note: bf16" in md
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(g, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 15 and result.failed == 0, result
