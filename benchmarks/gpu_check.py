@@ -597,7 +597,9 @@ def run_step(name: str, result: str, work: str) -> int:
         import traceback
 
         traceback.print_exc()
-        ctx.status, ctx.reason = "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        # The first two lines: a RankError's second names the rank's own error (or its hang).
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()][:2]
+        ctx.status, ctx.reason = "failed", f"{type(e).__name__}: {' '.join(lines)[:300]}"
     else:
         if isinstance(outcome, str):  # a reason it could not run
             ctx.status, ctx.reason = "did not run", outcome

@@ -125,7 +125,7 @@ def test_a_step_that_raises_fails_with_the_reason_and_one_that_cannot_run_says_w
     g.run_step("streams", str(tmp_path / "s.json"), str(tmp_path))
     g.run_step("te", str(tmp_path / "t.json"), str(tmp_path))
     s, t = json.loads((tmp_path / "s.json").read_text()), json.loads((tmp_path / "t.json").read_text())
-    assert s == dict(status="failed", reason="RuntimeError: CUDA error: an illegal memory access was encountered", results=dict(first=1))
+    assert s == dict(status="failed", reason="RuntimeError: CUDA error: an illegal memory access was encountered more", results=dict(first=1))
     assert t["status"] == "did not run" and t["reason"] == "Transformer Engine is not installed"
 
 
