@@ -14,7 +14,7 @@ left of ``--budget``; a step with less than 15 s left does not run):
                   the machine may be offline), then the test extra's packages; versions printed
   cuda_tests      the tests that skip without CUDA (found by :func:`cuda_tests`), on 1 process
   streams         the runtime's all-gather stream beside compute, in a torch.profiler trace
-                  (2 gloo ranks sharing the GPU: NCCL needs one device per rank)
+                  (2 gloo ranks sharing the GPU: NCCL needs one device per rank; then 1 rank)
   reshard_memory  reshard-after-forward against torch.cuda.max_memory_allocated
   offload         pinned host offload: bitwise the run without it, nothing held between steps
   fp8_gather      the FP8 (MXFP8) parameter all-gather on CUDA, beside bf16
@@ -25,7 +25,8 @@ left of ``--budget``; a step with less than 15 s left does not run):
   sim_step        the simulator's predicted step beside the measured one (the demo model, and one
                   Llama-3-8B-shaped block in bf16)
   te              Transformer Engine, if it imports or installs in time: the FP8 hand-over with
-                  Hopper's recipe (Float8CurrentScaling), and the hand-over test
+                  Hopper's recipe (Float8CurrentScaling), and MXFP8's (Blackwell's: refused on
+                  Hopper, by name)
 
 Without CUDA every step says "skipped: no CUDA" (tests/test_gpu_check.py runs it so). To rehearse
 a step's code on a machine without a GPU, run it alone with ``FSDPFN_GPU_CHECK_DEVICE=cpu`` (small
