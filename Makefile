@@ -20,7 +20,7 @@ SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproj
 # in the same environment does not count), looked up without the current directory on the path.
 SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy', 'torchft']))"
 
-.PHONY: setup demo test test-faults docs docs-refresh bench
+.PHONY: setup demo test test-faults docs docs-refresh bench gpu-check
 
 setup:
 	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" || $(PYTHON) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -54,3 +54,11 @@ docs-refresh: setup
 bench: setup
 	$(PYTHON) benchmarks/vs_fsdp2.py
 	$(PYTHON) benchmarks/muon.py
+
+# The GPU check (docs/gpu.md): fsdpfn's CUDA path and the simulator's kernel rates on one GPU, in
+# under 10 minutes; results under $(OUT) (default gpu-check/). It installs only what is missing
+# itself (a bare GPU machine may be offline), so it does not depend on setup. Without CUDA every
+# step says "skipped: no CUDA".
+OUT ?= gpu-check
+gpu-check:
+	OUT=$(OUT) PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh

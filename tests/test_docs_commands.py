@@ -55,7 +55,7 @@ _INLINE = re.compile(r"`((?:OMP_NUM_THREADS=\d+ )?(?:python3? |torchrun |make )[
 # (validate, test, gpu), or the flags appended (run, here), where {tmp} and {shared} are directories
 # (see _PLACES).
 HOW: list[tuple[str, str, str]] = [
-    (r"^make (demo|test|docs|docs-refresh|bench|setup)\b", "make", ""),
+    (r"^make (demo|test|docs|docs-refresh|bench|setup|gpu-check)\b", "make", ""),
     (r"^pip install", "pip", ""),
     (r"^python -m pytest$", "test", "Makefile:test"),
     (r"^python -c$", "prose", ""),  # "not a notebook cell or `python -c`": not a command
@@ -92,6 +92,9 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python examples/plan_search\.py .*--hardware measure", "run", "--global-tokens 4096 --prefetch 1"),  # starts ranks
     (r"^python examples/plan_search\.py\b", "here", "--global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png"),
     (r"^python benchmarks/compile_bucket\.py\b", "run", "--steps 1"),
+    # On a GPU the check runs for minutes and installs what is missing: its dry run (CUDA hidden),
+    # its flags and its steps' code are tests/test_gpu_check.py's.
+    (r"^python benchmarks/gpu_check\.py\b", "test", "tests/test_gpu_check.py::test_the_dry_run_says_skipped_no_cuda_for_every_step"),
     # Two short sequences at every cp degree, and the projection of its first row (cp 1, 32k tokens).
     (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
     (r"^python benchmarks/compile_probe\.py\b", "run", ""),
