@@ -11,11 +11,13 @@ most 3x). Every rank's time is the slowest rank's (a barrier before and a max af
 Memory: the growth of the process's peak resident set (``ru_maxrss``) over a checked first step,
 measured after the plain steps have set the peak a step reaches: what the check holds beyond a
 plain step (the allocator's reuse makes it a lower bound of what the check allocates, in KiB
-pages, on the slowest-growing rank: the max over ranks is shown). Beside it, the largest unit's
-full parameters plus one unit's full-sequence activations, the bound the check aims for.
+pages; the max over ranks is shown, and the growth over a second plain step beside it is the
+measure's noise). Beside it, the largest unit's full parameters plus its input and output over
+the whole sequences ("unit KiB"), a floor of what the check holds: it also keeps one unit's
+internal activations for its two VJPs (sharded and unsharded), which are not counted there.
 
 Usage:
-  python benchmarks/verify.py                      # about a minute on 2 idle cores
+  python benchmarks/verify.py                      # about a minute on 2 cores
   python benchmarks/verify.py --width 64 --seq 64 --repeats 1 --meshes dp_tp
 """
 
@@ -124,10 +126,10 @@ def main(argv=None):
     print(f"GPT width {args.width}, depth {args.depth}, heads {args.heads}, vocab {args.vocab}, seq {args.seq}, batch "
           f"{args.batch} per dp rank, fp32, zero3; first step of a fresh Runtime, median of {args.repeats}, 2 gloo ranks")
     print(f"{'mesh':<8} {'plain s':>9} {'checked s':>10} {'ratio':>6} {'peak RSS +KiB plain':>20} {'checked':>8} "
-          f"{'one unit KiB':>13}")
+          f"{'unit KiB':>9}")
     for r in rows:
         print(f"{r['mesh']:<8} {r['plain']:>9.3f} {r['checked']:>10.3f} {r['checked'] / r['plain']:>6.2f} "
-              f"{r['plain_kib']:>20.0f} {r['checked_kib']:>8.0f} {r['unit_kib']:>13.0f}")
+              f"{r['plain_kib']:>20.0f} {r['checked_kib']:>8.0f} {r['unit_kib']:>9.0f}")
     return rows
 
 
