@@ -290,7 +290,7 @@ def run_example(rank: int, world: int, d: dict) -> tuple:
     ``silent``, ``false_alarm``, ``unnamed`` ([Note: the fuzzer's oracle])."""
     from fsdpfn import testing
 
-    stage = "plan"
+    stage, refusal = "plan", None
     try:
         shape, names = MESHES[d["mesh"]]
         mesh = testing.mesh(shape, names)
@@ -313,7 +313,6 @@ def run_example(rank: int, world: int, d: dict) -> tuple:
         if cp:
             x, y = fsdpfn.context_parallel_shard((x, y), plan)
         stage = "verify"
-        refusal = None
         try:
             with fsdpfn.context_parallel(plan) if cp else contextlib.nullcontext():
                 fsdpfn.verify(model, plan, params, x)
@@ -321,11 +320,11 @@ def run_example(rank: int, world: int, d: dict) -> tuple:
             refusal = f"verify: VerificationError: {e}"
         stage = "step"
         got = _step_grads(model, plan, params, x, y, cp)
-    except ValueError as e:  # named, before any step
-        return ("refused", f"{stage}: {type(e).__name__}: {e}")
-    except Exception:
-        if stage == "step" and refusal is not None:  # refused, and the step does not run either
+    except Exception as e:
+        if stage == "step" and refusal is not None:  # refused by the check, and the step does not run either
             return ("refused", refusal)
+        if isinstance(e, ValueError):  # named, before any step
+            return ("refused", f"{stage}: {type(e).__name__}: {e}")
         return ("unnamed", f"{stage}: {traceback.format_exc()}")
     ok, detail = _judge(d, dp, got)
     if refusal is not None:
