@@ -14,7 +14,7 @@ with dp, tp, ep and cp, remat, zero2/zero3), runs each on its ranks and counts t
 with its description, to be replayed with ``--replay``.
 
 Usage:
-  python benchmarks/fuzz.py --examples 40            # about 20 s an example on 2 busy cores
+  python benchmarks/fuzz.py --examples 40            # minutes: most examples take a second, a hung one --timeout
   python benchmarks/fuzz.py --examples 10 --seed 3 --timeout 60
 """
 
