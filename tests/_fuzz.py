@@ -9,8 +9,9 @@ ranks build the model and plan from it, see ``run_example``). Each rank:
 1. builds the model (seed 0), the mesh and the plan, and shards the model: a ``ValueError``
    here is a refusal by name;
 2. runs ``fsdpfn.verify`` on its part of a batch (its data-parallel rows, its part of each
-   sequence under cp): a ``fsdpfn.VerificationError`` is a refusal by name, provided the step
-   run anyway is indeed wrong (else the check raised a false alarm on a correct layout);
+   sequence under cp): a ``fsdpfn.VerificationError`` is a refusal by name, unless the example
+   run again without the check (``probe=True``) gives one process's gradients: then the check
+   raised a false alarm on a correct layout;
 3. when the check passed, takes the gradient of the mean cross-entropy with the pure loop
    (``torch.func.grad`` over ``fsdpfn.unshard``, inside ``fsdpfn.context_parallel(plan)`` on a
    cp mesh), gathers each gradient whole (``fsdpfn.comm.full_tensor``: every rank's part put
@@ -285,12 +286,13 @@ def _judge(d: dict, dp: int, got: dict[str, torch.Tensor]) -> tuple[bool, str]:
     return ok, f"worst gradient {worst!r} off by {errors[worst]:.3g} {'<=' if ok else '>'} bound {tol:.3g}"
 
 
-def run_example(rank: int, world: int, d: dict) -> tuple:
+def run_example(rank: int, world: int, d: dict, probe: bool = False) -> tuple:
     """One example on this rank: ``(outcome, detail)``, outcome one of ``refused``, ``correct``,
-    ``silent``, ``false_alarm``, ``unnamed`` ([Note: the fuzzer's oracle])."""
+    ``silent``, ``unnamed`` ([Note: the fuzzer's oracle]). ``probe``: skip the check and judge
+    the step's gradients alone (``correct`` or ``silent``), to tell a false alarm of the check."""
     from fsdpfn import testing
 
-    stage, refusal = "plan", None
+    stage = "plan"
     try:
         shape, names = MESHES[d["mesh"]]
         mesh = testing.mesh(shape, names)
@@ -313,32 +315,24 @@ def run_example(rank: int, world: int, d: dict) -> tuple:
         if cp:
             x, y = fsdpfn.context_parallel_shard((x, y), plan)
         stage = "verify"
-        try:
+        if not probe:
             with fsdpfn.context_parallel(plan) if cp else contextlib.nullcontext():
                 fsdpfn.verify(model, plan, params, x)
-        except fsdpfn.VerificationError as e:  # raised on every rank: the step below runs on all of them
-            refusal = f"verify: VerificationError: {e}"
         stage = "step"
         got = _step_grads(model, plan, params, x, y, cp)
-    except Exception as e:
-        if stage == "step" and refusal is not None:  # refused by the check, and the step does not run either
-            return ("refused", refusal)
-        if isinstance(e, ValueError):  # named, before any step
-            return ("refused", f"{stage}: {type(e).__name__}: {e}")
+    except ValueError as e:  # named (fsdpfn.VerificationError included), before any update
+        return ("refused", f"{stage}: {type(e).__name__}: {e}")
+    except Exception:
         return ("unnamed", f"{stage}: {traceback.format_exc()}")
     ok, detail = _judge(d, dp, got)
-    if refusal is not None:
-        # Refused by the check: the step run anyway must be wrong, else the check named a
-        # layout that computes what one process computes.
-        return ("refused", refusal) if not ok else ("false_alarm", f"{detail}, yet {refusal}")
     return ("correct" if ok else "silent", detail)
 
 
 def classify(results: list[tuple]) -> tuple[str, str]:
-    """One outcome for every rank's: ``silent`` (or ``false_alarm``) if any rank's is, ``unnamed``
-    if any rank raised something unnamed or the ranks disagree."""
+    """One outcome for every rank's: ``silent`` if any rank's is, ``unnamed`` if any rank raised
+    something unnamed or the ranks disagree."""
     kinds = {r[0] for r in results}
-    for k in ("silent", "false_alarm", "unnamed"):
+    for k in ("silent", "unnamed"):
         if k in kinds:
             return k, next(r[1] for r in results if r[0] == k)
     if len(kinds) > 1:
@@ -347,11 +341,21 @@ def classify(results: list[tuple]) -> tuple[str, str]:
 
 
 def run(run_on_ranks, d: dict, timeout: float = 120.0) -> tuple[str, str]:
-    """The example on its ranks, classified; a rank error (a hang included) is ``unnamed``."""
+    """The example on its ranks, classified; a rank error (a hang included) is ``unnamed``. An
+    example the check refused runs again without it (the probe): one process's gradients then
+    make the refusal a ``false_alarm``; anything else (wrong gradients, an error) confirms it."""
     try:
-        return classify(run_on_ranks(run_example, world_of(d), d, timeout=timeout))
+        outcome, detail = classify(run_on_ranks(run_example, world_of(d), d, timeout=timeout))
     except Exception as e:  # RankError: a rank died or never answered
         return "unnamed", f"{type(e).__name__}: {e}"
+    if outcome == "refused" and detail.startswith("verify:"):
+        try:
+            probed, how = classify(run_on_ranks(run_example, world_of(d), d, True, timeout=timeout))
+        except Exception:  # the step fails without the check too: the refusal stands
+            probed, how = "unnamed", ""
+        if probed == "correct":
+            return "false_alarm", f"{how}, yet {detail}"
+    return outcome, detail
 
 
 EXAMPLES = int(os.environ.get("FSDPFN_FUZZ_EXAMPLES", "6"))
