@@ -105,6 +105,8 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
     (r"^python benchmarks/bad_inputs\.py\b", "run", ""),  # the whole catalogue: under a minute
+    (r"^python benchmarks/fuzz\.py\b", "run", "--examples 2 --timeout 60"),  # the last --examples given wins
+    (r"^python benchmarks/verify\.py\b", "run", "--width 32 --depth 1 --heads 2 --vocab 64 --seq 16 --repeats 1"),
     (r"^python benchmarks/replicas\.py\b", "run", "--steps 9 --fault 4"),
     # A replica group of a fault-tolerant job needs a lighthouse and peers: the test starts both.
     (r"^python examples/ft_replicas\.py\b", "test",
