@@ -41,7 +41,7 @@ anyway), and under cp one unit's input and output for the whole sequences.
 
 **Units with nothing to compare.** A unit none of whose parameters is split over a model-parallel
 axis, on a mesh without ``cp``, runs the same arithmetic on both sides: it is not recomputed.
-So a plain data-parallel plan costs one forward without autograd.
+When no unit has anything to compare (a plain data-parallel plan) the check returns at once.
 """
 
 from __future__ import annotations
