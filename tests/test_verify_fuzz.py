@@ -11,7 +11,7 @@ derandomised set); ``python benchmarks/fuzz.py --examples N`` draws more and cou
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 import _fuzz
 
