@@ -86,10 +86,28 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class ReasonFirstParser(argparse.ArgumentParser):
+    """An argument parser whose errors are the reason, on one line, and where to read more.
+
+    argparse prints the whole usage (two dozen lines of flags here) before the one line that says
+    what is wrong; a mistyped flag deserves the reason first and nothing to scroll past.
+
+    Example:
+      >>> p = ReasonFirstParser(prog="train_gpt.py"); _ = p.add_argument("--steps", type=int)
+      >>> p.parse_args(["--steps", "x"])  # doctest: +SKIP
+      train_gpt.py: error: argument --steps: invalid int value: 'x'
+        (--help lists every flag)
+    """
+
+    def error(self, message: str):
+        # The one-line usage is what argparse would print first; the reason comes first here.
+        self.exit(2, f"{self.prog}: error: {message}\n  (--help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (its ``--help``: what the job does, then every flag with its default)."""
     description = __doc__.split("\nThe step is pure")[0]
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ReasonFirstParser(prog=os.path.basename(__file__), description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     g.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"], help="sharding strategy of every unit")

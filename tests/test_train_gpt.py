@@ -79,6 +79,9 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
     # runs before any rank starts (an interpreter per case would cost seconds each).
     proc = _run_raw(tmp_path / "bad", "--heads", "3", timeout=60)
     assert proc.returncode == 2 and "--heads 3 must divide --width 32" in proc.stderr, proc.stderr[-500:]
+    # The reason first, and no usage block of every flag to scroll past: two lines in all.
+    assert proc.stderr.startswith("train_gpt.py: error: --heads 3 must divide --width 32"), proc.stderr[-500:]
+    assert len(proc.stderr.splitlines()) == 2 and "usage:" not in proc.stderr, proc.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     mod = _example()
     for flags, named in [(["--replicas", "0"], "--replicas"), (["--heads", "3"], "--heads 3 must divide --width 32"),
@@ -93,6 +96,14 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
             mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and named in err, (flags, err[-500:])
+        assert err.splitlines()[0].startswith("train_gpt.py: error: ") and "usage:" not in err, err
+    # argparse's own errors (an unknown flag, a value of the wrong type) come the same way.
+    for flags, named in [(["--stesp", "3"], "unrecognized arguments: --stesp 3"),
+                         (["--steps", "x"], "argument --steps: invalid int value: 'x'")]:
+        with pytest.raises(SystemExit) as exited:
+            mod.parse_args([*TINY, *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
 
 
 def test_logs_gradient_norm_and_lr_and_resumes_from_a_named_checkpoint(tmp_path):
@@ -434,5 +445,13 @@ def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path, capsys):
             mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and named in err, (flags, err[-500:])
+        assert err.splitlines()[0].startswith("train_gpt.py: error: ") and "usage:" not in err, err
+    # argparse's own errors (an unknown flag, a value of the wrong type) come the same way.
+    for flags, named in [(["--stesp", "3"], "unrecognized arguments: --stesp 3"),
+                         (["--steps", "x"], "argument --steps: invalid int value: 'x'")]:
+        with pytest.raises(SystemExit) as exited:
+            mod.parse_args([*TINY, *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
     args = mod.parse_args([*TINY, "--pp", "2", "--world-size", "4", "--schedule", "interleaved_1f1b", "--batch-size", "8"])
     assert (args.schedule, args.micro_batches) == ("interleaved_1f1b", 4)  # the most up to 2 x pp, a multiple of pp
