@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "in step STEP (from 0) after its backward, or kills itself during the background write of the "
                         "checkpoint saved after step STEP (save, with --ckpt-async); on the group's first start only")
     g.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step (to watch a fault by hand)")
+    g.add_argument("--ft-verbose", action="store_true",
+                   help="with --ft: torchft's own logs too (its INFO lines, quorums and HTTP requests; RUST_LOG=info), "
+                        "which are off by default: only the job's lines and torchft's warnings show")
     g = p.add_argument_group("model")
     g.add_argument("--width", type=int, default=128, help="embedding width")
     g.add_argument("--depth", type=int, default=4, help="transformer blocks (each one fsdpfn unit)")
@@ -281,6 +284,8 @@ def check_ft(args, world: int) -> str | None:
         for flag, value in (("--replica-group", args.replica_group), ("--fault", args.fault)):
             if value is not None:
                 return f"{flag} needs --ft (fault-tolerant replica groups, e.g. --ft --replicas 2)"
+        if args.ft_verbose:
+            return "--ft-verbose needs --ft (it shows torchft's own logs): add --ft, or drop --ft-verbose"
         return None
     if args.replicas < 2:
         return (f"--ft needs --replicas >= 2 (replica groups that outlive each other), got --replicas {args.replicas}: "
@@ -778,7 +783,7 @@ def announce(job: Job) -> None:
         args = job.args
         dp = job.plan.dp_size  # the ranks reading different batches
         ranks = f"{job.world} rank(s)" if dp == job.world else f"{dp} data-parallel rank(s) of {job.world}"
-        print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
+        print(f"{job.tag}GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
               f"training characters; {ranks} x {args.batch_size} x {args.seq_len} tokens per step; "
               f"{args.strategy}{f' x pp={args.pp} ({args.schedule}, {args.micro_batches} micro-batches)' if args.pp > 1 else ''}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
@@ -1041,23 +1046,70 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
         rows = read_metrics(paths["metrics"])
         first = rows[0]["loss"] if rows else float("nan")
         val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), float("nan"))
-        if want_sample:
+        # Replica groups hold the same parameters, so the same sample: shown once (each writes its file).
+        if want_sample and not (args.ft and args.replica_group):
             print("\n--- sample ---------------------------------------------------------------")
             print(text)
             print("--------------------------------------------------------------------------")
-        print(f"steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
+        print(f"{job.tag}steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
               f"{args.optimizer}, {args.executor})")
-        print(f"loss {first:.3f} (first logged) -> {last_loss:.3f} (final); validation {val:.3f}")
-        print(f"metrics    {paths['metrics']}")
-        print(f"plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
-        print(f"checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
-        print(f"model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
+        print(f"{job.tag}loss {first:.3f} (first logged) -> {last_loss:.3f} (final); validation {val:.3f}")
+        print(f"{job.tag}metrics    {paths['metrics']}")
+        print(f"{job.tag}plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
+        print(f"{job.tag}checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
+        print(f"{job.tag}model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
     comm.barrier(tag="finish")
+
+
+def one_write_per_line() -> None:
+    """Line-buffered stdout: each line reaches the terminal in one write, so lines of processes
+    sharing it (the ranks, the replica groups) never interleave mid-line. Block-buffered (the
+    default into a pipe or file) could cut a line at any byte."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+
+
+def quiet_torchft(device: str) -> None:
+    """--ft without --ft-verbose, in each rank: torchft's Python side says warnings only, on one
+    line each (a traceback of an expected fault, e.g. a peer lost mid all-reduce, is the line of
+    its error; --ft-verbose shows it whole), without its note about NCCL's flight recorder on a
+    run that has no NCCL, and its checkpoint server logs no HTTP request. Its Rust side is quieted
+    by RUST_LOG=warn, set for the whole job in :func:`main`."""
+    import logging
+    from http.server import BaseHTTPRequestHandler
+
+    class OneLine(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if device != "cuda" and "NCCL flight recorder" in record.getMessage():
+                return False
+            record.exc_info, record.exc_text = None, None
+            return True
+
+    # One handler per top-level torchft logger, which the records of its children (created later,
+    # with each Manager) pass through on their way up: a logger's own filters would see only the
+    # records logged to that logger.
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(OneLine())
+        log = logging.getLogger(name)
+        log.setLevel(logging.WARNING)
+        log.addHandler(handler)
+        log.propagate = False
+    # The peers' state transfer is torchft's HTTP server in this process; the access lines it
+    # writes to stderr for every request are not the job's events.
+    BaseHTTPRequestHandler.log_request = lambda self, code="-", size="-": None
 
 
 def train(rank: int, world: int, args) -> None:
     """The whole job, on every rank (started by :func:`fsdpfn.launch.launch`)."""
+    one_write_per_line()
+    if args.ft:
+        job_tag = f"[replica group {args.replica_group}] "
+        if not args.ft_verbose:
+            quiet_torchft(args.device)
     job, state = setup(rank, world, args)
+    if args.ft:
+        job.tag = job_tag
     note, info = None, None
     if args.resume:
         state, info = resume(job, state)
@@ -1082,7 +1134,6 @@ def train(rank: int, world: int, args) -> None:
         loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
     replicas = None
     if args.ft:
-        job.tag = f"[replica group {args.replica_group}] "
         replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica_group}", min_replicas=1,
                                           timeout=args.ft_timeout)
         fsdpfn.ft.start_together(args.replica_group)
@@ -1128,8 +1179,9 @@ def run_ft(args, argv: list[str]) -> int:
     replica group (this script with ``--replica-group I``), each restarted when it fails while
     another trains (:func:`fsdpfn.ft.run_replica_groups`). Returns the exit status."""
     def command(replica: int, lighthouse: str) -> list[str]:
+        # --no-progress: two progress bars cannot share one terminal; each group logs tagged lines.
         return [sys.executable, os.path.abspath(__file__), *argv, "--replica-group", str(replica),
-                "--lighthouse", lighthouse]
+                "--lighthouse", lighthouse, "--no-progress"]
 
     print(f"ft: {args.replicas} replica groups of {args.world_size // args.replicas} rank(s), outputs in "
           f"{os.path.join(args.out, 'replica<I>')}", flush=True)
@@ -1140,8 +1192,18 @@ def run_ft(args, argv: list[str]) -> int:
     return code
 
 
+def quiet_torchft_rust(args) -> None:
+    """--ft without --ft-verbose: RUST_LOG=warn in this process's environment, read by the
+    lighthouse it starts and inherited by every replica group. torchft's Rust side (lighthouse,
+    quorum, manager) logs INFO lines by the hundred; a RUST_LOG of the user's own is kept."""
+    if args.ft and not args.ft_verbose and "RUST_LOG" not in os.environ:
+        os.environ["RUST_LOG"] = "warn"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    one_write_per_line()
+    quiet_torchft_rust(args)
     if args.device == "cuda" and not under_torchrun():
         sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
     if args.resume:

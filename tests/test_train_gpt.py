@@ -455,3 +455,64 @@ def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path, capsys):
         assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
     args = mod.parse_args([*TINY, "--pp", "2", "--world-size", "4", "--schedule", "interleaved_1f1b", "--batch-size", "8"])
     assert (args.schedule, args.micro_batches) == ("interleaved_1f1b", 4)  # the most up to 2 x pp, a multiple of pp
+
+
+# ---- --ft's terminal: the job's lines, not torchft's ------------------------------------------
+
+
+def test_ft_is_quiet_by_default_and_verbose_on_request(tmp_path, monkeypatch, capsys):
+    # main() sets RUST_LOG=warn for torchft's Rust side (the lighthouse it starts and, through
+    # the environment, every replica group) unless the user set RUST_LOG or asked --ft-verbose;
+    # the replica groups run without progress bars (two cannot share a terminal).
+    pytest.importorskip("torchft")
+    import fsdpfn.ft
+
+    mod = _example()
+    seen = []
+    monkeypatch.setattr(fsdpfn.ft, "run_replica_groups", lambda command, replicas, **kw: seen.append(command(0, "h:1")) or 0)
+    base = [*TINY, "--world-size", "4", "--replicas", "2", "--ft", "--out", str(tmp_path)]
+    for extra, env, want in [([], None, "warn"), ([], "debug", "debug"), (["--ft-verbose"], None, None)]:
+        if env is None:
+            monkeypatch.delenv("RUST_LOG", raising=False)
+        else:
+            monkeypatch.setenv("RUST_LOG", env)
+        args = mod.parse_args([*base, *extra])
+        mod.quiet_torchft_rust(args)
+        assert os.environ.get("RUST_LOG") == want, (extra, env)
+        assert mod.run_ft(args, [*base, *extra]) == 0
+        assert seen[-1][-1] == "--no-progress" and "--replica-group" in seen[-1], seen[-1]
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    with pytest.raises(SystemExit):
+        mod.parse_args([*TINY, "--ft-verbose"])  # --ft-verbose alone: named, as the other --ft flags
+    assert "--ft-verbose needs --ft" in capsys.readouterr().err
+
+
+def test_quiet_torchft_leaves_one_line_per_warning(monkeypatch, capsys):
+    # In each rank: torchft's Python loggers at WARNING, a warning's traceback cut to its line,
+    # the flight-recorder note dropped where there is no NCCL, no HTTP access lines.
+    pytest.importorskip("torchft")
+    import logging
+    from http.server import BaseHTTPRequestHandler
+
+    mod = _example()
+    names = ["torchft", "torchft_quorums", "torchft_commits", "torchft_errors"]
+    saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
+             for n in names}
+    monkeypatch.setattr(BaseHTTPRequestHandler, "log_request", BaseHTTPRequestHandler.log_request)
+    try:
+        mod.quiet_torchft("cpu")
+        log = logging.getLogger("torchft.manager.test")  # created after the call, as torchft's Manager's logger
+        log.info("quorum 3 reached")
+        log.warning("[replica0/0 - step 0] Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        try:
+            raise RuntimeError("peer lost")
+        except RuntimeError:
+            log.exception("[replica0/0 - step 5] got exception in pg configure: peer lost")
+        err = capsys.readouterr().err
+        assert err == "[replica0/0 - step 5] got exception in pg configure: peer lost\n", err
+        assert BaseHTTPRequestHandler.log_request(None, 200) is None  # no access line, and no handler state needed
+    finally:
+        for n, (level, handlers, propagate) in saved.items():
+            logging.getLogger(n).setLevel(level)
+            logging.getLogger(n).handlers[:] = handlers
+            logging.getLogger(n).propagate = propagate
