@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -608,11 +609,61 @@ class Progress:
         else:
             print(f"\rstep {step}/{self.total} {text}", end="", flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own, above the bar (tqdm's write) or after the ``\\r`` line."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(("\n" if self.enabled else "") + text, flush=True)
+
     def close(self):
         if self.bar is not None:
             self.bar.close()
         elif self.enabled:
             print()
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's notice) in a rank: noted, not raised, and acted
+    on at the next step boundary, where every rank agrees on it (a max over ranks: a signal that
+    reached one rank stops them all at the same step) so that they save the same step's checkpoint
+    together and stop."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self, device) -> int:
+        """The signal every rank acts on now (0: none); a collective, so every rank calls it."""
+        flag = torch.tensor([float(self.signum)], device=device)
+        comm.all_reduce(flag, tag="stop request", op="max")
+        return int(flag.item())
+
+
+class SaveTimes:
+    """--ckpt-async: each save's stall (the call, which returns once the shards are in host
+    memory) and write time (until the background write, checks and commit are done), told on rank
+    0 once the save is committed."""
+
+    def __init__(self):
+        self.saves: list[tuple[object, float, float]] = []  # (pending, stall, started)
+        self.ends: dict[int, float] = {}
+
+    def started(self, pending, stall: float, t0: float) -> None:
+        self.saves.append((pending, stall, t0))
+        pending.add_done_callback(lambda f: self.ends.setdefault(id(f), time.perf_counter()))
+
+    def report(self, note) -> None:
+        """A line for each save committed since the last call."""
+        while self.saves and id(self.saves[0][0]) in self.ends:
+            pending, stall, t0 = self.saves.pop(0)
+            if pending.exception() is None:
+                note(f"checkpoint {os.path.basename(pending.path)}: training stalled {stall:.2f} s, "
+                     f"written beside it in {self.ends[id(pending)] - t0:.2f} s")
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -694,6 +745,7 @@ class Job:
     opt: optim.GradientTransformation
     data_rank: int  # which batches this rank reads: its data-parallel index (tp ranks share one)
     tag: str = ""  # before the lines this job prints: which replica group, with --ft
+    stopped: str = ""  # the signal (SIGINT, SIGTERM) that stopped the job early, after saving
     pipe: PipelineRuntime | None = None  # with --pp: runs this rank's stages
 
 
@@ -945,6 +997,10 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
     args, rank, world, device = job.args, job.rank, job.world, job.device
     data_rank = job.data_rank
     fault = Fault(args, rank) if replicas is not None else None
+    # Ctrl-C and SIGTERM: a checkpoint of the step reached, then stop (not under --ft, where a
+    # replica group's supervisor stops and restarts the groups).
+    stop_request = StopRequest() if replicas is None else None
+    times = SaveTimes() if args.ckpt_async else None
     step_fn = make_step(loss_fn, job.opt, replicas, fault.before_reduce if fault else None, job.pipe)
     progress = Progress(args.steps, state["step"], enabled=rank == 0 and not args.no_progress)
     tokens_per_step = job.plan.dp_size * args.batch_size * args.seq_len
@@ -1008,12 +1064,23 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
                     print(f"{job.tag}step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
                           f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-        if done % args.ckpt_every == 0 or done == stop:
+        signum = stop_request.agreed(device) if stop_request is not None else 0
+        if done % args.ckpt_every == 0 or done == stop or signum:
             if fault is not None:
                 fault.before_save(done - 1)
             save = checkpoint.async_save if args.ckpt_async else checkpoint.save
-            save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
+            t0 = time.perf_counter()
+            saved = save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
+            if times is not None and rank == 0:
+                times.started(saved, time.perf_counter() - t0, t0)
+        if times is not None and rank == 0:
+            times.report(progress.note)
+        if signum:
+            job.stopped = signal.Signals(signum).name
+            break
     checkpoint.wait()  # the last checkpoint is committed (or its error raised) before the job reports it
+    if times is not None and rank == 0:
+        times.report(progress.note)
     progress.close()
     return state, last_loss
 
@@ -1139,6 +1206,8 @@ def train(rank: int, world: int, args) -> None:
         fsdpfn.ft.start_together(args.replica_group)
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn, replicas)
+    if job.stopped:  # Ctrl-C or SIGTERM: the checkpoint of this step is saved; no sample, no export
+        return {"stopped": job.stopped, "step": state["step"], "checkpoint": checkpoint.latest(job.paths["ckpt"])}
     if replicas is not None:
         replicas.shutdown()  # the other groups go on without this one
         if state["step"] == start:
@@ -1192,6 +1261,59 @@ def run_ft(args, argv: list[str]) -> int:
     return code
 
 
+def forward_stop_signals() -> None:
+    """In the process that spawned the ranks: SIGINT and SIGTERM are passed on to them (Ctrl-C
+    reaches them already, a scheduler's SIGTERM often only this process), and this process waits
+    for them to save and stop instead of raising KeyboardInterrupt. A second signal stops the ranks
+    at once, without a checkpoint of the current step."""
+    import multiprocessing
+
+    count = [0]
+
+    def on_signal(signum, frame):
+        count[0] += 1
+        name = signal.Signals(signum).name
+        ranks = multiprocessing.active_children()
+        if count[0] == 1:
+            print(f"\n{name}: saving a checkpoint of the current step, then stopping "
+                  f"({'Ctrl-C' if signum == signal.SIGINT else 'a second signal'} again: stop at once, without it)",
+                  flush=True)
+            for p in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+            return
+        for p in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        print(f"{name} again: stopped at once; the last checkpoint saved is the one to resume from (--resume)",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: its own flags, with ``--resume`` (a ``--resume PATH``
+    of its own replaced: the newest checkpoint under --out is the one just saved).
+
+    Example:
+      >>> resume_command(["examples/train_gpt.py", "--steps", "400", "--resume", "runs/x/ckpt/step_00000300"])
+      'python examples/train_gpt.py --steps 400 --resume'
+    """
+    rest, i = [], 1
+    while i < len(argv):
+        if argv[i] == "--resume":
+            i += 2 if i + 1 < len(argv) and not argv[i + 1].startswith("-") else 1
+            continue
+        if argv[i].startswith("--resume="):
+            i += 1
+            continue
+        rest.append(argv[i])
+        i += 1
+    return shlex.join(["python", os.path.relpath(argv[0]) if os.path.isabs(argv[0]) else argv[0], *rest, "--resume"])
+
+
 def quiet_torchft_rust(args) -> None:
     """--ft without --ft-verbose: RUST_LOG=warn in this process's environment, read by the
     lighthouse it starts and inherited by every replica group. torchft's Rust side (lighthouse,
@@ -1225,10 +1347,19 @@ def main(argv=None) -> None:
     marker = os.path.join(args.out, NOTHING_TO_REJOIN_FILE)
     if args.ft and os.path.exists(marker):
         os.remove(marker)
+    if not args.ft and not under_torchrun():
+        forward_stop_signals()
     try:
-        launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
+        results = launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
         sys.exit(f"\ntraining failed:\n{e.summary()}")
+    stopped = results[0] if results and isinstance(results[0], dict) else None
+    if stopped:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped by {stopped['stopped']} at step {stopped['step']} of {args.steps}; checkpoint "
+                  f"{stopped['checkpoint']}. Resume with: {resume_command(sys.argv if argv is None else ['train_gpt.py', *argv])}",
+                  flush=True)
+        sys.exit(128 + signal.Signals[stopped["stopped"]].value)  # the shell's code for a job a signal ended
     if args.ft and os.path.exists(marker):  # tells the supervisor: neither finished nor failed
         os.remove(marker)
         sys.exit(fsdpfn.ft.NOTHING_TO_REJOIN)

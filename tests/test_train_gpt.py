@@ -516,3 +516,47 @@ def test_quiet_torchft_leaves_one_line_per_warning(monkeypatch, capsys):
             logging.getLogger(n).setLevel(level)
             logging.getLogger(n).handlers[:] = handlers
             logging.getLogger(n).propagate = propagate
+
+
+# ---- Ctrl-C and SIGTERM: save the step reached, say how to resume, no traceback ----------------
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_and_prints_the_resume_command(tmp_path, sig):
+    # SIGINT as Ctrl-C sends it, to the whole process group (the launcher and its ranks); SIGTERM
+    # as a scheduler often does, to the launcher alone, which passes it on. Either way every rank
+    # stops at the same step boundary, after a verified checkpoint of that step.
+    import signal as signals
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--steps", "100000", "--log-every", "1", "--eval-every", "0", "--sample-chars", "0",
+             "--ckpt-every", "1000", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, SCRIPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        if sig == "SIGINT":
+            os.killpg(proc.pid, signals.SIGINT)
+        else:
+            proc.send_signal(signals.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signals.SIGKILL)
+    assert proc.returncode == 128 + signals.Signals[sig].value, (proc.returncode, stdout[-2000:], stderr[-2000:])
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    m = re.search(rf"^stopped by {sig} at step (\d+) of 100000; checkpoint (\S+)\. Resume with: (python examples/train_gpt\.py .* --resume)$",
+                  stdout, re.M)
+    assert m, stdout[-2000:]
+    step, saved, command = int(m[1]), m[2], m[3]
+    # The checkpoint of the step it stopped at, verified (checksums) and committed as the newest.
+    assert step >= 2 and saved.endswith(f"step_{step:08d}") and checkpoint.latest(str(out / "ckpt"), verify=True) == saved
+    # The command as printed resumes from it (one step more, so that it ends at once).
+    argv = shlex.split(command)[1:]
+    resumed = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:], "--steps", str(step + 1)], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from {saved} (step {step}," in resumed.stdout, resumed.stdout[-2000:]
