@@ -244,8 +244,12 @@ def test_ckpt_async_stops_resumes_and_equals_the_synchronous_run(finished_run, t
     # --ckpt-async: the checkpoints written in the background hold the same state, so a run
     # stopped at 4 and resumed equals the straight run with synchronous saves, bit for bit.
     out = tmp_path / "async"
-    _run(out, "--ckpt-async", "--stop-at", "4")
+    first = _run(out, "--ckpt-async", "--stop-at", "4")
     assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 4
+    # Each save says what it cost training and how long its write took, once committed (the
+    # write's time starts with the call, so it includes the stall).
+    said = re.findall(r"^checkpoint (step_\d+): training stalled (\d+\.\d+) s, written beside it in (\d+\.\d+) s$", first, re.M)
+    assert [name for name, _, _ in said] == ["step_00000004"] and all(float(a) <= float(b) for _, a, b in said), first
     log = _run(out, "--ckpt-async", "--resume")
     assert "(step 4," in log, log
     assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 8
