@@ -10,15 +10,28 @@ PYTHON ?= python3
 # (or install torch first, as the README says, and make leaves it alone).
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+# What each target installs: `make demo` only the demo's plotting and progress bar (DEMO_EXTRAS),
+# `make test` everything the suite imports (transformers, mkdocs, mypy and torchft included).
+DEMO_EXTRAS ?= demo
 EXTRAS ?= test,demo,hf,docs,ft
+# The module each extra must make importable: setup re-runs pip when one is missing.
+MODULES_base := torch optree safetensors
+MODULES_test := pytest hypothesis mypy
+MODULES_demo := matplotlib tqdm
+MODULES_hf := transformers
+MODULES_docs := mkdocs mkdocstrings
+MODULES_ft := torchft
+MODULES = $(MODULES_base) $(foreach e,$(subst $(comma), ,$(EXTRAS)),$(MODULES_$(e)))
+comma := ,
 # pip runs only when pyproject.toml, the extras or the interpreter changed since the last setup,
 # or fsdpfn (its pytest plugin included) is not installed or a required package is not importable
 # (a new virtual environment): otherwise setup costs a fraction of a second instead of pip's ~15 s.
-STAMP := .setup-stamp
+# One stamp per extras set, so `make demo` and `make test` in turn do not re-run pip each time.
+STAMP = .setup-stamp-$(subst $(comma),-,$(EXTRAS))
 SETUP_KEY = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read() + b'$(EXTRAS)' + sys.prefix.encode()).hexdigest())"
 # fsdpfn must import from this checkout (an editable install of another, or a deleted, checkout
 # in the same environment does not count), looked up without the current directory on the path.
-SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in ['torch', 'optree', 'safetensors', 'pytest', 'hypothesis', 'matplotlib', 'tqdm', 'transformers', 'mkdocs', 'mkdocstrings', 'mypy', 'torchft']))"
+SETUP_OK = $(PYTHON) -c "import sys; sys.path.pop(0); import importlib.util as u, os; f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath('fsdpfn') or any(u.find_spec(m) is None for m in '$(MODULES)'.split()))"
 
 .PHONY: setup demo test test-faults docs docs-refresh bench gpu-check
 
@@ -28,6 +41,9 @@ setup:
 	if [ "$$(cat $(STAMP) 2>/dev/null)" = "$$key" ] && $(SETUP_OK); then :; else \
 	  $(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]" && echo "$$key" > $(STAMP); fi
 
+# Target-specific: `make demo` sets up (and stamps) only the demo's extras; a later `make test`
+# sees another key and installs the rest.
+demo: EXTRAS = $(DEMO_EXTRAS)
 demo: setup
 	$(PYTHON) examples/train_gpt.py
 

@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -86,10 +87,28 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class ReasonFirstParser(argparse.ArgumentParser):
+    """An argument parser whose errors are the reason, on one line, and where to read more.
+
+    argparse prints the whole usage (two dozen lines of flags here) before the one line that says
+    what is wrong; a mistyped flag deserves the reason first and nothing to scroll past.
+
+    Example:
+      >>> p = ReasonFirstParser(prog="train_gpt.py"); _ = p.add_argument("--steps", type=int)
+      >>> p.parse_args(["--steps", "x"])  # doctest: +SKIP
+      train_gpt.py: error: argument --steps: invalid int value: 'x'
+        (--help lists every flag)
+    """
+
+    def error(self, message: str):
+        # The one-line usage is what argparse would print first; the reason comes first here.
+        self.exit(2, f"{self.prog}: error: {message}\n  (--help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (its ``--help``: what the job does, then every flag with its default)."""
     description = __doc__.split("\nThe step is pure")[0]
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ReasonFirstParser(prog=os.path.basename(__file__), description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     g.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"], help="sharding strategy of every unit")
@@ -143,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "in step STEP (from 0) after its backward, or kills itself during the background write of the "
                         "checkpoint saved after step STEP (save, with --ckpt-async); on the group's first start only")
     g.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step (to watch a fault by hand)")
+    g.add_argument("--ft-verbose", action="store_true",
+                   help="with --ft: torchft's own logs too (its INFO lines, quorums and HTTP requests; RUST_LOG=info), "
+                        "which are off by default: only the job's lines and torchft's warnings show")
     g = p.add_argument_group("model")
     g.add_argument("--width", type=int, default=128, help="embedding width")
     g.add_argument("--depth", type=int, default=4, help="transformer blocks (each one fsdpfn unit)")
@@ -263,6 +285,8 @@ def check_ft(args, world: int) -> str | None:
         for flag, value in (("--replica-group", args.replica_group), ("--fault", args.fault)):
             if value is not None:
                 return f"{flag} needs --ft (fault-tolerant replica groups, e.g. --ft --replicas 2)"
+        if args.ft_verbose:
+            return "--ft-verbose needs --ft (it shows torchft's own logs): add --ft, or drop --ft-verbose"
         return None
     if args.replicas < 2:
         return (f"--ft needs --replicas >= 2 (replica groups that outlive each other), got --replicas {args.replicas}: "
@@ -585,11 +609,61 @@ class Progress:
         else:
             print(f"\rstep {step}/{self.total} {text}", end="", flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own, above the bar (tqdm's write) or after the ``\\r`` line."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(("\n" if self.enabled else "") + text, flush=True)
+
     def close(self):
         if self.bar is not None:
             self.bar.close()
         elif self.enabled:
             print()
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's notice) in a rank: noted, not raised, and acted
+    on at the next step boundary, where every rank agrees on it (a max over ranks: a signal that
+    reached one rank stops them all at the same step) so that they save the same step's checkpoint
+    together and stop."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self, device) -> int:
+        """The signal every rank acts on now (0: none); a collective, so every rank calls it."""
+        flag = torch.tensor([float(self.signum)], device=device)
+        comm.all_reduce(flag, tag="stop request", op="max")
+        return int(flag.item())
+
+
+class SaveTimes:
+    """--ckpt-async: each save's stall (the call, which returns once the shards are in host
+    memory) and write time (until the background write, checks and commit are done), told on rank
+    0 once the save is committed."""
+
+    def __init__(self):
+        self.saves: list[tuple[object, float, float]] = []  # (pending, stall, started)
+        self.ends: dict[int, float] = {}
+
+    def started(self, pending, stall: float, t0: float) -> None:
+        self.saves.append((pending, stall, t0))
+        pending.add_done_callback(lambda f: self.ends.setdefault(id(f), time.perf_counter()))
+
+    def report(self, note) -> None:
+        """A line for each save committed since the last call."""
+        while self.saves and id(self.saves[0][0]) in self.ends:
+            pending, stall, t0 = self.saves.pop(0)
+            if pending.exception() is None:
+                note(f"checkpoint {os.path.basename(pending.path)}: training stalled {stall:.2f} s, "
+                     f"written beside it in {self.ends[id(pending)] - t0:.2f} s")
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -671,6 +745,7 @@ class Job:
     opt: optim.GradientTransformation
     data_rank: int  # which batches this rank reads: its data-parallel index (tp ranks share one)
     tag: str = ""  # before the lines this job prints: which replica group, with --ft
+    stopped: str = ""  # the signal (SIGINT, SIGTERM) that stopped the job early, after saving
     pipe: PipelineRuntime | None = None  # with --pp: runs this rank's stages
 
 
@@ -760,7 +835,7 @@ def announce(job: Job) -> None:
         args = job.args
         dp = job.plan.dp_size  # the ranks reading different batches
         ranks = f"{job.world} rank(s)" if dp == job.world else f"{dp} data-parallel rank(s) of {job.world}"
-        print(f"GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
+        print(f"{job.tag}GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
               f"training characters; {ranks} x {args.batch_size} x {args.seq_len} tokens per step; "
               f"{args.strategy}{f' x pp={args.pp} ({args.schedule}, {args.micro_batches} micro-batches)' if args.pp > 1 else ''}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
 
@@ -922,6 +997,10 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
     args, rank, world, device = job.args, job.rank, job.world, job.device
     data_rank = job.data_rank
     fault = Fault(args, rank) if replicas is not None else None
+    # Ctrl-C and SIGTERM: a checkpoint of the step reached, then stop (not under --ft, where a
+    # replica group's supervisor stops and restarts the groups).
+    stop_request = StopRequest() if replicas is None else None
+    times = SaveTimes() if args.ckpt_async else None
     step_fn = make_step(loss_fn, job.opt, replicas, fault.before_reduce if fault else None, job.pipe)
     progress = Progress(args.steps, state["step"], enabled=rank == 0 and not args.no_progress)
     tokens_per_step = job.plan.dp_size * args.batch_size * args.seq_len
@@ -985,12 +1064,23 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
                     print(f"{job.tag}step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
                           f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}", flush=True)
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-        if done % args.ckpt_every == 0 or done == stop:
+        signum = stop_request.agreed(device) if stop_request is not None else 0
+        if done % args.ckpt_every == 0 or done == stop or signum:
             if fault is not None:
                 fault.before_save(done - 1)
             save = checkpoint.async_save if args.ckpt_async else checkpoint.save
-            save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
+            t0 = time.perf_counter()
+            saved = save(job.paths["ckpt"], {**state, **horizon}, job.plan, keep=args.keep)  # collective: every rank
+            if times is not None and rank == 0:
+                times.started(saved, time.perf_counter() - t0, t0)
+        if times is not None and rank == 0:
+            times.report(progress.note)
+        if signum:
+            job.stopped = signal.Signals(signum).name
+            break
     checkpoint.wait()  # the last checkpoint is committed (or its error raised) before the job reports it
+    if times is not None and rank == 0:
+        times.report(progress.note)
     progress.close()
     return state, last_loss
 
@@ -1023,23 +1113,70 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
         rows = read_metrics(paths["metrics"])
         first = rows[0]["loss"] if rows else float("nan")
         val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), float("nan"))
-        if want_sample:
+        # Replica groups hold the same parameters, so the same sample: shown once (each writes its file).
+        if want_sample and not (args.ft and args.replica_group):
             print("\n--- sample ---------------------------------------------------------------")
             print(text)
             print("--------------------------------------------------------------------------")
-        print(f"steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
+        print(f"{job.tag}steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
               f"{args.optimizer}, {args.executor})")
-        print(f"loss {first:.3f} (first logged) -> {last_loss:.3f} (final); validation {val:.3f}")
-        print(f"metrics    {paths['metrics']}")
-        print(f"plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
-        print(f"checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
-        print(f"model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
+        print(f"{job.tag}loss {first:.3f} (first logged) -> {last_loss:.3f} (final); validation {val:.3f}")
+        print(f"{job.tag}metrics    {paths['metrics']}")
+        print(f"{job.tag}plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
+        print(f"{job.tag}checkpoint {checkpoint.latest(paths['ckpt'])}  (resume: add --resume)")
+        print(f"{job.tag}model      {paths['model']}  (plain state dict for GPT(GPTConfig(**config['model'])))")
     comm.barrier(tag="finish")
+
+
+def one_write_per_line() -> None:
+    """Line-buffered stdout: each line reaches the terminal in one write, so lines of processes
+    sharing it (the ranks, the replica groups) never interleave mid-line. Block-buffered (the
+    default into a pipe or file) could cut a line at any byte."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+
+
+def quiet_torchft(device: str) -> None:
+    """--ft without --ft-verbose, in each rank: torchft's Python side says warnings only, on one
+    line each (a traceback of an expected fault, e.g. a peer lost mid all-reduce, is the line of
+    its error; --ft-verbose shows it whole), without its note about NCCL's flight recorder on a
+    run that has no NCCL, and its checkpoint server logs no HTTP request. Its Rust side is quieted
+    by RUST_LOG=warn, set for the whole job in :func:`main`."""
+    import logging
+    from http.server import BaseHTTPRequestHandler
+
+    class OneLine(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if device != "cuda" and "NCCL flight recorder" in record.getMessage():
+                return False
+            record.exc_info, record.exc_text = None, None
+            return True
+
+    # One handler per top-level torchft logger, which the records of its children (created later,
+    # with each Manager) pass through on their way up: a logger's own filters would see only the
+    # records logged to that logger.
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(OneLine())
+        log = logging.getLogger(name)
+        log.setLevel(logging.WARNING)
+        log.addHandler(handler)
+        log.propagate = False
+    # The peers' state transfer is torchft's HTTP server in this process; the access lines it
+    # writes to stderr for every request are not the job's events.
+    BaseHTTPRequestHandler.log_request = lambda self, code="-", size="-": None
 
 
 def train(rank: int, world: int, args) -> None:
     """The whole job, on every rank (started by :func:`fsdpfn.launch.launch`)."""
+    one_write_per_line()
+    if args.ft:
+        job_tag = f"[replica group {args.replica_group}] "
+        if not args.ft_verbose:
+            quiet_torchft(args.device)
     job, state = setup(rank, world, args)
+    if args.ft:
+        job.tag = job_tag
     note, info = None, None
     if args.resume:
         state, info = resume(job, state)
@@ -1064,12 +1201,13 @@ def train(rank: int, world: int, args) -> None:
         loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
     replicas = None
     if args.ft:
-        job.tag = f"[replica group {args.replica_group}] "
         replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica_group}", min_replicas=1,
                                           timeout=args.ft_timeout)
         fsdpfn.ft.start_together(args.replica_group)
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn, replicas)
+    if job.stopped:  # Ctrl-C or SIGTERM: the checkpoint of this step is saved; no sample, no export
+        return {"stopped": job.stopped, "step": state["step"], "checkpoint": checkpoint.latest(job.paths["ckpt"])}
     if replicas is not None:
         replicas.shutdown()  # the other groups go on without this one
         if state["step"] == start:
@@ -1110,8 +1248,9 @@ def run_ft(args, argv: list[str]) -> int:
     replica group (this script with ``--replica-group I``), each restarted when it fails while
     another trains (:func:`fsdpfn.ft.run_replica_groups`). Returns the exit status."""
     def command(replica: int, lighthouse: str) -> list[str]:
+        # --no-progress: two progress bars cannot share one terminal; each group logs tagged lines.
         return [sys.executable, os.path.abspath(__file__), *argv, "--replica-group", str(replica),
-                "--lighthouse", lighthouse]
+                "--lighthouse", lighthouse, "--no-progress"]
 
     print(f"ft: {args.replicas} replica groups of {args.world_size // args.replicas} rank(s), outputs in "
           f"{os.path.join(args.out, 'replica<I>')}", flush=True)
@@ -1122,8 +1261,71 @@ def run_ft(args, argv: list[str]) -> int:
     return code
 
 
+def forward_stop_signals() -> None:
+    """In the process that spawned the ranks: SIGINT and SIGTERM are passed on to them (Ctrl-C
+    reaches them already, a scheduler's SIGTERM often only this process), and this process waits
+    for them to save and stop instead of raising KeyboardInterrupt. A second signal stops the ranks
+    at once, without a checkpoint of the current step."""
+    import multiprocessing
+
+    count = [0]
+
+    def on_signal(signum, frame):
+        count[0] += 1
+        name = signal.Signals(signum).name
+        ranks = multiprocessing.active_children()
+        if count[0] == 1:
+            print(f"\n{name}: saving a checkpoint of the current step, then stopping "
+                  f"({'Ctrl-C' if signum == signal.SIGINT else 'a second signal'} again: stop at once, without it)",
+                  flush=True)
+            for p in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+            return
+        for p in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        print(f"{name} again: stopped at once; the last checkpoint saved is the one to resume from (--resume)",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: its own flags, with ``--resume`` (a ``--resume PATH``
+    of its own replaced: the newest checkpoint under --out is the one just saved).
+
+    Example:
+      >>> resume_command(["examples/train_gpt.py", "--steps", "400", "--resume", "runs/x/ckpt/step_00000300"])
+      'python examples/train_gpt.py --steps 400 --resume'
+    """
+    rest, i = [], 1
+    while i < len(argv):
+        if argv[i] == "--resume":
+            i += 2 if i + 1 < len(argv) and not argv[i + 1].startswith("-") else 1
+            continue
+        if argv[i].startswith("--resume="):
+            i += 1
+            continue
+        rest.append(argv[i])
+        i += 1
+    return shlex.join(["python", os.path.relpath(argv[0]) if os.path.isabs(argv[0]) else argv[0], *rest, "--resume"])
+
+
+def quiet_torchft_rust(args) -> None:
+    """--ft without --ft-verbose: RUST_LOG=warn in this process's environment, read by the
+    lighthouse it starts and inherited by every replica group. torchft's Rust side (lighthouse,
+    quorum, manager) logs INFO lines by the hundred; a RUST_LOG of the user's own is kept."""
+    if args.ft and not args.ft_verbose and "RUST_LOG" not in os.environ:
+        os.environ["RUST_LOG"] = "warn"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    one_write_per_line()
+    quiet_torchft_rust(args)
     if args.device == "cuda" and not under_torchrun():
         sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
     if args.resume:
@@ -1145,10 +1347,19 @@ def main(argv=None) -> None:
     marker = os.path.join(args.out, NOTHING_TO_REJOIN_FILE)
     if args.ft and os.path.exists(marker):
         os.remove(marker)
+    if not args.ft and not under_torchrun():
+        forward_stop_signals()
     try:
-        launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
+        results = launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
         sys.exit(f"\ntraining failed:\n{e.summary()}")
+    stopped = results[0] if results and isinstance(results[0], dict) else None
+    if stopped:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped by {stopped['stopped']} at step {stopped['step']} of {args.steps}; checkpoint "
+                  f"{stopped['checkpoint']}. Resume with: {resume_command(sys.argv if argv is None else ['train_gpt.py', *argv])}",
+                  flush=True)
+        sys.exit(128 + signal.Signals[stopped["stopped"]].value)  # the shell's code for a job a signal ended
     if args.ft and os.path.exists(marker):  # tells the supervisor: neither finished nor failed
         os.remove(marker)
         sys.exit(fsdpfn.ft.NOTHING_TO_REJOIN)

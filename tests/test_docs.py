@@ -113,6 +113,31 @@ def _mkdocs_missing() -> str | None:
     return None
 
 
+def _links_that_are_not_files(site) -> list[str]:
+    """``"page.html -> href"`` for each relative link of the built site that is not a file there.
+
+    404.html is left out: a web server serves it for any path, so its links are absolute.
+    """
+    bad = []
+    for page in sorted(site.rglob("*.html")):
+        rel = page.relative_to(site)
+        if str(rel) == "404.html" or rel.parts[0] == "assets":
+            continue
+        for href in re.findall(r'href="([^"#?]*)[^"]*"', page.read_text(encoding="utf-8")):
+            if href and "://" not in href and not href.startswith(("mailto:", "data:")):
+                if not (page.parent / href).resolve().is_file():
+                    bad.append(f"{rel} -> {href}")
+    return bad
+
+
+def test_links_that_are_not_files_sees_a_directory_link(tmp_path):
+    # Guards the check above: a link to a directory (what use_directory_urls writes) is reported.
+    (tmp_path / "tour").mkdir()
+    (tmp_path / "tour" / "index.html").write_text("")
+    (tmp_path / "index.html").write_text('<a href="tour/">tour</a> <a href="tour/index.html#x">ok</a>')
+    assert _links_that_are_not_files(tmp_path) == ["index.html -> tour/"]
+
+
 def test_site_builds_strict_without_warnings(tmp_path):
     missing = _mkdocs_missing()
     if missing:
@@ -123,10 +148,14 @@ def test_site_builds_strict_without_warnings(tmp_path):
     log = proc.stdout + proc.stderr
     warnings = [line for line in log.splitlines() if "WARNING" in line]
     assert proc.returncode == 0 and not warnings, log[-6000:]
-    for page in ["index.html", "tour/plans/index.html", "design/index.html", "api/fsdpfn.runtime/index.html"]:
-        assert (tmp_path / "site" / page).is_file(), page
+    site = tmp_path / "site"
+    for page in ["index.html", "tour/plans.html", "design.html", "api/fsdpfn.runtime.html"]:
+        assert (site / page).is_file(), page
+    # The site opens from disk (file://, no web server): each link between pages names a file.
+    # A link to a directory (mkdocs' default, use_directory_urls) shows the folder's listing there.
+    assert _links_that_are_not_files(site) == [], "mkdocs.yml: use_directory_urls must stay false"
     # The API reference rendered the docstrings, examples included (as code, not prose).
-    api = (tmp_path / "site" / "api" / "fsdpfn.runtime" / "index.html").read_text()
+    api = (site / "api" / "fsdpfn.runtime.html").read_text()
     assert "Runs a model&#39;s training steps under a plan" in api or "Runs a model's training steps under a plan" in api
     assert "value_and_grad" in api and '<span class="gp">&gt;&gt;&gt; </span>' in api  # a highlighted >>> prompt
 

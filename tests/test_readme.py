@@ -60,3 +60,78 @@ def test_links_and_make_targets_exist():
     for target in set(re.findall(r"`make (\w+)`|^make (\w+)", text, re.M)):
         name = target[0] or target[1]
         assert re.search(rf"^{name}:", makefile, re.M), f"README.md names `make {name}`, which the Makefile lacks"
+
+
+# ---- the README's shape: read in five minutes, the rest in docs/ --------------------------------
+
+MAX_LINES = 200
+
+
+def test_the_readme_fits_in_200_lines():
+    n = len(_readme().splitlines())
+    assert n <= MAX_LINES, f"README.md has {n} lines (at most {MAX_LINES}): move the detail to a docs page and link it"
+
+
+def _bash_blocks(text: str) -> list[list[str]]:
+    return [b.splitlines() for b in re.findall(r"^```bash\n(.*?)^```$", text, re.S | re.M)]
+
+
+def test_the_command_block_installs_the_cpu_torch_before_make():
+    # Copying the block as written on a machine without a GPU must not fetch PyPI's CUDA torch:
+    # `make` installs torch only when it is missing, so the CPU build's line comes first.
+    with open(os.path.join(ROOT, "docs", "getting-started.md"), encoding="utf-8") as f:
+        started = f.read()
+    for text, page in ((_readme(), "README.md"), (started, "docs/getting-started.md")):
+        block = next((b for b in _bash_blocks(text) if any(line.startswith("make demo") for line in b)), None)
+        assert block, f"{page}: no bash block runs `make demo`"
+        cpu = [i for i, line in enumerate(block) if re.match(r"pip install torch==\S+ --index-url https://download\.pytorch\.org/whl/cpu", line)]
+        first_make = next(i for i, line in enumerate(block) if line.startswith("make "))
+        assert cpu and cpu[0] < first_make, f"{page}: the `make demo` block installs the CPU torch first:\n" + "\n".join(block)
+        with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+            pinned = re.search(r"^TORCH \?= (torch==\S+)", f.read(), re.M)[1]
+        assert block[cpu[0]].split()[2] == pinned, f"{page}: the CPU line installs {block[cpu[0]].split()[2]}, the Makefile {pinned}"
+
+
+def test_make_demo_installs_the_demo_extra_only():
+    # `make demo` needs matplotlib and tqdm, not transformers, mkdocs, mypy or torchft.
+    proc = subprocess.run(["make", "-n", "demo", "PYTHON=python"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    installs = re.findall(r'pip install [^;]*-e "\.\[([\w,]*)\]"', proc.stdout)
+    assert installs == ["demo"], proc.stdout
+    assert "'torch optree safetensors matplotlib tqdm'" in proc.stdout, proc.stdout
+    test = subprocess.run(["make", "-n", "test", "PYTHON=python"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert re.findall(r'pip install [^;]*-e "\.\[([\w,]*)\]"', test.stdout) == ["test,demo,hf,docs,ft"], test.stdout
+
+
+def test_every_capability_row_links_to_its_page():
+    rows = [line for line in _readme().splitlines() if line.startswith("| ") and not line.startswith("| capability")]
+    assert len(rows) >= 10, rows
+    for row in rows:
+        assert re.search(r"\]\((docs/[^)]+\.md)(#[\w-]+)?\)", row), f"a capability without a link to its page: {row}"
+
+
+def test_the_suite_time_has_its_place():
+    # The paragraph below this line gives `make test`'s time and slowest tests.
+    assert "\n<!-- suite-time -->\n" in _readme()
+
+
+_HEADLINES = [  # (the README's bold figure, the row of docs/benchmarks.md's table that holds it)
+    ("0.91x", "step time, fsdpfn runtime / torch FSDP2, zero3 fp32"),
+    ("0.70x", "Muon optimizer step, fsdpfn / `torch.optim.Muon` on FSDP2"),
+    ("0.085x", "training stall per save, `async_save` / `save`"),
+    ("0 / 0", "mistakes on tp, ep, remat, Muon and compile"),
+    ("50 of 52", "simulator, predicted / published throughput"),
+]
+
+
+def test_the_five_headline_figures_are_the_benchmarks_pages():
+    # The README quotes five figures of the full table (docs/benchmarks.md): the same numbers.
+    text = _readme()
+    bold = re.findall(r"\*\*([^*]+)\*\*", text.split("## Five figures", 1)[1].split("\n## ", 1)[0])
+    assert [b.split(" within")[0] for b in bold] == [f for f, _ in _HEADLINES], bold
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        table = f.read()
+    for figure, row in _HEADLINES:
+        line = next((line for line in table.splitlines() if line.startswith(f"| {row}")), None)
+        assert line, f"docs/benchmarks.md lost the row {row!r}"
+        assert figure in line, f"README.md quotes {figure} for {row!r}; docs/benchmarks.md: {line}"

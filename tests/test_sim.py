@@ -311,6 +311,30 @@ def test_search_beats_the_default_where_it_should():
     assert res.plan != fsdpfn.plan(model, (4,)) or res.schedule.prefetch != 1
 
 
+def test_search_lists_as_fitting_no_plan_whose_reserved_memory_is_over_the_part():
+    """One memory verdict: a candidate whose peak is within the budget but whose reserved bytes
+    (the caching allocator's allowance on top) exceed the part's memory is "over", as the note of
+    its own prediction says, and the pick is never such a plan."""
+    model = _model("meta")
+    x, y = _batch(device="meta")
+    kw = dict(hardware=HW, optimizer=sim.AdamW(), loss_fn=_loss(y), prefetch=(0, 1), units=[None], workloads=_WORKLOADS)
+    loose = sim.search(model, 4, 2**40, x, **kw)
+    peaks = sorted(c.peak for c in loose.candidates)
+    # A part just below the largest candidate's reserved bytes, with a 10% allowance; the budget
+    # (peak) above every peak, so only the reserve can rule a candidate out.
+    hw = dataclasses.replace(HW, memory_reserve=0.1, memory=int(peaks[-1] * 1.1) - 1)
+    res = sim.search(model, 4, 2**40, x, **{**kw, "hardware": hw})
+    over = [c for c in res.candidates if not c.fits]
+    assert over and all(c.peak <= res.budget and c.reserved > hw.memory for c in over), str(res)
+    assert all(c.reserved == int(c.peak * 1.1) <= hw.memory for c in res.candidates if c.fits), str(res)
+    assert res.candidate.fits and not [n for n in res.result.notes if n.startswith("memory")], res.result.notes
+    # The listing says which verdict, and each listed line shows the reserved bytes it rests on.
+    listed = str(res).splitlines()
+    assert "(peak, reserved within the part's " in listed[0], listed[0]
+    for c, line in zip(res.candidates, listed[listed.index("fastest candidates:          peak     reserved") + 1:]):
+        assert line.split()[6] == ("fits" if c.fits else "over") and f"{c.reserved / 2**30:,.2f} GiB" in line, line
+
+
 def test_engine_overlap_and_sharing():
     T = sim.Task
     tasks = [T("compute", "compute", 2.0), T("ag", "intra", 1.0), T("compute", "compute", 1.0, deps=(1,))]

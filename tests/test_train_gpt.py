@@ -79,6 +79,9 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
     # runs before any rank starts (an interpreter per case would cost seconds each).
     proc = _run_raw(tmp_path / "bad", "--heads", "3", timeout=60)
     assert proc.returncode == 2 and "--heads 3 must divide --width 32" in proc.stderr, proc.stderr[-500:]
+    # The reason first, and no usage block of every flag to scroll past: two lines in all.
+    assert proc.stderr.startswith("train_gpt.py: error: --heads 3 must divide --width 32"), proc.stderr[-500:]
+    assert len(proc.stderr.splitlines()) == 2 and "usage:" not in proc.stderr, proc.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     mod = _example()
     for flags, named in [(["--replicas", "0"], "--replicas"), (["--heads", "3"], "--heads 3 must divide --width 32"),
@@ -93,6 +96,14 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
             mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and named in err, (flags, err[-500:])
+        assert err.splitlines()[0].startswith("train_gpt.py: error: ") and "usage:" not in err, err
+    # argparse's own errors (an unknown flag, a value of the wrong type) come the same way.
+    for flags, named in [(["--stesp", "3"], "unrecognized arguments: --stesp 3"),
+                         (["--steps", "x"], "argument --steps: invalid int value: 'x'")]:
+        with pytest.raises(SystemExit) as exited:
+            mod.parse_args([*TINY, *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
 
 
 def test_logs_gradient_norm_and_lr_and_resumes_from_a_named_checkpoint(tmp_path):
@@ -233,8 +244,12 @@ def test_ckpt_async_stops_resumes_and_equals_the_synchronous_run(finished_run, t
     # --ckpt-async: the checkpoints written in the background hold the same state, so a run
     # stopped at 4 and resumed equals the straight run with synchronous saves, bit for bit.
     out = tmp_path / "async"
-    _run(out, "--ckpt-async", "--stop-at", "4")
+    first = _run(out, "--ckpt-async", "--stop-at", "4")
     assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 4
+    # Each save says what it cost training and how long its write took, once committed (the
+    # write's time starts with the call, so it includes the stall).
+    said = re.findall(r"^checkpoint (step_\d+): training stalled (\d+\.\d+) s, written beside it in (\d+\.\d+) s$", first, re.M)
+    assert [name for name, _, _ in said] == ["step_00000004"] and all(float(a) <= float(b) for _, a, b in said), first
     log = _run(out, "--ckpt-async", "--resume")
     assert "(step 4," in log, log
     assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 8
@@ -434,5 +449,118 @@ def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path, capsys):
             mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and named in err, (flags, err[-500:])
+        assert err.splitlines()[0].startswith("train_gpt.py: error: ") and "usage:" not in err, err
+    # argparse's own errors (an unknown flag, a value of the wrong type) come the same way.
+    for flags, named in [(["--stesp", "3"], "unrecognized arguments: --stesp 3"),
+                         (["--steps", "x"], "argument --steps: invalid int value: 'x'")]:
+        with pytest.raises(SystemExit) as exited:
+            mod.parse_args([*TINY, *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
     args = mod.parse_args([*TINY, "--pp", "2", "--world-size", "4", "--schedule", "interleaved_1f1b", "--batch-size", "8"])
     assert (args.schedule, args.micro_batches) == ("interleaved_1f1b", 4)  # the most up to 2 x pp, a multiple of pp
+
+
+# ---- --ft's terminal: the job's lines, not torchft's ------------------------------------------
+
+
+def test_ft_is_quiet_by_default_and_verbose_on_request(tmp_path, monkeypatch, capsys):
+    # main() sets RUST_LOG=warn for torchft's Rust side (the lighthouse it starts and, through
+    # the environment, every replica group) unless the user set RUST_LOG or asked --ft-verbose;
+    # the replica groups run without progress bars (two cannot share a terminal).
+    pytest.importorskip("torchft")
+    import fsdpfn.ft
+
+    mod = _example()
+    seen = []
+    monkeypatch.setattr(fsdpfn.ft, "run_replica_groups", lambda command, replicas, **kw: seen.append(command(0, "h:1")) or 0)
+    base = [*TINY, "--world-size", "4", "--replicas", "2", "--ft", "--out", str(tmp_path)]
+    for extra, env, want in [([], None, "warn"), ([], "debug", "debug"), (["--ft-verbose"], None, None)]:
+        if env is None:
+            monkeypatch.delenv("RUST_LOG", raising=False)
+        else:
+            monkeypatch.setenv("RUST_LOG", env)
+        args = mod.parse_args([*base, *extra])
+        mod.quiet_torchft_rust(args)
+        assert os.environ.get("RUST_LOG") == want, (extra, env)
+        assert mod.run_ft(args, [*base, *extra]) == 0
+        assert seen[-1][-1] == "--no-progress" and "--replica-group" in seen[-1], seen[-1]
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    with pytest.raises(SystemExit):
+        mod.parse_args([*TINY, "--ft-verbose"])  # --ft-verbose alone: named, as the other --ft flags
+    assert "--ft-verbose needs --ft" in capsys.readouterr().err
+
+
+def test_quiet_torchft_leaves_one_line_per_warning(monkeypatch, capsys):
+    # In each rank: torchft's Python loggers at WARNING, a warning's traceback cut to its line,
+    # the flight-recorder note dropped where there is no NCCL, no HTTP access lines.
+    pytest.importorskip("torchft")
+    import logging
+    from http.server import BaseHTTPRequestHandler
+
+    mod = _example()
+    names = ["torchft", "torchft_quorums", "torchft_commits", "torchft_errors"]
+    saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
+             for n in names}
+    monkeypatch.setattr(BaseHTTPRequestHandler, "log_request", BaseHTTPRequestHandler.log_request)
+    try:
+        mod.quiet_torchft("cpu")
+        log = logging.getLogger("torchft.manager.test")  # created after the call, as torchft's Manager's logger
+        log.info("quorum 3 reached")
+        log.warning("[replica0/0 - step 0] Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        try:
+            raise RuntimeError("peer lost")
+        except RuntimeError:
+            log.exception("[replica0/0 - step 5] got exception in pg configure: peer lost")
+        err = capsys.readouterr().err
+        assert err == "[replica0/0 - step 5] got exception in pg configure: peer lost\n", err
+        assert BaseHTTPRequestHandler.log_request(None, 200) is None  # no access line, and no handler state needed
+    finally:
+        for n, (level, handlers, propagate) in saved.items():
+            logging.getLogger(n).setLevel(level)
+            logging.getLogger(n).handlers[:] = handlers
+            logging.getLogger(n).propagate = propagate
+
+
+# ---- Ctrl-C and SIGTERM: save the step reached, say how to resume, no traceback ----------------
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_and_prints_the_resume_command(tmp_path, sig):
+    # SIGINT as Ctrl-C sends it, to the whole process group (the launcher and its ranks); SIGTERM
+    # as a scheduler often does, to the launcher alone, which passes it on. Either way every rank
+    # stops at the same step boundary, after a verified checkpoint of that step.
+    import signal as signals
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--steps", "100000", "--log-every", "1", "--eval-every", "0", "--sample-chars", "0",
+             "--ckpt-every", "1000", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, SCRIPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        if sig == "SIGINT":
+            os.killpg(proc.pid, signals.SIGINT)
+        else:
+            proc.send_signal(signals.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signals.SIGKILL)
+    assert proc.returncode == 128 + signals.Signals[sig].value, (proc.returncode, stdout[-2000:], stderr[-2000:])
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    m = re.search(rf"^stopped by {sig} at step (\d+) of 100000; checkpoint (\S+)\. Resume with: (python examples/train_gpt\.py .* --resume)$",
+                  stdout, re.M)
+    assert m, stdout[-2000:]
+    step, saved, command = int(m[1]), m[2], m[3]
+    # The checkpoint of the step it stopped at, verified (checksums) and committed as the newest.
+    assert step >= 2 and saved.endswith(f"step_{step:08d}") and checkpoint.latest(str(out / "ckpt"), verify=True) == saved
+    # The command as printed resumes from it (one step more, so that it ends at once).
+    argv = shlex.split(command)[1:]
+    resumed = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:], "--steps", str(step + 1)], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from {saved} (step {step}," in resumed.stdout, resumed.stdout[-2000:]

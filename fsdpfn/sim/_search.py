@@ -88,6 +88,9 @@ class Candidate:
     cp: int = 1  # context-parallel degree (the last mesh dim when > 1); cp times the micro-batches
     pp: int = 1  # pipeline degree (the first mesh dim when > 1); pp times the micro-batches
     pipeline: str = ""  # the pipeline schedule's name when pp > 1
+    # The caching allocator's figure (peak x (1 + hardware.memory_reserve)); a candidate fits
+    # only if this is within the part's memory too, the verdict SimResult.notes gives.
+    reserved: int = 0
 
     def describe(self) -> str:
         """One line: mesh, units, prefetch and strategies, repeated units folded
@@ -147,6 +150,8 @@ class SearchResult:
       default_fits: whether the default fits the budget.
       candidates: every configuration tried (:class:`Candidate`), fastest first.
       budget: bytes per rank.
+      memory: the part's memory in bytes (``hardware.memory``): a candidate fits when its peak is
+        within ``budget`` and its reserved bytes within this.
     """
 
     plan: Plan
@@ -158,6 +163,7 @@ class SearchResult:
     budget: float
     accumulate: str = "reduce"
     candidate: Candidate | None = None
+    memory: float = float("inf")
 
     @property
     def tp(self) -> int:
@@ -189,16 +195,18 @@ class SearchResult:
     def __str__(self) -> str:
         gib = 2**30
         best = self.candidate
-        lines = [f"search under {self.budget / gib:,.2f} GiB per rank: {len(self.candidates)} candidates, "
+        part = f", reserved within the part's {self.memory / gib:,.2f} GiB" if self.memory < float("inf") else ""
+        lines = [f"search under {self.budget / gib:,.2f} GiB per rank (peak{part}): {len(self.candidates)} candidates, "
                  f"{len(self.candidates_fitting)} fit",
                  f"pick:    {best.describe() if best else '-'}: step {self.result.step_time * 1e3:,.2f} ms, "
-                 f"peak {(best.peak if best else 0) / gib:,.2f} GiB",
+                 f"peak {(best.peak if best else 0) / gib:,.2f} GiB, reserved {(best.reserved if best else 0) / gib:,.2f} GiB",
                  f"default: zero3, prefetch 1: step {self.default.step_time * 1e3:,.2f} ms, peak "
                  f"{self.default.memory['peak'] / gib:,.2f} GiB{'' if self.default_fits else ' (over budget)'}; "
                  f"speedup {self.speedup:.3f}x",
-                 "fastest candidates:"]
+                 "fastest candidates:          peak     reserved"]
         for c in self.candidates[:8]:
-            lines.append(f"  {c.step_time * 1e3:10,.2f} ms  {c.peak / gib:8,.2f} GiB  {'fits' if c.fits else 'over'}  {c.describe()}")
+            lines.append(f"  {c.step_time * 1e3:10,.2f} ms  {c.peak / gib:8,.2f} GiB  {c.reserved / gib:8,.2f} GiB  "
+                         f"{'fits' if c.fits else 'over'}  {c.describe()}")
         return "\n".join(lines)
 
     @property
@@ -310,7 +318,10 @@ def search(
     pp_schedules: Sequence[str] = ("1f1b",),
 ) -> SearchResult:
     """The plan and schedule with the lowest predicted step time whose predicted peak memory per
-    rank fits ``budget`` (see [Note: the search space]).
+    rank fits ``budget`` and whose reserved memory (the peak with the caching allocator's
+    allowance, ``hardware.memory_reserve``) fits the part's memory (see [Note: the search space]).
+    One verdict: a candidate listed as fitting is never one whose prediction notes that the step
+    does not fit as planned.
 
     Args:
       model: the model (real or on the meta device).
@@ -416,6 +427,12 @@ def search(
     seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
+    def reserved_of(peak: int) -> int:
+        return int(peak * (1.0 + hardware.memory_reserve))  # as SimResult.memory["reserved"]
+
+    def fits(peak: int) -> bool:
+        return peak <= budget and reserved_of(peak) <= hardware.memory
+
     def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1, c=1, q=1, pipe=""):
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
         key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e, c, q, pipe)
@@ -427,8 +444,8 @@ def search(
                 psched = pipeline_schedule(plan, pipe, micro_batches * q, prefetch=p)
                 pres = simulate_pipeline(plan, psched, wl.with_remat(plan) if rm else wl, optimizer, hardware)
                 peak = max(m["peak"] for m in pres.memory)
-                cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, pres.step_time, peak, peak <= budget, acc,
-                                 key[5], t, e, c, q, pipe)
+                cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, pres.step_time, peak, fits(peak), acc,
+                                 key[5], t, e, c, q, pipe, reserved_of(peak))
                 seen[key] = (cand, plan, psched, pres)
                 return seen[key]
             plan = build_plan(model, _mesh_arg(shape, t, e, c), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
@@ -436,8 +453,8 @@ def search(
             sched = make_schedule(plan, prefetch=p)
             res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches * c,
                            accumulate=acc)
-            cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, res.step_time, res.memory["peak"], res.memory["peak"] <= budget, acc,
-                             key[5], t, e, c)
+            cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, res.step_time, res.memory["peak"], fits(res.memory["peak"]),
+                             acc, key[5], t, e, c, reserved=res.memory["reserved"])
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -497,14 +514,17 @@ def search(
     fitting = [c for c in candidates if c[0].fits]
     if not fitting:
         small = min(candidates, key=lambda c: c[0].peak)
-        raise ValueError(f"no plan fits {budget / 2**30:,.3f} GiB per rank; the smallest predicted peak is "
-                         f"{small[0].peak / 2**30:,.3f} GiB ({small[0].describe()}). Raise the budget, use more ranks, "
+        raise ValueError(f"no plan fits {budget / 2**30:,.3f} GiB per rank (peak; reserved within the "
+                         f"{hardware.memory / 2**30:,.3f} GiB of {hardware.name}); the smallest predicted peak is "
+                         f"{small[0].peak / 2**30:,.3f} GiB, reserved {small[0].reserved / 2**30:,.3f} GiB "
+                         f"({small[0].describe()}). Raise the budget, use more ranks, "
                          "fewer tokens per micro-batch or activation checkpointing.")
     best_time = min(c[0].step_time for c in fitting)
     near = [c for c in fitting if c[0].step_time <= best_time * (1 + rel_tol)]
     pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
     ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
-    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate, pick[0])
+    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate, pick[0],
+                        float(hardware.memory))
 
 
 def pipeline_units(model: torch.nn.Module) -> list[str]:

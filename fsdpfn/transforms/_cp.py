@@ -493,8 +493,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         (grouped-query attention).
       plan_or_group: whose cp axis.
       causal: each token attends to the tokens at or before its position in the full sequence.
-      strategy: ``"allgather"`` or ``"ring"`` (module docstring); ``None``: the block's, else
-        ``"allgather"``.
+      strategy: ``"allgather"`` (gather every rank's keys and values, then one attention) or
+        ``"ring"`` (pass them around the cp ranks, one block at a time, overlapping the hops);
+        ``None``: the :func:`context_parallel` block's, else ``"allgather"``. The user guide's
+        "Context parallelism" page (``docs/tour/context-parallel.md``) compares the two and shows
+        how to make your own attention cp-aware.
       scale: the softmax scale (``1 / sqrt(head_dim)`` when ``None``).
 
     Raises:
