@@ -299,7 +299,6 @@ def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins
 @pytest.mark.parametrize("flags, says", [
     (["--ft"], "--ft needs --replicas >= 2"),
     (["--ft", "--replicas", "2", "--world-size", "4", "--experts", "4", "--ep", "2"], "--ft with --ep 2"),
-    (["--ft", "--replicas", "2", "--world-size", "4", "--resume"], "--ft with --resume: not supported yet"),
     (["--fault", "1:0:3:kill"], "--fault needs --ft"),
     (["--replica-group", "0"], "--replica-group needs --ft"),
     (["--ft", "--replicas", "2", "--world-size", "4", "--replica-group", "2", "--lighthouse", "x"],
@@ -331,8 +330,9 @@ def _fake_group(script: str) -> str:
     # group 1 fails on its first start only: restarted once, the job finishes
     ("time.sleep(1.5 if R == 0 else 0.2)\nsys.exit(1 if (R, N) == (1, 0) else 0)", 0,
      ["ft: replica group 1 failed (exit code 1); restarting it (1 of 2)"]),
-    # group 1 always fails: restarted twice, then left out while group 0 finishes
-    ("time.sleep(1.5 if R == 0 else 0.1)\nsys.exit(1 if R == 1 else 0)", 1,
+    # group 1 always fails: restarted twice, then left out while group 0 finishes (after it:
+    # once a group finished the job, a failed one is not restarted)
+    ("time.sleep(6 if R == 0 else 0.1)\nsys.exit(1 if R == 1 else 0)", 1,
      ["restarting it (2 of 2)", "ft: replica group 1 failed (exit code 1) after 2 restart(s); left out"]),
     # group 1 is killed, restarted, and finds no one to rejoin: neither finished nor failed
     ("time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)", 0,
@@ -354,3 +354,116 @@ def test_run_replica_groups_refuses_fewer_than_two_groups():
 
     with pytest.raises(ValueError, match="replicas must be an int >= 2"):
         fsdpfn.ft.run_replica_groups(lambda r, a: ["true"], 1, lighthouse="unused")
+
+
+@pytest.mark.parametrize("script, code, lines", [
+    # group 1 fails, is restarted and has nothing to rejoin; then group 0 fails too, every group
+    # is lost: it is restarted all the same (with checkpoints it resumes from its latest)
+    ("if N == 0: time.sleep(0.1 if R == 1 else 1.5); sys.exit(1)\nsys.exit(75 if R == 1 else 0)", 0,
+     ["no other replica group is training: it resumes from its latest verified checkpoint"]),
+    # group 1 fails after group 0 finished the job: not restarted, and the job is done
+    ("time.sleep(0.1 if R == 0 else 1.0)\nsys.exit(0 if R == 0 else 1)", 0,
+     ["ft: replica group 1 failed (exit code 1) after replica group(s) [0] finished the job: not restarted"]),
+    # group 1's process stops itself: killed after the grace, restarted, it finishes
+    ("if (R, N) == (1, 0): os.kill(os.getpid(), 19)\ntime.sleep(0.5)", 0,
+     ["ft: replica group 1's process", "has been stopped (SIGSTOP) for 0.5 s: killing it",
+      "ft: replica group 1 failed (killed by SIGKILL); restarting it (1 of 2)"]),
+])
+def test_run_replica_groups_outlives_every_group_and_a_stopped_one(script, code, lines):
+    import fsdpfn.ft
+
+    said: list[str] = []
+    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
+                                       lighthouse="unused", max_restarts=2, echo=said.append, restart_alone=True,
+                                       stop_grace_s=0.5)
+    assert got == code, said
+    for line in lines:
+        assert any(line in s for s in said), (line, said)
+
+
+def test_job_finished_tells_a_restarted_group_that_the_job_is_done():
+    import fsdpfn.ft
+
+    # group 0 finishes at once; group 1 fails first, and its restart reads job_finished()
+    script = ("sys.path.insert(0, os.environ['ROOT'])\nfrom fsdpfn._ft_supervisor import job_finished\n"
+              "if R == 1 and N == 0: time.sleep(0.5); sys.exit(1)\n"
+              "if R == 1: time.sleep(0.1); sys.exit(75 if job_finished() else 3)\n")
+    said: list[str] = []
+    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
+                                       lighthouse="unused", max_restarts=2, echo=said.append,
+                                       env={**os.environ, "ROOT": ROOT})
+    assert got == 0, said
+    assert any("was restarted, but no live replica group was left to rejoin" in s for s in said) or \
+        any("finished the job: not restarted" in s for s in said), said
+
+
+_FAKE_RANK = ("import os, sys, time\n"
+              "open(os.path.join(os.environ['FSDPFN_FT_WATCH'], 'rank' + sys.argv[1]), 'w').write(str(os.getpid()))\n"
+              "time.sleep(float(sys.argv[2]))\n"
+              "if sys.argv[3] == 'done': open(os.path.join(os.environ['FSDPFN_FT_WATCH'], 'done' + sys.argv[1]), 'w').close()\n")
+
+
+def _fake_ranks(watch, lives: list[tuple[float, str]]) -> list[subprocess.Popen]:
+    procs = [subprocess.Popen([sys.executable, "-c", _FAKE_RANK, str(k), str(t), how]) for k, (t, how) in enumerate(lives)]
+    deadline = time.monotonic() + 30
+    while len(watch._pids()) < len(procs) and time.monotonic() < deadline:  # every rank registered
+        time.sleep(0.01)
+    return procs
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "exit"])
+def test_watch_ranks_ends_the_group_when_any_rank_dies_or_stops(fault):
+    """Rank 1 of a 3-rank group is killed, stopped, or exits without saying it ended well: the
+    watchdog says which (rank and pid) and kills the other ranks (SIGKILL) at once, or after the
+    grace for a stopped one; not before it."""
+    import fsdpfn.ft
+
+    said: list[str] = []
+    grace = 1.0
+    with fsdpfn.ft.watch_ranks(1, 3, stop_grace_s=grace, echo=said.append) as watch:
+        procs = _fake_ranks(watch, [(60, ""), (0.2 if fault == "exit" else 60, ""), (60, "")])
+        try:
+            t0 = time.monotonic()
+            if fault == "kill":
+                procs[1].kill()
+            elif fault == "stop":
+                procs[1].send_signal(signal.SIGSTOP)
+            codes = [p.wait(timeout=30) for p in procs]
+            waited = time.monotonic() - t0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert codes[0] == codes[2] == -signal.SIGKILL, codes
+    why = {"kill": "is gone", "exit": "is gone", "stop": f"has been stopped (SIGSTOP or a debugger) for {grace:g} s"}[fault]
+    assert said == [f"ft: replica group 1: rank 1 (pid {procs[1].pid}) {why}; ending the group so that the other "
+                    "replica groups go on without it (the supervisor restarts it)"], said
+    assert watch.reason == said[0]
+    if fault == "stop":
+        assert grace <= waited < grace + 5, waited
+    else:
+        assert waited < 5, waited
+
+
+def test_watch_ranks_lets_ranks_that_ended_well_go():
+    """Ranks that said they ended well (rank_done) exit one after the other: nothing is killed."""
+    import fsdpfn.ft
+
+    said: list[str] = []
+    with fsdpfn.ft.watch_ranks(0, 2, stop_grace_s=0.5, echo=said.append) as watch:
+        procs = _fake_ranks(watch, [(0.1, "done"), (1.5, "done")])
+        codes = [p.wait(timeout=30) for p in procs]
+    assert codes == [0, 0] and said == [] and watch.reason is None, (codes, said)
+
+
+def test_rank_up_says_its_pid_and_registers_with_the_watchdog(tmp_path, monkeypatch):
+    import fsdpfn.ft
+
+    monkeypatch.setenv("FSDPFN_FT_WATCH", str(tmp_path))
+    said: list[str] = []
+    line = fsdpfn.ft.rank_up(3, 1, echo=said.append)
+    assert said == [line] == [f"ft: replica group 3, rank 1: pid {os.getpid()}"]
+    assert (tmp_path / "rank1").read_text() == str(os.getpid())
+    fsdpfn.ft.rank_done(1)
+    assert (tmp_path / "done1").exists()
