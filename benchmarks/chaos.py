@@ -105,12 +105,12 @@ class Job:
             if "[INFO]" in line or "GET /checkpoint" in line:
                 continue
             self.lines.append(f"{time.time() - self.t0:7.1f} {line.rstrip()}")
-            m = PID_LINE.search(line)
-            if m:
+            # finditer: the lines of several processes can share one line of the pipe
+            for m in PID_LINE.finditer(line):
                 self.pids[(int(m[1]), int(m[2]))] = int(m[3])
-            m = STEP_LINE.search(line)
-            if m and int(m[2]) % self.ckpt_every == 0:
-                self.saves.append((time.time(), int(m[1])))
+            for m in STEP_LINE.finditer(line):
+                if int(m[2]) % self.ckpt_every == 0:
+                    self.saves.append((time.time(), int(m[1])))
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -314,7 +314,7 @@ def run_once(args, faults: int, seed: int, where: str, env: dict) -> dict:
         f.write("\n".join(job.lines))
     entries = job.log(0) + job.log(1)
     finished = [g for g in (0, 1) if os.path.exists(os.path.join(out, f"replica{g}", "model.pt"))]
-    row = {"faults": len(sent), "kinds": {k: sum(f["kind"] == k for f in sent) for k in ("kill", "stop", "save", "lighthouse")},
+    row = {"run": "chaos" if faults else "no fault", "faults": len(sent), "kinds": {k: sum(f["kind"] == k for f in sent) for k in ("kill", "stop", "save", "lighthouse")},
            "exit": code, "wall_s": wall, "lost_job": code != 0 or not finished, "sent": sent}
     row["uncommitted"] = sum(not e["committed"] for e in entries)
     try:
@@ -367,7 +367,7 @@ def main(argv=None) -> None:
           f"{'steps again':>11} {'max stall s':>11} {'ckpts ok':>9} {'replay ==':>9}")
     for row in rows:
         k = row["kinds"]
-        print(f"{'no fault' if row['faults'] == 0 else 'chaos':<10} {row['faults']:>6} "
+        print(f"{row['run']:<10} {row['faults']:>6} "
               f"{k['kill']:>5}/{k['stop']}/{k['save']}/{k['lighthouse']:<5} {'yes' if row['lost_job'] else 'no':>8} "
               f"{row['wall_s']:>7.0f} {row['uncommitted']:>11} {str(row['again']):>11} {row['stall_max_s']:>11.1f} "
               f"{row['checkpoints'] - len(row['bad_checkpoints'])}/{row['checkpoints']:<4} {str(row.get('replay_equal')):>9}")

@@ -110,6 +110,13 @@ def start_together(replica: int, *, timeout: float = 600.0) -> None:
         time.sleep(0.02)
 
 
+def _say(line: str) -> None:
+    # One write, line and newline together: the ranks of every group share one pipe, and
+    # print's two writes would let another rank's line in between.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def rank_up(replica: int, rank: int, *, echo: Callable[[str], None] | None = None) -> str:
     """Called by every rank of a replica group at its start: says which process it is (one
     line, ``ft: replica group R, rank K: pid N``, so that a fault seen from outside can be told
@@ -121,7 +128,7 @@ def rank_up(replica: int, rank: int, *, echo: Callable[[str], None] | None = Non
       True
     """
     line = f"ft: replica group {replica}, rank {rank}: pid {os.getpid()}"
-    (echo or (lambda text: print(text, flush=True)))(line)
+    (echo or _say)(line)
     where = os.environ.get(WATCH_ENV)
     if where:
         tmp = os.path.join(where, f".rank{rank}.tmp")
