@@ -332,7 +332,7 @@ def run_once(args, faults: int, seed: int, where: str, env: dict) -> dict:
         from fsdpfn import testing
 
         finals = [os.path.join(out, f"replica{g}", "ckpt") for g in finished]
-        row["replay_equal"] = all(testing.run_on_ranks(replay, 2, lives, args.steps, finals)[0])
+        row["replay_equal"] = all(testing.run_on_ranks(replay, 2, lives, args.steps, finals, timeout=3600)[0])
     return row
 
 

@@ -410,9 +410,14 @@ def test_demo_refuses_bad_ft_flags_before_any_rank_starts(flags, says, capsys, m
 
 def _fake_group(script: str) -> str:
     """A replica group's stand-in: says it is up (as start_together does), then runs ``script``
-    (which sees ``R``, this group, and ``N``, its restarts)."""
+    (which sees ``R``, this group, ``N``, its restarts, and, for the stand-ins to order their
+    events, ``mark(name)`` and ``wait_for(name)`` on files in ``$FAKE_DIR``)."""
     return ("import os, sys, time\n"
             "R, N = int(sys.argv[1]), int(os.environ['FSDPFN_FT_RESTARTS'])\n"
+            "D = os.environ.get('FAKE_DIR', '')\n"
+            "mark = lambda name: open(os.path.join(D, name), 'w').close()\n"
+            "def wait_for(name):\n"
+            "    while not os.path.exists(os.path.join(D, name)): time.sleep(0.01)\n"
             "d = os.environ.get('FSDPFN_FT_START')\n"
             "if d:\n"
             "    open(os.path.join(d, f'up.{R}'), 'w').close()\n"
@@ -425,18 +430,20 @@ def _fake_group(script: str) -> str:
      ["ft: replica group 1 failed (exit code 1); restarting it (1 of 2)"]),
     # group 1 always fails: restarted twice, then left out while group 0 finishes (after it:
     # once a group finished the job, a failed one is not restarted)
-    ("time.sleep(6 if R == 0 else 0.1)\nsys.exit(1 if R == 1 else 0)", 1,
+    ("if R == 1 and N == 2: mark('last')\nif R == 0: wait_for('last'); time.sleep(0.5)\n"
+     "sys.exit(1 if R == 1 else 0)", 1,
      ["restarting it (2 of 2)", "ft: replica group 1 failed (exit code 1) after 2 restart(s); left out"]),
     # group 1 is killed, restarted, and finds no one to rejoin: neither finished nor failed
     ("time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)", 0,
      ["failed (killed by SIGKILL); restarting it", "ft: replica group 1 was restarted, but no live replica group"]),
 ])
-def test_run_replica_groups_restarts_a_failed_group_while_another_trains(script, code, lines):
+def test_run_replica_groups_restarts_a_failed_group_while_another_trains(script, code, lines, tmp_path):
     import fsdpfn.ft
 
     said: list[str] = []
     got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
-                                       lighthouse="unused", max_restarts=2, echo=said.append)
+                                       lighthouse="unused", max_restarts=2, echo=said.append,
+                                       env={**os.environ, "FAKE_DIR": str(tmp_path)})
     assert got == code, said
     for line in lines:
         assert any(line in s for s in said), (line, said)
@@ -452,42 +459,51 @@ def test_run_replica_groups_refuses_fewer_than_two_groups():
 @pytest.mark.parametrize("script, code, lines", [
     # group 1 fails, is restarted and has nothing to rejoin; then group 0 fails too, every group
     # is lost: it is restarted all the same (with checkpoints it resumes from its latest)
-    ("if N == 0: time.sleep(0.1 if R == 1 else 1.5); sys.exit(1)\nsys.exit(75 if R == 1 else 0)", 0,
+    ("if (R, N) == (1, 1): mark('idle'); sys.exit(75)\nif (R, N) == (0, 0): wait_for('idle'); time.sleep(0.5)\n"
+     "sys.exit(1 if N == 0 else 0)", 0,
      ["no other replica group is training: it resumes from its latest verified checkpoint"]),
     # group 1 fails after group 0 finished the job: not restarted, and the job is done
-    ("time.sleep(0.1 if R == 0 else 1.0)\nsys.exit(0 if R == 0 else 1)", 0,
+    ("if R == 1: wait_for('finished')\nsys.exit(0 if R == 0 else 1)", 0,
      ["ft: replica group 1 failed (exit code 1) after replica group(s) [0] finished the job: not restarted"]),
     # group 1's process stops itself: killed after the grace, restarted, it finishes
     ("if (R, N) == (1, 0): os.kill(os.getpid(), 19)\ntime.sleep(0.5)", 0,
      ["ft: replica group 1's process", "has been stopped (SIGSTOP) for 0.5 s: killing it",
       "ft: replica group 1 failed (killed by SIGKILL); restarting it (1 of 2)"]),
 ])
-def test_run_replica_groups_outlives_every_group_and_a_stopped_one(script, code, lines):
+def test_run_replica_groups_outlives_every_group_and_a_stopped_one(script, code, lines, tmp_path):
     import fsdpfn.ft
 
     said: list[str] = []
     got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
                                        lighthouse="unused", max_restarts=2, echo=said.append, restart_alone=True,
-                                       stop_grace_s=0.5)
+                                       stop_grace_s=0.5, env={**os.environ, "FAKE_DIR": str(tmp_path)})
     assert got == code, said
     for line in lines:
         assert any(line in s for s in said), (line, said)
 
 
-def test_job_finished_tells_a_restarted_group_that_the_job_is_done():
+def test_job_finished_tells_a_restarted_group_that_the_job_is_done(tmp_path):
+    """Group 1 fails and is restarted while group 0 trains; group 0 then finishes the job. The
+    restarted group 1, alone, reads job_finished() (True only once group 0 finished) and exits
+    with NOTHING_TO_REJOIN, as the demo's groups do: the job is done, nothing was left out."""
     import fsdpfn.ft
 
-    # group 0 finishes at once; group 1 fails first, and its restart reads job_finished()
-    script = ("sys.path.insert(0, os.environ['ROOT'])\nfrom fsdpfn._ft_supervisor import job_finished\n"
-              "if R == 1 and N == 0: time.sleep(0.5); sys.exit(1)\n"
-              "if R == 1: time.sleep(0.1); sys.exit(75 if job_finished() else 3)\n")
+    script = ("import importlib.util\n"  # the module by its path: a stand-in need not import torch
+              "spec = importlib.util.spec_from_file_location('sup', os.environ['SUPERVISOR'])\n"
+              "sup = importlib.util.module_from_spec(spec); spec.loader.exec_module(sup)\n"
+              "if (R, N) == (1, 0): sys.exit(1)\n"
+              "if R == 0: wait_for('restarted'); sys.exit(0)\n"
+              "before = sup.job_finished(); mark('restarted')\n"
+              "while not sup.job_finished(): time.sleep(0.01)\n"
+              "sys.exit(75 if not before else 3)\n")
     said: list[str] = []
+    supervisor = os.path.join(ROOT, "fsdpfn", "_ft_supervisor.py")
     got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
                                        lighthouse="unused", max_restarts=2, echo=said.append,
-                                       env={**os.environ, "ROOT": ROOT})
+                                       env={**os.environ, "FAKE_DIR": str(tmp_path), "SUPERVISOR": supervisor})
     assert got == 0, said
-    assert any("was restarted, but no live replica group was left to rejoin" in s for s in said) or \
-        any("finished the job: not restarted" in s for s in said), said
+    assert said[-2:] == ["ft: replica group 1 was restarted, but no live replica group was left to rejoin",
+                         "ft: replica group(s) [0] finished; [1] did not"], said
 
 
 _FAKE_RANK = ("import os, sys, time\n"
