@@ -463,10 +463,11 @@ def test_run_replica_groups_refuses_fewer_than_two_groups():
      "sys.exit(1 if N == 0 else 0)", 0,
      ["no other replica group is training: it resumes from its latest verified checkpoint"]),
     # group 1 fails after group 0 finished the job: not restarted, and the job is done
-    ("if R == 1: wait_for('finished')\nsys.exit(0 if R == 0 else 1)", 0,
+    ("if R == 1:\n    while not os.path.exists(os.environ['FSDPFN_FT_FINISHED']): time.sleep(0.01)\n"
+     "sys.exit(0 if R == 0 else 1)", 0,
      ["ft: replica group 1 failed (exit code 1) after replica group(s) [0] finished the job: not restarted"]),
     # group 1's process stops itself: killed after the grace, restarted, it finishes
-    ("if (R, N) == (1, 0): os.kill(os.getpid(), 19)\ntime.sleep(0.5)", 0,
+    ("if (R, N) == (1, 0): os.kill(os.getpid(), 19)\nif R == 1: mark('back')\nif R == 0: wait_for('back')\n", 0,
      ["ft: replica group 1's process", "has been stopped (SIGSTOP) for 0.5 s: killing it",
       "ft: replica group 1 failed (killed by SIGKILL); restarting it (1 of 2)"]),
 ])
