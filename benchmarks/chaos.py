@@ -131,6 +131,16 @@ class Job:
             return []
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (or stopped) process, not one gone or a zombie: a fault sent
+    to a rank of a group that is being restarted would hit nothing, and must not count."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _signal(pid: int, sig: int) -> bool:
     try:
         os.kill(pid, sig)
@@ -165,15 +175,21 @@ def send_faults(job: Job, lighthouse: LighthouseProcess, args, rng: random.Rando
                 continue
             group = job.saves[-1][1]
             fault.update(group=group, time=time.time(), pid=job.pids[(group, rank)])
-            _signal(fault["pid"], signal.SIGKILL)
+            if not (_alive(fault["pid"]) and _signal(fault["pid"], signal.SIGKILL)):
+                continue  # that group is being restarted: nothing to hit
         else:
             fault.update(time=time.time(), pid=job.pids[(group, rank)])
+            if not _alive(fault["pid"]):
+                continue  # that group is being restarted: nothing to hit
             if kind == "kill":
-                _signal(fault["pid"], signal.SIGKILL)
+                if not _signal(fault["pid"], signal.SIGKILL):
+                    continue
             elif _signal(fault["pid"], signal.SIGSTOP):
                 fault["held_s"] = rng.uniform(0.5, 2 * args.ft_timeout)
                 time.sleep(fault["held_s"])
                 _signal(fault["pid"], signal.SIGCONT)
+            else:
+                continue
         sent.append(fault)
         if not job.quiet:
             print(f"  fault {len(sent)}: {kind} {fault.get('group')}:{fault.get('rank')} at "
