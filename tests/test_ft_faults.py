@@ -145,7 +145,7 @@ class _Run:
                     self.hooks.remove(hook)
                     hook[1](m)  # type: ignore[operator]
 
-    def wait(self, seconds: float = 240) -> int:
+    def wait(self, seconds: float = 400) -> int:
         try:
             code = self.proc.wait(timeout=seconds)
         finally:
