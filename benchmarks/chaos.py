@@ -198,45 +198,54 @@ def send_faults(job: Job, lighthouse: LighthouseProcess, args, rng: random.Rando
 
 
 def lineage(entries: list[dict], steps: int, cluster_s: float = 5.0) -> tuple[list[set], int]:
-    """The replica groups whose gradients each step of the final run averaged (from the latest
-    commits of that step: commits of one step by the groups of one quorum come within
-    ``cluster_s`` of each other), and how many steps were committed again after the job had
-    committed them once (every group lost, the job resumed from its checkpoints)."""
+    """The replica groups whose gradients each step of the final run averaged, and how many
+    step commits the final run does not contain (steps trained again: after every group was
+    lost and the groups resumed from their checkpoints, or a group's commits that a peer further
+    on replaced at a quorum).
+
+    The final run is walked back from its last step: the commit of step s it contains is the
+    latest one made before the commit of step s + 1 it contains (a later commit of s belongs to a
+    run that was then replaced); the groups of that commit are those of its ``replicas``
+    (commits of one step by the groups of one quorum come within ``cluster_s`` of each other)."""
     by_step: dict[int, list[dict]] = {}
     for e in entries:
         if e["committed"]:
             by_step.setdefault(e["step"], []).append(e)
-    lives, again = [], 0
-    for s in range(steps):
-        commits = sorted(by_step.get(s, []), key=lambda e: e["time"])
+    lives: list[set] = [set()] * steps
+    later = float("inf")
+    for s in reversed(range(steps)):
+        commits = [e for e in by_step.get(s, []) if e["time"] < later]
         if not commits:
-            raise AssertionError(f"step {s} was never committed")
-        last = commits[-1]
+            raise AssertionError(f"step {s} was never committed before step {s + 1}")
+        last = max(commits, key=lambda e: e["time"])
         final = [e for e in commits if last["time"] - e["time"] <= cluster_s]
-        clusters = 1
-        for a, b in zip(commits, commits[1:]):
-            clusters += b["time"] - a["time"] > cluster_s
-        again += clusters - 1
-        lives.append({0, 1} if any(e["replicas"] == 2 for e in final) else {e["group"] for e in final})
-    return lives, again
+        lives[s] = {0, 1} if any(e["replicas"] == 2 for e in final) else {e["group"] for e in final}
+        later = min(e["time"] for e in final)
+    kept = sum(len(x) for x in lives)
+    again = sum(len(v) for v in by_step.values()) - kept
+    return lives, max(again, 0)
 
 
 def stalls(entries: list[dict], faults: list[dict], horizon_s: float = 120.0) -> list[float]:
-    """Per fault on a replica group: the longest time the other group, training when the fault
-    came, committed no step, from the fault until it next commits (``nan`` if it was not
-    training)."""
+    """Per fault on a replica group: how long the other group, training when the fault came (a
+    commit in the 3 s before), then committed nothing: the longest time between the fault and
+    its commits after it, up to the next fault that hits that group itself or the lighthouse
+    (its own restart is not a stall caused by this fault). ``nan`` where it was not training,
+    or was hit again before it committed."""
     out = []
-    for f in faults:
+    for i, f in enumerate(faults):
         if f.get("group") is None:
             continue
         other = sorted(e["time"] for e in entries if e["committed"] and e["group"] != f["group"])
+        end = min([g["time"] for g in faults[i + 1:] if g.get("group") in (None, 1 - f["group"])] +
+                  [f["time"] + horizon_s])
         before = [t for t in other if f["time"] - 3.0 <= t <= f["time"]]
-        after = [t for t in other if t > f["time"]]
+        after = [t for t in other if f["time"] < t <= end]
         if not before or not after:
             out.append(float("nan"))
             continue
-        window = [f["time"]] + [t for t in after if t <= f["time"] + horizon_s]
-        out.append(max(b - a for a, b in zip(window, window[1:])) if len(window) > 1 else after[0] - f["time"])
+        window = [f["time"], *after]
+        out.append(max(b - a for a, b in zip(window, window[1:])))
     return out
 
 
