@@ -1071,6 +1071,8 @@ def train(rank: int, world: int, args) -> None:
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn, replicas)
     if replicas is not None:
+        if state["step"] >= stop_step(args) and rank == 0:  # before leaving the quorum: see fsdpfn.ft.mark_finished
+            fsdpfn.ft.mark_finished()
         replicas.shutdown()  # the other groups go on without this one
         if state["step"] == start:
             return  # a restart with nothing to rejoin: no outputs

@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-__all__ = ["NOTHING_TO_REJOIN", "job_finished", "rank_done", "rank_up", "restarts", "run_replica_groups", "start_together",
+__all__ = ["NOTHING_TO_REJOIN", "job_finished", "mark_finished", "rank_done", "rank_up", "restarts", "run_replica_groups", "start_together",
            "watch_ranks"]
 
 START_ENV = "FSDPFN_FT_START"
@@ -82,6 +82,21 @@ def job_finished() -> bool:
     """
     where = os.environ.get(FINISHED_ENV)
     return bool(where) and os.path.exists(where)
+
+
+def mark_finished() -> None:
+    """Says that this replica group has trained the job's last step (under
+    :func:`run_replica_groups`; elsewhere nothing): call it before leaving the quorum
+    (:meth:`~fsdpfn.ft.ReplicaGroup.shutdown`), so that a group restarting meanwhile, alone in
+    its first quorum once this one left, knows there is nothing left to train
+    (:func:`job_finished`).
+
+    Example:
+      >>> fsdpfn.ft.mark_finished()   # no supervisor: nothing to tell
+    """
+    where = os.environ.get(FINISHED_ENV)
+    if where:
+        open(where, "w").close()
 
 
 def start_together(replica: int, *, timeout: float = 600.0) -> None:
