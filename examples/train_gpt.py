@@ -294,9 +294,6 @@ def check_ft(args, world: int) -> str | None:
     if args.ep > 1:
         return (f"--ft with --ep {args.ep}: an expert-parallel mesh has no replicate axis to make fault-tolerant; "
                 "drop --ft, or --ep")
-    if args.resume:
-        return ("--ft with --resume: not supported yet (a restarted replica group rejoins from a live one, not from "
-                "a checkpoint); resume without --ft, or start the --ft run afresh")
     if args.ft_restarts < 0:
         return f"--ft-restarts must be >= 0, got {args.ft_restarts}"
     if not 0 < args.ft_timeout < float("inf"):
@@ -1015,9 +1012,9 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
         if replicas is not None:
             state = replicas.start_step(state)
             alone = replicas.replicas == 1 and not replicas.healed
-            if first and fsdpfn.ft.restarts() > 0 and alone and state["step"] == 0:
-                # a restart with no live group to rejoin: training alone from scratch would not
-                # be the job's run (its survivors finished, or died too)
+            if first and fsdpfn.ft.restarts() > 0 and alone and (state["step"] == 0 or fsdpfn.ft.job_finished()):
+                # a restart with no live group to rejoin and no checkpoint to resume from (or
+                # after the job finished): training alone would not be the job's run
                 if rank == 0:
                     print(f"{job.tag}restarted, but no live replica group to rejoin: nothing to do", flush=True)
                     open(os.path.join(args.out, NOTHING_TO_REJOIN_FILE), "w").close()
@@ -1178,7 +1175,10 @@ def train(rank: int, world: int, args) -> None:
     if args.ft:
         job.tag = job_tag
     note, info = None, None
-    if args.resume:
+    # A restarted replica group starts from its latest verified checkpoint: alone (every group
+    # was lost) it goes on from there; with a live group further on, the quorum replaces it.
+    restarted = args.ft and fsdpfn.ft.restarts() > 0 and checkpoint.latest(job.paths["ckpt"]) is not None
+    if args.resume or restarted:
         state, info = resume(job, state)
         if info is not None:
             if state["step"] >= stop_step(args):  # see nothing_left: no training, no outputs rewritten
@@ -1202,13 +1202,15 @@ def train(rank: int, world: int, args) -> None:
     replicas = None
     if args.ft:
         replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica_group}", min_replicas=1,
-                                          timeout=args.ft_timeout)
+                                          timeout=args.ft_timeout, step=state["step"])
         fsdpfn.ft.start_together(args.replica_group)
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn, replicas)
     if job.stopped:  # Ctrl-C or SIGTERM: the checkpoint of this step is saved; no sample, no export
         return {"stopped": job.stopped, "step": state["step"], "checkpoint": checkpoint.latest(job.paths["ckpt"])}
     if replicas is not None:
+        if state["step"] >= stop_step(args) and rank == 0:  # before leaving the quorum: see fsdpfn.ft.mark_finished
+            fsdpfn.ft.mark_finished()
         replicas.shutdown()  # the other groups go on without this one
         if state["step"] == start:
             return  # a restart with nothing to rejoin: no outputs
@@ -1240,7 +1242,22 @@ def lock_run_dir(out: str):
     return handle
 
 
+def train_ft(rank: int, world: int, args) -> None:
+    """:func:`train` on a rank of one replica group (``--ft``): says its pid and registers with
+    the group's watchdog first, and tells it when it ended well (see fsdpfn.ft.watch_ranks)."""
+    fsdpfn.ft.rank_up(args.replica_group, rank)
+    train(rank, world, args)
+    fsdpfn.ft.rank_done(rank)
+
+
 NOTHING_TO_REJOIN_FILE = ".nothing_to_rejoin"  # left by a restarted replica group's rank 0 for its main process
+
+
+def ft_stop_grace(args) -> float:
+    """How long a rank of a replica group (or a group's process) may stay stopped before its
+    group is ended: half of --ft-timeout, so that the other groups, waiting in the quorum, go on
+    within --ft-timeout plus the lighthouse's heartbeat timeout."""
+    return args.ft_timeout / 2
 
 
 def run_ft(args, argv: list[str]) -> int:
@@ -1255,7 +1272,8 @@ def run_ft(args, argv: list[str]) -> int:
     print(f"ft: {args.replicas} replica groups of {args.world_size // args.replicas} rank(s), outputs in "
           f"{os.path.join(args.out, 'replica<I>')}", flush=True)
     code = fsdpfn.ft.run_replica_groups(command, args.replicas, lighthouse=args.lighthouse,
-                                        max_restarts=args.ft_restarts,
+                                        max_restarts=args.ft_restarts, restart_alone=True,
+                                        stop_grace_s=ft_stop_grace(args),
                                         echo=lambda line: print(line, flush=True))
     print("ft: the job finished" if code == 0 else f"ft: finished with status {code}", flush=True)
     return code
@@ -1328,10 +1346,10 @@ def main(argv=None) -> None:
     quiet_torchft_rust(args)
     if args.device == "cuda" and not under_torchrun():
         sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
+    if args.ft and args.replica_group is not None:  # before the checks: each group's run is its own
+        args.out = os.path.join(args.out, f"replica{args.replica_group}")
     if args.resume:
         check_resumable(os.path.join(args.out, "config.json"), args)
-    if args.ft and args.replica_group is not None:
-        args.out = os.path.join(args.out, f"replica{args.replica_group}")
     if not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0":
         lock = lock_run_dir(args.out)  # noqa: F841 - held until this process exits
     finished = args.resume and nothing_left(args)
@@ -1349,9 +1367,16 @@ def main(argv=None) -> None:
         os.remove(marker)
     if not args.ft and not under_torchrun():
         forward_stop_signals()
+    # the ranks this process spawns: under torchrun, torchrun watches them
+    watch = fsdpfn.ft.watch_ranks(args.replica_group, world, stop_grace_s=ft_stop_grace(args)) \
+        if args.ft and not under_torchrun() else contextlib.nullcontext()
     try:
-        results = launch(train, world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout)
+        with watch:
+            results = launch(train_ft if args.ft else train, world, args, backend="nccl" if args.device == "cuda" else "gloo",
+                             timeout=args.timeout)
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
+        if getattr(watch, "reason", None):  # the watchdog ended the group and said why
+            sys.exit(1)
         sys.exit(f"\ntraining failed:\n{e.summary()}")
     stopped = results[0] if results and isinstance(results[0], dict) else None
     if stopped:

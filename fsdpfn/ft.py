@@ -33,8 +33,14 @@ from fsdpfn._ft_supervisor import NOTHING_TO_REJOIN as NOTHING_TO_REJOIN
 from fsdpfn._ft_supervisor import restarts as restarts
 from fsdpfn._ft_supervisor import run_replica_groups as run_replica_groups
 from fsdpfn._ft_supervisor import start_together as start_together
+from fsdpfn._ft_supervisor import job_finished as job_finished
+from fsdpfn._ft_supervisor import mark_finished as mark_finished
+from fsdpfn._ft_supervisor import rank_done as rank_done
+from fsdpfn._ft_supervisor import rank_up as rank_up
+from fsdpfn._ft_supervisor import watch_ranks as watch_ranks
 
-__all__ = ["NOTHING_TO_REJOIN", "Lighthouse", "ReplicaGroup", "ReplicaStep", "available", "restarts", "run_replica_groups", "start_together"]
+__all__ = ["NOTHING_TO_REJOIN", "Lighthouse", "ReplicaGroup", "ReplicaStep", "available", "job_finished", "mark_finished", "rank_done", "rank_up", "restarts",
+           "run_replica_groups", "start_together", "watch_ranks"]
 
 
 def available() -> bool:

@@ -71,6 +71,8 @@ HOW: list[tuple[str, str, str]] = [
     # model; the fault (a rank of group 1 killed in step 3) leaves the survivors finishing before
     # the restarted group is up, which then has nothing to rejoin (tests/test_ft_faults.py runs
     # the rejoins).
+    (r"^python examples/train_gpt\.py .*--ft\b.*--resume\b", "test",
+     "tests/test_ft_faults.py::test_demo_ft_resume_continues_every_group_from_its_checkpoint"),
     (r"^python examples/train_gpt\.py .*--ft\b.*--fault", "run",
      "--steps 6 --fault 1:1:3:kill --step-delay 0 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 "
      "--log-every 1 --eval-every 0 --sample-chars 0 --no-progress --ckpt-every 3 --ft-timeout 10 --out {tmp}/ft"),
@@ -108,6 +110,9 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/fuzz\.py\b", "run", "--examples 2 --timeout 60"),  # the last --examples given wins
     (r"^python benchmarks/verify\.py\b", "run", "--width 32 --depth 1 --heads 2 --vocab 64 --seq 16 --repeats 1"),
     (r"^python benchmarks/replicas\.py\b", "run", "--steps 9 --fault 4"),
+    # The whole pipeline (a lighthouse of its own, the demo, the checks and the replay) on a
+    # run without a fault: the faults are tests/test_ft_faults.py's.
+    (r"^python benchmarks/chaos\.py\b", "run", "--faults 0 --steps 4 --ckpt-every 2 --step-delay 0 --no-baseline"),
     # A replica group of a fault-tolerant job needs a lighthouse and peers: the test starts both.
     (r"^python examples/ft_replicas\.py\b", "test",
      "tests/test_ft.py::test_a_lost_replica_does_not_stop_the_job_and_a_restarted_one_rejoins"),

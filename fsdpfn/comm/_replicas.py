@@ -146,11 +146,13 @@ class ReplicaGroup:
     that and 5 s more (see the comment in ``__init__``);
     ``quorum_timeout``: how long a step waits for a quorum (default the larger of that and 30 s);
     ``max_retries``: :meth:`commit` raises after this many uncommitted steps in a row (``None``:
-    never), so that a replica that cannot make progress ends instead of trying forever.
+    never), so that a replica that cannot make progress ends instead of trying forever;
+    ``step``: the committed steps this replica starts from (a checkpoint's step when it resumes
+    from one): the quorum's replicas behind the one furthest ahead receive its state.
     """
 
     def __init__(self, lighthouse: str, replica_id: str, *, min_replicas: int = 1, timeout: float | None = None,
-                 quorum_timeout: float | None = None, max_retries: int | None = 5):
+                 quorum_timeout: float | None = None, max_retries: int | None = 5, step: int = 0):
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
@@ -183,6 +185,10 @@ class ReplicaGroup:
             store_addr=host, store_port=port, lighthouse_addr=lighthouse, replica_id=self.replica_id,
             max_retries=max_retries,
         )
+        if step:
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"ReplicaGroup: step must be an int >= 0 (the committed steps to start from), got {step!r}")
+            self._manager.load_state_dict({"step": step, "batches_committed": 0})
 
     # -- the state a recovering replica receives -------------------------------------------------
 
