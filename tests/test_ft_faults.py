@@ -301,6 +301,7 @@ def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins
           f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}")
 
 
+@pytest.mark.faults
 def test_demo_survives_a_kill_and_a_stop_of_a_non_zero_rank_between_steps(tmp_path):
     """Chaos, seeded and short, sent from outside by pid as a cluster would: rank 1 of replica
     group 1 (not the rank that heartbeats for its group) is killed (SIGKILL) between two steps;
@@ -358,6 +359,7 @@ def test_demo_survives_a_kill_and_a_stop_of_a_non_zero_rank_between_steps(tmp_pa
     assert same, "group 0's final state is not the replay's over the groups alive at each step"
 
 
+@pytest.mark.faults
 def test_demo_ft_resume_continues_every_group_from_its_checkpoint(tmp_path):
     """A --ft job stopped at step 4 (as if every group had been lost then: the supervisor too),
     run again with --resume: each replica group loads its own latest checkpoint (step 4), they
