@@ -183,7 +183,9 @@ def test_help_describes_every_flag_and_shows_each_default_once():
         block = blocks[flag]
         assert block.count("(default") <= 1, block
         if action.default is not None and action.default is not False and flag != "-h":
-            assert f"(default: {action.default})" in block or "(default: $" in block, block
+            # argparse wraps long lines after a hyphen too ("/work/wt- check/..."): join such breaks
+            joined = re.sub(r"(?<=\S-) (?=\S)", "", block)
+            assert f"(default: {action.default})" in joined or "(default: $" in block, block
     assert "(default: $FSDPFN_TIMEOUT, else 600)" in blocks["--timeout"]
 
 
