@@ -81,7 +81,7 @@ def job_finished() -> bool:
       False
     """
     where = os.environ.get(FINISHED_ENV)
-    return bool(where) and os.path.exists(where)
+    return where is not None and where != "" and os.path.exists(where)
 
 
 def mark_finished() -> None:
