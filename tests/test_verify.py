@@ -388,3 +388,76 @@ def test_a_mask_given_to_cp_attention_is_named():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=r"fourth argument is the plan or process group .* attn_mask\?"):
         fsdpfn.context_parallel_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool))
+
+
+# ---- the loss the step trains, against the loss function on the whole batch ---------------------
+
+class AuxNet(Net):
+    """Returns ``(logits, aux)``: an auxiliary loss without batch rows, per rank by design."""
+
+    def forward(self, tokens):
+        logits = super().forward(tokens)
+        return logits, logits.float().square().mean()
+
+
+def _loss_case(rank, world, names, loss, ignored):
+    torch.manual_seed(0)
+    model = AuxNet() if loss == "aux" else Net()
+    shape = (world // 2, 2) if len(names) == 2 else (world,)  # tp: (1, 2)
+    plan = fsdpfn.plan(model, torch.distributed.device_mesh.init_device_mesh("cpu", shape, mesh_dim_names=names),
+                       **({"tp": TP} if "tp" in names else {}))
+    params = fsdpfn.shard(model, plan)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    if ignored == "rows":  # the ignored tokens fall on the first data-parallel rank's rows
+        y[:2, : SEQ // 2] = -100
+    elif ignored == "positions":  # on the first cp rank's chunk of every sequence
+        y[:, : SEQ // 4] = -100
+    n = 4 // plan.dp_size
+    mine = slice(n * fsdpfn.transforms.dp_rank(plan), n * (fsdpfn.transforms.dp_rank(plan) + 1))
+    x, y = fsdpfn.context_parallel_shard((x[mine], y[mine]), plan)
+    count = (y != -100).sum().float()
+    torch.distributed.all_reduce(count)
+    count = float(count) * plan.grad_ranks / world  # each token once, not once per tp peer
+
+    def loss_fn(p, x, y):
+        if loss == "sum":  # the documented fix: a summed loss over the global count
+            full = fsdpfn.unshard(p, plan, grad_op="sum", grad_scale=1 / count)
+            logits = torch.func.functional_call(model, full, (x,))
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+        out = torch.func.functional_call(model, fsdpfn.unshard(p, plan), (x,))
+        logits, aux = out if loss == "aux" else (out, 0.0)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100) + 0.01 * aux
+
+    with fsdpfn.context_parallel(plan):
+        try:
+            report = fsdpfn.verify_step(loss_fn, params, x, y)
+        except fsdpfn.VerificationError as e:
+            return ("error", str(e))
+    return ("ok", [(c.what, c.error, c.bound) for c in report.comparisons if c.unit == "loss"], report.notes)
+
+
+@pytest.mark.parametrize("names,ignored", [(("dp",), "rows"), (("dp", "cp"), "positions"), (("dp", "cp"), "rows")])
+def test_a_mean_over_each_ranks_counted_tokens_is_named(run_on_ranks, names, ignored):
+    """cross_entropy(ignore_index=...) averaged per rank: the mean of the ranks' means, which is
+    not the whole batch's mean when ranks count different numbers of tokens."""
+    results = run_on_ranks(_loss_case, 2 * len(names), names, "mean", ignored)
+    assert all(r[0] == "error" for r in results), results
+    assert len({r[1] for r in results}) == 1
+    text = results[0][1]
+    assert "the loss the step trains differs from the loss function on the whole batch" in text
+    assert f"mean over the {2 * len(names)} ranks" in text and "grad_op='sum'" in text
+
+
+@pytest.mark.parametrize("names,loss,ignored", [
+    (("dp",), "mean", None), (("dp", "cp"), "mean", None),  # every rank counts all its tokens
+    (("dp",), "sum", "rows"), (("dp", "cp"), "sum", "positions"), (("dp", "cp"), "sum", "rows"),  # the fix
+    (("dp", "tp"), "mean", "rows"),  # dp 1 x tp 2: tp peers read the same rows, one data-parallel rank
+    (("dp",), "aux", None)])  # an auxiliary output, used linearly
+def test_a_loss_that_is_the_whole_batchs_passes(run_on_ranks, names, loss, ignored):
+    """Both sides compute from the same model outputs: they differ by the loss's own sums in
+    another order, within 4 u (tokens + classes) (about 1e-5 here); rounding gives 1e-7."""
+    world = 2 if "tp" in names else 2 * len(names)
+    for kind, comparisons, notes in run_on_ranks(_loss_case, world, names, loss, ignored):
+        assert kind == "ok" and not notes and len(comparisons) >= 2, (kind, comparisons, notes)
+        assert all(err <= bound and err < 1e-6 for _, err, bound in comparisons), comparisons

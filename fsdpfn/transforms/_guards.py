@@ -88,6 +88,10 @@ class _Capture:
         self.args: tuple = ()
         self.kwargs: dict = {}
         self.cp: tuple = ()  # the cp axes active at the forward
+        self.grad_op, self.grad_scale = "mean", None  # the reduction the loss function's unshard asked for
+        # While the loss check re-runs the loss function (with the model's forward replaced): the
+        # root hook steps aside, neither capturing nor checking the batch.
+        self.inert = False
 
 
 # The capture a loss function's first call runs under (fsdpfn.verify_step): eager unshard notes the
@@ -109,11 +113,11 @@ def capturing():
         _CAPTURE[0] = saved
 
 
-def note_capture(plan: Plan, params) -> None:
-    """Called by eager :func:`fsdpfn.unshard`: the plan and shards a capture is after."""
+def note_capture(plan: Plan, params, grad_op: str = "mean", grad_scale: float | None = None) -> None:
+    """Called by eager :func:`fsdpfn.unshard`: the plan, shards and gradient reduction a capture is after."""
     cap = _CAPTURE[0]
-    if cap is not None:
-        cap.plan, cap.params = plan, params
+    if cap is not None and not cap.inert:
+        cap.plan, cap.params, cap.grad_op, cap.grad_scale = plan, params, grad_op, grad_scale
 
 
 def note_step(plan: Plan, reduce: str = "mean") -> None:
@@ -183,6 +187,8 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
 
     def hook(module, args, kwargs):
         cap = None if C.compiling() else _CAPTURE[0]  # compiling() first: dynamo guards on what it reads
+        if cap is not None and cap.inert:
+            return None
         if cap is not None and cap.plan is not None:
             cap.model, cap.args, cap.kwargs, cap.cp = module, args, kwargs, _ambient.snapshot()
             raise Captured()

@@ -241,7 +241,7 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
         return unshard_traced(params, plan, grad_op, grad_scale)
     check_params(params, plan, "unshard(params)")
     _unit_comm.check_op(grad_op)
-    note_capture(plan, params)
+    note_capture(plan, params, grad_op, grad_scale)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         fulls = _UnshardUnit.apply((plan, unit, grad_op, grad_scale), *(params[p.name] for p in unit.params))

@@ -112,6 +112,7 @@ class VerifyReport:
 
     comparisons: list[Comparison] = dataclasses.field(default_factory=list)
     units: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # checks skipped, and why
 
     @property
     def ok(self) -> bool:
@@ -125,6 +126,7 @@ class VerifyReport:
         lines = [f"{'unit':<24} {'compared':<36} {'error':>10} {'bound':>10}"]
         for c in self.comparisons:
             lines.append(f"{unit_label(c.unit):<24} {c.what:<36} {c.error:>10.2e} {c.bound:>10.2e}")
+        lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
@@ -642,11 +644,17 @@ def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_lo
 
 
 def verify_step(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any) -> VerifyReport | None:
-    """:func:`verify` for the step ``loss_fn(params, *args, **kwargs)`` takes: the loss function
-    runs (without autograd) up to its model's forward, which is where the model, the plan, the
-    shards and the batch are found (:func:`fsdpfn.unshard` notes the plan and the shards, the
-    model's root hook from :func:`fsdpfn.shard` the model and its inputs), then :func:`verify`
-    runs on them. :func:`fsdpfn.compile` calls it on its first step.
+    """:func:`verify` for the step ``loss_fn(params, *args, **kwargs)`` takes, and the step's loss
+    against the loss function on the whole batch. The loss function runs (without autograd) up
+    to its model's forward, which is where the model, the plan, the shards and the batch are
+    found (:func:`fsdpfn.unshard` notes the plan, the shards and the gradient reduction, the
+    model's root hook from :func:`fsdpfn.shard` the model and its inputs); :func:`verify` runs
+    on them. Then the loss the step trains (each rank's loss, reduced over the ranks that read
+    different data as ``unshard``'s ``grad_op`` says) and its gradient for the model's outputs
+    are compared with the loss function on every rank's rows and tokens gathered
+    ([Note: the loss check] in ``fsdpfn/transforms/_verify_loss.py``): a loss that is a mean
+    over each rank's counted tokens is named here. :func:`fsdpfn.compile` calls it on its
+    first step.
 
     Returns:
       the :class:`VerifyReport`, or ``None`` when the loss function reached no model carrying a
@@ -667,4 +675,33 @@ def verify_step(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor],
     if cap.model is None or cap.plan is None:
         return None
     with _ambient.restored(cap.cp):  # the loss function's own context_parallel block, if any
-        return verify(cap.model, cap.plan, cap.params, *cap.args, seed=seed, **cap.kwargs)
+        report = verify(cap.model, cap.plan, cap.params, *cap.args, seed=seed, **cap.kwargs)
+        _loss_check(loss_fn, params, args, kwargs, cap, report)
+    return report
+
+
+def _loss_check(loss_fn, params, args, kwargs, cap, report: VerifyReport) -> None:
+    from fsdpfn.transforms._verify_loss import check_loss, describe_mismatch
+
+    problem: list = []
+
+    def compare(what, step, one, bound):
+        err = _relative(step, one) if step.shape == one.shape else math.inf
+        c = Comparison("loss", what, err, bound)
+        report.comparisons.append(c)
+        if err > bound and not problem:
+            values = (float(step), float(one)) if step.dim() == 0 else (math.nan, math.nan)
+            detail = "" if step.dim() == 0 or step.shape != one.shape else f"; {_worst(step, one)}"
+            problem.append((describe_mismatch(cap.plan, cap.grad_op, what, *values, err, bound) + detail, c))
+
+    with C.uncounted():
+        try:
+            check_loss(loss_fn, params, args, kwargs, cap, compare, report.notes.append)
+        except Exception as e:  # named on every rank, like the unit check's failures
+            problem.append((f"the loss check raised {_raised(e)}", None))
+    found = C.exchange_problems(f"verify loss {cap.plan.fingerprint}", problem[0][0] if problem else None, None)
+    if found:
+        first = min(found)
+        raise VerificationError(
+            f"fsdpfn.verify: the sharded step does not train what one process trains. On rank {first}: {found[first]}. "
+            "(Pass verify=False to skip this check.)", problem[0][1] if problem else None)
