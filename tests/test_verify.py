@@ -291,16 +291,21 @@ def test_verify_step_finds_the_model_plan_and_batch_of_a_pure_loss(run_on_ranks)
     assert "unit 'blocks.0'" in _same_error_everywhere(run_on_ranks(_pure_case, 2, "sides"))
 
 
-def _gpt_case(rank, world):
+def _gpt_case(rank, world, inner="tp"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, width=WIDTH, depth=2, heads=HEADS))
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    plan = fsdpfn.plan(model, mesh, tp=TP_PLAN)
-    return _outcome(lambda: fsdpfn.verify(model, plan, fsdpfn.shard(model, plan), _batch(rank, plan)))
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", inner))
+    plan = fsdpfn.plan(model, mesh, **({"tp": TP_PLAN} if inner == "tp" else {"units": PP_UNITS}))
+    (x,) = fsdpfn.context_parallel_shard((_batch(rank, plan),), plan)
+    with fsdpfn.context_parallel(plan):
+        return _outcome(lambda: fsdpfn.verify(model, plan, fsdpfn.shard(model, plan), x))
 
 
-def test_gpt_with_its_tp_plan_passes(run_on_ranks):
-    assert all(x[0] == "ok" and x[1] < 1e-6 for x in run_on_ranks(_gpt_case, 2))
+@pytest.mark.parametrize("inner", ["tp", "cp"])
+def test_gpt_with_its_tp_plan_or_under_cp_passes(run_on_ranks, inner):
+    """Under cp, with "pos" a unit of its own, GPT's position ids (1-d, this rank's positions)
+    cross a unit boundary: they are cut and joined like the activations."""
+    assert all(x[0] == "ok" and x[1] < 1e-6 for x in run_on_ranks(_gpt_case, 2, inner))
 
 
 # ---- every guard on every path: the pipeline, cp outside its block, named errors ------------------
@@ -461,3 +466,52 @@ def test_a_loss_that_is_the_whole_batchs_passes(run_on_ranks, names, loss, ignor
     for kind, comparisons, notes in run_on_ranks(_loss_case, world, names, loss, ignored):
         assert kind == "ok" and not notes and len(comparisons) >= 2, (kind, comparisons, notes)
         assert all(err <= bound and err < 1e-6 for _, err, bound in comparisons), comparisons
+
+
+# ---- a pipeline's stages, one after the other ----------------------------------------------------
+
+def _pp_tp_case(rank, world, qkv0, qkv1, inner="tp"):
+    from fsdpfn.runtime import PipelineRuntime
+
+    torch.manual_seed(0)
+    model = GPT(PP_CFG)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", inner))
+    tp = {"blocks.0.qkv": qkv0, "blocks.1.qkv": qkv1, "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+    plan = fsdpfn.plan(model, mesh, units=PP_UNITS, **({"tp": tp} if inner == "tp" else {}))
+
+    def ce(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    pipe = PipelineRuntime(model, plan, "1f1b", 2, loss_fn=ce)
+    params = pipe.shard(model)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    try:
+        _, loss = pipe.step(params, tokens[:, :-1], tokens[:, 1:])
+    except fsdpfn.VerificationError as e:
+        return ("error", str(e))
+    return ("ran", float(loss), {s: (r.units, max(c.error for c in r.comparisons), r.worst().error / r.worst().bound)
+                                 for s, r in pipe.verified.items()})
+
+
+@pytest.mark.parametrize("inner", ["tp", "cp"])
+def test_each_pipeline_stage_is_checked_on_its_own_ranks(run_on_ranks, inner):
+    """pp 2 x tp 2 (and pp 2 x cp 2): stage 0 checks blocks.0 on the tokens, stage 1 blocks.1
+    on the activation stage 0 computed; rounding only."""
+    results = run_on_ranks(_pp_tp_case, 4, "colwise", "colwise", inner)
+    assert all(r[0] == "ran" for r in results), results
+    assert "blocks.0" in results[0][2][0][0] and "blocks.1" in results[2][2][1][0]
+    for r in results:  # rounding alone: a few float32 ulps, every comparison ten times inside its bound
+        (units, worst, ratio), = r[2].values()
+        assert worst < 1e-6 and ratio < 0.1, r
+
+
+@pytest.mark.parametrize("qkv0, qkv1, stage", [("colwise_fused:3", "colwise", 0), ("colwise", "colwise_fused:3", 1)])
+def test_a_pipeline_stage_that_computes_wrong_is_named_on_every_rank(run_on_ranks, qkv0, qkv1, stage):
+    """GPT's head-major qkv planned colwise_fused:3 on one stage only: that stage's ranks find it,
+    and every rank (the other stage's too, which would otherwise wait for an activation) raises
+    the same text."""
+    results = run_on_ranks(_pp_tp_case, 4, qkv0, qkv1)
+    assert all(r[0] == "error" for r in results), results
+    assert len({r[1] for r in results}) == 1
+    text = results[0][1]
+    assert f"stage {stage} (on pp rank {stage})" in text and f"unit 'blocks.{stage}'" in text and "tp=2" in text

@@ -251,11 +251,13 @@ def _group_id(ranks: tuple[int, ...]) -> int:
 
 
 def group_info(group=None) -> tuple[tuple[int, ...], int]:
-    """``(global ranks, group id)`` of a process group, cached per group object."""
+    """``(global ranks, group id)`` of a process group, cached per group object. A tuple of
+    global ranks stands for the ranks themselves (the store-based exchanges of
+    :mod:`fsdpfn.comm._agree` need no process group)."""
     key = group if group is not None else dist.group.WORLD
     info = _GROUP_INFO.get(key)
     if info is None:
-        ranks = tuple(_groups.group_ranks(group))
+        ranks = tuple(sorted(group)) if isinstance(group, tuple) else tuple(_groups.group_ranks(group))
         info = _GROUP_INFO[key] = (ranks, _group_id(ranks))
     return info
 

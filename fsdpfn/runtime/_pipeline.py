@@ -58,10 +58,11 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, forward_only, pipeline_schedule, validate_pipeline
 from fsdpfn._plan.schedule import Op
 from fsdpfn._plan.schedule import schedule as default_schedule
-from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send
+from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send, uncounted
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
-from fsdpfn.transforms import CHECKED_STEPS, apply_tp, check_batch, check_params, context_parallel, context_parallel_shard
+from fsdpfn.transforms import (CHECKED_STEPS, VerifyReport, apply_tp, check_batch, check_params, context_parallel,
+                               context_parallel_shard, verify_stage)
 
 __all__ = ["PipelineProfile", "PipelineRuntime"]
 
@@ -162,6 +163,10 @@ class PipelineRuntime:
         takes its part of every sequence of the batch (:func:`fsdpfn.context_parallel_shard`,
         inputs and targets alike), and the stages run inside ``fsdpfn.context_parallel``: the
         loss is the mean over this rank's tokens, the gradients averaged over dp x cp.
+      verify: on the first step, check each stage against the same code unsharded, on its
+        first micro-batch (:func:`fsdpfn.verify`'s check, over the stage's ranks): a stage whose
+        tensor-, expert- or context-parallel layout its code does not compute as planned raises
+        :class:`fsdpfn.VerificationError` on the stage's ranks. :attr:`verified` holds the reports.
       profile: record each step's :class:`PipelineProfile` in :attr:`last_profile`: when each
         op ran, and the activation bytes each micro-batch's forward kept for its backward (a
         saved-tensor hook per forward, which costs a little time).
@@ -181,7 +186,8 @@ class PipelineRuntime:
 
     def __init__(self, model: nn.Module, plan: Plan, schedule: str | PipelineSchedule = "1f1b", micro_batches: int | None = 8,
                  *, loss_fn: Callable[[Any, Any], torch.Tensor], stages=None, prefetch: int = 1,
-                 device: str | torch.device | None = "cpu", cp_strategy: str = "allgather", profile: bool = False):
+                 device: str | torch.device | None = "cpu", cp_strategy: str = "allgather", profile: bool = False,
+                 verify: bool = True):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
         if plan.stages is None:
@@ -230,6 +236,8 @@ class PipelineRuntime:
         self._cp_strategy = cp_strategy
         self.last_profile: PipelineProfile | None = None
         self._train = True
+        self._verify = bool(verify)  # until the first training step has checked every stage here
+        self.verified: dict[int, VerifyReport] = {}  # stage -> its first step's check
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -360,6 +368,9 @@ class PipelineRuntime:
         try:
             ambient = context_parallel(cp_plan, strategy=self._cp_strategy) if cp else contextlib.nullcontext()
             with ambient:
+                if self._verify and train:
+                    with uncounted():  # the check's transfers are not the step's
+                        self._verify_stages(ps, params)
                 self._walk(ps, run, clock, begin, timeline)
             for pendings in self._sends.values():  # what was sent must stay alive until it left
                 for pending in pendings:
@@ -370,7 +381,63 @@ class PipelineRuntime:
             raise
         finally:
             self._sends, self._saved, self._acts, self._grads, self._outbox, self._seeds = {}, {}, {}, {}, {}, {}
+        if train:
+            self._verify = False
         return self._finish(ps, timeline, train)
+
+    def _verify_stages(self, ps: PipelineSchedule, params) -> None:
+        """[Note: checking a pipeline's stages]
+        The differential check (:func:`fsdpfn.verify`) of each stage on the first micro-batch,
+        stage after stage, before the step: stage ``s``'s ranks check it on its input (the
+        tokens, or what stage ``s - 1`` computed, received), then every rank of the mesh learns
+        whether it passed (one store exchange) before stage ``s + 1`` waits for that output. So a
+        stage that fails is named on every rank, and no rank is left waiting for an activation
+        that will not come. Costs one more forward of micro-batch 0 per stage, plus the checks;
+        a plan that splits nothing over tp, ep or cp skips it."""
+        from fsdpfn import comm as C
+        from fsdpfn.transforms import VerificationError
+
+        self._verify = False
+        if self.plan.cp_size == 1 and self.plan.tp_size == 1 and self.plan.ep_size == 1:
+            return  # both sides would run the same arithmetic
+        world = tuple(int(r) for r in self.plan.mesh.mesh.flatten().tolist())
+        held: Any = None  # the previous stage's output, when it ran here too
+        sends: list = []
+        for s in range(ps.num_stages):
+            here, out, problem = ps.rank_of(s) == self.pp_rank, None, None
+            error: BaseException | None = None
+            if here:
+                try:
+                    if s == 0:
+                        x = self._xs[0]
+                    elif ps.rank_of(s - 1) == self.pp_rank:
+                        x = held
+                    else:
+                        peer = ps.rank_of(s - 1)
+                        h = pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag="verify_header").wait().tolist()
+                        x = pp_recv(torch.empty(h[2:2 + h[0]], dtype=_DTYPES[h[1]]), peer, self.group, tag="verify_act").wait()
+                    sp = self.stage_plans[s]
+                    self.verified[s], out = verify_stage(self.model, self.modules[s], {name: local for local, name in self._names[s]},
+                                                         sp, {n: params[n] for n in sp.param_names}, x)
+                    if s < ps.num_stages - 1:
+                        out = self._stage_output(s, out).detach().contiguous()
+                except (VerificationError, ValueError) as e:
+                    error, problem = e, f"{'V' if isinstance(e, VerificationError) else 'E'}{e}"
+            found = C.exchange_problems(f"pipeline verify stage {s}", problem, world)
+            if found:  # the same text on every rank; the stage's own ranks keep the comparison
+                text = found[min(found)]
+                message = f"stage {s} (on pp rank {ps.rank_of(s)}) failed its first step's check: {text[1:]}"
+                if text[0] == "V":
+                    raise VerificationError(message, getattr(error, "comparison", None)) from error
+                raise ValueError(message) from error
+            if here and s < ps.num_stages - 1:
+                if ps.rank_of(s + 1) == self.pp_rank:
+                    held = out
+                else:
+                    sends.append(pp_send(_header(out), ps.rank_of(s + 1), self.group, tag="verify_header"))
+                    sends.append(pp_send(out, ps.rank_of(s + 1), self.group, tag="verify_act"))
+        for pending in sends:
+            pending.wait()
 
     def _walk(self, ps: PipelineSchedule, run, clock, begin: float, timeline: list) -> None:
         """This rank's ops, in order."""

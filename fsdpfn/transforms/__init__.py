@@ -52,6 +52,7 @@ from fsdpfn.transforms._verify import Comparison as Comparison
 from fsdpfn.transforms._verify import VerificationError as VerificationError
 from fsdpfn.transforms._verify import VerifyReport as VerifyReport
 from fsdpfn.transforms._verify import verify as verify
+from fsdpfn.transforms._verify import verify_stage as verify_stage
 from fsdpfn.transforms._verify import verify_step as verify_step
 from fsdpfn.transforms._guards import CHECKED_STEPS as CHECKED_STEPS
 from fsdpfn.transforms._guards import check_batch as check_batch
@@ -64,6 +65,7 @@ __all__ = [
     "VerificationError",
     "VerifyReport",
     "verify",
+    "verify_stage",
     "verify_step",
     "context_parallel",
     "context_parallel_attention",

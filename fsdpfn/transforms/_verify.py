@@ -67,7 +67,7 @@ from fsdpfn.transforms._gather import check_params, gather_unit
 from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._tp import reference_mode
 
-__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_step"]
+__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_stage", "verify_step"]
 
 _U32 = 2.0**-24  # float32 unit roundoff
 
@@ -271,21 +271,31 @@ class _Seq:
         self.size, self.dim, self.local = plan.cp_size, dim, local_len
         self.group = cp_group(plan) if plan.cp_size > 1 else None
 
+    def _seq_dim(self, x) -> int | None:
+        """Where ``x`` holds this rank's tokens: ``dim`` (batch-first activations), or 0 for a
+        1-d tensor of the local length (positions from :func:`fsdpfn.context_parallel_positions`)."""
+        if self.size == 1 or not isinstance(x, torch.Tensor):
+            return None
+        if x.dim() > self.dim and x.shape[self.dim] == self.local:
+            return self.dim
+        return 0 if x.dim() == 1 and x.shape[0] == self.local else None
+
     def _has(self, x) -> bool:
-        return (self.size > 1 and isinstance(x, torch.Tensor) and x.dim() > self.dim
-                and x.shape[self.dim] == self.local)
+        return self._seq_dim(x) is not None
 
     def whole(self, x):
         from fsdpfn.transforms._cp import context_parallel_unshard
 
-        return context_parallel_unshard(x, self.group, seq_dim=self.dim) if self._has(x) else x
+        d = self._seq_dim(x)
+        return context_parallel_unshard(x, self.group, seq_dim=d) if d is not None else x
 
     def part(self, x, like=None):
         from fsdpfn.transforms._cp import context_parallel_shard
 
-        if self.size == 1 or not isinstance(x, torch.Tensor) or like is None or not self._has(like):
+        d = self._seq_dim(like) if like is not None else None
+        if d is None or not isinstance(x, torch.Tensor):
             return x
-        return context_parallel_shard(x, self.group, seq_dim=self.dim)
+        return context_parallel_shard(x, self.group, seq_dim=d)
 
 
 def _floats(tree):
@@ -318,8 +328,14 @@ def _bound(weights: Mapping[str, torch.Tensor], tokens: int) -> float:
 
 
 class _Checker:
-    def __init__(self, plan: Plan, model: nn.Module, params: Mapping[str, torch.Tensor], seed: int):
+    def __init__(self, plan: Plan, model: nn.Module, params: Mapping[str, torch.Tensor], seed: int,
+                 stage: tuple[nn.Module, Mapping[str, str]] | None = None):
         self.plan, self.model, self.params, self.seed = plan, model, params, seed
+        # A pipeline stage: its module runs the forward (its parameters named as the module
+        # names them), and only the stage's ranks take part; the units are still the model's
+        # modules (a stage shares them), so the same interception finds them.
+        self.runner, self.rename = stage if stage is not None else (model, {})
+        self.group = tuple(int(r) for r in plan.mesh.mesh.flatten().tolist()) if stage is not None else None
         modules = dict(model.named_modules())
         for u in plan.units:
             if u.name not in modules:
@@ -328,6 +344,7 @@ class _Checker:
         self.modules = {u.name: modules[u.name] for u in self.outer}
         self.modes = _Modes(model)
         self.report = VerifyReport()
+        self.keep_output, self.output = False, None  # a pipeline stage hands its sharded output on
         self.problem: str | None = None
         self.first: Comparison | None = None
 
@@ -388,13 +405,18 @@ class _Checker:
     # ---- the agreement: every rank stops at the same place ----------------------------------
 
     def settle(self, where: str) -> None:
-        found = C.exchange_problems(f"verify {self.plan.fingerprint} {where}", self.problem, None)
+        found = C.exchange_problems(f"verify {self.plan.fingerprint} {where}", self.problem, self.group)
         if found:
             first = min(found)
             others = "" if len(found) == 1 else f" (also on ranks {sorted(set(found) - {first})})"
             raise VerificationError(
                 f"fsdpfn.verify: the sharded step does not compute what one process computes. On rank {first}{others}: "
                 f"{found[first]}. (Pass verify=False to skip this check.)", self.first)
+
+    def call(self, root: Mapping[str, torch.Tensor], args, kwargs):
+        """The model's (or the stage's) forward with ``root``'s weights."""
+        named = {self.rename.get(n, n): t for n, t in root.items()}
+        return torch.func.functional_call(self.runner, named, tuple(args), kwargs, strict=False)
 
     # ---- the random cotangent --------------------------------------------------------------
 
@@ -404,8 +426,9 @@ class _Checker:
         key = zlib.crc32(f"{self.seed}/{unit}/{call}/{k}/{dp_rank(self.plan)}".encode())
         gen = torch.Generator(device="cpu").manual_seed(key)
         shape = list(like.shape)
-        if seq._has(like):
-            shape[seq.dim] *= seq.size
+        d = seq._seq_dim(like)
+        if d is not None:
+            shape[d] *= seq.size
         full = torch.randn(shape, generator=gen, dtype=torch.float32).to(like.device)
         return seq.part(full, like) if seq._has(like) else full
 
@@ -472,6 +495,22 @@ def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *ar
         return _verify(_Checker(plan, model, {n: _plain(t) for n, t in params.items()}, seed), tuple(plain_args), kwargs)
 
 
+def verify_stage(model: nn.Module, module: nn.Module, names: Mapping[str, str], plan: Plan,
+                 params: Mapping[str, torch.Tensor], x: torch.Tensor, *, seed: int = 0) -> tuple[VerifyReport, Any]:
+    """:func:`verify` of one pipeline stage: ``module`` (sharing ``model``'s submodules, its
+    parameters named ``names[plan name]``) on its input ``x``, over the stage's plan
+    (``plan.stage_plan(s)``) and its ranks only. Returns the report and the stage's output as the
+    step computes it (sharded), for the next stage's check.
+    :class:`fsdpfn.runtime.PipelineRuntime` calls it on its first step, stage after stage."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    with temporarily_clear_interpreter_stack(), torch._C._DisableFuncTorch(), C.uncounted(), torch.no_grad():
+        ck = _Checker(plan, model, {n: _plain(t) for n, t in params.items()}, seed, stage=(module, names))
+        ck.keep_output = True
+        report = _verify(ck, (_plain(x.detach()),), {})
+        return report, ck.output
+
+
 def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     from fsdpfn.transforms._guards import _STEPS
 
@@ -479,15 +518,16 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
 
     plan, model = ck.plan, ck.model
     _STEPS.pop(plan.fingerprint, None)  # the check's forwards are not the step the batch check looks at
-    # Peers given different batches would differ below too; the batch check names it better.
-    check_batch(plan, args, kwargs, reduce="custom")
+    if ck.group is None:  # a pipeline checked the whole plan's batch before its first step
+        # Peers given different batches would differ below too; the batch check names it better.
+        check_batch(plan, args, kwargs, reduce="custom")
     root = plan.unit(ROOT) if any(u.name == ROOT for u in plan.units) else None
     leaves, _ = flatten((list(args), kwargs), none_is_leaf=True)
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 1), None)
     seq = _Seq(plan, first.shape[1] if first is not None else None)
     checked = {u.name for u in ck.outer if plan.cp_size > 1 or any(_split(plan, p.name) for m in _members(plan, u) for p in m.params)}
     root_split = root is not None and any(_split(plan, p.name) for p in root.params)
-    if not checked and not root_split:  # the same arithmetic on both sides: nothing can differ
+    if not checked and not root_split and not ck.keep_output:  # the same arithmetic on both sides: nothing can differ
         return ck.report
 
     # ---- 1. sharded: record every unit call's inputs and outputs -------------------------------
@@ -507,12 +547,13 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
 
     try:
         with torch.no_grad(), ck.modes.sharded(), _intercept(ck.modules, sharded_call):
-            out_sharded = torch.func.functional_call(model, root_local, args, kwargs, strict=False)
+            out_sharded = ck.call(root_local, args, kwargs)
         problem = None
     except Exception as e:  # a model that fails under the plan: named on every rank
         ck.problem = f"the model's sharded forward raised {_raised(e)}"
     ck.settle("sharded forward")
     sharded_outs, _ = _floats(out_sharded)
+    ck.output = out_sharded if ck.keep_output else None
     del out_sharded
 
     # ---- 2. reference: the same code with every axis off, checked unit by unit -----------------
@@ -566,7 +607,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
         whole_args, whole_kwargs = unflatten(flatten((list(args), kwargs), none_is_leaf=True)[1],
                                              [seq.whole(x) for x in leaves])
         with torch.no_grad(), ck.modes.unsharded(), _intercept(ck.modules, reference_call):
-            out_ref = torch.func.functional_call(model, root_global, tuple(whole_args), whole_kwargs, strict=False)
+            out_ref = ck.call(root_global, whole_args, whole_kwargs)
     except VerificationError:
         raise
     except Exception as e:
