@@ -18,7 +18,7 @@ fraction of parameters or units whose setting differs from what the user asked f
 correct, anything else silent.
 
 Usage:
-  python benchmarks/bad_inputs.py               # every case, under a minute on 2 cores
+  python benchmarks/bad_inputs.py               # every case, a minute or two on 2 cores
   python benchmarks/bad_inputs.py --case tp_second_instance --case remat_counter_full
 """
 
@@ -69,6 +69,7 @@ class Case:
     culprit: str  # a name the user wrote: a named error contains it
     fix: str = ""  # and, when the message has a fix to give, this text of it
     test: str = ""  # the test that covers the case (tests/file.py::name)
+    world: int = 2  # gloo ranks it runs on
 
 
 def _gpt(**kw) -> GPT:
@@ -513,6 +514,188 @@ def hf_model_output(rank, world):
     return _rel(grads, want)
 
 
+# ---- the ways of writing a model that the differential check covers (fsdpfn.verify) ----------------
+# Each runs a first step as a user would (the pure loop with its verify_step line, or a runtime),
+# so the check decides; the models are tests/test_verify.py's.
+
+
+def _vnet_step(layout="sides", cut="unbind", mlp="module", tp=None, sdpa_blocks=()) -> float:
+    """``Net`` of tests/test_verify.py on (dp, tp) = (1, 2): a runtime's first step against one process."""
+    import test_verify as tv
+
+    torch.manual_seed(0)
+    model = tv.Net(layout, cut, mlp, sdpa_blocks)
+    plan = fsdpfn.plan(model, testing.mesh((1, 2), ("dp", "tp")), tp=tp or tv.TP)
+    params = fsdpfn.shard(model, plan)
+    rt = Runtime(model, plan)
+    x, y = tv._batch(0), tv._batch(1)
+    grads, _ = rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params)
+    torch.manual_seed(0)
+    ref = tv.Net(layout, cut, mlp, sdpa_blocks)
+    return _rel(grads, _ref_grads(ref, x, y))
+
+
+def qkv_cut_by_unbind(rank, world):
+    return _vnet_step(cut="unbind")
+
+
+def qkv_cut_by_slicing(rank, world):
+    return _vnet_step(cut="slice")
+
+
+def qkv_cut_by_permute(rank, world):
+    return _vnet_step(cut="permute")
+
+
+def qkv_cut_by_transpose_chunk(rank, world):
+    return _vnet_step(cut="transpose_chunk")
+
+
+def head_major_qkv_colwise_fused(rank, world):
+    import test_verify as tv
+
+    return _vnet_step(layout="heads", tp={**tv.TP, "blocks.*.qkv": "colwise_fused:3"})
+
+
+def rowwise_called_as_f_linear(rank, world):
+    return _vnet_step(layout="heads", mlp="f_linear")
+
+
+def colwise_called_as_dot_forward(rank, world):
+    return _vnet_step(layout="heads", mlp="dot_forward")
+
+
+def experts_without_w2(rank, world):
+    import test_verify as tv
+
+    answer = tv._ep_case(rank, world, ["blocks.*.moe.experts.w1"])
+    if answer[0] != "ok":
+        raise ValueError(answer[1])
+    return answer[1]
+
+
+def _cp_pure(sdpa_blocks=(), outside=False, ignored=False, global_rank_batch=False) -> float:
+    """``Net`` under cp (dp 1 x cp 2, or dp 2 x cp 2 on 4 ranks): the pure loop with its
+    verify_step line, then a step, against one process on the whole batch."""
+    import test_verify as tv
+
+    world = torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = tv.Net("heads", "unbind", "module", sdpa_blocks)
+    plan = fsdpfn.plan(model, testing.mesh((world // 2, 2), ("dp", "cp")))
+    params = fsdpfn.shard(model, plan)
+    tokens = torch.randint(0, tv.VOCAB, (4, tv.SEQ + 1), generator=torch.Generator().manual_seed(7))
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    if ignored:
+        y[:, : tv.SEQ // 4] = -100  # padding at the start: all on the first cp rank's chunk
+    n = 4 // plan.dp_size
+    index = torch.distributed.get_rank() if global_rank_batch else fsdpfn.transforms.dp_rank(plan)
+    mine = slice(n * index % 4, n * index % 4 + n)
+    xl, yl = fsdpfn.context_parallel_shard((x[mine], y[mine]), plan)
+
+    def loss_fn(ps, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), y.flatten(),
+                               ignore_index=-100)
+
+    if outside:  # a validation forward written outside the block
+        with torch.no_grad():
+            loss_fn(params, xl, yl)
+    with fsdpfn.context_parallel(plan):
+        fsdpfn.verify_step(loss_fn, params, xl, yl)
+        grads = torch.func.grad(loss_fn)(params, xl, yl)
+    torch.manual_seed(0)
+    ref = tv.Net("heads", "unbind", "module", sdpa_blocks)
+    return _rel(grads, _ref_grads(ref, x, y, loss=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=-100)))
+
+
+def cp_one_block_on_sdpa(rank, world):
+    return _cp_pure(sdpa_blocks=(1,))
+
+
+def cp_forward_outside_its_block(rank, world):
+    return _cp_pure(outside=True)
+
+
+def cp_ignore_index_uneven(rank, world):
+    return _cp_pure(ignored=True)
+
+
+def dp_cp_batch_by_global_rank(rank, world):
+    return _cp_pure(global_rank_batch=True)
+
+
+def cp_attention_with_a_mask(rank, world):
+    q = torch.randn(1, 2, 4, 8)
+    fsdpfn.context_parallel_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool))
+    return 0.0
+
+
+def _pp_step(stage_fn=None, loss_fn=None, rows=None) -> float:
+    """GPT on pp 2 x dp (1 or 2): a PipelineRuntime step, against one process on the whole batch."""
+    import test_verify as tv
+    from fsdpfn.runtime import PipelineRuntime
+
+    world = torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(tv.PP_CFG)
+    plan = fsdpfn.plan(model, testing.mesh((2, world // 2), ("pp", "dp")), units=tv.PP_UNITS)
+    stages = None
+    if stage_fn is not None:
+        def stages(s, units):
+            return stage_fn(model.pipeline_stage(units), s)
+    pipe = PipelineRuntime(model, plan, "1f1b", 2, loss_fn=loss_fn or _ce, stages=stages)
+    params = pipe.shard(model)
+    dp = plan.mesh.get_local_rank("dp")
+    tokens = torch.randint(0, tv.VOCAB, (12, tv.SEQ + 1), generator=torch.Generator().manual_seed(5))
+    sizes = rows or [12 // plan.dp_size] * plan.dp_size
+    start = sum(sizes[:dp])
+    mine = tokens[start: start + sizes[dp]]
+    grads, _ = pipe.step(params, mine[:, :-1], mine[:, 1:])
+    torch.manual_seed(0)
+    want = _ref_grads(GPT(tv.PP_CFG), tokens[:, :-1], tokens[:, 1:])
+    full = {n: _full(g) for n, g in grads.items() if g is not None}
+    gathered = fsdpfn.comm.all_gather_object(full)
+    merged = {n: g for part in gathered for n, g in part.items()}
+    return _rel(merged, want)
+
+
+class _Tupled(nn.Module):
+    def __init__(self, inner: nn.Module, s: int):
+        super().__init__()
+        self.inner, self.s = inner, s
+
+    def forward(self, x):
+        out = self.inner(x)
+        return (out,) if self.s == 0 else out  # as Hugging Face layers return (hidden,)
+
+
+class _InPlace(nn.Module):
+    def __init__(self, inner: nn.Module, s: int):
+        super().__init__()
+        self.inner, self.s = inner, s
+
+    def forward(self, x):
+        if self.s == 1:
+            x *= 0.7
+        return self.inner(x)
+
+
+def pp_dp_unequal_rows(rank, world):
+    return _pp_step(rows=[8, 4])
+
+
+def pp_stage_returns_a_tuple(rank, world):
+    return _pp_step(stage_fn=_Tupled)
+
+
+def pp_loss_with_reduction_none(rank, world):
+    return _pp_step(loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none"))
+
+
+def pp_stage_writes_its_input_in_place(rank, world):
+    return _pp_step(stage_fn=_InPlace)
+
+
 def _have_transformers() -> bool:
     try:
         import transformers  # noqa: F401
@@ -524,6 +707,7 @@ def _have_transformers() -> bool:
 _S, _T, _M, _P, _R = ("tests/test_guards_step.py", "tests/test_guards_tp_plan.py", "tests/test_guards_muon.py",
                       "tests/test_guards_patterns.py", "tests/test_guards_runtime_exit.py")
 _E = "tests/test_guards_mesh_ep.py"
+_V = "tests/test_verify.py"
 
 CASES: list[Case] = [
     # The numbered silent cases.
@@ -609,6 +793,43 @@ CASES: list[Case] = [
          "tests/test_moe_plan.py::test_bad_expert_plans_are_named_on_every_rank_before_any_collective"),
     Case("fp8_exclude_matches_nothing", "P. Float8GatherPolicy(exclude=['*.head.weight'])", fp8_exclude_matches_nothing,
          "'*.head.weight'", "did you mean", "tests/test_fp8_gather.py::test_plan_time_errors_name_the_unit_parameter_or_setting"),
+    # Other ways of writing a model: the differential check decides (fsdpfn.verify).
+    Case("qkv_cut_by_unbind", "V. q|k|v qkv split 'colwise', cut by view(...).unbind", qkv_cut_by_unbind,
+         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
+    Case("qkv_cut_by_slicing", "V. the same, cut by o[..., :d]", qkv_cut_by_slicing,
+         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
+    Case("qkv_cut_by_permute", "V. the same, cut by reshape + permute", qkv_cut_by_permute,
+         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
+    Case("qkv_cut_by_transpose_chunk", "V. the same, cut by o.transpose(1, 2).chunk(3, 1)", qkv_cut_by_transpose_chunk,
+         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
+    Case("head_major_qkv_colwise_fused", "V. a head-major qkv planned 'colwise_fused:3'", head_major_qkv_colwise_fused,
+         "unit 'blocks.0'", "plain 'colwise'", f"{_V}::test_a_head_major_qkv_planned_colwise_fused_is_named"),
+    Case("rowwise_called_as_f_linear", "V. a rowwise layer called as F.linear(h, out.weight)", rowwise_called_as_f_linear,
+         "unit 'blocks.0'", "call the module itself", f"{_V}::test_a_split_layer_called_around_its_module_is_named"),
+    Case("colwise_called_as_dot_forward", "V. a colwise layer called as fc.forward(h)", colwise_called_as_dot_forward,
+         "unit 'blocks.0'", "call the module itself", f"{_V}::test_a_split_layer_called_around_its_module_is_named"),
+    Case("experts_without_w2", "V. experts=['blocks.*.moe.experts.w1'] without w2", experts_without_w2,
+         "unit 'blocks.0'", "w1, w2", f"{_V}::test_experts_with_one_packed_weight_left_out_are_named"),
+    Case("cp_one_block_on_sdpa", "V. cp: block 1 still on F.scaled_dot_product_attention", cp_one_block_on_sdpa,
+         "unit 'blocks.1'", "context_parallel_attention", f"{_V}::test_cp_with_one_block_still_on_plain_sdpa_is_named"),
+    Case("cp_forward_outside_its_block", "V. cp: a validation forward outside the context_parallel block",
+         cp_forward_outside_its_block, "outside `with fsdpfn.context_parallel(plan):`", "context_parallel_shard",
+         f"{_V}::test_a_cp_forward_outside_its_block_is_refused"),
+    Case("cp_ignore_index_uneven", "V. cp: cross_entropy(ignore_index) with the padding on one cp rank", cp_ignore_index_uneven,
+         "the loss the step trains differs", "grad_op='sum'", f"{_V}::test_a_mean_over_each_ranks_counted_tokens_is_named"),
+    Case("dp_cp_batch_by_global_rank", "V. dp 2 x cp 2: the batch indexed by the global rank", dp_cp_batch_by_global_rank,
+         "context-parallel peers", "dp_rank(plan)", f"{_V}::test_cp_peers_that_cut_different_batches_are_named", world=4),
+    Case("cp_attention_with_a_mask", "V. context_parallel_attention(q, k, v, mask)", cp_attention_with_a_mask,
+         "attn_mask", "", f"{_V}::test_a_mask_given_to_cp_attention_is_named"),
+    Case("pp_dp_unequal_rows", "V. pp 2 x dp 2 with batches of 8 and 4 rows", pp_dp_unequal_rows,
+         "batches of different sizes", "drop_last=True", f"{_V}::test_the_pipeline_checks_the_batch_on_every_rank", world=4),
+    Case("pp_stage_returns_a_tuple", "V. a pipeline stage returning (hidden,)", pp_stage_returns_a_tuple,
+         "returned a tuple of 1", "layer(x)[0]", f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named"),
+    Case("pp_loss_with_reduction_none", "V. a pipeline loss_fn with reduction='none'", pp_loss_with_reduction_none,
+         "reduction='none'", ".mean()", f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named"),
+    Case("pp_stage_writes_its_input_in_place", "V. a pipeline stage doing `h *= 0.7` on its input",
+         pp_stage_writes_its_input_in_place, "modifies its input in place", "h = h * 0.7",
+         f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named"),
 ]
 BY_ID = {c.id: c for c in CASES}
 NEEDS_TRANSFORMERS = {"hf_gqa_q_without_kv", "hf_gqa_kv_heads_tp_does_not_divide", "hf_model_output"}
@@ -655,7 +876,7 @@ def run_cases(ids: list[str] | None = None, runner=None) -> list[tuple[Case, str
             rows.append((case, "skipped", "transformers is not installed"))
             continue
         try:
-            answers: list[tuple] | str = runner(_row, 2, case.id, timeout=120)
+            answers: list[tuple] | str = runner(_row, case.world, case.id, timeout=120)
         except Exception as e:  # noqa: BLE001 - a rank that died or never answered
             answers = f"{type(e).__name__}: {e}"
         rows.append((case, *classify(case, answers)))

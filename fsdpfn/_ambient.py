@@ -14,9 +14,15 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-__all__ = ["CP_STACK", "restored", "snapshot"]
+__all__ = ["CP_STACK", "LAST_CUT", "restored", "snapshot"]
 
 CP_STACK: list[Any] = []
+
+# What the last calls of fsdpfn.context_parallel_shard cut (each tensor's shape and two sums,
+# see [Note: cp peers cut the same sequences]), for the first steps' batch check; and how many
+# more calls note it (the sums cost a pass over the batch: only the first calls pay it).
+LAST_CUT: list[Any] = [None]
+CUTS_NOTED_LEFT: list[int] = [16]
 
 
 def snapshot() -> tuple:

@@ -515,3 +515,29 @@ def test_a_pipeline_stage_that_computes_wrong_is_named_on_every_rank(run_on_rank
     assert len({r[1] for r in results}) == 1
     text = results[0][1]
     assert f"stage {stage} (on pp rank {stage})" in text and f"unit 'blocks.{stage}'" in text and "tp=2" in text
+
+
+def _cp_cut_case(rank, world, by_global_rank):
+    torch.manual_seed(0)
+    model = Net()
+    plan = fsdpfn.plan(model, torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")))
+    params = fsdpfn.shard(model, plan)
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(7))
+    index = rank % 2 if by_global_rank else fsdpfn.transforms.dp_rank(plan)  # rank % 2: the cp peers 0, 1 differ
+    (x,) = fsdpfn.context_parallel_shard((tokens[2 * index: 2 * index + 2],), plan)
+    with fsdpfn.context_parallel(plan):
+        return _outcome(lambda: fsdpfn.verify(model, plan, params, x))
+
+
+@pytest.mark.parametrize("by_global_rank", [True, False])
+def test_cp_peers_that_cut_different_batches_are_named(run_on_ranks, by_global_rank):
+    """dp 2 x cp 2 with the batch indexed by the global rank: the two cp ranks of a data-parallel
+    index keep parts of different sequences, which no computation can tell from a sequence (a mix
+    of two slices' chunks is one); what context_parallel_shard was given must agree."""
+    results = run_on_ranks(_cp_cut_case, 4, by_global_rank)
+    if not by_global_rank:
+        assert all(r[0] == "ok" for r in results), results
+        return
+    assert all(r[0] == "refused" for r in results), results
+    assert len({r[1] for r in results}) == 1
+    assert "ranks [0, 1] are context-parallel peers" in results[0][1] and "dp_rank(plan)" in results[0][1]

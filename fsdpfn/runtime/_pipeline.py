@@ -338,8 +338,8 @@ class PipelineRuntime:
             # targets; the peers of one data-parallel index must read the same ones, and the
             # data-parallel ranks batches of one size (the reduce averages per-rank means).
             reduce = "mean" if train else "custom"
-            check_batch(self.plan, (inputs,), reduce=reduce)  # the whole plan: one label on every pp rank
-            check_batch(self.plan, (targets,), reduce=reduce)
+            check_batch(self.plan, (inputs,), reduce=reduce, whole=True)  # the whole plan: one label on every pp rank
+            check_batch(self.plan, (targets,), reduce=reduce, whole=True)
         cp = cp_plan.cp_size > 1
         if cp:  # this cp rank's part of every sequence (the whole step then runs inside its cp axis)
             inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
@@ -392,14 +392,14 @@ class PipelineRuntime:
         tokens, or what stage ``s - 1`` computed, received), then every rank of the mesh learns
         whether it passed (one store exchange) before stage ``s + 1`` waits for that output. So a
         stage that fails is named on every rank, and no rank is left waiting for an activation
-        that will not come. Costs one more forward of micro-batch 0 per stage, plus the checks;
-        a plan that splits nothing over tp, ep or cp skips it."""
+        that will not come. Every plan runs it, for what a stage can get wrong on any mesh (its
+        output not one tensor, its input written in place, a loss that is not a scalar); one
+        that splits nothing over tp, ep or cp only runs each stage's forward. Costs one more
+        forward of micro-batch 0 per stage, plus the checks."""
         from fsdpfn import comm as C
         from fsdpfn.transforms import VerificationError
 
         self._verify = False
-        if self.plan.cp_size == 1 and self.plan.tp_size == 1 and self.plan.ep_size == 1:
-            return  # both sides would run the same arithmetic
         world = tuple(int(r) for r in self.plan.mesh.mesh.flatten().tolist())
         held: Any = None  # the previous stage's output, when it ran here too
         sends: list = []
@@ -417,10 +417,14 @@ class PipelineRuntime:
                         h = pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag="verify_header").wait().tolist()
                         x = pp_recv(torch.empty(h[2:2 + h[0]], dtype=_DTYPES[h[1]]), peer, self.group, tag="verify_act").wait()
                     sp = self.stage_plans[s]
+                    version = x._version
                     self.verified[s], out = verify_stage(self.model, self.modules[s], {name: local for local, name in self._names[s]},
                                                          sp, {n: params[n] for n in sp.param_names}, x)
-                    if s < ps.num_stages - 1:
-                        out = self._stage_output(s, out).detach().contiguous()
+                    if s > 0 and x._version != version:  # written in place: the step's autograd would refuse it
+                        raise ValueError(self._in_place(s))
+                    out = self._stage_output(s, out).detach().contiguous()
+                    if s == ps.num_stages - 1:
+                        self._check_loss(self.loss_fn(out, self._ys[0]))
                 except (VerificationError, ValueError) as e:
                     error, problem = e, f"{'V' if isinstance(e, VerificationError) else 'E'}{e}"
             found = C.exchange_problems(f"pipeline verify stage {s}", problem, world)
@@ -530,9 +534,7 @@ class PipelineRuntime:
                 out = torch.func.functional_call(self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,))
             except RuntimeError as e:
                 if "in-place operation" in str(e) and s > 0:
-                    raise ValueError(f"stage {s} modifies its input in place (e.g. `h *= 0.7` or `h.add_(...)` on the tensor it "
-                                     "is given), which is a leaf of the stage's graph: autograd cannot differentiate through it. "
-                                     "Write the stage out of place (`h = h * 0.7`)") from e
+                    raise ValueError(self._in_place(s)) from e
                 raise
             out = self._stage_output(s, out)
             if last:
@@ -546,6 +548,12 @@ class PipelineRuntime:
         self._peak_kept = max(self._peak_kept, sum(self._kept.values()))
         if not last:
             self._pass_on(s, k, out.detach())
+
+    @staticmethod
+    def _in_place(s: int) -> str:
+        return (f"stage {s} modifies its input in place (e.g. `h *= 0.7` or `h.add_(...)` on the tensor it is given), which "
+                "is a leaf of the stage's graph: autograd cannot differentiate through it. Write the stage out of place "
+                "(`h = h * 0.7`)")
 
     def _stage_output(self, s: int, out: Any) -> torch.Tensor:
         """A stage hands one tensor on: a 1-tuple (what Hugging Face layers return) is named."""

@@ -227,18 +227,24 @@ def _describe(x: torch.Tensor | None) -> list | None:
     return [list(x.shape), *sums]
 
 
-def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean") -> None:
+def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole: bool = False) -> None:
     """Raises ``ValueError`` on every rank if tensor-parallel peers were given different inputs,
     or (in a step that computes gradients and averages them) data-parallel ranks were given
-    batches with different numbers of rows (see [Note: checking the batch]). Every rank of the
-    plan's mesh must call it at the same point; it runs no collective.
+    batches with different numbers of rows (see [Note: checking the batch]), or the cp peers of
+    one data-parallel index cut different batches with :func:`fsdpfn.context_parallel_shard`
+    (see [Note: cp peers cut the same sequences]). ``whole=True``: the inputs are the whole
+    sequences, which every rank of a data-parallel index must be given alike (a pipeline's).
+    Every rank of the plan's mesh must call it at the same point; it runs no collective.
 
     Example:
       >>> fsdpfn.transforms.check_batch(plan, (x,))  # every rank passes
     """
     x = _first_tensor(args, kwargs or {})
-    # cp ranks hold different parts of the same sequences: peers are the ranks at one (dp, cp) index.
-    mine = [[dp_rank(plan), cp_rank(plan)], _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean"]
+    # cp ranks hold different parts of the same sequences: peers are the ranks at one (dp, cp)
+    # index, unless the inputs are the whole sequences (a pipeline cuts them itself).
+    cp = 0 if whole else cp_rank(plan)
+    cut = _ambient.LAST_CUT[0] if plan.cp_size > 1 and not whole else None
+    mine = [[dp_rank(plan), cp], _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean", cut]
     table = cast("dict[int, list]", C.exchange_values(f"batch of plan {plan.fingerprint}", mine, None))
     by_dp: dict[tuple, list[int]] = {}
     for r in sorted(table):
@@ -247,11 +253,29 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean") -> No
         seen = [table[r][1] for r in ranks]
         if any(s != seen[0] for s in seen):
             inputs = ", ".join(f"rank {r}: {_show(table[r][1])}" for r in ranks)
-            where = f"data-parallel index {dp}" + (f", context-parallel index {cp}" if plan.cp_size > 1 else "")
+            where = f"data-parallel index {dp}" + (f", context-parallel index {cp}" if plan.cp_size > 1 and not whole else "")
+            peers = "peers of one data-parallel index" if whole else "tensor-parallel peers"
             raise ValueError(
-                f"ranks {ranks} are tensor-parallel peers ({where}) but were given different inputs ({inputs}); "
+                f"ranks {ranks} are {peers} ({where}) but were given different inputs ({inputs}); "
                 "the tp all-reduces would add up parts of different examples. Index the batch by "
                 "fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), not by the global rank")
+    # [Note: cp peers cut the same sequences]
+    # Each cp rank keeps its part of every sequence of its data-parallel slice, so what the cp
+    # peers of one data-parallel index were given differs by design, and nothing computed later
+    # can tell a wrong slice apart (a mix of two slices' chunks is a sequence too). What they
+    # cut must agree: context_parallel_shard notes what it was given, and the peers compare.
+    cuts: dict[int, list[int]] = {}
+    for r in sorted(table):
+        if table[r][3] is not None:
+            cuts.setdefault(table[r][0][0], []).append(r)
+    for dp, ranks in sorted(cuts.items()):
+        if len(ranks) > 1 and any(table[r][3] != table[ranks[0]][3] for r in ranks):
+            given = ", ".join(f"rank {r}: {_show(table[r][3][0] if table[r][3] else None)}" for r in ranks)
+            raise ValueError(
+                f"ranks {ranks} are context-parallel peers (data-parallel index {dp}): each keeps its part of the same "
+                f"sequences, but fsdpfn.context_parallel_shard was given different batches ({given}), so their parts belong "
+                "to different sequences. Index the batch by fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), "
+                "not by the global rank, then cut it with context_parallel_shard on every cp rank")
     rows = {r: (table[r][1][0][0] if table[r][1] and table[r][1][0] else None) for r in table}
     if all(table[r][2] for r in table) and len({rows[r] for r in table}) > 1:
         listed = ", ".join(f"rank {r}: {rows[r]}" for r in sorted(table))
