@@ -18,11 +18,10 @@ __all__ = ["CP_STACK", "LAST_CUT", "restored", "snapshot"]
 
 CP_STACK: list[Any] = []
 
-# What the last calls of fsdpfn.context_parallel_shard cut (each tensor's shape and two sums,
-# see [Note: cp peers cut the same sequences]), for the first steps' batch check; and how many
-# more calls note it (the sums cost a pass over the batch: only the first calls pay it).
+# What the last call of fsdpfn.context_parallel_shard cut (each tensor's shape and two sums, as
+# tensors: read only when a batch check runs, so no device sync otherwise), for the first steps'
+# batch check (see [Note: cp peers cut the same sequences]).
 LAST_CUT: list[Any] = [None]
-CUTS_NOTED_LEFT: list[int] = [16]
 
 
 def snapshot() -> tuple:

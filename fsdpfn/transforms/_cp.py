@@ -185,11 +185,10 @@ def context_parallel_shard(tensors: T, plan_or_group=None, *, seq_dim: int = 1) 
     items: list[torch.Tensor] = list(tensors) if many else [tensors]  # type: ignore[list-item]
     if a.size == 1:
         return tensors
-    if _ambient.CUTS_NOTED_LEFT[0] > 0 and not C.compiling():  # see [Note: cp peers cut the same sequences]
-        from fsdpfn.transforms._guards import _describe
+    if not C.compiling():  # see [Note: cp peers cut the same sequences]
+        from fsdpfn.transforms._guards import fingerprint
 
-        _ambient.CUTS_NOTED_LEFT[0] -= 1
-        _ambient.LAST_CUT[0] = [_describe(t) for t in items]
+        _ambient.LAST_CUT[0] = [fingerprint(t) for t in items]
     out = [_cut(t, seq_dim, a.size, a.rank, f"context_parallel_shard(tensor {i} of shape {tuple(t.shape)}, seq_dim={seq_dim})")
            for i, t in enumerate(items)]
     return (type(tensors)(out) if isinstance(tensors, (tuple, list)) else out) if many else out[0]  # type: ignore[return-value]

@@ -216,15 +216,23 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def _describe(x: torch.Tensor | None) -> list | None:
-    if x is None:
-        return None
+def fingerprint(x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """``x``'s shape and two sums, a float64 tensor of 2 on ``x``'s device (no sync): the plain
+    sum, and one weighted by position, cycling so the sum stays exact for token ids, which
+    tells a permutation apart."""
     with torch._C._DisableFuncTorch(), torch.no_grad():
         flat = C.full_tensor(x.detach()).reshape(-1).double()
-        # A position weight (cycling, so the sum stays exact for token ids) tells a permutation apart.
         weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(1021).add_(1)
-        sums = [float(flat.sum()), float(flat.dot(weights))] if flat.numel() else [0.0, 0.0]
-    return [list(x.shape), *sums]
+        sums = torch.stack([flat.sum(), flat.dot(weights)]) if flat.numel() else flat.new_zeros(2)
+    return list(x.shape), sums
+
+
+def _describe(x) -> list | None:
+    """A tensor (or its :func:`fingerprint`) as ``[shape, sum, weighted sum]``."""
+    if x is None:
+        return None
+    shape, sums = x if isinstance(x, tuple) else fingerprint(x)
+    return [shape, *(float(v) for v in sums.tolist())]
 
 
 def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole: bool = False) -> None:
@@ -243,7 +251,9 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole
     # cp ranks hold different parts of the same sequences: peers are the ranks at one (dp, cp)
     # index, unless the inputs are the whole sequences (a pipeline cuts them itself).
     cp = 0 if whole else cp_rank(plan)
-    cut = _ambient.LAST_CUT[0] if plan.cp_size > 1 and not whole else None
+    cut = [_describe(f) for f in _ambient.LAST_CUT[0]] if plan.cp_size > 1 and not whole and _ambient.LAST_CUT[0] else None
+    if plan.cp_size > 1 and not whole:
+        _ambient.LAST_CUT[0] = None  # each cut is checked once: never a later step's stale one
     mine = [[dp_rank(plan), cp], _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean", cut]
     table = cast("dict[int, list]", C.exchange_values(f"batch of plan {plan.fingerprint}", mine, None))
     by_dp: dict[tuple, list[int]] = {}
