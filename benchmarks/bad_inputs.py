@@ -1,5 +1,6 @@
-"""A catalogue of mistakes a new user makes with tensor and expert parallelism, remat, Muon and
-compile, each run as written on 2 gloo ranks and classified by what came out.
+"""A catalogue of mistakes a new user makes with tensor, expert, context and pipeline
+parallelism, remat, Muon and compile, each run as written on 2 gloo ranks (4 for the meshes that
+need them) and classified by what came out.
 
 Every case builds what the user would (mostly ``GPT(GPTConfig(vocab_size=20, seq_len=8,
 width=16, depth=2, heads=2))`` on a (dp, tp) = (1, 2) mesh with ``tp=GPT_TP_PLAN``), runs a step
@@ -867,7 +868,7 @@ def classify(case: Case, answers: list[tuple] | str) -> tuple[str, str]:
 
 
 def run_cases(ids: list[str] | None = None, runner=None) -> list[tuple[Case, str, str]]:
-    """Each case on 2 ranks: ``[(case, class, detail)]``. ``runner`` is ``run_on_ranks`` (the
+    """Each case on its ranks (2, or the case's ``world``): ``[(case, class, detail)]``. ``runner`` is ``run_on_ranks`` (the
     tests pass theirs)."""
     runner = runner or testing.run_on_ranks
     rows = []
