@@ -41,9 +41,12 @@ def test_gpt_on_a_preset(capsys):
     assert fsdpfn.plan(model, res.plan.mesh_shape, strategy=strategy) == res.plan
 
 
-def test_llama_8b_on_custom_hardware(capsys):
-    res = _example().main(["--model", "8b", "--gpus", "16", "--prefetch", "1", "--flops", "700e12", "--intra-gbps", "300",
-                           "--inter-gbps", "25", "--memory-gib", "96", "--gpus-per-node", "4"])
+def test_custom_hardware_flags_reach_the_search(capsys):
+    """Your own numbers instead of a preset (the 8B default search runs as the README's command,
+    tests/test_docs_commands.py): a small GPT keeps this to the flags' plumbing."""
+    res = _example().main(["--model", "gpt", "--gpus", "16", "--seq", "64", "--global-tokens", "4096", "--prefetch", "1",
+                           "--optimizer", "adamw", "--flops", "700e12", "--intra-gbps", "300", "--inter-gbps", "25",
+                           "--memory-gib", "96", "--gpus-per-node", "4"])
     out = capsys.readouterr().out
     assert "custom: 700 TFLOP/s, 300/25 GB/s" in out
     assert res.result.hardware.devices_per_node == 4

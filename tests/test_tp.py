@@ -112,6 +112,10 @@ def _tp_train(rank, world, mesh_shape, names, configs, steps, opt_name, cfg=CFG)
 
 PURE = [("zero2", "pure", 1), ("zero3", "pure", 1)]
 RUNTIME = [(s, style, pf) for s in ("zero2", "zero3") for style in ("func", "eager") for pf in (0, 1, 2)]
+# On 8 ranks (2 cores: the slowest mesh here), each strategy and style once and each prefetch
+# depth at least once; the 4-rank mesh above runs every combination, and prefetch orders the
+# same ops whatever the mesh.
+RUNTIME_8 = [("zero2", "func", 0), ("zero2", "eager", 2), ("zero3", "func", 2), ("zero3", "eager", 1)]
 
 
 @pytest.mark.parametrize("configs", [PURE, RUNTIME], ids=["pure", "runtime"])
@@ -122,7 +126,7 @@ def test_dp2_tp2_adamw_10_steps_match_one_process(run_on_ranks, configs):
         assert max(worst) < 1e-6, dict(zip(configs, worst))
 
 
-@pytest.mark.parametrize("configs", [PURE, RUNTIME], ids=["pure", "runtime"])
+@pytest.mark.parametrize("configs", [PURE, RUNTIME_8], ids=["pure", "runtime"])
 def test_hsdp_2x2_tp2_adamw_10_steps_match_one_process(run_on_ranks, configs):
     """(replicate=2, shard=2, tp=2) on 8 ranks."""
     for worst in run_on_ranks(_tp_train, 8, (2, 2, 2), ("replicate", "shard", "tp"), configs, 10, "adamw"):
