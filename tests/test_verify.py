@@ -541,3 +541,44 @@ def test_cp_peers_that_cut_different_batches_are_named(run_on_ranks, by_global_r
     assert all(r[0] == "refused" for r in results), results
     assert len({r[1] for r in results}) == 1
     assert "ranks [0, 1] are context-parallel peers" in results[0][1] and "dp_rank(plan)" in results[0][1]
+
+
+def _pp_loss_case(rank, world, ignored):
+    from fsdpfn.runtime import PipelineRuntime
+
+    torch.manual_seed(0)
+    model = GPT(PP_CFG)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    plan = fsdpfn.plan(model, mesh, units=PP_UNITS)
+
+    def ce(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    pipe = PipelineRuntime(model, plan, "1f1b", 2, loss_fn=ce)
+    params = pipe.shard(model)
+    dp = mesh.get_local_rank("dp")
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(dp))
+    y = tokens[:, 1:].clone()
+    if ignored and dp == 0:  # padding in data-parallel rank 0's rows only
+        y[:, : SEQ // 2] = -100
+    try:
+        _, loss = pipe.step(params, tokens[:, :-1], y)
+    except fsdpfn.VerificationError as e:
+        return ("error", str(e))
+    report = pipe.verified.get(1)
+    return ("ran", [(c.what, c.error, c.bound) for c in report.comparisons if c.unit == "loss"] if report else None)
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_a_pipelines_loss_is_checked_against_the_whole_micro_batch(run_on_ranks, ignored):
+    """pp 2 x dp 2: the last stage's loss on the first micro-batch, averaged over the data-parallel
+    ranks, against the loss of both ranks' rows; padding on one rank only makes it another mean."""
+    results = run_on_ranks(_pp_loss_case, 4, ignored)
+    if not ignored:
+        last = [r for r in results if r[1] is not None]
+        assert all(r[0] == "ran" for r in results) and len(last) == 2, results
+        assert all(len(r[1]) == 2 and all(e <= b and e < 1e-6 for _, e, b in r[1]) for r in last), last
+        return
+    assert all(r[0] == "error" for r in results), results
+    assert len({r[1] for r in results}) == 1
+    assert "stage 1 (on pp rank 1)" in results[0][1] and "the loss the step trains differs" in results[0][1]

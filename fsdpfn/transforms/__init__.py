@@ -53,6 +53,7 @@ from fsdpfn.transforms._verify import VerificationError as VerificationError
 from fsdpfn.transforms._verify import VerifyReport as VerifyReport
 from fsdpfn.transforms._verify import verify as verify
 from fsdpfn.transforms._verify import verify_stage as verify_stage
+from fsdpfn.transforms._verify import verify_stage_loss as verify_stage_loss
 from fsdpfn.transforms._verify import verify_step as verify_step
 from fsdpfn.transforms._guards import CHECKED_STEPS as CHECKED_STEPS
 from fsdpfn.transforms._guards import check_batch as check_batch
@@ -66,6 +67,7 @@ __all__ = [
     "VerifyReport",
     "verify",
     "verify_stage",
+    "verify_stage_loss",
     "verify_step",
     "context_parallel",
     "context_parallel_attention",

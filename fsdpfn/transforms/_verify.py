@@ -67,7 +67,7 @@ from fsdpfn.transforms._gather import check_params, gather_unit
 from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._tp import reference_mode
 
-__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_stage", "verify_step"]
+__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_stage", "verify_stage_loss", "verify_step"]
 
 _U32 = 2.0**-24  # float32 unit roundoff
 
@@ -511,6 +511,34 @@ def verify_stage(model: nn.Module, module: nn.Module, names: Mapping[str, str], 
         return report, ck.output
 
 
+class _Passthrough(nn.Module):
+    """Stands for the model in a pipeline's loss check: its output is the last stage's."""
+
+    def forward(self, x):
+        return x
+
+
+def verify_stage_loss(plan: Plan, loss_fn: Callable[[Any, Any], Any], output: torch.Tensor, target: Any,
+                      report: VerifyReport, group) -> None:
+    """The loss check ([Note: the loss check] in ``fsdpfn/transforms/_verify_loss.py``) of a
+    pipeline's ``loss_fn(output, target)`` on the last stage's first micro-batch, over the last
+    stage's ranks (``group``, the process group of ``plan``'s mesh): the mean over the ranks
+    that read different data of each rank's loss against the loss of every rank's rows and
+    tokens. Comparisons go to ``report``; raises :class:`VerificationError` on every rank of
+    ``group``."""
+    from fsdpfn.transforms._guards import _Capture
+
+    model = _Passthrough()
+    cap = _Capture()
+    cap.plan, cap.model, cap.args = plan, model, (output.detach(),)
+
+    def staged(params, out, y):
+        return loss_fn(model(out), y)
+
+    with torch.no_grad():
+        _loss_check(staged, {}, (output.detach(), target), {}, cap, report, group)
+
+
 def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     from fsdpfn.transforms._guards import _STEPS
 
@@ -725,7 +753,7 @@ def verify_step(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor],
     return report
 
 
-def _loss_check(loss_fn, params, args, kwargs, cap, report: VerifyReport) -> None:
+def _loss_check(loss_fn, params, args, kwargs, cap, report: VerifyReport, group=None) -> None:
     from fsdpfn.transforms._verify_loss import check_loss, describe_mismatch
 
     problem: list = []
@@ -741,10 +769,10 @@ def _loss_check(loss_fn, params, args, kwargs, cap, report: VerifyReport) -> Non
 
     with C.uncounted():
         try:
-            check_loss(loss_fn, params, args, kwargs, cap, compare, report.notes.append)
+            check_loss(loss_fn, params, args, kwargs, cap, compare, report.notes.append, group)
         except Exception as e:  # named on every rank, like the unit check's failures
             problem.append((f"the loss check raised {_raised(e)}", None))
-    found = C.exchange_problems(f"verify loss {cap.plan.fingerprint}", problem[0][0] if problem else None, None)
+    found = C.exchange_problems(f"verify loss {cap.plan.fingerprint}", problem[0][0] if problem else None, group)
     if found:
         first = min(found)
         raise VerificationError(

@@ -82,18 +82,20 @@ class _Batch:
         return self.cp > 1 and self.rowed(t) and t.dim() >= 2 and t.shape[1] == self.seq
 
 
-def _world_rows(t: torch.Tensor) -> torch.Tensor:
+def _world_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     wire = t.to(torch.uint8) if t.dtype == torch.bool else t
-    out = C.all_gather_rows(wire.contiguous(), None, tag="verify_loss")
+    out = C.all_gather_rows(wire.contiguous(), group, tag="verify_loss")
     return out.to(torch.bool) if t.dtype == torch.bool else out
 
 
 def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, cap,
-               compare: Callable[[str, torch.Tensor, torch.Tensor, float], None], note: Callable[[str], None]) -> None:
+               compare: Callable[[str, torch.Tensor, torch.Tensor, float], None], note: Callable[[str], None],
+               group=None) -> None:
     """[Note: the loss check] for ``loss_fn(params, *args, **kwargs)``, whose model, plan and
     gradient reduction ``cap`` (a :func:`fsdpfn.transforms._guards.capturing` record) found.
     ``compare(what, step, one_process, bound)`` records each comparison; ``note(why)`` says why
-    the check was skipped. Every rank of the mesh calls it at the same point."""
+    the check was skipped. Every rank of the mesh (of ``group``, the process group of the plan's
+    ranks: a pipeline's last stage) calls it at the same point."""
     from fsdpfn.transforms._guards import capturing
     from fsdpfn.transforms._verify import _intercept
 
@@ -135,7 +137,7 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     mine = {"pos": [dp_rank(plan), cp_rank(plan)], "loss": float(loss.detach()) if loss is not None else None, "problem": problem,
             "rows": batch.rows,
             "size": sum(o.numel() for o in outs if isinstance(o, torch.Tensor))}
-    table = C.exchange_values(f"verify loss {plan.fingerprint}", mine, None)
+    table = C.exchange_values(f"verify loss {plan.fingerprint}", mine, group)
     stopped = sorted({v["problem"] for v in table.values() if v["problem"]})
     if stopped:
         return note(f"loss check skipped: {stopped[0]}")
@@ -162,12 +164,12 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
 
             t = context_parallel_unshard(t.detach(), batch.cp_group)
         padded = torch.cat([t, t.new_zeros((most - t.shape[0], *t.shape[1:]))]) if t.shape[0] < most else t
-        stacked = _world_rows(padded.detach())
+        stacked = _world_rows(padded.detach(), group)
         return torch.cat([stacked[by_dp[d]][: dp_rows[k]] for k, d in enumerate(sorted(by_dp))])
 
     def combined(t):
         """An output without batch rows: the ranks' mean (or sum), as the step's reduction makes it."""
-        stacked = _world_rows(t.detach())
+        stacked = _world_rows(t.detach(), group)
         picked = torch.stack([stacked[i] for i in by_pos.values()])
         return picked.mean(0) if mean else picked.sum(0)
 
