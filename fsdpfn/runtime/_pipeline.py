@@ -165,10 +165,13 @@ class PipelineRuntime:
         takes its part of every sequence of the batch (:func:`fsdpfn.context_parallel_shard`,
         inputs and targets alike), and the stages run inside ``fsdpfn.context_parallel``: the
         loss is the mean over this rank's tokens, the gradients averaged over dp x cp.
-      verify: on the first step, check each stage against the same code unsharded, on its
-        first micro-batch (:func:`fsdpfn.verify`'s check, over the stage's ranks): a stage whose
-        tensor-, expert- or context-parallel layout its code does not compute as planned raises
-        :class:`fsdpfn.VerificationError` on the stage's ranks. :attr:`verified` holds the reports.
+      verify: on the first step, before it, check each stage against the same code unsharded,
+        on its first micro-batch, stage after stage (:func:`fsdpfn.verify`'s check, over the
+        stage's ranks), then ``loss_fn`` against the loss of every rank's rows (see [Note:
+        checking a pipeline's stages]): a stage whose tensor-, expert- or context-parallel layout
+        its code does not compute as planned, or a loss that is not the mean over the batch,
+        raises :class:`fsdpfn.VerificationError` on every rank. :attr:`verified` holds the
+        reports, by stage.
       profile: record each step's :class:`PipelineProfile` in :attr:`last_profile`: when each
         op ran, and the activation bytes each micro-batch's forward kept for its backward (a
         saved-tensor hook per forward, which costs a little time).
