@@ -119,7 +119,7 @@ _HEADLINES = [  # (the README's bold figure, the row of docs/benchmarks.md's tab
     ("0.91x", "step time, fsdpfn runtime / torch FSDP2, zero3 fp32"),
     ("0.70x", "Muon optimizer step, fsdpfn / `torch.optim.Muon` on FSDP2"),
     ("0.085x", "training stall per save, `async_save` / `save`"),
-    ("0 / 0", "mistakes on tp, ep, remat, Muon and compile"),
+    ("0 / 0", "mistakes on tp, ep, cp, pp, remat, Muon and compile"),
     ("50 of 52", "simulator, predicted / published throughput"),
 ]
 
