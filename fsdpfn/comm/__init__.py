@@ -46,6 +46,7 @@ from fsdpfn.comm._groups import init_process_group as init_process_group
 from fsdpfn.comm._groups import is_initialized as is_initialized
 from fsdpfn.comm._groups import mesh_subgroup as mesh_subgroup
 from fsdpfn.comm._groups import rank as rank
+from fsdpfn.comm._groups import ranks_group as ranks_group
 from fsdpfn.comm._groups import set_timeout as set_timeout
 from fsdpfn.comm._groups import thread_group as thread_group
 from fsdpfn.comm._groups import timeout as timeout
@@ -121,6 +122,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "rank",
+    "ranks_group",
     "reduce_scatter",
     "reduce_scatter_impl",
     "send_recv",

@@ -166,6 +166,28 @@ def mesh_subgroup(mesh, dims: tuple[int, ...]):
     return mine
 
 
+_RANK_GROUPS: dict[tuple, Any] = {}  # (world group, ranks) -> the group of those ranks
+
+
+def ranks_group(ranks):
+    """The process group of exactly ``ranks`` (global ranks), made by those ranks alone
+    (``use_local_synchronization``: the others need not call) and kept: made again under the
+    same ranks, a group would rendezvous under the same name as the first. ``None`` (the default
+    group) when ``ranks`` are every rank.
+
+    Example:
+      >>> fsdpfn.comm.ranks_group([0]) is None   # one process: the whole world
+      True
+    """
+    ranks = tuple(sorted(int(r) for r in ranks))
+    if not dist.is_initialized() or len(ranks) == dist.get_world_size():
+        return None
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _RANK_GROUPS:
+        _RANK_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _RANK_GROUPS[key]
+
+
 def thread_group():
     """A new gloo process group of every rank, for the collectives of one background thread
     (gloo pairs a group's collectives by their order on each rank, so two threads of a process

@@ -58,15 +58,13 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, forward_only, pipeline_schedule, validate_pipeline
 from fsdpfn._plan.schedule import Op
 from fsdpfn._plan.schedule import schedule as default_schedule
-from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send, uncounted
+from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send, ranks_group, uncounted
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.transforms import (CHECKED_STEPS, VerifyReport, apply_tp, check_batch, check_params, context_parallel,
                                context_parallel_shard, verify_stage, verify_stage_loss)
 
 __all__ = ["PipelineProfile", "PipelineRuntime"]
-
-_STAGE_GROUPS: dict[tuple, Any] = {}  # (world group, a stage's ranks) -> its process group
 
 # An activation's header: ndim, dtype code, then the dims (padded with -1).
 _HEADER = 10
@@ -431,7 +429,8 @@ class PipelineRuntime:
                     if s == ps.num_stages - 1:
                         self._check_loss(self.loss_fn(out, self._ys[0]))
                         # The loss over the last stage's ranks (see [Note: the loss check]).
-                        verify_stage_loss(sp, self.loss_fn, out, self._ys[0], self.verified[s], self._stage_group(sp))
+                        verify_stage_loss(sp, self.loss_fn, out, self._ys[0], self.verified[s],
+                                          ranks_group(sp.mesh.mesh.flatten().tolist()))
                 except (VerificationError, ValueError) as e:
                     error, problem = e, f"{'V' if isinstance(e, VerificationError) else 'E'}{e}"
             found = C.exchange_problems(f"pipeline verify stage {s}", problem, world)
@@ -442,6 +441,7 @@ class PipelineRuntime:
                     raise VerificationError(message, getattr(error, "comparison", None)) from error
                 raise ValueError(message) from error
             if here and s < ps.num_stages - 1:
+                assert out is not None  # a stage that raised was named above
                 if ps.rank_of(s + 1) == self.pp_rank:
                     held = out
                 else:
@@ -449,18 +449,6 @@ class PipelineRuntime:
                     sends.append(pp_send(out, ps.rank_of(s + 1), self.group, tag="verify_act"))
         for pending in sends:
             pending.wait()
-
-    def _stage_group(self, sp: Plan):
-        """A process group of ``sp``'s ranks (a stage's mesh, all its dims), made by them alone."""
-        ranks = tuple(sorted(int(r) for r in sp.mesh.mesh.flatten().tolist()))
-        if torch.distributed.get_world_size() == len(ranks):
-            return None  # the whole world
-        # One per set of ranks and process group: a group made again under the same ranks would
-        # rendezvous under the same name as the first.
-        key = (id(torch.distributed.group.WORLD), ranks)
-        if key not in _STAGE_GROUPS:
-            _STAGE_GROUPS[key] = torch.distributed.new_group(list(ranks), use_local_synchronization=True)
-        return _STAGE_GROUPS[key]
 
     def _walk(self, ps: PipelineSchedule, run, clock, begin: float, timeline: list) -> None:
         """This rank's ops, in order."""

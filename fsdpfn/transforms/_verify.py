@@ -65,6 +65,7 @@ from fsdpfn._tree import flatten, unflatten
 from fsdpfn.transforms._axes import _group, axis_index, cp_group, dp_rank
 from fsdpfn.transforms._gather import check_params, gather_unit
 from fsdpfn.transforms._guards import Captured, capturing
+from fsdpfn.transforms._intercept import intercept as _intercept
 from fsdpfn.transforms._tp import reference_mode
 
 __all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_stage", "verify_stage_loss", "verify_step"]
@@ -222,36 +223,6 @@ def _outer_units(plan: Plan, modules: Mapping[str, nn.Module]) -> list[Unit]:
 
 def _members(plan: Plan, outer: Unit) -> list[Unit]:
     return [u for u in plan.units if u.name == outer.name or u.name.startswith(outer.name + ".")]
-
-
-@contextlib.contextmanager
-def _intercept(modules: Mapping[str, nn.Module], calls: Callable[[str, nn.Module, Callable, tuple, dict], Any]) -> Iterator[None]:
-    """Routes each named module's calls through ``calls(name, module, original_forward, args, kwargs)``."""
-    installed = []
-    for name, module in modules.items():
-        # An instance's own forward (a patched method, a remat wrapper that steps aside while the
-        # check runs) is what its calls run.
-        original = module.__dict__.get("forward") or type(module).forward.__get__(module)
-        busy = [False]
-
-        def forward(*args, _name=name, _module=module, _orig=original, _busy=busy, **kwargs):
-            if _busy[0]:
-                return _orig(*args, **kwargs)
-            _busy[0] = True
-            try:
-                return calls(_name, _module, _orig, args, kwargs)
-            finally:
-                _busy[0] = False
-
-        installed.append((module, module.__dict__.get("forward")))
-        module.forward = forward
-    try:
-        yield
-    finally:
-        for module, previous in installed:
-            del module.forward
-            if previous is not None:
-                module.forward = previous
 
 
 def _run(module: nn.Module, weights: Mapping[str, torch.Tensor], prefix: str, args, kwargs):

@@ -43,7 +43,7 @@ skipped and the report says so.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 
@@ -97,7 +97,7 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     the check was skipped. Every rank of the mesh (of ``group``, the process group of the plan's
     ranks: a pipeline's last stage) calls it at the same point."""
     from fsdpfn.transforms._guards import capturing
-    from fsdpfn.transforms._verify import _intercept
+    from fsdpfn.transforms._intercept import intercept as _intercept
 
     plan, model = cap.plan, cap.model
     first = next((a for a in flatten((list(cap.args), cap.kwargs))[0] if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
@@ -126,8 +126,8 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     elif loss is None:
         problem = "the loss function returned no scalar float loss"
     outs, out_spec = calls[0] if calls else ([], None)
-    grads = [None] * len(outs)
-    if problem is None:
+    grads: list[torch.Tensor | None] = [None] * len(outs)
+    if problem is None and loss is not None:
         wrt = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
         found = iter(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else [])
         grads = [next(found) if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outs]
@@ -137,7 +137,7 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     mine = {"pos": [dp_rank(plan), cp_rank(plan)], "loss": float(loss.detach()) if loss is not None else None, "problem": problem,
             "rows": batch.rows,
             "size": sum(o.numel() for o in outs if isinstance(o, torch.Tensor))}
-    table = C.exchange_values(f"verify loss {plan.fingerprint}", mine, group)
+    table = cast("dict[int, dict[str, Any]]", C.exchange_values(f"verify loss {plan.fingerprint}", mine, group))
     stopped = sorted({v["problem"] for v in table.values() if v["problem"]})
     if stopped:
         return note(f"loss check skipped: {stopped[0]}")
