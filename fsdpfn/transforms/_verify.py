@@ -738,11 +738,17 @@ def _loss_check(loss_fn, params, args, kwargs, cap, report: VerifyReport, group=
             detail = "" if step.dim() == 0 or step.shape != one.shape else f"; {_worst(step, one)}"
             problem.append((describe_mismatch(cap.plan, cap.grad_op, what, *values, err, bound) + detail, c))
 
+    from fsdpfn.transforms._guards import _STEPS
+
     with C.uncounted():
         try:
             check_loss(loss_fn, params, args, kwargs, cap, compare, report.notes.append, group)
         except Exception as e:  # named on every rank, like the unit check's failures
             problem.append((f"the loss check raised {_raised(e)}", None))
+        finally:
+            # The loss function's unshard noted a step that its (replaced) model never ran: no
+            # later forward may take it for its own (nor a compiled one guard on it).
+            _STEPS.pop(cap.plan.fingerprint, None)
     found = C.exchange_problems(f"verify loss {cap.plan.fingerprint}", problem[0][0] if problem else None, group)
     if found:
         first = min(found)

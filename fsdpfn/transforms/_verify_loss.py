@@ -104,6 +104,9 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     if first is None:
         return note("the model's inputs have no batch tensor")
     batch = _Batch(plan, first.shape[0], first.shape[1] if first.dim() >= 2 else None)
+    if not any(batch.rowed(a) for a in flatten((list(args), kwargs))[0]):
+        # The loss function closes over its batch: the whole batch cannot be handed to it.
+        return note("loss check skipped: no argument of the loss function holds the batch's rows")
     detached = {n: t.detach() for n, t in params.items()}
 
     # ---- 1. this rank's loss and its gradient for the model's outputs --------------------------
@@ -193,9 +196,13 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     def replaced(name, module, orig, a, kw):
         return unflatten(out_spec, whole_outs)
 
-    with capturing() as guard, _intercept({"": model}, replaced), torch.enable_grad():
-        guard.inert = True
-        ref = _scalar(loss_fn(detached, *whole_args[0], **whole_args[1]))
+    try:
+        with capturing() as guard, _intercept({"": model}, replaced), torch.enable_grad():
+            guard.inert = True
+            ref = _scalar(loss_fn(detached, *whole_args[0], **whole_args[1]))
+    except Exception as e:  # noqa: BLE001 - e.g. targets the loss function closes over: rows of this rank only
+        return note(f"loss check skipped: the loss function did not run on the whole batch ({type(e).__name__}: "
+                    f"{str(e)[:200]}); are all its batch tensors among its arguments?")
     if ref is None:
         return note("loss check skipped: the loss function returned no scalar loss on the whole batch")
     wrt = [o for o in whole_outs if isinstance(o, torch.Tensor) and o.requires_grad]
