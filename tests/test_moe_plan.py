@@ -5,13 +5,14 @@ data-parallel axis, dense parameters sharded over ``ep`` x ``edp``, on 4 gloo ra
 Reference: one process holds the whole model and every rank's batch; its loss is the mean of
 the per-rank losses, which is what averaging the ranks' gradients computes.
 
-Tolerance: 10 steps of training within 1e-6 (relative, per parameter) of one process. Each step
+Tolerance: PARITY_STEPS steps of training (see [Note: how many steps a parity test runs] in
+tests/_parity.py) within 1e-6 (relative, per parameter) of one process. Each step
 computes the same products; what differs is which rows share a GEMM call and the order in which
 sums are taken (an expert's gradient sums its rows by source rank, then over edp; a dense
 gradient is reduce-scattered over 4 ranks instead of summed in one). Each is a reassociation of
 fp32 sums of at most a few hundred terms of size ~1: ~1e-7 relative per step; AdamW divides by
-sqrt(v) ~ |g|, so an update's relative error is the gradient's, and after 10 steps of lr 1e-2
-the parameters differ by ~1e-8 relative. Muon (fp32 Newton-Schulz) maps equal inputs to equal
+sqrt(v) ~ |g|, so an update's relative error is the gradient's, and after n steps of lr 1e-2
+the parameters differ by ~n x 1e-9 relative. Muon (fp32 Newton-Schulz) maps equal inputs to equal
 bits and near inputs to near outputs for well-conditioned matrices; the router, whose gradient
 has an exact null direction, trains with AdamW (see _opt). Clipping scales every gradient by the
 global norm, which is a sum of squares over ranks: ~1e-7 relative as well. The router sees the same inputs to ~1e-7, so no token
@@ -28,11 +29,12 @@ from torch import nn
 import fsdpfn
 from fsdpfn import optim, testing
 from fsdpfn.models import MoE, MoEConfig
+from _parity import PARITY_STEPS
 from _refusals import refusals
 
 CFG = MoEConfig(width=8, hidden=12, experts=4, top_k=2, aux_weight=0.1)
 TOKENS = 16
-STEPS = 10
+STEPS = PARITY_STEPS
 
 
 class Block(nn.Module):

@@ -33,6 +33,8 @@ from fsdpfn import testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import Runtime
 
+from _parity import PARITY_STEPS
+
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=2, heads=4, bias=False)  # 29 rows: uneven over dp
 PER_RANK = 2
 
@@ -119,17 +121,17 @@ RUNTIME_8 = [("zero2", "func", 0), ("zero2", "eager", 2), ("zero3", "func", 2), 
 
 
 @pytest.mark.parametrize("configs", [PURE, RUNTIME], ids=["pure", "runtime"])
-def test_dp2_tp2_adamw_10_steps_match_one_process(run_on_ranks, configs):
+def test_dp2_tp2_adamw_steps_match_one_process(run_on_ranks, configs):
     """(dp=2, tp=2) on 4 ranks; tolerance: see [Note: the tolerance of the TP parity tests]."""
-    for worst in run_on_ranks(_tp_train, 4, (2, 2), ("dp", "tp"), configs, 10, "adamw"):
+    for worst in run_on_ranks(_tp_train, 4, (2, 2), ("dp", "tp"), configs, PARITY_STEPS, "adamw"):
         assert len(worst) == len(configs)
         assert max(worst) < 1e-6, dict(zip(configs, worst))
 
 
 @pytest.mark.parametrize("configs", [PURE, RUNTIME_8], ids=["pure", "runtime"])
-def test_hsdp_2x2_tp2_adamw_10_steps_match_one_process(run_on_ranks, configs):
+def test_hsdp_2x2_tp2_adamw_steps_match_one_process(run_on_ranks, configs):
     """(replicate=2, shard=2, tp=2) on 8 ranks."""
-    for worst in run_on_ranks(_tp_train, 8, (2, 2, 2), ("replicate", "shard", "tp"), configs, 10, "adamw"):
+    for worst in run_on_ranks(_tp_train, 8, (2, 2, 2), ("replicate", "shard", "tp"), configs, PARITY_STEPS, "adamw"):
         assert max(worst) < 1e-6, dict(zip(configs, worst))
 
 
