@@ -126,7 +126,8 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
 
 def test_a_second_job_cannot_write_into_a_running_jobs_directory(tmp_path):
     out = tmp_path / "busy"
-    first = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--steps", "400", "--out", str(out)],
+    # The first job sleeps between its steps: it only has to hold the lock, not to compete for the CPU.
+    first = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--steps", "400", "--step-delay", "5", "--out", str(out)],
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
