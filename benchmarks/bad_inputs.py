@@ -575,7 +575,7 @@ def experts_without_w2(rank, world):
     return answer[1]
 
 
-def _cp_pure(sdpa_blocks=(), outside=False, ignored=False, global_rank_batch=False) -> float:
+def _cp_pure(sdpa_blocks=(), outside=False, ignored=False, global_rank_batch=False, one_dim=False) -> float:
     """``Net`` under cp (dp 1 x cp 2, or dp 2 x cp 2 on 4 ranks): the pure loop with its
     verify_step line, then a step, against one process on the whole batch."""
     import test_verify as tv
@@ -583,7 +583,8 @@ def _cp_pure(sdpa_blocks=(), outside=False, ignored=False, global_rank_batch=Fal
     world = torch.distributed.get_world_size()
     torch.manual_seed(0)
     model = tv.Net("heads", "unbind", "module", sdpa_blocks)
-    plan = fsdpfn.plan(model, testing.mesh((world // 2, 2), ("dp", "cp")))
+    mesh = testing.mesh((world,), ("cp",)) if one_dim else testing.mesh((world // 2, 2), ("dp", "cp"))
+    plan = fsdpfn.plan(model, mesh)
     params = fsdpfn.shard(model, plan)
     tokens = torch.randint(0, tv.VOCAB, (4, tv.SEQ + 1), generator=torch.Generator().manual_seed(7))
     x, y = tokens[:, :-1], tokens[:, 1:].clone()
@@ -623,6 +624,10 @@ def cp_ignore_index_uneven(rank, world):
 
 def dp_cp_batch_by_global_rank(rank, world):
     return _cp_pure(global_rank_batch=True)
+
+
+def cp_on_a_1d_mesh(rank, world):
+    return _cp_pure(one_dim=True)
 
 
 def cp_attention_with_a_mask(rank, world):
@@ -820,6 +825,8 @@ CASES: list[Case] = [
          "the loss the step trains differs", "grad_op='sum'", f"{_V}::test_a_mean_over_each_ranks_counted_tokens_is_named"),
     Case("dp_cp_batch_by_global_rank", "V. dp 2 x cp 2: the batch indexed by the global rank", dp_cp_batch_by_global_rank,
          "context-parallel peers", "dp_rank(plan)", f"{_V}::test_cp_peers_that_cut_different_batches_are_named", world=4),
+    Case("cp_on_a_1d_mesh", "V. cp on a 1-D mesh named ('cp',)", cp_on_a_1d_mesh,
+         "1-D mesh named 'cp'", "mesh_dim_names=('dp', 'cp')", "tests/test_mesh.py::test_a_1d_mesh_of_another_parallelism_is_refused_with_the_mesh_to_build"),
     Case("cp_attention_with_a_mask", "V. context_parallel_attention(q, k, v, mask)", cp_attention_with_a_mask,
          "attn_mask", "", f"{_V}::test_a_mask_given_to_cp_attention_is_named"),
     Case("pp_dp_unequal_rows", "V. pp 2 x dp 2 with batches of 8 and 4 rows", pp_dp_unequal_rows,

@@ -267,7 +267,7 @@ def test_a_parameter_its_layer_does_not_declare_is_refused():
 
 @pytest.mark.parametrize("shape,axes", [({"ep": 4}, None), ({"experts": 4}, {"experts": "ep"})], ids=["named", "axes"])
 def test_a_1d_ep_mesh_is_refused_with_the_2d_mesh_to_build(shape, axes):
-    with pytest.raises(ValueError, match=r"1-D mesh named '(ep|experts)' of 4 ranks.*\(4, 1\), mesh_dim_names=\('ep', 'edp'\)"):
+    with pytest.raises(ValueError, match=r"1-D mesh named '(ep|experts)' of 4 ranks.*\(4, 1\), mesh_dim_names=\('(ep|experts)', 'edp'\)"):
         fsdpfn.MeshAxes.from_shape(shape, axes)
     assert fsdpfn.MeshAxes.from_shape({"ep": 4, "edp": 1}).ep_size == 4  # the fix
     assert fsdpfn.MeshAxes.from_names((4,), ("data",)).roles == (fsdpfn.Role.SHARD,)  # other names: still the shard axis

@@ -4,6 +4,7 @@ formats, and bad tensor-parallel input refused by name on every rank before any 
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -156,3 +157,28 @@ def test_bad_tp_input_is_named_on_every_rank_before_any_collective(run_on_ranks)
         assert "has no tensor-parallel axis" in out["no_tp_axis"]
         assert "mesh axis 'data' has no role" in out["no_role"]
         assert "'blocks.0.proj.weight' is split by columns over tp=2: its local width 48 is not a multiple" in out["fp8_width"], out["fp8_width"]
+
+
+# ---- a 1-D mesh named for another parallelism ------------------------------------------------
+
+
+@pytest.mark.parametrize("name,role,mesh", [
+    ("cp", None, "(1, 4), mesh_dim_names=('dp', 'cp')"),
+    ("tp", None, "(1, 4), mesh_dim_names=('dp', 'tp')"),
+    ("ep", None, "(4, 1), mesh_dim_names=('ep', 'edp')"),
+    ("pp", None, "(4, 1), mesh_dim_names=('pp', 'dp')"),
+    ("seq", "cp", "(1, 4), mesh_dim_names=('dp', 'seq')"),  # the role given by axes, not the name
+])
+def test_a_1d_mesh_of_another_parallelism_is_refused_with_the_mesh_to_build(name, role, mesh):
+    # It used to shard plainly over the 4 ranks (a "cp" mesh: cp = 1, every rank reading whole
+    # sequences), with no word to the user who asked for another parallelism.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=rf"1-D mesh named '{name}' of 4 ranks .*{re.escape(mesh)}.*name the axis 'dp'"):
+        fsdpfn.plan(model, {name: 4}, axes={name: role} if role else None)
+
+
+@pytest.mark.parametrize("name", ["dp", "shard", "replicate", "batch"])
+def test_a_1d_data_parallel_mesh_shards_over_every_rank(name):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    plan = fsdpfn.plan(model, {name: 4}, axes={"batch": "shard"} if name == "batch" else None)
+    assert plan.dp_size == 4

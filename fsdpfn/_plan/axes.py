@@ -39,8 +39,8 @@ role               what the axis does
 Conventional names map to roles by themselves (``shard``, ``dp_shard``, ``dp``, ``fsdp``,
 ``edp``, ``efsdp`` -> ``shard``; ``replicate``, ``dp_replicate``, ``ddp`` -> ``replicate``; ``tp`` -> ``tp``; ``ep``
 -> ``ep``; ``cp`` -> ``cp``; ``pp`` -> ``pp``); any other name needs ``axes={name: role}``. A 1-D mesh is the shard axis whatever
-its name, except ``ep`` and ``pp`` (refused, see below), and a 2-D mesh named ``("replicate", "shard")`` is
-HSDP, as they always were.
+its name, except a name (or ``axes`` role) of tp, ep, cp or pp (refused, see below), and a 2-D mesh named
+``("replicate", "shard")`` is HSDP, as they always were.
 
 [Note: a 1-D ep mesh]
 A 1-D mesh named ``"ep"`` used to be plain sharding, so the experts were sharded like any weight
@@ -49,6 +49,14 @@ rather than made an ep plan because an ep plan gathers each layer's experts over
 axis beside ``ep``, a mesh dim (and process group) the 1-D mesh does not have; making one
 behind the user's back would create process groups collectively at an unexpected point. The
 ``(ep, 1)`` mesh named ``("ep", "edp")`` is the same computation and costs nothing.
+
+[Note: a 1-D mesh of another parallelism]
+The same holds for every role that is not data parallelism: a 1-D mesh named ``"cp"`` was
+sharding over 4 ranks with cp = 1 (each rank reading whole sequences), one named ``"tp"`` plain
+sharding with no layer split, each without a word. One rule refuses them all, the role read from
+the name or from ``axes``, and the message builds the 2-D mesh that says the same with its
+data-parallel partner of size 1. ``replicate`` stays a 1-D data-parallel mesh: the plan's
+strategy says whether parameters are replicated or sharded over it.
 
 Everything else (groups, sizes, the data-parallel world, DTensor placements) is derived here from
 the roles, never from how many dims the mesh has. The module imports nothing from fsdpfn.
@@ -93,6 +101,28 @@ DEFAULT_ROLES: Mapping[str, Role] = {
     "replicate": Role.REPLICATE, "dp_replicate": Role.REPLICATE, "ddp": Role.REPLICATE,
     "tp": Role.TP, "ep": Role.EP, "cp": Role.CP, "pp": Role.PP,
 }
+
+
+# [Note: a 1-D mesh of another parallelism]: the data-parallel axis each role needs beside it,
+# and which of the two comes first in the mesh that says the same with it (size 1).
+_PARTNER: Mapping[Role, tuple[str, bool]] = {
+    Role.EP: ("edp", False), Role.PP: ("dp", False), Role.TP: ("dp", True), Role.CP: ("dp", True),
+}
+_NEEDS = {
+    Role.EP: "expert parallelism gathers each layer's experts over an expert data-parallel axis beside it",
+    Role.PP: "pipeline parallelism needs a data-parallel axis beside it",
+    Role.TP: "tensor parallelism splits layers over it, beside a data-parallel axis",
+    Role.CP: "context parallelism splits sequences over it, beside a data-parallel axis",
+}
+
+
+def _one_dim_message(name: str, n: int, role: Role) -> str:
+    partner, first = _PARTNER[role]
+    shape, dims = ((1, n), (partner, name)) if first else ((n, 1), (name, partner))
+    article = "an" if role is Role.EP else "a"
+    return (f"a 1-D mesh named {name!r} of {n} ranks is {article} {role.value} axis with nothing beside it: {_NEEDS[role]} "
+            f"(size 1 is fine). Build init_device_mesh('cpu', {shape}, mesh_dim_names={dims}) (or 'cuda'); "
+            "for plain sharding over every rank, name the axis 'dp'")
 
 
 def _as_role(value: Any, where: str) -> Role:
@@ -193,21 +223,10 @@ class MeshAxes:
         for key in axes:
             if key not in names:
                 raise ValueError(f"axes={axes!r} names {key!r}, which is not a mesh dim; the mesh's dims are {names}")
-        if len(shape) == 1 and _as_role(axes.get(names[0], DEFAULT_ROLES.get(names[0], Role.SHARD)), f"axes[{names[0]!r}]") is Role.EP:
-            # Expert units are gathered over a shard axis the mesh would not have: say how to add it
-            # rather than shard plainly and leave the experts undispatched (see [Note: a 1-D ep mesh]).
-            raise ValueError(
-                f"a 1-D mesh named {names[0]!r} of {shape[0]} ranks: expert parallelism needs a second, expert data-parallel "
-                f"axis beside it (size 1 is fine). Build init_device_mesh('cpu', ({shape[0]}, 1), mesh_dim_names=('ep', 'edp')) "
-                "(or 'cuda'); for plain sharding over every rank, name the axis 'dp'"
-            )
-        if len(shape) == 1 and _as_role(axes.get(names[0], DEFAULT_ROLES.get(names[0], Role.SHARD)), f"axes[{names[0]!r}]") is Role.PP:
-            # Sharding over it instead would give the user who asked for stages none, silently.
-            raise ValueError(
-                f"a 1-D mesh named {names[0]!r} of {shape[0]} ranks: pipeline parallelism needs a data-parallel axis beside "
-                f"it (size 1 is fine). Build init_device_mesh('cpu', ({shape[0]}, 1), mesh_dim_names=('pp', 'dp')) "
-                "(or 'cuda'); for plain sharding over every rank, name the axis 'dp'"
-            )
+        if len(shape) == 1:
+            role = _as_role(axes.get(names[0], DEFAULT_ROLES.get(names[0], Role.SHARD)), f"axes[{names[0]!r}]")
+            if role in _PARTNER:  # see [Note: a 1-D mesh of another parallelism]
+                raise ValueError(_one_dim_message(names[0], shape[0], role))
         if len(shape) == 1 and names[0] not in axes and DEFAULT_ROLES.get(names[0]) is not Role.SHARD:
             # A 1-D mesh has always meant plain sharding over it, whatever it is called.
             return cls(shape, names, (Role.SHARD,))

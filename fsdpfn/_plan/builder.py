@@ -247,8 +247,9 @@ def plan(
       model: the module to shard. Only its parameters' names, shapes and dtypes are read.
       mesh: a ``DeviceMesh`` whose dims are named axes with roles (see :class:`fsdpfn.Role`):
         ``shard`` (data parallel, sharded), ``replicate`` (data parallel, replicated) and
-        ``tp`` (tensor parallel). 1-D: shard over it, whatever its name but ``"ep"`` (refused:
-        expert parallelism needs an ``edp`` axis beside it, size 1 is fine). It must span
+        ``tp`` (tensor parallel). 1-D: shard over it, whatever its name but ``"tp"``, ``"ep"``,
+        ``"cp"`` and ``"pp"`` (refused: each needs a data-parallel axis beside it, size 1 is
+        fine, and the error builds that mesh). It must span
         every process of the job (its size is the world size). 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
         ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
