@@ -1,6 +1,8 @@
 """The pure GPipe path: ``torch.func.grad`` of a loss pipelined over 2 gloo ranks, each rank
 holding one stage (sharded with its stage's plan), equals one process's gradients."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +91,37 @@ def test_pure_gpipe_grad_equals_one_process(run_on_ranks):
     assert out[0][1] == 0.0 and out[1][1] == pytest.approx(out[1][2], rel=1e-6)  # the last stage holds the loss
     for _, _, _, errs in out:
         assert max(errs.values()) < 1e-6, errs
+
+
+def _empty_buffer(rank, world):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = testing.mesh((2, 1), ("pp", "dp"))
+    plan = fsdpfn.plan(model, mesh, units=UNITS)
+    stage = plan.stage_plan(rank)
+    params = fsdpfn.shard({n: p for n, p in model.named_parameters() if n in stage.param_names}, stage)
+    group = mesh.get_group("pp")
+    xs, ys = _data()
+
+    def pipelined_loss(ps):
+        full = fsdpfn.unshard(ps, stage)
+        if rank == 0:
+            return fsdpfn.comm.pp_send_recv(_stage0(model, full, xs[0]), (0,), group).sum()
+        h = fsdpfn.comm.pp_send_recv(torch.empty(0), (BATCH, CFG.seq_len, CFG.width), group)  # outside the graph
+        return F.cross_entropy(_stage1(model, full, h).flatten(0, 1), ys[0].flatten())
+
+    start = time.monotonic()
+    try:
+        with fsdpfn.comm.timeout_scope(60):
+            torch.func.grad(pipelined_loss)(params)
+    except Exception as e:  # noqa: BLE001 - what each rank is told, and how soon
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+def test_an_empty_buffer_outside_the_graph_is_named_on_every_rank_not_waited_for():
+    # Rank 1 would never run the backward hop: rank 0 used to wait in it until the timeout.
+    out = testing.run_on_ranks(_empty_buffer, 2, timeout=120)
+    for kind, message, seconds in out:  # the sender is told the same, at once, not left waiting
+        assert kind == "ValueError" and "on rank 1" in message and "torch.empty(0)" in message, (kind, message)
+        assert "reshape(-1)[:0]" in message and seconds < 30, (message, seconds)

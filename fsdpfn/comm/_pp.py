@@ -8,7 +8,10 @@ of [Note: TP collectives under torch.func] in ``fsdpfn/comm/_tp.py``)::
     backward: the same hop with -shift (its transpose): the gradient of what a rank received
               goes back to the rank that sent it, and arrives as the gradient of its x
 
-A rank that sends nothing passes an empty ``x``, one that receives nothing ``shape=(0,)``:
+A rank that sends nothing passes a zero-element ``x`` that is in its autograd graph (a view
+of one of its parameters: ``p.reshape(-1)[:0]``; a plain ``torch.empty(0)`` is refused while
+gradients are computed, since that rank would never run the backward hop its peer waits in),
+one that receives nothing ``shape=(0,)``:
 a stage passing its activation to the next is then one hop in which only two ranks move data,
 and its backward carries the activation's gradient the other way. Every rank of the group calls
 it, in the same order, as with every collective.
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpfn.comm import _groups
+from fsdpfn.comm._agree import exchange_problems
 from fsdpfn.comm._collectives import Pending, _failure, _wire_view, send_recv
 from fsdpfn.comm._record import record
 
@@ -70,7 +74,8 @@ def pp_send_recv(x: torch.Tensor, shape, group=None, *, shift: int = 1, tag: str
     as a tensor of ``shape`` (``(0,)``: nothing); backward sends the gradient back (``-shift``).
 
     Args:
-      x: what this rank sends (an empty tensor: nothing), with the dtype of what it receives.
+      x: what this rank sends (a zero-element view of a parameter: nothing), with the dtype of
+        what it receives; while gradients are computed it must be in the autograd graph.
       shape: the shape of what this rank receives.
       group: the pipeline group (``None``: the default group).
       shift: ranks ahead the data goes (``-1``: to the previous stage).
@@ -83,6 +88,21 @@ def pp_send_recv(x: torch.Tensor, shape, group=None, *, shift: int = 1, tag: str
       [2.0, 2.0, 2.0]
     """
     shape = tuple(int(d) for d in shape)
+    problem = None
+    if torch.is_grad_enabled() and not x.requires_grad:
+        # Its backward is a hop every rank of the group enters: a rank whose x is outside the
+        # graph would never run it, and the rank that sent to it would wait there until the
+        # timeout (a plain torch.empty(0) from a receiving rank is the usual way in).
+        problem = (f"pp_send_recv(x) on rank {_groups.rank()}: x ({'empty' if x.numel() == 0 else tuple(x.shape)}) is not "
+                   "in the autograd graph while gradients are computed, so that rank would never run the backward hop "
+                   "its peer waits in. A rank that sends nothing passes a zero-element view of one of its parameters, "
+                   "e.g. next(iter(full.values())).reshape(-1)[:0], not torch.empty(0); for a forward without "
+                   "gradients, run it under torch.no_grad()")
+    # Every rank learns of it, through the store (see [Note: agreeing through the store]), before
+    # the hop: the others would otherwise wait in it for the rank that raised.
+    found = exchange_problems(f"pp_send_recv {tag}", problem, group)
+    if found:
+        raise ValueError(found[min(found)])
     return _Hop.apply(x, shape, shift, group, tag)
 
 
