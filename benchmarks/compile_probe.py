@@ -41,10 +41,10 @@ def _census(fn, *args):
     return ex.graph_count, ex.graph_break_count, time.perf_counter() - t, sorted(reasons.items(), key=lambda kv: -kv[1])
 
 
-def _rank(rank, world, strategy, prefetch):
+def _rank(rank, world, strategy, prefetch, depth=2):
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, width=32, depth=2))
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, width=32, depth=depth))
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
     plan = fsdpfn.plan(model, mesh, strategy=strategy)
     params = fsdpfn.shard(model, plan, requires_grad=True)
@@ -85,8 +85,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategy", default="zero3")
     ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=2, help="blocks of the GPT traced (default 2)")
     args = ap.parse_args()
-    result = launch(_rank, 2, args.strategy, args.prefetch)[0]
+    result = launch(_rank, 2, args.strategy, args.prefetch, args.depth)[0]
     print(f"torch {torch.__version__}, 2 gloo ranks, {args.strategy}, prefetch {args.prefetch}")
     for name, (graphs, breaks, secs, reasons) in result.items():
         print(f"\n{name}: {graphs} graph(s), {breaks} break(s)  [explain {secs:.1f} s]")

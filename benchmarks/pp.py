@@ -78,7 +78,7 @@ MEASURE_CFG = dict(vocab_size=64, seq_len=128, width=256, depth=4, heads=4)
 MEASURE_UNITS = ["embed", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
 
 
-def _measure(rank, world, name, micro, per_micro, steps):
+def _measure(rank, world, name, micro, per_micro, steps, measure_cfg=MEASURE_CFG):
     """One pp rank: ``steps`` profiled steps of ``name`` (the first one a warm-up, dropped)."""
     from fsdpfn import testing
     from fsdpfn.models import GPT, GPTConfig
@@ -86,7 +86,7 @@ def _measure(rank, world, name, micro, per_micro, steps):
 
     torch.set_num_threads(1)  # two ranks on two cores
     torch.manual_seed(0)
-    cfg = GPTConfig(**MEASURE_CFG)
+    cfg = GPTConfig(**measure_cfg)
     model = GPT(cfg)
     plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=MEASURE_UNITS,
                        stages=4 if name == "interleaved_1f1b" else 2)
@@ -105,18 +105,21 @@ def _stage_of(op: str) -> int:
     return int(op.split()[1][1:])
 
 
-def measured(micro: int = 8, per_micro: int = 2, steps: int = 4) -> list[float]:
+def measured(micro: int = 8, per_micro: int = 2, steps: int = 4, width: int = MEASURE_CFG["width"],
+             seq_len: int = MEASURE_CFG["seq_len"]) -> list[float]:
     """Part 2: measured bubbles and peak activations on 2 gloo ranks against the op lists."""
     from fsdpfn.testing import run_on_ranks
 
-    print(f"\nMeasured on 2 gloo ranks (pp 2, dp 1; GPT width {MEASURE_CFG['width']}, {MEASURE_CFG['depth']} blocks, "
-          f"{MEASURE_CFG['seq_len']} tokens, {micro} micro-batches of {per_micro}; median of {steps - 1} steps):\n")
+    measure_cfg = {**MEASURE_CFG, "width": width, "seq_len": seq_len}
+
+    print(f"\nMeasured on 2 gloo ranks (pp 2, dp 1; GPT width {measure_cfg['width']}, {measure_cfg['depth']} blocks, "
+          f"{measure_cfg['seq_len']} tokens, {micro} micro-batches of {per_micro}; median of {steps - 1} steps):\n")
     print("| schedule | rank | step (ms) | measured bubble | op lists with measured f, b | closed form (f = b / 2) "
           "| peak activations (MiB) | op lists' count x bytes | equal |")
     print("|---|---|---|---|---|---|---|---|---|")
     worst_memory = 0.0
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
-        ranks = run_on_ranks(_measure, 2, name, micro, per_micro, steps, timeout=600)
+        ranks = run_on_ranks(_measure, 2, name, micro, per_micro, steps, measure_cfg, timeout=600)
         v = 2 if name == "interleaved_1f1b" else 1
         stages = fsdpfn.Stages(tuple((f"u{s}",) for s in range(2 * v)), 2)
         ps = fsdpfn.pipeline_schedule(stages, name, micro)
@@ -189,13 +192,18 @@ def main(argv=None) -> None:
     p.add_argument("--no-project", action="store_true", help="no 405B projection")
     p.add_argument("--no-measure", action="store_true", help="no measured run on gloo ranks")
     p.add_argument("--measure-steps", type=int, default=4, help="steps per schedule on gloo ranks (the first a warm-up)")
+    p.add_argument("--measure-width", type=int, default=MEASURE_CFG["width"],
+                   help=f"width of the GPT measured on gloo ranks (default {MEASURE_CFG['width']}; a multiple of its "
+                        f"{MEASURE_CFG['heads']} heads)")
+    p.add_argument("--measure-seq", type=int, default=MEASURE_CFG["seq_len"],
+                   help=f"tokens per sequence of the GPT measured on gloo ranks (default {MEASURE_CFG['seq_len']})")
     args = p.parse_args(argv)
     if args.measure_steps < 2:
         p.error(f"--measure-steps must be >= 2 (a warm-up, then measured steps), got {args.measure_steps}")
     print("$ python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
     bubbles()
     if not args.no_measure:
-        measured(steps=args.measure_steps)
+        measured(steps=args.measure_steps, width=args.measure_width, seq_len=args.measure_seq)
     if not args.no_project:
         project()
 

@@ -441,6 +441,8 @@ def main():
     ap.add_argument("--memory-steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--memory-configs", default=None, help="comma-separated strategy:precision whose peak memory is "
+                    "measured, each in fresh launches (default: every one of --configs)")
     ap.add_argument("--configs", default=None, help="comma-separated strategy:precision "
                     f"(default {','.join(ALL_CONFIGS)}; with --compile zero3:fp32)")
     ap.add_argument("--compile", action="store_true", help="fsdpfn compiled whole-step vs fsdpfn eager vs FSDP2 "
@@ -467,7 +469,8 @@ def main():
 
     peak = {}
     if not args.skip_memory:
-        for strategy, precision in CONFIGS:
+        measured = [tuple(c.split(":")) for c in args.memory_configs.split(",")] if args.memory_configs else CONFIGS
+        for strategy, precision in measured:
             for side in ("fsdpfn", "FSDP2"):
                 out = _launch(_memory_rank, args, side, strategy, precision)
                 peak[(strategy, precision, side)] = max(out.values()) / 1024  # MiB (ru_maxrss is KiB)

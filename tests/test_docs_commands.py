@@ -92,6 +92,8 @@ HOW: list[tuple[str, str, str]] = [
     # One micro-batch per rank and one prefetch depth: the search, not its breadth (4M tokens of
     # Llama 8B on 64 ranks are 16 micro-batches, each simulated).
     (r"^python examples/plan_search\.py .*--hardware measure", "run", "--global-tokens 4096 --prefetch 1"),  # starts ranks
+    # The page's plain search (and its plot) on 8 ranks, not 64: the same search over fewer mesh shapes.
+    (r"^python examples/plan_search\.py( --plot \S+)?$", "here", "--gpus 8 --global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png"),
     (r"^python examples/plan_search\.py\b", "here", "--global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png"),
     (r"^python benchmarks/compile_bucket\.py\b", "run", "--steps 1"),
     # On a GPU the check runs for minutes and installs what is missing: its dry run (CUDA hidden),
@@ -99,10 +101,11 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/gpu_check\.py\b", "test", "tests/test_gpu_check.py::test_the_dry_run_says_skipped_no_cuda_for_every_step"),
     # Two short sequences at every cp degree, and the projection of its first row (cp 1, 32k tokens).
     (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
-    (r"^python benchmarks/compile_probe\.py\b", "run", ""),
-    # The bubbles (instant), the schedules measured on 2 gloo ranks (fewer steps) and the 405B
-    # projection (a profile on meta, seconds); in a process of its own, as it starts ranks.
-    (r"^python benchmarks/pp\.py\b", "run", "--measure-steps 2"),
+    # The census of one block: the breaks are the runtime's, the same at any depth (a third less tracing).
+    (r"^python benchmarks/compile_probe\.py\b", "run", "--depth 1"),
+    # The bubbles (instant), the schedules measured on 2 gloo ranks (fewer steps, a smaller GPT)
+    # and the 405B projection (a profile on meta, seconds); in a process of its own, as it starts ranks.
+    (r"^python benchmarks/pp\.py\b", "run", "--measure-steps 2 --measure-width 32 --measure-seq 16"),
     (r"^python benchmarks/exit_stress\.py\b", "run", "-n 1"),
     (r"^python benchmarks/flight_recorder\.py\b", "run", "--calls 5 --rounds 3"),
     (r"^python benchmarks/checkpoint\.py\b", "run", "--quick"),
@@ -137,9 +140,11 @@ HOW: list[tuple[str, str, str]] = [
      "--world-sizes 4 --strategies local,replicate,zero1,zero2,zero3,hsdp --optimizers adamw,muon --search-budget-mib 128 "
      "--width 32 --depth 2 --heads 2 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0 --probe-repeats 1"),
     (r"^python benchmarks/tp\.py\b", "run", "--width 32 --depth 1 --heads 4 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0"),
-    # Two configurations, between them each strategy and each precision the commands name.
+    # Two configurations, between them each strategy and each precision the commands name; the
+    # peak memory (a fresh 2-rank launch per side) of one of them: the same code for each.
     (r"^python benchmarks/vs_fsdp2\.py\b(?!.*--compile)", "run",
-     "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0 --memory-steps 1 --configs zero2:fp32,zero3:bf16"),
+     "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0 --memory-steps 1 --configs zero2:fp32,zero3:bf16 "
+     "--memory-configs zero3:bf16"),
     (r"^python benchmarks/vs_fsdp2\.py\b", "run", "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0"),
 ]
 
@@ -394,6 +399,43 @@ def test_examples_accept_their_documented_flags(command, monkeypatch, tmp_path):
         pytest.fail(f"`{command}` (shown in {COMMANDS[command]}) is refused before it starts (exit {e.code})")
 
 
+@pytest.mark.parametrize("command", sorted(c for c in _of("run") if c.startswith("torchrun ")))
+def test_torchrun_commands_accept_their_flags_at_the_launchers_world_size(command, monkeypatch, tmp_path):
+    # Every session, each torchrun command as written: every check its script makes before a rank
+    # starts, with the environment torchrun gives rank 0 (WORLD_SIZE the --nproc-per-node), in this
+    # process. A session launches one of them (TORCHRUN_EVERY_SESSION); FSDPFN_DOCS_COMMANDS=all, each.
+    path, flags, world = _script(shlex.split(command))
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    if "parse_args" not in source:  # no flags (examples/quickstart.py): nothing to check but the launch
+        assert command == TORCHRUN_EVERY_SESSION, f"`{command}` has no flags to check: make it the launch of a session"
+        return
+    for name, value in (("WORLD_SIZE", str(world)), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    saved = dict(os.environ), list(sys.path), sys.argv
+    sys.argv = [path, *flags]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            if re.search(r"^def parse_args\(", source, re.M):  # and its own checks after argparse's (examples/your_model.py)
+                _module(path).parse_args(flags)
+            else:
+                with _stop_after_parsing():
+                    runpy.run_path(path, run_name="__main__")
+                pytest.fail(f"`{command}`: {os.path.relpath(path, ROOT)} parsed no arguments")
+    except _Parsed:
+        pass
+    except SystemExit as e:
+        if e.code not in (0, None):
+            pytest.fail(f"`{command}` (shown in {COMMANDS[command]}) is refused before a rank starts (exit {e.code}):\n"
+                        f"{err.getvalue()[-2000:]}")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.path[:], sys.argv = saved[1], saved[2]
+
+
 # What a run prints when it gets to its end: (commands, the result lines each prints once). The
 # figures in them are measured (test_docs_figures.py), not checked here; what the lines say that is
 # not measured is (an example's sharded run agrees with one process, the counted bytes with the
@@ -428,7 +470,8 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"sim_validate\.py(?!.*--search-check)", [r"^memory: \d+/\d+ rows within 5%"]),
     (r"sim_validate\.py .*--search-check", [r"^\| 4 \| "]),
     (r"benchmarks/tp\.py", [r"^every call equal to the list .*: True; the same counts on every rank: True"]),
-    (r"vs_fsdp2\.py(?!.*--compile)", [r"^collective calls per step \(rank 0\):$"]),
+    (r"vs_fsdp2\.py(?!.*--compile)", [r"^collective calls per step \(rank 0\):$",
+                                      r"^  zero3 bf16 \| .* \| \d+\.\d\d \(\d+/\d+ MiB\) \| [\d.]+ MiB$"]),  # its peak memory measured
     (r"vs_fsdp2\.py .*--compile", [r"^whole-step compile "]),
 ]
 AGREES = r"^(?:max|largest) relative difference (?:to|from) (?:the )?one[- ]process(?: run)?: (\S+)$"
@@ -450,13 +493,22 @@ CHEAPEST = {"python benchmarks/exit_stress.py -n 5 --ways spawn torchrun",
 TOO_SLOW = {"compile_bucket.py"}
 
 
+# The one torchrun launch of a session (the agent starting the ranks, each reading its rank and
+# the world size from it, the result printed once): the same launcher path for every example, so
+# one suffices; the other examples' code runs under their `python` commands (spawned ranks), and
+# what each torchrun command is checked against before a rank starts (the launcher's world size
+# against --batch, say) is test_torchrun_commands_accept_their_flags_at_the_launchers_world_size's,
+# every session. benchmarks/exit_stress.py launches torchrun too (its torchrun way).
+TORCHRUN_EVERY_SESSION = "torchrun --nproc-per-node 2 examples/quickstart.py"
+
+
 def _first_of_its_script() -> set[str]:
     first: dict[tuple, str] = {}
     for command in sorted(RUNS, key=lambda c: (c not in CHEAPEST, c)):
         argv = shlex.split(command)
-        if os.path.basename(_script(argv)[0]) not in TOO_SLOW:
+        if os.path.basename(_script(argv)[0]) not in TOO_SLOW and argv[0] != "torchrun":
             first.setdefault((argv[0], _script(argv)[0]), command)
-    return set(first.values())
+    return set(first.values()) | {TORCHRUN_EVERY_SESSION}
 
 
 EVERY_SESSION = _first_of_its_script()
@@ -469,7 +521,12 @@ FAULTS = re.compile(r"--fault\b|benchmarks/replicas\.py")
 
 def _runs_param(command: str):
     if not (ALL or command in EVERY_SESSION):
-        why = "minutes of compiling" if os.path.basename(_script(shlex.split(command))[0]) in TOO_SLOW else "another command of this script runs"
+        if os.path.basename(_script(shlex.split(command))[0]) in TOO_SLOW:
+            why = "minutes of compiling"
+        elif command.startswith("torchrun "):
+            why = f"one torchrun launch per session (`{TORCHRUN_EVERY_SESSION}`); its flags are checked every session"
+        else:
+            why = "another command of this script runs"
         return pytest.param(command, marks=pytest.mark.skip(reason=f"{why}; FSDPFN_DOCS_COMMANDS=all runs this one"))
     if FAULTS.search(command):
         return pytest.param(command, marks=pytest.mark.faults)
