@@ -414,3 +414,23 @@ def test_a_function_from_a_main_without_a_file_is_refused_with_the_reason():
             "try:\n    t.run_on_ranks(f, 2)\nexcept ValueError as e:\n    print('REFUSED', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "REFUSED" in proc.stdout and "defined in __main__ without a file" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _groups_of_some_ranks(rank, world):
+    # A pipeline of 4 stages makes a group of its last stage's rank alone, then one of 2 stages
+    # a group of ranks 2 and 3: made by their members alone, the second hung in gloo's
+    # rendezvous on rank 2 and 3. Every rank makes each, in the same order.
+    alone = comm.ranks_group([3])
+    pair = comm.ranks_group([2, 3])
+    assert comm.ranks_group([3, 2]) is pair  # kept, whatever the order of the ranks given
+    t = torch.tensor([float(rank)])
+    if rank in (2, 3):
+        with comm.timeout_scope(30):
+            comm.all_reduce(t, group=pair).wait()
+    if rank == 3:
+        comm.all_reduce(torch.ones(1), group=alone).wait()
+    return t.item()
+
+
+def test_groups_of_some_ranks_are_made_by_every_rank_in_order(run_on_ranks):
+    assert run_on_ranks(_groups_of_some_ranks, 4, timeout=60) == [0.0, 1.0, 5.0, 5.0]

@@ -129,9 +129,7 @@ def _parity(rank, world, shape, names, configs):
     dp = mesh.size(names.index("dp")) if "dp" in names else 1
     ref = _reference(dp, STEPS)
     out, traces = [], {}
-    # Long enough for a stage's first-step check, which its peers wait for in the store: seconds
-    # alone, but over a minute on 2 cores shared with other jobs' ranks.
-    with fsdpfn.comm.timeout_scope(150):
+    with fsdpfn.comm.timeout_scope(60):
         for schedule, num_stages in configs:
             model, plan = _setup(mesh, names, schedule, num_stages)
             worst_p, worst_l, trace, pipe = _train(model, plan, mesh, names, schedule, STEPS, ref)

@@ -170,10 +170,11 @@ _RANK_GROUPS: dict[tuple, Any] = {}  # (world group, ranks) -> the group of thos
 
 
 def ranks_group(ranks):
-    """The process group of exactly ``ranks`` (global ranks), made by those ranks alone
-    (``use_local_synchronization``: the others need not call) and kept: made again under the
-    same ranks, a group would rendezvous under the same name as the first. ``None`` (the default
-    group) when ``ranks`` are every rank.
+    """The process group of exactly ``ranks`` (global ranks), made once and kept. Every rank of
+    the job calls it with the same ``ranks``, in the same order, as torch's ``new_group`` asks:
+    groups made by their members alone (``use_local_synchronization``) hang in gloo's rendezvous
+    once the ranks have made different groups before (rank 3 alone a group of ``[3]``, then ranks
+    2 and 3 one of ``[2, 3]``). ``None`` (the default group) when ``ranks`` are every rank.
 
     Example:
       >>> fsdpfn.comm.ranks_group([0]) is None   # one process: the whole world
@@ -184,7 +185,7 @@ def ranks_group(ranks):
         return None
     key = (id(dist.group.WORLD), ranks)
     if key not in _RANK_GROUPS:
-        _RANK_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+        _RANK_GROUPS[key] = dist.new_group(list(ranks))
     return _RANK_GROUPS[key]
 
 

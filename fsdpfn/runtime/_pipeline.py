@@ -240,6 +240,10 @@ class PipelineRuntime:
         self.last_profile: PipelineProfile | None = None
         self._train = True
         self._verify = bool(verify)  # until the first training step has checked every stage here
+        # The loss check's process group over the last stage's ranks, made here by every rank in
+        # the same order, as torch's groups must be (see fsdpfn.comm.ranks_group).
+        last = plan.mesh.mesh.select(cast(int, plan.axes.dim(Role.PP)), ps.rank_of(ps.num_stages - 1))
+        self._last_stage_group = ranks_group(last.flatten().tolist()) if self._verify else None
         self.verified: dict[int, VerifyReport] = {}  # stage -> its first step's check
 
     # ---- set-up --------------------------------------------------------------------------
@@ -430,7 +434,7 @@ class PipelineRuntime:
                         self._check_loss(self.loss_fn(out, self._ys[0]))
                         # The loss over the last stage's ranks (see [Note: the loss check]).
                         verify_stage_loss(sp, self.loss_fn, out, self._ys[0], self.verified[s],
-                                          ranks_group(sp.mesh.mesh.flatten().tolist()))
+                                          self._last_stage_group)
                 except (VerificationError, ValueError) as e:
                     error, problem = e, f"{'V' if isinstance(e, VerificationError) else 'E'}{e}"
             found = C.exchange_problems(f"pipeline verify stage {s}", problem, world)
