@@ -103,24 +103,21 @@ DEFAULT_ROLES: Mapping[str, Role] = {
 }
 
 
-# [Note: a 1-D mesh of another parallelism]: the data-parallel axis each role needs beside it,
-# and which of the two comes first in the mesh that says the same with it (size 1).
-_PARTNER: Mapping[Role, tuple[str, bool]] = {
-    Role.EP: ("edp", False), Role.PP: ("dp", False), Role.TP: ("dp", True), Role.CP: ("dp", True),
-}
-_NEEDS = {
-    Role.EP: "expert parallelism gathers each layer's experts over an expert data-parallel axis beside it",
-    Role.PP: "pipeline parallelism needs a data-parallel axis beside it",
-    Role.TP: "tensor parallelism splits layers over it, beside a data-parallel axis",
-    Role.CP: "context parallelism splits sequences over it, beside a data-parallel axis",
+# [Note: a 1-D mesh of another parallelism]: per role, the data-parallel axis it needs beside it,
+# whether that axis comes first in the mesh that says the same (size 1), and why it is needed.
+_PARTNER: Mapping[Role, tuple[str, bool, str]] = {
+    Role.EP: ("edp", False, "expert parallelism gathers each layer's experts over an expert data-parallel axis beside it"),
+    Role.PP: ("dp", False, "pipeline parallelism needs a data-parallel axis beside it"),
+    Role.TP: ("dp", True, "tensor parallelism splits layers over it, beside a data-parallel axis"),
+    Role.CP: ("dp", True, "context parallelism splits sequences over it, beside a data-parallel axis"),
 }
 
 
 def _one_dim_message(name: str, n: int, role: Role) -> str:
-    partner, first = _PARTNER[role]
+    partner, first, why = _PARTNER[role]
     shape, dims = ((1, n), (partner, name)) if first else ((n, 1), (name, partner))
     article = "an" if role is Role.EP else "a"
-    return (f"a 1-D mesh named {name!r} of {n} ranks is {article} {role.value} axis with nothing beside it: {_NEEDS[role]} "
+    return (f"a 1-D mesh named {name!r} of {n} ranks is {article} {role.value} axis with nothing beside it: {why} "
             f"(size 1 is fine). Build init_device_mesh('cpu', {shape}, mesh_dim_names={dims}) (or 'cuda'); "
             "for plain sharding over every rank, name the axis 'dp'")
 
