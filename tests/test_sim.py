@@ -456,3 +456,32 @@ def test_a_step_above_the_parts_memory_says_so():
                      "the step does not fit as planned (at the limit the caching allocator frees and retries, which this "
                      "time leaves out)"]
     assert over.step_time == fits.step_time and "note: memory: " in over.summary()
+
+
+def _profiles_cold_then_warm(model, plan, x, **kw):
+    from fsdpfn.sim import _workload
+
+    _workload._META_CACHE.clear()
+    cold = sim.profile(model, plan, x, **kw)
+    return cold, sim.profile(model, plan, x, **kw), len(_workload._META_CACHE)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense-remat", "moe"])
+def test_a_profile_is_the_same_whether_meta_results_are_remembered_or_not(moe):
+    # [Note: meta results by signature]: the second profile takes every cacheable operator's
+    # outputs from the first; an entry that changed any figure (a wrong shape, device, storage or
+    # cost, a view of an input or a freed storage counted again) shows here. Selective remat adds
+    # a dispatch mode above the counter; an MoE model runs on CPU (its routing needs the tokens)
+    # and its factory operators' outputs, keyed like a meta one's, must not come back on meta.
+    from fsdpfn.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, width=32, depth=3, heads=4, bias=False, **(dict(experts=4) if moe else {}))
+    torch.manual_seed(0)
+    with torch.device("cpu" if moe else "meta"):
+        model = GPT(cfg)
+    plan = fsdpfn.plan(model, {"dp": 2}, strategy="zero3")
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to("cpu" if moe else "meta")
+    kw = dict(loss_fn=lambda out: out[0].float().mean() + out[1]) if moe else dict(remat_policies=("save_dots",))
+    cold, warm, remembered = _profiles_cold_then_warm(model, plan, x, **kw)
+    assert warm == cold
+    assert remembered == 0 if moe else remembered > 10, remembered  # on CPU nothing is cacheable

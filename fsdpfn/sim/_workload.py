@@ -316,6 +316,18 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         acc = self.sink()
+        key = None if self.timed else _meta_key(func, args, kwargs)
+        if key is not None and key in _META_CACHE:
+            outs_meta, spec, cost = _META_CACHE[key]
+            out = _rebuild(outs_meta, spec)
+            acc["ops"] += 1
+            if self.allocated is not None:
+                self.allocated(_tensors(out))
+            if cost[0] is not None:
+                acc["matmuls"][cost[0]] += 1
+            else:
+                acc["bytes"] += cost[1]
+            return out
         if self.timed:
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
@@ -330,12 +342,80 @@ class _Counter(TorchDispatchMode):
             self.allocated(outs)
         nbytes = sum(_nbytes(t) for t in ins + outs)
         counted = op_flops(func, args, kwargs, out)
+        matmul = None
         if counted is not None and counted[0]:
             flops, dtype = counted
-            acc["matmuls"][(rate_key(func, args, kwargs, dtype), flops, float(nbytes))] += 1
+            matmul = (rate_key(func, args, kwargs, dtype), flops, float(nbytes))
+            acc["matmuls"][matmul] += 1
         else:
             acc["bytes"] += nbytes
+        if key is not None:
+            _remember(key, out, (matmul, nbytes), {t.untyped_storage()._cdata for t in ins})
         return out
+
+
+# [Note: meta results by signature]
+# On the meta device an operator's outputs are a function of its inputs' metadata (shape, stride,
+# dtype) and its other arguments, and so is what the counter adds for it. A model's blocks run
+# the same operators on the same shapes, and a profile runs every block (forward, then backward,
+# where the meta kernels of decomposed backwards such as layer norm's are Python): the first
+# block's results stand for the others. Cached only where that holds: every tensor argument on
+# meta, every other argument a plain value, every output on meta and aliasing no input and no
+# other output, no mutation. Each hit returns fresh tensors of the same metadata, as the kernel would.
+_META_CACHE: dict = {}
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _meta_key(func, args, kwargs):
+    schema = func._schema
+    if func.is_view or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        return None
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    key: list = [func, spec]
+    for a in leaves:
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "meta" or type(a) is not torch.Tensor:
+                return None
+            key.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype))
+        elif type(a) in _PLAIN:
+            key.append((type(a), a))
+        else:
+            return None
+    return tuple(key)
+
+
+def _remember(key, out, cost, inputs: set) -> None:
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    storages = set(inputs)
+    metas = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            if type(t) is not torch.Tensor or t.device.type != "meta" or t.untyped_storage()._cdata in storages:
+                return
+            storages.add(t.untyped_storage()._cdata)
+            # Rebuilt by empty_strided: only outputs that fill their own storage from its start.
+            extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+            if t.storage_offset() or t.untyped_storage().nbytes() != extent * t.element_size():
+                return
+            metas.append((tuple(t.shape), t.stride(), t.dtype))
+        elif type(t) in _PLAIN:
+            metas.append((None, t))
+        else:
+            return
+    if len(_META_CACHE) > 200_000:  # a bound on memory across many profiled models; refilled as it runs
+        _META_CACHE.clear()
+    _META_CACHE[key] = (metas, spec, cost)
+
+
+def _rebuild(metas, spec):
+    leaves = []
+    for m in metas:
+        if m[0] is None:
+            leaves.append(m[1])
+            continue
+        shape, stride, dtype = m
+        leaves.append(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
 def _new_acc() -> dict:
