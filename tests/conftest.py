@@ -16,3 +16,91 @@ settings.load_profile("fsdpfn")
 
 # pytest turns warnings into errors here (pyproject); the gloo worker ranks do the same.
 os.environ.setdefault("FSDPFN_WORKER_WARNINGS", "error")
+
+
+# [Note: the two tiers of the suite]
+# `make test` runs what runs in this process and in the session's gloo worker pools; a test that
+# starts a fresh process (a documented command as written, an example script, a launch of ranks,
+# a fault scenario) pays a few seconds of interpreter and torch start-up per process, so it is
+# marked `e2e` (or `faults`) and `make test-e2e` runs it. The split is checked, not kept by hand:
+# a test outside those markers that starts a process fails, naming what it started.
+import multiprocessing.process
+import re
+import sys
+
+import pytest
+
+_FRESH: dict = {"item": None, "started": []}
+_REPORT = os.environ.get("FSDPFN_FRESH_PROCESS_REPORT")
+
+
+def _fresh_process(what: str) -> None:
+    item = _FRESH["item"]
+    if item is not None and not (item.get_closest_marker("e2e") or item.get_closest_marker("faults")):
+        _FRESH["started"].append(what)
+
+
+def _audit(event, args):
+    if event == "subprocess.Popen":
+        argv = [str(a) for a in (args[1] if isinstance(args[1], (list, tuple)) else str(args[1]).split())]
+        # Interpreters, and make without -n (its recipes run them); git or `make -n` cost milliseconds.
+        if argv and (re.search(r"python|torchrun|mkdocs|mypy|pytest", os.path.basename(argv[0]))
+                     or (os.path.basename(argv[0]) == "make" and "-n" not in argv)):
+            _fresh_process(" ".join(argv)[:200])
+    elif event in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn"):
+        _fresh_process(event)
+
+
+sys.addaudithook(_audit)
+_start = multiprocessing.process.BaseProcess.start
+
+
+def _start_checked(self):
+    if not sys._getframe(1).f_code.co_filename.endswith(os.path.join("fsdpfn", "testing", "_harness.py")):  # the pools
+        _fresh_process(f"multiprocessing.Process(name={self.name!r})")
+    return _start(self)
+
+
+multiprocessing.process.BaseProcess.start = _start_checked
+
+
+def _check_fresh(item, phase):
+    started, _FRESH["started"] = _FRESH["started"], []
+    if not started:
+        return
+    if _REPORT:
+        with open(_REPORT, "a") as f:
+            f.write(f"{item.nodeid}\t{phase}\t{started[0]}\t{len(started)}\n")
+        return
+    pytest.fail(f"{item.nodeid} started {len(started)} fresh process(es) in its {phase}, first: {started[0]}. A test "
+                "that starts processes belongs to `make test-e2e`: mark it `@pytest.mark.e2e` (see conftest.py).",
+                pytrace=False)
+
+
+def _phase(item, phase):
+    try:
+        result = yield
+    except BaseException:
+        _FRESH["started"] = []  # the phase failed already: its own error is the one to read
+        raise
+    _check_fresh(item, phase)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _FRESH["item"], _FRESH["started"] = item, []
+    return (yield from _phase(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _phase(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    try:
+        return (yield from _phase(item, "teardown"))
+    finally:
+        _FRESH["item"] = None

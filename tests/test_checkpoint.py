@@ -282,6 +282,7 @@ _NO_FSDPFN_LOAD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tie", [False, True])
 def test_export_full_loads_without_fsdpfn(run_on_ranks, tmp_path, tie):
     path = str(tmp_path / "model.pt")
@@ -375,6 +376,7 @@ def _load_step1(rank, world, root):
     return same
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("die_at", ["write:1", "commit:0"])
 def test_killed_save_leaves_previous_checkpoint_loadable(run_on_ranks, tmp_path, die_at):
     """A rank dies mid-save ("write:1": rank 1 after writing its data, before the metadata;
@@ -462,6 +464,7 @@ def _gated_worker(rank, world, init_file, root, report):
     os._exit(0)
 
 
+@pytest.mark.e2e
 def test_save_gated_on_rank_0_fails_naming_the_missing_rank(tmp_path):
     """Seed 001: `if rank == 0: save(...)` deadlocked. Here rank 0 gets an error within the
     timeout that names rank 1 and says to call the save on every rank; nothing is published."""

@@ -284,6 +284,7 @@ def _spawn_and_kill_async(root, die_at, world=2):
     return [p.exitcode for p in procs]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("die_at", ["write:1", "commit:0"])
 def test_rank_killed_during_the_background_write_leaves_the_previous_checkpoint(run_on_ranks, tmp_path, die_at):
     """A rank's process dies on the background thread ("write:1": rank 1 once its shards are
@@ -299,6 +300,7 @@ def test_rank_killed_during_the_background_write_leaves_the_previous_checkpoint(
     assert not any(n.startswith(".partial-") for n in os.listdir(root))
 
 
+@pytest.mark.e2e
 def test_benchmark_quick_run_prints_both_stalls_and_the_ratio():
     import re
     import subprocess

@@ -349,6 +349,7 @@ def _dies_on_one(rank, world):
     comm.barrier(tag="after the death")
 
 
+@pytest.mark.e2e
 def test_launch_returns_results_and_names_a_killed_rank():
     assert launch(_returns_rank, 2, 10) == [0, 10]
     t = time.monotonic()
@@ -383,6 +384,7 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ranks_die_with_their_launcher(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(fsdpfn.__file__)))
@@ -408,6 +410,7 @@ def test_ranks_die_with_their_launcher(tmp_path):
     assert not any(_alive(p) for p in ranks), "a rank outlived its launcher"
 
 
+@pytest.mark.e2e
 def test_a_function_from_a_main_without_a_file_is_refused_with_the_reason():
     code = ("import fsdpfn.testing as t\n"
             "def f(rank, world):\n    return rank\n"

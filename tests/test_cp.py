@@ -42,7 +42,7 @@ from fsdpfn.runtime import Runtime
 from fsdpfn.transforms import _cp
 
 from _cp_steps import cp_adamw_worst
-from _parity import PARITY_STEPS
+from _parity import PARITY_STEPS, one_process
 
 SEQ = 16
 CFG = GPTConfig(vocab_size=29, seq_len=SEQ, width=16, depth=2, heads=4, bias=False)
@@ -64,6 +64,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+@one_process
 def _reference(cfg, dp, steps):
     torch.manual_seed(0)
     model = GPT(cfg)

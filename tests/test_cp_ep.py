@@ -47,6 +47,7 @@ from fsdpfn import testing
 from fsdpfn.models import GPT, GPTConfig, MoE
 
 from _cp_steps import cp_adamw_worst
+from _parity import one_process
 
 SEQ = 16
 CFG = GPTConfig(vocab_size=29, seq_len=SEQ, width=16, depth=2, heads=4, bias=False, experts=4, top_k=2, aux_weight=0.1,
@@ -101,6 +102,7 @@ def _loss(out, y):
     return _ce(logits, y) + aux
 
 
+@one_process
 def _reference(dp, cp, steps):
     torch.manual_seed(0)
     model = GPT(CFG)

@@ -138,6 +138,7 @@ def test_links_that_are_not_files_sees_a_directory_link(tmp_path):
     assert _links_that_are_not_files(tmp_path) == ["index.html -> tour/"]
 
 
+@pytest.mark.e2e
 def test_site_builds_strict_without_warnings(tmp_path):
     missing = _mkdocs_missing()
     if missing:
@@ -212,7 +213,9 @@ def _run_pycon(rank: int, world_size: int, page: str, workdir: str) -> tuple[int
     return len(test.examples), "".join(report)
 
 
-@pytest.mark.parametrize("block", MARKED, ids=lambda b: b.id)
+# A `pytest` block runs pytest in a fresh process (see conftest.py: `make test-e2e`).
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.e2e] if b.mark == "pytest" else [])
+                                   for b in MARKED])
 def test_marked_blocks_run(run_on_ranks, tmp_path, block):
     if block.mark == "pytest":
         first = block.code.splitlines()[0]

@@ -515,7 +515,7 @@ EVERY_SESSION = _first_of_its_script()
 
 
 # Commands that kill a rank of a replica group and wait for the others to give up on it: real
-# fault scenarios (pytest's `faults` marker: `make test-faults`, not `make test`).
+# fault scenarios (pytest's `faults` marker: `make test-e2e`, not `make test`).
 FAULTS = re.compile(r"--fault\b|benchmarks/replicas\.py")
 
 
@@ -530,6 +530,8 @@ def _runs_param(command: str):
         return pytest.param(command, marks=pytest.mark.skip(reason=f"{why}; FSDPFN_DOCS_COMMANDS=all runs this one"))
     if FAULTS.search(command):
         return pytest.param(command, marks=pytest.mark.faults)
+    if how(command)[0] == "run":  # a fresh process, as the page runs it (see conftest.py)
+        return pytest.param(command, marks=pytest.mark.e2e)
     return command
 
 

@@ -212,6 +212,7 @@ def _quoted(page: str, pattern: str) -> re.Match:
 LOSS_TOL = 2e-3
 
 
+@pytest.mark.e2e
 def test_demo_first_logged_loss(tmp_path):
     # The demo's step-10 loss needs 10 steps, with the 300-step run's learning-rate schedule.
     out = _run(["examples/train_gpt.py", "--steps", "10", "--schedule-steps", "300", "--no-progress",
@@ -226,6 +227,7 @@ def test_demo_first_logged_loss(tmp_path):
     assert abs(float(quoted[1]) - float(m[1])) < LOSS_TOL and quoted[1] == first[1], (quoted[0], first[0], m[0])
 
 
+@pytest.mark.e2e
 def test_your_model_first_losses(tmp_path):
     # The walk-through's first two logged losses need 11 of its 60 steps (constant learning rate).
     out = _run(["examples/your_model.py", "--steps", "11", "--out", str(tmp_path / "run")], cwd=tmp_path)

@@ -114,6 +114,7 @@ def straight(tmp_path_factory):
     return _straight(str(tmp_path_factory.mktemp("faults")))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fault", ["forward", "backward", "optimizer", "save", "stop"])
 def test_a_rank_fault_ends_every_rank_naming_it_and_resume_is_bitwise(tmp_path, straight, fault):
     root = str(tmp_path / "ckpt")

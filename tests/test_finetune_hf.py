@@ -90,6 +90,7 @@ def _hub_layout(base: str, out) -> str:
     return str(out)
 
 
+@pytest.mark.e2e
 def test_finetune_hf_runs_on_a_hub_layout_directory(tiny_gpt2, tmp_path):
     directory = _hub_layout(tiny_gpt2, tmp_path / "hub")
     out = tmp_path / "run"

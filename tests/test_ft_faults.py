@@ -441,6 +441,7 @@ def _fake_group(script: str) -> str:
     ("time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)", 0,
      ["failed (killed by SIGKILL); restarting it", "ft: replica group 1 was restarted, but no live replica group"]),
 ])
+@pytest.mark.e2e
 def test_run_replica_groups_restarts_a_failed_group_while_another_trains(script, code, lines, tmp_path):
     import fsdpfn.ft
 
@@ -475,6 +476,7 @@ def test_run_replica_groups_refuses_fewer_than_two_groups():
      ["ft: replica group 1's process", "has been stopped (SIGSTOP) for 0.5 s: killing it",
       "ft: replica group 1 failed (killed by SIGKILL); restarting it (1 of 2)"]),
 ])
+@pytest.mark.e2e
 def test_run_replica_groups_outlives_every_group_and_a_stopped_one(script, code, lines, tmp_path):
     import fsdpfn.ft
 
@@ -487,6 +489,7 @@ def test_run_replica_groups_outlives_every_group_and_a_stopped_one(script, code,
         assert any(line in s for s in said), (line, said)
 
 
+@pytest.mark.e2e
 def test_job_finished_tells_a_restarted_group_that_the_job_is_done(tmp_path):
     """Group 1 fails and is restarted while group 0 trains; group 0 then finishes the job. The
     restarted group 1, alone, reads job_finished() (True only once group 0 finished) and exits
@@ -525,6 +528,7 @@ def _fake_ranks(watch, lives: list[tuple[float, str]]) -> list[subprocess.Popen]
     return procs
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fault", ["kill", "stop", "exit"])
 def test_watch_ranks_ends_the_group_when_any_rank_dies_or_stops(fault):
     """Rank 1 of a 3-rank group is killed, stopped, or exits without saying it ended well: the
@@ -560,6 +564,7 @@ def test_watch_ranks_ends_the_group_when_any_rank_dies_or_stops(fault):
         assert waited < 5, waited
 
 
+@pytest.mark.e2e
 def test_watch_ranks_lets_ranks_that_ended_well_go():
     """Ranks that said they ended well (rank_done) exit one after the other: nothing is killed."""
     import fsdpfn.ft

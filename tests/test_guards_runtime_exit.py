@@ -254,6 +254,7 @@ def test_shutdown_does_nothing_without_gloo_threads(monkeypatch):
     launch_mod.shutdown()
 
 
+@pytest.mark.e2e
 def test_a_spawned_job_ending_with_torch_collectives_exits_0():
     """The user's own torch.multiprocessing.spawn, each rank ending with shutdown() after a runtime
     step and torch's own collectives last (DTensor.full_tensor, dist.all_reduce): mp.spawn raises if

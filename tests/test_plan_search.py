@@ -71,6 +71,7 @@ def test_llama_shapes():
     assert isinstance(sim.H100_SXM, sim.Hardware)
 
 
+@pytest.mark.e2e
 def test_help_has_the_whole_description_every_flag_and_each_default_once():
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), "--help"], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "COLUMNS": "100"})
@@ -142,6 +143,7 @@ def _picked_degree_and_plan(args, axis: str, label: str, model):
     return degree, plan
 
 
+@pytest.mark.e2e
 def test_tp_degrees_are_searched_and_the_pick_is_printed():
     """``--tp 2,4``: the script exits 0, prints which degree won (one of those given), and the
     printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds the picked tp plan.
@@ -161,6 +163,7 @@ def test_bad_tp_degrees_name_the_flag(capsys):
         assert "--tp" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_ep_degrees_are_searched_and_the_pick_is_printed():
     """``--experts 4 --ep 2,4``: the script exits 0, prints which degree won (one of those
     given), and the printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds

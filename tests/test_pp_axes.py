@@ -25,6 +25,7 @@ import fsdpfn
 from fsdpfn import testing
 from fsdpfn.models import GPT, GPTConfig
 from fsdpfn.runtime import PipelineRuntime
+from _parity import one_process
 
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=4, heads=4, bias=False)
 UNITS = ["embed", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
@@ -45,6 +46,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+@one_process
 def _reference(dp):
     torch.manual_seed(0)
     model = GPT(CFG)

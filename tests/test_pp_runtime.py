@@ -43,7 +43,7 @@ from fsdpfn import testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import PipelineRuntime
 
-from _parity import PARITY_STEPS
+from _parity import PARITY_STEPS, one_process
 
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=4, heads=4, bias=False)
 UNITS = ["embed", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
@@ -67,6 +67,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+@one_process
 def _reference(dp, steps):
     """One process, the whole batch: per step the parameters after it and each dp rank's loss."""
     torch.manual_seed(0)

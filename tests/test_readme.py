@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
 
@@ -32,6 +34,7 @@ def test_the_readme_example_is_examples_quickstart_py():
         assert blocks[0] == f.read(), "README.md's example and examples/quickstart.py differ: copy the file into the README"
 
 
+@pytest.mark.e2e
 def test_quickstart_runs_and_the_loss_falls():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error", "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, QUICKSTART], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

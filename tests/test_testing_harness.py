@@ -158,6 +158,7 @@ def _run_script(tmp_path, name):
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_a_launch_outside_the_main_guard_is_refused_with_the_fix(tmp_path):
     proc = _run_script(tmp_path, "unguarded")
     err = proc.stderr
@@ -167,6 +168,7 @@ def test_a_launch_outside_the_main_guard_is_refused_with_the_fix(tmp_path):
     assert "rank 0 died" not in err and "bootstrapping phase" not in err, err
 
 
+@pytest.mark.e2e
 def test_a_function_defined_under_the_main_guard_is_refused_with_the_fix(tmp_path):
     proc = _run_script(tmp_path, "defined under the guard")
     err = proc.stderr
@@ -174,6 +176,7 @@ def test_a_function_defined_under_the_main_guard_is_refused_with_the_fix(tmp_pat
     assert "Define 'f' at the top level of the file" in err and "importable module" in err, err
 
 
+@pytest.mark.e2e
 def test_a_function_at_the_top_level_with_a_guarded_launch_runs(tmp_path):
     proc = _run_script(tmp_path, "right")
     assert "RESULT [0, 10]" in proc.stdout, proc.stdout + proc.stderr

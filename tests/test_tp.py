@@ -33,7 +33,7 @@ from fsdpfn import testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import Runtime
 
-from _parity import PARITY_STEPS
+from _parity import PARITY_STEPS, one_process
 
 CFG = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=2, heads=4, bias=False)  # 29 rows: uneven over dp
 PER_RANK = 2
@@ -57,6 +57,7 @@ def _optimizer(name):
     return fsdpfn.optim.adamw(1e-3, weight_decay=0.01) if name == "adamw" else fsdpfn.optim.sgd(0.2)
 
 
+@one_process
 def _reference(cfg, dp, steps, opt_name):
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -254,6 +255,7 @@ def test_runtime_accumulation_under_tp_matches_one_process(run_on_ranks, accumul
         assert worst < 1e-6, worst
 
 
+@pytest.mark.e2e
 def test_the_tensor_parallel_example_resumes_at_another_tp_degree(tmp_path):
     """examples/tensor_parallel.py: train on (dp=2, tp=2), save, resume on (dp=4, tp=1), compare
     with one process. The bound is the AdamW one of [Note: the tolerance of the TP parity tests]

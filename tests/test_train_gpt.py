@@ -43,6 +43,7 @@ def _metrics(out):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.e2e
 def test_train_gpt_runs_saves_and_resumes_bitwise(tmp_path):
     half, straight = tmp_path / "half", tmp_path / "straight"
 
@@ -73,6 +74,7 @@ def _run_raw(out, *extra, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
     # End to end once (the exit code and message of the command, and nothing written), then
     # every case through the script's own parse_args in this process, which is what main()
@@ -106,6 +108,7 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
         assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
 
 
+@pytest.mark.e2e
 def test_logs_gradient_norm_and_lr_and_resumes_from_a_named_checkpoint(tmp_path):
     _run(tmp_path / "a")
     rows = _metrics(tmp_path / "a")
@@ -115,6 +118,7 @@ def test_logs_gradient_norm_and_lr_and_resumes_from_a_named_checkpoint(tmp_path)
     assert [r["step"] for r in _metrics(tmp_path / "b")] == [6, 8]
 
 
+@pytest.mark.e2e
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     # A learning rate of 1e30 sends the weights to inf after one step: every later gradient is NaN.
     proc = _run_raw(tmp_path / "nan", "--optimizer", "adamw", "--adamw-lr", "1e30", "--warmup", "0", "--max-nonfinite", "2")
@@ -124,6 +128,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert "FloatingPointError" in proc.stderr and "rank 0" in proc.stderr and "rank 1" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_a_second_job_cannot_write_into_a_running_jobs_directory(tmp_path):
     out = tmp_path / "busy"
     # The first job sleeps between its steps: it only has to hold the lock, not to compete for the CPU.
@@ -169,6 +174,7 @@ def _option_blocks(help_text: str) -> dict[str, str]:
     return blocks
 
 
+@pytest.mark.e2e
 def test_help_describes_every_flag_and_shows_each_default_once():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "COLUMNS": "100"})
@@ -190,6 +196,7 @@ def test_help_describes_every_flag_and_shows_each_default_once():
     assert "(default: $FSDPFN_TIMEOUT, else 600)" in blocks["--timeout"]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")
 def test_device_cuda_without_cuda_says_what_is_missing(tmp_path):
     proc = _run_raw(tmp_path / "gpu", "--device", "cuda", timeout=60)
@@ -197,6 +204,7 @@ def test_device_cuda_without_cuda_says_what_is_missing(tmp_path):
     assert "--device cuda: this torch" in proc.stderr and "or use --device cpu" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")
 def test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason(tmp_path):
     # The README's GPU command as printed, through `python -m torch.distributed.run --standalone`
@@ -232,6 +240,7 @@ def finished_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):
     before = _snapshot(finished_run)
     ckpt = finished_run / "ckpt" / "step_00000008"
@@ -243,6 +252,7 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):
     assert _snapshot(finished_run) == before
 
 
+@pytest.mark.e2e
 def test_ckpt_async_stops_resumes_and_equals_the_synchronous_run(finished_run, tmp_path):
     # --ckpt-async: the checkpoints written in the background hold the same state, so a run
     # stopped at 4 and resumed equals the straight run with synchronous saves, bit for bit.
@@ -269,6 +279,7 @@ def _lr(peak, warmup, horizon, step):
     return optim.warmup_cosine_schedule(peak, warmup, horizon, end_value=0.1 * peak)(step - 1)
 
 
+@pytest.mark.e2e
 def test_extending_steps_keeps_the_checkpoints_lr_horizon(finished_run, tmp_path):
     extended, straight = tmp_path / "extended", tmp_path / "straight"
     shutil.copytree(finished_run, extended)
@@ -290,6 +301,7 @@ def test_extending_steps_keeps_the_checkpoints_lr_horizon(finished_run, tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.e2e
 def test_schedule_steps_on_resume_stretches_the_decay_and_says_so(finished_run, tmp_path):
     out = tmp_path / "stretched"
     log = _run(out, "--resume", str(finished_run / "ckpt" / "latest"), "--steps", "12", "--schedule-steps", "12")
@@ -310,6 +322,7 @@ def _readme_commands() -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
+@pytest.mark.e2e
 def test_readme_demo_commands_run_in_order_on_a_fresh_directory(tmp_path):
     # `make demo` first (its recipe is `python examples/train_gpt.py`), then the demo page's commands
     # as printed, in a fresh directory; a tiny model (the flags below go first, so the README's
@@ -355,6 +368,7 @@ def test_readme_demo_commands_run_in_order_on_a_fresh_directory(tmp_path):
 MOE = ["--experts", "4", "--ep", "2", "--top-k", "2", "--capacity-factor", "1.25", "--depth", "2", "--moe-every", "2"]
 
 
+@pytest.mark.e2e
 def test_moe_demo_on_an_ep_mesh_trains_and_resumes_bitwise(tmp_path):
     # A run under torchrun (2 processes); then a job spawned from its step-4 checkpoint into
     # another directory: its losses and final weights equal the first run's from step 4 on.
@@ -399,6 +413,7 @@ def _close(a, b):
     return abs(a - b) <= 1e-5 + 1e-6 * abs(b)
 
 
+@pytest.mark.e2e
 def test_pipelined_demo_equals_the_unpipelined_run_and_resumes_without_pp(tmp_path):
     # (pp 2, dp 2) on 4 ranks reads the batches of dp 2 on 2 ranks: the same run, step by step;
     # its step-4 checkpoint resumes on 2 ranks without pp, as the unpipelined run continues.
@@ -528,6 +543,7 @@ def test_quiet_torchft_leaves_one_line_per_warning(monkeypatch, capsys):
 # ---- Ctrl-C and SIGTERM: save the step reached, say how to resume, no traceback ----------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_saves_the_step_and_prints_the_resume_command(tmp_path, sig):
     # SIGINT as Ctrl-C sends it, to the whole process group (the launcher and its ranks); SIGTERM

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_mypy = pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="needs mypy (pip install -e '.[test]')")
 
 
+@pytest.mark.e2e
 @needs_mypy
 def test_fsdpfn_type_checks_with_no_errors():
     # The files and options come from pyproject.toml ([tool.mypy]), as for `python -m mypy` typed at the repo root.

@@ -56,6 +56,7 @@ def _one_process(ex, args) -> dict[str, torch.Tensor]:
     return params
 
 
+@pytest.mark.e2e
 def test_trained_parameters_match_one_process(tmp_path):
     proc = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
