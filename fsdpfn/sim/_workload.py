@@ -387,7 +387,7 @@ def _meta_key(func, args, kwargs):
 def _remember(key, out, cost, inputs: set) -> None:
     leaves, spec = torch.utils._pytree.tree_flatten(out)
     storages = set(inputs)
-    metas = []
+    metas: list[tuple] = []
     for t in leaves:
         if isinstance(t, torch.Tensor):
             if type(t) is not torch.Tensor or t.device.type != "meta" or t.untyped_storage()._cdata in storages:

@@ -1,7 +1,8 @@
 """Run a function on N gloo ranks, with process groups started once per world size.
 
 [Note: persistent worker pools]
-Starting a process and a gloo group costs about two seconds (mostly ``import torch``). A test
+Starting a process and a gloo group costs seconds (mostly ``import torch``; see also [Note:
+workers forked from a server that imported fsdpfn]). A test
 suite that starts one per test spends its time there. So each world size gets one pool of worker
 processes, started on first use and kept until the interpreter exits (or
 :func:`shutdown_pools`). Every call sends the same picklable function to each worker of the
@@ -94,7 +95,15 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
 
 
 def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # [Note: workers forked from a server that imported fsdpfn]
+    # A spawned worker imports torch and fsdpfn itself (about 5 CPU-seconds each; 8 workers on 2
+    # cores wait 20 s). Python's forkserver imports them once, in a process with no threads and no
+    # process group, and forks every worker of every pool from it: a pool of any size, and each
+    # replacement of a pool after a failed call, starts in a fraction of a second. A worker still
+    # gets this process's sys.path, working directory and main module (multiprocessing sends
+    # them), but the environment of the moment the server started (the first pool).
+    ctx.set_forkserver_preload(["fsdpfn.testing._harness"])
     folder = tempfile.mkdtemp(prefix="fsdpfn_gloo_")
     init_file = os.path.join(folder, f"store_{world_size}")
     results = ctx.Queue()
