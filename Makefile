@@ -1,6 +1,7 @@
 # The two commands of the README. Each installs what it needs first, so they work on a fresh
 # machine: `make demo` runs the demo training job, `make test` runs the test suite (the
-# documentation's build and code examples included, hence the docs extra). `make docs` builds the
+# documentation's code examples included; `make test-e2e` the rest, the site's build among them,
+# hence the docs extra). `make docs` builds the
 # documentation site into site/; `make docs-refresh` re-runs the slow commands whose figures the
 # documentation quotes and rewrites those figures (see tests/test_docs_figures.py).
 PYTHON ?= python3
