@@ -1,8 +1,12 @@
 """Shared test settings. The gloo worker pools come from fsdpfn's pytest plugin
 (fsdpfn.testing.pytest_plugin, registered as a pytest11 entry point)."""
 
+import multiprocessing.process
 import os
+import re
+import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Each example may cross process boundaries (a gloo round trip): no per-example deadline.
@@ -23,13 +27,9 @@ os.environ.setdefault("FSDPFN_WORKER_WARNINGS", "error")
 # starts a fresh process (a documented command as written, an example script, a launch of ranks,
 # a fault scenario) pays a few seconds of interpreter and torch start-up per process, so it is
 # marked `e2e` (or `faults`) and `make test-e2e` runs it. The split is checked, not kept by hand:
-# a test outside those markers that starts a process fails, naming what it started.
-import multiprocessing.process
-import re
-import sys
-
-import pytest
-
+# a test outside those markers that starts a process fails, naming what it started. To find the
+# tests a change of this rule moves, FSDPFN_FRESH_PROCESS_REPORT=FILE writes each offender's id
+# to FILE instead of failing it (a survey, never CI's setting).
 _FRESH: dict = {"item": None, "started": []}
 _REPORT = os.environ.get("FSDPFN_FRESH_PROCESS_REPORT")
 

@@ -323,10 +323,7 @@ class _Counter(TorchDispatchMode):
             acc["ops"] += 1
             if self.allocated is not None:
                 self.allocated(_tensors(out))
-            if cost[0] is not None:
-                acc["matmuls"][cost[0]] += 1
-            else:
-                acc["bytes"] += cost[1]
+            _charge(acc, cost)
             return out
         if self.timed:
             t0 = time.perf_counter()
@@ -346,12 +343,21 @@ class _Counter(TorchDispatchMode):
         if counted is not None and counted[0]:
             flops, dtype = counted
             matmul = (rate_key(func, args, kwargs, dtype), flops, float(nbytes))
-            acc["matmuls"][matmul] += 1
-        else:
-            acc["bytes"] += nbytes
+        cost = (matmul, nbytes)
+        _charge(acc, cost)
         if key is not None:
-            _remember(key, out, (matmul, nbytes), {t.untyped_storage()._cdata for t in ins})
+            _remember(key, out, cost, {t.untyped_storage()._cdata for t in ins})
         return out
+
+
+def _charge(acc: dict, cost: tuple) -> None:
+    """Adds one operator's ``(matmul key or None, bytes)`` to ``acc``: a matmul-like operator
+    counts as its key, any other as the bytes it reads and writes."""
+    matmul, nbytes = cost
+    if matmul is not None:
+        acc["matmuls"][matmul] += 1
+    else:
+        acc["bytes"] += nbytes
 
 
 # [Note: meta results by signature]
