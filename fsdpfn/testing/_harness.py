@@ -88,6 +88,10 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
         except Exception:  # the result did not pickle
             results.put((task_id, rank, ("error", traceback.format_exc()), healthy))
         if not healthy:
+            # Idle until the caller replaces the pool (it does after a failed collective): a
+            # peer still diagnosing the same failure must find this rank failed, not exited.
+            while tasks.get() is not None:
+                pass
             break
     if healthy:  # the pool stopped after its last call: every rank is here, see [Note: a clean exit]
         shutdown()
@@ -102,8 +106,9 @@ def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
     # process group, and forks every worker of every pool from it: a pool of any size, and each
     # replacement of a pool after a failed call, starts in a fraction of a second. A worker still
     # gets this process's sys.path, working directory and main module (multiprocessing sends
-    # them), but the environment of the moment the server started (the first pool).
-    ctx.set_forkserver_preload(["fsdpfn.testing._harness"])
+    # them), but the environment of the moment the server started (the first pool). Dynamo is
+    # imported there too: fsdpfn's transforms import it on first use (0.7 CPU-seconds a worker).
+    ctx.set_forkserver_preload(["fsdpfn.testing._harness", "torch._dynamo"])
     folder = tempfile.mkdtemp(prefix="fsdpfn_gloo_")
     init_file = os.path.join(folder, f"store_{world_size}")
     results = ctx.Queue()
