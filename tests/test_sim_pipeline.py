@@ -1,12 +1,15 @@
 """The simulator on pipelined plans: pipeline_times with priced stages, hops and FSDP time, and
 sim.simulate_pipeline's accounting against the profile it prices (no process group: meta models)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import fsdpfn
 from fsdpfn import sim
 from fsdpfn._plan.schedule import OpKind, ScheduleError
+from fsdpfn._plan.steps import step_ops
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 
 CFG = GPTConfig(vocab_size=512, seq_len=128, width=128, depth=4, heads=4)
@@ -94,7 +97,7 @@ def test_stages_price_the_whole_profile_once(meta_gpt, stages):
     assert r.p2p_bytes == tuple(BATCH * CFG.seq_len * CFG.width * 4 for _ in first)
     assert all(h > 0 for h in r.transfer)  # pp ranks 0 and 1 sit 4 ranks apart: a real hop
     # the result is pipeline_times of its own prices, and the optimizer after the last reduce
-    t = fsdpfn.pipeline_times(ps, r.forward, r.backward, transfer=r.transfer, start=r.gather, after=r.reduce,
+    t = fsdpfn.pipeline_times(ps, r.forward, r.backward, transfer=r.transfer, start=r.gather, after=r.reduce, accumulate=r.accumulate,
                               activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units], plan=plan)
     assert t == r.times
     assert r.step_time == max(f + o for f, o in zip(t.finish, r.optimizer))
@@ -112,7 +115,7 @@ def test_memory_per_rank_is_its_stages(meta_gpt):
         assert m["activations"] == (2 - rank) * sum(acts.get(u, 0) for u in units)  # 1F1B: p - r in flight
         sp = plan.stage_plan(rank)
         assert (m["params"], m["grads"]) == (sp.cost().memory["params"], sp.cost().memory["grads"])
-        assert m["peak"] == m["params"] + m["grads"] + m["optimizer_state"] + m["unsharded"] + m["activations"]
+        assert m["peak"] == m["params"] + m["grads"] + m["optimizer_state"] + m["unsharded"] + m["accumulated"] + m["activations"]
 
 
 def test_tp_collectives_add_to_the_stages_compute(meta_gpt):
@@ -194,7 +197,7 @@ def test_zero_bubble_prices_the_backward_halves(meta_gpt):
         assert r.backward_input[s] + r.backward_weight[s] == pytest.approx(r.backward[s], rel=1e-12)
         assert r.backward_input[s] > r.backward_weight[s]  # the tp collectives carry activation gradients
     t = fsdpfn.pipeline_times(ps, r.forward, r.backward, transfer=r.transfer, start=r.gather, after=r.reduce, plan=plan,
-                              backward_input=r.backward_input, backward_weight=r.backward_weight,
+                              backward_input=r.backward_input, backward_weight=r.backward_weight, accumulate=r.accumulate,
                               activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units])
     assert t == r.times
     assert r.times.bubble < one.times.bubble and r.step_time < one.step_time
@@ -228,3 +231,41 @@ def test_a_pp_rank_above_the_parts_memory_says_so(meta_gpt):
     high = reserved.index(max(reserved))
     assert len(said) == 1 and said[0].startswith(f"memory on pp rank {high}: "), said
     assert over.step_time == r.step_time
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
+def test_each_micro_batch_after_the_first_adds_its_gradients_as_the_one_stage_simulator_does(meta_gpt, name):
+    """The pipeline runtime keeps a stage's full gradients over the step's micro-batches and adds
+    each later micro-batch's to them (in the reduce dtype) before the one reduce: m - 1 additions
+    per stage, each priced as the one-stage simulator prices an ``accumulate`` of the same units
+    (read from its timeline), and the kept sum's bytes in each rank's memory. Sums of the same
+    float terms in another order: 1e-12 relative."""
+    model, x = meta_gpt
+    # Overlap 1: the one-stage timeline's compute spans are their own seconds, with no slow-down
+    # beside a collective (which the pipelined model leaves out).
+    m, hw = 8, dataclasses.replace(sim.H100_SXM, overlap=1.0)
+    plan = fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=UNITS)
+    ps = fsdpfn.pipeline_schedule(plan, name, m)
+    r = sim.simulate_pipeline(plan, ps, sim.profile(model, plan, x), sim.AdamW(), hw)
+    flat = fsdpfn.plan(model, {"dp": 4}, units=UNITS)  # the same units, sharded over the same 4 ranks
+    flat_wl = sim.profile(model, flat, x)
+    sched = fsdpfn.runtime.schedule(flat)
+    ops = step_ops(flat, sched, micro_batches=2, accumulate="local", tokens=flat_wl.tokens, attention=flat_wl.attention)
+    one = sim.simulate(flat, sched, flat_wl, None, hw, micro_batches=2, accumulate="local")
+    added = {}
+    for span in one.spans:
+        # The first of 2 micro-batches accumulates (the second reduces): its ops are the list's head.
+        if span.micro_batch == 0 and span.op >= 0 and ops[span.op].op.kind is OpKind.ACCUMULATE and span.stream == "compute":
+            added[span.unit] = added.get(span.unit, 0.0) + span.end - span.start
+    assert set(UNITS) <= set(added)
+    params = dict(model.named_parameters())
+    for rank, units in enumerate(plan.stages.units):
+        stage = sum(added[u] for u in units)
+        assert r.accumulate[rank] == pytest.approx(stage, rel=1e-12)
+        halves = r.backward[rank] if name == "1f1b" else r.backward_input[rank] + r.backward_weight[rank]
+        assert r.times.busy[rank] == pytest.approx(m * (r.forward[rank] + halves) + (m - 1) * stage, rel=1e-12)
+        kept = sum(p.numel() * 4 for n, p in params.items() if any(n.startswith(u + ".") for u in units))  # float32, whole
+        assert r.memory[rank]["accumulated"] == kept > 0
+    single = sim.simulate_pipeline(plan, fsdpfn.pipeline_schedule(plan, name, 1), sim.profile(model, plan, x), sim.AdamW(), hw)
+    assert all(mem["accumulated"] == 0 for mem in single.memory)
+    assert single.times.busy == tuple(f + b for f, b in zip(single.forward, single.backward))

@@ -698,7 +698,8 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
                    transfer: "float | Sequence[float]" = 0.0, start: "float | Sequence[float]" = 0.0,
                    after: "float | Sequence[float]" = 0.0, activations: "Sequence[int] | None" = None,
                    plan: PlanValues | None = None, backward_input: "float | Sequence[float] | None" = None,
-                   backward_weight: "float | Sequence[float] | None" = None) -> PipelineTimes:
+                   backward_weight: "float | Sequence[float] | None" = None,
+                   accumulate: "float | Sequence[float]" = 0.0) -> PipelineTimes:
     """Validates ``ps`` (see :func:`validate_pipeline`) and runs every rank's list together:
     a recv waits for its send, a send does not wait, FSDP's ops take no time of their own.
 
@@ -717,6 +718,10 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
       activations: bytes one micro-batch's forward of each stage keeps until its backward;
         gives ``PipelineTimes.peak_activations``.
       plan: the plan it was made for (its fingerprint and stages are checked).
+      accumulate: seconds to add one micro-batch's parameter gradients of a stage to those kept
+        from its earlier micro-batches (one number, or one per stage), after each backward (or
+        weight half) of the stage but its first: the step's gradients are reduced once, after
+        the last micro-batch, so ``m`` micro-batches add ``m - 1`` times.
 
     Example:
       >>> ps = pipeline_schedule(Stages((("a",), ("b",)), 2), "1f1b", 4)
@@ -728,6 +733,8 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
       >>> zb = pipeline_schedule(Stages((("a",), ("b",)), 2), "zero_bubble", 4)
       >>> pipeline_times(zb, 1.0, 2.0).makespan  # halves b = w = 1: 3m + p - 1 = 13
       13.0
+      >>> pipeline_times(ps, accumulate=0.25).busy  # each rank: m (f + b) + (m - 1) * 0.25
+      (12.75, 12.75)
     """
     if plan is not None:
         if ps.plan_fingerprint != plan.fingerprint:
@@ -748,6 +755,8 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
             PipeKind.STAGE_BACKWARD_WEIGHT: (tuple(b / 2 for b in whole) if backward_weight is None
                                              else _per("backward_weight", backward_weight, S, "stage"))}
     hop = _per("transfer", transfer, max(S - 1, 0), "boundary between stages")
+    add = _per("accumulate", accumulate, S, "stage")
+    grads_kept: set[int] = set()  # stages whose parameter gradients of an earlier micro-batch are kept
     pc = [0] * p
     clock = list(_per("start", start, p, "pp rank"))
     busy = [0.0] * p
@@ -767,8 +776,12 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
                 if isinstance(op, PipeOp) and op.kind.is_send:
                     sent_at[(r, pc[r])] = clock[r]
                 if isinstance(op, PipeOp) and op.kind.is_compute:
-                    clock[r] += cost[op.kind][op.stage]
-                    busy[r] += cost[op.kind][op.stage]
+                    took = cost[op.kind][op.stage]
+                    if op.kind in (PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_WEIGHT):
+                        took += add[op.stage] if op.stage in grads_kept else 0.0
+                        grads_kept.add(op.stage)
+                    clock[r] += took
+                    busy[r] += took
                 pc[r] += 1
                 moved = True
     stuck = [r for r in range(ps.pp_size) if pc[r] < len(ps.ranks[r])]

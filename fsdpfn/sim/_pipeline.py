@@ -25,12 +25,17 @@ what the list names:
   its last backward: the stage plan's all-gathers and reduce-scatters (and HSDP's all-reduce),
   once per step, as the generated policy runs them (parameters stay unsharded through the step's
   micro-batches): time before each rank's first op and after its last;
+- accumulation: a stage's parameter gradients are reduced once, after its last micro-batch,
+  so each of its backwards (or weight halves) but the first adds the micro-batch's full
+  gradients to those kept, priced as the one-stage simulator prices an ``accumulate`` of the
+  same units;
 - the optimizer: each rank steps its own stages' shards after its last reduce, priced by
   :func:`fsdpfn.sim.simulate` on the stage plan.
 
 Memory per rank: its stages' sharded parameters, gradients and optimizer state, their unsharded
-parameters (held through the step), and the activations of the micro-batches in flight at the
-worst moment of its list (each stage's profiled activations per micro-batch).
+parameters (held through the step), the full gradients kept over the micro-batches (with more
+than one), and the activations of the micro-batches in flight at the worst moment of its list
+(each stage's profiled activations per micro-batch).
 
 Not modelled: communication beside compute slowing it, tensor-parallel collectives overlapped
 with compute (async tp), and two transfers queuing on one link.
@@ -47,7 +52,7 @@ from fsdpfn._plan.schedule import Op, OpKind, schedule
 from fsdpfn._plan.steps import step_collectives
 from fsdpfn._plan.pipeline import PipelineSchedule, PipelineTimes, pipeline_times
 from fsdpfn.sim._hardware import Hardware
-from fsdpfn.sim._simulate import _mesh_groups, over_memory, simulate
+from fsdpfn.sim._simulate import _mesh_groups, accumulate_work, kept_grad_bytes, over_memory, simulate
 from fsdpfn.sim._workload import EMPTY, Workload
 
 __all__ = ["PipelineSimResult", "simulate_pipeline"]
@@ -70,9 +75,12 @@ class PipelineSimResult:
       gather, reduce: seconds of each pp rank's stages' FSDP gathers (before its first op) and
         reduces (after its last).
       optimizer: seconds of each pp rank's optimizer step.
+      accumulate: seconds each stage takes to add one micro-batch's gradients to those kept
+        from its earlier ones (after every backward of the stage but the first).
       memory: bytes per pp rank: ``params``, ``grads``, ``optimizer_state`` (sharded),
-        ``unsharded`` (its stages' parameters, held through the step), ``activations`` (peak),
-        ``peak`` (their sum).
+        ``unsharded`` (its stages' parameters, held through the step), ``accumulated`` (its
+        stages' full gradients, kept over the micro-batches; 0 with one), ``activations``
+        (peak), ``peak`` (their sum).
       tokens: tokens of the whole step: every micro-batch of every data-parallel pipeline.
       world_size: the plan's ranks.
       notes: what the model assumed.
@@ -102,6 +110,7 @@ class PipelineSimResult:
     notes: tuple[str, ...] = ()
     backward_input: tuple[float, ...] = ()
     backward_weight: tuple[float, ...] = ()
+    accumulate: tuple[float, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -218,7 +227,7 @@ def simulate_pipeline(
         c[pp_dim] = pp_rank
         return _rank_at(shape, c)
 
-    fwd, bwd, acts, unsharded, in_bytes = [], [], [], [], []
+    fwd, bwd, acts, unsharded, in_bytes, adds, kept = [], [], [], [], [], [], []
     bwd_in, bwd_w = [], []  # a split backward's halves (see [Note: pricing a pipeline schedule])
     static: list[dict] = []
     opt_s: list[float] = []
@@ -261,6 +270,8 @@ def simulate_pipeline(
         opt_s.append(one.optimizer_time)
         static.append({k: one.memory[k] for k in ("params", "grads", "optimizer_state")})
         unsharded.append(one.memory["unsharded_peak"])  # reshard_after_forward=False: every unit of the stage at once
+        adds.append(sum(accumulate_work(sp, u).seconds(hardware) for u in sp.units))
+        kept.append(sum(kept_grad_bytes(sp, u) for u in sp.units) if schedule_.micro_batches > 1 else 0)
 
     hops, p2p = [], []
     for s in range(S - 1):
@@ -272,13 +283,14 @@ def simulate_pipeline(
     start = [sum(gather_s[s] for s in ss) for ss in per_rank]
     after = [sum(reduce_s[s] for s in ss) for ss in per_rank]
     times = pipeline_times(schedule_, fwd, bwd, transfer=hops, start=start, after=after, activations=acts, plan=plan,
-                           backward_input=bwd_in, backward_weight=bwd_w)
+                           backward_input=bwd_in, backward_weight=bwd_w, accumulate=adds)
     optimizer_r = [sum(opt_s[s] for s in ss) for ss in per_rank]
     step = max(t + o for t, o in zip(times.finish, optimizer_r))
     memory = []
     for r, ss in enumerate(per_rank):
         m = {k: sum(static[s][k] for s in ss) for k in ("params", "grads", "optimizer_state")}
         m["unsharded"] = sum(unsharded[s] for s in ss)
+        m["accumulated"] = sum(kept[s] for s in ss)
         m["activations"] = times.peak_activations[r]
         m["peak"] = sum(m.values())
         memory.append(m)
@@ -290,4 +302,4 @@ def simulate_pipeline(
                    if (n := over_memory(int(m["peak"] * (1.0 + hardware.memory_reserve)), hardware, f" on pp rank {r}")))
     return PipelineSimResult(step, times, tuple(fwd), tuple(bwd), tuple(hops), tuple(p2p), tuple(start), tuple(after),
                              tuple(optimizer_r), tuple(memory), tokens, plan.world_size, schedule_, hardware, notes,
-                             tuple(bwd_in), tuple(bwd_w))
+                             tuple(bwd_in), tuple(bwd_w), tuple(adds))

@@ -106,6 +106,18 @@ class Span(NamedTuple):
         return f"{self.kind} {unit}" if self.unit is not None else self.kind
 
 
+def kept_grad_bytes(plan, unit) -> int:
+    """Bytes of a unit's full gradients kept over micro-batches, in its reduce dtype."""
+    return unit.numel * plan.reduce_dtype(unit).itemsize
+
+
+def accumulate_work(plan, unit) -> Work:
+    """Adding one micro-batch's full gradients of ``unit`` to the kept sum: read both, write
+    one, in the reduce dtype, one operator per parameter. The one-stage and the pipelined
+    simulators price accumulation with it."""
+    return Work(bytes=3 * kept_grad_bytes(plan, unit), ops=len(unit.params))
+
+
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     """A predicted training step on one rank.
@@ -395,12 +407,11 @@ class _Builder:
         """Summed into a kept full gradient, nothing sent."""
         name = s.op.unit
         unit = self.units[name]
-        r_item = self.plan.reduce_dtype(unit).itemsize
         self.drop("grads", name)
-        self.compute(Work(bytes=3 * unit.numel * r_item, ops=len(unit.params)), "copy", name)
+        self.compute(accumulate_work(self.plan, unit), "copy", name)
         if ("acc", name) not in self.held:
             self.held[("acc", name)] = 0
-            self.hold("grads", "acc " + name, unit.numel * r_item)
+            self.hold("grads", "acc " + name, kept_grad_bytes(self.plan, unit))
 
     def reduce(self, s: StepOp) -> None:
         name = s.op.unit
