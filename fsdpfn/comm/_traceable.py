@@ -114,6 +114,8 @@ def graph_collectives(gm) -> list:
         if getattr(node.target, "namespace", None) != "_c10d_functional" or name not in _OPS:
             continue
         kind = _OPS[name]
+        if kind == "all_to_all" and _summed_over_ranks(node):
+            kind = "reduce_scatter"
         src, out = node.args[0].meta.get("val"), node.meta.get("val")
         if src is None or out is None:
             continue
@@ -121,6 +123,33 @@ def graph_collectives(gm) -> list:
         w = _group_size_of(node.args[-1])
         calls.append(CollectiveCall(kind, w, big, wire_bytes(kind, w, big), src.dtype, "compiled"))
     return calls
+
+
+# [Note: a reduce-scatter summed in a wider dtype]
+# A reduce-scatter whose output is wider than its input (bf16 on the wire, an fp32 sum) is, in a
+# traced graph, an all-to-all of the ranks' parts and a sum over them (the functional
+# reduce-scatter sums in its input's dtype): see traced_reduce_scatter. Eager records it as the
+# reduce-scatter it is, and the op list and plan.cost() name it so; the graph's reader decides by
+# what the graph computes with the received parts, whoever wrote it: an all-to-all whose every
+# use, through its wait and shape-only views, is a sum over the leading (source-rank) dim is a
+# reduce-scatter.
+_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "unflatten", "alias"})
+
+
+def _summed_over_ranks(node) -> bool:
+    def name(n) -> str:
+        return getattr(n.target, "__name__", "").split(".")[0] if n.op == "call_function" else ""
+
+    frontier, seen_sum = list(node.users), False
+    while frontier:
+        user = frontier.pop()
+        if name(user) in ("wait_tensor", *_VIEWS):
+            frontier.extend(user.users)
+        elif name(user) == "sum" and list(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", ())) == [0]:
+            seen_sum = True
+        else:
+            return False
+    return seen_sum
 
 
 def _group_size_of(group_name) -> int:
