@@ -106,12 +106,8 @@ def _start_pool(world_size: int, pg_timeout_s: float) -> _Pool:
     # process group, and forks every worker of every pool from it: a pool of any size, and each
     # replacement of a pool after a failed call, starts in a fraction of a second. A worker still
     # gets this process's sys.path, working directory and main module (multiprocessing sends
-    # them), but the environment of the moment the server started (the first pool). Dynamo,
-    # which fsdpfn's transforms import on first use, and inductor's compiler and partitioner,
-    # which a worker's first torch.compile imports, are imported there too (0.7 and 1.6
-    # CPU-seconds a worker); none of them starts a thread or a process on import.
-    ctx.set_forkserver_preload(["fsdpfn.testing._harness", "torch._dynamo", "torch._inductor.compile_fx",
-                                "torch._functorch.partitioners"])
+    # them), but the environment of the moment the server started (the first pool).
+    ctx.set_forkserver_preload(["fsdpfn.testing._harness"])
     folder = tempfile.mkdtemp(prefix="fsdpfn_gloo_")
     init_file = os.path.join(folder, f"store_{world_size}")
     results = ctx.Queue()
