@@ -9,6 +9,8 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
+from fsdpfn.testing._harness import take_started_processes
+
 # Each example may cross process boundaries (a gloo round trip): no per-example deadline.
 settings.register_profile(
     "fsdpfn",
@@ -25,9 +27,11 @@ os.environ.setdefault("FSDPFN_WORKER_WARNINGS", "error")
 # [Note: the two tiers of the suite]
 # `make test` runs what runs in this process and in the session's gloo worker pools; a test that
 # starts a fresh process (a documented command as written, an example script, a launch of ranks,
-# a fault scenario) pays a few seconds of interpreter and torch start-up per process, so it is
-# marked `e2e` (or `faults`) and `make test-e2e` runs it. The split is checked, not kept by hand:
-# a test outside those markers that starts a process fails, naming what it started. To find the
+# a fault scenario, inductor's code generation with its C++ compiler and compile workers) pays
+# seconds of start-up per process, so it is marked `e2e` (or `faults`) and `make test-e2e` runs
+# it. The split is checked, not kept by hand: a test outside those markers that starts a process,
+# here or in one of the pools' ranks (fsdpfn.testing's [Note: the processes a task starts]),
+# fails, naming what it started. To find the
 # tests a change of this rule moves, FSDPFN_FRESH_PROCESS_REPORT=FILE writes each offender's id
 # to FILE instead of failing it (a survey, never CI's setting).
 _FRESH: dict = {"item": None, "started": []}
@@ -40,12 +44,18 @@ def _fresh_process(what: str) -> None:
         _FRESH["started"].append(what)
 
 
+def _is_fresh(argv: list[str]) -> bool:
+    """Interpreters, compilers (inductor's generated C++), and make without -n (its recipes run
+    them); git or `make -n` cost milliseconds."""
+    name = os.path.basename(argv[0]) if argv else ""
+    return bool(re.search(r"python|torchrun|mkdocs|mypy|pytest|g\+\+|gcc|clang|^c\+\+$|^cc$", name)
+                or (name == "make" and "-n" not in argv))
+
+
 def _audit(event, args):
     if event == "subprocess.Popen":
         argv = [str(a) for a in (args[1] if isinstance(args[1], (list, tuple)) else str(args[1]).split())]
-        # Interpreters, and make without -n (its recipes run them); git or `make -n` cost milliseconds.
-        if argv and (re.search(r"python|torchrun|mkdocs|mypy|pytest", os.path.basename(argv[0]))
-                     or (os.path.basename(argv[0]) == "make" and "-n" not in argv)):
+        if _is_fresh(argv):
             _fresh_process(" ".join(argv)[:200])
     elif event in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn"):
         _fresh_process(event)
@@ -65,6 +75,10 @@ multiprocessing.process.BaseProcess.start = _start_checked
 
 
 def _check_fresh(item, phase):
+    # and what the ranks of the pools started (inductor compiles inside a rank)
+    for rank, command in take_started_processes():
+        if _is_fresh(command.split()):
+            _fresh_process(f"rank {rank}: {command}")
     started, _FRESH["started"] = _FRESH["started"], []
     if not started:
         return

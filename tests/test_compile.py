@@ -27,6 +27,11 @@ STEPS, LR, PER_RANK = 5, 0.2, 2
 # that takes longer than this, not the plugin's default 180 s.
 COMPILE_TIMEOUT = 900
 
+# inductor generates C++ and runs a compiler and its compile workers in the compiling rank: fresh
+# processes, so its tests run in `make test-e2e` (see [Note: the two tiers of the suite] in
+# conftest.py). The aot_eager tests here check the same graphs and collectives in `make test`.
+INDUCTOR = pytest.mark.e2e
+
 # float32's unit roundoff.
 U32 = 2.0**-24
 
@@ -165,9 +170,10 @@ def _once(run_on_ranks, fn, world, *args):
 # _tol. zero2 is compiled for test_zero3_reshards_after_forward_under_compile anyway: its 5 steps
 # are checked here too.
 @pytest.mark.parametrize("strategy, mesh_shape, overlap, backend", [
-    ("zero3", (2,), False, "aot_eager"), ("zero2", (2,), False, "aot_eager"), ("replicate", (2,), False, "aot_eager"),
-    ("zero3", (2, 1), False, "aot_eager"), ("zero3", (2,), True, "inductor")],
-    ids=["zero3", "zero2", "replicate", "hsdp", "zero3-inductor-overlap"])
+    pytest.param("zero3", (2,), False, "aot_eager", id="zero3"), pytest.param("zero2", (2,), False, "aot_eager", id="zero2"),
+    pytest.param("replicate", (2,), False, "aot_eager", id="replicate"),
+    pytest.param("zero3", (2, 1), False, "aot_eager", id="hsdp"),
+    pytest.param("zero3", (2,), True, "inductor", marks=INDUCTOR, id="zero3-inductor-overlap")])
 def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape, overlap, backend):
     exact = backend == "aot_eager"
     for (graphs, breaks, reasons, grad_err, loss_err, param_err, counts, expected), _ in _once(
@@ -431,6 +437,7 @@ def _per_unit_inductor(rank, world):
     return units, max(_rel(got[n].to_local(), want[n].to_local()) for n in want)
 
 
+@INDUCTOR
 def test_per_unit_compile_with_inductor(run_on_ranks):
     """inductor's kernels reorder the blocks' float32 sums: within the bound of _tol."""
     for units, err in run_on_ranks(_per_unit_inductor, 2, timeout=COMPILE_TIMEOUT):
@@ -519,9 +526,9 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches, backend="inductor
 # zero3-inductor-overlap, so it runs on aot_eager here (bitwise eager's). One inductor run for
 # torch.compile of the forward under rt.bind; the other prefetch depth and the whole step with
 # loss.backward() on aot_eager: bitwise eager's.
-@pytest.mark.parametrize("style, prefetch, backend", [("func", 1, "aot_eager"), ("backward", 0, "inductor"),
-                                                      ("backward", 2, "aot_eager"), ("whole-step", 1, "aot_eager")],
-                         ids=["func-1", "backward-0", "backward-2", "whole-step-1"])
+@pytest.mark.parametrize("style, prefetch, backend", [
+    pytest.param("func", 1, "aot_eager", id="func-1"), pytest.param("backward", 0, "inductor", marks=INDUCTOR, id="backward-0"),
+    pytest.param("backward", 2, "aot_eager", id="backward-2"), pytest.param("whole-step", 1, "aot_eager", id="whole-step-1")])
 def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetch, backend):
     """Under compile the runtime runs the pure path (the compiler orders the collectives, see
     [Note: the runtime under torch.compile]); prefetch changes nothing in the numbers, and the

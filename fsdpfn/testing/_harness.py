@@ -24,6 +24,7 @@ import pickle
 import queue as queue_mod
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -36,7 +37,7 @@ from fsdpfn import comm
 from fsdpfn.launch import (RankError, check_picklable, load_task, process_stopped, raise_rank_errors, shutdown, start_rank,
                            stopped_after_error)
 
-__all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh"]
+__all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh", "take_started_processes"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("FSDPFN_TEST_TIMEOUT", "180"))
 # After one rank fails, how long the others get to finish before we declare them stuck.
@@ -55,6 +56,35 @@ class _Pool:
 
 _POOLS: dict[int, _Pool] = {}
 
+# [Note: the processes a task starts]
+# A test suite that keeps its process-starting tests apart (fsdpfn's own: tests/conftest.py) must
+# also see the processes its ranks start: torch.compile's inductor runs a C++ compiler and starts
+# compile workers inside the rank that compiles. Each worker records the commands (the
+# ``subprocess.Popen`` audit event) its current task started and sends them back with its result;
+# the caller's process keeps them until the suite takes them (:func:`take_started_processes`).
+# One list per process because a process runs one task at a time.
+_STARTED: list[str] = []
+_STARTED_BY_RANKS: list[tuple[int, str]] = []  # in the caller: (rank, command), until taken
+
+
+def _record_started(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        argv = args[1] if isinstance(args[1], (list, tuple)) else str(args[1]).split()
+        _STARTED.append(" ".join(map(str, argv))[:200])
+
+
+def take_started_processes() -> list[tuple[int, str]]:
+    """``(rank, command)`` of every process the ranks' tasks started since the last call (see
+    [Note: the processes a task starts]), and forgets them.
+
+    Example:
+      >>> take_started_processes()  # no task ran in this process yet
+      []
+    """
+    out = list(_STARTED_BY_RANKS)
+    _STARTED_BY_RANKS.clear()
+    return out
+
 
 def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeout_s: float) -> None:
     # Suites that run with warnings as errors can ask the same of their ranks.
@@ -65,6 +95,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
     # A call that times out asks each silent rank where it is (see _stacks_of).
     stacks = open(_stacks_path(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    sys.addaudithook(_record_started)
     healthy = True
     while True:
         task = tasks.get()
@@ -72,6 +103,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
             break
         task_id, payload = task
         comm.set_job(f"task {task_id}")
+        _STARTED.clear()
         try:
             # Loaded here, not by the queue, so that a function this process cannot find comes
             # back as an error with its reason instead of killing the worker.
@@ -84,9 +116,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, pg_timeo
         # the pool rather than run the next test on them.
         healthy = comm.healthy()
         try:
-            results.put((task_id, rank, out, healthy))
+            results.put((task_id, rank, out, healthy, list(_STARTED)))
         except Exception:  # the result did not pickle
-            results.put((task_id, rank, ("error", traceback.format_exc()), healthy))
+            results.put((task_id, rank, ("error", traceback.format_exc()), healthy, list(_STARTED)))
         if not healthy:
             # Idle until the caller replaces the pool (it does after a failed collective): a
             # peer still diagnosing the same failure must find this rank failed, not exited.
@@ -239,7 +271,7 @@ def run_on_ranks(
         if remaining <= 0:
             break
         try:
-            got_id, rank, out, ok = pool.results.get(timeout=min(remaining, 1.0))
+            got_id, rank, out, ok, started = pool.results.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
             if not all(p.is_alive() for p in pool.procs):
                 dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
@@ -256,6 +288,7 @@ def run_on_ranks(
             continue
         if got_id != task_id:  # a stale answer from a call that timed out
             continue
+        _STARTED_BY_RANKS.extend((rank, cmd) for cmd in started)
         answers[rank] = out
         healthy = healthy and ok
         if out[0] == "error":
