@@ -250,6 +250,7 @@ def _eager_vs_compiled(rank, world):
     return same, sorted(set(map(key, counter.calls))), sorted(set(map(key, compiled_counter.calls)))
 
 
+@pytest.mark.compile  # dynamo's trace in each rank: `make test-e2e` (tests/test_compile.py says why)
 def test_the_compiled_step_runs_the_same_codec(run_on_ranks):
     # One gather and one reduce, written once: torch.compile only swaps the collectives for
     # traceable ones. The float32 sum of the bfloat16 parts runs after an all-to-all there (the

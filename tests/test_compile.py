@@ -29,8 +29,14 @@ COMPILE_TIMEOUT = 900
 
 # inductor generates C++ and runs a compiler and its compile workers in the compiling rank: fresh
 # processes, so its tests run in `make test-e2e` (see [Note: the two tiers of the suite] in
-# conftest.py). The aot_eager tests here check the same graphs and collectives in `make test`.
+# conftest.py).
 INDUCTOR = pytest.mark.e2e
+# Every other compile but one is traced by dynamo and AOTAutograd in each rank: 10 to 15
+# CPU-seconds per step function per rank on a 2-core machine, whatever we trim, 200 s for this
+# file. They run in `make test-e2e` (the `compile` marker); `make test` keeps one compiled step
+# (the zero3 pure loop on aot_eager: one graph, its collectives, eager's numbers bitwise) and the
+# refusals, which compile nothing.
+COMPILE = pytest.mark.compile
 
 # float32's unit roundoff.
 U32 = 2.0**-24
@@ -170,9 +176,9 @@ def _once(run_on_ranks, fn, world, *args):
 # _tol. zero2 is compiled for test_zero3_reshards_after_forward_under_compile anyway: its 5 steps
 # are checked here too.
 @pytest.mark.parametrize("strategy, mesh_shape, overlap, backend", [
-    pytest.param("zero3", (2,), False, "aot_eager", id="zero3"), pytest.param("zero2", (2,), False, "aot_eager", id="zero2"),
-    pytest.param("replicate", (2,), False, "aot_eager", id="replicate"),
-    pytest.param("zero3", (2, 1), False, "aot_eager", id="hsdp"),
+    pytest.param("zero3", (2,), False, "aot_eager", id="zero3"), pytest.param("zero2", (2,), False, "aot_eager", marks=COMPILE, id="zero2"),
+    pytest.param("replicate", (2,), False, "aot_eager", marks=COMPILE, id="replicate"),
+    pytest.param("zero3", (2, 1), False, "aot_eager", marks=COMPILE, id="hsdp"),
     pytest.param("zero3", (2,), True, "inductor", marks=INDUCTOR, id="zero3-inductor-overlap")])
 def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape, overlap, backend):
     exact = backend == "aot_eager"
@@ -199,7 +205,7 @@ def _func_grad_under_compile(rank, world, fullgraph):
     return "grads", max(_rel(got[n].to_local(), want[n].to_local()) for n in want)
 
 
-@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=COMPILE)])
 def test_compiled_func_grad_is_refused_or_eager_exact(run_on_ranks, fullgraph):
     """torch 2.13 drops a custom autograd.Function's backward under torch.compile(torch.func.grad):
     fsdpfn must raise (fullgraph) or fall back to the eager, exact gradients (graph break)."""
@@ -263,6 +269,7 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
     return first, _graphs(), same, calls
 
 
+@COMPILE
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
 def test_fp8_gathers_compile_with_the_eager_bytes(run_on_ranks, recipe):
     """FP8 gathers compile: one graph, the same E4M3 bytes and scales on the wire (every
@@ -276,6 +283,7 @@ def test_fp8_gathers_compile_with_the_eager_bytes(run_on_ranks, recipe):
         assert compiled == eager and any(c[0] == "all_gather" and c[3] == torch.uint8 for c in compiled)
 
 
+@COMPILE
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
     """(dp=2, tp=2) on 4 ranks: the tp activation all-reduces and the rowwise biases' zeros on tp
@@ -293,6 +301,7 @@ def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
         assert compiled == eager
 
 
+@COMPILE
 def test_zero3_reshards_after_forward_under_compile(run_on_ranks):
     """zero3 under compile: the forward graph keeps the local shards, not the full weights, and
     the backward graph gathers every unit again; zero2 keeps the full weights (one gather). The
@@ -324,6 +333,7 @@ def _runtime_reshard_choice(rank, world):
     return out
 
 
+@COMPILE
 def test_the_compiled_runtime_reshards_what_its_schedule_reshards(run_on_ranks):
     """reshard_after_forward=None: the zero3 blocks are gathered again in backward, the root is
     kept (the schedule's default); False: nothing is; True: every unit is. None is the runtime's
@@ -404,6 +414,7 @@ PER_UNIT = [
 ]
 
 
+@COMPILE
 def test_per_unit_compile_keeps_the_schedule_and_the_eager_numbers(run_on_ranks):
     """Runtime.compile_units: every block's forward compiled (fullgraph, so no break), the
     gathers, prefetch, reshard, reduces, FP8 gathers and offload copies the runtime's own. The
@@ -416,6 +427,7 @@ def test_per_unit_compile_keeps_the_schedule_and_the_eager_numbers(run_on_ranks)
             assert same and same_calls, config
 
 
+@COMPILE
 def test_per_unit_compile_under_tensor_parallelism(run_on_ranks):
     """(dp=2, tp=2): the blocks' tp all-reduces traced into the compiled unit, both styles."""
     configs = [("zero3", (2, 2), ("dp", "tp"), style, 1, {"tp": True}) for style in ("func", "backward")]
@@ -526,6 +538,7 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches, backend="inductor
 # zero3-inductor-overlap, so it runs on aot_eager here (bitwise eager's). One inductor run for
 # torch.compile of the forward under rt.bind; the other prefetch depth and the whole step with
 # loss.backward() on aot_eager: bitwise eager's.
+@COMPILE
 @pytest.mark.parametrize("style, prefetch, backend", [
     pytest.param("func", 1, "aot_eager", id="func-1"), pytest.param("backward", 0, "inductor", marks=INDUCTOR, id="backward-0"),
     pytest.param("backward", 2, "aot_eager", id="backward-2"), pytest.param("whole-step", 1, "aot_eager", id="whole-step-1")])

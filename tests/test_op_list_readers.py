@@ -250,6 +250,7 @@ def _compiled_runtime_gathers(rank, world):
     return resharded, ctr.counts()["all_gather"], sum(c.kind == "all_gather" for c in listed), len(plan.units)
 
 
+@pytest.mark.compile  # dynamo's trace in each rank: `make test-e2e` (tests/test_compile.py says why)
 def test_the_compiled_runtime_regathers_what_a_hand_edited_schedule_frees(run_on_ranks):
     for resharded, counted, listed, n in run_on_ranks(_compiled_runtime_gathers, 2, timeout=900):
         assert resharded == ["", "blocks.1"]
