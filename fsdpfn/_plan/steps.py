@@ -6,7 +6,7 @@ micro-batches, how gradients accumulate and the tokens an activation holds, and 
 the collectives it issues; :func:`step_collectives` lists them, call by call, as
 :mod:`fsdpfn.comm` records them: kind, the unit (and tag), the mesh axis and its role, the group
 size, the full buffer's bytes, its dtype, and the phase (forward or backward) and micro-batch it
-runs in. Bytes sent follow :func:`fsdpfn._plan.wire.wire_bytes`, the counter's own formula.
+runs in. Bytes sent follow :func:`fsdpfn._wire.wire_bytes`, the counter's own formula.
 Everything else derives from that list:
 
 - :meth:`fsdpfn.Plan.cost` sums it per kind;
@@ -92,7 +92,7 @@ from fsdpfn._plan.placements import unit_row_roles
 from fsdpfn._plan.values import PlanValues, Unit, unit_label
 from fsdpfn._plan.schedule import Op, OpKind
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._plan.wire import wire_bytes
+from fsdpfn._wire import wire_bytes
 
 __all__ = ["Collective", "CollectiveCost", "PHASES", "StepOp", "micro_batch_ops", "reduces_now", "static_memory", "step_collectives",
            "step_ops", "totals", "unsharded_bytes", "unsharded_peak"]
@@ -148,7 +148,7 @@ class Collective:
     @property
     def wire_bytes(self) -> float:
         """Bytes one rank sends: ``(g-1)/g`` of the buffer, twice that for an all-reduce
-        (:func:`fsdpfn._plan.wire.wire_bytes`, as the counter records it)."""
+        (:func:`fsdpfn._wire.wire_bytes`, as the counter records it)."""
         return wire_bytes(self.kind, self.group_size, self.nbytes)
 
     @property

@@ -409,7 +409,7 @@ def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: i
     Transpose: ``send_recv`` with ``-shift`` (what went forward comes back). It is one
     all-to-all with one non-empty split each way, so it is counted, flight-recorded and bounded
     by the timeout like every collective, on gloo and NCCL alike; its wire bytes are the
-    buffer's (:func:`fsdpfn._plan.wire.wire_bytes`, ``"send_recv"``).
+    buffer's (:func:`fsdpfn._wire.wire_bytes`, ``"send_recv"``).
 
     Example:
       >>> out = torch.empty(2)

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from fsdpfn._plan.wire import wire_bytes
+from fsdpfn._wire import wire_bytes
 from fsdpfn.comm import _groups
 
 __all__ = [
@@ -94,7 +94,7 @@ class CollectiveCall(NamedTuple):
       wire_bytes: bytes each rank sends under a bandwidth-optimal algorithm:
         ``(W-1)/W * nbytes`` for all-gather, reduce-scatter, all-to-all and broadcast,
         ``2 (W-1)/W * nbytes`` for all-reduce and a barrier (a one-element all-reduce); see
-        [Note: bytes on the wire] in ``fsdpfn/_plan/wire.py``, which every predicted figure shares.
+        [Note: bytes on the wire] in ``fsdpfn/_wire.py``, which every predicted figure shares.
       dtype: the element type sent.
       tag: free-form label given by the caller (a unit name), or ``""``.
     """

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from fsdpfn._plan.wire import wire_bytes
+from fsdpfn._wire import wire_bytes
 
 __all__ = ["compiling", "count_compiled", "graph_collectives", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter"]
 

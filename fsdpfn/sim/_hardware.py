@@ -43,14 +43,14 @@ from typing import Mapping, Union, cast
 
 import torch
 
-from fsdpfn._plan.wire import ring_steps, wire_bytes
+from fsdpfn._wire import ring_steps, wire_bytes
 from fsdpfn.sim import _rates
 from fsdpfn.sim._kernels import Kernels, _dtype_key
 
 __all__ = ["A100_SXM", "A100_SXM_40GB", "H100_96GB_500W", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Kernels", "Link", "PRESETS", "collective_steps", "wire_bytes"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-# Each hop pays ``alpha``: the ring's hops, as the counter's bytes, come from fsdpfn._plan.wire.
+# Each hop pays ``alpha``: the ring's hops, as the counter's bytes, come from fsdpfn._wire.
 collective_steps = ring_steps
 
 

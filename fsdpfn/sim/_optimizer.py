@@ -51,7 +51,7 @@ from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import mesh_dims, unit_row_roles
 from fsdpfn._rows import chunk_bounds
-from fsdpfn._plan.wire import wire_bytes
+from fsdpfn._wire import wire_bytes
 from fsdpfn.sim._workload import EMPTY, Work, count_work
 
 __all__ = ["AdamW", "CommCost", "Muon", "OptimizerCost", "Wait", "local_shapes", "owner_loads"]
