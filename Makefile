@@ -17,7 +17,7 @@ DEMO_EXTRAS ?= demo
 EXTRAS ?= test,demo,hf,docs,ft
 # The module each extra must make importable: setup re-runs pip when one is missing.
 MODULES_base := torch optree safetensors
-MODULES_test := pytest hypothesis mypy
+MODULES_test := pytest hypothesis mypy ruff
 MODULES_demo := matplotlib tqdm
 MODULES_hf := transformers
 MODULES_docs := mkdocs mkdocstrings
@@ -48,7 +48,8 @@ demo: EXTRAS = $(DEMO_EXTRAS)
 demo: setup
 	$(PYTHON) examples/train_gpt.py
 
-# --durations: the slowest tests of each run, listed at its end, to keep the suite short.
+# --durations: the slowest tests of each run, listed at its end, to keep the suite short. The
+# formatter and the linter run first (a second each): `ruff format .` fixes what the first reports.
 # `make test` is every test that runs in pytest's process and its persistent gloo worker pools;
 # `make test-e2e` every test that starts fresh processes (pytest's `e2e` marker: the documented
 # commands and example scripts run as written, launches of ranks, exits and signals) and the real
@@ -57,6 +58,8 @@ demo: setup
 # trace costs 10-15 CPU-seconds per step function per rank). tests/conftest.py fails a test
 # outside those markers that starts a process, so the split holds. CI (.ci/run) runs both.
 test: setup
+	$(PYTHON) -m ruff format --check --quiet .
+	$(PYTHON) -m ruff check --quiet .
 	$(PYTHON) -m pytest -q --durations=25 -m "not e2e and not faults and not compile"
 
 test-e2e: setup

@@ -95,8 +95,10 @@ def _full(t):
 def _rel(got: dict, want: dict) -> float:
     """The largest norm-wise relative difference over the parameters (both trees whole)."""
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-    return max(((_full(got[n]).float() - want[n].float()).norm() / want[n].float().norm().clamp_min(1e-30)).item()
-               for n in want)
+    return max(
+        ((_full(got[n]).float() - want[n].float()).norm() / want[n].float().norm().clamp_min(1e-30)).item()
+        for n in want
+    )
 
 
 def _params(model):
@@ -108,7 +110,9 @@ def _ref_grads(model, x, y, loss=_ce):
 
 
 def _pure_grads(runner, plan, params, x, y, loss=_ce):
-    return torch.func.grad(lambda ps: loss(torch.func.functional_call(runner, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+    return torch.func.grad(lambda ps: loss(torch.func.functional_call(runner, fsdpfn.unshard(ps, plan), (x,)), y))(
+        params
+    )
 
 
 def _mismatch(got: dict, want: dict) -> float:
@@ -189,10 +193,14 @@ def _moe_step(layer, experts=None, mesh=((2, 1), ("ep", "edp"))) -> float:
     plan = fsdpfn.plan(model, testing.mesh(*mesh), experts=experts)
     params = fsdpfn.shard(model, plan)
     me = fsdpfn.transforms.dp_rank(plan)
-    grads = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (_tokens(me),)))(params)
+    grads = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (_tokens(me),)))(
+        params
+    )
     ref = _moe_net(layer)
     n = 2  # every case's mesh spans both ranks, each a data-parallel rank of its own tokens
-    want = torch.func.grad(lambda ps: sum(torch.func.functional_call(ref, ps, (_tokens(r),)) for r in range(n)) / n)(_params(ref))
+    want = torch.func.grad(lambda ps: sum(torch.func.functional_call(ref, ps, (_tokens(r),)) for r in range(n)) / n)(
+        _params(ref)
+    )
     return _rel(grads, want)
 
 
@@ -231,7 +239,9 @@ def _remat_step(kind, policy) -> float:
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(4))
     me = slice(2 * fsdpfn.transforms.dp_rank(plan), 2 * fsdpfn.transforms.dp_rank(plan) + 2)
-    grads = torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[me],)), y[me]))(params)
+    grads = torch.func.grad(
+        lambda ps: F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[me],)), y[me])
+    )(params)
     return _rel(grads, _ref_grads(make(), x, y, F.cross_entropy))
 
 
@@ -272,18 +282,24 @@ def _unit_remats(remat, want) -> float:
 
 
 def remat_pattern_matches_nothing(rank, world):
-    return _unit_remats({"blocks.9": "full"}, {"<root>": "none", **{f"blocks.{i}": "none" for i in range(8)}, "blocks.9": "full"})
+    return _unit_remats(
+        {"blocks.9": "full"}, {"<root>": "none", **{f"blocks.{i}": "none" for i in range(8)}, "blocks.9": "full"}
+    )
 
 
 def remat_overlap_memory_page(rank, world):
     # The memory page's example, as its comment reads it: blocks 0-5 full, the others save_dots.
-    return _unit_remats({"blocks.[0-5]": "full", "blocks.*": "save_dots"},
-                        {"<root>": "none", **{f"blocks.{i}": "full" if i < 6 else "save_dots" for i in range(8)}})
+    return _unit_remats(
+        {"blocks.[0-5]": "full", "blocks.*": "save_dots"},
+        {"<root>": "none", **{f"blocks.{i}": "full" if i < 6 else "save_dots" for i in range(8)}},
+    )
 
 
 def remat_overlap_reversed(rank, world):
-    return _unit_remats({"blocks.*": "save_dots", "blocks.[0-5]": "full"},
-                        {"<root>": "none", **{f"blocks.{i}": "full" if i < 6 else "save_dots" for i in range(8)}})
+    return _unit_remats(
+        {"blocks.*": "save_dots", "blocks.[0-5]": "full"},
+        {"<root>": "none", **{f"blocks.{i}": "full" if i < 6 else "save_dots" for i in range(8)}},
+    )
 
 
 def _muon_blocks(blocks, meant) -> float:
@@ -335,7 +351,9 @@ def experts_pattern_matches_nothing(rank, world):
 
 def fp8_exclude_matches_nothing(rank, world):
     policy = fsdpfn.fp8.Float8GatherPolicy(exclude=["*.head.weight"])
-    plan = fsdpfn.plan(_gpt(width=32), testing.mesh((2,)), mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8=policy))
+    plan = fsdpfn.plan(
+        _gpt(width=32), testing.mesh((2,)), mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8=policy)
+    )
     return 1.0 if plan else 0.0  # accepted: the exclusion the user wrote applies to nothing
 
 
@@ -395,8 +413,15 @@ def _hf_llama(kv_heads=2, heads=4):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -508,10 +533,12 @@ def hf_model_output(rank, world):
     params = fsdpfn.shard(model, plan)
     rt = Runtime(model, plan)
     tokens = torch.arange(4 * 9).view(4, 9) % 32
-    mine = tokens[2 * rank: 2 * rank + 2]
+    mine = tokens[2 * rank : 2 * rank + 2]
     grads, _ = rt.value_and_grad(lambda ps: rt.apply(ps, mine, labels=mine, use_cache=False).loss)(params)
     ref = _hf_llama()
-    want = torch.func.grad(lambda ps: torch.func.functional_call(ref, ps, (tokens,), {"labels": tokens, "use_cache": False}).loss)(_params(ref))
+    want = torch.func.grad(
+        lambda ps: torch.func.functional_call(ref, ps, (tokens,), {"labels": tokens, "use_cache": False}).loss
+    )(_params(ref))
     return _rel(grads, want)
 
 
@@ -596,8 +623,11 @@ def _cp_pure(sdpa_blocks=(), outside=False, ignored=False, global_rank_batch=Fal
     xl, yl = fsdpfn.context_parallel_shard((x[mine], y[mine]), plan)
 
     def loss_fn(ps, x, y):
-        return F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), y.flatten(),
-                               ignore_index=-100)
+        return F.cross_entropy(
+            torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1),
+            y.flatten(),
+            ignore_index=-100,
+        )
 
     if outside:  # a validation forward written outside the block
         with torch.no_grad():
@@ -607,7 +637,9 @@ def _cp_pure(sdpa_blocks=(), outside=False, ignored=False, global_rank_batch=Fal
         grads = torch.func.grad(loss_fn)(params, xl, yl)
     torch.manual_seed(0)
     ref = tv.Net("heads", "unbind", "module", sdpa_blocks)
-    return _rel(grads, _ref_grads(ref, x, y, loss=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=-100)))
+    return _rel(
+        grads, _ref_grads(ref, x, y, loss=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=-100))
+    )
 
 
 def cp_one_block_on_sdpa(rank, world):
@@ -647,15 +679,17 @@ def _pp_step(stage_fn=None, loss_fn=None, rows=None) -> float:
     plan = fsdpfn.plan(model, testing.mesh((2, world // 2), ("pp", "dp")), units=tv.PP_UNITS)
     stages = None
     if stage_fn is not None:
+
         def stages(s, units):
             return stage_fn(model.pipeline_stage(units), s)
+
     pipe = PipelineRuntime(model, plan, "1f1b", 2, loss_fn=loss_fn or _ce, stages=stages)
     params = pipe.shard(model)
     dp = plan.mesh.get_local_rank("dp")
     tokens = torch.randint(0, tv.VOCAB, (12, tv.SEQ + 1), generator=torch.Generator().manual_seed(5))
     sizes = rows or [12 // plan.dp_size] * plan.dp_size
     start = sum(sizes[:dp])
-    mine = tokens[start: start + sizes[dp]]
+    mine = tokens[start : start + sizes[dp]]
     grads, _ = pipe.step(params, mine[:, :-1], mine[:, 1:])
     torch.manual_seed(0)
     want = _ref_grads(GPT(tv.PP_CFG), tokens[:, :-1], tokens[:, 1:])
@@ -710,134 +744,480 @@ def _have_transformers() -> bool:
     return True
 
 
-_S, _T, _M, _P, _R = ("tests/test_guards_step.py", "tests/test_guards_tp_plan.py", "tests/test_guards_muon.py",
-                      "tests/test_guards_patterns.py", "tests/test_guards_runtime_exit.py")
+_S, _T, _M, _P, _R = (
+    "tests/test_guards_step.py",
+    "tests/test_guards_tp_plan.py",
+    "tests/test_guards_muon.py",
+    "tests/test_guards_patterns.py",
+    "tests/test_guards_runtime_exit.py",
+)
 _E = "tests/test_guards_mesh_ep.py"
 _V = "tests/test_verify.py"
 
 CASES: list[Case] = [
     # The numbered silent cases.
-    Case("tp_second_instance", "1. functional_call on a second instance of the model", tp_second_instance,
-         "'blocks.0.qkv'", "fsdpfn.apply_tp(model, plan)", f"{_S}::test_tp_weight_without_its_hooks_raises_on_every_rank"),
-    Case("tp_state_dict", "1. shard(model.state_dict()) of another instance", tp_state_dict,
-         "'blocks.0.qkv'", "fsdpfn.apply_tp(model, plan)", f"{_S}::test_tp_weight_without_its_hooks_raises_on_every_rank"),
-    Case("fused_qkv_colwise", "2. a q|k|v-major fused qkv split 'colwise'", fused_qkv_colwise,
-         "'blocks.0.attn.qkv'", "colwise_fused:3", f"{_T}::test_plain_colwise_on_a_fused_qkv_is_refused_on_every_rank"),
-    Case("fused_qkv_colwise_fused", "2. the same split 'colwise_fused:3'", fused_qkv_colwise_fused,
-         "'blocks.0.attn.qkv'", "", f"{_T}::test_fused_qkv_split_colwise_fused_trains_as_one_process"),
-    Case("batch_by_global_rank", "3. tp peers' batches indexed by the global rank", batch_by_global_rank,
-         "tensor-parallel peers", "dp_rank(plan)", f"{_S}::test_tp_peers_with_different_batches_raise"),
-    Case("moe_without_set_ep_group", "4. a user's MoE layer without set_ep_group", moe_without_set_ep_group,
-         "'blocks.0.moe.w1'", "set_ep_group", f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective"),
-    Case("remat_counter_full", "5. remat='full' on a block with a call counter", remat_counter_full,
-         "'blocks.0'", "", f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop"),
-    Case("remat_counter_save_dots", "5. remat='save_dots', the same block", remat_counter_save_dots,
-         "'blocks.0'", "", f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop"),
-    Case("remat_choice_full", "5. remat='full' on a block with a Python random choice", remat_choice_full,
-         "'blocks.0'", "", f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop"),
-    Case("remat_choice_save_dots", "5. remat='save_dots', the same block", remat_choice_save_dots,
-         "'blocks.0'", "", f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop"),
-    Case("remat_save_names_typo", "6. remat='save_names:atention' (a tag never used)", remat_save_names_typo,
-         "'atention'", "'attention'", f"{_P}::test_save_names_with_an_unused_tag_is_refused_at_the_first_forward"),
-    Case("muon_blocks_typo", "6. muon(blocks={'*qkv.wieght': 6})", muon_blocks_typo,
-         "'*qkv.wieght'", "did you mean", f"{_P}::test_muon_blocks_pattern_matching_nothing_is_refused_at_init"),
-    Case("remat_overlap_memory_page", "7. remat={'blocks.[0-5]': 'full', 'blocks.*': 'save_dots'}", remat_overlap_memory_page,
-         "'blocks.[0-5]'", "", f"{_P}::test_the_memory_page_remat_example_means_what_it_says"),
-    Case("muon_blockwise_tp", "8. blockwise Muon under tp, the lr ratio of a piece", muon_blockwise_tp,
-         "'fc.weight'", "", f"{_M}::test_blockwise_under_tp_scales_each_piece_by_its_own_ratio"),
-    Case("muon_labels_emb_classifier", "9. muon() on a model with 'emb' and 'classifier'", muon_labels_emb_classifier,
-         "'emb.weight'", "", f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names"),
-    Case("muon_labels_tok_emb_unembed", "9. muon() on 'tok_emb' and an untied 'unembed'", muon_labels_tok_emb_unembed,
-         "'tok_emb.weight'", "", f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names"),
-    Case("muon_labels_tied_token_embedding", "9. muon() on a tied 'token_embedding' and a 'pos_table'",
-         muon_labels_tied_token_embedding, "'pos_table'", "", f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names"),
-    Case("ep_1d_mesh", "10. a 1-D mesh named 'ep'", ep_1d_mesh,
-         "'ep'", "mesh_dim_names=('ep', 'edp')", f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective"),
-    Case("unequal_batches", "11. per-rank batches of 3 and 2 rows", unequal_batches,
-         "rank 0: 3, rank 1: 2", "drop_last=True", f"{_S}::test_unequal_dp_batches_raise"),
-    Case("hf_gqa_q_without_kv", "12. HF Llama: q_proj split, k_proj/v_proj whole", hf_gqa_q_without_kv,
-         "k_proj", "'model.layers.*.self_attn.k_proj'", f"{_T}::test_hf_gqa_q_split_without_k_and_v_is_named"),
-    Case("hf_gqa_kv_heads_tp_does_not_divide", "12. HF Llama: 1 kv head on tp=2", hf_gqa_kv_heads_tp_does_not_divide,
-         "num_key_value_heads = 1", "", f"{_T}::test_hf_gqa_kv_heads_tp_does_not_divide_are_named"),
-    Case("mesh_smaller_than_world", "13. init_device_mesh('cpu', (1,)) in a 2-rank job", mesh_smaller_than_world,
-         "world size 2", "init_device_mesh('cpu', (2,))", f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective"),
+    Case(
+        "tp_second_instance",
+        "1. functional_call on a second instance of the model",
+        tp_second_instance,
+        "'blocks.0.qkv'",
+        "fsdpfn.apply_tp(model, plan)",
+        f"{_S}::test_tp_weight_without_its_hooks_raises_on_every_rank",
+    ),
+    Case(
+        "tp_state_dict",
+        "1. shard(model.state_dict()) of another instance",
+        tp_state_dict,
+        "'blocks.0.qkv'",
+        "fsdpfn.apply_tp(model, plan)",
+        f"{_S}::test_tp_weight_without_its_hooks_raises_on_every_rank",
+    ),
+    Case(
+        "fused_qkv_colwise",
+        "2. a q|k|v-major fused qkv split 'colwise'",
+        fused_qkv_colwise,
+        "'blocks.0.attn.qkv'",
+        "colwise_fused:3",
+        f"{_T}::test_plain_colwise_on_a_fused_qkv_is_refused_on_every_rank",
+    ),
+    Case(
+        "fused_qkv_colwise_fused",
+        "2. the same split 'colwise_fused:3'",
+        fused_qkv_colwise_fused,
+        "'blocks.0.attn.qkv'",
+        "",
+        f"{_T}::test_fused_qkv_split_colwise_fused_trains_as_one_process",
+    ),
+    Case(
+        "batch_by_global_rank",
+        "3. tp peers' batches indexed by the global rank",
+        batch_by_global_rank,
+        "tensor-parallel peers",
+        "dp_rank(plan)",
+        f"{_S}::test_tp_peers_with_different_batches_raise",
+    ),
+    Case(
+        "moe_without_set_ep_group",
+        "4. a user's MoE layer without set_ep_group",
+        moe_without_set_ep_group,
+        "'blocks.0.moe.w1'",
+        "set_ep_group",
+        f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective",
+    ),
+    Case(
+        "remat_counter_full",
+        "5. remat='full' on a block with a call counter",
+        remat_counter_full,
+        "'blocks.0'",
+        "",
+        f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop",
+    ),
+    Case(
+        "remat_counter_save_dots",
+        "5. remat='save_dots', the same block",
+        remat_counter_save_dots,
+        "'blocks.0'",
+        "",
+        f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop",
+    ),
+    Case(
+        "remat_choice_full",
+        "5. remat='full' on a block with a Python random choice",
+        remat_choice_full,
+        "'blocks.0'",
+        "",
+        f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop",
+    ),
+    Case(
+        "remat_choice_save_dots",
+        "5. remat='save_dots', the same block",
+        remat_choice_save_dots,
+        "'blocks.0'",
+        "",
+        f"{_P}::test_a_recompute_that_computes_other_numbers_is_refused_in_the_pure_loop",
+    ),
+    Case(
+        "remat_save_names_typo",
+        "6. remat='save_names:atention' (a tag never used)",
+        remat_save_names_typo,
+        "'atention'",
+        "'attention'",
+        f"{_P}::test_save_names_with_an_unused_tag_is_refused_at_the_first_forward",
+    ),
+    Case(
+        "muon_blocks_typo",
+        "6. muon(blocks={'*qkv.wieght': 6})",
+        muon_blocks_typo,
+        "'*qkv.wieght'",
+        "did you mean",
+        f"{_P}::test_muon_blocks_pattern_matching_nothing_is_refused_at_init",
+    ),
+    Case(
+        "remat_overlap_memory_page",
+        "7. remat={'blocks.[0-5]': 'full', 'blocks.*': 'save_dots'}",
+        remat_overlap_memory_page,
+        "'blocks.[0-5]'",
+        "",
+        f"{_P}::test_the_memory_page_remat_example_means_what_it_says",
+    ),
+    Case(
+        "muon_blockwise_tp",
+        "8. blockwise Muon under tp, the lr ratio of a piece",
+        muon_blockwise_tp,
+        "'fc.weight'",
+        "",
+        f"{_M}::test_blockwise_under_tp_scales_each_piece_by_its_own_ratio",
+    ),
+    Case(
+        "muon_labels_emb_classifier",
+        "9. muon() on a model with 'emb' and 'classifier'",
+        muon_labels_emb_classifier,
+        "'emb.weight'",
+        "",
+        f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names",
+    ),
+    Case(
+        "muon_labels_tok_emb_unembed",
+        "9. muon() on 'tok_emb' and an untied 'unembed'",
+        muon_labels_tok_emb_unembed,
+        "'tok_emb.weight'",
+        "",
+        f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names",
+    ),
+    Case(
+        "muon_labels_tied_token_embedding",
+        "9. muon() on a tied 'token_embedding' and a 'pos_table'",
+        muon_labels_tied_token_embedding,
+        "'pos_table'",
+        "",
+        f"{_M}::test_muon_default_name_rule_knows_common_embedding_and_head_names",
+    ),
+    Case(
+        "ep_1d_mesh",
+        "10. a 1-D mesh named 'ep'",
+        ep_1d_mesh,
+        "'ep'",
+        "mesh_dim_names=('ep', 'edp')",
+        f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective",
+    ),
+    Case(
+        "unequal_batches",
+        "11. per-rank batches of 3 and 2 rows",
+        unequal_batches,
+        "rank 0: 3, rank 1: 2",
+        "drop_last=True",
+        f"{_S}::test_unequal_dp_batches_raise",
+    ),
+    Case(
+        "hf_gqa_q_without_kv",
+        "12. HF Llama: q_proj split, k_proj/v_proj whole",
+        hf_gqa_q_without_kv,
+        "k_proj",
+        "'model.layers.*.self_attn.k_proj'",
+        f"{_T}::test_hf_gqa_q_split_without_k_and_v_is_named",
+    ),
+    Case(
+        "hf_gqa_kv_heads_tp_does_not_divide",
+        "12. HF Llama: 1 kv head on tp=2",
+        hf_gqa_kv_heads_tp_does_not_divide,
+        "num_key_value_heads = 1",
+        "",
+        f"{_T}::test_hf_gqa_kv_heads_tp_does_not_divide_are_named",
+    ),
+    Case(
+        "mesh_smaller_than_world",
+        "13. init_device_mesh('cpu', (1,)) in a 2-rank job",
+        mesh_smaller_than_world,
+        "world size 2",
+        "init_device_mesh('cpu', (2,))",
+        f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective",
+    ),
     # The unnamed ones.
-    Case("heads_tp_does_not_divide", "U. 3 heads on tp=2", heads_tp_does_not_divide,
-         "heads = 3", "", f"{_T}::test_head_counts_tp_does_not_divide_are_named"),
-    Case("colwise_without_rowwise", "U. fc colwise, its partner out replicate", colwise_without_rowwise,
-         "'blocks.0.fc'", "rowwise", f"{_T}::test_a_replicated_layer_fed_by_a_colwise_one_is_named"),
-    Case("plan_bound_to_another_mesh", "U. a plan for (2, 2) bound to (1, 2)", plan_bound_to_another_mesh,
-         "(2, 2)", "Build the plan again", f"{_T}::test_tp_layout_errors_reach_every_rank_before_any_collective"),
-    Case("router_as_expert_weight", "U. the router listed as an expert weight", router_as_expert_weight,
-         "'blocks.0.moe.router.weight'", "", f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective"),
-    Case("streamed_cuda_on_cpu", "U. optim.streamed(device='cuda') on a CPU-only torch", streamed_cuda_on_cpu,
-         "device='cuda'", "device='cpu'", f"{_M}::test_streamed_refuses_an_unavailable_device_when_built"),
-    Case("compile_remat_plan", "U. fsdpfn.compile on a remat='full' plan", compile_remat_plan,
-         "'blocks.0'", "fsdpfn.runtime.Runtime", f"{_R}::test_fsdpfn_compile_refuses_a_remat_plan_by_name"),
-    Case("compile_func_grad", "U. torch.compile(torch.func.grad(loss), fullgraph=True)", compile_func_grad,
-         "torch.func.grad", "fsdpfn.compile(loss_fn)", f"{_R}::test_compiled_func_grad_names_fsdpfn_and_the_fix"),
-    Case("tp_style_on_a_block", "U. tp={'blocks.0': 'colwise'} (the '{name}.*' message)", tp_style_on_a_block,
-         "'blocks.0.*'", "", f"{_T}::test_a_style_matching_a_non_linear_names_the_pattern_formatted"),
+    Case(
+        "heads_tp_does_not_divide",
+        "U. 3 heads on tp=2",
+        heads_tp_does_not_divide,
+        "heads = 3",
+        "",
+        f"{_T}::test_head_counts_tp_does_not_divide_are_named",
+    ),
+    Case(
+        "colwise_without_rowwise",
+        "U. fc colwise, its partner out replicate",
+        colwise_without_rowwise,
+        "'blocks.0.fc'",
+        "rowwise",
+        f"{_T}::test_a_replicated_layer_fed_by_a_colwise_one_is_named",
+    ),
+    Case(
+        "plan_bound_to_another_mesh",
+        "U. a plan for (2, 2) bound to (1, 2)",
+        plan_bound_to_another_mesh,
+        "(2, 2)",
+        "Build the plan again",
+        f"{_T}::test_tp_layout_errors_reach_every_rank_before_any_collective",
+    ),
+    Case(
+        "router_as_expert_weight",
+        "U. the router listed as an expert weight",
+        router_as_expert_weight,
+        "'blocks.0.moe.router.weight'",
+        "",
+        f"{_E}::test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collective",
+    ),
+    Case(
+        "streamed_cuda_on_cpu",
+        "U. optim.streamed(device='cuda') on a CPU-only torch",
+        streamed_cuda_on_cpu,
+        "device='cuda'",
+        "device='cpu'",
+        f"{_M}::test_streamed_refuses_an_unavailable_device_when_built",
+    ),
+    Case(
+        "compile_remat_plan",
+        "U. fsdpfn.compile on a remat='full' plan",
+        compile_remat_plan,
+        "'blocks.0'",
+        "fsdpfn.runtime.Runtime",
+        f"{_R}::test_fsdpfn_compile_refuses_a_remat_plan_by_name",
+    ),
+    Case(
+        "compile_func_grad",
+        "U. torch.compile(torch.func.grad(loss), fullgraph=True)",
+        compile_func_grad,
+        "torch.func.grad",
+        "fsdpfn.compile(loss_fn)",
+        f"{_R}::test_compiled_func_grad_names_fsdpfn_and_the_fix",
+    ),
+    Case(
+        "tp_style_on_a_block",
+        "U. tp={'blocks.0': 'colwise'} (the '{name}.*' message)",
+        tp_style_on_a_block,
+        "'blocks.0.*'",
+        "",
+        f"{_T}::test_a_style_matching_a_non_linear_names_the_pattern_formatted",
+    ),
     # The runtime on a Hugging Face model.
-    Case("hf_model_output", "HF: rt.apply on LlamaForCausalLM (a ModelOutput)", hf_model_output,
-         "ModelOutput", "", f"{_R}::test_runtime_on_a_hugging_face_model_matches_plain_torch"),
+    Case(
+        "hf_model_output",
+        "HF: rt.apply on LlamaForCausalLM (a ModelOutput)",
+        hf_model_output,
+        "ModelOutput",
+        "",
+        f"{_R}::test_runtime_on_a_hugging_face_model_matches_plain_torch",
+    ),
     # Every other pattern argument: matching nothing, and overlapping.
-    Case("remat_pattern_matches_nothing", "P. remat={'blocks.9': 'full'} on 8 blocks", remat_pattern_matches_nothing,
-         "'blocks.9'", "did you mean", f"{_P}::test_first_match_is_the_one_rule"),
-    Case("remat_overlap_reversed", "P. remat={'blocks.*': ..., 'blocks.[0-5]': ...}", remat_overlap_reversed,
-         "'blocks.[0-5]'", "", f"{_P}::test_the_memory_page_remat_example_means_what_it_says"),
-    Case("muon_blocks_overlap", "P. muon(blocks={'*qkv.weight': 6, 'blocks.0.qkv.weight': 3})", muon_blocks_overlap,
-         "'blocks.0.qkv.weight'", "", f"{_P}::test_muon_blocks_pattern_matching_nothing_is_refused_at_init"),
-    Case("tp_pattern_matches_nothing", "P. tp={..., 'blocks.*.mlp': 'colwise'}", tp_pattern_matches_nothing,
-         "'blocks.*.mlp'", "did you mean", "tests/test_mesh.py::test_bad_tp_input_is_named_on_every_rank_before_any_collective"),
-    Case("tp_overlap", "P. tp={**GPT_TP_PLAN, 'blocks.0.fc': 'replicate', ...} (later, dead)", tp_overlap,
-         "'blocks.0.fc'", "", f"{_P}::test_tp_first_match_wins_and_dead_patterns_are_refused"),
-    Case("offload_pattern_matches_nothing", "P. offload={'block.*': True}", offload_pattern_matches_nothing,
-         "'block.*'", "did you mean", "tests/test_offload.py::test_offload_per_unit_and_in_the_plan_json"),
-    Case("experts_pattern_matches_nothing", "P. experts=['blocks.*.moe.experts.w9']", experts_pattern_matches_nothing,
-         "'blocks.*.moe.experts.w9'", "did you mean",
-         "tests/test_moe_plan.py::test_bad_expert_plans_are_named_on_every_rank_before_any_collective"),
-    Case("fp8_exclude_matches_nothing", "P. Float8GatherPolicy(exclude=['*.head.weight'])", fp8_exclude_matches_nothing,
-         "'*.head.weight'", "did you mean", "tests/test_fp8_gather.py::test_plan_time_errors_name_the_unit_parameter_or_setting"),
+    Case(
+        "remat_pattern_matches_nothing",
+        "P. remat={'blocks.9': 'full'} on 8 blocks",
+        remat_pattern_matches_nothing,
+        "'blocks.9'",
+        "did you mean",
+        f"{_P}::test_first_match_is_the_one_rule",
+    ),
+    Case(
+        "remat_overlap_reversed",
+        "P. remat={'blocks.*': ..., 'blocks.[0-5]': ...}",
+        remat_overlap_reversed,
+        "'blocks.[0-5]'",
+        "",
+        f"{_P}::test_the_memory_page_remat_example_means_what_it_says",
+    ),
+    Case(
+        "muon_blocks_overlap",
+        "P. muon(blocks={'*qkv.weight': 6, 'blocks.0.qkv.weight': 3})",
+        muon_blocks_overlap,
+        "'blocks.0.qkv.weight'",
+        "",
+        f"{_P}::test_muon_blocks_pattern_matching_nothing_is_refused_at_init",
+    ),
+    Case(
+        "tp_pattern_matches_nothing",
+        "P. tp={..., 'blocks.*.mlp': 'colwise'}",
+        tp_pattern_matches_nothing,
+        "'blocks.*.mlp'",
+        "did you mean",
+        "tests/test_mesh.py::test_bad_tp_input_is_named_on_every_rank_before_any_collective",
+    ),
+    Case(
+        "tp_overlap",
+        "P. tp={**GPT_TP_PLAN, 'blocks.0.fc': 'replicate', ...} (later, dead)",
+        tp_overlap,
+        "'blocks.0.fc'",
+        "",
+        f"{_P}::test_tp_first_match_wins_and_dead_patterns_are_refused",
+    ),
+    Case(
+        "offload_pattern_matches_nothing",
+        "P. offload={'block.*': True}",
+        offload_pattern_matches_nothing,
+        "'block.*'",
+        "did you mean",
+        "tests/test_offload.py::test_offload_per_unit_and_in_the_plan_json",
+    ),
+    Case(
+        "experts_pattern_matches_nothing",
+        "P. experts=['blocks.*.moe.experts.w9']",
+        experts_pattern_matches_nothing,
+        "'blocks.*.moe.experts.w9'",
+        "did you mean",
+        "tests/test_moe_plan.py::test_bad_expert_plans_are_named_on_every_rank_before_any_collective",
+    ),
+    Case(
+        "fp8_exclude_matches_nothing",
+        "P. Float8GatherPolicy(exclude=['*.head.weight'])",
+        fp8_exclude_matches_nothing,
+        "'*.head.weight'",
+        "did you mean",
+        "tests/test_fp8_gather.py::test_plan_time_errors_name_the_unit_parameter_or_setting",
+    ),
     # Other ways of writing a model: the differential check decides (fsdpfn.verify).
-    Case("qkv_cut_by_unbind", "V. q|k|v qkv split 'colwise', cut by view(...).unbind", qkv_cut_by_unbind,
-         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
-    Case("qkv_cut_by_slicing", "V. the same, cut by o[..., :d]", qkv_cut_by_slicing,
-         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
-    Case("qkv_cut_by_permute", "V. the same, cut by reshape + permute", qkv_cut_by_permute,
-         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
-    Case("qkv_cut_by_transpose_chunk", "V. the same, cut by o.transpose(1, 2).chunk(3, 1)", qkv_cut_by_transpose_chunk,
-         "unit 'blocks.0'", "colwise_fused:k", f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut"),
-    Case("head_major_qkv_colwise_fused", "V. a head-major qkv planned 'colwise_fused:3'", head_major_qkv_colwise_fused,
-         "unit 'blocks.0'", "plain 'colwise'", f"{_V}::test_a_head_major_qkv_planned_colwise_fused_is_named"),
-    Case("rowwise_called_as_f_linear", "V. a rowwise layer called as F.linear(h, out.weight)", rowwise_called_as_f_linear,
-         "unit 'blocks.0'", "call the module itself", f"{_V}::test_a_split_layer_called_around_its_module_is_named"),
-    Case("colwise_called_as_dot_forward", "V. a colwise layer called as fc.forward(h)", colwise_called_as_dot_forward,
-         "unit 'blocks.0'", "call the module itself", f"{_V}::test_a_split_layer_called_around_its_module_is_named"),
-    Case("experts_without_w2", "V. experts=['blocks.*.moe.experts.w1'] without w2", experts_without_w2,
-         "unit 'blocks.0'", "w1, w2", f"{_V}::test_experts_with_one_packed_weight_left_out_are_named"),
-    Case("cp_one_block_on_sdpa", "V. cp: block 1 still on F.scaled_dot_product_attention", cp_one_block_on_sdpa,
-         "unit 'blocks.1'", "context_parallel_attention", f"{_V}::test_cp_with_one_block_still_on_plain_sdpa_is_named"),
-    Case("cp_forward_outside_its_block", "V. cp: a validation forward outside the context_parallel block",
-         cp_forward_outside_its_block, "outside `with fsdpfn.context_parallel(plan):`", "context_parallel_shard",
-         f"{_V}::test_a_cp_forward_outside_its_block_is_refused"),
-    Case("cp_ignore_index_uneven", "V. cp: cross_entropy(ignore_index) with the padding on one cp rank", cp_ignore_index_uneven,
-         "the loss the step trains differs", "grad_op='sum'", f"{_V}::test_a_mean_over_each_ranks_counted_tokens_is_named"),
-    Case("dp_cp_batch_by_global_rank", "V. dp 2 x cp 2: the batch indexed by the global rank", dp_cp_batch_by_global_rank,
-         "context-parallel peers", "dp_rank(plan)", f"{_V}::test_cp_peers_that_cut_different_batches_are_named", world=4),
-    Case("cp_on_a_1d_mesh", "V. cp on a 1-D mesh named ('cp',)", cp_on_a_1d_mesh,
-         "1-D mesh named 'cp'", "mesh_dim_names=('dp', 'cp')", "tests/test_mesh.py::test_a_1d_mesh_of_another_parallelism_is_refused_with_the_mesh_to_build"),
-    Case("cp_attention_with_a_mask", "V. context_parallel_attention(q, k, v, mask)", cp_attention_with_a_mask,
-         "attn_mask", "", f"{_V}::test_a_mask_given_to_cp_attention_is_named"),
-    Case("pp_dp_unequal_rows", "V. pp 2 x dp 2 with batches of 8 and 4 rows", pp_dp_unequal_rows,
-         "batches of different sizes", "drop_last=True", f"{_V}::test_the_pipeline_checks_the_batch_on_every_rank", world=4),
-    Case("pp_stage_returns_a_tuple", "V. a pipeline stage returning (hidden,)", pp_stage_returns_a_tuple,
-         "returned a tuple of 1", "layer(x)[0]", f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named"),
-    Case("pp_loss_with_reduction_none", "V. a pipeline loss_fn with reduction='none'", pp_loss_with_reduction_none,
-         "reduction='none'", ".mean()", f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named"),
-    Case("pp_stage_writes_its_input_in_place", "V. a pipeline stage doing `h *= 0.7` on its input",
-         pp_stage_writes_its_input_in_place, "modifies its input in place", "h = h * 0.7",
-         f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named"),
+    Case(
+        "qkv_cut_by_unbind",
+        "V. q|k|v qkv split 'colwise', cut by view(...).unbind",
+        qkv_cut_by_unbind,
+        "unit 'blocks.0'",
+        "colwise_fused:k",
+        f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut",
+    ),
+    Case(
+        "qkv_cut_by_slicing",
+        "V. the same, cut by o[..., :d]",
+        qkv_cut_by_slicing,
+        "unit 'blocks.0'",
+        "colwise_fused:k",
+        f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut",
+    ),
+    Case(
+        "qkv_cut_by_permute",
+        "V. the same, cut by reshape + permute",
+        qkv_cut_by_permute,
+        "unit 'blocks.0'",
+        "colwise_fused:k",
+        f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut",
+    ),
+    Case(
+        "qkv_cut_by_transpose_chunk",
+        "V. the same, cut by o.transpose(1, 2).chunk(3, 1)",
+        qkv_cut_by_transpose_chunk,
+        "unit 'blocks.0'",
+        "colwise_fused:k",
+        f"{_V}::test_a_side_by_side_qkv_split_colwise_is_named_however_it_is_cut",
+    ),
+    Case(
+        "head_major_qkv_colwise_fused",
+        "V. a head-major qkv planned 'colwise_fused:3'",
+        head_major_qkv_colwise_fused,
+        "unit 'blocks.0'",
+        "plain 'colwise'",
+        f"{_V}::test_a_head_major_qkv_planned_colwise_fused_is_named",
+    ),
+    Case(
+        "rowwise_called_as_f_linear",
+        "V. a rowwise layer called as F.linear(h, out.weight)",
+        rowwise_called_as_f_linear,
+        "unit 'blocks.0'",
+        "call the module itself",
+        f"{_V}::test_a_split_layer_called_around_its_module_is_named",
+    ),
+    Case(
+        "colwise_called_as_dot_forward",
+        "V. a colwise layer called as fc.forward(h)",
+        colwise_called_as_dot_forward,
+        "unit 'blocks.0'",
+        "call the module itself",
+        f"{_V}::test_a_split_layer_called_around_its_module_is_named",
+    ),
+    Case(
+        "experts_without_w2",
+        "V. experts=['blocks.*.moe.experts.w1'] without w2",
+        experts_without_w2,
+        "unit 'blocks.0'",
+        "w1, w2",
+        f"{_V}::test_experts_with_one_packed_weight_left_out_are_named",
+    ),
+    Case(
+        "cp_one_block_on_sdpa",
+        "V. cp: block 1 still on F.scaled_dot_product_attention",
+        cp_one_block_on_sdpa,
+        "unit 'blocks.1'",
+        "context_parallel_attention",
+        f"{_V}::test_cp_with_one_block_still_on_plain_sdpa_is_named",
+    ),
+    Case(
+        "cp_forward_outside_its_block",
+        "V. cp: a validation forward outside the context_parallel block",
+        cp_forward_outside_its_block,
+        "outside `with fsdpfn.context_parallel(plan):`",
+        "context_parallel_shard",
+        f"{_V}::test_a_cp_forward_outside_its_block_is_refused",
+    ),
+    Case(
+        "cp_ignore_index_uneven",
+        "V. cp: cross_entropy(ignore_index) with the padding on one cp rank",
+        cp_ignore_index_uneven,
+        "the loss the step trains differs",
+        "grad_op='sum'",
+        f"{_V}::test_a_mean_over_each_ranks_counted_tokens_is_named",
+    ),
+    Case(
+        "dp_cp_batch_by_global_rank",
+        "V. dp 2 x cp 2: the batch indexed by the global rank",
+        dp_cp_batch_by_global_rank,
+        "context-parallel peers",
+        "dp_rank(plan)",
+        f"{_V}::test_cp_peers_that_cut_different_batches_are_named",
+        world=4,
+    ),
+    Case(
+        "cp_on_a_1d_mesh",
+        "V. cp on a 1-D mesh named ('cp',)",
+        cp_on_a_1d_mesh,
+        "1-D mesh named 'cp'",
+        "mesh_dim_names=('dp', 'cp')",
+        "tests/test_mesh.py::test_a_1d_mesh_of_another_parallelism_is_refused_with_the_mesh_to_build",
+    ),
+    Case(
+        "cp_attention_with_a_mask",
+        "V. context_parallel_attention(q, k, v, mask)",
+        cp_attention_with_a_mask,
+        "attn_mask",
+        "",
+        f"{_V}::test_a_mask_given_to_cp_attention_is_named",
+    ),
+    Case(
+        "pp_dp_unequal_rows",
+        "V. pp 2 x dp 2 with batches of 8 and 4 rows",
+        pp_dp_unequal_rows,
+        "batches of different sizes",
+        "drop_last=True",
+        f"{_V}::test_the_pipeline_checks_the_batch_on_every_rank",
+        world=4,
+    ),
+    Case(
+        "pp_stage_returns_a_tuple",
+        "V. a pipeline stage returning (hidden,)",
+        pp_stage_returns_a_tuple,
+        "returned a tuple of 1",
+        "layer(x)[0]",
+        f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named",
+    ),
+    Case(
+        "pp_loss_with_reduction_none",
+        "V. a pipeline loss_fn with reduction='none'",
+        pp_loss_with_reduction_none,
+        "reduction='none'",
+        ".mean()",
+        f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named",
+    ),
+    Case(
+        "pp_stage_writes_its_input_in_place",
+        "V. a pipeline stage doing `h *= 0.7` on its input",
+        pp_stage_writes_its_input_in_place,
+        "modifies its input in place",
+        "h = h * 0.7",
+        f"{_V}::test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named",
+    ),
 ]
 BY_ID = {c.id: c for c in CASES}
 NEEDS_TRANSFORMERS = {"hf_gqa_q_without_kv", "hf_gqa_kv_heads_tp_does_not_divide", "hf_model_output"}
@@ -865,7 +1245,11 @@ def classify(case: Case, answers: list[tuple] | str) -> tuple[str, str]:
         # The line that names the culprit, if any (dynamo puts its own summary first).
         first = next((line for line in lines if case.culprit in line), lines[0])
         named = len(raised) == len(answers) and all(case.culprit in a[1] and case.fix in a[1] for a in raised)
-        where = "" if len(raised) == len(answers) else f" (only rank(s) {[i for i, a in enumerate(answers) if a[0] == 'raised']})"
+        where = (
+            ""
+            if len(raised) == len(answers)
+            else f" (only rank(s) {[i for i, a in enumerate(answers) if a[0] == 'raised']})"
+        )
         # How many collectives ran before the error: 0 for what the plan sees when it is built,
         # the step's gathers for what only the forward shows.
         ran = max(a[2] for a in raised)
@@ -901,7 +1285,10 @@ def main(argv=None) -> None:
     for case, cls, detail in rows:
         print(f"{case.id:<{width}}  {cls:<8}  {case.what}\n{'':<{width}}  {'':<8}  {detail}")
     counts = {k: sum(cls == k for _, cls, _ in rows) for k in ("named", "unnamed", "correct", "silent", "skipped")}
-    print(f"\n{len(rows)} cases in {time.monotonic() - t0:.0f} s: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "skipped"))
+    print(
+        f"\n{len(rows)} cases in {time.monotonic() - t0:.0f} s: "
+        + ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "skipped")
+    )
 
 
 if __name__ == "__main__":

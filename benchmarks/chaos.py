@@ -45,9 +45,32 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "train_gpt.py")
-TINY = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--log-every", "1",
-        "--eval-every", "0", "--sample-chars", "0", "--no-progress", "--ckpt-async", "--optimizer", "adamw",
-        "--adamw-lr", "1e-2", "--warmup", "2"]
+TINY = [
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--sample-chars",
+    "0",
+    "--no-progress",
+    "--ckpt-async",
+    "--optimizer",
+    "adamw",
+    "--adamw-lr",
+    "1e-2",
+    "--warmup",
+    "2",
+]
 PID_LINE = re.compile(r"ft: replica group (\d+), rank (\d+): pid (\d+)")
 STEP_LINE = re.compile(r"\[replica group (\d+)\] step (\d+)/")
 
@@ -67,11 +90,14 @@ class LighthouseProcess:
         self.address = f"http://{socket.gethostname()}:{port}"
 
     def start(self) -> None:
-        code = ("import time\nfrom fsdpfn.comm import Lighthouse\n"
-                f"l = Lighthouse(min_replicas=1, bind='[::]:{self.port}', join_timeout_s=1.0, heartbeat_timeout_s=2.0)\n"
-                "print('lighthouse up', flush=True)\nwhile True: time.sleep(60)\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        code = (
+            "import time\nfrom fsdpfn.comm import Lighthouse\n"
+            f"l = Lighthouse(min_replicas=1, bind='[::]:{self.port}', join_timeout_s=1.0, heartbeat_timeout_s=2.0)\n"
+            "print('lighthouse up', flush=True)\nwhile True: time.sleep(60)\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
         assert self.proc.stdout is not None
         self.proc.stdout.readline()  # up: the port is bound
 
@@ -85,10 +111,32 @@ class Job:
     """The demo job, its output read line by line: the ranks' pids, each group's last step."""
 
     def __init__(self, out: str, args, lighthouse: str, env: dict, quiet: bool = True):
-        cmd = [sys.executable, DEMO, "--world-size", "4", "--replicas", "2", "--ft", "--out", out,
-               "--lighthouse", lighthouse, "--ft-timeout", str(args.ft_timeout), "--ft-restarts", "1000",
-               "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), "--keep", "1000",
-               "--step-delay", str(args.step_delay), *TINY]
+        cmd = [
+            sys.executable,
+            DEMO,
+            "--world-size",
+            "4",
+            "--replicas",
+            "2",
+            "--ft",
+            "--out",
+            out,
+            "--lighthouse",
+            lighthouse,
+            "--ft-timeout",
+            str(args.ft_timeout),
+            "--ft-restarts",
+            "1000",
+            "--steps",
+            str(args.steps),
+            "--ckpt-every",
+            str(args.ckpt_every),
+            "--keep",
+            "1000",
+            "--step-delay",
+            str(args.step_delay),
+            *TINY,
+        ]
         self.out, self.quiet = out, quiet
         self.pids: dict[tuple[int, int], int] = {}
         self.saves: list[tuple[float, int]] = []  # (time, group) of a step that saves a checkpoint
@@ -192,8 +240,11 @@ def send_faults(job: Job, lighthouse: LighthouseProcess, args, rng: random.Rando
                 continue
         sent.append(fault)
         if not job.quiet:
-            print(f"  fault {len(sent)}: {kind} {fault.get('group')}:{fault.get('rank')} at "
-                  f"{fault['time'] - job.t0:.1f} s", flush=True)
+            print(
+                f"  fault {len(sent)}: {kind} {fault.get('group')}:{fault.get('rank')} at "
+                f"{fault['time'] - job.t0:.1f} s",
+                flush=True,
+            )
     return sent
 
 
@@ -237,8 +288,9 @@ def stalls(entries: list[dict], faults: list[dict], horizon_s: float = 120.0) ->
         if f.get("group") is None:
             continue
         other = sorted(e["time"] for e in entries if e["committed"] and e["group"] != f["group"])
-        end = min([g["time"] for g in faults[i + 1:] if g.get("group") in (None, 1 - f["group"])] +
-                  [f["time"] + horizon_s])
+        end = min(
+            [g["time"] for g in faults[i + 1 :] if g.get("group") in (None, 1 - f["group"])] + [f["time"] + horizon_s]
+        )
         before = [t for t in other if f["time"] - 3.0 <= t <= f["time"]]
         after = [t for t in other if f["time"] < t <= end]
         if not before or not after:
@@ -287,16 +339,31 @@ def replay(rank: int, world: int, lives: list[set], steps: int, ckpts: list[str]
     from fsdpfn import checkpoint, comm, optim
 
     demo = _demo()
-    args = demo.parse_args(["--world-size", str(2 * world), "--replicas", "2", "--ft", "--replica-group", "0",
-                            "--lighthouse", "unused", "--steps", str(steps), *TINY])
+    args = demo.parse_args(
+        [
+            "--world-size",
+            str(2 * world),
+            "--replicas",
+            "2",
+            "--ft",
+            "--replica-group",
+            "0",
+            "--lighthouse",
+            "unused",
+            "--steps",
+            str(steps),
+            *TINY,
+        ]
+    )
     job, state = demo.setup(rank, world, args)
     loss_fn = demo.make_loss(demo.make_forward(job.model, job.plan, args))
     grad = torch.func.grad(lambda p, x, y: loss_fn(p, x, y))
     for step, live in enumerate(lives):
         grads = []
         for r in sorted(live):
-            x, y = demo.get_batch(job.train_data, step, job.data_rank + r * job.plan.dp_size, args.batch_size,
-                                  args.seq_len, args.seed)
+            x, y = demo.get_batch(
+                job.train_data, step, job.data_rank + r * job.plan.dp_size, args.batch_size, args.seq_len, args.seed
+            )
             grads.append(grad(state["params"], x, y))
         mean = {}
         for k, g in grads[0].items():
@@ -304,16 +371,23 @@ def replay(rank: int, world: int, lives: list[set], steps: int, ckpts: list[str]
             for other in grads[1:]:
                 local += other[k].to_local()
             local /= len(live)
-            mean[k] = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape,
-                                         stride=g.stride())
+            mean[k] = DTensor.from_local(
+                local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
         updates, opt_state = job.opt.update(mean, state["opt_state"], state["params"])
         state = {"params": optim.apply_updates(state["params"], updates), "opt_state": opt_state, "step": step + 1}
     same = []
     for ckpt in ckpts:
         got = checkpoint.load(ckpt, state, job.plan)
         pairs = zip(*(optree.tree_leaves(s, none_is_leaf=True) for s in (got, state)))
-        ok = all(torch.equal(a.to_local(), b.to_local()) if isinstance(a, DTensor) else
-                 torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in pairs)
+        ok = all(
+            torch.equal(a.to_local(), b.to_local())
+            if isinstance(a, DTensor)
+            else torch.equal(a, b)
+            if isinstance(a, torch.Tensor)
+            else a == b
+            for a, b in pairs
+        )
         flag = torch.tensor([1.0 if ok else 0.0])
         comm.all_reduce(flag)  # equal on every rank's shards
         same.append(flag.item() == world)
@@ -339,8 +413,15 @@ def run_once(args, faults: int, seed: int, where: str, env: dict) -> dict:
         f.write("\n".join(job.lines))
     entries = job.log(0) + job.log(1)
     finished = [g for g in (0, 1) if os.path.exists(os.path.join(out, f"replica{g}", "model.pt"))]
-    row = {"run": "chaos" if faults else "no fault", "faults": len(sent), "kinds": {k: sum(f["kind"] == k for f in sent) for k in ("kill", "stop", "save", "lighthouse")},
-           "exit": code, "wall_s": wall, "lost_job": code != 0 or not finished, "sent": sent}
+    row = {
+        "run": "chaos" if faults else "no fault",
+        "faults": len(sent),
+        "kinds": {k: sum(f["kind"] == k for f in sent) for k in ("kill", "stop", "save", "lighthouse")},
+        "exit": code,
+        "wall_s": wall,
+        "lost_job": code != 0 or not finished,
+        "sent": sent,
+    }
     row["uncommitted"] = sum(not e["committed"] for e in entries)
     try:
         lives, again = lineage(entries, args.steps)
@@ -362,7 +443,9 @@ def run_once(args, faults: int, seed: int, where: str, env: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--steps", type=int, default=600, help="training steps of the job")
     p.add_argument("--step-delay", type=float, default=0.3, help="seconds each group sleeps after a step")
@@ -378,9 +461,12 @@ def main(argv=None) -> None:
     env.pop("TORCHFT_LIGHTHOUSE", None)
     where = args.keep or tempfile.mkdtemp(prefix="fsdpfn_chaos_")
     os.makedirs(where, exist_ok=True)
-    print(f"chaos: the demo with --ft, 2 replica groups of 2 ranks, {args.steps} steps, checkpoints every "
-          f"{args.ckpt_every} (async), --ft-timeout {args.ft_timeout:g}; {args.faults} faults, seed {args.seed}; "
-          f"runs in {where}", flush=True)
+    print(
+        f"chaos: the demo with --ft, 2 replica groups of 2 ranks, {args.steps} steps, checkpoints every "
+        f"{args.ckpt_every} (async), --ft-timeout {args.ft_timeout:g}; {args.faults} faults, seed {args.seed}; "
+        f"runs in {where}",
+        flush=True,
+    )
     rows = []
     if not args.no_baseline:
         rows.append(run_once(args, 0, args.seed, where, env))
@@ -388,17 +474,23 @@ def main(argv=None) -> None:
     with open(os.path.join(where, "chaos.json"), "w") as f:
         json.dump(rows, f, indent=1, default=str)
     limit = args.ft_timeout + 5
-    print(f"\n{'run':<10} {'faults':>6} {'kill/stop/save/lh':>17} {'job lost':>8} {'wall s':>7} {'uncommitted':>11} "
-          f"{'steps again':>11} {'max stall s':>11} {'ckpts ok':>9} {'replay ==':>9}")
+    print(
+        f"\n{'run':<10} {'faults':>6} {'kill/stop/save/lh':>17} {'job lost':>8} {'wall s':>7} {'uncommitted':>11} "
+        f"{'steps again':>11} {'max stall s':>11} {'ckpts ok':>9} {'replay ==':>9}"
+    )
     for row in rows:
         k = row["kinds"]
-        print(f"{row['run']:<10} {row['faults']:>6} "
-              f"{k['kill']:>5}/{k['stop']}/{k['save']}/{k['lighthouse']:<5} {'yes' if row['lost_job'] else 'no':>8} "
-              f"{row['wall_s']:>7.0f} {row['uncommitted']:>11} {str(row['again']):>11} {row['stall_max_s']:>11.1f} "
-              f"{row['checkpoints'] - len(row['bad_checkpoints'])}/{row['checkpoints']:<4} {str(row.get('replay_equal')):>9}")
+        print(
+            f"{row['run']:<10} {row['faults']:>6} "
+            f"{k['kill']:>5}/{k['stop']}/{k['save']}/{k['lighthouse']:<5} {'yes' if row['lost_job'] else 'no':>8} "
+            f"{row['wall_s']:>7.0f} {row['uncommitted']:>11} {str(row['again']):>11} {row['stall_max_s']:>11.1f} "
+            f"{row['checkpoints'] - len(row['bad_checkpoints'])}/{row['checkpoints']:<4} {str(row.get('replay_equal')):>9}"
+        )
     chaos = rows[-1]
-    print(f"\nlongest survivor stall {chaos['stall_max_s']:.1f} s against --ft-timeout + 5 s = {limit:g} s: "
-          f"{'within' if chaos['stall_max_s'] <= limit else 'OVER'}")
+    print(
+        f"\nlongest survivor stall {chaos['stall_max_s']:.1f} s against --ft-timeout + 5 s = {limit:g} s: "
+        f"{'within' if chaos['stall_max_s'] <= limit else 'OVER'}"
+    )
     for path in chaos["bad_checkpoints"]:
         print("checkpoint that does not verify:", path)
     if not args.keep:

@@ -71,9 +71,11 @@ def _rank(rank, world, width, depth, saves, steps, root, in_place):
     params = fsdpfn.init_shards(model, plan, seed=0)
     inner = optim.adamw(1e-3).init(params)
     state = {"params": params, "opt_state": inner, "step": 0}
-    local_bytes = sum(x.to_local().numel() * x.element_size()
-                      for x in checkpoint.flatten_state(state)[0].values() if isinstance(x, torch.Tensor)
-                      and hasattr(x, "to_local"))
+    local_bytes = sum(
+        x.to_local().numel() * x.element_size()
+        for x in checkpoint.flatten_state(state)[0].values()
+        if isinstance(x, torch.Tensor) and hasattr(x, "to_local")
+    )
     out = {"local_bytes": local_bytes}
     for way in ("save", "async_save"):
         stalls, step_times, commits = [], [], []
@@ -105,29 +107,39 @@ def main(argv=None) -> None:
     ap.add_argument("--saves", type=int, default=4, help="measured saves per way (after one warm-up)")
     ap.add_argument("--steps", type=int, default=12, help="training steps between saves")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
-    ap.add_argument("--functional", action="store_true",
-                    help="steps make new tensors (as fsdpfn.optim does) instead of updating in place: async_save's "
-                         "stager then allocates a fresh host copy per save instead of refilling the last one")
+    ap.add_argument(
+        "--functional",
+        action="store_true",
+        help="steps make new tensors (as fsdpfn.optim does) instead of updating in place: async_save's "
+        "stager then allocates a fresh host copy per save instead of refilling the last one",
+    )
     ap.add_argument("--quick", action="store_true", help="a small model, 2 saves, 3 steps: a smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.saves, args.steps = 64, 1, 2, 3
     root = args.dir or tempfile.mkdtemp(prefix="fsdpfn_ckpt_bench_")
     try:
-        results = testing.run_on_ranks(_rank, 2, args.width, args.depth, args.saves, args.steps, root,
-                                       not args.functional, timeout=3600)
+        results = testing.run_on_ranks(
+            _rank, 2, args.width, args.depth, args.saves, args.steps, root, not args.functional, timeout=3600
+        )
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     total = sum(r["local_bytes"] for r in results)
-    print(f"state: {total / 2**20:.0f} MiB over 2 ranks (width {args.width}, depth {args.depth}, AdamW); "
-          f"{args.saves} saves per way, {args.steps} {'functional' if args.functional else 'in-place'} steps between saves")
+    print(
+        f"state: {total / 2**20:.0f} MiB over 2 ranks (width {args.width}, depth {args.depth}, AdamW); "
+        f"{args.saves} saves per way, {args.steps} {'functional' if args.functional else 'in-place'} steps between saves"
+    )
     # The stall of a save is the slowest rank's: training goes on when every rank is back.
-    stall = {way: [max(r[way]["stalls"][i] for r in results) for i in range(args.saves)] for way in ("save", "async_save")}
+    stall = {
+        way: [max(r[way]["stalls"][i] for r in results) for i in range(args.saves)] for way in ("save", "async_save")
+    }
     for way in ("save", "async_save"):
         steps = statistics.median(r[way]["step_s"] for r in results)
-        line = (f"{way:>10}: stall per save {statistics.median(stall[way]):.3f} s (median; "
-                f"{', '.join(f'{s:.3f}' for s in stall[way])}), step {steps * 1e3:.0f} ms")
+        line = (
+            f"{way:>10}: stall per save {statistics.median(stall[way]):.3f} s (median; "
+            f"{', '.join(f'{s:.3f}' for s in stall[way])}), step {steps * 1e3:.0f} ms"
+        )
         if way == "async_save":
             commits = [c for r in results for c in r[way]["commit_s"]]
             line += f", commit {statistics.median(commits):.2f} s after the call" if commits else ""

@@ -36,7 +36,9 @@ def _rank(rank, world, steps):
     params = fsdpfn.shard(model, plan)
 
     def loss_fn(p, x, y):
-        return F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(p, plan), (x,)).flatten(0, 1), y.flatten())
+        return F.cross_entropy(
+            torch.func.functional_call(model, fsdpfn.unshard(p, plan), (x,)).flatten(0, 1), y.flatten()
+        )
 
     tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), generator=torch.Generator().manual_seed(rank))
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -49,7 +51,7 @@ def _rank(rank, world, steps):
     ratios = []
     for i in range(steps):
         t_side = {}
-        for b in ((False, True) if i % 2 else (True, False)):
+        for b in (False, True) if i % 2 else (True, False):
             torch.distributed.barrier()
             t = time.perf_counter()
             step = sides[b]
@@ -73,7 +75,9 @@ def main():
             kinds[kind] = (n + 1, total + nbytes)
         desc = ", ".join(f"{n} {k} ({total / 2**20:.2f} MiB)" for k, (n, total) in kinds.items())
         print(f"{name}: compile {first[b]:.0f} s; collectives per step: {desc}")
-    print(f"step time, bucket=True / bucket=False: {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]")
+    print(
+        f"step time, bucket=True / bucket=False: {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+    )
 
 
 if __name__ == "__main__":

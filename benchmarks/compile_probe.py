@@ -69,13 +69,20 @@ def _rank(rank, world, strategy, prefetch, depth=2):
         return loss.detach()
 
     out = {}
-    for name, fn in [("pure loop: loss with fsdpfn.unshard", pure_loss),
-                     ("runtime: rt.apply forward + loss", runtime_forward),
-                     ("runtime: forward + loss.backward()", runtime_step)]:
+    for name, fn in [
+        ("pure loop: loss with fsdpfn.unshard", pure_loss),
+        ("runtime: rt.apply forward + loss", runtime_forward),
+        ("runtime: forward + loss.backward()", runtime_step),
+    ]:
         try:
             out[name] = _census(fn, params, x)
         except Exception as e:  # noqa: BLE001 - a census reports, it does not stop
-            out[name] = (None, None, 0.0, [((f"explain failed: {type(e).__name__}: {str(e).splitlines()[0][:150]}", ""), 1)])
+            out[name] = (
+                None,
+                None,
+                0.0,
+                [((f"explain failed: {type(e).__name__}: {str(e).splitlines()[0][:150]}", ""), 1)],
+            )
         for rt in runtimes:
             rt._ex.abandon()  # a step explain left half done
     return out

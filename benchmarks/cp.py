@@ -57,7 +57,9 @@ MIB = 2**20
 
 
 def _cfg(args, seq: int) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab, seq_len=seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    return GPTConfig(
+        vocab_size=args.vocab, seq_len=seq, width=args.width, depth=args.depth, heads=args.heads, bias=False
+    )
 
 
 def _ce(logits, y):
@@ -116,8 +118,12 @@ def _listed(args, cp: int, seq: int):
     calls = fsdpfn.step_collectives(plan, reshard_after_forward=False, tokens=wl.tokens, attention=wl.attention)
     exchange = [c for c in calls if c.purpose.startswith("cp_")]
     kinds = sorted((c.kind, c.group_size, c.nbytes, c.tag) for c in exchange)
-    return (sum(c.wire_bytes for c in exchange), sum(c.wire_bytes for c in calls if not c.purpose.startswith("cp_")),
-            sum(b for _, b in wl.activations), kinds)
+    return (
+        sum(c.wire_bytes for c in exchange),
+        sum(c.wire_bytes for c in calls if not c.purpose.startswith("cp_")),
+        sum(b for _, b in wl.activations),
+        kinds,
+    )
 
 
 def gloo(args) -> None:
@@ -125,10 +131,14 @@ def gloo(args) -> None:
     per_rank = launch(_step, WORLD, args)
     rows = per_rank[0]
     kv = args.width  # keys of every head: heads x head_dim = width (no grouped-query heads)
-    print(f"\n({time.time() - t0:.0f} s) GPT width {args.width}, {args.depth} block(s), {args.heads} heads, vocabulary "
-          f"{args.vocab}, fp32, 1 sequence per dp rank, strategy {args.strategy!r}; {WORLD} gloo ranks, rank 0's figures\n")
-    print("| cp | seq | cp bytes counted (MiB) | listed | closed form | other bytes counted / listed | saved counted (MiB) "
-          "| simulator (MiB) | counted / simulator | saved / cp=1's |")
+    print(
+        f"\n({time.time() - t0:.0f} s) GPT width {args.width}, {args.depth} block(s), {args.heads} heads, vocabulary "
+        f"{args.vocab}, fp32, 1 sequence per dp rank, strategy {args.strategy!r}; {WORLD} gloo ranks, rank 0's figures\n"
+    )
+    print(
+        "| cp | seq | cp bytes counted (MiB) | listed | closed form | other bytes counted / listed | saved counted (MiB) "
+        "| simulator (MiB) | counted / simulator | saved / cp=1's |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = {r["seq"]: r["saved"] for r in rows if r["cp"] == 1}
     agree = 0
@@ -139,19 +149,28 @@ def gloo(args) -> None:
         same = kinds == r["cp_calls"] and abs(r["cp_sent"] - cp_listed) < 0.5 and abs(r["rest"] - rest_listed) < 0.5
         agree += same
         other = r["rest"] / rest_listed if rest_listed else float("nan")
-        print(f"| {cp} | {seq:,} | {r['cp_sent'] / MIB:.3f} | {cp_listed / MIB:.3f} | {closed / MIB:.3f} | {other:.3f} "
-              f"| {r['saved'] / MIB:.2f} | {sim_saved / MIB:.2f} | {r['saved'] / sim_saved:.3f} "
-              f"| {r['saved'] / base[seq]:.3f} (1/cp {1 / cp:.3f}) |")
-    same_ranks = all([(q["cp_sent"], q["rest"]) for q in other_rows] == [(q["cp_sent"], q["rest"]) for q in rows]
-                     for other_rows in per_rank)
-    print(f"\ncp exchange counted == listed (calls, bytes) in {agree}/{len(rows)} rows; every rank sends the same: {same_ranks}")
+        print(
+            f"| {cp} | {seq:,} | {r['cp_sent'] / MIB:.3f} | {cp_listed / MIB:.3f} | {closed / MIB:.3f} | {other:.3f} "
+            f"| {r['saved'] / MIB:.2f} | {sim_saved / MIB:.2f} | {r['saved'] / sim_saved:.3f} "
+            f"| {r['saved'] / base[seq]:.3f} (1/cp {1 / cp:.3f}) |"
+        )
+    same_ranks = all(
+        [(q["cp_sent"], q["rest"]) for q in other_rows] == [(q["cp_sent"], q["rest"]) for q in rows]
+        for other_rows in per_rank
+    )
+    print(
+        f"\ncp exchange counted == listed (calls, bytes) in {agree}/{len(rows)} rows; every rank sends the same: {same_ranks}"
+    )
     budget = args.budget_mib * MIB
     print(f"\nSaved activations per rank (measured, the largest rank's) against a budget of {args.budget_mib:g} MiB:")
     for seq in args.seqs:
         worst = {cp: max(q["saved"] for rr in per_rank for q in rr if q["cp"] == cp and q["seq"] == seq) for cp in CPS}
         fits = [cp for cp in CPS if worst[cp] <= budget]
-        print(f"  {seq:>6,} tokens: " + ", ".join(f"cp={cp} {worst[cp] / MIB:.1f} MiB" for cp in CPS)
-              + f" -> fits at cp in {fits or 'none'}")
+        print(
+            f"  {seq:>6,} tokens: "
+            + ", ".join(f"cp={cp} {worst[cp] / MIB:.1f} MiB" for cp in CPS)
+            + f" -> fits at cp in {fits or 'none'}"
+        )
 
 
 def project(args) -> None:
@@ -159,10 +178,14 @@ def project(args) -> None:
     mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with torch.device("meta"):
         model = Llama(LLAMA3_8B)
-    print(f"\nLlama-3-8B on 8 x {hw.name}, 1 sequence per dp rank, bf16 / fp32 reduce, remat='full', AdamW, "
-          f"strategy {args.strategy!r} (simulated)\n")
-    print("| mesh | seq | step (s) | exposed comm (s) | cp bytes sent per rank (GiB) | peak memory (GiB) "
-          "| tokens/s/GPU | torchtitan | ratio |")
+    print(
+        f"\nLlama-3-8B on 8 x {hw.name}, 1 sequence per dp rank, bf16 / fp32 reduce, remat='full', AdamW, "
+        f"strategy {args.strategy!r} (simulated)\n"
+    )
+    print(
+        "| mesh | seq | step (s) | exposed comm (s) | cp bytes sent per rank (GiB) | peak memory (GiB) "
+        "| tokens/s/GPU | torchtitan | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ratios = []
     t0 = time.time()
@@ -170,17 +193,27 @@ def project(args) -> None:
         seq = 32768 * cp
         plan = fsdpfn.plan(model, {"dp": 8 // cp, "cp": cp} if cp > 1 else (8,), mp=mp, remat="full")
         x = torch.zeros(1, seq // cp, dtype=torch.long, device="meta")
-        wl = sim.profile(model, plan, x, loss_fn=lambda out, x=x: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
-                         cp_strategy=args.strategy)
+        wl = sim.profile(
+            model,
+            plan,
+            x,
+            loss_fn=lambda out, x=x: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()),
+            cp_strategy=args.strategy,
+        )
         r = sim.simulate(plan, runtime.schedule(plan), wl, sim.AdamW(), hw)
         tps = seq / (cp * r.step_time)
         cp_sent = sum(c.wire_bytes for c in r.calls if c.purpose.startswith("cp_"))
         ratios.append(tps / TORCHTITAN[cp])
         mesh = f"dp {8 // cp} x cp {cp}"
-        print(f"| {mesh} | {seq:,} | {r.step_time:.2f} | {r.exposed_comm:.2f} | {cp_sent / 2**30:.2f} | {r.memory['peak'] / 2**30:.1f} "
-              f"| {tps:,.0f} | {TORCHTITAN[cp]:,} | {ratios[-1]:.2f} |")
-    print(f"\n({time.time() - t0:.0f} s) projected / torchtitan tokens/s/GPU: " + ", ".join(f"{x:.2f}" for x in ratios)
-          + " (torchtitan runs torch.compile and Float8 matmuls; the projection bf16 without them)")
+        print(
+            f"| {mesh} | {seq:,} | {r.step_time:.2f} | {r.exposed_comm:.2f} | {cp_sent / 2**30:.2f} | {r.memory['peak'] / 2**30:.1f} "
+            f"| {tps:,.0f} | {TORCHTITAN[cp]:,} | {ratios[-1]:.2f} |"
+        )
+    print(
+        f"\n({time.time() - t0:.0f} s) projected / torchtitan tokens/s/GPU: "
+        + ", ".join(f"{x:.2f}" for x in ratios)
+        + " (torchtitan runs torch.compile and Float8 matmuls; the projection bf16 without them)"
+    )
 
 
 def main(argv=None):
@@ -191,14 +224,18 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--budget-mib", type=float, default=16.0, help="per-rank saved-activation budget the last table checks")
+    p.add_argument(
+        "--budget-mib", type=float, default=16.0, help="per-rank saved-activation budget the last table checks"
+    )
     p.add_argument("--project-cps", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--no-project", action="store_true")
     args = p.parse_args(argv)
     bad = [s for s in args.seqs if s % (2 * max(CPS))]
     if bad:
-        p.error(f"--seqs {bad}: every length must divide by 2 x cp = {2 * max(CPS)} (each cp rank holds a head and a tail chunk)")
+        p.error(
+            f"--seqs {bad}: every length must divide by 2 x cp = {2 * max(CPS)} (each cp rank holds a head and a tail chunk)"
+        )
     if any(cp not in TORCHTITAN for cp in args.project_cps):
         p.error(f"--project-cps takes cp degrees of torchtitan's table: {sorted(TORCHTITAN)}")
     print("$ OMP_NUM_THREADS=1 python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))

@@ -42,7 +42,9 @@ def job(rank: int, world_size: int) -> float:
     params = fsdpfn.shard(model, plan)
     rt = fsdpfn.runtime.Runtime(model, plan)
     x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
-    grads, loss = rt.value_and_grad(lambda ps: F.cross_entropy(rt.apply(ps, x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))(params)
+    grads, loss = rt.value_and_grad(
+        lambda ps: F.cross_entropy(rt.apply(ps, x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    )(params)
     total = sum(g.full_tensor().sum() for g in grads.values())  # DTensor: torch's functional collectives
     t = torch.tensor([float(loss)])
     for _ in range(20):
@@ -104,7 +106,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=30, help="runs per way (default 30)")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
-    parser.add_argument("--no-shutdown", action="store_true", help="end with destroy_process_group() only (spawn, torchrun)")
+    parser.add_argument(
+        "--no-shutdown", action="store_true", help="end with destroy_process_group() only (spawn, torchrun)"
+    )
     parser.add_argument("--job", choices=WAYS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job:
@@ -126,8 +130,10 @@ def main(argv=None) -> None:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
                 print(f"    {' | '.join(tail)[:300]}", flush=True)
         bad_total += bad
-        print(f"{way:9s} {bad} non-zero exit(s) in {args.n} runs  (exit codes {codes}, {time.monotonic() - start:.0f} s)",
-              flush=True)
+        print(
+            f"{way:9s} {bad} non-zero exit(s) in {args.n} runs  (exit codes {codes}, {time.monotonic() - start:.0f} s)",
+            flush=True,
+        )
     print(f"non-zero exits: {bad_total}")
     sys.exit(1 if bad_total else 0)
 

@@ -43,16 +43,21 @@ from fsdpfn.launch import start_rank  # noqa: E402
 
 def extract(rev: str, folder: str) -> str:
     """``fsdpfn/comm/{_groups,_record,_collectives}.py`` of ``rev`` as the package ``_before_comm``."""
-    found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], capture_output=True)
+    found = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], capture_output=True
+    )
     if found.returncode:
         # A shallow clone, or a copy without .git, lacks the history the comparison reads.
-        sys.exit(f"flight_recorder: revision {rev!r} is not in this checkout's git history; in a shallow clone run "
-                 "`git fetch --unshallow` first, or pass --before with a revision the checkout has")
+        sys.exit(
+            f"flight_recorder: revision {rev!r} is not in this checkout's git history; in a shallow clone run "
+            "`git fetch --unshallow` first, or pass --before with a revision the checkout has"
+        )
     pkg = os.path.join(folder, "_before_comm")
     os.makedirs(pkg)
     for name in ("_groups", "_record", "_collectives"):
-        src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:fsdpfn/comm/{name}.py"], check=True,
-                             capture_output=True, text=True).stdout
+        src = subprocess.run(
+            ["git", "-C", ROOT, "show", f"{rev}:fsdpfn/comm/{name}.py"], check=True, capture_output=True, text=True
+        ).stdout
         src = re.sub(r"\bfsdpfn\.comm\b", "_before_comm", src)
         with open(os.path.join(pkg, f"{name}.py"), "w") as f:
             f.write(src)
@@ -78,7 +83,7 @@ def _rank(rank, world, init, folder, numel, calls, rounds, out):
     names = list(sides)
     times = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % 3:] + names[: r % 3]:
+        for n in names[r % 3 :] + names[: r % 3]:
             dist.barrier()
             t = time.perf_counter()
             for _ in range(calls):
@@ -91,7 +96,9 @@ def _rank(rank, world, init, folder, numel, calls, rounds, out):
     takes_store = list(inspect.signature(before.record).parameters)[-1] == "store"
     last = before._groups.store() if takes_store else before._record.group_info(None)[1]
     alone = {
-        "before: record()": lambda: before.record("all_reduce", world, 4 * numel, x.dtype, "", list(ranks) if takes_store else ranks, last),
+        "before: record()": lambda: before.record(
+            "all_reduce", world, 4 * numel, x.dtype, "", list(ranks) if takes_store else ranks, last
+        ),
         "after: record()": lambda: comm._record.record("all_reduce", world, 4 * numel, x.dtype, "", ranks, gid),
     }
     for name, fn in alone.items():
@@ -111,8 +118,12 @@ def _rank(rank, world, init, folder, numel, calls, rounds, out):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--before", default="737b6ff", help="git revision to compare with (default: the last one whose "
-                                                        "recorder wrote to the store on every collective)")
+    ap.add_argument(
+        "--before",
+        default="737b6ff",
+        help="git revision to compare with (default: the last one whose "
+        "recorder wrote to the store on every collective)",
+    )
     ap.add_argument("--numel", type=int, default=4, help="floats per all-reduce")
     ap.add_argument("--calls", type=int, default=200, help="all-reduces per timed block")
     ap.add_argument("--rounds", type=int, default=40, help="blocks per side")
@@ -129,8 +140,10 @@ def main() -> None:
             init = f"file://{os.path.join(tmp, 'store')}"
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, world, init, folder, args.numel, args.calls, args.rounds, out))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, world, init, folder, args.numel, args.calls, args.rounds, out))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         results = {}
@@ -139,16 +152,22 @@ def main() -> None:
                 rank, times = out.get(timeout=1.0)
                 results[rank] = times
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                dead = [
+                    (r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results
+                ]
                 if dead:
                     for p in procs:
                         p.kill()
-                    sys.exit(f"flight_recorder: rank {dead[0][0]} exited with code {dead[0][1]} before reporting; see its "
-                             "traceback above")
+                    sys.exit(
+                        f"flight_recorder: rank {dead[0][0]} exited with code {dead[0][1]} before reporting; see its "
+                        "traceback above"
+                    )
         for p in procs:
             p.join()
-    print(f"{args.calls} x all_reduce of {args.numel} float32 per block, {args.rounds} rounds, 2 gloo ranks, "
-          f"{args.store} store; before = {args.before}")
+    print(
+        f"{args.calls} x all_reduce of {args.numel} float32 per block, {args.rounds} rounds, 2 gloo ranks, "
+        f"{args.store} store; before = {args.before}"
+    )
     print(f"{'per call':24} {'rank 0 median (10-90%)':>30} {'rank 1 median':>14}   overhead over bare (rank 0)")
     bare = statistics.median(results[0]["bare dist.all_reduce"])
     for name in results[0]:

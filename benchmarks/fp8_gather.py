@@ -52,7 +52,9 @@ def _ce(logits, y):
 
 def _model(width, vocab, seq, depth=4):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, width=width, depth=depth, heads=max(width // 64, 2), bias=False))
+    return GPT(
+        GPTConfig(vocab_size=vocab, seq_len=seq, width=width, depth=depth, heads=max(width // 64, 2), bias=False)
+    )
 
 
 def _batch(rank, batch, seq, vocab):
@@ -96,9 +98,12 @@ def _bytes_rank(rank, world, args):
                     per_unit[call.tag] = per_unit.get(call.tag, 0.0) + call.wire_bytes
             cost = plan.cost(prefetch=1)
             out[(dtype_name, fp8)] = {
-                "wire": c.wire_bytes(), "calls": c.counts(), "per_unit": per_unit,
+                "wire": c.wire_bytes(),
+                "calls": c.counts(),
+                "per_unit": per_unit,
                 "predicted": {k: v.wire_bytes for k, v in cost.collectives.items()},
-                "fp8_units": [u.name for u in plan.units if u.fp8], "n_fp8": sum(len(u.fp8) for u in plan.units),
+                "fp8_units": [u.name for u in plan.units if u.fp8],
+                "n_fp8": sum(len(u.fp8) for u in plan.units),
             }
     return out
 
@@ -106,16 +111,20 @@ def _bytes_rank(rank, world, args):
 def _report_bytes(r):
     mib = 2.0**20
     print("\n1. Bytes per rank per step (counted; one training step: runtime zero3 + Muon owner layout)")
-    print("| gather | all-gather MiB | plan.cost() | reduce-scatter MiB | all-to-all (Muon) MiB | all-reduce MiB | whole step MiB |")
+    print(
+        "| gather | all-gather MiB | plan.cost() | reduce-scatter MiB | all-to-all (Muon) MiB | all-reduce MiB | whole step MiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     for dtype_name in ("bf16", "fp32"):
         for fp8 in (False, True):
             d = r[(dtype_name, fp8)]
             w = d["wire"]
             label = f"{'MXFP8' if fp8 else dtype_name} (params {dtype_name})"
-            print(f"| {label} | {w.get('all_gather', 0) / mib:.2f} | {d['predicted'].get('all_gather', 0) / mib:.2f} | "
-                  f"{w.get('reduce_scatter', 0) / mib:.2f} | {w.get('all_to_all', 0) / mib:.2f} | {w.get('all_reduce', 0) / mib:.4f} | "
-                  f"{sum(w.values()) / mib:.2f} |")
+            print(
+                f"| {label} | {w.get('all_gather', 0) / mib:.2f} | {d['predicted'].get('all_gather', 0) / mib:.2f} | "
+                f"{w.get('reduce_scatter', 0) / mib:.2f} | {w.get('all_to_all', 0) / mib:.2f} | {w.get('all_reduce', 0) / mib:.4f} | "
+                f"{sum(w.values()) / mib:.2f} |"
+            )
     print("\n| ratio FP8 / high precision | params bf16 | params fp32 |")
     print("|---|---|---|")
     rows = []
@@ -124,16 +133,28 @@ def _report_bytes(r):
         blocks = [u for u in on["fp8_units"] if u]
         unit_ratio = sum(on["per_unit"][u] for u in blocks) / sum(off["per_unit"][u] for u in blocks)
         root_ratio = on["per_unit"].get("", 0) / off["per_unit"][""] if "" in on["per_unit"] else float("nan")
-        rows.append((unit_ratio, root_ratio, on["wire"]["all_gather"] / off["wire"]["all_gather"],
-                     sum(on["wire"].values()) / sum(off["wire"].values())))
-    names = ["all-gather of the blocks (FP8 units)", "all-gather of the root (embeddings stay high precision, head in FP8)",
-             "all-gather, whole model", "whole step (+ reduce-scatter and Muon, unchanged)"]
+        rows.append(
+            (
+                unit_ratio,
+                root_ratio,
+                on["wire"]["all_gather"] / off["wire"]["all_gather"],
+                sum(on["wire"].values()) / sum(off["wire"].values()),
+            )
+        )
+    names = [
+        "all-gather of the blocks (FP8 units)",
+        "all-gather of the root (embeddings stay high precision, head in FP8)",
+        "all-gather, whole model",
+        "whole step (+ reduce-scatter and Muon, unchanged)",
+    ]
     for i, name in enumerate(names):
         print(f"| {name} | {rows[0][i]:.3f} | {rows[1][i]:.3f} |")
     d = r[("bf16", True)]
     same = all(abs(d["wire"].get(k, 0) - d["predicted"].get(k, 0)) < 1e-6 for k in ("all_gather", "reduce_scatter"))
-    print(f"counted == plan.cost() for all-gather and reduce-scatter: {same}; {d['n_fp8']} FP8 weights; collectives per step "
-          f"(FP8): {', '.join(f'{k} {v}' for k, v in sorted(d['calls'].items()))}")
+    print(
+        f"counted == plan.cost() for all-gather and reduce-scatter: {same}; {d['n_fp8']} FP8 weights; collectives per step "
+        f"(FP8): {', '.join(f'{k} {v}' for k, v in sorted(d['calls'].items()))}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +189,7 @@ def _interleaved(sides, fn, x, y, steps, warmup):
             getattr(s, fn)(x, y)
     times = {s.name: [] for s in sides}
     for i in range(steps):
-        for s in (sides if i % 2 == 0 else sides[::-1]):
+        for s in sides if i % 2 == 0 else sides[::-1]:
             fsdpfn.comm.barrier()
             t = time.perf_counter()
             getattr(s, fn)(x, y)
@@ -180,8 +201,10 @@ def _time_rank(rank, world, args):
     torch.set_num_threads(1)
     mesh = _mesh()
     out = {}
-    configs = [("bf16", torch.bfloat16, args.small_width, args.small_vocab, args.small_seq),
-               ("fp32", None, args.width, args.vocab, args.seq)]
+    configs = [
+        ("bf16", torch.bfloat16, args.small_width, args.small_vocab, args.small_seq),
+        ("fp32", None, args.width, args.vocab, args.seq),
+    ]
     for name, dtype, width, vocab, seq in configs:
         if name not in args.time_configs:
             continue
@@ -200,12 +223,16 @@ def _time_rank(rank, world, args):
 
 def _ratio_line(label, times, a, b):
     ratios = [ta / tb for ta, tb in zip(times[a], times[b])]
-    return (f"| {label} | {statistics.median(times[a]):.3f} s | {statistics.median(times[b]):.3f} s | "
-            f"**{statistics.median(ratios):.2f}** [{min(ratios):.2f}-{max(ratios):.2f}] |")
+    return (
+        f"| {label} | {statistics.median(times[a]):.3f} s | {statistics.median(times[b]):.3f} s | "
+        f"**{statistics.median(ratios):.2f}** [{min(ratios):.2f}-{max(ratios):.2f}] |"
+    )
 
 
 def _report_time(r, args):
-    print(f"\n2. Time (2 gloo ranks, 1 thread each, {args.steps} interleaved pairs after {args.warmup} warm-up, batch {args.batch}/rank)")
+    print(
+        f"\n2. Time (2 gloo ranks, 1 thread each, {args.steps} interleaved pairs after {args.warmup} warm-up, batch {args.batch}/rank)"
+    )
     print("| measured | MXFP8 gather (A) | high-precision gather (B) | A / B, median [min-max] |")
     print("|---|---|---|---|")
     for name, d in r.items():
@@ -221,7 +248,15 @@ def _report_time(r, args):
 
 
 def _run_demo(out_dir, fp8, steps):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--no-progress", "--steps", str(steps), "--out", out_dir]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "examples", "train_gpt.py"),
+        "--no-progress",
+        "--steps",
+        str(steps),
+        "--out",
+        out_dir,
+    ]
     cmd += ["--fp8"] if fp8 else []
     print("  running:", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -284,16 +319,28 @@ def main():
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--time-configs", default="bf16,fp32", help="bf16 (small model), fp32 (full model)")
-    ap.add_argument("--runs", nargs=2, default=[os.path.join(ROOT, "runs", "fp8_off"), os.path.join(ROOT, "runs", "fp8_on")],
-                    metavar=("WITHOUT", "WITH"), help="demo run directories (run if they hold no metrics)")
+    ap.add_argument(
+        "--runs",
+        nargs=2,
+        default=[os.path.join(ROOT, "runs", "fp8_off"), os.path.join(ROOT, "runs", "fp8_on")],
+        metavar=("WITHOUT", "WITH"),
+        help="demo run directories (run if they hold no metrics)",
+    )
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "fp8_loss.png"))
-    ap.add_argument("--demo-steps", type=int, default=300, help="steps of the demo runs the loss part starts (when --runs hold none)")
+    ap.add_argument(
+        "--demo-steps",
+        type=int,
+        default=300,
+        help="steps of the demo runs the loss part starts (when --runs hold none)",
+    )
     args = ap.parse_args()
     parts = args.parts.split(",")
     print("command:", "OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
     if "bytes" in parts or "time" in parts:
-        print(f"model: GPT width {args.width}, 4 blocks, vocab {args.vocab}, seq {args.seq}, no biases; {WORLD} gloo ranks; "
-              f"torch {torch.__version__}")
+        print(
+            f"model: GPT width {args.width}, 4 blocks, vocab {args.vocab}, seq {args.seq}, no biases; {WORLD} gloo ranks; "
+            f"torch {torch.__version__}"
+        )
     if "bytes" in parts:
         _report_bytes(launch(_bytes_rank, WORLD, args)[0])
     if "time" in parts:

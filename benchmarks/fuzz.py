@@ -37,8 +37,13 @@ for _path in (ROOT, os.path.join(ROOT, "tests")):  # the suite's fuzzer is reuse
 import _fuzz  # noqa: E402
 from fsdpfn.testing import run_on_ranks, shutdown_pools  # noqa: E402
 
-LABELS = {"refused": "refused by name", "correct": "passed and correct", "silent": "silent wrong",
-          "false_alarm": "false alarms", "unnamed": "unnamed errors"}
+LABELS = {
+    "refused": "refused by name",
+    "correct": "passed and correct",
+    "silent": "silent wrong",
+    "false_alarm": "false alarms",
+    "unnamed": "unnamed errors",
+}
 
 
 def main(argv=None) -> dict[str, int]:
@@ -54,9 +59,15 @@ def main(argv=None) -> dict[str, int]:
     if args.replay:
         drawn.append(ast.literal_eval(args.replay))
     else:
+
         @seed(args.seed)
-        @settings(max_examples=args.examples, database=None, deadline=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=args.examples,
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(d=_fuzz.describe())
         def collect(d):
             drawn.append(d)
@@ -69,10 +80,15 @@ def main(argv=None) -> dict[str, int]:
             t = time.time()
             outcome, detail = _fuzz.run(run_on_ranks, d, timeout=args.timeout)
             counts[outcome] += 1
-            print(f"[{i + 1}/{len(drawn)}] {outcome:<8} {time.time() - t:5.1f} s  {d['mesh']:<8} {detail.splitlines()[0][:110]}",
-                  flush=True)
+            print(
+                f"[{i + 1}/{len(drawn)}] {outcome:<8} {time.time() - t:5.1f} s  {d['mesh']:<8} {detail.splitlines()[0][:110]}",
+                flush=True,
+            )
             if outcome in ("silent", "false_alarm", "unnamed"):
-                print(f"    example: {d}\n    detail: {detail if len(detail) < 2500 else detail[:800] + ' ... ' + detail[-1500:]}", flush=True)
+                print(
+                    f"    example: {d}\n    detail: {detail if len(detail) < 2500 else detail[:800] + ' ... ' + detail[-1500:]}",
+                    flush=True,
+                )
     finally:
         shutdown_pools()
     print()

@@ -126,9 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       >>> a.steps, a.budget
       (['install', 'demo'], 540.0)
     """
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default=os.environ.get("OUT") or None, help="where the results go (default: $OUT)")
-    p.add_argument("--steps", type=_steps_arg, default=[s.name for s in STEPS], help=f"comma-separated, of: {', '.join(BY_NAME)}")
+    p.add_argument(
+        "--steps", type=_steps_arg, default=[s.name for s in STEPS], help=f"comma-separated, of: {', '.join(BY_NAME)}"
+    )
     p.add_argument("--budget", type=_positive, default=BUDGET_S, help="seconds for all the steps together")
     p.add_argument("--list", action="store_true", help="list the steps and their time limits, and stop")
     # Internal: one step, in the process the orchestrator starts under `timeout`.
@@ -139,7 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.run_step is not None and args.run_step not in BY_NAME:
         p.error(f"--run-step {args.run_step!r} is not a step; the steps are {', '.join(BY_NAME)}")
     if not args.list and args.run_step is None and not args.out:
-        p.error("where should the results go? pass --out DIR or set $OUT (OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh)")
+        p.error(
+            "where should the results go? pass --out DIR or set $OUT (OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh)"
+        )
     return args
 
 
@@ -179,8 +185,19 @@ def matmul_rows(measured: list[tuple[str, int, int, int, str, float]], hw) -> li
     for label, m, n, k, dtype, seconds in measured:
         flops = 2.0 * m * n * k
         preset = kernel_hw.kernels.achieved(m, n, k, dtype, kernel_hw)
-        rows.append(dict(label=label, m=m, n=n, k=k, dtype=dtype, seconds=seconds, measured_tflops=round(flops / seconds / 1e12, 1),
-                         preset_tflops=round(preset / 1e12, 1), ratio=_ratio(flops / seconds, preset)))
+        rows.append(
+            dict(
+                label=label,
+                m=m,
+                n=n,
+                k=k,
+                dtype=dtype,
+                seconds=seconds,
+                measured_tflops=round(flops / seconds / 1e12, 1),
+                preset_tflops=round(preset / 1e12, 1),
+                ratio=_ratio(flops / seconds, preset),
+            )
+        )
     return rows
 
 
@@ -220,8 +237,20 @@ def attention_rows(measured: list[tuple[int, int, int, int, float, float]], hw) 
         flops, nbytes = attention_work(b, h, s, d, "fwd+bwd")
         preset_s = k.attention_flop_ratio * flops / k.attention_rate("bfloat16", flops, nbytes, kernel_hw)
         total = fwd_s + bwd_s
-        rows.append(dict(batch=b, heads=h, seq=s, head_dim=d, fwd_s=fwd_s, bwd_s=bwd_s, measured_tflops=round(flops / total / 1e12, 1),
-                         preset_tflops=round(flops / preset_s / 1e12, 1), preset_s=preset_s, ratio=_ratio(preset_s, total)))
+        rows.append(
+            dict(
+                batch=b,
+                heads=h,
+                seq=s,
+                head_dim=d,
+                fwd_s=fwd_s,
+                bwd_s=bwd_s,
+                measured_tflops=round(flops / total / 1e12, 1),
+                preset_tflops=round(flops / preset_s / 1e12, 1),
+                preset_s=preset_s,
+                ratio=_ratio(preset_s, total),
+            )
+        )
     return rows
 
 
@@ -235,8 +264,17 @@ def memory_rows(measured: list[tuple[str, float, float]], hw) -> list[dict]:
       2000.0
     """
     rate = kernel_preset(hw).kernels.memory_efficiency * hw.memory_bandwidth
-    return [dict(kernel=name, bytes=nbytes, seconds=seconds, measured_gbs=round(nbytes / seconds / 1e9, 1), preset_gbs=round(rate / 1e9, 1),
-                 ratio=_ratio(nbytes / seconds, rate)) for name, nbytes, seconds in measured]
+    return [
+        dict(
+            kernel=name,
+            bytes=nbytes,
+            seconds=seconds,
+            measured_gbs=round(nbytes / seconds / 1e9, 1),
+            preset_gbs=round(rate / 1e9, 1),
+            ratio=_ratio(nbytes / seconds, rate),
+        )
+        for name, nbytes, seconds in measured
+    ]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -275,7 +313,11 @@ def stream_overlap(events: list[dict]) -> dict:
     """
     by_stream: dict[int, list[dict]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in e.get("args", {}):
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and "stream" in e.get("args", {})
+        ):
             by_stream.setdefault(int(e["args"]["stream"]), []).append(e)
     if not by_stream:
         return dict(compute_stream=None, streams={}, overlap_us=0.0, other_busy_us=0.0)
@@ -284,18 +326,27 @@ def stream_overlap(events: list[dict]) -> dict:
         return sum(float(e["dur"]) for e in evs if e["cat"] == "kernel")
 
     compute = max(by_stream, key=lambda s: (kernel_time(by_stream[s]), -s))
-    spans = {s: _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]) for s, evs in by_stream.items()}
+    spans = {
+        s: _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]) for s, evs in by_stream.items()
+    }
     streams = {}
     for s, evs in sorted(by_stream.items()):
         names: dict[str, float] = {}
         for e in evs:
             names[e["name"]] = names.get(e["name"], 0.0) + float(e["dur"])
-        streams[s] = dict(events=len(evs), busy_us=round(sum(b - a for a, b in spans[s]), 1),
-                          overlap_with_compute_us=round(_intersection(spans[s], spans[compute]), 1) if s != compute else None,
-                          top=[n[:80] for n, _ in sorted(names.items(), key=lambda kv: -kv[1])[:4]])
+        streams[s] = dict(
+            events=len(evs),
+            busy_us=round(sum(b - a for a, b in spans[s]), 1),
+            overlap_with_compute_us=round(_intersection(spans[s], spans[compute]), 1) if s != compute else None,
+            top=[n[:80] for n, _ in sorted(names.items(), key=lambda kv: -kv[1])[:4]],
+        )
     others = [v for s, v in streams.items() if s != compute]
-    return dict(compute_stream=compute, streams=streams, overlap_us=round(sum(v["overlap_with_compute_us"] for v in others), 1),
-                other_busy_us=round(sum(v["busy_us"] for v in others), 1))
+    return dict(
+        compute_stream=compute,
+        streams=streams,
+        overlap_us=round(sum(v["overlap_with_compute_us"] for v in others), 1),
+        other_busy_us=round(sum(v["busy_us"] for v in others), 1),
+    )
 
 
 def demo_summary(rows: list[dict], steps: int) -> dict:
@@ -310,10 +361,21 @@ def demo_summary(rows: list[dict], steps: int) -> dict:
     """
     if not rows:
         return dict(steps_done=0, loss_curve=[], step_s=None, loss_first=None, loss_last=None, loss_fell=False)
-    windows = [(b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"]) for a, b in zip(rows, rows[1:]) if b["step"] > a["step"]]
-    return dict(steps_done=rows[-1]["step"], steps_asked=steps, loss_curve=[[r["step"], r["loss"]] for r in rows],
-                step_s=round(statistics.median(windows), 6) if windows else None, loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
-                loss_fell=rows[-1]["loss"] < rows[0]["loss"], tokens_per_s=rows[-1].get("tokens_per_s"))
+    windows = [
+        (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
+        for a, b in zip(rows, rows[1:])
+        if b["step"] > a["step"]
+    ]
+    return dict(
+        steps_done=rows[-1]["step"],
+        steps_asked=steps,
+        loss_curve=[[r["step"], r["loss"]] for r in rows],
+        step_s=round(statistics.median(windows), 6) if windows else None,
+        loss_first=rows[0]["loss"],
+        loss_last=rows[-1]["loss"],
+        loss_fell=rows[-1]["loss"] < rows[0]["loss"],
+        tokens_per_s=rows[-1].get("tokens_per_s"),
+    )
 
 
 # Files whose CUDA branch is not a CUDA test: test_docs_commands.py only swaps `--device cuda`
@@ -341,11 +403,17 @@ def cuda_tests(root: str = ROOT) -> list[str]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
         # Markers defined in the module as a skip whose condition needs CUDA (directly or through a helper).
-        markers = {m for m, cond in re.findall(r"^(\w+) = pytest\.mark\.skipif\((.*?)(?:,|\))", text, re.M)
-                   if "cuda" in cond or re.search(rf"def {re.escape(cond.strip().removeprefix('not ').rstrip('()'))}\(\).*?cuda", text, re.S)}
+        markers = {
+            m
+            for m, cond in re.findall(r"^(\w+) = pytest\.mark\.skipif\((.*?)(?:,|\))", text, re.M)
+            if "cuda" in cond
+            or re.search(rf"def {re.escape(cond.strip().removeprefix('not ').rstrip('()'))}\(\).*?cuda", text, re.S)
+        }
         ids = []
         for decorators, test in _DECORATED.findall(text):
-            if re.search(r"skipif\(not torch\.cuda\.is_available\(\)", decorators) or any(f"@{m}\n" in decorators + "\n" for m in markers):
+            if re.search(r"skipif\(not torch\.cuda\.is_available\(\)", decorators) or any(
+                f"@{m}\n" in decorators + "\n" for m in markers
+            ):
                 ids.append(test)
         for body in _BODY.finditer(text):
             if "torch.cuda.is_available()" in body.group(0) and body.group(1) not in ids:
@@ -387,7 +455,9 @@ def _fmt(v: Any) -> str:
 def _table(rows: list[dict], cols: list[str]) -> list[str]:
     if not rows:
         return []
-    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + [
+        "| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows
+    ]
 
 
 def markdown(summary: dict) -> str:
@@ -404,11 +474,19 @@ def markdown(summary: dict) -> str:
         if summary.get(key) is not None:
             out.append(f"- {key}: {summary[key]}")
     c = summary["counts"]
-    out += ["", "passed {passed}, failed {failed}, timed out {tt}, did not run {dnr}, skipped {skipped}".format(
-        passed=c["passed"], failed=c["failed"], tt=c["timed out"], dnr=c["did not run"], skipped=c["skipped"]), "",
-        "| step | status | seconds / limit | reason |", "|---|---|---|---|"]
+    out += [
+        "",
+        "passed {passed}, failed {failed}, timed out {tt}, did not run {dnr}, skipped {skipped}".format(
+            passed=c["passed"], failed=c["failed"], tt=c["timed out"], dnr=c["did not run"], skipped=c["skipped"]
+        ),
+        "",
+        "| step | status | seconds / limit | reason |",
+        "|---|---|---|---|",
+    ]
     for s in summary["steps"]:
-        out.append(f"| {s['name']} | {s['status']} | {_fmt(s.get('seconds'))} / {_fmt(s.get('limit_s'))} s | {s.get('reason') or ''} |")
+        out.append(
+            f"| {s['name']} | {s['status']} | {_fmt(s.get('seconds'))} / {_fmt(s.get('limit_s'))} s | {s.get('reason') or ''} |"
+        )
     for s in summary["steps"]:
         r = s.get("results") or {}
         if not r:
@@ -455,7 +533,9 @@ def _run_limited(cmd: list[str], limit: float, log) -> tuple[int, float]:
     if shutil.which("timeout"):
         cmd = ["timeout", "-k", "10", f"{limit:.0f}", *cmd]
     with tempfile.TemporaryFile("w+") as buf:
-        proc = subprocess.Popen(cmd, stdout=buf, stderr=subprocess.STDOUT, cwd=ROOT, env=_step_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=buf, stderr=subprocess.STDOUT, cwd=ROOT, env=_step_env(), start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=limit + 20)  # `timeout` ends it first; this is the backstop
         except subprocess.TimeoutExpired:
@@ -473,13 +553,21 @@ def _host_meta() -> dict:
     meta: dict[str, Any] = dict(python=platform.python_version(), platform=platform.platform())
     try:
         import torch
+
         meta.update(torch=torch.__version__, cuda_version=torch.version.cuda, cuda=torch.cuda.is_available())
         if torch.cuda.is_available():
-            meta.update(device=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+            meta.update(
+                device=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0)))
+            )
     except ImportError:
         meta.update(torch=None, cuda=False)
     try:
-        meta["fsdpfn_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        meta["fsdpfn_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         meta["fsdpfn_commit"] = None
     return meta
@@ -508,20 +596,39 @@ def orchestrate(args: argparse.Namespace) -> dict:
                 if name == "install":
                     record["results"] = dict(versions=_versions())
             elif left < MIN_STEP_S:
-                record.update(status="did not run", reason=f"the check's time budget ({args.budget:.0f} s) was spent before it")
+                record.update(
+                    status="did not run", reason=f"the check's time budget ({args.budget:.0f} s) was spent before it"
+                )
             else:
                 limit = min(step.limit_s, left)
                 result_path = os.path.join(work, f"{name}.json")
-                rc, seconds = _run_limited([sys.executable, os.path.abspath(__file__), "--run-step", name, "--result", result_path,
-                                            "--work", work], limit, log)
+                rc, seconds = _run_limited(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--run-step",
+                        name,
+                        "--result",
+                        result_path,
+                        "--work",
+                        work,
+                    ],
+                    limit,
+                    log,
+                )
                 record.update(limit_s=round(limit), seconds=round(seconds, 1))
                 got = _read_json(result_path) or {}
                 record["results"] = got.get("results", {})
                 if rc in (124, 137) and seconds >= limit - 2:
-                    record.update(status="timed out", reason=f"stopped at its limit of {limit:.0f} s" + (
-                        f"; it had finished: {', '.join(record['results'])}" if record["results"] else ""))
+                    record.update(
+                        status="timed out",
+                        reason=f"stopped at its limit of {limit:.0f} s"
+                        + (f"; it had finished: {', '.join(record['results'])}" if record["results"] else ""),
+                    )
                 elif rc in (-9, 137):  # killed before its limit: the kernel's OOM killer, most likely
-                    record.update(status="failed", reason=f"killed after {seconds:.0f} s (SIGKILL: out of host memory?)")
+                    record.update(
+                        status="failed", reason=f"killed after {seconds:.0f} s (SIGKILL: out of host memory?)"
+                    )
                 elif "status" in got:
                     record.update(status=got["status"], reason=got.get("reason", ""))
                 else:
@@ -544,7 +651,9 @@ def orchestrate(args: argparse.Namespace) -> dict:
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(markdown(summary))
     shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{' '.join(f'{k} {v}' for k, v in summary['counts'].items())}; results in {args.out}: {', '.join(sorted(os.listdir(args.out)))}")
+    print(
+        f"\n{' '.join(f'{k} {v}' for k, v in summary['counts'].items())}; results in {args.out}: {', '.join(sorted(os.listdir(args.out)))}"
+    )
     return summary
 
 
@@ -613,7 +722,18 @@ def run_step(name: str, result: str, work: str) -> int:
 
 
 def _pip(args: list[str], limit: float) -> tuple[bool, str]:
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--timeout", "10", "--retries", "0", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--timeout",
+        "10",
+        "--retries",
+        "0",
+        *args,
+    ]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
@@ -624,8 +744,10 @@ def _pip(args: list[str], limit: float) -> tuple[bool, str]:
 
 def _fsdpfn_from_here() -> bool:
     # Looked up without this checkout on the path, as pip installed it (the Makefile's check).
-    code = ("import sys, os, importlib.util as u; sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != os.path.realpath(sys.argv[1])]; "
-            "f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath(os.path.join(sys.argv[1], 'fsdpfn')))")
+    code = (
+        "import sys, os, importlib.util as u; sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != os.path.realpath(sys.argv[1])]; "
+        "f = u.find_spec('fsdpfn'); sys.exit(f is None or os.path.realpath(os.path.dirname(f.origin or '')) != os.path.realpath(os.path.join(sys.argv[1], 'fsdpfn')))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-c", code, ROOT], cwd="/", env=env).returncode == 0
 
@@ -638,7 +760,17 @@ def _versions() -> dict:
     from importlib import metadata
 
     out: dict[str, Any] = {"python": platform.python_version()}
-    for dist in ("torch", "optree", "safetensors", "pytest", "hypothesis", "ml-dtypes", "transformer-engine", "triton", "fsdpfn"):
+    for dist in (
+        "torch",
+        "optree",
+        "safetensors",
+        "pytest",
+        "hypothesis",
+        "ml-dtypes",
+        "transformer-engine",
+        "triton",
+        "fsdpfn",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -646,16 +778,26 @@ def _versions() -> dict:
     try:
         import torch
 
-        out.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-                   nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None)
+        out.update(
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+            nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        )
         if torch.cuda.is_available():
-            out.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
-                       memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+            out.update(
+                device=torch.cuda.get_device_name(0),
+                capability=list(torch.cuda.get_device_capability(0)),
+                memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+            )
     except ImportError:
         pass
     if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,power.limit,clocks.max.sm", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,power.limit,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         out["nvidia_smi"] = smi.stdout.strip()
     return out
 
@@ -668,7 +810,11 @@ def step_install(ctx: StepContext):
         installed.append(dict(package="fsdpfn (editable, this checkout)", ok=ok, note=why))
         ctx.check("fsdpfn installed from this checkout", ok, why)
     missing = [spec for mod, spec in TEST_EXTRA.items() if importlib.util.find_spec(mod) is None]
-    missing += [spec for mod, spec in (("optree", "optree>=0.13"), ("safetensors", "safetensors>=0.4")) if importlib.util.find_spec(mod) is None]
+    missing += [
+        spec
+        for mod, spec in (("optree", "optree>=0.13"), ("safetensors", "safetensors>=0.4"))
+        if importlib.util.find_spec(mod) is None
+    ]
     if missing:
         ok, why = _pip(missing, 40)
         installed.append(dict(package=" ".join(missing), ok=ok, note=why))
@@ -687,7 +833,19 @@ def step_cuda_tests(ctx: StepContext):
     ids = cuda_tests()
     ctx.record("tests", ids)
     junit = os.path.join(ctx.work, "cuda_tests.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", "--fsdpfn-timeout", "60", *ids]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "--fsdpfn-timeout",
+        "60",
+        *ids,
+    ]
     if not any(ep.value.startswith("fsdpfn.") for ep in metadata.entry_points(group="pytest11")):
         cmd[3:3] = ["-p", "fsdpfn.testing.pytest_plugin"]  # not installed: the plugin by module name
     if importlib.util.find_spec("hypothesis") is None:
@@ -699,10 +857,16 @@ def step_cuda_tests(ctx: StepContext):
         for case in ET.parse(junit).getroot().iter("testcase"):
             kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
             detail = next((c.get("message", "") for c in case if c.tag in ("failure", "error", "skipped")), "")
-            outcomes.append(dict(test=f"{case.get('classname', '')}::{case.get('name')}", outcome=kind, detail=detail[:300]))
+            outcomes.append(
+                dict(test=f"{case.get('classname', '')}::{case.get('name')}", outcome=kind, detail=detail[:300])
+            )
     ctx.record("outcomes", outcomes)
     bad = [o["test"] for o in outcomes if o["outcome"] in ("failure", "error")]
-    ctx.check("every CUDA test passed or skipped with a reason", p.returncode in (0, 5) and not bad, ", ".join(bad) or f"pytest exit {p.returncode}")
+    ctx.check(
+        "every CUDA test passed or skipped with a reason",
+        p.returncode in (0, 5) and not bad,
+        ", ".join(bad) or f"pytest exit {p.returncode}",
+    )
 
 
 # ---- probes on ranks (functions at module level: run_on_ranks pickles them) ------------------
@@ -792,7 +956,11 @@ def _streams_rank(rank: int, world: int, trace_path: str):
     prof.export_chrome_trace(trace_path)
     with open(trace_path, encoding="utf-8") as f:
         events = json.load(f)["traceEvents"]
-    return dict(stream_overlap(events), step_s=round(seconds, 5), comm_streams=sorted(rt._ex.comm.streams) if hasattr(rt._ex, "comm") else None)
+    return dict(
+        stream_overlap(events),
+        step_s=round(seconds, 5),
+        comm_streams=sorted(rt._ex.comm.streams) if hasattr(rt._ex, "comm") else None,
+    )
 
 
 def step_streams(ctx: StepContext):
@@ -802,15 +970,24 @@ def step_streams(ctx: StepContext):
     # copies each unit's shards ahead of its compute (and runs should gloo refuse CUDA tensors).
     for world in (2, 1):
         try:
-            out = testing.run_on_ranks(_streams_rank, world, os.path.join(ctx.work, f"trace{world}.json"), timeout=PER_WORLD_S)[0]
+            out = testing.run_on_ranks(
+                _streams_rank, world, os.path.join(ctx.work, f"trace{world}.json"), timeout=PER_WORLD_S
+            )[0]
         except Exception as e:  # noqa: BLE001 - recorded; the other world size still runs
             ctx.check(f"world {world} ran", False, f"{type(e).__name__}: {str(e)[-300:]}")
             continue
         ctx.record(f"world {world}", out)
         others = {s: v for s, v in out["streams"].items() if s != out["compute_stream"]}
-        ctx.check(f"world {world}: kernels or copies ran on a stream beside compute", bool(others), f"streams seen: {sorted(out['streams'])}")
-        ctx.check(f"world {world}: work beside compute overlapped it", out["overlap_us"] > 0,
-                  f"overlap {out['overlap_us']} us of {out['other_busy_us']} us")
+        ctx.check(
+            f"world {world}: kernels or copies ran on a stream beside compute",
+            bool(others),
+            f"streams seen: {sorted(out['streams'])}",
+        )
+        ctx.check(
+            f"world {world}: work beside compute overlapped it",
+            out["overlap_us"] > 0,
+            f"overlap {out['overlap_us']} us of {out['other_busy_us']} us",
+        )
 
 
 def _memory_rank(rank: int, world: int):
@@ -824,10 +1001,12 @@ def _memory_rank(rank: int, world: int):
     x, y = _batch(rank, 2, 64)
     out = {}
     for raf in (True, False):
-        plan = fsdpfn.plan(model, mesh, mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        plan = fsdpfn.plan(
+            model, mesh, mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
         rt = Runtime(model, plan, prefetch=1, reshard_after_forward=raf, device=DEV)
         params = fsdpfn.shard(model, plan)
-        step = rt.value_and_grad(lambda ps, x, y: _ce(rt.apply(ps, x), y))
+        step = rt.value_and_grad(lambda ps, x, y: _ce(rt.apply(ps, x), y))  # noqa: F821 - deleted after the loop's last call
         step(params, x, y)  # warm-up
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -835,7 +1014,9 @@ def _memory_rank(rank: int, world: int):
         rt.memory.reset()
         grads, _ = step(params, x, y)
         torch.cuda.synchronize()
-        out[f"raf_{raf}"] = dict(peak_above_start=torch.cuda.max_memory_allocated() - base, tracker_high_water=rt.memory.high_water)
+        out[f"raf_{raf}"] = dict(
+            peak_above_start=torch.cuda.max_memory_allocated() - base, tracker_high_water=rt.memory.high_water
+        )
         del grads, params, rt, step
         torch.cuda.empty_cache()
     return out
@@ -853,16 +1034,31 @@ def step_reshard_memory(ctx: StepContext):
         on, off = r["raf_True"], r["raf_False"]
         measured = off["peak_above_start"] - on["peak_above_start"]
         counted = off["tracker_high_water"] - on["tracker_high_water"]
-        ctx.record(f"world {world}", dict(r, measured_saving=measured, tracker_saving=counted, saving_ratio=_ratio(measured, counted)))
-        ctx.check(f"world {world}: reshard-after-forward lowers max_memory_allocated", on["peak_above_start"] < off["peak_above_start"],
-                  f"{on['peak_above_start']} vs {off['peak_above_start']} bytes")
-        ctx.check(f"world {world}: the saving is the tracker's within 25%", counted > 0 and abs(measured - counted) <= 0.25 * counted,
-                  f"measured {measured} bytes, tracker {counted}")
+        ctx.record(
+            f"world {world}",
+            dict(r, measured_saving=measured, tracker_saving=counted, saving_ratio=_ratio(measured, counted)),
+        )
+        ctx.check(
+            f"world {world}: reshard-after-forward lowers max_memory_allocated",
+            on["peak_above_start"] < off["peak_above_start"],
+            f"{on['peak_above_start']} vs {off['peak_above_start']} bytes",
+        )
+        ctx.check(
+            f"world {world}: the saving is the tracker's within 25%",
+            counted > 0 and abs(measured - counted) <= 0.25 * counted,
+            f"measured {measured} bytes, tracker {counted}",
+        )
 
 
 def _pinned(params) -> list[str]:
     """Whether the host-resident shards of the blocks are pinned (``["True"]``: all of them)."""
-    return sorted({str(p._local_tensor.is_pinned()) for n, p in params.items() if n.startswith("blocks.") and p._local_tensor.device.type == "cpu"})
+    return sorted(
+        {
+            str(p._local_tensor.is_pinned())
+            for n, p in params.items()
+            if n.startswith("blocks.") and p._local_tensor.device.type == "cpu"
+        }
+    )
 
 
 def _offload_rank(rank: int, world: int):
@@ -892,10 +1088,15 @@ def _offload_rank(rank: int, world: int):
             _sync()
             times.append(time.perf_counter() - t0)
         local = {n: p._local_tensor for n, p in params.items()}
-        results[bool(offload)] = dict(params={n: t.detach().cpu() for n, t in local.items()}, step_s=statistics.median(times[1:]),
-                                      pinned_at_shard=pinned_at_shard, pinned_after_steps=_pinned(params),
-                                      devices=sorted({str(t.device) for t in local.values()}), held_between=dict(rt.memory.offloaded),
-                                      copies=len(rt.last_step.copies))
+        results[bool(offload)] = dict(
+            params={n: t.detach().cpu() for n, t in local.items()},
+            step_s=statistics.median(times[1:]),
+            pinned_at_shard=pinned_at_shard,
+            pinned_after_steps=_pinned(params),
+            devices=sorted({str(t.device) for t in local.values()}),
+            held_between=dict(rt.memory.offloaded),
+            copies=len(rt.last_step.copies),
+        )
     on, off = results[True], results[False]
     same = all(torch.equal(on["params"][n], off["params"][n]) for n in off["params"])
     for r in results.values():
@@ -914,10 +1115,21 @@ def step_offload(ctx: StepContext):
             continue
         ctx.record(f"world {world}", r)
         ctx.check(f"world {world}: 4 AdamW steps bitwise the run without offload", r["bitwise_same"])
-        ctx.check(f"world {world}: offloaded shards in pinned host memory", r["offload"]["pinned_at_shard"] == ["True"], str(r["offload"]["pinned_at_shard"]))
-        ctx.check(f"world {world}: still pinned after 4 optimizer steps (else each copy-in is synchronous)",
-                  r["offload"]["pinned_after_steps"] == ["True"], str(r["offload"]["pinned_after_steps"]))
-        ctx.check(f"world {world}: no device bytes held between steps", not r["offload"]["held_between"], str(r["offload"]["held_between"]))
+        ctx.check(
+            f"world {world}: offloaded shards in pinned host memory",
+            r["offload"]["pinned_at_shard"] == ["True"],
+            str(r["offload"]["pinned_at_shard"]),
+        )
+        ctx.check(
+            f"world {world}: still pinned after 4 optimizer steps (else each copy-in is synchronous)",
+            r["offload"]["pinned_after_steps"] == ["True"],
+            str(r["offload"]["pinned_after_steps"]),
+        )
+        ctx.check(
+            f"world {world}: no device bytes held between steps",
+            not r["offload"]["held_between"],
+            str(r["offload"]["held_between"]),
+        )
 
 
 def _fp8_rank(rank: int, world: int):
@@ -929,7 +1141,9 @@ def _fp8_rank(rank: int, world: int):
     model = _gpt(1024, 4, 8, 128)
     out = {}
     for fp8 in (None, "mxfp8"):
-        plan = fsdpfn.plan(model, mesh, mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8=fp8))
+        plan = fsdpfn.plan(
+            model, mesh, mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8=fp8)
+        )
         params = fsdpfn.shard(model, plan)
         x, y = _batch(rank, 4, 128)
 
@@ -944,8 +1158,12 @@ def _fp8_rank(rank: int, world: int):
             grads, loss = step(params, x, y)
         _sync()
         finite = all(bool(torch.isfinite(g.to_local()).all()) for g in grads.values())
-        out[fp8 or "bf16"] = dict(loss=loss.item(), step_s=(time.perf_counter() - t0) / 3, grads_finite=finite,
-                                  all_gather_bytes=plan.cost().collectives["all_gather"].nbytes)
+        out[fp8 or "bf16"] = dict(
+            loss=loss.item(),
+            step_s=(time.perf_counter() - t0) / 3,
+            grads_finite=finite,
+            all_gather_bytes=plan.cost().collectives["all_gather"].nbytes,
+        )
     return out
 
 
@@ -960,9 +1178,15 @@ def step_fp8_gather(ctx: StepContext):
             continue
         ctx.record(f"world {world}", r)
         ctx.check(f"world {world}: finite FP8 gradients", r["mxfp8"]["grads_finite"])
-        ctx.check(f"world {world}: FP8 loss within 5% of bf16", abs(r["mxfp8"]["loss"] - r["bf16"]["loss"]) <= 0.05 * abs(r["bf16"]["loss"]),
-                  f"{r['mxfp8']['loss']:.4f} vs {r['bf16']['loss']:.4f}")
-        ctx.check(f"world {world}: FP8 gathers under 60% of bf16's bytes", r["mxfp8"]["all_gather_bytes"] < 0.6 * r["bf16"]["all_gather_bytes"])
+        ctx.check(
+            f"world {world}: FP8 loss within 5% of bf16",
+            abs(r["mxfp8"]["loss"] - r["bf16"]["loss"]) <= 0.05 * abs(r["bf16"]["loss"]),
+            f"{r['mxfp8']['loss']:.4f} vs {r['bf16']['loss']:.4f}",
+        )
+        ctx.check(
+            f"world {world}: FP8 gathers under 60% of bf16's bytes",
+            r["mxfp8"]["all_gather_bytes"] < 0.6 * r["bf16"]["all_gather_bytes"],
+        )
 
 
 def _compile_rank(rank: int, world: int):
@@ -986,7 +1210,10 @@ def _compile_rank(rank: int, world: int):
     _sync()
     compile_s = time.perf_counter() - t0
     g_e, loss_e = eager(params, x, y)
-    worst = max(((g_c[n].to_local() - g_e[n].to_local()).abs().max() / g_e[n].to_local().abs().max().clamp_min(1e-12)).item() for n in g_e)
+    worst = max(
+        ((g_c[n].to_local() - g_e[n].to_local()).abs().max() / g_e[n].to_local().abs().max().clamp_min(1e-12)).item()
+        for n in g_e
+    )
 
     def timed(fn):
         fn(params, x, y)
@@ -997,8 +1224,14 @@ def _compile_rank(rank: int, world: int):
         _sync()
         return (time.perf_counter() - t) / 5
 
-    return dict(first_call_s=round(compile_s, 2), loss_compiled=loss_c.item(), loss_eager=loss_e.item(), worst_grad_rel_diff=worst,
-                step_s_compiled=timed(compiled), step_s_eager=timed(eager))
+    return dict(
+        first_call_s=round(compile_s, 2),
+        loss_compiled=loss_c.item(),
+        loss_eager=loss_e.item(),
+        worst_grad_rel_diff=worst,
+        step_s_compiled=timed(compiled),
+        step_s_eager=timed(eager),
+    )
 
 
 def step_compile(ctx: StepContext):
@@ -1006,7 +1239,11 @@ def step_compile(ctx: StepContext):
 
     r = testing.run_on_ranks(_compile_rank, 1, timeout=85)[0]
     ctx.record("world 1", r)
-    ctx.check("compiled gradients equal eager's to 1e-3", r["worst_grad_rel_diff"] < 1e-3, f"worst relative difference {r['worst_grad_rel_diff']:.2e}")
+    ctx.check(
+        "compiled gradients equal eager's to 1e-3",
+        r["worst_grad_rel_diff"] < 1e-3,
+        f"worst relative difference {r['worst_grad_rel_diff']:.2e}",
+    )
 
 
 DEMO_STEPS = 100
@@ -1014,9 +1251,30 @@ DEMO_STEPS = 100
 
 def step_demo(ctx: StepContext):
     out = os.path.join(ctx.work, "demo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", os.path.join(ROOT, "examples", "train_gpt.py"),
-           "--device", "cuda", "--steps", str(DEMO_STEPS), "--out", out, "--no-progress", "--log-every", "5", "--eval-every", "0",
-           "--sample-chars", "200", "--ckpt-every", str(DEMO_STEPS)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        os.path.join(ROOT, "examples", "train_gpt.py"),
+        "--device",
+        "cuda",
+        "--steps",
+        str(DEMO_STEPS),
+        "--out",
+        out,
+        "--no-progress",
+        "--log-every",
+        "5",
+        "--eval-every",
+        "0",
+        "--sample-chars",
+        "200",
+        "--ckpt-every",
+        str(DEMO_STEPS),
+    ]
     ctx.record("command", "python " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=_step_env(), capture_output=True, text=True)
@@ -1029,7 +1287,11 @@ def step_demo(ctx: StepContext):
             rows = [json.loads(line) for line in f if line.strip()]
     d = demo_summary(rows, DEMO_STEPS)
     ctx.record("demo", d)
-    ctx.check("the demo exited 0", p.returncode == 0, f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
+    ctx.check(
+        "the demo exited 0",
+        p.returncode == 0,
+        f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}",
+    )
     ctx.check(f"{DEMO_STEPS} steps logged", d["steps_done"] == DEMO_STEPS, f"{d['steps_done']} logged")
     ctx.check("the loss fell", d["loss_fell"], f"{d['loss_first']} -> {d['loss_last']}")
 
@@ -1073,11 +1335,22 @@ def demo_vocab() -> int:
 # the H100 shape table.
 def matmul_shapes() -> list[tuple[str, int, int, int]]:
     v = demo_vocab()
-    return [("demo qkv", 1024, 384, 128), ("demo attn out", 1024, 128, 128), ("demo mlp up", 1024, 512, 128),
-            ("demo mlp down", 1024, 128, 512), ("demo head", 1024, v, 128),
-            ("8B wq/wo", 8192, 4096, 4096), ("8B wk/wv", 8192, 1024, 4096), ("8B w1/w3", 8192, 14336, 4096),
-            ("8B w2", 8192, 4096, 14336), ("8B w1 grad (weight)", 4096, 14336, 8192), ("8B w2 grad (input)", 8192, 14336, 4096),
-            ("table 1024^3", 1024, 1024, 1024), ("table 4096^3", 4096, 4096, 4096), ("table 16384x2048x4096", 16384, 2048, 4096)]
+    return [
+        ("demo qkv", 1024, 384, 128),
+        ("demo attn out", 1024, 128, 128),
+        ("demo mlp up", 1024, 512, 128),
+        ("demo mlp down", 1024, 128, 512),
+        ("demo head", 1024, v, 128),
+        ("8B wq/wo", 8192, 4096, 4096),
+        ("8B wk/wv", 8192, 1024, 4096),
+        ("8B w1/w3", 8192, 14336, 4096),
+        ("8B w2", 8192, 4096, 14336),
+        ("8B w1 grad (weight)", 4096, 14336, 8192),
+        ("8B w2 grad (input)", 8192, 14336, 4096),
+        ("table 1024^3", 1024, 1024, 1024),
+        ("table 4096^3", 4096, 4096, 4096),
+        ("table 16384x2048x4096", 16384, 2048, 4096),
+    ]
 
 
 ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -1099,15 +1372,21 @@ def step_sim_kernels(ctx: StepContext):
         del lhs, rhs
     ctx.record("matmul", matmul_rows(measured, hw))
     att: list[tuple[int, int, int, int, float, float]] = []
-    for seq in ATTENTION_SEQS:  # 16k tokens per batch below 16k (FlashAttention's benchmark keeps tokens fixed), 32 heads of 128
+    for seq in (
+        ATTENTION_SEQS
+    ):  # 16k tokens per batch below 16k (FlashAttention's benchmark keeps tokens fixed), 32 heads of 128
         batch, heads, head_dim = max(1, 16384 // seq), 32, 128
-        q, kk, v = (torch.randn(batch, heads, seq, head_dim, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+        q, kk, v = (
+            torch.randn(batch, heads, seq, head_dim, device=dev, dtype=bf16, requires_grad=True) for _ in range(3)
+        )
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # the kernel class the preset's rate is for (FlashAttention-2)
-            fwd = _time_cuda(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), repeats=3)
+            fwd = _time_cuda(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), repeats=3)  # noqa: F821 - deleted after the loop's last call
             out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
             grad = torch.randn_like(out)
-            both = _time_cuda(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, kk, v, is_causal=True), (q, kk, v), grad),
-                              repeats=3)
+            both = _time_cuda(
+                lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, kk, v, is_causal=True), (q, kk, v), grad),  # noqa: F821 - deleted after the loop's last call
+                repeats=3,
+            )
         att.append((batch, heads, seq, head_dim, fwd, max(both - fwd, 0.0)))
         ctx.record("attention", attention_rows(att, hw))
         del q, kk, v, out, grad
@@ -1115,16 +1394,21 @@ def step_sim_kernels(ctx: StepContext):
     n = 64 * 2**20  # elements: 128 MiB of bf16 per tensor
     x, y = torch.randn(n, device=dev, dtype=bf16), torch.randn(n, device=dev, dtype=bf16)
     rows, w = torch.randn(8192, 4096, device=dev, dtype=bf16), torch.ones(4096, device=dev, dtype=bf16)
-    mem: list[tuple[str, float, float]] = [("copy", 2 * 2 * n, _time_cuda(lambda: x.clone())), ("add", 3 * 2 * n, _time_cuda(lambda: x + y)),
-           ("silu * mul (SwiGLU)", 3 * 2 * n, _time_cuda(lambda: F.silu(x) * y)),
-           ("rms_norm 8192x4096", 2 * 2 * rows.numel(), _time_cuda(lambda: F.rms_norm(rows, (4096,), w))),
-           ("float32 cast", (2 + 4) * n, _time_cuda(lambda: x.float()))]
+    mem: list[tuple[str, float, float]] = [
+        ("copy", 2 * 2 * n, _time_cuda(lambda: x.clone())),
+        ("add", 3 * 2 * n, _time_cuda(lambda: x + y)),
+        ("silu * mul (SwiGLU)", 3 * 2 * n, _time_cuda(lambda: F.silu(x) * y)),
+        ("rms_norm 8192x4096", 2 * 2 * rows.numel(), _time_cuda(lambda: F.rms_norm(rows, (4096,), w))),
+        ("float32 cast", (2 + 4) * n, _time_cuda(lambda: x.float())),
+    ]
     ctx.record("memory_bound", memory_rows(mem, hw))
-    ctx.check("every kernel timed", all(r["seconds"] > 0 for r in ctx.results["matmul"]) and len(ctx.results["attention"]) == len(ATTENTION_SEQS))
+    ctx.check(
+        "every kernel timed",
+        all(r["seconds"] > 0 for r in ctx.results["matmul"]) and len(ctx.results["attention"]) == len(ATTENTION_SEQS),
+    )
 
 
 def _demo_step_rank(rank: int, world: int, vocab: int):
-    import torch
 
     import fsdpfn
     from fsdpfn import sim
@@ -1140,8 +1424,13 @@ def _demo_step_rank(rank: int, world: int, vocab: int):
     measured = _time_cuda(lambda: step(params, x, y), min_s=0.2)
     wl = sim.profile(model, plan, x, loss_fn=lambda out: _ce(out, y))
     r = sim.simulate(plan, schedule(plan, prefetch=1), wl, sim.Muon(), sim.H100_SXM)
-    return dict(measured_forward_backward_s=measured, predicted_step_s=r.step_time, predicted_optimizer_s=r.optimizer_time,
-                predicted_forward_backward_s=r.step_time - r.optimizer_time, ops=sum(w.ops for _, w in wl.work))
+    return dict(
+        measured_forward_backward_s=measured,
+        predicted_step_s=r.step_time,
+        predicted_optimizer_s=r.optimizer_time,
+        predicted_forward_backward_s=r.step_time - r.optimizer_time,
+        ops=sum(w.ops for _, w in wl.work),
+    )
 
 
 def _block_prediction(seq: int) -> tuple[float, float]:
@@ -1173,15 +1462,22 @@ def step_sim_step(ctx: StepContext):
     torch.manual_seed(0)
     block = Block(LlamaConfig(dim=4096, layers=1, heads=32, kv_heads=8, ffn=14336, vocab=256)).to(DEV, dtype)
     x = torch.randn(1, seq, 4096, device=DEV, dtype=dtype, requires_grad=True)
-    fwd = _time_cuda(lambda: block(x), repeats=3)
+    fwd = _time_cuda(lambda: block(x), repeats=3)  # noqa: F821 - deleted after its last call
     out = block(x)
     grad = torch.randn_like(out)
-    both = _time_cuda(lambda: torch.autograd.grad(block(x), [x, *block.parameters()], grad), repeats=3)
+    both = _time_cuda(lambda: torch.autograd.grad(block(x), [x, *block.parameters()], grad), repeats=3)  # noqa: F821 - deleted after its last call
     p_fwd, p_bwd = _block_prediction(seq)
     ctx.record("llama3_8b_block_tokens", seq)
-    ctx.record("llama3_8b_block", [dict(part="forward", measured_s=fwd, predicted_s=p_fwd, ratio=_ratio(p_fwd, fwd)),
-                                   dict(part="backward", measured_s=both - fwd, predicted_s=p_bwd, ratio=_ratio(p_bwd, both - fwd)),
-                                   dict(part="forward+backward", measured_s=both, predicted_s=p_fwd + p_bwd, ratio=_ratio(p_fwd + p_bwd, both))])
+    ctx.record(
+        "llama3_8b_block",
+        [
+            dict(part="forward", measured_s=fwd, predicted_s=p_fwd, ratio=_ratio(p_fwd, fwd)),
+            dict(part="backward", measured_s=both - fwd, predicted_s=p_bwd, ratio=_ratio(p_bwd, both - fwd)),
+            dict(
+                part="forward+backward", measured_s=both, predicted_s=p_fwd + p_bwd, ratio=_ratio(p_fwd + p_bwd, both)
+            ),
+        ],
+    )
     del block, x, out, grad
     _empty_cache()
     demo = testing.run_on_ranks(_demo_step_rank, 1, demo_vocab(), timeout=40)[0]
@@ -1196,6 +1492,7 @@ def step_sim_step(ctx: StepContext):
 def step_te(ctx: StepContext):
     try:
         import transformer_engine.pytorch  # noqa: F401
+
         ctx.record("transformer_engine", "present")
     except Exception as first:  # noqa: BLE001 - absent or broken: try to install it within the step's limit
         ok, why = _pip(["transformer-engine[pytorch]>=2.0"], 25)
@@ -1203,7 +1500,9 @@ def step_te(ctx: StepContext):
         try:
             import transformer_engine.pytorch  # noqa: F401,F811
         except Exception as e:  # noqa: BLE001
-            return f"Transformer Engine is not installed and did not install within its limit ({why or type(e).__name__})"
+            return (
+                f"Transformer Engine is not installed and did not install within its limit ({why or type(e).__name__})"
+            )
     from fsdpfn import testing
 
     for recipe in ("tensorwise", "mxfp8"):  # Hopper runs per-tensor current scaling; MXFP8 needs Blackwell
@@ -1213,9 +1512,17 @@ def step_te(ctx: StepContext):
             r = dict(error=f"{type(e).__name__}: {str(e)[-400:]}")
         ctx.record(recipe, r)
     hopper = ctx.results["tensorwise"]
-    ctx.check("the tensorwise (Float8CurrentScaling) hand-over gives TE tensors with our bytes", hopper.get("same") is True, str(hopper)[:300])
+    ctx.check(
+        "the tensorwise (Float8CurrentScaling) hand-over gives TE tensors with our bytes",
+        hopper.get("same") is True,
+        str(hopper)[:300],
+    )
     mx = ctx.results["mxfp8"]
-    ctx.check("MXFP8 hands over, or is refused naming the GPU", mx.get("same") is True or "cannot run MXFP8BlockScaling" in mx.get("error", ""), str(mx)[:300])
+    ctx.check(
+        "MXFP8 hands over, or is refused naming the GPU",
+        mx.get("same") is True or "cannot run MXFP8BlockScaling" in mx.get("error", ""),
+        str(mx)[:300],
+    )
 
 
 def _te_handoff_rank(rank: int, world: int, recipe: str):
@@ -1232,9 +1539,13 @@ def _te_handoff_rank(rank: int, world: int, recipe: str):
     mesh = _cuda_mesh(world)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = nn.Sequential(te.Linear(128, 256, params_dtype=torch.bfloat16), te.Linear(256, 128, params_dtype=torch.bfloat16))
+        model = nn.Sequential(
+            te.Linear(128, 256, params_dtype=torch.bfloat16), te.Linear(256, 128, params_dtype=torch.bfloat16)
+        )
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    handed = fsdpfn.plan(model, mesh, units=[], mp=fsdpfn.MixedPrecision(**bf16, fp8=Float8GatherPolicy(recipe=recipe, backend="te")))
+    handed = fsdpfn.plan(
+        model, mesh, units=[], mp=fsdpfn.MixedPrecision(**bf16, fp8=Float8GatherPolicy(recipe=recipe, backend="te"))
+    )
     plain = fsdpfn.plan(model, mesh, units=[], mp=fsdpfn.MixedPrecision(**bf16, fp8=recipe))
     params = fsdpfn.shard(model, handed)
     te_full, torch_full = fsdpfn.unshard(params, handed), fsdpfn.unshard(params, plain)
@@ -1244,7 +1555,11 @@ def _te_handoff_rank(rank: int, world: int, recipe: str):
     x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     names = {"tensorwise": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
     te_recipe = getattr(importlib.import_module("transformer_engine.common.recipe"), names[recipe])()
-    autocast = te.autocast(enabled=True, recipe=te_recipe) if hasattr(te, "autocast") else te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
+    autocast = (
+        te.autocast(enabled=True, recipe=te_recipe)
+        if hasattr(te, "autocast")
+        else te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
+    )
     with warnings.catch_warnings(), autocast:
         warnings.simplefilter("ignore")  # TE's own deprecation notices
         y = torch.func.functional_call(model, te_full, (x,))
@@ -1254,9 +1569,17 @@ def _te_handoff_rank(rank: int, world: int, recipe: str):
 
 
 STEP_FUNCS: dict[str, Callable[[StepContext], Any]] = {
-    "install": step_install, "cuda_tests": step_cuda_tests, "streams": step_streams, "reshard_memory": step_reshard_memory,
-    "offload": step_offload, "fp8_gather": step_fp8_gather, "compile": step_compile, "demo": step_demo,
-    "sim_kernels": step_sim_kernels, "sim_step": step_sim_step, "te": step_te,
+    "install": step_install,
+    "cuda_tests": step_cuda_tests,
+    "streams": step_streams,
+    "reshard_memory": step_reshard_memory,
+    "offload": step_offload,
+    "fp8_gather": step_fp8_gather,
+    "compile": step_compile,
+    "demo": step_demo,
+    "sim_kernels": step_sim_kernels,
+    "sim_step": step_sim_step,
+    "te": step_te,
 }
 
 

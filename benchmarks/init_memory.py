@@ -49,8 +49,11 @@ from fsdpfn.models import GPT, GPTConfig  # noqa: E402
 
 MIB = 2**20
 MODES = ("full", "meta", "safetensors")
-LABELS = {"full": "(a) full model, then fsdpfn.shard", "meta": "(b) meta + fsdpfn.init_shards",
-          "safetensors": "(c) meta + fsdpfn.load_safetensors"}
+LABELS = {
+    "full": "(a) full model, then fsdpfn.shard",
+    "meta": "(b) meta + fsdpfn.init_shards",
+    "safetensors": "(c) meta + fsdpfn.load_safetensors",
+}
 BASELINE_GUESS = 400 * MIB  # torch + gloo, for the safety estimate only
 
 
@@ -91,8 +94,9 @@ def _mem_available() -> int:
 
 
 def make_config(args) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, width=args.width, depth=args.depth,
-                     heads=args.heads, bias=False)
+    return GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads, bias=False
+    )
 
 
 def _meta_model(cfg: GPTConfig) -> GPT:
@@ -144,8 +148,17 @@ def measure(rank: int, world: int, mode: str, cfg: GPTConfig, directory: str) ->
     shards = sum(p.to_local().numel() * p.to_local().element_size() for p in params.values())
     unit = max(u.numel for u in plan.units) * 4
     comm.barrier()
-    return dict(rank=rank, baseline=baseline, peak=peak, lifetime=lifetime, shards=shards, unit=unit,
-                theory=baseline + shards + unit, seconds=seconds, reset=reset)
+    return dict(
+        rank=rank,
+        baseline=baseline,
+        peak=peak,
+        lifetime=lifetime,
+        shards=shards,
+        unit=unit,
+        theory=baseline + shards + unit,
+        seconds=seconds,
+        reset=reset,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,12 +176,16 @@ def _estimate(mode: str, model_bytes: int, unit_bytes: int, world: int) -> int:
 def _check_room(what: str, need: int) -> None:
     room = int(0.8 * _mem_available())
     if need > room:
-        sys.exit(f"{what} needs about {need / 2**30:.1f} GiB; 80% of MemAvailable is {room / 2**30:.1f} GiB. "
-                 "Pass a smaller --width or --depth (or free memory) and run again.")
+        sys.exit(
+            f"{what} needs about {need / 2**30:.1f} GiB; 80% of MemAvailable is {room / 2**30:.1f} GiB. "
+            "Pass a smaller --width or --depth (or free memory) and run again."
+        )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=7)
@@ -176,7 +193,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
-    p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory, removed after)")
+    p.add_argument(
+        "--dir", default=None, help="where to write the checkpoint (default: a temporary directory, removed after)"
+    )
     p.add_argument("--json", default=None, help="also write the per-rank figures here")
     return p.parse_args(argv)
 
@@ -191,9 +210,12 @@ def main(argv=None) -> None:
     plan = fsdpfn.plan(_meta_model(cfg), (args.world_size,), strategy="zero3")
     model_bytes = sum(u.numel for u in plan.units) * 4
     unit_bytes = max(u.numel for u in plan.units) * 4
-    print(f"GPT width {cfg.width}, depth {cfg.depth}, vocabulary {cfg.vocab_size}: {model_bytes / 4 / 1e6:.0f}M parameters, "
-          f"{model_bytes / 2**30:.2f} GiB fp32; largest unit {unit_bytes / MIB:.0f} MiB; "
-          f"{args.world_size} gloo ranks, zero3, one thread each", flush=True)
+    print(
+        f"GPT width {cfg.width}, depth {cfg.depth}, vocabulary {cfg.vocab_size}: {model_bytes / 4 / 1e6:.0f}M parameters, "
+        f"{model_bytes / 2**30:.2f} GiB fp32; largest unit {unit_bytes / MIB:.0f} MiB; "
+        f"{args.world_size} gloo ranks, zero3, one thread each",
+        flush=True,
+    )
 
     directory = args.dir or tempfile.mkdtemp(prefix="fsdpfn_init_memory_")
     os.makedirs(directory, exist_ok=True)
@@ -203,10 +225,15 @@ def main(argv=None) -> None:
             _check_room("writing the checkpoint", BASELINE_GUESS + 3 * unit_bytes)
             t0 = time.perf_counter()
             written = launch(write_checkpoint, 1, cfg, directory)[0]
-            print(f"checkpoint: {written / 2**30:.2f} GiB in {len(plan.units)} files in {directory} "
-                  f"({time.perf_counter() - t0:.0f} s, not measured)", flush=True)
+            print(
+                f"checkpoint: {written / 2**30:.2f} GiB in {len(plan.units)} files in {directory} "
+                f"({time.perf_counter() - t0:.0f} s, not measured)",
+                flush=True,
+            )
         for mode in modes:
-            _check_room(f"mode {mode!r} on {args.world_size} ranks", _estimate(mode, model_bytes, unit_bytes, args.world_size))
+            _check_room(
+                f"mode {mode!r} on {args.world_size} ranks", _estimate(mode, model_bytes, unit_bytes, args.world_size)
+            )
             results[mode] = launch(measure, args.world_size, mode, cfg, directory)
             worst = max(r["peak"] / r["theory"] for r in results[mode])
             print(f"  {mode}: done, worst peak/theory {worst:.2f}", flush=True)
@@ -221,18 +248,40 @@ def main(argv=None) -> None:
 
 def _report(results: dict[str, list[dict]]) -> None:
     full = {r["rank"]: r["peak"] for r in results.get("full", [])}
-    head = ("way to get the shards", "peak RSS/rank (max)", "baseline", "shards + unit", "theory", "peak / theory (worst rank)",
-            "peak / (a) (worst rank)", "lifetime maxrss", "time")
+    head = (
+        "way to get the shards",
+        "peak RSS/rank (max)",
+        "baseline",
+        "shards + unit",
+        "theory",
+        "peak / theory (worst rank)",
+        "peak / (a) (worst rank)",
+        "lifetime maxrss",
+        "time",
+    )
     rows = [head]
     for mode, ranks in results.items():
         worst = max(ranks, key=lambda r: r["peak"])
-        vs_full = f"{max(r['peak'] / full[r['rank']] for r in ranks):.2f}x" if full and mode != "full" else "1" if mode == "full" else "-"
-        rows.append((
-            LABELS[mode], f"{worst['peak'] / MIB:,.0f} MiB", f"{worst['baseline'] / MIB:,.0f} MiB",
-            f"{(worst['shards'] + worst['unit']) / MIB:,.0f} MiB", f"{worst['theory'] / MIB:,.0f} MiB",
-            f"{max(r['peak'] / r['theory'] for r in ranks):.2f}x", vs_full,
-            f"{max(r['lifetime'] for r in ranks) / MIB:,.0f} MiB", f"{max(r['seconds'] for r in ranks):.1f} s",
-        ))
+        vs_full = (
+            f"{max(r['peak'] / full[r['rank']] for r in ranks):.2f}x"
+            if full and mode != "full"
+            else "1"
+            if mode == "full"
+            else "-"
+        )
+        rows.append(
+            (
+                LABELS[mode],
+                f"{worst['peak'] / MIB:,.0f} MiB",
+                f"{worst['baseline'] / MIB:,.0f} MiB",
+                f"{(worst['shards'] + worst['unit']) / MIB:,.0f} MiB",
+                f"{worst['theory'] / MIB:,.0f} MiB",
+                f"{max(r['peak'] / r['theory'] for r in ranks):.2f}x",
+                vs_full,
+                f"{max(r['lifetime'] for r in ranks) / MIB:,.0f} MiB",
+                f"{max(r['seconds'] for r in ranks):.1f} s",
+            )
+        )
     print()
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "|".join("---" for _ in rows[0]) + "|")

@@ -50,7 +50,9 @@ def _held_for_backward(model, rt, params, x, y):
 
     def pack(t):
         st = t.untyped_storage()
-        params = {b.untyped_storage()._cdata for bufs in rt._ex.full.values() for b in bufs}  # unsharded parameters: not activations
+        params = {
+            b.untyped_storage()._cdata for bufs in rt._ex.full.values() for b in bufs
+        }  # unsharded parameters: not activations
         if st._cdata not in seen and st._cdata not in params:
             seen.add(st._cdata)
             total[0] += st.nbytes()
@@ -87,8 +89,16 @@ def _rank(rank, world, steps, cfg, batch):
         wl = sim.profile(model, plan, x, loss_fn=loss_fn)
         timed = timed_base.with_remat(plan)
         predicted = sim.simulate(plan, schedule(plan, prefetch=1), timed, sim.AdamW(streamed=streamed), hw).step_time
-        runs[name] = dict(plan=plan, rt=rt, params=params, opt=opt, state=opt.init(params), times=[], predicted_time=predicted,
-                          predicted_acts=sum(b for _, b in wl.activations))
+        runs[name] = dict(
+            plan=plan,
+            rt=rt,
+            params=params,
+            opt=opt,
+            state=opt.init(params),
+            times=[],
+            predicted_time=predicted,
+            predicted_acts=sum(b for _, b in wl.activations),
+        )
     for name, r in runs.items():  # warm-up, and the counted activation bytes
         r["held"] = _held_for_backward(model, r["rt"], r["params"], x, y)
         r["copies"] = sum(b for _, _, b in r["rt"].last_step.copies)
@@ -100,11 +110,19 @@ def _rank(rank, world, steps, cfg, batch):
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             grads = Runtime.grads(r["params"])
             updates, r["state"] = r["opt"].update(grads, r["state"], r["params"])
-            r["params"] = {n: p.detach().requires_grad_() for n, p in fsdpfn.optim.apply_updates(r["params"], updates).items()}
+            r["params"] = {
+                n: p.detach().requires_grad_() for n, p in fsdpfn.optim.apply_updates(r["params"], updates).items()
+            }
             r["times"].append(time.perf_counter() - t0)
             r["between"] = sum(r["rt"].memory.offloaded.values())
-    return {name: {k: v for k, v in r.items() if k in ("times", "predicted_time", "predicted_acts", "held", "copies", "between")}
-            for name, r in runs.items()}
+    return {
+        name: {
+            k: v
+            for k, v in r.items()
+            if k in ("times", "predicted_time", "predicted_acts", "held", "copies", "between")
+        }
+        for name, r in runs.items()
+    }
 
 
 def project(hw: sim.Hardware, gpus: int = 64, seq: int = 8192):
@@ -138,24 +156,34 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     args = p.parse_args(argv)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False
+    )
     res = testing.run_on_ranks(_rank, 2, args.steps, cfg, args.batch, timeout=1800)[0]
     base = res["none"]
     p0 = base["predicted_time"]
-    print(f"GPT width {args.width}, {args.depth} blocks, seq {args.seq}, batch {args.batch} per rank; 2 gloo ranks, zero3, "
-          f"prefetch 1; {args.steps} steps, interleaved\n")
-    print("| lever | held for backward (counted) | predicted | activation cut | step time (median) | time ratio, median of rounds [min-max] | "
-          "predicted ratio | ratio error | copied per step | device bytes between steps |")
+    print(
+        f"GPT width {args.width}, {args.depth} blocks, seq {args.seq}, batch {args.batch} per rank; 2 gloo ranks, zero3, "
+        f"prefetch 1; {args.steps} steps, interleaved\n"
+    )
+    print(
+        "| lever | held for backward (counted) | predicted | activation cut | step time (median) | time ratio, median of rounds [min-max] | "
+        "predicted ratio | ratio error | copied per step | device bytes between steps |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         t = statistics.median(r["times"])
         pairs = [a / b for a, b in zip(r["times"], base["times"])]  # the same round: a slow spell cancels out
         ratio, pred = statistics.median(pairs), r["predicted_time"] / p0
-        print(f"| {name} | {r['held'] / 2**20:.2f} MiB | {r['predicted_acts'] / 2**20:.2f} MiB | {base['held'] / r['held']:.2f}x | "
-              f"{t * 1e3:.0f} ms | {ratio:.2f}x [{min(pairs):.2f}-{max(pairs):.2f}] | {pred:.2f}x | {100 * (pred / ratio - 1):+.0f}% | "
-              f"{r['copies'] / 2**20:.2f} MiB | {r['between']} |")
+        print(
+            f"| {name} | {r['held'] / 2**20:.2f} MiB | {r['predicted_acts'] / 2**20:.2f} MiB | {base['held'] / r['held']:.2f}x | "
+            f"{t * 1e3:.0f} ms | {ratio:.2f}x [{min(pairs):.2f}-{max(pairs):.2f}] | {pred:.2f}x | {100 * (pred / ratio - 1):+.0f}% | "
+            f"{r['copies'] / 2**20:.2f} MiB | {r['between']} |"
+        )
     hw = sim.H100_SXM
-    print(f"\nProjected with fsdpfn.sim: Llama-3-8B-like, sequence 8192, 1 per rank, 64 x {hw.name}, zero3, prefetch 1, AdamW\n")
+    print(
+        f"\nProjected with fsdpfn.sim: Llama-3-8B-like, sequence 8192, 1 per rank, 64 x {hw.name}, zero3, prefetch 1, AdamW\n"
+    )
     print("| lever | step time | reserved per rank | host per rank |")
     print("|---|---|---|---|")
     for name, t, reserved, host in project(hw):

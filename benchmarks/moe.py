@@ -92,8 +92,9 @@ def _run(rank, world, args):
         muon = optim.scale_by_muon(ns_dtype=torch.float32)
         with fsdpfn.count_collectives() as mc:
             muon.update(experts, muon.init(experts))
-        out[s["label"]] = dict(counted=counted, listed={k: (v.calls, v.nbytes) for k, v in listed.items()},
-                               muon=mc.counts(), times=[])
+        out[s["label"]] = dict(
+            counted=counted, listed={k: (v.calls, v.nbytes) for k, v in listed.items()}, muon=mc.counts(), times=[]
+        )
     for _ in range(args.warmup):
         for s in setups:
             step(s)
@@ -117,16 +118,22 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     res = testing.run_on_ranks(_run, 4, args)[0]
-    print(f"4 gloo ranks, width {args.width}, {args.experts} experts top-2, {args.depth} blocks, {args.tokens} tokens/rank")
+    print(
+        f"4 gloo ranks, width {args.width}, {args.experts} experts top-2, {args.depth} blocks, {args.tokens} tokens/rank"
+    )
     base = res["dp=4"]["times"]
     for label, r in res.items():
         t = statistics.median(r["times"])
         ratios = [a / b for a, b in zip(r["times"], base)]  # pair by pair: the same round of the machine
-        print(f"\n{label}: step {t * 1e3:.1f} ms, {statistics.median(ratios):.2f}x dp=4 [{min(ratios):.2f}-{max(ratios):.2f}]; "
-              f"Muon on the experts: {r['muon'] or 'no collective'}")
+        print(
+            f"\n{label}: step {t * 1e3:.1f} ms, {statistics.median(ratios):.2f}x dp=4 [{min(ratios):.2f}-{max(ratios):.2f}]; "
+            f"Muon on the experts: {r['muon'] or 'no collective'}"
+        )
         for kind in sorted(set(r["counted"]) | set(r["listed"])):
             c, lst = r["counted"].get(kind, (0, 0)), r["listed"].get(kind, (0, 0))
-            print(f"  {kind:15s} counted {c[0]:3d} calls {c[1] / 2**10:9.1f} KiB   listed {lst[0]:3d} calls {lst[1] / 2**10:9.1f} KiB")
+            print(
+                f"  {kind:15s} counted {c[0]:3d} calls {c[1] / 2**10:9.1f} KiB   listed {lst[0]:3d} calls {lst[1] / 2**10:9.1f} KiB"
+            )
 
 
 if __name__ == "__main__":

@@ -113,7 +113,8 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
         counts[k] = dict(flops=f.get_total_flops(), wire=sum(c.wire_bytes().values()), calls=c.counts())
     muon_names = [n for n, p in params0.items() if optim.muon_labels(n, p) == "muon"]
     one_process_flops = {
-        m: sum(optim.newton_schulz_flops(tuple(params0[n].shape), method=m) for n in muon_names) for m in ("standard", "gram")
+        m: sum(optim.newton_schulz_flops(tuple(params0[n].shape), method=m) for n in muon_names)
+        for m in ("standard", "gram")
     }
     psi_m = sum(params0[n].numel() * ns_dtype.itemsize for n in muon_names)  # bytes as sent
 
@@ -142,7 +143,15 @@ def _bench(rank, world, cfg_kw, batch, steps, warmup, ns_dtype):
             _, t = _timed(lambda: train_step(k))
             if i >= warmup:
                 step_times[k].append(t)
-    return dict(train_flops=train_flops, counts=counts, one_process_flops=one_process_flops, psi_m=psi_m, opt_times=opt_times, step_times=step_times, n_muon=len(muon_names))
+    return dict(
+        train_flops=train_flops,
+        counts=counts,
+        one_process_flops=one_process_flops,
+        psi_m=psi_m,
+        opt_times=opt_times,
+        step_times=step_times,
+        n_muon=len(muon_names),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +190,11 @@ class _TorchMuonDTensor:
     def __init__(self, cfg, mesh):
         self.model, self.named, muon_names, self.adamw = _fsdp2_model(cfg, mesh)
         self.muon = torch.optim.Muon(
-            [self.named[n] for n in muon_names], lr=_HP["lr"], weight_decay=_HP["weight_decay"], momentum=_HP["momentum"], nesterov=True
+            [self.named[n] for n in muon_names],
+            lr=_HP["lr"],
+            weight_decay=_HP["weight_decay"],
+            momentum=_HP["momentum"],
+            nesterov=True,
         )
 
     def step(self):
@@ -254,7 +267,13 @@ def _vs_torch(rank, world, cfg_kw, steps, warmup):
     plan = fsdpfn.plan(model, mesh, strategy="zero3")
     params = fsdpfn.shard(model, plan)
     grads = _grad_fn(model, plan, cfg, 4, rank)(params)
-    opt = optim.muon(lr=_HP["lr"], momentum=_HP["momentum"], weight_decay=_HP["weight_decay"], ns_dtype=torch.bfloat16, layout="owner")
+    opt = optim.muon(
+        lr=_HP["lr"],
+        momentum=_HP["momentum"],
+        weight_decay=_HP["weight_decay"],
+        ns_dtype=torch.bfloat16,
+        layout="owner",
+    )
     fs = {"params": params, "state": opt.init(params)}
 
     def fsdpfn_step():
@@ -264,8 +283,12 @@ def _vs_torch(rank, world, cfg_kw, steps, warmup):
     sides = [_TorchMuonDTensor(cfg, mesh), _TorchMuonFull(cfg, mesh)]
     for side in sides:  # the same gradients as fsdpfn's (FSDP2 shards rows like torch.chunk, as fsdpfn does)
         for n, p in side.named.items():
-            assert p.to_local().shape == params[n].to_local().shape and torch.equal(p.to_local(), params[n].to_local()), n
-            p.grad = DTensor.from_local(grads[n].to_local().clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            assert p.to_local().shape == params[n].to_local().shape and torch.equal(
+                p.to_local(), params[n].to_local()
+            ), n
+            p.grad = DTensor.from_local(
+                grads[n].to_local().clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
 
     # First step, counted: FLOPs (FlopCounterMode), collectives, and the update vs fsdpfn's.
     before = {n: p.to_local().clone() for n, p in params.items()}
@@ -295,10 +318,18 @@ def _vs_torch(rank, world, cfg_kw, steps, warmup):
 def _print_vs_torch(res, args, cfg_kw):
     w, r0 = args.world, res[0]
     one = r0["one"]
-    print(f"model: GPTConfig({cfg_kw}), {w} gloo ranks, zero3 (FSDP2 fully_shard per block + root), 1 thread/rank, torch {torch.__version__}")
-    print("optimizer step alone (no forward/backward), same gradients on all sides; lr 0.02, momentum 0.95 nesterov, wd 0.1, AdamW (0.9, 0.999) eps 1e-8 for non-Muon params")
-    print(f"Muon matrices: {r0['n_muon']}, one-process Newton-Schulz FLOPs = {one / 1e9:.2f} GFLOP/step (5 steps, bf16 on every side)\n")
-    print("| side | NS FLOPs/rank, max rank (FlopCounterMode) | summed over ranks / one process | local matmul FLOPs/rank, max rank (profiler) | summed / one process | collectives/rank/step | update vs fsdpfn (max abs diff / max abs update) |")
+    print(
+        f"model: GPTConfig({cfg_kw}), {w} gloo ranks, zero3 (FSDP2 fully_shard per block + root), 1 thread/rank, torch {torch.__version__}"
+    )
+    print(
+        "optimizer step alone (no forward/backward), same gradients on all sides; lr 0.02, momentum 0.95 nesterov, wd 0.1, AdamW (0.9, 0.999) eps 1e-8 for non-Muon params"
+    )
+    print(
+        f"Muon matrices: {r0['n_muon']}, one-process Newton-Schulz FLOPs = {one / 1e9:.2f} GFLOP/step (5 steps, bf16 on every side)\n"
+    )
+    print(
+        "| side | NS FLOPs/rank, max rank (FlopCounterMode) | summed over ranks / one process | local matmul FLOPs/rank, max rank (profiler) | summed / one process | collectives/rank/step | update vs fsdpfn (max abs diff / max abs update) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for k in r0["counts"]:
         flops = [r["counts"][k]["flops"] for r in res]
@@ -308,7 +339,9 @@ def _print_vs_torch(res, args, cfg_kw):
             f"| {k} | {max(flops) / 1e9:.2f} GFLOP | {sum(flops) / one:.2f} | {max(local) / 1e9:.2f} GFLOP | {sum(local) / one:.2f} | "
             f"{r0['counts'][k]['calls']} | {rel} |"
         )
-    print(f"\n| optimizer step ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
+    print(
+        f"\n| optimizer step ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |"
+    )
     print("|---|---|---|---|---|")
     for k in list(r0["times"])[1:]:
         print(_ratio_line(f"fsdpfn muon owner bf16 (A) vs {k} (B)", r0["times"]["fsdpfn"], r0["times"][k]))
@@ -359,8 +392,12 @@ def _print_sweep(res, args, cfg_kw):
         f"model: GPTConfig({cfg_kw}), {args.world} gloo ranks, zero3, muon owner layout, {args.ns_method} {args.ns_dtype} Newton-Schulz, "
         f"1 thread/rank, torch {torch.__version__}"
     )
-    print(f"{args.steps} interleaved measured pairs per row after {args.warmup} warm-up; times are max over ranks; FLOPs: busiest rank\n")
-    print("| batch/rank | tokens/rank | fwd+bwd GFLOP | NS GFLOP | adamw step | muon step | muon/adamw median of pairs | min-max | FLOP-only prediction (train+NS)/train |")
+    print(
+        f"{args.steps} interleaved measured pairs per row after {args.warmup} warm-up; times are max over ranks; FLOPs: busiest rank\n"
+    )
+    print(
+        "| batch/rank | tokens/rank | fwd+bwd GFLOP | NS GFLOP | adamw step | muon step | muon/adamw median of pairs | min-max | FLOP-only prediction (train+NS)/train |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in res[0]:
         m, a = row["times"]["muon"], row["times"]["adamw"]
@@ -372,7 +409,9 @@ def _print_sweep(res, args, cfg_kw):
     last = res[0][-1]
     per_token = last["train"] / (last["batch"] * args.seq)
     need = last["ns"] / 0.15 / per_token
-    print(f"\nFLOP-only: 1.15x needs fwd+bwd >= NS/0.15, i.e. about {need:.0f} tokens/rank (batch {need / args.seq:.1f} at seq {args.seq}; linear extrapolation from the last row)")
+    print(
+        f"\nFLOP-only: 1.15x needs fwd+bwd >= NS/0.15, i.e. about {need:.0f} tokens/rank (batch {need / args.seq:.1f} at seq {args.seq}; linear extrapolation from the last row)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,14 +472,23 @@ def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buck
         trips = []
         for way in ("out", "back"):
             send_splits, recv_splits = p.splits(way)
-            trips.append((torch.randn(sum(send_splits)).to(dtype), torch.empty(sum(recv_splits), dtype=dtype), send_splits, recv_splits))
+            trips.append(
+                (
+                    torch.randn(sum(send_splits)).to(dtype),
+                    torch.empty(sum(recv_splits), dtype=dtype),
+                    send_splits,
+                    recv_splits,
+                )
+            )
         bufs.append(trips)
 
     def communicate():
         for way in (0, 1):
             for trips in bufs:
                 send, recv, send_splits, recv_splits = trips[way]
-                comm.all_to_all(recv, send, group, output_splits=recv_splits, input_splits=send_splits, tag="muon_owner").wait()
+                comm.all_to_all(
+                    recv, send, group, output_splits=recv_splits, input_splits=send_splits, tag="muon_owner"
+                ).wait()
 
     with fsdpfn.count_collectives() as c1, FlopCounterMode(display=False) as f1:
         step(1)
@@ -451,7 +499,12 @@ def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buck
         one=dict(calls=c1.counts(), wire=sum(c1.wire_bytes().values()), flops=f1.get_total_flops()),
         pipe=dict(calls=cb.counts(), wire=sum(cb.wire_bytes().values()), flops=fb.get_total_flops()),
     )
-    sides = {"pipelined": lambda: step(buckets), "one bucket": lambda: step(1), "compute alone": compute, "comm alone": communicate}
+    sides = {
+        "pipelined": lambda: step(buckets),
+        "one bucket": lambda: step(1),
+        "compute alone": compute,
+        "comm alone": communicate,
+    }
     times = {k: [] for k in sides}
     records = []
     for i in range(warmup + steps):
@@ -460,14 +513,25 @@ def _pipeline(rank, world, cfg_kw, steps, warmup, ns_dtype, heads, experts, buck
                 with optim.record_pipeline() as r:
                     _, t = _timed(fn)
                 if i >= warmup:
-                    records.append((k, sum(b.wait_s for b in r.buckets) + r.back_wait_s, r.overlapped(), len(r.buckets)))
+                    records.append(
+                        (k, sum(b.wait_s for b in r.buckets) + r.back_wait_s, r.overlapped(), len(r.buckets))
+                    )
             else:
                 _, t = _timed(fn)
             if i >= warmup:
                 times[k].append(t)
     blocks = len(sched.blocks)
-    return dict(times=times, counted=counted, record=record, records=records, n_buckets=n_buckets, blocks=blocks, n_mats=len(names),
-                loads=list(sched.loads), psi=sum(math.prod(s) for s in shapes) * dtype.itemsize)
+    return dict(
+        times=times,
+        counted=counted,
+        record=record,
+        records=records,
+        n_buckets=n_buckets,
+        blocks=blocks,
+        n_mats=len(names),
+        loads=list(sched.loads),
+        psi=sum(math.prod(s) for s in shapes) * dtype.itemsize,
+    )
 
 
 def _print_pipeline(res, args, cfg_kw):
@@ -487,18 +551,30 @@ def _print_pipeline(res, args, cfg_kw):
         f"{pipe['wire'] / 2**20:.2f} MiB/rank; NS FLOPs summed over ranks pipelined / one bucket = "
         f"{sum(r['counted']['pipe']['flops'] for r in res) / sum(r['counted']['one']['flops'] for r in res):.3f}\n"
     )
-    print("| bucket (rank 0, first counted step) | blocks | NS GFLOP | in flight while it computed | waited before (ms) | computed (ms) |")
+    print(
+        "| bucket (rank 0, first counted step) | blocks | NS GFLOP | in flight while it computed | waited before (ms) | computed (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for bucket, blocks, flops, flying, wait, comp in r0["record"]:
-        print(f"| {bucket} | {blocks} | {flops / 1e9:.2f} | {', '.join(flying) or '-'} | {wait * 1e3:.1f} | {comp * 1e3:.1f} |")
+        print(
+            f"| {bucket} | {blocks} | {flops / 1e9:.2f} | {', '.join(flying) or '-'} | {wait * 1e3:.1f} | {comp * 1e3:.1f} |"
+        )
     for side in ("pipelined", "one bucket"):
         over = sum(rec[2] for r in res for rec in r["records"] if rec[0] == side)
         total = sum(rec[3] for r in res for rec in r["records"] if rec[0] == side)
-        print(f"\n{side}, every rank, every timed step: {over} of {total} buckets computed with a collective in flight", end="")
+        print(
+            f"\n{side}, every rank, every timed step: {over} of {total} buckets computed with a collective in flight",
+            end="",
+        )
     print()
     t = r0["times"]
     med = {k: statistics.median(v) for k, v in t.items()}
-    exposed = {side: statistics.median([max(rec[1] for rec in recs) for recs in zip(*[[x for x in r["records"] if x[0] == side] for r in res])]) for side in ("pipelined", "one bucket")}
+    exposed = {
+        side: statistics.median(
+            [max(rec[1] for rec in recs) for recs in zip(*[[x for x in r["records"] if x[0] == side] for r in res])]
+        )
+        for side in ("pipelined", "one bucket")
+    }
     print(f"\n| timed ({args.steps} interleaved rounds, max over ranks) | median | min-max |")
     print("|---|---|---|")
     for k, v in t.items():
@@ -602,7 +678,9 @@ def _mesh_bench(rank, world, dp, tp, cfg_kw, steps, warmup, ns_dtype):
     one = f.get_total_flops()
     for k in MESH_LAYOUTS:
         up = counted[k].pop("update")
-        counted[k]["bitwise"] = all(torch.equal(up[n].full_tensor(), ref[n]) for n in names) if k != "blockwise" else "n/a (per piece)"
+        counted[k]["bitwise"] = (
+            all(torch.equal(up[n].full_tensor(), ref[n]) for n in names) if k != "blockwise" else "n/a (per piece)"
+        )
     times = {k: [] for k in MESH_LAYOUTS}
     for i in range(warmup + steps):
         for k, o in opts.items():
@@ -624,18 +702,28 @@ def _mib(x):
 
 
 def _print_costs(costs, psi, w, dp, tp, one_flops):
-    theory = {"owner": 2 * (w - 1) / w**2 * psi, "duplicated": (w - 1) / w * psi, "blockwise": 2 * (dp - 1) / dp**2 * psi / tp}
+    theory = {
+        "owner": 2 * (w - 1) / w**2 * psi,
+        "duplicated": (w - 1) / w * psi,
+        "blockwise": 2 * (dp - 1) / dp**2 * psi / tp,
+    }
     formula = {"owner": "2(W-1)/W² Ψ_M", "duplicated": "(W-1)/W Ψ_M", "blockwise": "2(D-1)/D² Ψ_M/T"}
-    print("| layout | received bytes per rank per step: mean [max] | theory | collectives | NS FLOPs summed / one process | busiest rank / mean |")
+    print(
+        "| layout | received bytes per rank per step: mean [max] | theory | collectives | NS FLOPs summed / one process | busiest rank / mean |"
+    )
     print("|---|---|---|---|---|---|")
     for k in MESH_LAYOUTS:
         c = costs[k]
         mean = statistics.mean(c["received"])
         fl = c["flops"]
-        print(f"| {k} | {_mib(mean)} [{_mib(max(c['received']))}] | {_mib(theory[k])} = {formula[k]} | {c['calls']} {c['kind']} | "
-              f"{sum(fl) / one_flops:.3f} | {max(fl) / statistics.mean(fl):.3f} |")
+        print(
+            f"| {k} | {_mib(mean)} [{_mib(max(c['received']))}] | {_mib(theory[k])} = {formula[k]} | {c['calls']} {c['kind']} | "
+            f"{sum(fl) / one_flops:.3f} | {max(fl) / statistics.mean(fl):.3f} |"
+        )
     dup = statistics.mean(costs["duplicated"]["received"])
-    print(f"owner / duplicated bytes: {statistics.mean(costs['owner']['received']) / dup:.3f}x (formula 2/W = {2 / w:.3f})")
+    print(
+        f"owner / duplicated bytes: {statistics.mean(costs['owner']['received']) / dup:.3f}x (formula 2/W = {2 / w:.3f})"
+    )
 
 
 def _run_mesh(args, cfg_kw):
@@ -645,22 +733,32 @@ def _run_mesh(args, cfg_kw):
     r0 = res[0]
     item = getattr(torch, args.ns_dtype).itemsize
     psi = sum(math.prod(s) for s in r0["shapes"]) * item
-    print(f"model: GPTConfig({cfg_kw}), mesh dp={dp} x tp={tp} ({w} gloo ranks), GPT tp plan, zero3, {args.ns_dtype} Newton-Schulz, "
-          f"1 thread/rank, torch {torch.__version__}")
+    print(
+        f"model: GPTConfig({cfg_kw}), mesh dp={dp} x tp={tp} ({w} gloo ranks), GPT tp plan, zero3, {args.ns_dtype} Newton-Schulz, "
+        f"1 thread/rank, torch {torch.__version__}"
+    )
     print(f"Muon matrices: {len(r0['shapes'])}, Psi_M = {_mib(psi)} ({args.ns_dtype}, as sent)\n")
     print("Counted on the ranks (fsdpfn.count_collectives, FlopCounterMode around opt.update):\n")
-    print("| layout | update == one process, bitwise | collectives per rank per step | NS FLOPs summed over ranks / one process |")
+    print(
+        "| layout | update == one process, bitwise | collectives per rank per step | NS FLOPs summed over ranks / one process |"
+    )
     print("|---|---|---|---|")
     for k in MESH_LAYOUTS:
         c = r0["counted"][k]
         total = sum(r["counted"][k]["flops"] for r in res)
         print(f"| {k} | {c['bitwise']} | {c['calls']} | {total / r0['one']:.3f} |")
-    assert [list(b) for b in r0["boxes"]] == [list(_tp_boxes(s, d, dp, tp)) for s, d in zip(r0["shapes"], r0["tp_dims"])]
+    assert [list(b) for b in r0["boxes"]] == [
+        list(_tp_boxes(s, d, dp, tp)) for s, d in zip(r0["shapes"], r0["tp_dims"])
+    ]
     costs = layout_costs(r0["shapes"], r0["tp_dims"], dp, tp, item)
     one_ns = sum(optim.newton_schulz_flops(s) for s in r0["shapes"])
-    print("\nFrom the schedules the ranks ran (the same owner_schedule on the same boxes; bytes each rank receives from the others):\n")
+    print(
+        "\nFrom the schedules the ranks ran (the same owner_schedule on the same boxes; bytes each rank receives from the others):\n"
+    )
     _print_costs(costs, psi, w, dp, tp, one_ns)
-    print(f"\n| timed ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
+    print(
+        f"\n| timed ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |"
+    )
     print("|---|---|---|---|---|")
     t = r0["times"]
     print(_ratio_line("optimizer step: owner (A) vs duplicated (B)", t["owner"], t["duplicated"]))
@@ -677,7 +775,9 @@ def _project(args):
     item = 2
     psi = sum(math.prod(s) for s in shapes) * item
     one = sum(optim.newton_schulz_flops(s) for s in shapes)
-    print(f"Llama-3-8B-like Muon matrices: {len(shapes)}, Psi_M = {psi / 2**30:.2f} GiB in bf16, one-process NS {one / 1e12:.1f} TFLOP/step\n")
+    print(
+        f"Llama-3-8B-like Muon matrices: {len(shapes)}, Psi_M = {psi / 2**30:.2f} GiB in bf16, one-process NS {one / 1e12:.1f} TFLOP/step\n"
+    )
     for dp, tp in ((1, 8), (2, 8)):
         print(f"dp={dp} x tp={tp}:\n")
         _print_costs(layout_costs(shapes, tp_dims, dp, tp, item), psi, dp * tp, dp, tp, one)
@@ -685,11 +785,20 @@ def _project(args):
     _sim_projection()
 
 
-LLAMA_TP_PLAN = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
-                 "layers.*.attn.wo": "rowwise", "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise", "layers.*.mlp.w2": "rowwise"}
+LLAMA_TP_PLAN = {
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.w1": "colwise",
+    "layers.*.mlp.w3": "colwise",
+    "layers.*.mlp.w2": "rowwise",
+}
 # NVIDIA/Megatron-LM issue #6676 (layer-sharded Muon; implementation in pull request #6683): 32 GB300 GPUs,
 # TP2 x gtp_remat8 dense domain, EP8 x egtp2 experts, "production matrix shapes" (not published).
-PUBLISHED = dict(step_duplicated=0.632, step_layer_sharded=0.157, step_distributed=0.356, calls_duplicated=276, calls_layer_sharded=4)
+PUBLISHED = dict(
+    step_duplicated=0.632, step_layer_sharded=0.157, step_distributed=0.356, calls_duplicated=276, calls_layer_sharded=4
+)
 
 
 def _sim_projection():
@@ -702,17 +811,26 @@ def _sim_projection():
     cfg = LlamaConfig(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
     with torch.device("meta"):
         model = Llama(cfg)
-    meshes = {"dp 1 x tp 8 (8 GPUs, one node)": {"dp": 1, "tp": 8},
-              "replicate 2 x shard 8 x tp 2 (32 GPUs: the published run's TP2 x 8-way weight-shard domain)":
-                  {"replicate": 2, "shard": 8, "tp": 2}}
+    meshes = {
+        "dp 1 x tp 8 (8 GPUs, one node)": {"dp": 1, "tp": 8},
+        "replicate 2 x shard 8 x tp 2 (32 GPUs: the published run's TP2 x 8-way weight-shard domain)": {
+            "replicate": 2,
+            "shard": 8,
+            "tp": 2,
+        },
+    }
     empty = sim.Workload(())  # the optimizer step alone
-    print("\nThe simulator's projection (fsdpfn.sim.Muon on the plan, H100 preset, bf16 Newton-Schulz, whole optimizer step "
-          "incl. momentum/AdamW elementwise work; calls and bytes per rank as fsdpfn.count_collectives would record them):\n")
+    print(
+        "\nThe simulator's projection (fsdpfn.sim.Muon on the plan, H100 preset, bf16 Newton-Schulz, whole optimizer step "
+        "incl. momentum/AdamW elementwise work; calls and bytes per rank as fsdpfn.count_collectives would record them):\n"
+    )
     rows = {}
     for label, mesh in meshes.items():
         plan = fsdpfn.plan(model, mesh, tp=LLAMA_TP_PLAN)
         print(f"{label}:\n")
-        print("| layout | optimizer step | collectives per rank | bytes per rank (as recorded) | NS TFLOP, busiest rank |")
+        print(
+            "| layout | optimizer step | collectives per rank | bytes per rank (as recorded) | NS TFLOP, busiest rank |"
+        )
         print("|---|---|---|---|---|")
         for layout, buckets in (("owner", None), ("owner", 1), ("duplicated", None), ("blockwise", None)):
             opt = sim.Muon(layout=layout, ns_dtype=torch.bfloat16, buckets=buckets)
@@ -724,14 +842,18 @@ def _sim_projection():
             ns = max(opt.cost(plan).ns_flops)
             name = layout + (", 1 bucket" if buckets == 1 else "")
             rows[(label, name)] = (r.optimizer_time, calls)
-            print(f"| {name} | {r.optimizer_time * 1e3:,.1f} ms | {kinds} | {nbytes / 2**30:,.2f} GiB | {ns / 1e12:,.1f} |")
+            print(
+                f"| {name} | {r.optimizer_time * 1e3:,.1f} ms | {kinds} | {nbytes / 2**30:,.2f} GiB | {ns / 1e12:,.1f} |"
+            )
         pub = PUBLISHED["step_layer_sharded"] / PUBLISHED["step_duplicated"]
         dup = rows[(label, "duplicated")]
         for name in ("owner", "owner, 1 bucket"):
             own = rows[(label, name)]
-            print(f"\n{name} / duplicated step: {own[0] / dup[0]:.3f}x (Megatron layer-sharded / duplicated, published: {pub:.3f}x = "
-                  f"157 / 632 ms; ours / published ratio {own[0] / dup[0] / pub:.2f}); collectives {own[1]} vs {dup[1]} "
-                  f"(published: {PUBLISHED['calls_layer_sharded']} vs {PUBLISHED['calls_duplicated']})")
+            print(
+                f"\n{name} / duplicated step: {own[0] / dup[0]:.3f}x (Megatron layer-sharded / duplicated, published: {pub:.3f}x = "
+                f"157 / 632 ms; ours / published ratio {own[0] / dup[0] / pub:.2f}); collectives {own[1]} vs {dup[1]} "
+                f"(published: {PUBLISHED['calls_layer_sharded']} vs {PUBLISHED['calls_duplicated']})"
+            )
         print()
     return rows
 
@@ -755,18 +877,50 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Newton-Schulz dtype (torch.optim.Muon: bfloat16)")
-    ap.add_argument("--ns-method", default="standard", choices=["standard", "gram"], help="Newton-Schulz method for --tokens-sweep")
-    ap.add_argument("--vs-torch", action="store_true", help="optimizer step alone: fsdpfn muon (owner, bf16 NS) vs torch.optim.Muon on FSDP2 params")
+    ap.add_argument(
+        "--ns-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="Newton-Schulz dtype (torch.optim.Muon: bfloat16)",
+    )
+    ap.add_argument(
+        "--ns-method", default="standard", choices=["standard", "gram"], help="Newton-Schulz method for --tokens-sweep"
+    )
+    ap.add_argument(
+        "--vs-torch",
+        action="store_true",
+        help="optimizer step alone: fsdpfn muon (owner, bf16 NS) vs torch.optim.Muon on FSDP2 params",
+    )
     ap.add_argument("--tokens-sweep", action="store_true", help="whole-step muon/adamw ratio at each of --batches")
     ap.add_argument("--batches", default="4,8,16", help="batch sizes per rank for --tokens-sweep")
-    ap.add_argument("--pipeline", action="store_true", help="Newton-Schulz alone: pipelined owner layout vs one bucket vs compute and communication apart")
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Newton-Schulz alone: pipelined owner layout vs one bucket vs compute and communication apart",
+    )
     ap.add_argument("--buckets", type=int, default=None, help="--pipeline: buckets (default: the automatic choice)")
-    ap.add_argument("--per-head", action="store_true", help="--pipeline: per-head blocks on qkv and proj (optim.head_blocks(--heads))")
-    ap.add_argument("--per-expert", type=int, default=0, help="--pipeline: read the MLP as N packed experts (fc: N row blocks, out: N column blocks)")
-    ap.add_argument("--mesh", default=None, help="DxT: the owner, duplicated and blockwise layouts on a (dp=D, tp=T) mesh of D*T ranks")
-    ap.add_argument("--project", action="store_true", help="the layouts' bytes and FLOPs for Llama-3-8B-like matrices at tp=8, and the "
-                    "simulator's optimizer step on the H100 preset beside Megatron's published layer-sharded Muon figures (no ranks)")
+    ap.add_argument(
+        "--per-head",
+        action="store_true",
+        help="--pipeline: per-head blocks on qkv and proj (optim.head_blocks(--heads))",
+    )
+    ap.add_argument(
+        "--per-expert",
+        type=int,
+        default=0,
+        help="--pipeline: read the MLP as N packed experts (fc: N row blocks, out: N column blocks)",
+    )
+    ap.add_argument(
+        "--mesh",
+        default=None,
+        help="DxT: the owner, duplicated and blockwise layouts on a (dp=D, tp=T) mesh of D*T ranks",
+    )
+    ap.add_argument(
+        "--project",
+        action="store_true",
+        help="the layouts' bytes and FLOPs for Llama-3-8B-like matrices at tp=8, and the "
+        "simulator's optimizer step on the H100 preset beside Megatron's published layer-sharded Muon figures (no ranks)",
+    )
     args = ap.parse_args()
     cfg_kw = dict(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads)
     w = args.world
@@ -781,7 +935,18 @@ def main() -> None:
     if args.pipeline:
         print(f"command: python {' '.join(sys.argv)}")
         heads = args.heads if args.per_head else 0
-        res = testing.run_on_ranks(_pipeline, w, cfg_kw, args.steps, args.warmup, args.ns_dtype, heads, args.per_expert, args.buckets, timeout=7200)
+        res = testing.run_on_ranks(
+            _pipeline,
+            w,
+            cfg_kw,
+            args.steps,
+            args.warmup,
+            args.ns_dtype,
+            heads,
+            args.per_expert,
+            args.buckets,
+            timeout=7200,
+        )
         _print_pipeline(res, args, cfg_kw)
         return
     if args.vs_torch or args.tokens_sweep:
@@ -791,14 +956,18 @@ def main() -> None:
             _print_vs_torch(res, args, cfg_kw)
         if args.tokens_sweep:
             batches = [int(b) for b in args.batches.split(",")]
-            res = testing.run_on_ranks(_sweep, w, cfg_kw, batches, args.steps, args.warmup, args.ns_dtype, args.ns_method, timeout=7200)
+            res = testing.run_on_ranks(
+                _sweep, w, cfg_kw, batches, args.steps, args.warmup, args.ns_dtype, args.ns_method, timeout=7200
+            )
             _print_sweep(res, args, cfg_kw)
         return
     res = testing.run_on_ranks(_bench, w, cfg_kw, args.batch, args.steps, args.warmup, args.ns_dtype, timeout=7200)
     r0 = res[0]
     one, psi = r0["one_process_flops"], r0["psi_m"]
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"model: GPTConfig({cfg_kw}), batch {args.batch}/rank, {w} gloo ranks, zero3, 1 thread/rank, torch {torch.__version__}")
+    print(
+        f"model: GPTConfig({cfg_kw}), batch {args.batch}/rank, {w} gloo ranks, zero3, 1 thread/rank, torch {torch.__version__}"
+    )
     train = max(r["train_flops"] for r in res)
     print(
         f"Muon matrices: {r0['n_muon']}, Psi_M = {psi / 2**20:.2f} MiB ({args.ns_dtype}, as sent), one-process NS FLOPs = "
@@ -807,23 +976,34 @@ def main() -> None:
     print(f"forward+backward FLOPs per rank = {train / 1e9:.2f} GFLOP")
     for k in ("owner", "owner gram"):
         busiest = max(r["counts"][k]["flops"] for r in res)
-        print(f"{k}: NS FLOPs on the busiest rank = {busiest / 1e9:.2f} GFLOP; FLOP-ideal muon/adamw = (train + NS) / train = {(train + busiest) / train:.2f}x")
-    print("\n| layout | NS FLOPs summed over ranks / one process (same method) | max rank / mean | bytes/rank/step (mean over ranks) | theory | measured/theory | collectives |")
+        print(
+            f"{k}: NS FLOPs on the busiest rank = {busiest / 1e9:.2f} GFLOP; FLOP-ideal muon/adamw = (train + NS) / train = {(train + busiest) / train:.2f}x"
+        )
+    print(
+        "\n| layout | NS FLOPs summed over ranks / one process (same method) | max rank / mean | bytes/rank/step (mean over ranks) | theory | measured/theory | collectives |"
+    )
     print("|---|---|---|---|---|---|---|")
-    for k, theory, method in (("owner", 2 * (w - 1) / w**2 * psi, "standard"), ("gather", (w - 1) / w * psi, "standard"), ("owner gram", 2 * (w - 1) / w**2 * psi, "gram")):
+    for k, theory, method in (
+        ("owner", 2 * (w - 1) / w**2 * psi, "standard"),
+        ("gather", (w - 1) / w * psi, "standard"),
+        ("owner gram", 2 * (w - 1) / w**2 * psi, "gram"),
+    ):
         flops = [r["counts"][k]["flops"] for r in res]
         wire = statistics.mean(r["counts"][k]["wire"] for r in res)
         print(
             f"| {k} | {sum(flops) / one[method]:.3f} | {max(flops) / statistics.mean(flops):.3f} | {wire / 2**20:.2f} MiB | "
             f"{theory / 2**20:.2f} MiB | {wire / theory:.3f} | {r0['counts'][k]['calls']} |"
         )
-    print(f"\n| timed ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |")
+    print(
+        f"\n| timed ({args.steps} interleaved rounds, max over ranks) | A median | B median | A/B median of pairs | A/B min-max |"
+    )
     print("|---|---|---|---|---|")
     ot, st = r0["opt_times"], r0["step_times"]
     print(_ratio_line("optimizer step: owner (A) vs gather (B)", ot["owner"], ot["gather"]))
     print(_ratio_line("optimizer step: owner gram (A) vs owner (B)", ot["owner gram"], ot["owner"]))
     print(_ratio_line("training step: muon owner (A) vs adamw (B)", st["muon"], st["adamw"]))
     print(_ratio_line("training step: muon owner gram (A) vs adamw (B)", st["muon gram"], st["adamw"]))
+
 
 if __name__ == "__main__":
     main()

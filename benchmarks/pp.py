@@ -47,9 +47,15 @@ from fsdpfn.models import Llama, LlamaConfig
 
 LLAMA31_405B = LlamaConfig(dim=16384, layers=126, heads=128, kv_heads=8, ffn=53248)
 TORCHTITAN = {"1f1b": (100, 82.5), "interleaved_1f1b": (128, 72.7)}  # tokens/s/GPU, GiB (Table 5)
-LLAMA_TP = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
-            "layers.*.attn.wo": "rowwise", "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise",
-            "layers.*.mlp.w2": "rowwise"}
+LLAMA_TP = {
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.w1": "colwise",
+    "layers.*.mlp.w3": "colwise",
+    "layers.*.mlp.w2": "rowwise",
+}
 
 
 def _stages(p: int, v: int) -> fsdpfn.Stages:
@@ -65,11 +71,15 @@ def bubbles() -> list[float]:
             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
                 ps = fsdpfn.pipeline_schedule(_stages(p, v), name, m)
                 # zero bubble: backward 2 split into an input and a weight half of 1 each
-                t = fsdpfn.pipeline_times(ps, forward=1.0 / v, backward=2.0 / v, backward_input=1.0, backward_weight=1.0)
+                t = fsdpfn.pipeline_times(
+                    ps, forward=1.0 / v, backward=2.0 / v, backward_input=1.0, backward_weight=1.0
+                )
                 # zero bubble idles p - 1 of 3m + p - 1 per rank (see [Note: the zero-bubble schedule])
                 closed = (p - 1) / (3 * m + p - 1) if name == "zero_bubble" else (p - 1) / (v * m + p - 1)
                 worst = max(worst, abs(t.bubble - closed))
-                print(f"| {name} | {p} | {v} | {m} | {t.bubble:.4f} | {closed:.4f} | {', '.join(map(str, t.in_flight))} |")
+                print(
+                    f"| {name} | {p} | {v} | {m} | {t.bubble:.4f} | {closed:.4f} | {', '.join(map(str, t.in_flight))} |"
+                )
     print(f"\nlargest |op lists - closed form|: {worst:.2e}; equal to rounding: {worst < 1e-12}")
     return [worst]
 
@@ -88,12 +98,15 @@ def _measure(rank, world, name, micro, per_micro, steps, measure_cfg=MEASURE_CFG
     torch.manual_seed(0)
     cfg = GPTConfig(**measure_cfg)
     model = GPT(cfg)
-    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=MEASURE_UNITS,
-                       stages=4 if name == "interleaved_1f1b" else 2)
+    plan = fsdpfn.plan(
+        model, testing.mesh((2, 1), ("pp", "dp")), units=MEASURE_UNITS, stages=4 if name == "interleaved_1f1b" else 2
+    )
     ce = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
     pipe = PipelineRuntime(model, plan, name, micro, loss_fn=ce, profile=True)
     params = pipe.shard(model)
-    tokens = torch.randint(0, cfg.vocab_size, (micro * per_micro, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (micro * per_micro, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     out = []
     for _ in range(steps):
         pipe.step(params, tokens[:, :-1], tokens[:, 1:])
@@ -105,17 +118,26 @@ def _stage_of(op: str) -> int:
     return int(op.split()[1][1:])
 
 
-def measured(micro: int = 8, per_micro: int = 2, steps: int = 4, width: int = MEASURE_CFG["width"],
-             seq_len: int = MEASURE_CFG["seq_len"]) -> list[float]:
+def measured(
+    micro: int = 8,
+    per_micro: int = 2,
+    steps: int = 4,
+    width: int = MEASURE_CFG["width"],
+    seq_len: int = MEASURE_CFG["seq_len"],
+) -> list[float]:
     """Part 2: measured bubbles and peak activations on 2 gloo ranks against the op lists."""
     from fsdpfn.testing import run_on_ranks
 
     measure_cfg = {**MEASURE_CFG, "width": width, "seq_len": seq_len}
 
-    print(f"\nMeasured on 2 gloo ranks (pp 2, dp 1; GPT width {measure_cfg['width']}, {measure_cfg['depth']} blocks, "
-          f"{measure_cfg['seq_len']} tokens, {micro} micro-batches of {per_micro}; median of {steps - 1} steps):\n")
-    print("| schedule | rank | step (ms) | measured bubble | op lists with measured f, b | closed form (f = b / 2) "
-          "| peak activations (MiB) | op lists' count x bytes | equal |")
+    print(
+        f"\nMeasured on 2 gloo ranks (pp 2, dp 1; GPT width {measure_cfg['width']}, {measure_cfg['depth']} blocks, "
+        f"{measure_cfg['seq_len']} tokens, {micro} micro-batches of {per_micro}; median of {steps - 1} steps):\n"
+    )
+    print(
+        "| schedule | rank | step (ms) | measured bubble | op lists with measured f, b | closed form (f = b / 2) "
+        "| peak activations (MiB) | op lists' count x bytes | equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     worst_memory = 0.0
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
@@ -153,8 +175,10 @@ def measured(micro: int = 8, per_micro: int = 2, steps: int = 4, width: int = ME
             peak = max(p.peak_activations for p in profiles)
             want = model.peak_activations[r]
             worst_memory = max(worst_memory, abs(peak - want) / want)
-            print(f"| {name} | {r} | {span * 1e3:.0f} | {bubble:.3f} | {idle:.3f} | {closed_idle:.3f} | {peak / 2**20:.2f} | "
-                  f"{want / 2**20:.2f} | {peak == want} |")
+            print(
+                f"| {name} | {r} | {span * 1e3:.0f} | {bubble:.3f} | {idle:.3f} | {closed_idle:.3f} | {peak / 2**20:.2f} | "
+                f"{want / 2**20:.2f} | {peak == want} |"
+            )
     print(f"\nlargest |measured - op lists| peak activations: {worst_memory:.1%}")
     return [worst_memory]
 
@@ -167,36 +191,58 @@ def project() -> None:
         model = Llama(LLAMA31_405B)
     units = ["embed"] + [f"layers.{i}" for i in range(LLAMA31_405B.layers)] + ["norm", "output"]
     x = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    print(f"\nLlama 3.1 405B on 512 x {hw.name}: pp 8 x dp 8 x tp 8, {seq:,} tokens, micro-batch 1, {m} micro-batches, "
-          "bf16 / fp32 reduce, remat='full', AdamW (simulated)\n")
-    print("| schedule | stages | step (s) | bubble | peak memory, worst rank (GiB) | tokens/s/GPU | torchtitan | ratio "
-          "| torchtitan GiB |")
+    print(
+        f"\nLlama 3.1 405B on 512 x {hw.name}: pp 8 x dp 8 x tp 8, {seq:,} tokens, micro-batch 1, {m} micro-batches, "
+        "bf16 / fp32 reduce, remat='full', AdamW (simulated)\n"
+    )
+    print(
+        "| schedule | stages | step (s) | bubble | peak memory, worst rank (GiB) | tokens/s/GPU | torchtitan | ratio "
+        "| torchtitan GiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     t0 = time.time()
     wl = None
     for name, stages in (("1f1b", 8), ("interleaved_1f1b", 16)):
-        plan = fsdpfn.plan(model, {"pp": 8, "dp": 8, "tp": 8}, units=units, stages=stages, tp=LLAMA_TP, mp=mp, remat="full")
+        plan = fsdpfn.plan(
+            model, {"pp": 8, "dp": 8, "tp": 8}, units=units, stages=stages, tp=LLAMA_TP, mp=mp, remat="full"
+        )
         if wl is None:  # the same units and tp split: one profile serves both splits into stages
-            wl = sim.profile(model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten()))
+            wl = sim.profile(
+                model, plan, x, loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
+            )
         r = sim.simulate_pipeline(plan, fsdpfn.pipeline_schedule(plan, name, m), wl, sim.AdamW(), hw)
         peak = max(mem["peak"] for mem in r.memory) / 2**30
         tps, gib = TORCHTITAN[name]
-        print(f"| {name} | {stages} | {r.step_time:.2f} | {r.times.bubble:.1%} | {peak:.1f} | {r.tokens_per_second:,.0f} | {tps} "
-              f"| {r.tokens_per_second / tps:.2f} | {gib} |")
-    print(f"\n({time.time() - t0:.0f} s) torchtitan runs torch.compile, Float8 matmuls and async tp; the projection bf16 "
-          "without them, with tp collectives blocking")
+        print(
+            f"| {name} | {stages} | {r.step_time:.2f} | {r.times.bubble:.1%} | {peak:.1f} | {r.tokens_per_second:,.0f} | {tps} "
+            f"| {r.tokens_per_second / tps:.2f} | {gib} |"
+        )
+    print(
+        f"\n({time.time() - t0:.0f} s) torchtitan runs torch.compile, Float8 matmuls and async tp; the projection bf16 "
+        "without them, with tp collectives blocking"
+    )
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--no-project", action="store_true", help="no 405B projection")
     p.add_argument("--no-measure", action="store_true", help="no measured run on gloo ranks")
-    p.add_argument("--measure-steps", type=int, default=4, help="steps per schedule on gloo ranks (the first a warm-up)")
-    p.add_argument("--measure-width", type=int, default=MEASURE_CFG["width"],
-                   help=f"width of the GPT measured on gloo ranks (default {MEASURE_CFG['width']}; a multiple of its "
-                        f"{MEASURE_CFG['heads']} heads)")
-    p.add_argument("--measure-seq", type=int, default=MEASURE_CFG["seq_len"],
-                   help=f"tokens per sequence of the GPT measured on gloo ranks (default {MEASURE_CFG['seq_len']})")
+    p.add_argument(
+        "--measure-steps", type=int, default=4, help="steps per schedule on gloo ranks (the first a warm-up)"
+    )
+    p.add_argument(
+        "--measure-width",
+        type=int,
+        default=MEASURE_CFG["width"],
+        help=f"width of the GPT measured on gloo ranks (default {MEASURE_CFG['width']}; a multiple of its "
+        f"{MEASURE_CFG['heads']} heads)",
+    )
+    p.add_argument(
+        "--measure-seq",
+        type=int,
+        default=MEASURE_CFG["seq_len"],
+        help=f"tokens per sequence of the GPT measured on gloo ranks (default {MEASURE_CFG['seq_len']})",
+    )
     args = p.parse_args(argv)
     if args.measure_steps < 2:
         p.error(f"--measure-steps must be >= 2 (a warm-up, then measured steps), got {args.measure_steps}")

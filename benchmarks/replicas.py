@@ -64,13 +64,29 @@ def main(argv=None) -> None:
     hold_at = args.fault + 3
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="fsdpfn_replicas_") as tmp, \
-            fsdpfn.ft.Lighthouse(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0) as lighthouse:
+    with (
+        tempfile.TemporaryDirectory(prefix="fsdpfn_replicas_") as tmp,
+        fsdpfn.ft.Lighthouse(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0) as lighthouse,
+    ):
 
         def start(replica: int, run: str, *extra: str) -> subprocess.Popen:
-            cmd = [sys.executable, EXAMPLE, "--lighthouse", lighthouse.address, "--replica", str(replica),
-                   "--shard", str(args.shard), "--steps", str(args.steps), "--timeout", str(args.timeout),
-                   "--log", os.path.join(tmp, run), *extra]
+            cmd = [
+                sys.executable,
+                EXAMPLE,
+                "--lighthouse",
+                lighthouse.address,
+                "--replica",
+                str(replica),
+                "--shard",
+                str(args.shard),
+                "--steps",
+                str(args.steps),
+                "--timeout",
+                str(args.timeout),
+                "--log",
+                os.path.join(tmp, run),
+                *extra,
+            ]
             with open(os.path.join(tmp, run + ".out"), "w") as out:
                 proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
             procs.append(proc)
@@ -90,7 +106,11 @@ def main(argv=None) -> None:
             p1b = start(1, "r1b", "--ready", again)
             _wait(lambda: all(os.path.exists(f"{again}.{k}") for k in range(args.shard)), 300, "replica 1 up again")
             up = time.time()
-            _wait(lambda: sum(e["committed"] for e in _read(os.path.join(tmp, "r0.0"))) >= hold_at, 300, "replica 0 at the hold")
+            _wait(
+                lambda: sum(e["committed"] for e in _read(os.path.join(tmp, "r0.0"))) >= hold_at,
+                300,
+                "replica 0 at the hold",
+            )
             go = time.time()
             open(again + ".go", "w").close()
             open(hold, "w").close()
@@ -111,11 +131,17 @@ def main(argv=None) -> None:
     since_ckpt = args.ckpt_every / 2
     ft_steps = stall / step_s
     restart_steps = restart / step_s + since_ckpt
-    print(f"step time {step_s * 1e3:.0f} ms (2 replica groups of {args.shard} ranks; median of steps 2-{args.fault - 1})")
-    print(f"fsdpfn.ft: replica 0 went on alone after {stall:.2f} s = {ft_steps:.1f} steps lost "
-          f"(timeout {args.timeout:g} s; replica 1 rejoined at step {first['step']} with the live state)")
-    print(f"stop-and-restart: {restart:.1f} s to restart a replica group (measured) = {restart / step_s:.1f} steps, "
-          f"+ {since_ckpt:g} steps since the checkpoint (every {args.ckpt_every}, on average) = {restart_steps:.1f} steps lost")
+    print(
+        f"step time {step_s * 1e3:.0f} ms (2 replica groups of {args.shard} ranks; median of steps 2-{args.fault - 1})"
+    )
+    print(
+        f"fsdpfn.ft: replica 0 went on alone after {stall:.2f} s = {ft_steps:.1f} steps lost "
+        f"(timeout {args.timeout:g} s; replica 1 rejoined at step {first['step']} with the live state)"
+    )
+    print(
+        f"stop-and-restart: {restart:.1f} s to restart a replica group (measured) = {restart / step_s:.1f} steps, "
+        f"+ {since_ckpt:g} steps since the checkpoint (every {args.ckpt_every}, on average) = {restart_steps:.1f} steps lost"
+    )
     print(f"steps lost, fsdpfn.ft / stop-and-restart: {ft_steps / restart_steps:.3f}x")
 
 

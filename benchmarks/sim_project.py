@@ -48,8 +48,11 @@ OPTIMIZERS = {"adamw": sim.AdamW(), "muon owner": sim.Muon(layout="owner"), "muo
 
 
 def hardware(args) -> sim.Hardware:
-    return sim.H100_SXM.scaled(flops=args.flops_derate, bandwidth=args.net_derate,
-                               name=f"H100 SXM x{args.flops_derate} FLOP/s, x{args.net_derate} link bandwidth")
+    return sim.H100_SXM.scaled(
+        flops=args.flops_derate,
+        bandwidth=args.net_derate,
+        name=f"H100 SXM x{args.flops_derate} FLOP/s, x{args.net_derate} link bandwidth",
+    )
 
 
 def workload(model, plan, seq, checkpointing):
@@ -84,11 +87,26 @@ def project(args, hw):
                     model_flops = 6 * n_params * tokens  # per GPU, the usual 6 N T
                     mfu = model_flops / (step * sim.H100_SXM.flops("bfloat16"))
                     ns = opt.cost(plan).ns_flops
-                    rows.append(dict(model=name, gpus=gpus, mesh="x".join(map(str, mesh)), opt=opt_name, micro=micro,
-                                     step=step, exposed=exposed, peak=r.memory["reserved"], mfu=mfu,
-                                     overhead=step / base - 1, opt_time=r.optimizer_time, inter=r.level_bytes["inter"],
-                                     ns_busiest=max(ns) if ns else 0.0, train_flops=wl.flops * micro, seconds=time.perf_counter() - t0,
-                                     ckpt=ckpt))
+                    rows.append(
+                        dict(
+                            model=name,
+                            gpus=gpus,
+                            mesh="x".join(map(str, mesh)),
+                            opt=opt_name,
+                            micro=micro,
+                            step=step,
+                            exposed=exposed,
+                            peak=r.memory["reserved"],
+                            mfu=mfu,
+                            overhead=step / base - 1,
+                            opt_time=r.optimizer_time,
+                            inter=r.level_bytes["inter"],
+                            ns_busiest=max(ns) if ns else 0.0,
+                            train_flops=wl.flops * micro,
+                            seconds=time.perf_counter() - t0,
+                            ckpt=ckpt,
+                        )
+                    )
     return rows
 
 
@@ -104,13 +122,17 @@ def _meshes(gpus):
 def print_projection(rows, hw):
     gib = 2**30
     print(f"\nhardware: {hw.name}\n")
-    print("| model | GPUs | mesh | optimizer | micro-batches/GPU | step | exposed comm | optimizer step | peak memory/GPU | MFU | Muon / AdamW |")
+    print(
+        "| model | GPUs | mesh | optimizer | micro-batches/GPU | step | exposed comm | optimizer step | peak memory/GPU | MFU | Muon / AdamW |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = "" if r["opt"] == "adamw" else f"{r['overhead'] * 100:+.1f}%"
         fits = "" if r["peak"] <= hw.memory else f" (> {hw.memory / gib:.1f} GiB)"
-        print(f"| {r['model']}{' (AC)' if r['ckpt'] else ''} | {r['gpus']:,} | {r['mesh']} | {r['opt']} | {r['micro']} | {r['step']:.2f} s | "
-              f"{r['exposed']:.2f} s | {r['opt_time'] * 1e3:.0f} ms | {r['peak'] / gib:.1f} GiB{fits} | {r['mfu'] * 100:.0f}% | {over} |")
+        print(
+            f"| {r['model']}{' (AC)' if r['ckpt'] else ''} | {r['gpus']:,} | {r['mesh']} | {r['opt']} | {r['micro']} | {r['step']:.2f} s | "
+            f"{r['exposed']:.2f} s | {r['opt_time'] * 1e3:.0f} ms | {r['peak'] / gib:.1f} GiB{fits} | {r['mfu'] * 100:.0f}% | {over} |"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +148,13 @@ def search_demo(args, hw):
         ("8B, 64 GPUs, 80 GB, AdamW", 64, 80e9, sim.AdamW(), hw),
         ("8B, 1,024 GPUs, 80 GB, Muon owner", 1024, 80e9, sim.Muon(), hw),
         ("8B, 64 GPUs, tight: the default's own peak, AdamW", 64, None, sim.AdamW(), hw),
-        ("8B, 64 GPUs, 80 GB, AdamW, links 100x faster", 64, 80e9, sim.AdamW(), hw.scaled(bandwidth=100.0, name="fast links")),
+        (
+            "8B, 64 GPUs, 80 GB, AdamW, links 100x faster",
+            64,
+            80e9,
+            sim.AdamW(),
+            hw.scaled(bandwidth=100.0, name="fast links"),
+        ),
     ]
     cache = {}
     print("| case | default step | pick | pick step | speedup | pick peak / budget |")
@@ -140,12 +168,26 @@ def search_demo(args, hw):
                 cache[key] = sim.profile(model, plan, x)
             budget = sim.simulate(plan, runtime.schedule(plan), cache[key], opt, h, micro_batches=micro).memory["peak"]
         t0 = time.perf_counter()
-        res = sim.search(model, gpus, budget, x, hardware=h, optimizer=opt, mp=MP, units=[None], prefetch=(0, 1, 2),
-                         workloads=cache, micro_batches=micro, accumulate=("reduce", "local"))
+        res = sim.search(
+            model,
+            gpus,
+            budget,
+            x,
+            hardware=h,
+            optimizer=opt,
+            mp=MP,
+            units=[None],
+            prefetch=(0, 1, 2),
+            workloads=cache,
+            micro_batches=micro,
+            accumulate=("reduce", "local"),
+        )
         pick = res.candidate.describe() if res.speedup > 1 else "the default"
-        print(f"| {label} | {res.default.step_time * 1e3:.0f} ms | {pick} | {res.result.step_time * 1e3:.0f} ms | "
-              f"{res.speedup:.2f}x | {res.result.memory['peak'] / 2**30:.1f} / {budget / 2**30:.1f} GiB |  "
-              f"<!-- {len(res.candidates)} candidates, {time.perf_counter() - t0:.0f} s -->")
+        print(
+            f"| {label} | {res.default.step_time * 1e3:.0f} ms | {pick} | {res.result.step_time * 1e3:.0f} ms | "
+            f"{res.speedup:.2f}x | {res.result.memory['peak'] / 2**30:.1f} / {budget / 2**30:.1f} GiB |  "
+            f"<!-- {len(res.candidates)} candidates, {time.perf_counter() - t0:.0f} s -->"
+        )
 
 
 def main(argv=None):

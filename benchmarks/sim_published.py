@@ -61,14 +61,26 @@ from torch import nn
 # ---------------------------------------------------------------------------------------------
 
 TT_A100 = ("pytorch/torchtitan", "docs/performance.md", "041336434916bdc0f88c1f89fda176fd3c2092e4")
-TT_H100 = ("pytorch/torchtitan", "benchmarks/llama3_h100_202412_torchtitan.md", "31a17bfdb70bab6f62a13d21816a5339b911d6e3")
-TT_H200 = ("pytorch/torchtitan", "benchmarks/llama3_8b_h200_2025-06_torchtitan.md", "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af")
+TT_H100 = (
+    "pytorch/torchtitan",
+    "benchmarks/llama3_h100_202412_torchtitan.md",
+    "31a17bfdb70bab6f62a13d21816a5339b911d6e3",
+)
+TT_H200 = (
+    "pytorch/torchtitan",
+    "benchmarks/llama3_8b_h200_2025-06_torchtitan.md",
+    "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af",
+)
 NEMO = ("NVIDIA/NeMo", "docs/source/performance/performance_summary.md", "070a0bb168d405d653b9734c0017cf5078e77c0d")
 MBRIDGE = ("NVIDIA-NeMo/Megatron-Bridge", "docs/performance-summary.md", "df0289c180dd20ff26933455c7a0a11084f6a36f")
 FOUNDRY = ("mosaicml/llm-foundry", "scripts/train/benchmarking/README.md", "061f2c7ce64e655100286584a7629e2a09f827ba")
 # The sweep's own results file: every H100 row of FOUNDRY's table, and the same configurations run
 # on A100 80GB with the same image (mosaicml/pytorch:2.1.0_cu121-nightly20230827) and code.
-FOUNDRY_SWEEP = ("mosaicml/llm-foundry", "scripts/train/benchmarking/h100new.md", "beb8dee6922c5e31d27a24a713a1315b4013185d")
+FOUNDRY_SWEEP = (
+    "mosaicml/llm-foundry",
+    "scripts/train/benchmarking/h100new.md",
+    "beb8dee6922c5e31d27a24a713a1315b4013185d",
+)
 
 LLAMA2_13B = LlamaConfig(dim=5120, layers=40, heads=40, kv_heads=40, ffn=13824, vocab=32000)
 LLAMA2_70B = LlamaConfig(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000)
@@ -77,8 +89,15 @@ LLAMAS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama2-13b": LLAMA2
 # MPT shapes of llm-foundry's benchmark yamls (scripts/train/yamls/pretrain/mpt-*.yaml): width,
 # depth, heads; 4x GELU MLP, no biases, tied embeddings, vocabulary 50,368, learned positions
 # (the tables' parameter counts grow by width x sequence length with the sequence).
-MPT = {"760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32),
-       "13b": (5120, 40, 40), "30b": (7168, 48, 64), "70b": (8192, 80, 64)}
+MPT = {
+    "760m": (1536, 24, 12),
+    "1b": (2048, 24, 16),
+    "3b": (2560, 32, 20),
+    "7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+    "30b": (7168, 48, 64),
+    "70b": (8192, 80, 64),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,80 +139,244 @@ CALIBRATION = [
     # Llama 3.1 8B (same shapes as Llama 3 8B) on torchtitan's 500 W H100s with 96 GB HBM2e: see H100_96GB.
     Row("calibration", TT_H100, "llama3-8b", "H100_96GB_500W", 8, 8192, 2, 1, "op", 5762, 82.4),
     Row("calibration", TT_H100, "llama3-8b", "H100_96GB_500W", 128, 8192, 2, 1, "op", 5605, 67.0),
-    Row("calibration", TT_H100, "llama3-8b", "H100_96GB_500W", 8, 8192, 2, 1, "op", 6667, 77.0, "torch.compile (fused kernels)"),
-    Row("calibration", TT_H100, "llama3-70b", "H100_96GB_500W", 256, 8192, 16, 1, "full", 829, 71.9,
-        "torch.compile and Float8 compute (torchao) with TP 8"),
-    Row("calibration", TT_H200, "llama3-8b", "H200_SXM", 32, 8192, 2, 1, "full", 10938, 47.96,
-        "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
-    Row("calibration", TT_H200, "llama3-8b", "H200_SXM", 64, 8192, 2, 1, "full", 10753, 46.97,
-        "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)"),
-    Row("calibration", NEMO, "llama2-7b", "H100_SXM", 8, 4096, 1, 16, "none", 16847, None,
-        "Transformer Engine FP8 compute and Megatron's fused kernels"),
+    Row(
+        "calibration",
+        TT_H100,
+        "llama3-8b",
+        "H100_96GB_500W",
+        8,
+        8192,
+        2,
+        1,
+        "op",
+        6667,
+        77.0,
+        "torch.compile (fused kernels)",
+    ),
+    Row(
+        "calibration",
+        TT_H100,
+        "llama3-70b",
+        "H100_96GB_500W",
+        256,
+        8192,
+        16,
+        1,
+        "full",
+        829,
+        71.9,
+        "torch.compile and Float8 compute (torchao) with TP 8",
+    ),
+    Row(
+        "calibration",
+        TT_H200,
+        "llama3-8b",
+        "H200_SXM",
+        32,
+        8192,
+        2,
+        1,
+        "full",
+        10938,
+        47.96,
+        "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)",
+    ),
+    Row(
+        "calibration",
+        TT_H200,
+        "llama3-8b",
+        "H200_SXM",
+        64,
+        8192,
+        2,
+        1,
+        "full",
+        10753,
+        46.97,
+        "torch.compile and Float8 compute (torchao float8 linears; fsdpfn's FP8 is for gathers only)",
+    ),
+    Row(
+        "calibration",
+        NEMO,
+        "llama2-7b",
+        "H100_SXM",
+        8,
+        4096,
+        1,
+        16,
+        "none",
+        16847,
+        None,
+        "Transformer Engine FP8 compute and Megatron's fused kernels",
+    ),
     # Megatron-Core tensor-parallel runs on DGX-H100 (26.02 container table). Every H100 row there
     # is FP8 or pipelined: none is BF16 with TP and data parallelism alone (the distributed
     # optimizer, ZeRO-1), which is what this simulator could express. The NeMo 24.07 table above
     # is FP8 throughout; Megatron-LM's README gives its H100 weak- and strong-scaling runs as
     # MFU plotted in images, with pipeline parallelism beyond the smallest models.
-    Row("calibration", MBRIDGE, "llama3-70b", "H100_SXM", 64, 8192, 1, 128, "?", 1621, None,
-        "FP8 compute (Transformer Engine, current scaling) and pipeline parallelism (TP 4, PP 8, VP 5)"),
-    Row("calibration", MBRIDGE, "gpt-oss-120b", "H100_SXM", 64, 4096, 1, 80, "?", 5993, None,
-        "mixture of experts with pipeline parallelism (BF16, PP 4, EP 8)"),
+    Row(
+        "calibration",
+        MBRIDGE,
+        "llama3-70b",
+        "H100_SXM",
+        64,
+        8192,
+        1,
+        128,
+        "?",
+        1621,
+        None,
+        "FP8 compute (Transformer Engine, current scaling) and pipeline parallelism (TP 4, PP 8, VP 5)",
+    ),
+    Row(
+        "calibration",
+        MBRIDGE,
+        "gpt-oss-120b",
+        "H100_SXM",
+        64,
+        4096,
+        1,
+        80,
+        "?",
+        5993,
+        None,
+        "mixture of experts with pipeline parallelism (BF16, PP 4, EP 8)",
+    ),
 ]
 
 # llm-foundry H100 80GB BF16 table: (model, seq, gpus, micro batch, grad accum, act. ckpt, tokens/s/GPU)
 _FOUNDRY_H100 = [
-    ("70b", 2048, 64, 8, 4, True, 1039), ("70b", 2048, 32, 2, 16, True, 882),
-    ("30b", 8192, 8, 1, 21, True, 1384), ("30b", 4096, 8, 1, 21, True, 1802), ("30b", 2048, 32, 14, 3, True, 2308),
-    ("30b", 2048, 16, 10, 3, True, 2263), ("30b", 2048, 8, 3, 21, True, 2002), ("30b", 1024, 8, 6, 21, True, 2084),
-    ("13b", 32768, 8, 1, 3, True, 1976), ("13b", 16384, 8, 3, 3, True, 2985), ("13b", 4096, 8, 10, 3, True, 4717),
-    ("13b", 2048, 64, 2, 1, False, 4800), ("13b", 2048, 32, 2, 1, False, 4811), ("13b", 2048, 16, 2, 1, False, 4767),
-    ("13b", 2048, 8, 2, 1, False, 4792), ("13b", 1024, 8, 40, 3, True, 5502),
-    ("7b", 65536, 8, 1, 2, True, 1956), ("7b", 32768, 8, 2, 2, True, 3318), ("7b", 8192, 8, 8, 2, True, 6935),
-    ("7b", 4096, 8, 16, 2, True, 8611), ("7b", 2048, 8, 6, 1, False, 10643), ("7b", 1024, 8, 64, 2, True, 10203),
-    ("3b", 65536, 8, 1, 2, True, 3262), ("3b", 32768, 8, 3, 6, True, 5873), ("3b", 16384, 8, 1, 6, False, 11152),
-    ("3b", 8192, 8, 3, 6, False, 16578), ("3b", 4096, 8, 5, 6, False, 20964), ("3b", 2048, 64, 6, 3, False, 22525),
-    ("3b", 2048, 32, 6, 3, False, 23021), ("3b", 2048, 16, 10, 3, False, 24142), ("3b", 1024, 8, 20, 6, False, 27046),
+    ("70b", 2048, 64, 8, 4, True, 1039),
+    ("70b", 2048, 32, 2, 16, True, 882),
+    ("30b", 8192, 8, 1, 21, True, 1384),
+    ("30b", 4096, 8, 1, 21, True, 1802),
+    ("30b", 2048, 32, 14, 3, True, 2308),
+    ("30b", 2048, 16, 10, 3, True, 2263),
+    ("30b", 2048, 8, 3, 21, True, 2002),
+    ("30b", 1024, 8, 6, 21, True, 2084),
+    ("13b", 32768, 8, 1, 3, True, 1976),
+    ("13b", 16384, 8, 3, 3, True, 2985),
+    ("13b", 4096, 8, 10, 3, True, 4717),
+    ("13b", 2048, 64, 2, 1, False, 4800),
+    ("13b", 2048, 32, 2, 1, False, 4811),
+    ("13b", 2048, 16, 2, 1, False, 4767),
+    ("13b", 2048, 8, 2, 1, False, 4792),
+    ("13b", 1024, 8, 40, 3, True, 5502),
+    ("7b", 65536, 8, 1, 2, True, 1956),
+    ("7b", 32768, 8, 2, 2, True, 3318),
+    ("7b", 8192, 8, 8, 2, True, 6935),
+    ("7b", 4096, 8, 16, 2, True, 8611),
+    ("7b", 2048, 8, 6, 1, False, 10643),
+    ("7b", 1024, 8, 64, 2, True, 10203),
+    ("3b", 65536, 8, 1, 2, True, 3262),
+    ("3b", 32768, 8, 3, 6, True, 5873),
+    ("3b", 16384, 8, 1, 6, False, 11152),
+    ("3b", 8192, 8, 3, 6, False, 16578),
+    ("3b", 4096, 8, 5, 6, False, 20964),
+    ("3b", 2048, 64, 6, 3, False, 22525),
+    ("3b", 2048, 32, 6, 3, False, 23021),
+    ("3b", 2048, 16, 10, 3, False, 24142),
+    ("3b", 1024, 8, 20, 6, False, 27046),
     ("3b", 512, 8, 40, 6, False, 27965),
-    ("1b", 65536, 8, 1, 2, True, 5506), ("1b", 32768, 8, 1, 4, False, 12025), ("1b", 16384, 8, 2, 4, False, 19649),
-    ("1b", 8192, 8, 3, 4, False, 29157), ("1b", 4096, 8, 7, 4, False, 38535), ("1b", 2048, 64, 20, 1, False, 44402),
-    ("1b", 2048, 32, 20, 1, False, 45130), ("1b", 2048, 16, 20, 1, False, 46037), ("1b", 2048, 8, 14, 1, False, 45455),
-    ("1b", 1024, 8, 18, 4, False, 48910), ("1b", 512, 8, 56, 4, False, 52275),
-    ("760m", 32768, 8, 1, 2, False, 16291), ("760m", 16384, 8, 3, 2, False, 27815), ("760m", 8192, 8, 6, 2, False, 41825),
-    ("760m", 4096, 8, 12, 2, False, 55459), ("760m", 2048, 32, 24, 1, False, 67971), ("760m", 2048, 16, 24, 1, False, 68551),
-    ("760m", 2048, 8, 24, 2, False, 63147), ("760m", 1024, 8, 48, 2, False, 78581), ("760m", 512, 8, 96, 2, False, 83749),
+    ("1b", 65536, 8, 1, 2, True, 5506),
+    ("1b", 32768, 8, 1, 4, False, 12025),
+    ("1b", 16384, 8, 2, 4, False, 19649),
+    ("1b", 8192, 8, 3, 4, False, 29157),
+    ("1b", 4096, 8, 7, 4, False, 38535),
+    ("1b", 2048, 64, 20, 1, False, 44402),
+    ("1b", 2048, 32, 20, 1, False, 45130),
+    ("1b", 2048, 16, 20, 1, False, 46037),
+    ("1b", 2048, 8, 14, 1, False, 45455),
+    ("1b", 1024, 8, 18, 4, False, 48910),
+    ("1b", 512, 8, 56, 4, False, 52275),
+    ("760m", 32768, 8, 1, 2, False, 16291),
+    ("760m", 16384, 8, 3, 2, False, 27815),
+    ("760m", 8192, 8, 6, 2, False, 41825),
+    ("760m", 4096, 8, 12, 2, False, 55459),
+    ("760m", 2048, 32, 24, 1, False, 67971),
+    ("760m", 2048, 16, 24, 1, False, 68551),
+    ("760m", 2048, 8, 24, 2, False, 63147),
+    ("760m", 1024, 8, 48, 2, False, 78581),
+    ("760m", 512, 8, 96, 2, False, 83749),
 ]
-HELD_OUT = [Row("held-out", FOUNDRY, f"mpt-{m}", "H100_SXM", g, s, mb, acc, "full" if ac else "none", tps)
-            for m, s, g, mb, acc, ac, tps in _FOUNDRY_H100]
-HELD_OUT += [Row("held-out", FOUNDRY, "mpt-3b", "H100_SXM", 8, 2048, 10, 6, "none", 30586, None,
-                 "FP8 compute (Transformer Engine amp_fp8): fsdpfn's FP8 is for gathers only")]
+HELD_OUT = [
+    Row("held-out", FOUNDRY, f"mpt-{m}", "H100_SXM", g, s, mb, acc, "full" if ac else "none", tps)
+    for m, s, g, mb, acc, ac, tps in _FOUNDRY_H100
+]
+HELD_OUT += [
+    Row(
+        "held-out",
+        FOUNDRY,
+        "mpt-3b",
+        "H100_SXM",
+        8,
+        2048,
+        10,
+        6,
+        "none",
+        30586,
+        None,
+        "FP8 compute (Transformer Engine amp_fp8): fsdpfn's FP8 is for gathers only",
+    )
+]
 
 # The same sweep on A100 80GB (FOUNDRY_SWEEP's a100_80gb rows of the models above, all on one
 # node of 8): the software term SWEEP_ATTENTION is fitted on these rows, and only on these.
 _FOUNDRY_A100 = [
-    ("30b", 8192, 8, 1, 21, True, 574), ("30b", 4096, 8, 1, 21, True, 814), ("30b", 2048, 8, 3, 21, True, 916),
-    ("30b", 1024, 8, 6, 21, True, 946), ("30b", 512, 8, 12, 21, True, 967),
-    ("13b", 32768, 8, 1, 3, True, 1016), ("13b", 16384, 8, 3, 3, True, 1431), ("13b", 8192, 8, 5, 3, True, 1795),
-    ("13b", 4096, 8, 10, 3, True, 2060), ("13b", 2048, 8, 2, 3, False, 2262), ("13b", 1024, 8, 40, 3, True, 2330),
-    ("7b", 65536, 8, 1, 2, True, 1013), ("7b", 32768, 8, 2, 2, True, 1672), ("7b", 16384, 8, 4, 2, True, 2453),
-    ("7b", 8192, 8, 8, 2, True, 3206), ("7b", 4096, 8, 16, 2, True, 3684), ("7b", 2048, 8, 6, 2, False, 4641),
+    ("30b", 8192, 8, 1, 21, True, 574),
+    ("30b", 4096, 8, 1, 21, True, 814),
+    ("30b", 2048, 8, 3, 21, True, 916),
+    ("30b", 1024, 8, 6, 21, True, 946),
+    ("30b", 512, 8, 12, 21, True, 967),
+    ("13b", 32768, 8, 1, 3, True, 1016),
+    ("13b", 16384, 8, 3, 3, True, 1431),
+    ("13b", 8192, 8, 5, 3, True, 1795),
+    ("13b", 4096, 8, 10, 3, True, 2060),
+    ("13b", 2048, 8, 2, 3, False, 2262),
+    ("13b", 1024, 8, 40, 3, True, 2330),
+    ("7b", 65536, 8, 1, 2, True, 1013),
+    ("7b", 32768, 8, 2, 2, True, 1672),
+    ("7b", 16384, 8, 4, 2, True, 2453),
+    ("7b", 8192, 8, 8, 2, True, 3206),
+    ("7b", 4096, 8, 16, 2, True, 3684),
+    ("7b", 2048, 8, 6, 2, False, 4641),
     ("7b", 1024, 8, 64, 2, True, 4357),
-    ("3b", 65536, 8, 1, 2, True, 1767), ("3b", 32768, 8, 3, 6, True, 3029), ("3b", 16384, 8, 1, 6, False, 5529),
-    ("3b", 8192, 8, 3, 6, False, 7695), ("3b", 4096, 8, 5, 6, False, 9457), ("3b", 2048, 8, 10, 2, False, 10811),
-    ("3b", 1024, 8, 20, 6, False, 11580), ("3b", 512, 8, 40, 6, False, 12127),
-    ("1b", 65536, 8, 1, 2, True, 3044), ("1b", 32768, 8, 1, 4, False, 6275), ("1b", 16384, 8, 2, 4, False, 9956),
-    ("1b", 8192, 8, 3, 4, False, 13814), ("1b", 4096, 8, 7, 4, False, 17807), ("1b", 2048, 8, 14, 4, False, 20513),
-    ("1b", 1024, 8, 18, 4, False, 22112), ("1b", 512, 8, 56, 4, False, 23148),
-    ("760m", 65536, 8, 1, 2, True, 4143), ("760m", 32768, 8, 1, 2, False, 8802), ("760m", 16384, 8, 3, 2, False, 14274),
-    ("760m", 8192, 8, 6, 2, False, 20933), ("760m", 4096, 8, 12, 2, False, 27351), ("760m", 2048, 8, 24, 2, False, 32434),
-    ("760m", 1024, 8, 48, 2, False, 29765), ("760m", 512, 8, 96, 2, False, 29446),
+    ("3b", 65536, 8, 1, 2, True, 1767),
+    ("3b", 32768, 8, 3, 6, True, 3029),
+    ("3b", 16384, 8, 1, 6, False, 5529),
+    ("3b", 8192, 8, 3, 6, False, 7695),
+    ("3b", 4096, 8, 5, 6, False, 9457),
+    ("3b", 2048, 8, 10, 2, False, 10811),
+    ("3b", 1024, 8, 20, 6, False, 11580),
+    ("3b", 512, 8, 40, 6, False, 12127),
+    ("1b", 65536, 8, 1, 2, True, 3044),
+    ("1b", 32768, 8, 1, 4, False, 6275),
+    ("1b", 16384, 8, 2, 4, False, 9956),
+    ("1b", 8192, 8, 3, 4, False, 13814),
+    ("1b", 4096, 8, 7, 4, False, 17807),
+    ("1b", 2048, 8, 14, 4, False, 20513),
+    ("1b", 1024, 8, 18, 4, False, 22112),
+    ("1b", 512, 8, 56, 4, False, 23148),
+    ("760m", 65536, 8, 1, 2, True, 4143),
+    ("760m", 32768, 8, 1, 2, False, 8802),
+    ("760m", 16384, 8, 3, 2, False, 14274),
+    ("760m", 8192, 8, 6, 2, False, 20933),
+    ("760m", 4096, 8, 12, 2, False, 27351),
+    ("760m", 2048, 8, 24, 2, False, 32434),
+    ("760m", 1024, 8, 48, 2, False, 29765),
+    ("760m", 512, 8, 96, 2, False, 29446),
 ]
-SWEEP_A100 = [Row("sweep-a100", FOUNDRY_SWEEP, f"mpt-{m}", "A100_SXM", g, s, mb, acc, "full" if ac else "none", tps)
-              for m, s, g, mb, acc, ac, tps in _FOUNDRY_A100]
+SWEEP_A100 = [
+    Row("sweep-a100", FOUNDRY_SWEEP, f"mpt-{m}", "A100_SXM", g, s, mb, acc, "full" if ac else "none", tps)
+    for m, s, g, mb, acc, ac, tps in _FOUNDRY_A100
+]
 
 ROWS = CALIBRATION + SWEEP_A100 + HELD_OUT
-GROUPS = {"calibration": "calibration: torchtitan",
-          "sweep-a100": "calibration of the sweep's software term: llm-foundry's sweep on A100",
-          "held-out": "held-out: llm-foundry's H100 table"}
+GROUPS = {
+    "calibration": "calibration: torchtitan",
+    "sweep-a100": "calibration of the sweep's software term: llm-foundry's sweep on A100",
+    "held-out": "held-out: llm-foundry's H100 table",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,13 +439,15 @@ class TitanAttention(nn.Module):
 
     def forward(self, x, freqs):
         b, t, _ = x.shape
-        q = _rope(_op_sac(self.wq(x)).view(b, t, self.heads, self.head_dim), freqs)   # 1st matmul: kept
-        k = _rope(self.wk(x).view(b, t, self.kv_heads, self.head_dim), freqs)            # 2nd: recomputed
-        v = _op_sac(self.wv(x)).view(b, t, self.kv_heads, self.head_dim)                 # 3rd: kept
+        q = _rope(_op_sac(self.wq(x)).view(b, t, self.heads, self.head_dim), freqs)  # 1st matmul: kept
+        k = _rope(self.wk(x).view(b, t, self.kv_heads, self.head_dim), freqs)  # 2nd: recomputed
+        v = _op_sac(self.wv(x)).view(b, t, self.kv_heads, self.head_dim)  # 3rd: kept
         rep = self.heads // self.kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = _op_sac(F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True))
+        out = _op_sac(
+            F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        )
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # 4th: recomputed
 
 
@@ -271,12 +456,18 @@ class TitanBlock(nn.Module):
         super().__init__()
         self.attention_norm, self.attention = TitanRMSNorm(c.dim), TitanAttention(c)
         self.ffn_norm = TitanRMSNorm(c.dim)
-        self.w1, self.w2, self.w3 = nn.Linear(c.dim, c.ffn, bias=False), nn.Linear(c.ffn, c.dim, bias=False), nn.Linear(c.dim, c.ffn, bias=False)
+        self.w1, self.w2, self.w3 = (
+            nn.Linear(c.dim, c.ffn, bias=False),
+            nn.Linear(c.ffn, c.dim, bias=False),
+            nn.Linear(c.dim, c.ffn, bias=False),
+        )
 
     def forward(self, x, freqs):
         h = x + self.attention(self.attention_norm(x), freqs)
         y = self.ffn_norm(h)
-        return h + _op_sac(self.w2(F.silu(_op_sac(self.w1(y))) * self.w3(y)))  # 5th (w1), 7th (w2) kept; 6th (w3) recomputed
+        return h + _op_sac(
+            self.w2(F.silu(_op_sac(self.w1(y))) * self.w3(y))
+        )  # 5th (w1), 7th (w2) kept; 6th (w3) recomputed
 
 
 class TitanLlama(nn.Module):
@@ -285,7 +476,9 @@ class TitanLlama(nn.Module):
         self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
         self.layers = nn.ModuleList(TitanBlock(c) for _ in range(c.layers))
         self.norm, self.output = TitanRMSNorm(c.dim), nn.Linear(c.dim, c.vocab, bias=False)
-        self.register_buffer("freqs", torch.zeros(seq, 1, c.dim // c.heads // 2, dtype=torch.complex64), persistent=False)
+        self.register_buffer(
+            "freqs", torch.zeros(seq, 1, c.dim // c.heads // 2, dtype=torch.complex64), persistent=False
+        )
 
     def forward(self, tokens):
         x = self.tok_embeddings(tokens)
@@ -331,7 +524,16 @@ def build(model: str, seq: int) -> tuple[torch.nn.Module, str]:
         if model in LLAMAS:
             return TitanLlama(LLAMAS[model], seq), "layers"
         width, depth, heads = MPT[model.removeprefix("mpt-")]
-        cfg = GPTConfig(vocab_size=50368, seq_len=seq, width=width, depth=depth, heads=heads, mlp_ratio=4, tie_embeddings=True, bias=False)
+        cfg = GPTConfig(
+            vocab_size=50368,
+            seq_len=seq,
+            width=width,
+            depth=depth,
+            heads=heads,
+            mlp_ratio=4,
+            tie_embeddings=True,
+            bias=False,
+        )
         return GPT(cfg), "blocks"
 
 
@@ -347,8 +549,11 @@ def workload(row: Row, model, plan, prefix: str) -> sim.Workload:
         wl = sim.profile(model, plan, x, loss_fn=loss, remat_policies=(OP_SAC,) if row.ac == "op" else ())
         blocks = [u.name for u in plan.units if u.name.startswith(prefix + ".")]
         # A checkpointed block keeps its input: one hidden state in bf16.
-        hidden = row.micro_batch * row.seq * model.get_submodule(blocks[0]).ffn_norm.weight.numel() * 2 if prefix == "layers" else \
-            row.micro_batch * row.seq * model.get_submodule(blocks[0]).norm1.weight.numel() * 2
+        hidden = (
+            row.micro_batch * row.seq * model.get_submodule(blocks[0]).ffn_norm.weight.numel() * 2
+            if prefix == "layers"
+            else row.micro_batch * row.seq * model.get_submodule(blocks[0]).norm1.weight.numel() * 2
+        )
         if row.ac == "full":
             wl = wl.with_activation_checkpointing(blocks, {b: hidden for b in blocks})
         elif row.ac == "op":  # torchtitan's selective op checkpointing, in every block (see OP_SAC)
@@ -364,7 +569,9 @@ def workload(row: Row, model, plan, prefix: str) -> sim.Workload:
 # Each published run names its part, and each part is a preset (fsdpfn/sim/_hardware.py names the
 # sources): torchtitan's H100 tables ran on Grand Teton hosts, 8 H100 SXM with 96 GB HBM2e at
 # 2.4 TB/s and a 500 W limit (TT_H100, "Hardware"): sim.H100_96GB_500W.
-def hardware(name: str, raw: bool = False, source: tuple[str, str, str] | None = None, sweep_term: bool = True) -> sim.Hardware:
+def hardware(
+    name: str, raw: bool = False, source: tuple[str, str, str] | None = None, sweep_term: bool = True
+) -> sim.Hardware:
     """The preset a row runs on; ``raw``: with ``Kernels.sustained`` at 1 (to refit it); a row of
     llm-foundry's sweep (``source``) with its fitted attention term unless ``sweep_term`` is off."""
     hw = sim.PRESETS[name]
@@ -372,7 +579,9 @@ def hardware(name: str, raw: bool = False, source: tuple[str, str, str] | None =
         hw = dataclasses.replace(hw, kernels=dataclasses.replace(hw.kernels, sustained=1.0))
     if sweep_term and source in (FOUNDRY, FOUNDRY_SWEEP):
         k = hw.kernels
-        hw = dataclasses.replace(hw, kernels=dataclasses.replace(k, attention_efficiency=k.attention_efficiency * SWEEP_ATTENTION))
+        hw = dataclasses.replace(
+            hw, kernels=dataclasses.replace(k, attention_efficiency=k.attention_efficiency * SWEEP_ATTENTION)
+        )
     return hw
 
 
@@ -406,8 +615,15 @@ SWEEP_QUARTER = 0.25  # attention's least share of a row's predicted step for th
 #   FlashAttention-2's rate times SWEEP_ATTENTION, fitted on the sweep's A100 rows (see [Note: the
 #   sweep's attention term]).
 # The presets' attention kernel class is "fa2" (see fsdpfn/sim/_rates.py).
-ATTENTION_KERNEL = {TT_A100: "fa2", TT_H100: "fa2", TT_H200: "fa2", NEMO: "fa2", MBRIDGE: "fa2",
-                    FOUNDRY: f"fa2 x {SWEEP_ATTENTION} (fitted)", FOUNDRY_SWEEP: f"fa2 x {SWEEP_ATTENTION} (fitted)"}
+ATTENTION_KERNEL = {
+    TT_A100: "fa2",
+    TT_H100: "fa2",
+    TT_H200: "fa2",
+    NEMO: "fa2",
+    MBRIDGE: "fa2",
+    FOUNDRY: f"fa2 x {SWEEP_ATTENTION} (fitted)",
+    FOUNDRY_SWEEP: f"fa2 x {SWEEP_ATTENTION} (fitted)",
+}
 
 
 def components(res: sim.SimResult, wl: sim.Workload, hw: sim.Hardware, micro_batches: int) -> dict[str, float]:
@@ -424,15 +640,27 @@ def components(res: sim.SimResult, wl: sim.Workload, hw: sim.Hardware, micro_bat
             if d.startswith("attention "):
                 att += t
                 _, shape = split_key(d)
-                pad = _rates.attention_head_dim(k.attention_kernel, shape[2]) / shape[2] if k and k.attention_kernel and shape else 1.0
+                pad = (
+                    _rates.attention_head_dim(k.attention_kernel, shape[2]) / shape[2]
+                    if k and k.attention_kernel and shape
+                    else 1.0
+                )
                 att_flops += c * f * (k.attention_flop_ratio if k else 1.0) * pad
             else:
                 mm += t
                 mm_flops += c * f
         mem += hw.memory_seconds(w.bytes) + w.ops * hw.op_overhead
-    return {"matmul": mm * micro_batches, "attention": att * micro_batches, "memory": mem * micro_batches,
-            "compute": res.compute_time, "comm": res.comm_time, "exposed": res.exposed_comm, "step": res.step_time,
-            "matmul_flops": mm_flops * micro_batches, "attention_flops": att_flops * micro_batches}
+    return {
+        "matmul": mm * micro_batches,
+        "attention": att * micro_batches,
+        "memory": mem * micro_batches,
+        "compute": res.compute_time,
+        "comm": res.comm_time,
+        "exposed": res.exposed_comm,
+        "step": res.step_time,
+        "matmul_flops": mm_flops * micro_batches,
+        "attention_flops": att_flops * micro_batches,
+    }
 
 
 def needed(row: Row, comp: dict[str, float]) -> dict[str, float]:
@@ -460,7 +688,11 @@ def predict(row: Row, hw: sim.Hardware) -> tuple[sim.SimResult, dict[str, float]
 
 def above(res: sim.SimResult) -> str:
     """A mark for a prediction whose reserved memory is above its part's (the simulator's note)."""
-    return f" (above the part's {res.hardware.memory / 2**30:.1f})" if any(n.startswith("memory") for n in res.notes) else ""
+    return (
+        f" (above the part's {res.hardware.memory / 2**30:.1f})"
+        if any(n.startswith("memory") for n in res.notes)
+        else ""
+    )
 
 
 def fit_sweep(rows: list[Row]) -> float:
@@ -479,14 +711,21 @@ def fit_sweep(rows: list[Row]) -> float:
         factor = 1 + (published - comp["step"]) / comp["attention"]
         if used:
             factors.append(factor)
-        print(f"| {r.label} | {published:.3f} s | {comp['step']:.3f} s | {comp['attention']:.3f} s | {share:.0%} | "
-              f"{factor:.3f}{'' if used else ' (not used: attention under a quarter)'} |", flush=True)
+        print(
+            f"| {r.label} | {published:.3f} s | {comp['step']:.3f} s | {comp['attention']:.3f} s | {share:.0%} | "
+            f"{factor:.3f}{'' if used else ' (not used: attention under a quarter)'} |",
+            flush=True,
+        )
     if not factors:
-        print(f"\nno row has attention at {SWEEP_QUARTER:.0%} of its step or more: nothing to fit (in use: {SWEEP_ATTENTION})")
+        print(
+            f"\nno row has attention at {SWEEP_QUARTER:.0%} of its step or more: nothing to fit (in use: {SWEEP_ATTENTION})"
+        )
         return float("nan")
     med = statistics.median(factors)
-    print(f"\n{len(factors)} rows used; median factor {med:.3f}: SWEEP_ATTENTION = 1 / {med:.3f} = {1 / med:.3f} "
-          f"(in use: {SWEEP_ATTENTION})")
+    print(
+        f"\n{len(factors)} rows used; median factor {med:.3f}: SWEEP_ATTENTION = 1 / {med:.3f} = {1 / med:.3f} "
+        f"(in use: {SWEEP_ATTENTION})"
+    )
     return 1 / med
 
 
@@ -494,11 +733,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=tuple(GROUPS), default=None)
     p.add_argument("--max-rows", type=int, default=None)
-    p.add_argument("--raw", action="store_true",
-                   help="kernels at their benchmarks' rates (Kernels.sustained = 1): the median calibration ratio is what "
-                        "the presets' sustained term is set from")
-    p.add_argument("--fit-sweep", action="store_true",
-                   help="print how SWEEP_ATTENTION is fitted (the sweep's A100 rows, the term at 1) and stop")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="kernels at their benchmarks' rates (Kernels.sustained = 1): the median calibration ratio is what "
+        "the presets' sustained term is set from",
+    )
+    p.add_argument(
+        "--fit-sweep",
+        action="store_true",
+        help="print how SWEEP_ATTENTION is fitted (the sweep's A100 rows, the term at 1) and stop",
+    )
     args = p.parse_args(argv)
     print("$ python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
     for hw in (sim.H100_SXM, sim.H100_96GB_500W, sim.A100_SXM):
@@ -519,10 +764,14 @@ def main(argv=None) -> None:
         if not todo:
             continue
         print(f"\n## {GROUPS[group]}\n")
-        print("Per step on one rank, predicted: matmuls, fused attention, memory-bound operators (at full speed), the compute "
-              "stream's busy time, collectives in flight, and the communication compute waits for (exposed); seconds.\n")
-        print("| run | source | attention kernel | published tok/s/GPU | predicted | predicted / published | matmul | attention | "
-              "memory-bound | compute | comm | exposed | step | memory published | predicted reserved |")
+        print(
+            "Per step on one rank, predicted: matmuls, fused attention, memory-bound operators (at full speed), the compute "
+            "stream's busy time, collectives in flight, and the communication compute waits for (exposed); seconds.\n"
+        )
+        print(
+            "| run | source | attention kernel | published tok/s/GPU | predicted | predicted / published | matmul | attention | "
+            "memory-bound | compute | comm | exposed | step | memory published | predicted reserved |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in todo:
             if r.why_not:
@@ -539,30 +788,47 @@ def main(argv=None) -> None:
             if abs(ratio - 1) > 0.15:
                 misses.append((r, ratio, {**comp, **needed(r, comp)}))
             shown = f"{ratio:.2f}{'' if abs(ratio - 1) <= 0.15 else ' *'}"
-            parts = " | ".join(f"{comp[k]:.3f}" for k in ("matmul", "attention", "memory", "compute", "comm", "exposed", "step"))
-            print(f"| {r.label} | {r.source[0]} | {ATTENTION_KERNEL[r.source]} | {r.tps:,.0f} | {tps:,.0f} | {shown} | {parts} | {mem} | "
-                  f"{res.memory['reserved'] / 2**30:.1f} GiB{above(res)} |", flush=True)
+            parts = " | ".join(
+                f"{comp[k]:.3f}" for k in ("matmul", "attention", "memory", "compute", "comm", "exposed", "step")
+            )
+            print(
+                f"| {r.label} | {r.source[0]} | {ATTENTION_KERNEL[r.source]} | {r.tps:,.0f} | {tps:,.0f} | {shown} | {parts} | {mem} | "
+                f"{res.memory['reserved'] / 2**30:.1f} GiB{above(res)} |",
+                flush=True,
+            )
     print("\n(* outside 15%)")
     for group, rs in ratios.items():
         if rs:
             within = sum(abs(x - 1) <= 0.15 for x in rs)
-            print(f"{group}: {len(rs)} rows, median predicted/published {statistics.median(rs):.2f}, "
-                  f"range {min(rs):.2f}-{max(rs):.2f}, {within} within 15%")
+            print(
+                f"{group}: {len(rs)} rows, median predicted/published {statistics.median(rs):.2f}, "
+                f"range {min(rs):.2f}-{max(rs):.2f}, {within} within 15%"
+            )
     if misses:
         print("\n## runs outside 15%: the rate each component alone would need\n")
-        print("The gap is the published step less the predicted one. For matmuls and for attention: the rate the presets give "
-              "them in this run (TFLOP/s, sustained included; attention in FlashAttention's own FLOP count, padded heads "
-              "included) and the rate that alone would close the gap; 'closest' is the component whose needed rate is the "
-              "smaller change from its published source. Collectives: in flight / exposed, seconds.\n")
-        print("| run | predicted / published | published step | gap | matmul: modelled -> needed | attention: modelled -> needed | "
-              "comm in flight / exposed | closest |")
+        print(
+            "The gap is the published step less the predicted one. For matmuls and for attention: the rate the presets give "
+            "them in this run (TFLOP/s, sustained included; attention in FlashAttention's own FLOP count, padded heads "
+            "included) and the rate that alone would close the gap; 'closest' is the component whose needed rate is the "
+            "smaller change from its published source. Collectives: in flight / exposed, seconds.\n"
+        )
+        print(
+            "| run | predicted / published | published step | gap | matmul: modelled -> needed | attention: modelled -> needed | "
+            "comm in flight / exposed | closest |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r, ratio, c in misses:
-            change = {p: c[p] / c[p + "_needed"] if c[p + "_needed"] else float("inf") for p in ("matmul", "attention") if c[p]}
+            change = {
+                p: c[p] / c[p + "_needed"] if c[p + "_needed"] else float("inf")
+                for p in ("matmul", "attention")
+                if c[p]
+            }
             closest = min(change, key=lambda p: change[p])
-            print(f"| {r.label} | {ratio:.2f} | {c['published_step']:.3f} s | {c['gap']:+.3f} s | {c['matmul']:.0f} -> "
-                  f"{c['matmul_needed']:.0f} ({1 / change['matmul']:.2f}x) | {c['attention']:.0f} -> {c['attention_needed']:.0f} "
-                  f"({1 / change['attention']:.2f}x) | {c['comm']:.3f} / {c['exposed']:.3f} | {closest} |")
+            print(
+                f"| {r.label} | {ratio:.2f} | {c['published_step']:.3f} s | {c['gap']:+.3f} s | {c['matmul']:.0f} -> "
+                f"{c['matmul_needed']:.0f} ({1 / change['matmul']:.2f}x) | {c['attention']:.0f} -> {c['attention_needed']:.0f} "
+                f"({1 / change['attention']:.2f}x) | {c['comm']:.3f} / {c['exposed']:.3f} | {closest} |"
+            )
     if skipped:
         print("\n## rows the simulator cannot express\n")
         for r in skipped:

@@ -101,7 +101,9 @@ def _workloads(model, plan, x, y, timed_compute):
 
 def _model_and_batch(rank, args):
     """The GPT of the command line and this rank's batch ``(x, y)``."""
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False
+    )
     gen = torch.Generator().manual_seed(1 + rank)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
     return GPT(cfg), tokens[:, :-1], tokens[:, 1:]
@@ -129,8 +131,24 @@ def _rank(rank, world, args):
         key = tuple(u.name for u in plan.units)
         if key not in workloads:
             workloads[key] = _workloads(model, plan, x, y, args.timed_compute)
-        runs.append(dict(name=name, mesh=mesh_shape, prefetch=prefetch, opt=opt_name, plan=plan, rt=rt, params=params,
-                         opt_fn=opt, opt_model=opt_model, state=opt.init(params), times=[], opt_times=[], hw=0, wl=workloads[key]))
+        runs.append(
+            dict(
+                name=name,
+                mesh=mesh_shape,
+                prefetch=prefetch,
+                opt=opt_name,
+                plan=plan,
+                rt=rt,
+                params=params,
+                opt_fn=opt,
+                opt_model=opt_model,
+                state=opt.init(params),
+                times=[],
+                opt_times=[],
+                hw=0,
+                wl=workloads[key],
+            )
+        )
 
     def step(r):
         rt = r["rt"]
@@ -177,13 +195,32 @@ def _rank(rank, world, args):
             predicted, r["counted"] = {}, {}
             opt_s = sum(p.seconds(hw) for p in r["opt_model"].cost(r["plan"]).phases if isinstance(p, sim.Work))
             fb_s = sum(w.seconds(hw) for _, w in r["wl"][0].work)
-            res = dataclasses.replace(res, step_time=fb_s + opt_s, optimizer_time=opt_s,
-                                      memory={**res.memory, "unsharded_peak": None})
+            res = dataclasses.replace(
+                res, step_time=fb_s + opt_s, optimizer_time=opt_s, memory={**res.memory, "unsharded_peak": None}
+            )
             res_m = res
-        rows.append(dict(world=world, name=r["name"], mesh=r["mesh"], prefetch=r["prefetch"], opt=r["opt"],
-                         pred=res.step_time, pred_m=res_m.step_time, pred_opt=res.optimizer_time, times=r["times"], opt_times=r["opt_times"], pred_hw=res.memory["unsharded_peak"], hw=r["hw"],
-                         bytes_ok=predicted == r["counted"], compute=res.compute_time, exposed=res.exposed_comm,
-                         counted=r["counted"], predicted=predicted, summary=res.summary() if args.explain else ""))
+        rows.append(
+            dict(
+                world=world,
+                name=r["name"],
+                mesh=r["mesh"],
+                prefetch=r["prefetch"],
+                opt=r["opt"],
+                pred=res.step_time,
+                pred_m=res_m.step_time,
+                pred_opt=res.optimizer_time,
+                times=r["times"],
+                opt_times=r["opt_times"],
+                pred_hw=res.memory["unsharded_peak"],
+                hw=r["hw"],
+                bytes_ok=predicted == r["counted"],
+                compute=res.compute_time,
+                exposed=res.exposed_comm,
+                counted=r["counted"],
+                predicted=predicted,
+                summary=res.summary() if args.explain else "",
+            )
+        )
     return rows, str(hw)
 
 
@@ -213,7 +250,9 @@ def _search_rank(rank, world, args):
 
     def step(side):
         rt = side["rt"]
-        grads, _ = rt.value_and_grad(lambda ps, x, y: F.cross_entropy(rt.apply(ps, x).flatten(0, 1), y.flatten()))(side["params"], x, y)
+        grads, _ = rt.value_and_grad(lambda ps, x, y: F.cross_entropy(rt.apply(ps, x).flatten(0, 1), y.flatten()))(
+            side["params"], x, y
+        )
         updates, side["state"] = side["opt"].update(grads, side["state"], side["params"])
         side["params"] = optim.apply_updates(side["params"], updates)
 
@@ -229,30 +268,49 @@ def _search_rank(rank, world, args):
         return None
     pick = res.candidate.describe() if res.speedup > 1 else "the default"
     ratios = [p / d for p, d in zip(sides["pick"]["times"], sides["default"]["times"])]
-    return dict(world=world, pick=pick, pred_default=res.default.step_time, pred_pick=res.result.step_time,
-                peak_default=res.default.memory["peak"], peak_pick=res.result.memory["peak"],
-                default=sides["default"]["times"], picked=sides["pick"]["times"], ratios=ratios, search_s=search_s,
-                candidates=len(res.candidates), hw=str(hw))
+    return dict(
+        world=world,
+        pick=pick,
+        pred_default=res.default.step_time,
+        pred_pick=res.result.step_time,
+        peak_default=res.default.memory["peak"],
+        peak_pick=res.result.memory["peak"],
+        default=sides["default"]["times"],
+        picked=sides["pick"]["times"],
+        ratios=ratios,
+        search_s=search_s,
+        candidates=len(res.candidates),
+        hw=str(hw),
+    )
 
 
 def search_check(args):
-    print(f"\nSearch on this machine: budget {args.search_budget_mib} MiB per rank, optimizer {args.optimizers[0]}; "
-          f"the pick and the default (zero3, prefetch 1) run interleaved, {args.steps} steps each\n")
-    print("| W | pick | predicted default / pick | measured default / pick (median) | pick / default, median of pairs [min-max] | predicted peak default / pick |")
+    print(
+        f"\nSearch on this machine: budget {args.search_budget_mib} MiB per rank, optimizer {args.optimizers[0]}; "
+        f"the pick and the default (zero3, prefetch 1) run interleaved, {args.steps} steps each\n"
+    )
+    print(
+        "| W | pick | predicted default / pick | measured default / pick (median) | pick / default, median of pairs [min-max] | predicted peak default / pick |"
+    )
     print("|---|---|---|---|---|---|")
     for w in [int(v) for v in args.world_sizes.split(",")]:
         r = launch(_search_rank, w, args)[0]
         md, mp = statistics.median(r["default"]), statistics.median(r["picked"])
-        print(f"| {w} | {r['pick']} | {r['pred_default'] * 1e3:.0f} / {r['pred_pick'] * 1e3:.0f} ms | {md * 1e3:.0f} / {mp * 1e3:.0f} ms | "
-              f"{statistics.median(r['ratios']):.2f} [{min(r['ratios']):.2f}-{max(r['ratios']):.2f}] | "
-              f"{r['peak_default'] / 2**20:.0f} / {r['peak_pick'] / 2**20:.0f} MiB |  <!-- {r['candidates']} candidates, {r['search_s']:.0f} s -->")
+        print(
+            f"| {w} | {r['pick']} | {r['pred_default'] * 1e3:.0f} / {r['pred_pick'] * 1e3:.0f} ms | {md * 1e3:.0f} / {mp * 1e3:.0f} ms | "
+            f"{statistics.median(r['ratios']):.2f} [{min(r['ratios']):.2f}-{max(r['ratios']):.2f}] | "
+            f"{r['peak_default'] / 2**20:.0f} / {r['peak_pick'] / 2**20:.0f} MiB |  <!-- {r['candidates']} candidates, {r['search_s']:.0f} s -->"
+        )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-sizes", default="2,3,4")
-    p.add_argument("--strategies", default="local,replicate,zero1,zero2,zero3,hsdp",
-                   help="local: the unsharded model on each rank, no runtime (a reference for the compute terms)")
+    p.add_argument(
+        "--strategies",
+        default="local,replicate,zero1,zero2,zero3,hsdp",
+        help="local: the unsharded model on each rank, no runtime (a reference for the compute terms)",
+    )
     p.add_argument("--prefetch", default="0,1,2")
     p.add_argument("--optimizers", default="adamw,muon")
     p.add_argument("--width", type=int, default=256)
@@ -265,22 +323,34 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--ns-dtype", default="float32")
     p.add_argument("--probe-repeats", type=int, default=3, help="repeats of each hardware timing per round")
-    p.add_argument("--stat", choices=("min", "median"), default="median",
-                   help="statistic of the measured steps and of the hardware timings: min (default; the least disturbed "
-                        "sample on a shared machine) or median")
-    p.add_argument("--search-check", action="store_true",
-                   help="instead of the grid: search a plan for this machine per world size and run it against the default")
+    p.add_argument(
+        "--stat",
+        choices=("min", "median"),
+        default="median",
+        help="statistic of the measured steps and of the hardware timings: min (default; the least disturbed "
+        "sample on a shared machine) or median",
+    )
+    p.add_argument(
+        "--search-check",
+        action="store_true",
+        help="instead of the grid: search a plan for this machine per world size and run it against the default",
+    )
     p.add_argument("--search-budget-mib", type=float, default=128.0)
-    p.add_argument("--timed-compute", action="store_true",
-                   help="add a column predicted with each stretch's compute timed on the ranks (profile(timed=True))")
+    p.add_argument(
+        "--timed-compute",
+        action="store_true",
+        help="add a column predicted with each stretch's compute timed on the ranks (profile(timed=True))",
+    )
     p.add_argument("--explain", action="store_true", help="print each row's predicted step (summary) too")
     args = p.parse_args(argv)
     args.strategies = args.strategies.split(",")
     args.prefetch = [int(v) for v in args.prefetch.split(",")]
     args.optimizers = args.optimizers.split(",")
     print("$ OMP_NUM_THREADS=1 python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
-    print(f"GPT width {args.width}, {args.depth} blocks, vocabulary {args.vocab}, sequence {args.seq}, batch {args.batch}/rank; "
-          f"{args.steps} measured steps per row after {args.warmup + 1} warm-up, interleaved; Newton-Schulz in {args.ns_dtype}")
+    print(
+        f"GPT width {args.width}, {args.depth} blocks, vocabulary {args.vocab}, sequence {args.seq}, batch {args.batch}/rank; "
+        f"{args.steps} measured steps per row after {args.warmup + 1} warm-up, interleaved; Newton-Schulz in {args.ns_dtype}"
+    )
     _STAT[0] = args.stat
     _TIMED[0] = args.timed_compute
     if args.search_check:
@@ -305,9 +375,11 @@ _TIMED = [False]
 def _table(rows):
     mib = 2**20
     timed = _TIMED[0]
-    print(f"\n| W | strategy | mesh | prefetch | optimizer | predicted | measured {_STAT[0]} [min-max] | time error | "
-          + ("error, compute timed | " if timed else "")
-          + "optimizer step predicted / measured | high-water predicted / measured | memory error | bytes |")
+    print(
+        f"\n| W | strategy | mesh | prefetch | optimizer | predicted | measured {_STAT[0]} [min-max] | time error | "
+        + ("error, compute timed | " if timed else "")
+        + "optimizer step predicted / measured | high-water predicted / measured | memory error | bytes |"
+    )
     print("|---" * (12 + timed) + "|")
     errs, merrs = [], []
     stat = statistics.median if _STAT[0] == "median" else min
@@ -326,23 +398,33 @@ def _table(rows):
             mem = f"{r['pred_hw'] / mib:.2f} / {r['hw'] / mib:.2f} MiB | {merr * 100:+.1f}%"
         mesh = "x".join(map(str, r["mesh"]))
         prefetch = "-" if r["name"] == "local" else r["prefetch"]
-        print(f"| {r['world']} | {r['name']} | {mesh} | {prefetch} | {r['opt']} | {r['pred'] * 1e3:.0f} ms | "
-              f"{med * 1e3:.0f} ms [{min(r['times']) * 1e3:.0f}-{max(r['times']) * 1e3:.0f}] | {err * 100:+.1f}% | "
-              + (f"{err_m * 100:+.1f}% | " if timed else "")
-              + f"{r['pred_opt'] * 1e3:.0f} / {stat(r['opt_times']) * 1e3:.0f} ms | "
-              f"{mem} | {'equal' if r['bytes_ok'] else 'DIFFER'} |")
+        print(
+            f"| {r['world']} | {r['name']} | {mesh} | {prefetch} | {r['opt']} | {r['pred'] * 1e3:.0f} ms | "
+            f"{med * 1e3:.0f} ms [{min(r['times']) * 1e3:.0f}-{max(r['times']) * 1e3:.0f}] | {err * 100:+.1f}% | "
+            + (f"{err_m * 100:+.1f}% | " if timed else "")
+            + f"{r['pred_opt'] * 1e3:.0f} / {stat(r['opt_times']) * 1e3:.0f} ms | "
+            f"{mem} | {'equal' if r['bytes_ok'] else 'DIFFER'} |"
+        )
     for r in rows:
         if r.get("summary"):
-            print(f"\n--- W={r['world']} {r['name']} prefetch {r['prefetch']} {r['opt']}: measured {stat(r['times']) * 1e3:.0f} ms\n{r['summary']}")
+            print(
+                f"\n--- W={r['world']} {r['name']} prefetch {r['prefetch']} {r['opt']}: measured {stat(r['times']) * 1e3:.0f} ms\n{r['summary']}"
+            )
     within = sum(e <= 0.15 for e in errs)
-    print(f"\ntime: {within}/{len(errs)} rows within 15%; median |error| {statistics.median(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%")
+    print(
+        f"\ntime: {within}/{len(errs)} rows within 15%; median |error| {statistics.median(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%"
+    )
     if timed:
-        print(f"time, compute timed by profile(timed=True): {sum(e <= 0.15 for e in errs_m)}/{len(errs_m)} rows within 15%; "
-              f"median |error| {statistics.median(errs_m) * 100:.1f}%, max {max(errs_m) * 100:.1f}%")
+        print(
+            f"time, compute timed by profile(timed=True): {sum(e <= 0.15 for e in errs_m)}/{len(errs_m)} rows within 15%; "
+            f"median |error| {statistics.median(errs_m) * 100:.1f}%, max {max(errs_m) * 100:.1f}%"
+        )
     print(f"memory: {sum(e <= 0.05 for e in merrs)}/{len(merrs)} rows within 5%; max |error| {max(merrs) * 100:.1f}%")
     bad = [r for r in rows if not r["bytes_ok"]]
     for r in bad[:5]:
-        print(f"bytes differ W={r['world']} {r['name']} p{r['prefetch']} {r['opt']}: counted {r['counted']} predicted {r['predicted']}")
+        print(
+            f"bytes differ W={r['world']} {r['name']} p{r['prefetch']} {r['opt']}: counted {r['counted']} predicted {r['predicted']}"
+        )
 
 
 if __name__ == "__main__":

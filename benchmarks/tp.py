@@ -59,7 +59,9 @@ def _sent(calls, tp_modules):
 
 
 def _rank(rank, world, args):
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads, bias=False
+    )
     runs = []
     for dp, tp in LAYOUTS:
         torch.manual_seed(0)
@@ -70,8 +72,19 @@ def _rank(rank, world, args):
         opt = optim.adamw(1e-3)
         gen = torch.Generator().manual_seed(1 + fsdpfn.transforms.dp_rank(plan))
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
-        runs.append(dict(layout=(dp, tp), plan=plan, rt=rt, params=params, opt=opt, state=opt.init(params),
-                         x=tokens[:, :-1], y=tokens[:, 1:], times=[]))
+        runs.append(
+            dict(
+                layout=(dp, tp),
+                plan=plan,
+                rt=rt,
+                params=params,
+                opt=opt,
+                state=opt.init(params),
+                x=tokens[:, :-1],
+                y=tokens[:, 1:],
+                times=[],
+            )
+        )
 
     def step(r):
         rt = r["rt"]
@@ -91,11 +104,18 @@ def _rank(rank, world, args):
         listed = _sent(cost.calls, tp_modules)
         t = plan.tp_size
         closed_tp = 4 * cfg.depth * n_tokens * cfg.width * 4 * 2 * (t - 1) / t
-        rows.append(dict(layout=r["layout"], counted=counted, listed=listed, closed_tp=closed_tp,
-                         same_calls=sorted((c.kind, c.group_size, c.nbytes, c.tag) for c in counter.calls)
-                         == sorted((c.kind, c.group_size, c.nbytes, c.tag) for c in cost.calls)))
+        rows.append(
+            dict(
+                layout=r["layout"],
+                counted=counted,
+                listed=listed,
+                closed_tp=closed_tp,
+                same_calls=sorted((c.kind, c.group_size, c.nbytes, c.tag) for c in counter.calls)
+                == sorted((c.kind, c.group_size, c.nbytes, c.tag) for c in cost.calls),
+            )
+        )
     for i in range(args.warmup + args.steps):
-        order = runs[i % len(runs):] + runs[: i % len(runs)]
+        order = runs[i % len(runs) :] + runs[: i % len(runs)]
         for r in order:
             comm.barrier()
             t0 = time.perf_counter()
@@ -121,39 +141,56 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)
     print("$ OMP_NUM_THREADS=1 python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
-    print(f"GPT width {args.width}, {args.depth} blocks, {args.heads} heads, vocabulary {args.vocab}, sequence {args.seq}, "
-          f"batch {args.batch} per dp rank, fp32, zero3, Runtime(prefetch=1), AdamW; {WORLD} gloo ranks, "
-          f"{args.steps} interleaved steps after {args.warmup} warm-up rounds")
+    print(
+        f"GPT width {args.width}, {args.depth} blocks, {args.heads} heads, vocabulary {args.vocab}, sequence {args.seq}, "
+        f"batch {args.batch} per dp rank, fp32, zero3, Runtime(prefetch=1), AdamW; {WORLD} gloo ranks, "
+        f"{args.steps} interleaved steps after {args.warmup} warm-up rounds"
+    )
     t0 = time.time()
     per_rank = launch(_rank, WORLD, args)
     rows = per_rank[0]
-    same_ranks = all([(q["counted"], q["same_calls"]) for q in other] == [(q["counted"], q["same_calls"]) for q in rows] for other in per_rank)
+    same_ranks = all(
+        [(q["counted"], q["same_calls"]) for q in other] == [(q["counted"], q["same_calls"]) for q in rows]
+        for other in per_rank
+    )
     mib = 2**20
-    print(f"\n({time.time() - t0:.0f} s) bytes sent per rank per step (MiB); formula: dp axis plan.cost(tokens={args.batch * args.seq}), "
-          "tp axis 4 L N d x 4 B x 2(T-1)/T\n")
-    print("| dp x tp | collectives | dp axis counted | dp axis formula | tp axis counted | tp axis formula | total counted / formula |")
+    print(
+        f"\n({time.time() - t0:.0f} s) bytes sent per rank per step (MiB); formula: dp axis plan.cost(tokens={args.batch * args.seq}), "
+        "tp axis 4 L N d x 4 B x 2(T-1)/T\n"
+    )
+    print(
+        "| dp x tp | collectives | dp axis counted | dp axis formula | tp axis counted | tp axis formula | total counted / formula |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         dp_c, tp_c, n = r["counted"]
         dp_f = r["listed"][0]
         total_f = dp_f + r["closed_tp"]
         ratio = (dp_c + tp_c) / total_f if total_f else float("nan")
-        print(f"| {r['layout'][0]} x {r['layout'][1]} | {n} | {dp_c / mib:.3f} | {dp_f / mib:.3f} | {tp_c / mib:.3f} | "
-              f"{r['closed_tp'] / mib:.3f} | {ratio:.4f} |")
-    print(f"\nevery call equal to the list (kind, group size, bytes, tag) on every layout: {all(r['same_calls'] for r in rows)}; "
-          f"the same counts on every rank: {same_ranks}; plan.cost()'s tp part equals the closed form: "
-          f"{all(abs(r['listed'][1] - r['closed_tp']) < 1e-6 for r in rows)}")
+        print(
+            f"| {r['layout'][0]} x {r['layout'][1]} | {n} | {dp_c / mib:.3f} | {dp_f / mib:.3f} | {tp_c / mib:.3f} | "
+            f"{r['closed_tp'] / mib:.3f} | {ratio:.4f} |"
+        )
+    print(
+        f"\nevery call equal to the list (kind, group size, bytes, tag) on every layout: {all(r['same_calls'] for r in rows)}; "
+        f"the same counts on every rank: {same_ranks}; plan.cost()'s tp part equals the closed form: "
+        f"{all(abs(r['listed'][1] - r['closed_tp']) < 1e-6 for r in rows)}"
+    )
     base = rows[0]["times"]
     print(f"\nstep time, slowest rank, {args.steps} interleaved rounds\n")
-    print("| dp x tp | median [min-max] | ratio to 4 x 1, median of rounds [min-max] | sequences per step | sequences / s (median) |")
+    print(
+        "| dp x tp | median [min-max] | ratio to 4 x 1, median of rounds [min-max] | sequences per step | sequences / s (median) |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
         ratios = [a / b for a, b in zip(r["times"], base)]
         med = statistics.median(r["times"])
         seqs = r["layout"][0] * args.batch
-        print(f"| {r['layout'][0]} x {r['layout'][1]} | {med * 1e3:.0f} ms "
-              f"[{min(r['times']) * 1e3:.0f}-{max(r['times']) * 1e3:.0f}] | {statistics.median(ratios):.2f} "
-              f"[{min(ratios):.2f}-{max(ratios):.2f}] | {seqs} | {seqs / med:.1f} |")
+        print(
+            f"| {r['layout'][0]} x {r['layout'][1]} | {med * 1e3:.0f} ms "
+            f"[{min(r['times']) * 1e3:.0f}-{max(r['times']) * 1e3:.0f}] | {statistics.median(ratios):.2f} "
+            f"[{min(ratios):.2f}-{max(ratios):.2f}] | {seqs} | {seqs / med:.1f} |"
+        )
 
 
 if __name__ == "__main__":

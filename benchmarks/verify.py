@@ -58,8 +58,16 @@ def _maxrss_kib() -> int:
 
 def _rank(rank, world, name, args):
     shape, names, experts = MESHES[name]
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, width=args.width, depth=args.depth, heads=args.heads,
-                    bias=False, experts=experts, capacity_factor=None)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        bias=False,
+        experts=experts,
+        capacity_factor=None,
+    )
     mesh = testing.mesh(shape, names)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -102,8 +110,14 @@ def _rank(rank, world, name, args):
     # and output over the whole batch's sequences), the memory the check aims to stay within.
     unit_params = max(sum(p.numel for p in u.params) for u in plan.units if u.name) * 4
     acts = 2 * args.batch * args.seq * args.width * 4
-    return dict(mesh=name, plain=statistics.median(times[False]), checked=statistics.median(times[True]),
-                plain_kib=growth[0].item(), checked_kib=growth[1].item(), unit_kib=(unit_params + acts) / 1024)
+    return dict(
+        mesh=name,
+        plain=statistics.median(times[False]),
+        checked=statistics.median(times[True]),
+        plain_kib=growth[0].item(),
+        checked_kib=growth[1].item(),
+        unit_kib=(unit_params + acts) / 1024,
+    )
 
 
 def main(argv=None):
@@ -123,13 +137,19 @@ def main(argv=None):
         rows.append(testing.run_on_ranks(_rank, shape[0] * shape[1], name, args)[0])
     testing.shutdown_pools()
     print(f"$ python benchmarks/verify.py {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"GPT width {args.width}, depth {args.depth}, heads {args.heads}, vocab {args.vocab}, seq {args.seq}, batch "
-          f"{args.batch} per dp rank, fp32, zero3; first step of a fresh Runtime, median of {args.repeats}, 2 gloo ranks")
-    print(f"{'mesh':<8} {'plain s':>9} {'checked s':>10} {'ratio':>6} {'peak RSS +KiB plain':>20} {'checked':>8} "
-          f"{'unit KiB':>9}")
+    print(
+        f"GPT width {args.width}, depth {args.depth}, heads {args.heads}, vocab {args.vocab}, seq {args.seq}, batch "
+        f"{args.batch} per dp rank, fp32, zero3; first step of a fresh Runtime, median of {args.repeats}, 2 gloo ranks"
+    )
+    print(
+        f"{'mesh':<8} {'plain s':>9} {'checked s':>10} {'ratio':>6} {'peak RSS +KiB plain':>20} {'checked':>8} "
+        f"{'unit KiB':>9}"
+    )
     for r in rows:
-        print(f"{r['mesh']:<8} {r['plain']:>9.3f} {r['checked']:>10.3f} {r['checked'] / r['plain']:>6.2f} "
-              f"{r['plain_kib']:>20.0f} {r['checked_kib']:>8.0f} {r['unit_kib']:>9.0f}")
+        print(
+            f"{r['mesh']:<8} {r['plain']:>9.3f} {r['checked']:>10.3f} {r['checked'] / r['plain']:>6.2f} "
+            f"{r['plain_kib']:>20.0f} {r['checked_kib']:>8.0f} {r['unit_kib']:>9.0f}"
+        )
     return rows
 
 

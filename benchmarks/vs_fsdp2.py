@@ -60,8 +60,13 @@ class _Fsdp2Counter:
     ``all_reduce`` while active (FSDP2 looks them up on ``torch.distributed`` at call time;
     fsdpfn binds its own references at import, so it is not counted twice)."""
 
-    NAMES = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter", "all_reduce": "all_reduce",
-             "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    NAMES = {
+        "all_gather_single": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
 
     def __init__(self):
         self.active = False
@@ -298,8 +303,14 @@ COMPILE_SIDES = ["fsdpfn", "fsdpfn compiled", "fsdpfn per-unit compiled", "FSDP2
 OVERLAP_SIDE = "fsdpfn compiled + overlap passes"
 
 
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_flash_attention_for_cpu_backward")
+_MATMULS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+)
 
 
 def _matmul_floor(side, x, y, reps=3):
@@ -321,8 +332,10 @@ def _matmul_floor(side, x, y, reps=3):
 
     with Record():
         side.step(x, y)
-    replay = [(func, [torch.empty_strided(a[1], a[2], dtype=a[3]).normal_() if a[0] == "t" else a[1] for a in spec], kw)
-              for func, spec, kw in calls]
+    replay = [
+        (func, [torch.empty_strided(a[1], a[2], dtype=a[3]).normal_() if a[0] == "t" else a[1] for a in spec], kw)
+        for func, spec, kw in calls
+    ]
     best = float("inf")
     for _ in range(reps):
         dist.barrier()
@@ -367,7 +380,13 @@ def _compile_rank(rank, world, args):
                 times[s.name].append(time.perf_counter() - t)
         counts = {s.name: s.count(x, y) for s in sides}
         floor = _matmul_floor(sides[0], x, y)
-        results[(strategy, precision)] = {"times": times, "first": first, "losses": losses, "counts": counts, "floor": floor}
+        results[(strategy, precision)] = {
+            "times": times,
+            "first": first,
+            "losses": losses,
+            "counts": counts,
+            "floor": floor,
+        }
         if rank == 0:
             print(f"  [{strategy} {precision}: done]", flush=True)
         del sides
@@ -377,16 +396,24 @@ def _compile_rank(rank, world, args):
 def _report_compile(res, args):
     if args.inductor_overlap and OVERLAP_SIDE not in COMPILE_SIDES:
         COMPILE_SIDES.append(OVERLAP_SIDE)
-    print(f"\nwhole-step compile ({args.steps} measured steps after {args.warmup} warm-up, rotating order); "
-          "step-time ratios, median [min-max] of pair-by-pair ratios (slower rank of each step):")
+    print(
+        f"\nwhole-step compile ({args.steps} measured steps after {args.warmup} warm-up, rotating order); "
+        "step-time ratios, median [min-max] of pair-by-pair ratios (slower rank of each step):"
+    )
     for strategy, precision in CONFIGS:
         r = [res[k][(strategy, precision)] for k in sorted(res)]
         t = {s: [max(x["times"][s][i] for x in r) for i in range(args.steps)] for s in COMPILE_SIDES}
         print(f"  {strategy} {precision}:")
-        pairs = [("fsdpfn compiled", "FSDP2"), ("fsdpfn compiled", "FSDP2 per-block compiled"),
-                 ("fsdpfn compiled", "fsdpfn"), ("fsdpfn per-unit compiled", "FSDP2 per-block compiled"),
-                 ("fsdpfn per-unit compiled", "FSDP2"), ("fsdpfn per-unit compiled", "fsdpfn"),
-                 ("FSDP2 per-block compiled", "FSDP2"), ("fsdpfn", "FSDP2")]
+        pairs = [
+            ("fsdpfn compiled", "FSDP2"),
+            ("fsdpfn compiled", "FSDP2 per-block compiled"),
+            ("fsdpfn compiled", "fsdpfn"),
+            ("fsdpfn per-unit compiled", "FSDP2 per-block compiled"),
+            ("fsdpfn per-unit compiled", "FSDP2"),
+            ("fsdpfn per-unit compiled", "fsdpfn"),
+            ("FSDP2 per-block compiled", "FSDP2"),
+            ("fsdpfn", "FSDP2"),
+        ]
         if OVERLAP_SIDE in COMPILE_SIDES:
             pairs += [(OVERLAP_SIDE, "fsdpfn compiled"), (OVERLAP_SIDE, "FSDP2")]
         for a, b in pairs:
@@ -395,11 +422,15 @@ def _report_compile(res, args):
         base = statistics.median(t["FSDP2"])
         for s in COMPILE_SIDES:
             first = max(x["first"][s] for x in r)
-            print(f"    {s}: first step (compiles) {first:.1f} s = {first / base:.0f}x an FSDP2 eager step; "
-                  f"collectives {_fmt_counts(r[0]['counts'][s][0])}")
+            print(
+                f"    {s}: first step (compiles) {first:.1f} s = {first / base:.0f}x an FSDP2 eager step; "
+                f"collectives {_fmt_counts(r[0]['counts'][s][0])}"
+            )
         floor = max(x["floor"][0] for x in r)
-        print(f"    matmul floor ({r[0]['floor'][1]} matmul and attention calls of one step, replayed alone): {floor:.3f} s "
-              f"= {floor / base:.2f}x an FSDP2 eager step (median {base:.3f} s); no compiled step can be faster")
+        print(
+            f"    matmul floor ({r[0]['floor'][1]} matmul and attention calls of one step, replayed alone): {floor:.3f} s "
+            f"= {floor / base:.2f}x an FSDP2 eager step (median {base:.3f} s); no compiled step can be faster"
+        )
         gap = max(abs(a - b) for a, b in zip(r[0]["losses"]["fsdpfn compiled"], r[0]["losses"]["fsdpfn"]))
         print(f"    max |loss compiled - loss eager| (fsdpfn) over steps: {gap:.2e}")
 
@@ -441,21 +472,38 @@ def main():
     ap.add_argument("--memory-steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--memory-configs", default=None, help="comma-separated strategy:precision whose peak memory is "
-                    "measured, each in fresh launches (default: every one of --configs)")
-    ap.add_argument("--configs", default=None, help="comma-separated strategy:precision "
-                    f"(default {','.join(ALL_CONFIGS)}; with --compile zero3:fp32)")
-    ap.add_argument("--compile", action="store_true", help="fsdpfn compiled whole-step vs fsdpfn eager vs FSDP2 "
-                    "eager vs FSDP2 with per-block compile, instead of the default tables")
-    ap.add_argument("--inductor-overlap", action="store_true", help="with --compile: a fifth side, fsdpfn compiled "
-                    "with inductor's comm/compute reordering passes (fsdpfn.compile(..., overlap=True))")
+    ap.add_argument(
+        "--memory-configs",
+        default=None,
+        help="comma-separated strategy:precision whose peak memory is "
+        "measured, each in fresh launches (default: every one of --configs)",
+    )
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated strategy:precision (default {','.join(ALL_CONFIGS)}; with --compile zero3:fp32)",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="fsdpfn compiled whole-step vs fsdpfn eager vs FSDP2 "
+        "eager vs FSDP2 with per-block compile, instead of the default tables",
+    )
+    ap.add_argument(
+        "--inductor-overlap",
+        action="store_true",
+        help="with --compile: a fifth side, fsdpfn compiled "
+        "with inductor's comm/compute reordering passes (fsdpfn.compile(..., overlap=True))",
+    )
     args = ap.parse_args()
     args.configs = args.configs or ("zero3:fp32" if args.compile else ",".join(ALL_CONFIGS))
     CONFIGS[:] = [tuple(c.split(":")) for c in args.configs.split(",")]
 
     print("command:", "OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
-    print(f"model: GPT width {args.width}, {args.depth} blocks, vocab {args.vocab}, seq {args.seq}, "
-          f"batch {args.batch}/rank; {WORLD} gloo ranks, 1 thread each; torch {torch.__version__}")
+    print(
+        f"model: GPT width {args.width}, {args.depth} blocks, vocab {args.vocab}, seq {args.seq}, "
+        f"batch {args.batch}/rank; {WORLD} gloo ranks, 1 thread each; torch {torch.__version__}"
+    )
     if args.compile:
         _report_compile(_launch(_compile_rank, args), args)
         return
@@ -465,7 +513,9 @@ def main():
     print("\ngloo reduce-scatter (fp32, rank 0, median of 10):")
     print("  buffer   native (all-reduce inside)   all-to-all + local sum")
     for row in r0["collectives"]:
-        print(f"  {row['MiB']:>3} MiB   {row['native'] * 1e3:>10.1f} ms               {row['all_to_all'] * 1e3:>10.1f} ms")
+        print(
+            f"  {row['MiB']:>3} MiB   {row['native'] * 1e3:>10.1f} ms               {row['all_to_all'] * 1e3:>10.1f} ms"
+        )
 
     peak = {}
     if not args.skip_memory:
@@ -476,8 +526,15 @@ def main():
                 peak[(strategy, precision, side)] = max(out.values()) / 1024  # MiB (ru_maxrss is KiB)
 
     print(f"\nper configuration ({args.steps} measured steps after {args.warmup} warm-up, interleaved):")
-    header = ("config", "fsdpfn/FSDP2 median [min-max]", "fsdpfn s", "FSDP2 s", "MiB/rank/step fsdpfn | FSDP2 | theory",
-              "peak RSS fsdpfn/FSDP2", "unsharded high-water")
+    header = (
+        "config",
+        "fsdpfn/FSDP2 median [min-max]",
+        "fsdpfn s",
+        "FSDP2 s",
+        "MiB/rank/step fsdpfn | FSDP2 | theory",
+        "peak RSS fsdpfn/FSDP2",
+        "unsharded high-water",
+    )
     print("  " + " | ".join(header))
     detail = []
     for strategy, precision in CONFIGS:
@@ -495,19 +552,25 @@ def main():
         mem = peak.get((strategy, precision, "fsdpfn")), peak.get((strategy, precision, "FSDP2"))
         mem_s = f"{mem[0] / mem[1]:.2f} ({mem[0]:.0f}/{mem[1]:.0f} MiB)" if mem[0] else "-"
         mib = 2**20
-        print(f"  {strategy} {precision} | {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] | "
-              f"{statistics.median(ta):.3f} | {statistics.median(tb):.3f} | "
-              f"{sum(mine_w.values()) / mib:.1f} | {sum(theirs_w.values()) / mib:.1f} | {theory / mib:.1f} "
-              f"({'3' if gathers == 2 else '2'}x) | {mem_s} | {r[0]['high_water'] / mib:.1f} MiB")
+        print(
+            f"  {strategy} {precision} | {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] | "
+            f"{statistics.median(ta):.3f} | {statistics.median(tb):.3f} | "
+            f"{sum(mine_w.values()) / mib:.1f} | {sum(theirs_w.values()) / mib:.1f} | {theory / mib:.1f} "
+            f"({'3' if gathers == 2 else '2'}x) | {mem_s} | {r[0]['high_water'] / mib:.1f} MiB"
+        )
         loss_gap = max(abs(a - b) for a, b in zip(r[0]["losses"]["fsdpfn"], r[0]["losses"]["FSDP2"]))
-        detail.append(f"  {strategy} {precision}: fsdpfn {_fmt_counts(mine_c)}; FSDP2 {_fmt_counts(theirs_c)}; "
-                      f"max |loss fsdpfn - loss FSDP2| over steps {loss_gap:.2e}")
+        detail.append(
+            f"  {strategy} {precision}: fsdpfn {_fmt_counts(mine_c)}; FSDP2 {_fmt_counts(theirs_c)}; "
+            f"max |loss fsdpfn - loss FSDP2| over steps {loss_gap:.2e}"
+        )
     print("\ncollective calls per step (rank 0):")
     print("\n".join(detail))
-    print(f"\ntheory: zero2 (Psi_g + Psi_r)(W-1)/W, zero3 (2 Psi_g + Psi_r)(W-1)/W, Psi_g/Psi_r = parameter "
-          f"bytes in the gather/reduce dtype ({_param_bytes(args, 4) / 2**20:.1f} MiB fp32). fsdpfn's default schedule keeps "
-          "the root gathered from forward to backward (its backward starts where its forward ends); FSDP2 regathers it, "
-          "so fsdpfn's zero3 moves one root all-gather less than 3x.")
+    print(
+        f"\ntheory: zero2 (Psi_g + Psi_r)(W-1)/W, zero3 (2 Psi_g + Psi_r)(W-1)/W, Psi_g/Psi_r = parameter "
+        f"bytes in the gather/reduce dtype ({_param_bytes(args, 4) / 2**20:.1f} MiB fp32). fsdpfn's default schedule keeps "
+        "the root gathered from forward to backward (its backward starts where its forward ends); FSDP2 regathers it, "
+        "so fsdpfn's zero3 moves one root all-gather less than 3x."
+    )
 
 
 if __name__ == "__main__":

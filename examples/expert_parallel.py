@@ -82,8 +82,14 @@ def make_opt():
     # direction, rounding noise that Newton-Schulz would blow up). Newton-Schulz runs in fp32 so
     # that the comparison with one process at the end is sharp: in bf16 (Muon's default) the
     # fp32 reassociation of the reduced gradients flips bf16 roundings (~1e-2 apart after 20 steps).
-    return optim.muon(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, labels=lambda n, p: "muon" if p.dim() >= 2 and not any(
-        s in n for s in ("embed", "pos", "head", "router")) else "adamw")
+    return optim.muon(
+        lr=0.02,
+        adamw_lr=3e-3,
+        ns_dtype=torch.float32,
+        labels=lambda n, p: (
+            "muon" if p.dim() >= 2 and not any(s in n for s in ("embed", "pos", "head", "router")) else "adamw"
+        ),
+    )
 
 
 def train(model, plan, params, state, opt, steps, per_rank):
@@ -92,7 +98,9 @@ def train(model, plan, params, state, opt, steps, per_rank):
     mine = slice(me * per_rank, (me + 1) * per_rank)
     for step in steps:
         x, y = batch(step, dp * per_rank)
-        grads, loss = torch.func.grad_and_value(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine], y[mine])))(params)
+        grads, loss = torch.func.grad_and_value(
+            lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine], y[mine]))
+        )(params)
         updates, state = opt.update(grads, state, params)
         params = optim.apply_updates(params, updates)
     return params, state, loss
@@ -122,17 +130,23 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     plan2 = plan_on(model, world_size, args.resume_ep)
     fresh = fsdpfn.shard(model, plan2)
     loaded = checkpoint.load(args.dir, {"params": fresh, "opt_state": opt.init(fresh), "step": 0}, plan2)
-    params, state, loss = train(model, plan2, loaded["params"], loaded["opt_state"], opt, range(loaded["step"], args.steps), args.per_rank)
+    params, state, loss = train(
+        model, plan2, loaded["params"], loaded["opt_state"], opt, range(loaded["step"], args.steps), args.per_rank
+    )
     full = {n: p.full_tensor() for n, p in params.items()}
     if rank == 0:
-        print(f"saved {os.path.basename(saved)} on ep={args.ep} x edp={world_size // args.ep}, resumed on "
-              f"ep={args.resume_ep} x edp={world_size // args.resume_ep}; final loss {loss.item():.4f}")
+        print(
+            f"saved {os.path.basename(saved)} on ep={args.ep} x edp={world_size // args.ep}, resumed on "
+            f"ep={args.resume_ep} x edp={world_size // args.resume_ep}; final loss {loss.item():.4f}"
+        )
         ref = {n: p.detach().clone() for n, p in reference.named_parameters()}
         ref_state = opt.init(ref)
         for step in range(args.steps):
             x, y = batch(step, world_size * args.per_rank)
             chunks = [slice(r * args.per_rank, (r + 1) * args.per_rank) for r in range(world_size)]
-            g = torch.func.grad(lambda ps: sum(torch.func.functional_call(reference, ps, (x[c], y[c])) for c in chunks) / world_size)(ref)
+            g = torch.func.grad(
+                lambda ps: sum(torch.func.functional_call(reference, ps, (x[c], y[c])) for c in chunks) / world_size
+            )(ref)
             u, ref_state = opt.update(g, ref_state, ref)
             ref = optim.apply_updates(ref, u)
         worst = max(((full[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
@@ -141,16 +155,22 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun) (default: 4)")
+    parser.add_argument(
+        "--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun) (default: 4)"
+    )
     parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default: 8)")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree of the first half (default: 2)")
     parser.add_argument("--resume-ep", type=int, default=4, help="expert-parallel degree after the resume (default: 4)")
     parser.add_argument("--steps", type=int, default=20, help="total training steps (default: 20)")
     parser.add_argument("--per-rank", type=int, default=4, help="sequences per rank per step (default: 4)")
-    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fsdpfn_ep_example"), help="checkpoint directory")
+    parser.add_argument(
+        "--dir", default=os.path.join(tempfile.gettempdir(), "fsdpfn_ep_example"), help="checkpoint directory"
+    )
     args = parser.parse_args()
     for e in (args.ep, args.resume_ep):
         if args.world_size % e or args.experts % e:
-            parser.error(f"--ep/--resume-ep {e} must divide --world-size {args.world_size} and --experts {args.experts}")
+            parser.error(
+                f"--ep/--resume-ep {e} must divide --world-size {args.world_size} and --experts {args.experts}"
+            )
     launch(main, args.world_size, args)
     shutdown()  # the job's last line: a clean exit (code 0) under torchrun too, see fsdpfn.launch.shutdown

@@ -43,8 +43,12 @@ DEFAULT_DATA = os.path.join(HERE, "data", "tiny_tales.txt")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="a local HF causal-LM directory (default: create a tiny GPT-2 in --out/base)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="a local HF causal-LM directory (default: create a tiny GPT-2 in --out/base)"
+    )
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"])
     p.add_argument("--steps", type=int, default=150)
@@ -80,8 +84,18 @@ def create_tiny_gpt2(directory: str, seed: int) -> str:
     ``save_pretrained``: what a downloaded checkpoint directory would hold."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, bos_token_id=10, eos_token_id=10,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=256,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        bos_token_id=10,
+        eos_token_id=10,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(seed)
     GPT2LMHeadModel(config).save_pretrained(directory)
     return directory
@@ -184,8 +198,13 @@ def make_optimizer(args):
         return optim.warmup_cosine_schedule(peak, args.warmup, max(args.steps, args.warmup + 1), end_value=0.1 * peak)
 
     # fp32 Newton-Schulz: CPUs without bf16 matrix units run it far slower in bf16.
-    return optim.muon(lr=sched(args.lr), adamw_lr=sched(args.adamw_lr), weight_decay=0.0, adamw_weight_decay=0.0,
-                      ns_dtype=torch.float32)
+    return optim.muon(
+        lr=sched(args.lr),
+        adamw_lr=sched(args.adamw_lr),
+        weight_decay=0.0,
+        adamw_weight_decay=0.0,
+        ns_dtype=torch.float32,
+    )
 
 
 class Progress:
@@ -252,9 +271,12 @@ def train(rank: int, world: int, args, directory: str) -> None:
     metrics = os.path.join(args.out, "metrics.jsonl")
     if rank == 0:
         n = sum(p.numel for u in plan.units for p in u.params)
-        print(f"{type(model).__name__} from {directory}: {n / 1e6:.2f}M parameters in {len(plan.units)} units, "
-              f"loaded into {world} rank(s)' shards in {load_s:.2f} s; {len(train_data) / 1e3:.0f}k training tokens; "
-              f"{world} x {args.batch_size} x {args.seq_len} tokens per step; {args.strategy}, muon + adamw", flush=True)
+        print(
+            f"{type(model).__name__} from {directory}: {n / 1e6:.2f}M parameters in {len(plan.units)} units, "
+            f"loaded into {world} rank(s)' shards in {load_s:.2f} s; {len(train_data) / 1e3:.0f}k training tokens; "
+            f"{world} x {args.batch_size} x {args.seq_len} tokens per step; {args.strategy}, muon + adamw",
+            flush=True,
+        )
         open(metrics, "w").close()
     progress = Progress(args.steps, enabled=rank == 0 and not args.no_progress)
     first = last = float("nan")
@@ -290,16 +312,22 @@ def train(rank: int, world: int, args, directory: str) -> None:
         val = val.item() / world
     full = gather_full(params, plan) if not args.no_export or args.sample_tokens else {}
     if rank == 0:
-        finished = [f"steps 0->{args.steps} in {wall:.0f} s ({world} rank(s), {args.strategy}, muon + adamw)",
-                    f"loss {first:.3f} (first logged) -> {last:.3f} (final); validation {val:.3f}",
-                    f"metrics    {metrics}"]
+        finished = [
+            f"steps 0->{args.steps} in {wall:.0f} s ({world} rank(s), {args.strategy}, muon + adamw)",
+            f"loss {first:.3f} (first logged) -> {last:.3f} (final); validation {val:.3f}",
+            f"metrics    {metrics}",
+        ]
         if not args.no_export:
             out = os.path.join(args.out, "finetuned")
             from safetensors.torch import save_file
 
             os.makedirs(out, exist_ok=True)
             model.config.save_pretrained(out)
-            save_file({n: t.contiguous() for n, t in full.items()}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+            save_file(
+                {n: t.contiguous() for n, t in full.items()},
+                os.path.join(out, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
             finished.append(f"model      {out}  (AutoModelForCausalLM.from_pretrained)")
         if args.sample_tokens:
             prompt = train_data[:8].tolist()

@@ -65,8 +65,9 @@ def loss_fn(model, plan):
 def train(rank, world_size, args):
     model, plan, params, opt, state = build(world_size)
     f = loss_fn(model, plan)
-    replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica}",
-                                      min_replicas=1, timeout=args.timeout)
+    replicas = fsdpfn.ft.ReplicaGroup(
+        args.lighthouse, replica_id=f"replica{args.replica}", min_replicas=1, timeout=args.timeout
+    )
     if args.ready:  # tell whoever started us that this replica is heartbeating, then wait for the go
         open(f"{args.ready}.{rank}", "w").close()
         while not os.path.exists(args.ready + ".go"):
@@ -89,8 +90,20 @@ def train(rank, world_size, args):
                 updates, state = opt.update(grads, state, params)
                 params = optim.apply_updates(params, updates)
             last = replicas.history[-1]
-            out.write(json.dumps({"step": step, "loss": loss.item(), "replicas": last.replicas, "committed": committed,
-                                  "healed": last.healed, "error": last.error, "time": time.time()}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": loss.item(),
+                        "replicas": last.replicas,
+                        "committed": committed,
+                        "healed": last.healed,
+                        "error": last.error,
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
             out.flush()
             if args.delay:
                 time.sleep(args.delay)

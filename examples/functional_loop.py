@@ -67,7 +67,9 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         ref_params = {n: p.detach().clone() for n, p in reference.named_parameters()}
         ref_state = opt.init(ref_params)
         for x, y in batches(args.steps, per_rank * world_size, cfg):
-            grads = torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(reference, ps, (x,)).flatten(0, 1), y.flatten()))(ref_params)
+            grads = torch.func.grad(
+                lambda ps: F.cross_entropy(torch.func.functional_call(reference, ps, (x,)).flatten(0, 1), y.flatten())
+            )(ref_params)
             updates, ref_state = opt.update(grads, ref_state, ref_params)
             ref_params = optim.apply_updates(ref_params, updates)
         worst = max(((full[n] - ref_params[n]).norm() / ref_params[n].norm()).item() for n in ref_params)

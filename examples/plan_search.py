@@ -41,9 +41,15 @@ from fsdpfn.models import GPT, GPT_TP_PLAN, LLAMA3_8B, LLAMA3_70B, GPTConfig, Ll
 MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 # Megatron-style for Llama: q, k, v and the MLP's gate and up split by output features (whole heads
 # per rank), the attention and MLP outputs by input features; one all-reduce each per block.
-LLAMA_TP_PLAN = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
-                 "layers.*.attn.wo": "rowwise", "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise",
-                 "layers.*.mlp.w2": "rowwise"}
+LLAMA_TP_PLAN = {
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.w1": "colwise",
+    "layers.*.mlp.w3": "colwise",
+    "layers.*.mlp.w2": "rowwise",
+}
 OPTIMIZERS = {"adamw": sim.AdamW(), "muon": sim.Muon(layout="owner"), "muon-gather": sim.Muon(layout="gather")}
 
 
@@ -74,7 +80,9 @@ def hardware(args) -> sim.Hardware:
         return launch(_measure, args.gpus)[0]
     if args.flops is not None:  # your own numbers
         if args.intra_gbps is None or args.inter_gbps is None:
-            raise SystemExit("--flops needs --intra-gbps and --inter-gbps too (GB/s each rank sends, within and across nodes)")
+            raise SystemExit(
+                "--flops needs --intra-gbps and --inter-gbps too (GB/s each rank sends, within and across nodes)"
+            )
         return sim.Hardware(
             name=f"custom: {args.flops / 1e12:g} TFLOP/s, {args.intra_gbps:g}/{args.inter_gbps:g} GB/s",
             matmul_flops={"bfloat16": args.flops, "float32": args.flops / 8},
@@ -98,7 +106,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "(default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+        if (
+            "(default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -107,39 +120,76 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (its ``--help``: this module's description, then every flag with its default)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("model and step")
-    g.add_argument("--model", choices=("8b", "70b", "gpt"), default="8b",
-                   help="8b, 70b: Llama 3 8B or 70B (bf16 parameters, fp32 gradient reduction); gpt: a 4-block GPT "
-                        "of width 256 (fp32)")
+    g.add_argument(
+        "--model",
+        choices=("8b", "70b", "gpt"),
+        default="8b",
+        help="8b, 70b: Llama 3 8B or 70B (bf16 parameters, fp32 gradient reduction); gpt: a 4-block GPT "
+        "of width 256 (fp32)",
+    )
     g.add_argument("--gpus", type=int, default=64, help="ranks (HSDP shapes R x G/R are searched too)")
-    g.add_argument("--budget-gib", type=float, default=None,
-                   help="memory per rank in GiB (default: the hardware's memory)")
-    g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="muon",
-                   help="adamw; muon (each matrix orthogonalised on the rank that owns it); muon-gather (every rank "
-                        "gathers and orthogonalises every whole matrix)")
+    g.add_argument(
+        "--budget-gib", type=float, default=None, help="memory per rank in GiB (default: the hardware's memory)"
+    )
+    g.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="muon",
+        help="adamw; muon (each matrix orthogonalised on the rank that owns it); muon-gather (every rank "
+        "gathers and orthogonalises every whole matrix)",
+    )
     g.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one sequence per micro-batch)")
-    g.add_argument("--global-tokens", type=int, default=4 * 2**20,
-                   help="tokens per step over all ranks (micro-batches per rank: global-tokens / (seq x gpus))")
-    g.add_argument("--remat", default="none",
-                   help="activation-checkpointing policies to search per unit class, comma-separated (none, save_dots, full)")
+    g.add_argument(
+        "--global-tokens",
+        type=int,
+        default=4 * 2**20,
+        help="tokens per step over all ranks (micro-batches per rank: global-tokens / (seq x gpus))",
+    )
+    g.add_argument(
+        "--remat",
+        default="none",
+        help="activation-checkpointing policies to search per unit class, comma-separated (none, save_dots, full)",
+    )
     g.add_argument("--prefetch", default="0,1,2", help="the runtime's prefetch depths to search, comma-separated")
-    g.add_argument("--tp", default="1",
-                   help="tensor-parallel degrees to search, comma-separated (1: none; each must divide --gpus and the "
-                        "model's heads); the data-parallel shapes of the remaining ranks are searched beside each")
-    g.add_argument("--experts", type=int, default=0,
-                   help="gpt only: every block's MLP a top-2 mixture of this many experts (0: dense MLPs)")
-    g.add_argument("--ep", default="1",
-                   help="expert-parallel degrees to search with --experts, comma-separated (1: no ep axis; each must "
-                        "divide --gpus and --experts); mesh (ep, edp) and its HSDP shapes beside each; not with --tp")
+    g.add_argument(
+        "--tp",
+        default="1",
+        help="tensor-parallel degrees to search, comma-separated (1: none; each must divide --gpus and the "
+        "model's heads); the data-parallel shapes of the remaining ranks are searched beside each",
+    )
+    g.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="gpt only: every block's MLP a top-2 mixture of this many experts (0: dense MLPs)",
+    )
+    g.add_argument(
+        "--ep",
+        default="1",
+        help="expert-parallel degrees to search with --experts, comma-separated (1: no ep axis; each must "
+        "divide --gpus and --experts); mesh (ep, edp) and its HSDP shapes beside each; not with --tp",
+    )
     g = p.add_argument_group("hardware: a preset, your own numbers, or measured here")
-    g.add_argument("--hardware", default="H100_SXM", choices=sorted(sim.PRESETS) + ["measure"],
-                   help="a preset (its kernel model, scaled by --flops-derate and --net-derate), or measure: fitted "
-                        "on --gpus gloo ranks of this machine")
-    g.add_argument("--flops-derate", type=float, default=1.0,
-                   help="scale of the preset's matmul FLOP/s (its kernel model already derates the peak)")
-    g.add_argument("--net-derate", type=float, default=1.0,
-                   help="scale of the preset's link bandwidth")
-    g.add_argument("--flops", type=float, default=None,
-                   help="your hardware: bf16 matmul FLOP/s (replaces the preset; needs --intra-gbps and --inter-gbps)")
+    g.add_argument(
+        "--hardware",
+        default="H100_SXM",
+        choices=sorted(sim.PRESETS) + ["measure"],
+        help="a preset (its kernel model, scaled by --flops-derate and --net-derate), or measure: fitted "
+        "on --gpus gloo ranks of this machine",
+    )
+    g.add_argument(
+        "--flops-derate",
+        type=float,
+        default=1.0,
+        help="scale of the preset's matmul FLOP/s (its kernel model already derates the peak)",
+    )
+    g.add_argument("--net-derate", type=float, default=1.0, help="scale of the preset's link bandwidth")
+    g.add_argument(
+        "--flops",
+        type=float,
+        default=None,
+        help="your hardware: bf16 matmul FLOP/s (replaces the preset; needs --intra-gbps and --inter-gbps)",
+    )
     g.add_argument("--intra-gbps", type=float, default=None, help="your hardware: GB/s each rank sends within a node")
     g.add_argument("--inter-gbps", type=float, default=None, help="your hardware: GB/s each rank sends across nodes")
     g.add_argument("--alpha-us", type=float, default=5.0, help="your hardware: latency per ring hop, microseconds")
@@ -176,7 +226,9 @@ def main(argv=None) -> sim.SearchResult:
     if not tps or any(t < 1 or args.gpus % t for t in tps):
         p.error(f"--tp: each degree must be >= 1 and divide --gpus {args.gpus} (got {args.tp!r})")
     if args.experts < 0 or (args.experts and args.model != "gpt"):
-        p.error(f"--experts: a number of experts >= 1 for --model gpt, or 0 (got {args.experts} for --model {args.model})")
+        p.error(
+            f"--experts: a number of experts >= 1 for --model gpt, or 0 (got {args.experts} for --model {args.model})"
+        )
     try:
         eps = tuple(int(v) for v in args.ep.split(",") if v.strip())
     except ValueError:
@@ -184,19 +236,34 @@ def main(argv=None) -> sim.SearchResult:
     if not eps or any(e < 1 or args.gpus % e for e in eps):
         p.error(f"--ep: each degree must be >= 1 and divide --gpus {args.gpus} (got {args.ep!r})")
     if max(eps) > 1 and (not args.experts or any(args.experts % e for e in eps)):
-        p.error(f"--ep {args.ep}: needs --experts, a number of experts that every degree divides (got --experts {args.experts})")
+        p.error(
+            f"--ep {args.ep}: needs --experts, a number of experts that every degree divides (got --experts {args.experts})"
+        )
     if max(eps) > 1 and max(tps) > 1:
         p.error(f"--ep {args.ep} with --tp {args.tp}: expert and tensor parallelism do not combine; search one of them")
     print(hw)
     res = sim.search(
-        model, args.gpus, budget, x,
-        hardware=hw, optimizer=OPTIMIZERS[args.optimizer], mp=mp, micro_batches=micro, remat=remat,
-        units=[None], prefetch=tuple(int(v) for v in args.prefetch.split(",")), accumulate=("reduce", "local"),
+        model,
+        args.gpus,
+        budget,
+        x,
+        hardware=hw,
+        optimizer=OPTIMIZERS[args.optimizer],
+        mp=mp,
+        micro_batches=micro,
+        remat=remat,
+        units=[None],
+        prefetch=tuple(int(v) for v in args.prefetch.split(",")),
+        accumulate=("reduce", "local"),
         loss_fn=_loss,
-        tp=tps, tp_plan=tp_plan(args.model) if max(tps) > 1 else None, ep=eps,
+        tp=tps,
+        tp_plan=tp_plan(args.model) if max(tps) > 1 else None,
+        ep=eps,
     )
-    print(f"\n{args.model}, {args.gpus} ranks, {micro} micro-batch(es) of {args.seq} tokens per rank per step, "
-          f"optimizer {args.optimizer}\n")
+    print(
+        f"\n{args.model}, {args.gpus} ranks, {micro} micro-batch(es) of {args.seq} tokens per rank per step, "
+        f"optimizer {args.optimizer}\n"
+    )
     print(res)
     if tps != (1,):
         print(f"tensor parallel: tp {res.tp} picked among {', '.join(map(str, tps))}")
@@ -209,13 +276,22 @@ def main(argv=None) -> sim.SearchResult:
         print(f"\ntimeline drawn to {args.plot}")
     strategy = {(u.name or "<root>"): u.strategy.value for u in res.plan.units}
     names = res.plan.mesh_dim_names if res.tp > 1 or res.ep > 1 or len(res.plan.mesh_shape) == 2 else None
-    print("\nto run it: mesh = init_device_mesh(\"cuda\", {}{})\n"
-          "  plan = fsdpfn.plan(model, mesh, strategy={}{}{}{})\n"
-          "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{}".format(
-              res.plan.mesh_shape, f", mesh_dim_names={names}" if names else "",
-              _fold(strategy), _remat_arg(res.plan), f", tp={_tp_name(args.model)}" if res.tp > 1 else "",
-              ", mp=..." if mp is not None else "", res.schedule.prefetch,
-              ', accumulate="local")  # micro-batches inside rt.accumulating() reduce nothing' if res.accumulate == "local" else ")"))
+    print(
+        '\nto run it: mesh = init_device_mesh("cuda", {}{})\n'
+        "  plan = fsdpfn.plan(model, mesh, strategy={}{}{}{})\n"
+        "  rt = fsdpfn.runtime.Runtime(model, plan, prefetch={}{}".format(
+            res.plan.mesh_shape,
+            f", mesh_dim_names={names}" if names else "",
+            _fold(strategy),
+            _remat_arg(res.plan),
+            f", tp={_tp_name(args.model)}" if res.tp > 1 else "",
+            ", mp=..." if mp is not None else "",
+            res.schedule.prefetch,
+            ', accumulate="local")  # micro-batches inside rt.accumulating() reduce nothing'
+            if res.accumulate == "local"
+            else ")",
+        )
+    )
     return res
 
 

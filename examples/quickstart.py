@@ -1,4 +1,5 @@
 """Train a small GPT with zero3 on 2 CPU processes: the pure fsdpfn loop."""
+
 import os
 
 import torch

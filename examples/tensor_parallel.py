@@ -81,17 +81,27 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     plan2 = fsdpfn.plan(model, mesh2, tp=GPT_TP_PLAN if resume_tp > 1 else None)
     fresh = fsdpfn.shard(model, plan2)
     loaded = checkpoint.load(args.dir, {"params": fresh, "opt_state": opt.init(fresh), "step": 0}, plan2)
-    params, state, loss = train(model, plan2, loaded["params"], loaded["opt_state"], opt, range(loaded["step"], args.steps), args.per_rank)
+    params, state, loss = train(
+        model, plan2, loaded["params"], loaded["opt_state"], opt, range(loaded["step"], args.steps), args.per_rank
+    )
     full = {n: p.full_tensor() for n, p in params.items()}
     if rank == 0:
-        print(f"saved {os.path.basename(saved)} on dp={world_size // args.tp} x tp={args.tp}, resumed on "
-              f"dp={world_size // resume_tp} x tp={resume_tp}; final loss {loss.item():.4f}")
+        print(
+            f"saved {os.path.basename(saved)} on dp={world_size // args.tp} x tp={args.tp}, resumed on "
+            f"dp={world_size // resume_tp} x tp={resume_tp}; final loss {loss.item():.4f}"
+        )
         ref = {n: p.detach().clone() for n, p in reference.named_parameters()}
         ref_state = opt.init(ref)
         dp_total = world_size // args.tp
         for step in range(args.steps):
-            x, y = batch(step, dp_total * args.per_rank) if step < half else batch(step, world_size // resume_tp * args.per_rank)
-            g = torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(reference, ps, (x,)).flatten(0, 1), y.flatten()))(ref)
+            x, y = (
+                batch(step, dp_total * args.per_rank)
+                if step < half
+                else batch(step, world_size // resume_tp * args.per_rank)
+            )
+            g = torch.func.grad(
+                lambda ps: F.cross_entropy(torch.func.functional_call(reference, ps, (x,)).flatten(0, 1), y.flatten())
+            )(ref)
             u, ref_state = opt.update(g, ref_state, ref)
             ref = optim.apply_updates(ref, u)
         worst = max(((full[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
@@ -100,12 +110,18 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun) (default: 4)")
+    parser.add_argument(
+        "--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun) (default: 4)"
+    )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the first half (default: 2)")
     parser.add_argument("--resume-tp", type=int, default=1, help="tensor-parallel degree after the resume (default: 1)")
     parser.add_argument("--steps", type=int, default=20, help="total training steps (default: 20)")
-    parser.add_argument("--per-rank", type=int, default=4, help="sequences per data-parallel rank per step (default: 4)")
-    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fsdpfn_tp_example"), help="checkpoint directory")
+    parser.add_argument(
+        "--per-rank", type=int, default=4, help="sequences per data-parallel rank per step (default: 4)"
+    )
+    parser.add_argument(
+        "--dir", default=os.path.join(tempfile.gettempdir(), "fsdpfn_tp_example"), help="checkpoint directory"
+    )
     args = parser.parse_args()
     for t in (args.tp, args.resume_tp):
         if args.world_size % t:

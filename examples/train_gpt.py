@@ -82,7 +82,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "(default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+        if (
+            "(default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -111,115 +116,246 @@ def build_parser() -> argparse.ArgumentParser:
     p = ReasonFirstParser(prog=os.path.basename(__file__), description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    g.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"], help="sharding strategy of every unit")
-    g.add_argument("--replicas", type=int, default=1,
-                   help="HSDP: replicate over this many groups, shard within each (mesh (replicas, world/replicas))")
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel degree: attention and MLP matmuls split over tp ranks (mesh (dp, tp), or "
-                        "(replicate, shard, tp) with --replicas); ranks differing only in tp read the same batch")
-    g.add_argument("--cp", type=int, default=1,
-                   help="context-parallel degree: every sequence split over cp ranks (a head and a tail chunk each), "
-                        "attention over cp, parameters sharded over shard x cp (mesh (dp, cp[, tp]))")
-    g.add_argument("--cp-strategy", default="allgather", choices=["allgather", "ring"],
-                   help="how attention fetches the other ranks' keys and values (with --cp)")
-    g.add_argument("--pp", type=int, default=1,
-                   help="pipeline-parallel degree: the model cut into stages (embedding, blocks, head), each on its own "
-                        "ranks, with FSDP (and --tp) inside a stage")
-    g.add_argument("--schedule", default=None, choices=list(fsdpfn.PIPELINE_SCHEDULES),
-                   help="with --pp: the pipeline schedule (interleaved_1f1b: two stages per pp rank) (default: 1f1b)")
-    g.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                   help="with --pp: micro-batches per step, dividing --batch-size (default: the most, up to 2 x --pp, "
-                        "that divide it)")
-    g.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel degree (with --experts): each MoE layer's experts split over ep ranks, tokens "
-                        "sent to their experts by all-to-alls, each expert sharded over the world / ep ranks of its "
-                        "expert-data-parallel group (mesh (ep, edp), with --cp (ep, edp, cp)); every rank reads its own "
-                        "batch (the cp ranks of one position the same one, each its part of every sequence)")
+    g.add_argument(
+        "--strategy",
+        default="zero3",
+        choices=["replicate", "zero1", "zero2", "zero3"],
+        help="sharding strategy of every unit",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="HSDP: replicate over this many groups, shard within each (mesh (replicas, world/replicas))",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: attention and MLP matmuls split over tp ranks (mesh (dp, tp), or "
+        "(replicate, shard, tp) with --replicas); ranks differing only in tp read the same batch",
+    )
+    g.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: every sequence split over cp ranks (a head and a tail chunk each), "
+        "attention over cp, parameters sharded over shard x cp (mesh (dp, cp[, tp]))",
+    )
+    g.add_argument(
+        "--cp-strategy",
+        default="allgather",
+        choices=["allgather", "ring"],
+        help="how attention fetches the other ranks' keys and values (with --cp)",
+    )
+    g.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel degree: the model cut into stages (embedding, blocks, head), each on its own "
+        "ranks, with FSDP (and --tp) inside a stage",
+    )
+    g.add_argument(
+        "--schedule",
+        default=None,
+        choices=list(fsdpfn.PIPELINE_SCHEDULES),
+        help="with --pp: the pipeline schedule (interleaved_1f1b: two stages per pp rank) (default: 1f1b)",
+    )
+    g.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --pp: micro-batches per step, dividing --batch-size (default: the most, up to 2 x --pp, "
+        "that divide it)",
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree (with --experts): each MoE layer's experts split over ep ranks, tokens "
+        "sent to their experts by all-to-alls, each expert sharded over the world / ep ranks of its "
+        "expert-data-parallel group (mesh (ep, edp), with --cp (ep, edp, cp)); every rank reads its own "
+        "batch (the cp ranks of one position the same one, each its part of every sequence)",
+    )
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, NCCL")
-    g.add_argument("--executor", default="runtime", choices=["runtime", "pure"],
-                   help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad")
+    g.add_argument(
+        "--executor",
+        default="runtime",
+        choices=["runtime", "pure"],
+        help="runtime: fsdpfn.runtime (prefetch, reshard after forward); pure: fsdpfn.unshard + torch.func.grad",
+    )
     g.add_argument("--prefetch", type=int, default=1, help="units gathered ahead by the runtime")
-    g.add_argument("--timeout", type=float, default=None,
-                   help="seconds any collective may wait before the job fails naming the ranks that are behind "
-                        "(default: $FSDPFN_TIMEOUT, else 600)")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds any collective may wait before the job fails naming the ranks that are behind "
+        "(default: $FSDPFN_TIMEOUT, else 600)",
+    )
     g = p.add_argument_group("fault tolerance (fsdpfn.ft, on torchft: pip install 'fsdpfn[ft]')")
-    g.add_argument("--ft", action="store_true",
-                   help="each of the --replicas replica groups is a job of its own: when a rank of one dies or stops, "
-                        "the others go on (the gradient mean over the groups alive) and the failed group, restarted, "
-                        "rejoins with a live group's state")
-    g.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
-                   help="with --ft: the address of a running torchft lighthouse (default: $TORCHFT_LIGHTHOUSE; "
-                        "unset: this process starts one)")
-    g.add_argument("--replica-group", type=int, default=None, metavar="I",
-                   help="with --ft: run only replica group I (0 <= I < --replicas) on --world-size / --replicas ranks, "
-                        "against --lighthouse (jobs on several hosts, or under a supervisor of your own)")
+    g.add_argument(
+        "--ft",
+        action="store_true",
+        help="each of the --replicas replica groups is a job of its own: when a rank of one dies or stops, "
+        "the others go on (the gradient mean over the groups alive) and the failed group, restarted, "
+        "rejoins with a live group's state",
+    )
+    g.add_argument(
+        "--lighthouse",
+        default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+        help="with --ft: the address of a running torchft lighthouse (default: $TORCHFT_LIGHTHOUSE; "
+        "unset: this process starts one)",
+    )
+    g.add_argument(
+        "--replica-group",
+        type=int,
+        default=None,
+        metavar="I",
+        help="with --ft: run only replica group I (0 <= I < --replicas) on --world-size / --replicas ranks, "
+        "against --lighthouse (jobs on several hosts, or under a supervisor of your own)",
+    )
     g.add_argument("--ft-restarts", type=int, default=3, help="with --ft: restarts per replica group")
-    g.add_argument("--ft-timeout", type=float, default=30.0,
-                   help="with --ft: seconds the other replica groups wait in the replicas' all-reduce for a stopped "
-                        "one before going on without it (--timeout is for the collectives inside a group)")
-    g.add_argument("--fault", default=None, metavar="R:K:STEP:HOW",
-                   help="with --ft, to see it work: rank K of replica group R kills (HOW=kill) or stops (stop) itself "
-                        "in step STEP (from 0) after its backward, or kills itself during the background write of the "
-                        "checkpoint saved after step STEP (save, with --ckpt-async); on the group's first start only")
-    g.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step (to watch a fault by hand)")
-    g.add_argument("--ft-verbose", action="store_true",
-                   help="with --ft: torchft's own logs too (its INFO lines, quorums and HTTP requests; RUST_LOG=info), "
-                        "which are off by default: only the job's lines and torchft's warnings show")
+    g.add_argument(
+        "--ft-timeout",
+        type=float,
+        default=30.0,
+        help="with --ft: seconds the other replica groups wait in the replicas' all-reduce for a stopped "
+        "one before going on without it (--timeout is for the collectives inside a group)",
+    )
+    g.add_argument(
+        "--fault",
+        default=None,
+        metavar="R:K:STEP:HOW",
+        help="with --ft, to see it work: rank K of replica group R kills (HOW=kill) or stops (stop) itself "
+        "in step STEP (from 0) after its backward, or kills itself during the background write of the "
+        "checkpoint saved after step STEP (save, with --ckpt-async); on the group's first start only",
+    )
+    g.add_argument(
+        "--step-delay", type=float, default=0.0, help="seconds to sleep after each step (to watch a fault by hand)"
+    )
+    g.add_argument(
+        "--ft-verbose",
+        action="store_true",
+        help="with --ft: torchft's own logs too (its INFO lines, quorums and HTTP requests; RUST_LOG=info), "
+        "which are off by default: only the job's lines and torchft's warnings show",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--width", type=int, default=128, help="embedding width")
     g.add_argument("--depth", type=int, default=4, help="transformer blocks (each one fsdpfn unit)")
     g.add_argument("--heads", type=int, default=4, help="attention heads")
     g.add_argument("--seq-len", type=int, default=64, help="context length in characters")
-    g.add_argument("--init", default="meta", choices=["meta", "full"],
-                   help="meta: build the model on the meta device, each rank creates only its shards (fsdpfn.init_shards); "
-                        "full: every rank builds the whole model, then keeps its shards (fsdpfn.shard)")
-    g.add_argument("--experts", type=int, default=0,
-                   help="experts per MoE layer: the MLPs of every --moe-every-th block (blocks 0, k, 2k, ...) become "
-                        "top-k mixtures of experts, each expert as wide as the dense MLP, with a load-balancing loss "
-                        "(weight 0.01 per layer) added to the loss (0: dense MLPs)")
+    g.add_argument(
+        "--init",
+        default="meta",
+        choices=["meta", "full"],
+        help="meta: build the model on the meta device, each rank creates only its shards (fsdpfn.init_shards); "
+        "full: every rank builds the whole model, then keeps its shards (fsdpfn.shard)",
+    )
+    g.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="experts per MoE layer: the MLPs of every --moe-every-th block (blocks 0, k, 2k, ...) become "
+        "top-k mixtures of experts, each expert as wide as the dense MLP, with a load-balancing loss "
+        "(weight 0.01 per layer) added to the loss (0: dense MLPs)",
+    )
     g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to (with --experts)")
-    g.add_argument("--moe-every", type=int, default=1, metavar="K",
-                   help="with --experts: block i has an MoE MLP when i %% K == 0 (1: every block; 2: blocks 0, 2, 4, ...)")
-    g.add_argument("--capacity-factor", type=float, default=None,
-                   help="with --experts: each expert takes at most ceil(factor x tokens x top-k / experts) of a rank's "
-                        "tokens per step, the first in token order; the rest skip the layer (residual only) "
-                        "(default: no dropping)")
-    g.add_argument("--fp8", action="store_true",
-                   help="gather the weight matrices as MXFP8 (fsdpfn.MixedPrecision(fp8='mxfp8')): fp32 masters, FP8 bytes on the wire")
+    g.add_argument(
+        "--moe-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --experts: block i has an MoE MLP when i %% K == 0 (1: every block; 2: blocks 0, 2, 4, ...)",
+    )
+    g.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="with --experts: each expert takes at most ceil(factor x tokens x top-k / experts) of a rank's "
+        "tokens per step, the first in token order; the rest skip the layer (residual only) "
+        "(default: no dropping)",
+    )
+    g.add_argument(
+        "--fp8",
+        action="store_true",
+        help="gather the weight matrices as MXFP8 (fsdpfn.MixedPrecision(fp8='mxfp8')): fp32 masters, FP8 bytes on the wire",
+    )
     g = p.add_argument_group("training")
-    g.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: Muon for hidden matrices, AdamW for the rest")
-    g.add_argument("--ns-method", default="standard", choices=["standard", "gram"],
-                   help="Muon's Newton-Schulz: standard (torch.optim.Muon's) or gram (fewer FLOPs on wide matrices)")
-    g.add_argument("--muon-blocks", default="none", choices=["none", "heads"],
-                   help="heads: orthogonalise qkv and proj per attention head (optim.head_blocks), not as whole matrices")
-    g.add_argument("--steps", type=int, default=300,
-                   help="total steps; a resumed run continues up to this (and the lr schedule keeps its horizon: "
-                        "see --schedule-steps)")
-    g.add_argument("--schedule-steps", type=int, default=None, metavar="N",
-                   help="horizon of the lr schedule: warm-up, then cosine decay to 10%% of the peak at step N, flat "
-                        "after (default: --steps on a fresh run; on --resume the horizon saved in the checkpoint, so a "
-                        "larger --steps trains its extra steps at the final lr; pass N to stretch the decay instead)")
-    g.add_argument("--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step; --resume continues")
+    g.add_argument(
+        "--optimizer",
+        default="muon",
+        choices=["muon", "adamw"],
+        help="muon: Muon for hidden matrices, AdamW for the rest",
+    )
+    g.add_argument(
+        "--ns-method",
+        default="standard",
+        choices=["standard", "gram"],
+        help="Muon's Newton-Schulz: standard (torch.optim.Muon's) or gram (fewer FLOPs on wide matrices)",
+    )
+    g.add_argument(
+        "--muon-blocks",
+        default="none",
+        choices=["none", "heads"],
+        help="heads: orthogonalise qkv and proj per attention head (optim.head_blocks), not as whole matrices",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="total steps; a resumed run continues up to this (and the lr schedule keeps its horizon: "
+        "see --schedule-steps)",
+    )
+    g.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="horizon of the lr schedule: warm-up, then cosine decay to 10%% of the peak at step N, flat "
+        "after (default: --steps on a fresh run; on --resume the horizon saved in the checkpoint, so a "
+        "larger --steps trains its extra steps at the final lr; pass N to stretch the decay instead)",
+    )
+    g.add_argument(
+        "--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step; --resume continues"
+    )
     g.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     g.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
-    g.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (everything with --optimizer adamw)")
-    g.add_argument("--warmup", type=int, default=20, help="warm-up steps, then cosine decay to 10%% (see --schedule-steps)")
-    g.add_argument("--max-nonfinite", type=int, default=5,
-                   help="skip steps whose gradients hold a NaN/inf (on every rank); stop after this many in a row")
+    g.add_argument(
+        "--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (everything with --optimizer adamw)"
+    )
+    g.add_argument(
+        "--warmup", type=int, default=20, help="warm-up steps, then cosine decay to 10%% (see --schedule-steps)"
+    )
+    g.add_argument(
+        "--max-nonfinite",
+        type=int,
+        default=5,
+        help="skip steps whose gradients hold a NaN/inf (on every rank); stop after this many in a row",
+    )
     g.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     g.add_argument("--data", default=DEFAULT_DATA, help="a UTF-8 text file (character-level)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="runs/gpt", help="output directory")
-    g.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
-                   help="continue from the newest intact checkpoint in --out/ckpt (--resume or --resume latest), or "
-                        "from PATH (a checkpoint root such as runs/gpt/ckpt, its 'latest' file, or one step_* "
-                        "directory); any world size or strategy. A run already at --steps is left as it is")
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
+        help="continue from the newest intact checkpoint in --out/ckpt (--resume or --resume latest), or "
+        "from PATH (a checkpoint root such as runs/gpt/ckpt, its 'latest' file, or one step_* "
+        "directory); any world size or strategy. A run already at --steps is left as it is",
+    )
     g.add_argument("--ckpt-every", type=int, default=100, help="save a checkpoint every N steps")
-    g.add_argument("--ckpt-async", action="store_true",
-                   help="write checkpoints in the background (fsdpfn.checkpoint.async_save): training stalls only "
-                        "while the shards are copied to host memory, at the cost of that copy; worth it for large "
-                        "models (off by default: this demo's 10 MiB of state saves in about 0.4 s, and the fixed cost of a "
-                        "save's collectives keeps an asynchronous one near 0.1 s)")
+    g.add_argument(
+        "--ckpt-async",
+        action="store_true",
+        help="write checkpoints in the background (fsdpfn.checkpoint.async_save): training stalls only "
+        "while the shards are copied to host memory, at the cost of that copy; worth it for large "
+        "models (off by default: this demo's 10 MiB of state saves in about 0.4 s, and the fixed cost of a "
+        "save's collectives keeps an asynchronous one near 0.1 s)",
+    )
     g.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     g.add_argument("--log-every", type=int, default=10, help="log loss, gradient norm and learning rate every N steps")
     g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
@@ -233,8 +369,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume == "latest":  # the keyword, as in checkpoint roots' own 'latest' file
         args.resume = True
-    elif isinstance(args.resume, str) and os.path.basename(os.path.normpath(args.resume)) == "latest" \
-            and os.path.isfile(args.resume):  # a root's 'latest' pointer file: load that root
+    elif (
+        isinstance(args.resume, str)
+        and os.path.basename(os.path.normpath(args.resume)) == "latest"
+        and os.path.isfile(args.resume)
+    ):  # a root's 'latest' pointer file: load that root
         args.resume = os.path.dirname(os.path.abspath(args.resume))
     problem = check_args(args)
     if problem:
@@ -255,7 +394,9 @@ def check_experts(args, world: int) -> str | None:
     if args.capacity_factor is not None and not 0 < args.capacity_factor < float("inf"):
         return f"--capacity-factor must be a number > 0 (e.g. 1.25), got {args.capacity_factor}"
     if args.tp > 1:
-        return f"--experts with --tp {args.tp}: mixture-of-experts layers do not run under tensor parallelism; drop --tp"
+        return (
+            f"--experts with --tp {args.tp}: mixture-of-experts layers do not run under tensor parallelism; drop --tp"
+        )
     if args.ep > 1 and args.replicas > 1:
         return f"--ep {args.ep} with --replicas {args.replicas}: an expert-parallel mesh has no replicate axis; drop --replicas"
     if world % args.ep:
@@ -274,8 +415,10 @@ def parse_fault(text: str) -> tuple[int, int, int, str]:
     """``--fault R:K:STEP:HOW`` as ``(R, K, STEP, HOW)``, or ``ValueError`` saying what is wrong."""
     parts = text.split(":")
     if len(parts) != 4 or parts[3] not in FAULTS or not all(x.isdigit() for x in parts[:3]):
-        raise ValueError(f"--fault {text!r}: expected R:K:STEP:HOW (replica group, rank in it, step, one of "
-                         f"{'/'.join(FAULTS)}), e.g. --fault 1:0:5:kill")
+        raise ValueError(
+            f"--fault {text!r}: expected R:K:STEP:HOW (replica group, rank in it, step, one of "
+            f"{'/'.join(FAULTS)}), e.g. --fault 1:0:5:kill"
+        )
     return int(parts[0]), int(parts[1]), int(parts[2]), parts[3]
 
 
@@ -289,11 +432,15 @@ def check_ft(args, world: int) -> str | None:
             return "--ft-verbose needs --ft (it shows torchft's own logs): add --ft, or drop --ft-verbose"
         return None
     if args.replicas < 2:
-        return (f"--ft needs --replicas >= 2 (replica groups that outlive each other), got --replicas {args.replicas}: "
-                f"e.g. --world-size {max(2, 2 * (world // 2))} --replicas 2")
+        return (
+            f"--ft needs --replicas >= 2 (replica groups that outlive each other), got --replicas {args.replicas}: "
+            f"e.g. --world-size {max(2, 2 * (world // 2))} --replicas 2"
+        )
     if args.ep > 1:
-        return (f"--ft with --ep {args.ep}: an expert-parallel mesh has no replicate axis to make fault-tolerant; "
-                "drop --ft, or --ep")
+        return (
+            f"--ft with --ep {args.ep}: an expert-parallel mesh has no replicate axis to make fault-tolerant; "
+            "drop --ft, or --ep"
+        )
     if args.ft_restarts < 0:
         return f"--ft-restarts must be >= 0, got {args.ft_restarts}"
     if not 0 < args.ft_timeout < float("inf"):
@@ -306,11 +453,14 @@ def check_ft(args, world: int) -> str | None:
         if not 0 <= args.replica_group < args.replicas:
             return f"--replica-group {args.replica_group} must be in [0, --replicas {args.replicas})"
         if not args.lighthouse:
-            return ("--replica-group needs a lighthouse: --lighthouse ADDR or $TORCHFT_LIGHTHOUSE (start one with "
-                    "torchft_lighthouse --min_replicas 1), or drop --replica-group to have this job start one")
+            return (
+                "--replica-group needs a lighthouse: --lighthouse ADDR or $TORCHFT_LIGHTHOUSE (start one with "
+                "torchft_lighthouse --min_replicas 1), or drop --replica-group to have this job start one"
+            )
     elif under_torchrun():
-        return ("--ft under torchrun: each torchrun job is one replica group: pass --replica-group I and "
-                "--lighthouse ADDR")
+        return (
+            "--ft under torchrun: each torchrun job is one replica group: pass --replica-group I and --lighthouse ADDR"
+        )
     if args.fault is not None:
         try:
             r, k, step, how = parse_fault(args.fault)
@@ -318,11 +468,15 @@ def check_ft(args, world: int) -> str | None:
             return str(e)
         group = world // args.replicas
         if r >= args.replicas or k >= group or step >= stop_step(args):
-            return (f"--fault {args.fault}: replica group {r}, rank {k}, step {step} do not exist (replica groups "
-                    f"0..{args.replicas - 1}, ranks 0..{group - 1}, steps 0..{stop_step(args) - 1})")
+            return (
+                f"--fault {args.fault}: replica group {r}, rank {k}, step {step} do not exist (replica groups "
+                f"0..{args.replicas - 1}, ranks 0..{group - 1}, steps 0..{stop_step(args) - 1})"
+            )
         if how == "save" and (not args.ckpt_async or ((step + 1) % args.ckpt_every and step + 1 != stop_step(args))):
-            return (f"--fault {args.fault}: HOW=save kills a rank during the background write of an asynchronous "
-                    f"checkpoint: needs --ckpt-async and a save after step {step} (--ckpt-every dividing {step + 1})")
+            return (
+                f"--fault {args.fault}: HOW=save kills a rank during the background write of an asynchronous "
+                f"checkpoint: needs --ckpt-async and a save after step {step} (--ckpt-every dividing {step + 1})"
+            )
     return None
 
 
@@ -335,39 +489,75 @@ def check_pipeline(args, world: int) -> str | None:
                 return f"{flag} needs --pp (the pipeline-parallel degree, e.g. --pp 2)"
         return None
     args.schedule = args.schedule or "1f1b"
-    for flag, value in (("--experts", args.experts > 0), ("--ft", args.ft), ("--fp8", args.fp8),
-                        ("--executor pure", args.executor == "pure")):
+    for flag, value in (
+        ("--experts", args.experts > 0),
+        ("--ft", args.ft),
+        ("--fp8", args.fp8),
+        ("--executor pure", args.executor == "pure"),
+    ):
         if value:
-            return (f"--pp {args.pp} with {flag}: not supported yet (pipelines run with FSDP, HSDP, --cp and --tp inside "
-                    f"each stage); drop {flag.split()[0]} or --pp")
+            return (
+                f"--pp {args.pp} with {flag}: not supported yet (pipelines run with FSDP, HSDP, --cp and --tp inside "
+                f"each stage); drop {flag.split()[0]} or --pp"
+            )
     if world % (args.pp * args.replicas * args.cp * args.tp):
-        return (f"--pp {args.pp} x --replicas {args.replicas} x --cp {args.cp} x --tp {args.tp} must divide the world size "
-                f"{world} (the mesh is (pp, replicas, dp, cp, tp))")
+        return (
+            f"--pp {args.pp} x --replicas {args.replicas} x --cp {args.cp} x --tp {args.tp} must divide the world size "
+            f"{world} (the mesh is (pp, replicas, dp, cp, tp))"
+        )
     stages = 2 * args.pp if args.schedule == "interleaved_1f1b" else args.pp
     units = args.depth + 4  # embedding, positions, each block, final norm, head
     if stages > units:
-        return (f"--pp {args.pp} with --schedule {args.schedule} cuts the model into {stages} stages, but it has only {units} "
-                f"units (--depth {args.depth} blocks + embedding, positions, norm and head); raise --depth or lower --pp")
+        return (
+            f"--pp {args.pp} with --schedule {args.schedule} cuts the model into {stages} stages, but it has only {units} "
+            f"units (--depth {args.depth} blocks + embedding, positions, norm and head); raise --depth or lower --pp"
+        )
     step = args.pp if args.schedule == "interleaved_1f1b" else 1
     if args.micro_batches is None:  # the most up to 2 x pp that divide the batch (a multiple of pp when interleaved)
-        args.micro_batches = max((m for m in range(step, 2 * args.pp + 1, step) if args.batch_size % m == 0), default=None)
+        args.micro_batches = max(
+            (m for m in range(step, 2 * args.pp + 1, step) if args.batch_size % m == 0), default=None
+        )
         if args.micro_batches is None:
-            return (f"--pp {args.pp} with --schedule {args.schedule}: no micro-batch count divides --batch-size "
-                    f"{args.batch_size}{f' in multiples of {step}' if step > 1 else ''}; pass --batch-size {2 * args.pp} "
-                    "(or a multiple) or --micro-batches")
+            return (
+                f"--pp {args.pp} with --schedule {args.schedule}: no micro-batch count divides --batch-size "
+                f"{args.batch_size}{f' in multiples of {step}' if step > 1 else ''}; pass --batch-size {2 * args.pp} "
+                "(or a multiple) or --micro-batches"
+            )
     if args.micro_batches < 1 or args.batch_size % args.micro_batches:
-        return (f"--micro-batches {args.micro_batches} must be >= 1 and divide --batch-size {args.batch_size} (each "
-                "micro-batch holds batch-size / micro-batches sequences)")
+        return (
+            f"--micro-batches {args.micro_batches} must be >= 1 and divide --batch-size {args.batch_size} (each "
+            "micro-batch holds batch-size / micro-batches sequences)"
+        )
     if args.schedule == "interleaved_1f1b" and args.micro_batches % args.pp:
-        return (f"--schedule interleaved_1f1b sends micro-batches through each stage in groups of --pp {args.pp}: "
-                f"--micro-batches {args.micro_batches} must be a multiple of it")
+        return (
+            f"--schedule interleaved_1f1b sends micro-batches through each stage in groups of --pp {args.pp}: "
+            f"--micro-batches {args.micro_batches} must be a multiple of it"
+        )
     return None
 
 
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a message naming it, or ``None``."""
-    positive = ("world_size", "replicas", "tp", "cp", "pp", "ep", "top_k", "moe_every", "width", "depth", "heads", "seq_len", "steps", "batch_size", "ckpt_every",
-                "keep", "log_every", "max_nonfinite")
+    positive = (
+        "world_size",
+        "replicas",
+        "tp",
+        "cp",
+        "pp",
+        "ep",
+        "top_k",
+        "moe_every",
+        "width",
+        "depth",
+        "heads",
+        "seq_len",
+        "steps",
+        "batch_size",
+        "ckpt_every",
+        "keep",
+        "log_every",
+        "max_nonfinite",
+    )
     for name in positive:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -385,7 +575,9 @@ def check_args(args) -> str | None:
         return f"--heads {args.heads} must divide --width {args.width} (each head gets width / heads channels)"
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     if world % args.replicas:
-        return f"--replicas {args.replicas} must divide the world size {world} (the mesh is (replicas, world / replicas))"
+        return (
+            f"--replicas {args.replicas} must divide the world size {world} (the mesh is (replicas, world / replicas))"
+        )
     if world % (args.replicas * args.tp * args.cp):
         return f"--tp {args.tp} x --cp {args.cp} x --replicas {args.replicas} must divide the world size {world}"
     if args.cp > 1 and args.seq_len % (2 * args.cp):
@@ -477,9 +669,14 @@ def make_optimizer(args) -> optim.GradientTransformation:
         # matrix units run it ~40x slower than fp32 (2.4 s vs 0.06 s per step for the default model).
         ns_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
         inner = optim.muon(
-            lr=lr_schedule(args, args.lr), adamw_lr=lr_schedule(args, args.adamw_lr), weight_decay=0.01,
-            adamw_weight_decay=0.0, ns_dtype=ns_dtype, ns_method=args.ns_method,
-            blocks=optim.head_blocks(args.heads) if args.muon_blocks == "heads" else None, labels=muon_labels,
+            lr=lr_schedule(args, args.lr),
+            adamw_lr=lr_schedule(args, args.adamw_lr),
+            weight_decay=0.01,
+            adamw_weight_decay=0.0,
+            ns_dtype=ns_dtype,
+            ns_method=args.ns_method,
+            blocks=optim.head_blocks(args.heads) if args.muon_blocks == "heads" else None,
+            labels=muon_labels,
         )
     else:
         inner = optim.adamw(lr_schedule(args, args.adamw_lr), weight_decay=0.0)
@@ -659,8 +856,10 @@ class SaveTimes:
         while self.saves and id(self.saves[0][0]) in self.ends:
             pending, stall, t0 = self.saves.pop(0)
             if pending.exception() is None:
-                note(f"checkpoint {os.path.basename(pending.path)}: training stalled {stall:.2f} s, "
-                     f"written beside it in {self.ends[id(pending)] - t0:.2f} s")
+                note(
+                    f"checkpoint {os.path.basename(pending.path)}: training stalled {stall:.2f} s, "
+                    f"written beside it in {self.ends[id(pending)] - t0:.2f} s"
+                )
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -715,8 +914,10 @@ def check_resumable(config_path: str, args) -> None:
         saved = json.load(f)["args"]
     diff = [f"--{k.replace('_', '-')} {saved[k]}" for k in RESUME_FLAGS if k in saved and saved[k] != getattr(args, k)]
     if diff:
-        sys.exit(f"--resume: the run in {os.path.dirname(config_path)} was trained with {' '.join(diff)}; "
-                 "pass the same to continue it (the world size, strategy, steps and learning rates may change)")
+        sys.exit(
+            f"--resume: the run in {os.path.dirname(config_path)} was trained with {' '.join(diff)}; "
+            "pass the same to continue it (the world size, strategy, steps and learning rates may change)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -746,7 +947,15 @@ class Job:
     pipe: PipelineRuntime | None = None  # with --pp: runs this rank's stages
 
 
-OUTPUTS = dict(ft="ft.jsonl", metrics="metrics.jsonl", png="loss.png", ckpt="ckpt", model="model.pt", config="config.json", sample="sample.txt")
+OUTPUTS = dict(
+    ft="ft.jsonl",
+    metrics="metrics.jsonl",
+    png="loss.png",
+    ckpt="ckpt",
+    model="model.pt",
+    config="config.json",
+    sample="sample.txt",
+)
 
 
 def setup(rank: int, world: int, args) -> tuple[Job, dict]:
@@ -756,8 +965,17 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     paths = {k: os.path.join(args.out, v) for k, v in OUTPUTS.items()}
     vocab, train_data, val_data = load_corpus(args.data)
-    cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, width=args.width, depth=args.depth, heads=args.heads,
-                    experts=args.experts, top_k=args.top_k, moe_every=args.moe_every, capacity_factor=args.capacity_factor)
+    cfg = GPTConfig(
+        vocab_size=len(vocab),
+        seq_len=args.seq_len,
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        experts=args.experts,
+        top_k=args.top_k,
+        moe_every=args.moe_every,
+        capacity_factor=args.capacity_factor,
+    )
     if args.init == "full":  # every rank builds the same full model, then keeps its shards
         torch.manual_seed(args.seed)
         with device:
@@ -769,11 +987,19 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     replicas = 1 if args.ft else args.replicas
     if args.pp > 1:  # named axes: pipeline x data parallel (HSDP with --replicas) (x context x tensor parallel)
         shard = world // (args.pp * replicas * args.cp * args.tp)
-        dims = {"pp": args.pp, "replicate": replicas, "shard" if replicas > 1 else "dp": shard, "cp": args.cp, "tp": args.tp}
+        dims = {
+            "pp": args.pp,
+            "replicate": replicas,
+            "shard" if replicas > 1 else "dp": shard,
+            "cp": args.cp,
+            "tp": args.tp,
+        }
         dims = {n: d for n, d in dims.items() if d > 1 or n in ("pp", "shard", "dp")}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     elif args.cp > 1 and args.ep > 1:  # experts over ep, each over edp x cp; the rest over ep x edp x cp
-        mesh = init_device_mesh(device.type, (args.ep, world // (args.ep * args.cp), args.cp), mesh_dim_names=("ep", "edp", "cp"))
+        mesh = init_device_mesh(
+            device.type, (args.ep, world // (args.ep * args.cp), args.cp), mesh_dim_names=("ep", "edp", "cp")
+        )
     elif args.cp > 1:  # named axes: data parallel (HSDP with --replicas) x context parallel (x tensor parallel)
         shard = world // (replicas * args.cp * args.tp)
         dims = {"replicate": replicas, "shard": shard, "cp": args.cp, "tp": args.tp}
@@ -781,8 +1007,11 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     elif args.tp > 1:  # named axes: data parallel (HSDP with --replicas) x tensor parallel
         shard = world // (replicas * args.tp)
-        mesh = init_device_mesh(device.type, (replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp")) \
-            if replicas > 1 else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
+        mesh = (
+            init_device_mesh(device.type, (replicas, shard, args.tp), mesh_dim_names=("replicate", "shard", "tp"))
+            if replicas > 1
+            else init_device_mesh(device.type, (shard, args.tp), mesh_dim_names=("dp", "tp"))
+        )
     elif args.ep > 1:  # experts split over ep; each expert sharded over edp, the rest over ep x edp
         mesh = init_device_mesh(device.type, (args.ep, world // args.ep), mesh_dim_names=("ep", "edp"))
     elif replicas > 1:  # HSDP: all-reduce across replicas, reduce-scatter within one
@@ -793,18 +1022,35 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     if args.pp > 1:  # stages are runs of whole units: the embedding and the head get units of their own
         units = ["embed", "pos", *(f"blocks.{i}" for i in range(args.depth)), "norm", "head"]
         pipelined = dict(units=units, stages=2 * args.pp if args.schedule == "interleaved_1f1b" else None)
-    plan = fsdpfn.plan(model, mesh, strategy=args.strategy, mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None,
-                       tp=GPT_TP_PLAN if args.tp > 1 else None, **pipelined)
+    plan = fsdpfn.plan(
+        model,
+        mesh,
+        strategy=args.strategy,
+        mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None,
+        tp=GPT_TP_PLAN if args.tp > 1 else None,
+        **pipelined,
+    )
     opt = make_optimizer(args)
     pipe = None
     if args.pp > 1:  # this rank's stages only, each sharded over its data-parallel ranks
-        pipe = PipelineRuntime(model, plan, args.schedule, args.micro_batches, loss_fn=cross_entropy, prefetch=args.prefetch,
-                               device=device, cp_strategy=args.cp_strategy)
+        pipe = PipelineRuntime(
+            model,
+            plan,
+            args.schedule,
+            args.micro_batches,
+            loss_fn=cross_entropy,
+            prefetch=args.prefetch,
+            device=device,
+            cp_strategy=args.cp_strategy,
+        )
         if args.init == "full":
             params = pipe.shard(model)
         else:
-            params = {n: t for sp in pipe.stage_plans.values()
-                      for n, t in fsdpfn.init_shards(model, sp, seed=args.seed, device=device).items()}
+            params = {
+                n: t
+                for sp in pipe.stage_plans.values()
+                for n, t in fsdpfn.init_shards(model, sp, seed=args.seed, device=device).items()
+            }
     elif args.init == "full":
         params = fsdpfn.shard(model, plan)
     else:  # one parameter at a time, seeded by its path: the same values on any world size or plan
@@ -814,7 +1060,9 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
     data_rank = fsdpfn.transforms.dp_rank(plan)
     if args.ft:  # replica group I reads the batches of the I-th replica of the same HSDP job without --ft
         data_rank += args.replica_group * plan.dp_size
-    job = Job(args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt, data_rank, pipe=pipe)
+    job = Job(
+        args, rank, world, device, paths, vocab, train_data, val_data, cfg, model, plan, opt, data_rank, pipe=pipe
+    )
     return job, state
 
 
@@ -832,9 +1080,11 @@ def announce(job: Job) -> None:
         args = job.args
         dp = job.plan.dp_size  # the ranks reading different batches
         ranks = f"{job.world} rank(s)" if dp == job.world else f"{dp} data-parallel rank(s) of {job.world}"
-        print(f"{job.tag}GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
-              f"training characters; {ranks} x {args.batch_size} x {args.seq_len} tokens per step; "
-              f"{args.strategy}{f' x pp={args.pp} ({args.schedule}, {args.micro_batches} micro-batches)' if args.pp > 1 else ''}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}")
+        print(
+            f"{job.tag}GPT {n_params / 1e6:.2f}M parameters, vocabulary {len(job.vocab)}, {len(job.train_data) / 1e3:.0f}k "
+            f"training characters; {ranks} x {args.batch_size} x {args.seq_len} tokens per step; "
+            f"{args.strategy}{f' x pp={args.pp} ({args.schedule}, {args.micro_batches} micro-batches)' if args.pp > 1 else ''}{f' x tp={args.tp}' if args.tp > 1 else ''}{f' x cp={args.cp} ({args.cp_strategy})' if args.cp > 1 else ''}{moe_summary(args)}, {args.optimizer}{', MXFP8 weight gathers' if args.fp8 else ''}"
+        )
 
 
 def resume(job: Job, state: dict) -> tuple[dict, dict | None]:
@@ -858,8 +1108,10 @@ def nothing_to_train(info: dict, step: int, args) -> str:
     """The one line a resume that has nothing left to do prints."""
     limit = f"--steps {args.steps}" if stop_step(args) == args.steps else f"--stop-at {args.stop_at}"
     more = "a larger --steps" if limit.startswith("--steps") else "a larger --stop-at, or none,"
-    return (f"nothing to train: the checkpoint {info['dir']} is at step {step} and {limit}; pass {more} to continue "
-            "the run. Outputs left as they are.")
+    return (
+        f"nothing to train: the checkpoint {info['dir']} is at step {step} and {limit}; pass {more} to continue "
+        "the run. Outputs left as they are."
+    )
 
 
 def nothing_left(args) -> str | None:
@@ -887,18 +1139,24 @@ def resolve_schedule(args, step: int, info: dict) -> str | None:
     if args.schedule_steps is None:
         if saved is None:
             args.schedule_steps = args.steps
-            return (f"lr schedule: {info['dir']} records no horizon (saved by an older version of this script); "
-                    f"decaying over --steps {args.steps}")
+            return (
+                f"lr schedule: {info['dir']} records no horizon (saved by an older version of this script); "
+                f"decaying over --steps {args.steps}"
+            )
         args.schedule_steps = saved
         if saved == args.steps:
             return None
-        return (f"lr schedule: kept the checkpoint's horizon of {saved} steps (--steps {args.steps} does not move it): "
-                f"the lr reaches its final {main_lr(args)(saved):.3g} at step {saved} and stays there. To decay over "
-                f"{args.steps} steps instead pass --schedule-steps {args.steps} (the lr at step {step} would then be "
-                "{}, not {})".format(*distinct(main_lr(args, args.steps)(step), main_lr(args)(step))))
+        return (
+            f"lr schedule: kept the checkpoint's horizon of {saved} steps (--steps {args.steps} does not move it): "
+            f"the lr reaches its final {main_lr(args)(saved):.3g} at step {saved} and stays there. To decay over "
+            f"{args.steps} steps instead pass --schedule-steps {args.steps} (the lr at step {step} would then be "
+            "{}, not {})".format(*distinct(main_lr(args, args.steps)(step), main_lr(args)(step)))
+        )
     if saved is not None and saved != args.schedule_steps:
-        return (f"lr schedule: horizon {saved} -> {args.schedule_steps} steps (--schedule-steps): the lr at step "
-                "{} is {}, not {}".format(step, *distinct(main_lr(args)(step), main_lr(args, saved)(step))))
+        return (
+            f"lr schedule: horizon {saved} -> {args.schedule_steps} steps (--schedule-steps): the lr at step "
+            "{} is {}, not {}".format(step, *distinct(main_lr(args)(step), main_lr(args, saved)(step)))
+        )
     return None
 
 
@@ -924,7 +1182,11 @@ def start_logs(job: Job, start: int) -> None:
     else:
         truncate_metrics(job.paths["metrics"], start)
     with open(job.paths["config"], "w") as f:
-        json.dump({"model": job.cfg.__dict__, "vocab": "".join(job.vocab), "args": vars(job.args), "world_size": job.world}, f, indent=1)
+        json.dump(
+            {"model": job.cfg.__dict__, "vocab": "".join(job.vocab), "args": vars(job.args), "world_size": job.world},
+            f,
+            indent=1,
+        )
 
 
 def dropped_fraction(job: Job) -> float:
@@ -980,9 +1242,20 @@ def ft_log(job: Job, replicas, loss: torch.Tensor) -> None:
     last = replicas.history[-1]
     if job.rank == 0:
         with open(job.paths["ft"], "a") as f:
-            f.write(json.dumps({"step": last.step, "replicas": last.replicas, "committed": last.committed,
-                                "healed": last.healed, "loss": total.item() / job.world, "error": last.error,
-                                "time": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": last.step,
+                        "replicas": last.replicas,
+                        "committed": last.committed,
+                        "healed": last.healed,
+                        "loss": total.item() / job.world,
+                        "error": last.error,
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
 
 
 def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, float]:
@@ -1037,16 +1310,25 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
             loss_sum += loss
             window_steps += 1
         elif rank == 0:  # a skipped step's loss stays out of the logged average
-            print(f"\nstep {step + 1}: non-finite gradients, update skipped on every rank "
-                  f"({finite.notfinite_count} in a row, {finite.total_notfinite} in all)", flush=True)
+            print(
+                f"\nstep {step + 1}: non-finite gradients, update skipped on every rank "
+                f"({finite.notfinite_count} in a row, {finite.total_notfinite} in all)",
+                flush=True,
+            )
         done = state["step"]
         if log:
             comm.all_reduce(loss_sum, tag="training loss")
             last_loss = loss_sum.item() / (world * max(window_steps, 1))
             tok_s = tokens_per_step * window_steps / (time.perf_counter() - t_window)
-            row = {"step": done, "loss": round(last_loss, 5), "grad_norm": round(grad_norm, 5), "lr": lr(step),
-                   "skipped": finite.total_notfinite, "tokens_per_s": round(tok_s, 1),
-                   "elapsed_s": round(time.perf_counter() - t_start, 2)}
+            row = {
+                "step": done,
+                "loss": round(last_loss, 5),
+                "grad_norm": round(grad_norm, 5),
+                "lr": lr(step),
+                "skipped": finite.total_notfinite,
+                "tokens_per_s": round(tok_s, 1),
+                "elapsed_s": round(time.perf_counter() - t_start, 2),
+            }
             if args.capacity_factor is not None:
                 row["dropped"] = dropped_fraction(job)
             if args.eval_every and done % args.eval_every == 0 or done == stop:
@@ -1054,12 +1336,18 @@ def train_loop(job: Job, state: dict, loss_fn, replicas=None) -> tuple[dict, flo
             if rank == 0:
                 with open(job.paths["metrics"], "a") as f:
                     f.write(json.dumps(row) + "\n")
-                progress.update(done, loss=f"{last_loss:.3f}", **{"|g|": f"{grad_norm:.2f}", "lr": f"{lr(step):.2g}",
-                                                                  "tok/s": f"{tok_s:,.0f}"})
+                progress.update(
+                    done,
+                    loss=f"{last_loss:.3f}",
+                    **{"|g|": f"{grad_norm:.2f}", "lr": f"{lr(step):.2g}", "tok/s": f"{tok_s:,.0f}"},
+                )
                 if args.no_progress:
                     drop = f" dropped {row['dropped']:.1%}" if "dropped" in row else ""
-                    print(f"{job.tag}step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
-                          f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}", flush=True)
+                    print(
+                        f"{job.tag}step {done}/{args.steps} loss {last_loss:.3f} |g| {grad_norm:.3f} lr {lr(step):.3g} "
+                        f"skipped {finite.total_notfinite}{drop} tok/s {tok_s:,.0f}",
+                        flush=True,
+                    )
             t_window, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
         signum = stop_request.agreed(device) if stop_request is not None else 0
         if done % args.ckpt_every == 0 or done == stop or signum:
@@ -1092,16 +1380,25 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
             with torch.device("meta"):
                 whole = GPT(job.cfg)
             whole.load_state_dict(torch.load(paths["model"], weights_only=True), assign=True)
-            text = sample(whole, dict(whole.named_parameters()), job.vocab, "Once upon a time", args.sample_chars,
-                          args.seq_len, job.device, args.seed)
+            text = sample(
+                whole,
+                dict(whole.named_parameters()),
+                job.vocab,
+                "Once upon a time",
+                args.sample_chars,
+                args.seq_len,
+                job.device,
+                args.seed,
+            )
     else:
         with torch.no_grad():
             full = fsdpfn.unshard(state["params"], job.plan)  # collective
         # Under tp (ep) the model's layers run tp (all-to-all) collectives: every rank samples
         # (the same text, same seed).
         if want_sample and (job.rank == 0 or job.plan.tp_size > 1 or job.plan.ep_size > 1):
-            text = sample(job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device,
-                          args.seed)
+            text = sample(
+                job.model, full, job.vocab, "Once upon a time", args.sample_chars, args.seq_len, job.device, args.seed
+            )
     if job.rank == 0:
         if want_sample:
             with open(paths["sample"], "w") as f:
@@ -1115,8 +1412,10 @@ def finish(job: Job, state: dict, start: int, last_loss: float, wall: float) -> 
             print("\n--- sample ---------------------------------------------------------------")
             print(text)
             print("--------------------------------------------------------------------------")
-        print(f"{job.tag}steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
-              f"{args.optimizer}, {args.executor})")
+        print(
+            f"{job.tag}steps {start}->{state['step']} of {args.steps} in {wall:.0f} s ({job.world} rank(s), {args.strategy}, "
+            f"{args.optimizer}, {args.executor})"
+        )
         print(f"{job.tag}loss {first:.3f} (first logged) -> {last_loss:.3f} (final); validation {val:.3f}")
         print(f"{job.tag}metrics    {paths['metrics']}")
         print(f"{job.tag}plot       {png or '(matplotlib not installed: pip install -e .[demo])'}")
@@ -1189,8 +1488,10 @@ def train(rank: int, world: int, args) -> None:
             job.opt = make_optimizer(args)  # the same state structure; the schedules' horizon may differ
     announce(job)
     if rank == 0 and info is not None:
-        print(f"resumed from {info['dir']} (step {state['step']}, saved on {info['world_size']} rank(s); "
-              f"now {job.world} rank(s), {args.strategy})")
+        print(
+            f"resumed from {info['dir']} (step {state['step']}, saved on {info['world_size']} rank(s); "
+            f"now {job.world} rank(s), {args.strategy})"
+        )
         if note:
             print(note)
     start = state["step"]
@@ -1201,8 +1502,13 @@ def train(rank: int, world: int, args) -> None:
         loss_fn = make_loss(make_forward(job.model, job.plan, args), job.plan, args.cp_strategy)
     replicas = None
     if args.ft:
-        replicas = fsdpfn.ft.ReplicaGroup(args.lighthouse, replica_id=f"replica{args.replica_group}", min_replicas=1,
-                                          timeout=args.ft_timeout, step=state["step"])
+        replicas = fsdpfn.ft.ReplicaGroup(
+            args.lighthouse,
+            replica_id=f"replica{args.replica_group}",
+            min_replicas=1,
+            timeout=args.ft_timeout,
+            step=state["step"],
+        )
         fsdpfn.ft.start_together(args.replica_group)
     t0 = time.perf_counter()
     state, last_loss = train_loop(job, state, loss_fn, replicas)
@@ -1234,7 +1540,9 @@ def lock_run_dir(out: str):
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
-        sys.exit(f"{out} is in use by {holder}: another job is training into it. Wait for it, stop it, or pass --out DIR.")
+        sys.exit(
+            f"{out} is in use by {holder}: another job is training into it. Wait for it, stop it, or pass --out DIR."
+        )
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}\n")
@@ -1264,17 +1572,34 @@ def run_ft(args, argv: list[str]) -> int:
     """``--ft`` without ``--replica-group``: a lighthouse (unless given) and one process per
     replica group (this script with ``--replica-group I``), each restarted when it fails while
     another trains (:func:`fsdpfn.ft.run_replica_groups`). Returns the exit status."""
+
     def command(replica: int, lighthouse: str) -> list[str]:
         # --no-progress: two progress bars cannot share one terminal; each group logs tagged lines.
-        return [sys.executable, os.path.abspath(__file__), *argv, "--replica-group", str(replica),
-                "--lighthouse", lighthouse, "--no-progress"]
+        return [
+            sys.executable,
+            os.path.abspath(__file__),
+            *argv,
+            "--replica-group",
+            str(replica),
+            "--lighthouse",
+            lighthouse,
+            "--no-progress",
+        ]
 
-    print(f"ft: {args.replicas} replica groups of {args.world_size // args.replicas} rank(s), outputs in "
-          f"{os.path.join(args.out, 'replica<I>')}", flush=True)
-    code = fsdpfn.ft.run_replica_groups(command, args.replicas, lighthouse=args.lighthouse,
-                                        max_restarts=args.ft_restarts, restart_alone=True,
-                                        stop_grace_s=ft_stop_grace(args),
-                                        echo=lambda line: print(line, flush=True))
+    print(
+        f"ft: {args.replicas} replica groups of {args.world_size // args.replicas} rank(s), outputs in "
+        f"{os.path.join(args.out, 'replica<I>')}",
+        flush=True,
+    )
+    code = fsdpfn.ft.run_replica_groups(
+        command,
+        args.replicas,
+        lighthouse=args.lighthouse,
+        max_restarts=args.ft_restarts,
+        restart_alone=True,
+        stop_grace_s=ft_stop_grace(args),
+        echo=lambda line: print(line, flush=True),
+    )
     print("ft: the job finished" if code == 0 else f"ft: finished with status {code}", flush=True)
     return code
 
@@ -1293,9 +1618,11 @@ def forward_stop_signals() -> None:
         name = signal.Signals(signum).name
         ranks = multiprocessing.active_children()
         if count[0] == 1:
-            print(f"\n{name}: saving a checkpoint of the current step, then stopping "
-                  f"({'Ctrl-C' if signum == signal.SIGINT else 'a second signal'} again: stop at once, without it)",
-                  flush=True)
+            print(
+                f"\n{name}: saving a checkpoint of the current step, then stopping "
+                f"({'Ctrl-C' if signum == signal.SIGINT else 'a second signal'} again: stop at once, without it)",
+                flush=True,
+            )
             for p in ranks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
@@ -1303,8 +1630,11 @@ def forward_stop_signals() -> None:
         for p in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
-        print(f"{name} again: stopped at once; the last checkpoint saved is the one to resume from (--resume)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{name} again: stopped at once; the last checkpoint saved is the one to resume from (--resume)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(128 + signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1345,7 +1675,9 @@ def main(argv=None) -> None:
     one_write_per_line()
     quiet_torchft_rust(args)
     if args.device == "cuda" and not under_torchrun():
-        sys.exit("--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda")
+        sys.exit(
+            "--device cuda: launch under torchrun, one process per GPU: torchrun --nproc_per_node N examples/train_gpt.py --device cuda"
+        )
     if args.ft and args.replica_group is not None:  # before the checks: each group's run is its own
         args.out = os.path.join(args.out, f"replica{args.replica_group}")
     if args.resume:
@@ -1368,12 +1700,20 @@ def main(argv=None) -> None:
     if not args.ft and not under_torchrun():
         forward_stop_signals()
     # the ranks this process spawns: under torchrun, torchrun watches them
-    watch = fsdpfn.ft.watch_ranks(args.replica_group, world, stop_grace_s=ft_stop_grace(args)) \
-        if args.ft and not under_torchrun() else contextlib.nullcontext()
+    watch = (
+        fsdpfn.ft.watch_ranks(args.replica_group, world, stop_grace_s=ft_stop_grace(args))
+        if args.ft and not under_torchrun()
+        else contextlib.nullcontext()
+    )
     try:
         with watch:
-            results = launch(train_ft if args.ft else train, world, args, backend="nccl" if args.device == "cuda" else "gloo",
-                             timeout=args.timeout)
+            results = launch(
+                train_ft if args.ft else train,
+                world,
+                args,
+                backend="nccl" if args.device == "cuda" else "gloo",
+                timeout=args.timeout,
+            )
     except RankError as e:  # the tracebacks are in str(e); people need the reasons
         if getattr(watch, "reason", None):  # the watchdog ended the group and said why
             sys.exit(1)
@@ -1381,9 +1721,11 @@ def main(argv=None) -> None:
     stopped = results[0] if results and isinstance(results[0], dict) else None
     if stopped:
         if os.environ.get("RANK", "0") == "0":
-            print(f"stopped by {stopped['stopped']} at step {stopped['step']} of {args.steps}; checkpoint "
-                  f"{stopped['checkpoint']}. Resume with: {resume_command(sys.argv if argv is None else ['train_gpt.py', *argv])}",
-                  flush=True)
+            print(
+                f"stopped by {stopped['stopped']} at step {stopped['step']} of {args.steps}; checkpoint "
+                f"{stopped['checkpoint']}. Resume with: {resume_command(sys.argv if argv is None else ['train_gpt.py', *argv])}",
+                flush=True,
+            )
         sys.exit(128 + signal.Signals[stopped["stopped"]].value)  # the shell's code for a job a signal ended
     if args.ft and os.path.exists(marker):  # tells the supervisor: neither finished nor failed
         os.remove(marker)

@@ -141,8 +141,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--strategy", default="zero3", choices=["replicate", "zero1", "zero2", "zero3"])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=None,
-                   help=f"global batch (images per step, all ranks; default {PER_RANK} per rank)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"global batch (images per step, all ranks; default {PER_RANK} per rank)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--channels", type=int, default=16)
     p.add_argument("--depth", type=int, default=2, help="number of ConvBlocks (units)")
@@ -159,8 +163,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.batch % world:
         what = "the world size" if "WORLD_SIZE" in os.environ else "--world-size"
-        p.error(f"--batch {args.batch} must be a multiple of {what} {world} (equal rows per rank: "
-                f"the mean over ranks of per-rank means is the global mean only then)")
+        p.error(
+            f"--batch {args.batch} must be a multiple of {what} {world} (equal rows per rank: "
+            f"the mean over ranks of per-rank means is the global mean only then)"
+        )
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
     return args

@@ -23,8 +23,16 @@ import torch
 
 from fsdpfn._rows import chunk_bounds, unpack_rows
 
-__all__ = ["GatherCodec", "PlainCodec", "PlainReduceCodec", "ReduceCodec", "cached", "codec_factories", "register_codec",
-           "registered_codecs"]
+__all__ = [
+    "GatherCodec",
+    "PlainCodec",
+    "PlainReduceCodec",
+    "ReduceCodec",
+    "cached",
+    "codec_factories",
+    "register_codec",
+    "registered_codecs",
+]
 
 
 def cached(obj, name: str):
@@ -82,8 +90,13 @@ class GatherCodec(abc.ABC):
         """This rank's flat segment (``numel`` elements of ``wire_dtype``) from its local shards."""
 
     @abc.abstractmethod
-    def decode(self, stacked: torch.Tensor | None, locals_: list[torch.Tensor], out: list[torch.Tensor] | None = None,
-               amax: torch.Tensor | None = None) -> list:
+    def decode(
+        self,
+        stacked: torch.Tensor | None,
+        locals_: list[torch.Tensor],
+        out: list[torch.Tensor] | None = None,
+        amax: torch.Tensor | None = None,
+    ) -> list:
         """The unsharded parameters in ``unit.params`` order, from every rank's segment
         (``stacked``: ``(W, numel)``, ``None`` when ``numel`` is 0), written into ``out`` if given."""
 
@@ -151,7 +164,9 @@ class PlainCodec(GatherCodec):
                 buf[slot.offset + n : slot.offset + slot.size].zero_()
         return buf
 
-    def decode(self, stacked: torch.Tensor | None, locals_: list[torch.Tensor], out=None, amax=None) -> list[torch.Tensor]:
+    def decode(
+        self, stacked: torch.Tensor | None, locals_: list[torch.Tensor], out=None, amax=None
+    ) -> list[torch.Tensor]:
         fulls = []
         for i, (p, local) in enumerate(zip(self.unit.params, locals_)):
             slot = self.slots[p.name]
@@ -189,10 +204,14 @@ class PlainReduceCodec(ReduceCodec):
 
     def encode(self, grads: list[torch.Tensor | None], w: int) -> torch.Tensor:
         unit, dtype = self.unit, self.wire_dtype
-        device = next((g.device for g in grads if g is not None), None)  # a missing gradient's zeros live beside the others
+        device = next(
+            (g.device for g in grads if g is not None), None
+        )  # a missing gradient's zeros live beside the others
         if not unit.sharded:
-            parts = [(g if g is not None else torch.zeros(p.local_shape, dtype=dtype, device=device)).reshape(-1).to(dtype)
-                     for p, g in zip(unit.params, grads)]
+            parts = [
+                (g if g is not None else torch.zeros(p.local_shape, dtype=dtype, device=device)).reshape(-1).to(dtype)
+                for p, g in zip(unit.params, grads)
+            ]
             return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
         buf = torch.zeros(w, self.numel, dtype=dtype, device=device)
         for p, g in zip(unit.params, grads):
@@ -279,8 +298,10 @@ def codec_factories(names, side: str) -> list[Factory]:
     out = []
     for name in names:
         if name not in known:
-            raise ValueError(f"codec {name!r} is not registered in this process (registered: {', '.join(known)}); "
-                             "call fsdpfn.register_codec(name, gather=..., reduce=...) before building or loading the plan")
+            raise ValueError(
+                f"codec {name!r} is not registered in this process (registered: {', '.join(known)}); "
+                "call fsdpfn.register_codec(name, gather=..., reduce=...) before building or loading the plan"
+            )
         if name in table:
             out.append(table[name])
     return out

@@ -49,8 +49,17 @@ import threading
 import time
 from typing import Callable, Sequence
 
-__all__ = ["NOTHING_TO_REJOIN", "job_finished", "mark_finished", "rank_done", "rank_up", "restarts", "run_replica_groups", "start_together",
-           "watch_ranks"]
+__all__ = [
+    "NOTHING_TO_REJOIN",
+    "job_finished",
+    "mark_finished",
+    "rank_done",
+    "rank_up",
+    "restarts",
+    "run_replica_groups",
+    "start_together",
+    "watch_ranks",
+]
 
 START_ENV = "FSDPFN_FT_START"
 RESTARTS_ENV = "FSDPFN_FT_RESTARTS"
@@ -120,8 +129,10 @@ def start_together(replica: int, *, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(os.path.join(where, "go")):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"replica group {replica}: the other replica groups were not up within {timeout:g} s "
-                               f"(waiting for {os.path.join(where, 'go')!r}); see their output")
+            raise TimeoutError(
+                f"replica group {replica}: the other replica groups were not up within {timeout:g} s "
+                f"(waiting for {os.path.join(where, 'go')!r}); see their output"
+            )
         time.sleep(0.02)
 
 
@@ -198,8 +209,15 @@ class watch_ranks:
       ...     fsdpfn.launch.launch(train, 2)
     """
 
-    def __init__(self, replica: int, ranks: int, *, stop_grace_s: float, echo: Callable[[str], None] | None = None,
-                 poll_s: float = 0.05):
+    def __init__(
+        self,
+        replica: int,
+        ranks: int,
+        *,
+        stop_grace_s: float,
+        echo: Callable[[str], None] | None = None,
+        poll_s: float = 0.05,
+    ):
         if not stop_grace_s > 0:
             raise ValueError(f"watch_ranks: stop_grace_s must be > 0 seconds, got {stop_grace_s!r}")
         self.replica, self.ranks, self.stop_grace_s, self.poll_s = replica, ranks, stop_grace_s, poll_s
@@ -253,14 +271,18 @@ class watch_ranks:
                 if proc[0] in ("T", "t"):
                     since = stopped_since.setdefault(k, time.monotonic())
                     if time.monotonic() - since >= self.stop_grace_s:
-                        why = f"rank {k} (pid {pid}) has been stopped (SIGSTOP or a debugger) for {self.stop_grace_s:g} s"
+                        why = (
+                            f"rank {k} (pid {pid}) has been stopped (SIGSTOP or a debugger) for {self.stop_grace_s:g} s"
+                        )
                         break
                 else:
                     stopped_since.pop(k, None)
             if why is None:
                 continue
-            self.reason = (f"ft: replica group {self.replica}: {why}; ending the group so that the other replica "
-                           "groups go on without it (the supervisor restarts it)")
+            self.reason = (
+                f"ft: replica group {self.replica}: {why}; ending the group so that the other replica "
+                "groups go on without it (the supervisor restarts it)"
+            )
             self.echo(self.reason)
             for k, pid in pids.items():
                 proc = _proc(pid)
@@ -290,10 +312,20 @@ def exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: int, *, lighthouse: str | None = None,
-                       max_restarts: int = 3, join_timeout_s: float = 1.0, heartbeat_timeout_s: float = 2.0,
-                       env: dict | None = None, echo: Callable[[str], None] = print, poll_s: float = 0.05,
-                       restart_alone: bool = False, stop_grace_s: float | None = None) -> int:
+def run_replica_groups(
+    command: Callable[[int, str], Sequence[str]],
+    replicas: int,
+    *,
+    lighthouse: str | None = None,
+    max_restarts: int = 3,
+    join_timeout_s: float = 1.0,
+    heartbeat_timeout_s: float = 2.0,
+    env: dict | None = None,
+    echo: Callable[[str], None] = print,
+    poll_s: float = 0.05,
+    restart_alone: bool = False,
+    stop_grace_s: float | None = None,
+) -> int:
     """Runs ``replicas`` replica groups of a fault-tolerant job on this host and restarts any
     that fails while another still trains (see [Note: supervising replica groups]).
 
@@ -326,8 +358,10 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
       0
     """
     if not isinstance(replicas, int) or replicas < 2:
-        raise ValueError(f"run_replica_groups: replicas must be an int >= 2 (the replica groups that outlive "
-                         f"each other), got {replicas!r}")
+        raise ValueError(
+            f"run_replica_groups: replicas must be an int >= 2 (the replica groups that outlive "
+            f"each other), got {replicas!r}"
+        )
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"run_replica_groups: max_restarts must be an int >= 0, got {max_restarts!r}")
     own = None
@@ -379,23 +413,34 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
                     echo(f"ft: replica group {r} failed before the job started ({exit_reason(code)}); stopping")
                     return 2
                 if finished:
-                    echo(f"ft: replica group {r} failed ({exit_reason(code)}) after replica group(s) "
-                         f"{sorted(finished)} finished the job: not restarted")
+                    echo(
+                        f"ft: replica group {r} failed ({exit_reason(code)}) after replica group(s) "
+                        f"{sorted(finished)} finished the job: not restarted"
+                    )
                     idle.add(r)
                 elif not procs and not restart_alone:
-                    echo(f"ft: replica group {r} failed ({exit_reason(code)}) and no other replica group is "
-                         "training: nothing to rejoin")
+                    echo(
+                        f"ft: replica group {r} failed ({exit_reason(code)}) and no other replica group is "
+                        "training: nothing to rejoin"
+                    )
                     dropped.add(r)
                 elif tries[r] >= max_restarts:
-                    echo(f"ft: replica group {r} failed ({exit_reason(code)}) after {tries[r]} restart(s); "
-                         f"left out (max_restarts={max_restarts}), the others go on")
+                    echo(
+                        f"ft: replica group {r} failed ({exit_reason(code)}) after {tries[r]} restart(s); "
+                        f"left out (max_restarts={max_restarts}), the others go on"
+                    )
                     dropped.add(r)
                 else:
                     tries[r] += 1
-                    how = ("it rejoins with a live replica's state" if procs else
-                           "no other replica group is training: it resumes from its latest verified checkpoint")
-                    echo(f"ft: replica group {r} failed ({exit_reason(code)}); restarting it ({tries[r]} of "
-                         f"{max_restarts}): {how}")
+                    how = (
+                        "it rejoins with a live replica's state"
+                        if procs
+                        else "no other replica group is training: it resumes from its latest verified checkpoint"
+                    )
+                    echo(
+                        f"ft: replica group {r} failed ({exit_reason(code)}); restarting it ({tries[r]} of "
+                        f"{max_restarts}): {how}"
+                    )
                     start(r)
             if stop_grace_s is not None:
                 now = time.monotonic()
@@ -403,8 +448,10 @@ def run_replica_groups(command: Callable[[int, str], Sequence[str]], replicas: i
                     if not _stopped(p.pid):
                         stopped_since.pop(r, None)
                     elif now - stopped_since.setdefault(r, now) >= stop_grace_s:
-                        echo(f"ft: replica group {r}'s process (pid {p.pid}) has been stopped (SIGSTOP) for "
-                             f"{stop_grace_s:g} s: killing it, its ranks end with it")
+                        echo(
+                            f"ft: replica group {r}'s process (pid {p.pid}) has been stopped (SIGSTOP) for "
+                            f"{stop_grace_s:g} s: killing it, its ranks end with it"
+                        )
                         p.kill()  # its next poll() is a failure like any other
                         stopped_since.pop(r, None)
             time.sleep(poll_s)

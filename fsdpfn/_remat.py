@@ -120,10 +120,14 @@ def register_remat_policy(name: str, save: Callable[[torch._ops.OpOverload], boo
       True
     """
     if not isinstance(name, str) or not name or name in BUILTIN or name.startswith(NAMES_PREFIX) or "," in name:
-        raise ValueError(f"register_remat_policy: {name!r} cannot name a policy; use a new non-empty name without commas, "
-                         f"not one of {', '.join(BUILTIN)} or '{NAMES_PREFIX}...'")
+        raise ValueError(
+            f"register_remat_policy: {name!r} cannot name a policy; use a new non-empty name without commas, "
+            f"not one of {', '.join(BUILTIN)} or '{NAMES_PREFIX}...'"
+        )
     if not callable(save):
-        raise TypeError(f"register_remat_policy({name!r}, save): save must be callable (op -> bool), got {type(save).__name__}")
+        raise TypeError(
+            f"register_remat_policy({name!r}, save): save must be callable (op -> bool), got {type(save).__name__}"
+        )
     _REGISTRY[name] = save
 
 
@@ -147,12 +151,14 @@ def check_policy(policy: str, where: str) -> None:
         if _names(policy):
             return
         raise ValueError(f"{where}: remat policy {policy!r} names no tensor; write '{NAMES_PREFIX}attn_out,mlp_in'")
-    raise ValueError(f"{where}: unknown remat policy {policy!r}; choose one of {', '.join(remat_policies())}, "
-                     f"'{NAMES_PREFIX}<name>,...', or register yours with fsdpfn.register_remat_policy")
+    raise ValueError(
+        f"{where}: unknown remat policy {policy!r}; choose one of {', '.join(remat_policies())}, "
+        f"'{NAMES_PREFIX}<name>,...', or register yours with fsdpfn.register_remat_policy"
+    )
 
 
 def _names(policy: str) -> frozenset[str]:
-    return frozenset(n.strip() for n in policy[len(NAMES_PREFIX):].split(",") if n.strip())
+    return frozenset(n.strip() for n in policy[len(NAMES_PREFIX) :].split(",") if n.strip())
 
 
 def selector(policy: str) -> tuple[Callable | None, frozenset[str]]:
@@ -163,7 +169,9 @@ def selector(policy: str) -> tuple[Callable | None, frozenset[str]]:
         return None, _names(policy)
     if policy in _REGISTRY:
         return _REGISTRY[policy], frozenset()
-    raise ValueError(f"remat policy {policy!r} keeps no operator output (register it with fsdpfn.register_remat_policy)")
+    raise ValueError(
+        f"remat policy {policy!r} keeps no operator output (register it with fsdpfn.register_remat_policy)"
+    )
 
 
 _ACTIVE: list["SaveMode"] = []
@@ -211,8 +219,16 @@ def _is_view(op) -> bool:
 _UNTRACED = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
 # Uninitialised allocations: no values to compare, and spelt differently under torch.func
 # (empty_like in the forward, empty in the recompute's vjp): one operator for the check.
-_EMPTY = frozenset(op for op in (aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
-                                 aten.empty_strided.default, aten.new_empty_strided.default))
+_EMPTY = frozenset(
+    op
+    for op in (
+        aten.empty.memory_format,
+        aten.empty_like.default,
+        aten.new_empty.default,
+        aten.empty_strided.default,
+        aten.new_empty_strided.default,
+    )
+)
 _WEIGHTS: dict = {}  # (numel, device) -> the fingerprint weights, a few shapes per model
 
 
@@ -221,7 +237,11 @@ def _weights(n: int, device, dtype=torch.float32) -> torch.Tensor:
     if key not in _WEIGHTS:
         if len(_WEIGHTS) > 256:
             _WEIGHTS.clear()
-        _WEIGHTS[key] = torch.linspace(1.0, 2.0, n, device=device, dtype=dtype) if n > 1 else torch.ones(n, device=device, dtype=dtype)
+        _WEIGHTS[key] = (
+            torch.linspace(1.0, 2.0, n, device=device, dtype=dtype)
+            if n > 1
+            else torch.ones(n, device=device, dtype=dtype)
+        )
     return _WEIGHTS[key]
 
 
@@ -236,7 +256,9 @@ _PURE_VIEW: dict = {}  # op -> bool: reading the schema costs more than the chec
 
 def _is_pure_view(func) -> bool:
     if func not in _PURE_VIEW:
-        _PURE_VIEW[func] = _is_view(func) and not any(a.alias_info.is_write for a in func._schema.returns if a.alias_info is not None)
+        _PURE_VIEW[func] = _is_view(func) and not any(
+            a.alias_info.is_write for a in func._schema.returns if a.alias_info is not None
+        )
     return _PURE_VIEW[func]
 
 
@@ -347,13 +369,15 @@ class SaveMode(TorchDispatchMode):
             raise ValueError(
                 f"unit {self.unit!r}: remat policy {self.policy!r} keeps the tensors tagged {', '.join(map(repr, missing))}, but the "
                 f"unit's forward tags no tensor so (fsdpfn.checkpoint_name); the tags it uses: {seen}. Fix the name, tag the "
-                "tensor in the model, or give this unit another policy with a dict remat={unit pattern: policy}")
+                "tensor in the model, or give this unit another policy with a dict remat={unit pattern: policy}"
+            )
         if exc[0] is None:
             for key, out_ in self.saved.items():
                 if [t._version for t in _flat_tensors(out_)] != self.versions[key]:
                     raise RematReplayError(
                         f"unit {self.unit!r}: the output of {key[0]} (call {key[1]}) is kept for backward by its remat policy but "
-                        "was modified in place later in the forward; keep another tensor, or make that operation out of place")
+                        "was modified in place later in the forward; keep another tensor, or make that operation out of place"
+                    )
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -383,7 +407,9 @@ class SaveMode(TorchDispatchMode):
             # the result keeps the mm's output as well (the same storage), which is what saves
             # the recompute.
             parent = self._producer.get(first) if func is aten._unsafe_view.default and first is not None else None
-            if parent is not None and parent[0] is not None:  # hold the base's outputs: the view's tensor may outlive them
+            if (
+                parent is not None and parent[0] is not None
+            ):  # hold the base's outputs: the view's tensor may outlive them
                 held = [r() for r in parent[1]]
                 if all(o is not None for o in held):
                     parent = (parent[0], [lambda t=t: t for t in held], *parent[2:])
@@ -411,16 +437,20 @@ class SaveMode(TorchDispatchMode):
             return
         found = self._producer.get(x)
         if found is None:
-            raise ValueError(f"unit {self.unit!r}: checkpoint_name(x, {name!r}) tags a tensor no operator of this unit's forward produced "
-                             "without aliasing (an input, a parameter, or a view such as reshape/transpose); tag the tensor before reshaping it")
+            raise ValueError(
+                f"unit {self.unit!r}: checkpoint_name(x, {name!r}) tags a tensor no operator of this unit's forward produced "
+                "without aliasing (an input, a parameter, or a view such as reshape/transpose); tag the tensor before reshaping it"
+            )
         while found is not None:
             key, refs, spec, sig, found = found
             if key is None:  # a view: its base's producer is what a recompute can skip
                 continue
             outs = [r() for r in refs]
             if any(o is None for o in outs):
-                raise ValueError(f"unit {self.unit!r}: checkpoint_name(x, {name!r}): the outputs of {key[0]} are already freed; "
-                                 "tag the tensor right after the operation that produces it")
+                raise ValueError(
+                    f"unit {self.unit!r}: checkpoint_name(x, {name!r}): the outputs of {key[0]} are already freed; "
+                    "tag the tensor right after the operation that produces it"
+                )
             self._keep(key, optree.tree_unflatten(spec, outs))
             self.signatures[key] = sig
 
@@ -453,13 +483,16 @@ class ReplayMode(TorchDispatchMode):
         """The first value difference before this point is the culprit, if there is one."""
         bad = None if self.trace is None else _first_value_difference(self.trace, self.sums)
         if bad is not None and self.trace is not None:
-            why = (f"aten.{self.trace.ops[bad][0]} (operator {bad + 1} of the forward) computed other values on the recompute than in "
-                   "the forward")
+            why = (
+                f"aten.{self.trace.ops[bad][0]} (operator {bad + 1} of the forward) computed other values on the recompute than in "
+                "the forward"
+            )
         raise RematReplayError(
             f"unit {self.unit!r}: the recompute in backward does not replay the forward: {why}. A rematerialised unit must "
             "compute the same on a recompute: no control flow or values that depend on a call counter, on Python's random or "
             "on data; use remat='none' for this unit, or move that choice out of it (nondeterministic kernels: "
-            "torch.use_deterministic_algorithms(True))")
+            "torch.use_deterministic_algorithms(True))"
+        )
 
     def _check(self, func, out, kept: bool) -> None:
         if self.trace is None or func in _UNTRACED or func in _EMPTY:
@@ -470,8 +503,10 @@ class ReplayMode(TorchDispatchMode):
             self.view_counts[name] += 1
             want = self.trace.views.get(key)
             if want is not None and _fingerprint(func, out)[0] != want:
-                self._refuse(f"{func} (call {key[1] + 1}) returned a view {_fingerprint(func, out)[0]}, in the forward {want} "
-                             "(shape, stride, offset)")
+                self._refuse(
+                    f"{func} (call {key[1] + 1}) returned a view {_fingerprint(func, out)[0]}, in the forward {want} "
+                    "(shape, stride, offset)"
+                )
             return
         i = len(self.sums)
         if i >= len(self.trace.ops):
@@ -495,7 +530,8 @@ class ReplayMode(TorchDispatchMode):
                 raise RematReplayError(
                     f"unit {self.unit!r}: the recompute in backward called {func} (call {key[1]}) on arguments shaped "
                     f"{[s for s, _ in _signature(args)]}, the forward on {[s for s, _ in self.signatures[key]]}; the unit's forward must "
-                    "run the same operators on a recompute (no data-dependent control flow) under a selective remat policy; use remat='full'")
+                    "run the same operators on a recompute (no data-dependent control flow) under a selective remat policy; use remat='full'"
+                )
             self.skipped += 1
             out = self.saved.pop(key)
             self._check(func, out, kept=True)
@@ -512,8 +548,10 @@ class ReplayMode(TorchDispatchMode):
         self._ambient.close()
         if exc[0] is None and self.trace is not None:
             if len(self.sums) < len(self.trace.ops):
-                self._refuse(f"it ran {len(self.sums)} operators, the forward {len(self.trace.ops)} (the next was "
-                             f"aten.{self.trace.ops[len(self.sums)][0]})")
+                self._refuse(
+                    f"it ran {len(self.sums)} operators, the forward {len(self.trace.ops)} (the next was "
+                    f"aten.{self.trace.ops[len(self.sums)][0]})"
+                )
             bad = _first_value_difference(self.trace, self.sums)
             if bad is not None:
                 self._refuse("")
@@ -522,5 +560,6 @@ class ReplayMode(TorchDispatchMode):
             raise RematReplayError(
                 f"unit {self.unit!r}: the recompute in backward did not call {op} a {n + 1}th time as the forward did; the unit's "
                 "forward must run the same operators on a recompute (no data-dependent control flow) under a selective remat policy; "
-                "use remat='full' for this unit")
+                "use remat='full' for this unit"
+            )
         return out

@@ -36,7 +36,8 @@ def _rebuild(cls: type):
                 f"cannot rebuild a {cls.__module__}.{cls.__qualname__} from its items ({type(e).__name__}: {e}): a "
                 "mapping a module returns or receives must be constructible as cls(items) (or cls(**items) for a "
                 f"dataclass). Return a plain dict, or register {cls.__qualname__} with "
-                f"optree.register_pytree_node(..., namespace={NAMESPACE!r})") from e
+                f"optree.register_pytree_node(..., namespace={NAMESPACE!r})"
+            ) from e
 
     return unflatten
 
@@ -45,8 +46,12 @@ def _register(cls: type) -> None:
     if cls in _REGISTERED:
         return
     _REGISTERED.add(cls)
-    optree.register_pytree_node(cls, lambda m: (list(m.values()), tuple(m.keys()), tuple(m.keys())), _rebuild(cls),  # type: ignore[attr-defined]  # cls is a Mapping subclass; optree's stub types m as a Collection
-                                namespace=NAMESPACE)
+    optree.register_pytree_node(
+        cls,
+        lambda m: (list(m.values()), tuple(m.keys()), tuple(m.keys())),
+        _rebuild(cls),  # type: ignore[attr-defined]  # cls is a Mapping subclass; optree's stub types m as a Collection
+        namespace=NAMESPACE,
+    )
 
 
 def flatten(tree: Any, none_is_leaf: bool = False) -> tuple[list, Any]:

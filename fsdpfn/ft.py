@@ -39,8 +39,21 @@ from fsdpfn._ft_supervisor import rank_done as rank_done
 from fsdpfn._ft_supervisor import rank_up as rank_up
 from fsdpfn._ft_supervisor import watch_ranks as watch_ranks
 
-__all__ = ["NOTHING_TO_REJOIN", "Lighthouse", "ReplicaGroup", "ReplicaStep", "available", "job_finished", "mark_finished", "rank_done", "rank_up", "restarts",
-           "run_replica_groups", "start_together", "watch_ranks"]
+__all__ = [
+    "NOTHING_TO_REJOIN",
+    "Lighthouse",
+    "ReplicaGroup",
+    "ReplicaStep",
+    "available",
+    "job_finished",
+    "mark_finished",
+    "rank_done",
+    "rank_up",
+    "restarts",
+    "run_replica_groups",
+    "start_together",
+    "watch_ranks",
+]
 
 
 def available() -> bool:

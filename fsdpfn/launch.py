@@ -43,8 +43,18 @@ import torch.multiprocessing as mp
 
 from fsdpfn import comm
 
-__all__ = ["RankError", "check_picklable", "cuda_problem", "launch", "load_task", "process_stopped", "raise_rank_errors",
-           "shutdown", "start_rank", "under_torchrun"]
+__all__ = [
+    "RankError",
+    "check_picklable",
+    "cuda_problem",
+    "launch",
+    "load_task",
+    "process_stopped",
+    "raise_rank_errors",
+    "shutdown",
+    "start_rank",
+    "under_torchrun",
+]
 
 
 class RankError(RuntimeError):
@@ -89,15 +99,21 @@ def cuda_problem(local_rank: int = 0) -> str | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     hiding = f" (CUDA_VISIBLE_DEVICES={visible!r} limits which GPUs this process sees)" if visible is not None else ""
     if not torch.backends.cuda.is_built():
-        return (f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a CUDA build of "
-                "torch (https://pytorch.org/get-started/locally/)")
+        return (
+            f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a CUDA build of "
+            "torch (https://pytorch.org/get-started/locally/)"
+        )
     if not torch.cuda.is_available():
-        return (f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) finds no usable GPU{hiding}: check that "
-                "the machine has an NVIDIA GPU and a driver recent enough for this CUDA version (run nvidia-smi)")
+        return (
+            f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) finds no usable GPU{hiding}: check that "
+            "the machine has an NVIDIA GPU and a driver recent enough for this CUDA version (run nvidia-smi)"
+        )
     count = torch.cuda.device_count()
     if local_rank >= count:
-        return (f"this process is local rank {local_rank}, which needs GPU {local_rank}, but it sees {count} GPU(s)"
-                f"{hiding}: start at most {count} process(es) per node (torchrun --nproc_per_node {count})")
+        return (
+            f"this process is local rank {local_rank}, which needs GPU {local_rank}, but it sees {count} GPU(s)"
+            f"{hiding}: start at most {count} process(es) per node (torchrun --nproc_per_node {count})"
+        )
     return None
 
 
@@ -131,10 +147,15 @@ def check_picklable(fn: Callable, *args: Any, what: str = "fn", **kwargs: Any) -
         try:
             pickle.dumps(value)
         except Exception as e:  # noqa: BLE001 - any pickling failure gets the same advice
-            hint = ("use a module-level function (or functools.partial of one), not a lambda or a local function"
-                    if label == what else "pass only picklable values (tensors, numbers, strings, dataclasses)")
-            raise ValueError(f"{what if label == what else f'{what}: {label}'} must be picklable to reach the "
-                             f"spawned ranks: {type(e).__name__}: {e}. {hint.capitalize()}.") from None
+            hint = (
+                "use a module-level function (or functools.partial of one), not a lambda or a local function"
+                if label == what
+                else "pass only picklable values (tensors, numbers, strings, dataclasses)"
+            )
+            raise ValueError(
+                f"{what if label == what else f'{what}: {label}'} must be picklable to reach the "
+                f"spawned ranks: {type(e).__name__}: {e}. {hint.capitalize()}."
+            ) from None
 
 
 _GUARD = 'if __name__ == "__main__":'
@@ -206,9 +227,11 @@ def _main_problem(fn: Callable, what: str) -> str | None:
     if spec is not None and (spec == "__main__" or spec.endswith(".__main__")):
         # python -m package: spawned ranks do not import the package's __main__ at all.
         if getattr(fn, "__module__", None) == "__main__":
-            return (f"{what} is {name!r}, defined in {path}, which runs as `python -m {spec.rsplit('.', 1)[0]}`: spawned "
-                    "ranks do not import a package's __main__, so they cannot find it. Define it in an importable module "
-                    "of the package.")
+            return (
+                f"{what} is {name!r}, defined in {path}, which runs as `python -m {spec.rsplit('.', 1)[0]}`: spawned "
+                "ranks do not import a package's __main__, so they cannot find it. Define it in an importable module "
+                "of the package."
+            )
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -218,17 +241,21 @@ def _main_problem(fn: Callable, what: str) -> str | None:
     if getattr(fn, "__module__", None) == "__main__" and name:
         where = _where_bound(tree.body, name.split(".")[0])
         if where == {True}:
-            return (f"{what} is {name!r}, defined under `{_GUARD}` in {path}: spawned ranks import {path} without "
-                    f"running that block, so they cannot find it. Define {name!r} at the top level of the file (outside "
-                    f"the `{_GUARD}` block), or in an importable module.")
+            return (
+                f"{what} is {name!r}, defined under `{_GUARD}` in {path}: spawned ranks import {path} without "
+                f"running that block, so they cannot find it. Define {name!r} at the top level of the file (outside "
+                f"the `{_GUARD}` block), or in an importable module."
+            )
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
     if frame is not None and not _guarded_line(tree.body, frame.f_lineno):
-        return (f"{what} is called at the top level of {path} (line {frame.f_lineno}), outside `{_GUARD}`: every spawned "
-                f"rank imports {path} again to find its functions, and would run this call too (Python stops it, and the "
-                f"rank dies at start). Put the call under `{_GUARD}` at the end of the file, with the functions it runs "
-                "defined at the top level above it (or in an importable module).")
+        return (
+            f"{what} is called at the top level of {path} (line {frame.f_lineno}), outside `{_GUARD}`: every spawned "
+            f"rank imports {path} again to find its functions, and would run this call too (Python stops it, and the "
+            f"rank dies at start). Put the call under `{_GUARD}` at the end of the file, with the functions it runs "
+            "defined at the top level above it (or in an importable module)."
+        )
     return None
 
 
@@ -253,8 +280,16 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="fsdpfn-parent-watch").start()
 
 
-def start_rank(rank: int, world_size: int, init_method: str, *, backend: str = "gloo", threads: int = 1,
-               timeout_s: float | None = None, flight_dir: str | None = None) -> None:
+def start_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    backend: str = "gloo",
+    threads: int = 1,
+    timeout_s: float | None = None,
+    flight_dir: str | None = None,
+) -> None:
     """The start of every spawned rank: its thread count, the tie to its launcher, the collective
     timeout, where its flight recorder keeps its file (the launcher's temporary folder, removed
     with it) and the default process group."""
@@ -284,7 +319,9 @@ def load_task(payload: bytes, what: str):
 
 
 def _entry(rank, world_size, init_method, backend, threads, timeout_s, payload, results, flight_dir=None) -> None:
-    start_rank(rank, world_size, init_method, backend=backend, threads=threads, timeout_s=timeout_s, flight_dir=flight_dir)
+    start_rank(
+        rank, world_size, init_method, backend=backend, threads=threads, timeout_s=timeout_s, flight_dir=flight_dir
+    )
     try:
         # Loaded here, not while the process starts, so that a function this rank cannot find
         # comes back with its reason instead of an exit code.
@@ -342,7 +379,9 @@ def _collect(procs, results, world_size: int, grace: float) -> dict[int, tuple[s
             for r, p in enumerate(procs):
                 if r not in answers and not p.is_alive():
                     code = p.exitcode
-                    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                    how = (
+                        f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                    )
                     answers[r] = ("error", f"rank {r} (pid {p.pid}) {how} without reporting")
         if deadline is None and any(a[0] == "error" for a in answers.values()):
             deadline = time.monotonic() + grace
@@ -356,8 +395,10 @@ def raise_rank_errors(answers: dict[int, tuple[str, Any]], world_size: int, what
     if not errors and not missing:
         return
     parts = [f"{what} failed on {world_size} rank(s):"]
-    parts += [f"--- rank {r} raised:\n{errors[r]}" if errors[r].startswith("Traceback") else f"--- {errors[r]}"
-              for r in sorted(errors)]
+    parts += [
+        f"--- rank {r} raised:\n{errors[r]}" if errors[r].startswith("Traceback") else f"--- {errors[r]}"
+        for r in sorted(errors)
+    ]
     if missing:
         why = "after another rank failed" if errors else waited
         parts.append(f"--- rank(s) {missing} did not finish {why}; they were stopped")
@@ -447,8 +488,9 @@ def shutdown(*, exit: bool = True) -> None:
         _exit_now()
 
 
-def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: str | None = None,
-           timeout: float | None = None) -> list[Any]:
+def launch(
+    main: Callable[..., Any], world_size: int = 2, *args: Any, backend: str | None = None, timeout: float | None = None
+) -> list[Any]:
     """Runs ``main(rank, world_size, *args)`` on every rank with the default process group set up,
     and returns every rank's return value in rank order.
 
@@ -475,8 +517,10 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":  # before anything touches CUDA, which would fail without saying why
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            _require_cuda(local_rank, f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} (backend 'nccl', "
-                                      f"LOCAL_RANK {local_rank})")
+            _require_cuda(
+                local_rank,
+                f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} (backend 'nccl', LOCAL_RANK {local_rank})",
+            )
             torch.cuda.set_device(local_rank)
         comm.set_timeout(timeout_s)
         comm.init_process_group(backend)
@@ -500,8 +544,11 @@ def launch(main: Callable[..., Any], world_size: int = 2, *args: Any, backend: s
     with tempfile.TemporaryDirectory(prefix="fsdpfn_launch_") as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         procs = [
-            ctx.Process(target=_entry, name=f"fsdpfn-rank{r}-of-{world_size}",
-                        args=(r, world_size, init, backend or "gloo", threads, timeout_s, payload, results, tmp))
+            ctx.Process(
+                target=_entry,
+                name=f"fsdpfn-rank{r}-of-{world_size}",
+                args=(r, world_size, init, backend or "gloo", threads, timeout_s, payload, results, tmp),
+            )
             for r in range(world_size)
         ]
         for p in procs:

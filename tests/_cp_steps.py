@@ -14,8 +14,17 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def cp_adamw_worst(model, plan, style: str, strategy: str, batch: Callable[[int], tuple], loss: Callable, ref: list,
-                   per_rank: int, steps: int) -> float:
+def cp_adamw_worst(
+    model,
+    plan,
+    style: str,
+    strategy: str,
+    batch: Callable[[int], tuple],
+    loss: Callable,
+    ref: list,
+    per_rank: int,
+    steps: int,
+) -> float:
     """``steps`` AdamW steps of ``model`` on ``plan``, this dp rank's ``per_rank`` rows of
     ``batch(step)`` cut into this cp rank's part of each sequence, ``style`` ``"pure"``
     (``torch.func.grad``) or ``"eager"`` (the Runtime); returns the worst relative difference of
@@ -32,7 +41,9 @@ def cp_adamw_worst(model, plan, style: str, strategy: str, batch: Callable[[int]
         x, y = fsdpfn.context_parallel_shard((x[mine], y[mine]), plan)
         with fsdpfn.context_parallel(plan, strategy=strategy):
             if style == "pure":
-                grads = torch.func.grad(lambda ps: loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+                grads = torch.func.grad(
+                    lambda ps: loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
+                )(params)
             else:
                 assert rt is not None
                 with rt.bind(params):

@@ -133,7 +133,7 @@ class Block(nn.Module):
         elif cut == "unbind":
             q, k, v = o.view(b, t, 3, -1, HD).unbind(2)
         elif cut == "slice":
-            q, k, v = (o[..., i * n:(i + 1) * n].reshape(b, t, -1, HD) for i in range(3))
+            q, k, v = (o[..., i * n : (i + 1) * n].reshape(b, t, -1, HD) for i in range(3))
         elif cut == "permute":
             q, k, v = o.reshape(b, t, 3, -1, HD).permute(2, 0, 1, 3, 4)
         elif cut == "transpose_chunk":
@@ -215,10 +215,21 @@ def describe():
                     tp[f"blocks.*.{layer}"] = style
         experts: list[str] = []
         if moe and "ep" in names:
-            experts = [f"blocks.*.moe.experts.{w}" for w in draw(st.sampled_from([("w1", "w2"), ("w1", "w2"), ("w1",), ("w2",), ()]))]
+            experts = [
+                f"blocks.*.moe.experts.{w}"
+                for w in draw(st.sampled_from([("w1", "w2"), ("w1", "w2"), ("w1",), ("w2",), ()]))
+            ]
         return {
-            "qkv": qkv, "cut": cut, "moe": moe, "tied": draw(st.booleans()), "calls": calls, "attn": attn,
-            "mesh": mesh, "tp": tp, "experts": experts, "remat": draw(st.booleans()),
+            "qkv": qkv,
+            "cut": cut,
+            "moe": moe,
+            "tied": draw(st.booleans()),
+            "calls": calls,
+            "attn": attn,
+            "mesh": mesh,
+            "tp": tp,
+            "experts": experts,
+            "remat": draw(st.booleans()),
             "strategy": draw(st.sampled_from(["zero2", "zero3"])),
         }
 
@@ -263,14 +274,17 @@ def _reference(d: dict, dp: int) -> tuple[dict[str, torch.Tensor], nn.Module]:
     x, y = _batch(dp)
     params = dict(ref.named_parameters())
     g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(ref, ps, (x,)), y))(
-        {n: p.detach() for n, p in params.items()})
+        {n: p.detach() for n, p in params.items()}
+    )
     return g, ref
 
 
 def _step_grads(model, plan, params, x, y, cp: bool) -> dict[str, torch.Tensor]:
     """The pure loop's gradients, each gathered whole."""
     with fsdpfn.context_parallel(plan) if cp else contextlib.nullcontext():
-        grads = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+        grads = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(
+            params
+        )
     return {n: fsdpfn.comm.full_tensor(g) for n, g in grads.items()}
 
 
@@ -310,7 +324,7 @@ def run_example(rank: int, world: int, d: dict, probe: bool = False) -> tuple:
         params = fsdpfn.shard(model, plan)
         dp, me = plan.dp_size, fsdpfn.transforms.dp_rank(plan)
         x, y = _batch(dp)
-        x, y = x[me * ROWS:(me + 1) * ROWS], y[me * ROWS:(me + 1) * ROWS]
+        x, y = x[me * ROWS : (me + 1) * ROWS], y[me * ROWS : (me + 1) * ROWS]
         cp = plan.cp_size > 1
         if cp:
             x, y = fsdpfn.context_parallel_shard((x, y), plan)

@@ -48,8 +48,10 @@ def _is_fresh(argv: list[str]) -> bool:
     """Interpreters, compilers (inductor's generated C++), and make without -n (its recipes run
     them); git or `make -n` cost milliseconds."""
     name = os.path.basename(argv[0]) if argv else ""
-    return bool(re.search(r"python|torchrun|mkdocs|mypy|pytest|g\+\+|gcc|clang|^c\+\+$|^cc$", name)
-                or (name == "make" and "-n" not in argv))
+    return bool(
+        re.search(r"python|torchrun|mkdocs|mypy|pytest|g\+\+|gcc|clang|^c\+\+$|^cc$", name)
+        or (name == "make" and "-n" not in argv)
+    )
 
 
 def _audit(event, args):
@@ -86,9 +88,11 @@ def _check_fresh(item, phase):
         with open(_REPORT, "a") as f:
             f.write(f"{item.nodeid}\t{phase}\t{started[0]}\t{len(started)}\n")
         return
-    pytest.fail(f"{item.nodeid} started {len(started)} fresh process(es) in its {phase}, first: {started[0]}. A test "
-                "that starts processes belongs to `make test-e2e`: mark it `@pytest.mark.e2e` (see conftest.py).",
-                pytrace=False)
+    pytest.fail(
+        f"{item.nodeid} started {len(started)} fresh process(es) in its {phase}, first: {started[0]}. A test "
+        "that starts processes belongs to `make test-e2e`: mark it `@pytest.mark.e2e` (see conftest.py).",
+        pytrace=False,
+    )
 
 
 def _phase(item, phase):

@@ -36,8 +36,11 @@ class AdamState(NamedTuple):
 
 
 def _adam_init(params):
-    return AdamState(torch.zeros((), dtype=torch.int64), {n: torch.zeros_like(p) for n, p in params.items()},
-                     {n: torch.zeros_like(p) for n, p in params.items()})
+    return AdamState(
+        torch.zeros((), dtype=torch.int64),
+        {n: torch.zeros_like(p) for n, p in params.items()},
+        {n: torch.zeros_like(p) for n, p in params.items()},
+    )
 
 
 def _adam_update(grads, state, params, lr=1e-2, b1=0.9, b2=0.99, eps=1e-8):
@@ -110,8 +113,10 @@ def _resume_parity(rank, world, root, n):
         if isinstance(v, DTensor):
             assert v.placements == checkpoint.flatten_state(template)[0][p].placements, p
     after = _full(_train(model, plan2, resumed, n, rank, world))
-    return {p: (torch.equal(straight[p], after[p]) if isinstance(after[p], torch.Tensor) else straight[p] == after[p])
-            for p in straight}
+    return {
+        p: (torch.equal(straight[p], after[p]) if isinstance(after[p], torch.Tensor) else straight[p] == after[p])
+        for p in straight
+    }
 
 
 def _save_trained(rank, world, root, strategy, steps):
@@ -125,7 +130,9 @@ def _load_into(rank, world, root, strategy):
     _, plan, template = _setup(world, strategy, seed=7)
     state = checkpoint.load(root, template, plan)
     entries, _ = checkpoint.flatten_state(state)
-    placements = {p: (tuple(v.placements), tuple(v.to_local().shape)) for p, v in entries.items() if isinstance(v, DTensor)}
+    placements = {
+        p: (tuple(v.placements), tuple(v.to_local().shape)) for p, v in entries.items() if isinstance(v, DTensor)
+    }
     return _full(state), placements
 
 
@@ -168,7 +175,11 @@ def _train_real(model, plan, state, steps, rank, world, opt_name):
         x, y = _batch(state["step"], rank, world)
         grads = torch.func.grad(loss_fn)(state["params"], x, y)
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
-        state = {"params": optim.apply_updates(state["params"], updates), "opt_state": opt_state, "step": state["step"] + 1}
+        state = {
+            "params": optim.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }
     return state
 
 
@@ -178,8 +189,11 @@ def _real_resume_parity(rank, world, root, opt_name, n):
     checkpoint.save(root, _train_real(model, plan, state, n, rank, world, opt_name), plan)
     _, plan2, template = _setup_real(world, "zero3", opt_name, seed=1)
     after = _full(_train_real(model, plan2, checkpoint.load(root, template, plan2), n, rank, world, opt_name))
-    return sorted(p for p in straight if not (torch.equal(straight[p], after[p]) if isinstance(after[p], torch.Tensor)
-                                              else straight[p] == after[p]))
+    return sorted(
+        p
+        for p in straight
+        if not (torch.equal(straight[p], after[p]) if isinstance(after[p], torch.Tensor) else straight[p] == after[p])
+    )
 
 
 def _real_save(rank, world, root, opt_name):
@@ -227,11 +241,17 @@ def test_reshard_2_ranks_zero3_to_3_ranks_zero2_and_1_rank(run_on_ranks, tmp_pat
             else:
                 assert loaded[p] == saved[p], p
     # The 3-rank load really is sharded three ways, with an empty shard for the 2-row leaf.
-    assert [r[1]["opt_state/1/odd"] for r in three] == [((Shard(0),), (1, 3)), ((Shard(0),), (1, 3)), ((Shard(0),), (0, 3))]
+    assert [r[1]["opt_state/1/odd"] for r in three] == [
+        ((Shard(0),), (1, 3)),
+        ((Shard(0),), (1, 3)),
+        ((Shard(0),), (0, 3)),
+    ]
     assert three[2][1]["params/embed.weight"] == ((Shard(0),), (11, 20))
 
     # One process, no process group: plain full tensors as the template.
-    template = {"params": {p.split("/", 1)[1]: torch.full_like(v, -1.0) for p, v in saved.items() if p.startswith("params/")}}
+    template = {
+        "params": {p.split("/", 1)[1]: torch.full_like(v, -1.0) for p, v in saved.items() if p.startswith("params/")}
+    }
     plain = checkpoint.load(root, template)
     for name, v in plain["params"].items():
         assert type(v) is torch.Tensor and torch.equal(v, saved[f"params/{name}"]), name
@@ -332,8 +352,9 @@ def _kill_worker(rank, world, init_file, root, die_at):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
     _, plan, state = _setup(world, "zero3")
     state = {**state, "step": 1}
     checkpoint.save(root, state, plan)  # the previous, complete checkpoint
@@ -412,7 +433,11 @@ def test_muon_and_adamw_state_reshard_2_to_3_and_1(run_on_ranks, tmp_path):
             for loaded in run_on_ranks(_real_load, world, root, opt_name, strategy):
                 assert loaded.keys() == saved.keys()
                 for p in saved:
-                    same = torch.equal(loaded[p], saved[p]) if isinstance(saved[p], torch.Tensor) else loaded[p] == saved[p]
+                    same = (
+                        torch.equal(loaded[p], saved[p])
+                        if isinstance(saved[p], torch.Tensor)
+                        else loaded[p] == saved[p]
+                    )
                     assert same, (opt_name, world, p)
 
 
@@ -449,8 +474,9 @@ def _gated_worker(rank, world, init_file, root, report):
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     if rank == 0:  # the bug: only rank 0 saves
         try:
             checkpoint.save(root, {"w": torch.ones(2), "step": 1}, timeout=3)

@@ -182,7 +182,9 @@ def test_a_background_write_error_reaches_every_rank(run_on_ranks, tmp_path):
     step1 = os.path.join(root, "step_00000001")
     for seen, ok, after in run_on_ranks(_failing_background_write, 2, root):
         for error in (seen[0], seen[2]):
-            assert "No space left on device" in error and "on rank 1" in error and ".partial-step_00000002" in error, seen
+            assert "No space left on device" in error and "on rank 1" in error and ".partial-step_00000002" in error, (
+                seen
+            )
         assert seen[1] == seen[3] == step1
         assert ok == os.path.join(root, "step_00000004") and after is None
     assert checkpoint.read_info(root)["values"]["step"] == 4
@@ -250,8 +252,9 @@ def _async_kill_worker(rank, world, init_file, root, die_at):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
     model, plan, state = _setup(world, "zero3")
     state = {**state, "step": 1}
     checkpoint.async_save(root, state, plan).result()  # the previous, complete checkpoint
@@ -307,8 +310,13 @@ def test_benchmark_quick_run_prints_both_stalls_and_the_ratio():
     import sys
 
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "checkpoint.py")
-    proc = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, script, "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"^\s+save: stall per save \d+\.\d+ s", proc.stdout, re.M), proc.stdout
     assert re.search(r"^async_save: stall per save \d+\.\d+ s .* commit \d+\.\d+ s after the call", proc.stdout, re.M)

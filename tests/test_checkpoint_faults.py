@@ -39,7 +39,8 @@ def _full(state):
 
 def _same(a, b):
     return a.keys() == b.keys() and all(
-        torch.equal(a[p], b[p]) if isinstance(a[p], torch.Tensor) else a[p] == b[p] for p in a)
+        torch.equal(a[p], b[p]) if isinstance(a[p], torch.Tensor) else a[p] == b[p] for p in a
+    )
 
 
 def _save_steps(rank, world, root, steps):
@@ -254,11 +255,33 @@ def test_export_full_error_on_rank_0_reaches_rank_1(run_on_ranks, tmp_path):
 # ---- the counter sees every torch.distributed call ----------------------------------------------
 
 # Every method of torch's ProcessGroup that moves data or synchronises ranks (torch 2.13).
-_PG_CALLS = ("allgather", "all_gather_single", "_allgather_base", "allgather_coalesced", "all_gather_single_coalesced",
-             "allgather_into_tensor_coalesced", "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base",
-             "all_to_all_single", "barrier", "broadcast", "gather", "monitored_barrier", "recv", "recv_anysource",
-             "reduce", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
-             "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "scatter", "send")
+_PG_CALLS = (
+    "allgather",
+    "all_gather_single",
+    "_allgather_base",
+    "allgather_coalesced",
+    "all_gather_single_coalesced",
+    "allgather_into_tensor_coalesced",
+    "allreduce",
+    "allreduce_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "gather",
+    "monitored_barrier",
+    "recv",
+    "recv_anysource",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "scatter",
+    "send",
+)
 
 
 def _tensors(x):

@@ -84,8 +84,11 @@ class Bf16WireFp32Sum(fsdpfn.ReduceCodec):
 
 # Registered when this module is imported: in pytest's process and in every gloo rank that
 # unpickles one of its functions.
-fsdpfn.register_codec("test_bf16_wire", gather=lambda plan, unit: Bf16Gather(unit, plan.gather_dtype(unit)),
-                      reduce=lambda plan, unit: Bf16WireFp32Sum(unit))
+fsdpfn.register_codec(
+    "test_bf16_wire",
+    gather=lambda plan, unit: Bf16Gather(unit, plan.gather_dtype(unit)),
+    reduce=lambda plan, unit: Bf16WireFp32Sum(unit),
+)
 fsdpfn.register_codec("test_bf16_reduce", reduce=lambda plan, unit: Bf16WireFp32Sum(unit))
 
 
@@ -132,7 +135,11 @@ def test_an_unregistered_codec_is_refused_before_any_step():
     model = GPT(CFG)
     with pytest.raises(ValueError, match="codec 'nope' is not registered"):
         fsdpfn.plan(model, (WORLD,), mp=fsdpfn.MixedPrecision(codec="nope"))
-    s = fsdpfn.plan(model, (WORLD,), mp=fsdpfn.MixedPrecision(codec="test_bf16_wire")).to_json().replace("test_bf16_wire", "nope")
+    s = (
+        fsdpfn.plan(model, (WORLD,), mp=fsdpfn.MixedPrecision(codec="test_bf16_wire"))
+        .to_json()
+        .replace("test_bf16_wire", "nope")
+    )
     with pytest.raises(ValueError, match="register_codec"):
         fsdpfn.Plan.from_json(s)
     with pytest.raises(ValueError, match="a gather factory, a reduce factory"):
@@ -164,9 +171,18 @@ def _train(rank, world, codec):
         grads = torch.func.grad(lambda ps: _loss(model, fsdpfn.unshard(ps, plan), x[mine], y[mine]))(params)
         here = {n: p.full_tensor() for n, p in params.items()}
         full = torch.func.grad(lambda ps: _loss(reference, ps, x, y))(here)
-        size = {n: sum(torch.func.grad(lambda ps: _loss(reference, ps, x[r * PER_RANK:(r + 1) * PER_RANK],
-                                                        y[r * PER_RANK:(r + 1) * PER_RANK]))(here)[n].abs()
-                       for r in range(world)) / world for n in here}
+        size = {
+            n: sum(
+                torch.func.grad(
+                    lambda ps: _loss(
+                        reference, ps, x[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]
+                    )
+                )(here)[n].abs()
+                for r in range(world)
+            )
+            / world
+            for n in here
+        }
         worst = 0.0
         for n, g in grads.items():
             diff = (g.full_tensor() - full[n]).abs()
@@ -261,7 +277,10 @@ def test_the_compiled_step_runs_the_same_codec(run_on_ranks):
     for same, eager, compiled in run_on_ranks(_eager_vs_compiled, WORLD):
         assert same
         assert compiled == eager
-        assert sorted({(k, d) for k, _, d, _ in compiled}) == [("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.bfloat16")]
+        assert sorted({(k, d) for k, _, d, _ in compiled}) == [
+            ("all_gather", "torch.bfloat16"),
+            ("reduce_scatter", "torch.bfloat16"),
+        ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,8 +293,12 @@ def test_the_simulator_times_the_bytes_the_codec_states():
         model = GPT(CFG)
     plan = fsdpfn.plan(model, (WORLD,), mp=fsdpfn.MixedPrecision(codec="test_bf16_wire"))
     x, y = _batch(0)
-    wl = fsdpfn.sim.profile(model, plan, x[:PER_RANK].to("meta"),
-                            loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y[:PER_RANK].to("meta").flatten()))
+    wl = fsdpfn.sim.profile(
+        model,
+        plan,
+        x[:PER_RANK].to("meta"),
+        loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y[:PER_RANK].to("meta").flatten()),
+    )
     r = fsdpfn.sim.simulate(plan, None, wl, None, fsdpfn.sim.H100_SXM)
     units = {u.name: u for u in plan.units}
     kinds = {c.kind for c in r.calls}

@@ -32,9 +32,24 @@ from fsdpfn.models import GPT, GPTConfig
 # ---- the counter sees everything ------------------------------------------------------------
 
 _TENSOR_CALLS = (
-    "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-    "all_reduce", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter", "gather", "scatter",
-    "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_to_all",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
 )
 _OBJECT_CALLS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 
@@ -249,8 +264,11 @@ def test_peers_on_other_hosts_answer_through_the_store(run_on_ranks):
     # rank 0 waited the whole answer window: 2 s timeout + 2.5 s, plus slack for 2 busy cores.
     assert behind == [1, 2], message
     assert 2.0 + 2.5 <= waited < 2.0 + 2.5 + 4.0, waited
-    assert re.search(r"rank 1: last started #\d+ barrier of 'warm-up' \d+\.\d s ago, 1 collective\(s\) behind; "
-                     r"then #\d+ all_reduce of 'pair' on another group", message), message
+    assert re.search(
+        r"rank 1: last started #\d+ barrier of 'warm-up' \d+\.\d s ago, 1 collective\(s\) behind; "
+        r"then #\d+ all_reduce of 'pair' on another group",
+        message,
+    ), message
     assert "rank 2: no answer within 2.5 s (busy outside collectives, stopped or dead; host host2" in message, message
 
 
@@ -393,7 +411,10 @@ def test_ranks_die_with_their_launcher(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     # The launcher ignores SIGINT (as a wrapper script might) and is then killed outright.
-    job = subprocess.Popen([sys.executable, str(script), str(pids)], preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN))
+    job = subprocess.Popen(
+        [sys.executable, str(script), str(pids)],
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN),
+    )
     deadline = time.monotonic() + 60
     while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -412,9 +433,11 @@ def test_ranks_die_with_their_launcher(tmp_path):
 
 @pytest.mark.e2e
 def test_a_function_from_a_main_without_a_file_is_refused_with_the_reason():
-    code = ("import fsdpfn.testing as t\n"
-            "def f(rank, world):\n    return rank\n"
-            "try:\n    t.run_on_ranks(f, 2)\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    code = (
+        "import fsdpfn.testing as t\n"
+        "def f(rank, world):\n    return rank\n"
+        "try:\n    t.run_on_ranks(f, 2)\nexcept ValueError as e:\n    print('REFUSED', e)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "REFUSED" in proc.stdout and "defined in __main__ without a file" in proc.stdout, proc.stdout + proc.stderr
 

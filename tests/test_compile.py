@@ -151,7 +151,13 @@ def _compiled_vs_eager(rank, world, strategy, mesh_shape, overlap=False, backend
     # what the compiled forward keeps for the backward, and the backward graph's collectives:
     # test_zero3_reshards_after_forward_under_compile reads them off the same compiled step
     full_shapes = {tuple(p.shape) for p in model.parameters()}  # no activation here has a parameter's shape
-    saved = (bitwise, step.saved_for_backward, full_shapes, sorted(c.kind for c in step._graphs["backward"]), len(plan.units))
+    saved = (
+        bitwise,
+        step.saved_for_backward,
+        full_shapes,
+        sorted(c.kind for c in step._graphs["backward"]),
+        len(plan.units),
+    )
     return (*_graphs(), grad_err, loss_err, param_err, counts, _expected_counts(plan)), saved
 
 
@@ -175,15 +181,21 @@ def _once(run_on_ranks, fn, world, *args):
 # inductor run of fsdpfn.compile, with its overlap passes, checks the generated kernels within
 # _tol. zero2 is compiled for test_zero3_reshards_after_forward_under_compile anyway: its 5 steps
 # are checked here too.
-@pytest.mark.parametrize("strategy, mesh_shape, overlap, backend", [
-    pytest.param("zero3", (2,), False, "aot_eager", id="zero3"), pytest.param("zero2", (2,), False, "aot_eager", marks=COMPILE, id="zero2"),
-    pytest.param("replicate", (2,), False, "aot_eager", marks=COMPILE, id="replicate"),
-    pytest.param("zero3", (2, 1), False, "aot_eager", marks=COMPILE, id="hsdp"),
-    pytest.param("zero3", (2,), True, "inductor", marks=INDUCTOR, id="zero3-inductor-overlap")])
+@pytest.mark.parametrize(
+    "strategy, mesh_shape, overlap, backend",
+    [
+        pytest.param("zero3", (2,), False, "aot_eager", id="zero3"),
+        pytest.param("zero2", (2,), False, "aot_eager", marks=COMPILE, id="zero2"),
+        pytest.param("replicate", (2,), False, "aot_eager", marks=COMPILE, id="replicate"),
+        pytest.param("zero3", (2, 1), False, "aot_eager", marks=COMPILE, id="hsdp"),
+        pytest.param("zero3", (2,), True, "inductor", marks=INDUCTOR, id="zero3-inductor-overlap"),
+    ],
+)
 def test_pure_loop_compiles_to_one_graph_with_eager_numbers(run_on_ranks, strategy, mesh_shape, overlap, backend):
     exact = backend == "aot_eager"
     for (graphs, breaks, reasons, grad_err, loss_err, param_err, counts, expected), _ in _once(
-            run_on_ranks, _compiled_vs_eager, 2, strategy, mesh_shape, overlap, backend):
+        run_on_ranks, _compiled_vs_eager, 2, strategy, mesh_shape, overlap, backend
+    ):
         assert (graphs, breaks) == (1, 0), reasons
         assert grad_err <= (0.0 if exact else _tol(2)), grad_err
         assert loss_err <= (0.0 if exact else _tol(2)), loss_err
@@ -227,7 +239,11 @@ FP8_STEP_CFG = dataclasses.replace(FP8_CFG, depth=1)  # see STEP_CFG
 
 
 def _bitwise(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
@@ -277,7 +293,8 @@ def test_fp8_gathers_compile_with_the_eager_bytes(run_on_ranks, recipe):
     gradients and 5 SGD steps bitwise equal to eager."""
     mp = fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8=recipe)
     for _, (graphs, breaks, reasons), same, (compiled, eager) in run_on_ranks(
-            _whole_step_vs_eager, 2, dict(strategy="zero3", mp=mp), (2,), None, FP8_STEP_CFG, timeout=COMPILE_TIMEOUT):
+        _whole_step_vs_eager, 2, dict(strategy="zero3", mp=mp), (2,), None, FP8_STEP_CFG, timeout=COMPILE_TIMEOUT
+    ):
         assert (graphs, breaks) == (1, 0), reasons  # over all 5 steps: no recompile either
         assert same
         assert compiled == eager and any(c[0] == "all_gather" and c[3] == torch.uint8 for c in compiled)
@@ -292,8 +309,14 @@ def test_tensor_parallel_plans_compile_to_one_graph(run_on_ranks, strategy):
     from fsdpfn.models import GPT_TP_PLAN
 
     for _, (graphs, breaks, reasons), same, (compiled, eager) in run_on_ranks(
-            _whole_step_vs_eager, 4, dict(strategy=strategy, tp=GPT_TP_PLAN), (2, 2), ("dp", "tp"), STEP_CFG,
-            timeout=COMPILE_TIMEOUT):
+        _whole_step_vs_eager,
+        4,
+        dict(strategy=strategy, tp=GPT_TP_PLAN),
+        (2, 2),
+        ("dp", "tp"),
+        STEP_CFG,
+        timeout=COMPILE_TIMEOUT,
+    ):
         # Over all 5 steps: no recompile either (the tp hooks' check once guarded the graph on the
         # ids of the last eager unshard's tensors, a recompile at every step).
         assert (graphs, breaks) == (1, 0), reasons
@@ -326,7 +349,9 @@ def _runtime_reshard_choice(rank, world):
         model, plan, params, loss_fn = _setup(world, "zero3", (2,))
         rt = fsdpfn.runtime.Runtime(model, plan, reshard_after_forward=raf)
         x, y = _batch(rank, 0)
-        step = fsdpfn.compile(lambda p, x, y: F.cross_entropy(rt.apply(p, x).flatten(0, 1), y.flatten()), backend="aot_eager")
+        step = fsdpfn.compile(
+            lambda p, x, y: F.cross_entropy(rt.apply(p, x).flatten(0, 1), y.flatten()), backend="aot_eager"
+        )
         with fsdpfn.count_collectives() as counter:
             step(params, x, y)
         out[raf] = (counter.counts()["all_gather"], len(plan.units))
@@ -340,7 +365,9 @@ def test_the_compiled_runtime_reshards_what_its_schedule_reshards(run_on_ranks):
     default, the step test_runtime_compiles_to_one_graph_with_eager_numbers[func-1] compiles:
     its count is read off that run."""
     default = _once(run_on_ranks, _runtime_compiled_vs_eager, 2, "func", (1,), "aot_eager")
-    for res, ((_, _, _, _, _, _, counts, _),) in zip(run_on_ranks(_runtime_reshard_choice, 2, timeout=COMPILE_TIMEOUT), default):
+    for res, ((_, _, _, _, _, _, counts, _),) in zip(
+        run_on_ranks(_runtime_reshard_choice, 2, timeout=COMPILE_TIMEOUT), default
+    ):
         n = res[False][1]
         assert counts["all_gather"] == n + (n - 1) and res[False][0] == n and res[True][0] == 2 * n, (counts, res)
 
@@ -380,7 +407,9 @@ def _per_unit_vs_eager(rank, world, configs):
                 x, y = _batch(dp, i)
                 with fsdpfn.count_collectives() as counter:
                     if style == "func":
-                        grads, loss = rt.value_and_grad(lambda p: F.cross_entropy(rt.apply(p, x).float().flatten(0, 1), y.flatten()))(params)
+                        grads, loss = rt.value_and_grad(
+                            lambda p: F.cross_entropy(rt.apply(p, x).float().flatten(0, 1), y.flatten())
+                        )(params)
                     else:
                         with rt.bind(params):
                             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
@@ -391,11 +420,19 @@ def _per_unit_vs_eager(rank, world, configs):
                     params = fsdpfn.optim.apply_updates(params, updates)
                 if style == "backward":
                     params = {n: p.detach().requires_grad_() for n, p in params.items()}
-                trace.append((loss.detach(), {n: g.to_local() for n, g in grads.items()}, {n: p.to_local() for n, p in params.items()},
-                              sorted((c.kind, c.nbytes) for c in counter.calls)))
+                trace.append(
+                    (
+                        loss.detach(),
+                        {n: g.to_local() for n, g in grads.items()},
+                        {n: p.to_local() for n, p in params.items()},
+                        sorted((c.kind, c.nbytes) for c in counter.calls),
+                    )
+                )
             runs.append(trace)
-        same = all(_bitwise(a[0], b[0]) and all(_bitwise(a[1][n], b[1][n]) and _bitwise(a[2][n], b[2][n]) for n in a[1])
-                   for a, b in zip(*runs))
+        same = all(
+            _bitwise(a[0], b[0]) and all(_bitwise(a[1][n], b[1][n]) and _bitwise(a[2][n], b[2][n]) for n in a[1])
+            for a, b in zip(*runs)
+        )
         same_calls = all(a[3] == b[3] for a, b in zip(*runs))
         out.append((units, torch._dynamo.utils.counters["stats"]["unique_graphs"], same, same_calls))
     return out
@@ -409,7 +446,14 @@ PER_UNIT = [
     ("zero3", (2,), None, "backward", 2, {}),
     ("replicate", (2,), None, "backward", 1, {}),
     ("zero3", (2, 1), ("replicate", "shard"), "func", 1, {}),
-    ("zero3", (2,), None, "func", 1, {"mp": fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8="mxfp8")}),
+    (
+        "zero3",
+        (2,),
+        None,
+        "func",
+        1,
+        {"mp": fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, fp8="mxfp8")},
+    ),
     ("zero3", (2,), None, "backward", 1, {"offload": True}),
 ]
 
@@ -444,7 +488,9 @@ def _per_unit_inductor(rank, world):
     eager_rt = fsdpfn.runtime.Runtime(model, plan, prefetch=1)
     units = rt.compile_units()
     x, y = _batch(rank, 0)
-    want, _ = eager_rt.value_and_grad(lambda p: F.cross_entropy(eager_rt.apply(p, x).flatten(0, 1), y.flatten()))(params)
+    want, _ = eager_rt.value_and_grad(lambda p: F.cross_entropy(eager_rt.apply(p, x).flatten(0, 1), y.flatten()))(
+        params
+    )
     got, _ = rt.value_and_grad(lambda p: F.cross_entropy(rt.apply(p, x).flatten(0, 1), y.flatten()))(params)
     return units, max(_rel(got[n].to_local(), want[n].to_local()) for n in want)
 
@@ -488,11 +534,13 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches, backend="inductor
         model, plan, params, loss_fn = _setup(world, "zero3", (2,))
         rt = fsdpfn.runtime.Runtime(model, plan, prefetch=prefetch)
         if style == "func":
+
             def rt_loss(params, x, y):
                 return F.cross_entropy(rt.apply(params, x).flatten(0, 1), y.flatten())
 
             step = fsdpfn.compile(rt_loss, backend=backend)
         else:
+
             def fwd(x, y):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 if style == "whole-step":  # loss.backward() inside the compiled step
@@ -528,8 +576,16 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches, backend="inductor
             eager = {n: (p - LR * g_e[n]).detach() for n, p in eager.items()}
             compiled = {n: (p - LR * g_c[n]).detach() for n, p in compiled.items()}
         param_err = max(_rel(compiled[n].to_local(), eager[n].to_local()) for n in eager)
-        out.append((prefetch, *_graphs(), grad_err, param_err, counts if style == "func" else None,
-                    _expected_counts(plan, keep_root=True)))
+        out.append(
+            (
+                prefetch,
+                *_graphs(),
+                grad_err,
+                param_err,
+                counts if style == "func" else None,
+                _expected_counts(plan, keep_root=True),
+            )
+        )
     return out
 
 
@@ -539,9 +595,15 @@ def _runtime_compiled_vs_eager(rank, world, style, prefetches, backend="inductor
 # torch.compile of the forward under rt.bind; the other prefetch depth and the whole step with
 # loss.backward() on aot_eager: bitwise eager's.
 @COMPILE
-@pytest.mark.parametrize("style, prefetch, backend", [
-    pytest.param("func", 1, "aot_eager", id="func-1"), pytest.param("backward", 0, "inductor", marks=INDUCTOR, id="backward-0"),
-    pytest.param("backward", 2, "aot_eager", id="backward-2"), pytest.param("whole-step", 1, "aot_eager", id="whole-step-1")])
+@pytest.mark.parametrize(
+    "style, prefetch, backend",
+    [
+        pytest.param("func", 1, "aot_eager", id="func-1"),
+        pytest.param("backward", 0, "inductor", marks=INDUCTOR, id="backward-0"),
+        pytest.param("backward", 2, "aot_eager", id="backward-2"),
+        pytest.param("whole-step", 1, "aot_eager", id="whole-step-1"),
+    ],
+)
 def test_runtime_compiles_to_one_graph_with_eager_numbers(run_on_ranks, style, prefetch, backend):
     """Under compile the runtime runs the pure path (the compiler orders the collectives, see
     [Note: the runtime under torch.compile]); prefetch changes nothing in the numbers, and the

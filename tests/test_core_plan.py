@@ -15,7 +15,13 @@ CFG = GPTConfig(vocab_size=37, seq_len=8, width=20, depth=3, heads=2)
 def test_default_units_are_modulelist_children_plus_root():
     plan = fsdpfn.plan(GPT(CFG), (2,))
     assert [u.name for u in plan.units] == ["", "blocks.0", "blocks.1", "blocks.2"]
-    assert {p.name for p in plan.unit("").params} == {"embed.weight", "pos.weight", "norm.weight", "norm.bias", "head.weight"}
+    assert {p.name for p in plan.unit("").params} == {
+        "embed.weight",
+        "pos.weight",
+        "norm.weight",
+        "norm.bias",
+        "head.weight",
+    }
     assert plan.unit_of("blocks.1.fc.weight").name == "blocks.1"
     assert sorted(plan.param_names) == sorted(n for n, _ in GPT(CFG).named_parameters())
 

@@ -31,7 +31,11 @@ def _roundtrip(rank, world, shapes, dtype, strategy, param_dtype):
     full = fsdpfn.unshard(params, plan)
     for name, p in model.named_parameters():
         local = params[name].to_local()
-        expected_local = p.detach().chunk(world)[rank] if p.dim() and strategy != "replicate" and rank < len(p.chunk(world)) else None
+        expected_local = (
+            p.detach().chunk(world)[rank]
+            if p.dim() and strategy != "replicate" and rank < len(p.chunk(world))
+            else None
+        )
         if p.dim() and strategy != "replicate":
             start, stop = plan.unit_of(name).local_rows(name, rank)
             assert torch.equal(local, p.detach()[start:stop]), name
@@ -151,8 +155,13 @@ def _global_gradcheck(rank, world):
     # U64 * |p + h|, which the objective scales by the global weight sum_r w_r: twice, over 2h.
     # (3) The analytic side sums world weights and the quotient rounds: a few U64 * max|sum_r w_r|.
     full = {n: p.full_tensor() for n, p in params.items()}
-    size = torch.tensor([float(sum((full[n] * weights[n]).abs().sum() for n in full)),
-                         max(float(w.abs().max()) if w.numel() else 0.0 for w in weights.values())], dtype=torch.float64)
+    size = torch.tensor(
+        [
+            float(sum((full[n] * weights[n]).abs().sum() for n in full)),
+            max(float(w.abs().max()) if w.numel() else 0.0 for w in weights.values()),
+        ],
+        dtype=torch.float64,
+    )
     dist.all_reduce(size)  # sum|products| over ranks; world * max|w| >= max|sum_r w_r|
     numel = sum(p.numel() for p in model.parameters())
     pmax = max(float(t.abs().max()) for t in full.values())
@@ -162,7 +171,11 @@ def _global_gradcheck(rank, world):
         for flat in range(p.numel()):
             idx = torch.unravel_index(torch.tensor(flat), p.shape) if p.dim() else ()
             row = int(idx[0]) if p.dim() else 0
-            owner = next(r for r in range(world) if unit.local_rows(name, r)[0] <= row < unit.local_rows(name, r)[1]) if p.dim() else None
+            owner = (
+                next(r for r in range(world) if unit.local_rows(name, r)[0] <= row < unit.local_rows(name, r)[1])
+                if p.dim()
+                else None
+            )
             values = []
             for sign in (1, -1):
                 local = params[name].to_local().clone()
@@ -196,7 +209,10 @@ def _autograd_gradcheck(rank, world):
 
     def f(a, b):
         # gradcheck perturbs plain tensors; DTensor.from_local is differentiable in eager mode.
-        shards = {"p0": DTensor.from_local(a, mesh, params["p0"].placements), "p1": DTensor.from_local(b, mesh, params["p1"].placements)}
+        shards = {
+            "p0": DTensor.from_local(a, mesh, params["p0"].placements),
+            "p1": DTensor.from_local(b, mesh, params["p1"].placements),
+        }
         full = fsdpfn.unshard(shards, plan)
         return full["p0"].sin(), full["p1"] * 3
 
@@ -251,7 +267,10 @@ def _vjp_is_reduce_sum(rank, world):
         dist.all_reduce(c)
     # Two ranks: each entry is a + b in either order (addition commutes exactly) times 0.5 (exact),
     # so the VJP equals the all-reduced cotangents bit for bit on any CPU.
-    return all(torch.equal(got[n].full_tensor(), 0.5 * total[n]) and torch.equal(got[n].to_local(), want[n].to_local()) for n in cot)
+    return all(
+        torch.equal(got[n].full_tensor(), 0.5 * total[n]) and torch.equal(got[n].to_local(), want[n].to_local())
+        for n in cot
+    )
 
 
 def test_vjp_with_sum_and_scale(run_on_ranks):
@@ -286,7 +305,9 @@ def _mixed(rank, world):
     ref.load_state_dict(model.state_dict())
     torch.nn.functional.cross_entropy(ref(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     errs = [
-        ((grads[n].full_tensor() - p.grad).norm() / p.grad.norm()).item() for n, p in ref.named_parameters() if p.grad.norm() > 0
+        ((grads[n].full_tensor() - p.grad).norm() / p.grad.norm()).item()
+        for n, p in ref.named_parameters()
+        if p.grad.norm() > 0
     ]
     dtypes = {grads[n].dtype for n in grads}
     return kinds, dtypes, max(errs)
@@ -333,7 +354,9 @@ def _counts(rank, world, strategy, hsdp):
     return per_unit, predicted, counted, [u.name for u in plan.units]
 
 
-@pytest.mark.parametrize("strategy,world,hsdp", [("zero3", 2, False), ("zero2", 3, False), ("replicate", 2, False), ("zero3", 4, True)])
+@pytest.mark.parametrize(
+    "strategy,world,hsdp", [("zero3", 2, False), ("zero2", 3, False), ("replicate", 2, False), ("zero3", 4, True)]
+)
 def test_one_gather_and_one_reduce_per_unit_and_cost_matches(run_on_ranks, strategy, world, hsdp):
     for per_unit, predicted, counted, units in run_on_ranks(_counts, world, strategy, hsdp):
         assert predicted == counted
@@ -379,7 +402,6 @@ def test_bad_input_is_a_clear_value_error(run_on_ranks):
         assert "['p0'] has shape (2, 2)" in messages["reduce_shape"]
         assert "'mean' or 'sum'" in messages["op"]
         assert "mesh axis 'data' has no role" in messages["wrong_mesh"] and "axes=" in messages["wrong_mesh"]
-
 
 
 # ---- ranks must agree before the first collective ----------------------------------------------

@@ -92,17 +92,27 @@ def _cp_train(rank, world, mesh_shape, names, configs, steps=STEPS):
         model = GPT(cfg)
         plan = fsdpfn.plan(model, mesh, tp=GPT_TP_PLAN if "tp" in names else None)
         ref = _reference(cfg, plan.dp_size, steps)
-        results.append(cp_adamw_worst(model, plan, style, strategy, lambda step: _batch(plan.dp_size, step, cfg), _ce, ref,
-                                      PER_RANK, steps))
+        results.append(
+            cp_adamw_worst(
+                model, plan, style, strategy, lambda step: _batch(plan.dp_size, step, cfg), _ce, ref, PER_RANK, steps
+            )
+        )
     return results
 
 
 ALL = [(s, c, style) for s in ("allgather", "ring") for c in (True, False) for style in ("pure", "eager")]
 
 
-@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("dp", "cp")), ((1, 2, 2), ("dp", "cp", "tp")), ((1, 4), ("dp", "cp")),
-                                              ((2, 1, 2), ("replicate", "shard", "cp"))],
-                         ids=["dp2-cp2", "cp2-tp2", "cp4", "hsdp2-cp2"])
+@pytest.mark.parametrize(
+    "mesh_shape,names",
+    [
+        ((2, 2), ("dp", "cp")),
+        ((1, 2, 2), ("dp", "cp", "tp")),
+        ((1, 4), ("dp", "cp")),
+        ((2, 1, 2), ("replicate", "shard", "cp")),
+    ],
+    ids=["dp2-cp2", "cp2-tp2", "cp4", "hsdp2-cp2"],
+)
 def test_adamw_steps_match_one_process(run_on_ranks, mesh_shape, names):
     """Both strategies, causal and not, the pure loop and the runtime: see [Note: the tolerance
     of the cp parity tests]."""
@@ -159,7 +169,9 @@ def test_ring_merge_gradcheck_float64():
     gen = torch.Generator().manual_seed(3)
     args = [torch.randn(2, 3, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2)]
     lses = [torch.randn(2, 3, 1, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2)]
-    assert torch.autograd.gradcheck(lambda a, la, b, lb: fsdpfn.transforms.ring_merge(a, la, b, lb), (args[0], lses[0], args[1], lses[1]))
+    assert torch.autograd.gradcheck(
+        lambda a, la, b, lb: fsdpfn.transforms.ring_merge(a, la, b, lb), (args[0], lses[0], args[1], lses[1])
+    )
 
     seq, blocks = 8, 4
     pos = torch.arange(seq)
@@ -168,8 +180,8 @@ def test_ring_merge_gradcheck_float64():
         out = lse = None
         n = seq // blocks
         for j in range(blocks):
-            mask = pos[:, None] >= pos[j * n:(j + 1) * n][None, :]
-            o, l_ = _cp._block(q, k[..., j * n:(j + 1) * n, :], v[..., j * n:(j + 1) * n, :], mask, 0.5)
+            mask = pos[:, None] >= pos[j * n : (j + 1) * n][None, :]
+            o, l_ = _cp._block(q, k[..., j * n : (j + 1) * n, :], v[..., j * n : (j + 1) * n, :], mask, 0.5)
             out, lse = (o, l_) if out is None else fsdpfn.transforms.ring_merge(out, lse, o, l_)
         return out
 
@@ -264,8 +276,11 @@ def _balancer(rank, world, seq):
     group = dist.group.WORLD
     x = torch.arange(2 * seq).view(2, seq)
     local = fsdpfn.context_parallel_shard(x, group)
-    return (local[0].tolist(), fsdpfn.context_parallel_positions(local.shape[1], group).tolist(),
-            torch.equal(fsdpfn.context_parallel_unshard(local, group), x))
+    return (
+        local[0].tolist(),
+        fsdpfn.context_parallel_positions(local.shape[1], group).tolist(),
+        torch.equal(fsdpfn.context_parallel_unshard(local, group), x),
+    )
 
 
 def test_head_tail_chunks_positions_and_the_inverse(run_on_ranks):
@@ -325,8 +340,14 @@ def _placements(rank, world):
     inits = fsdpfn.init_shards(skeleton, fsdpfn.plan(skeleton, mesh), seed=3)
     twin = fsdpfn.init_full(skeleton, seed=3)
     same_init = all(torch.equal(fsdpfn.comm.full_tensor(v), twin[n]) for n, v in inits.items())
-    return (fsdpfn.transforms.dp_rank(plan), fsdpfn.transforms.cp_rank(plan), rows, tuple(w.placements),
-            w.device_mesh.size(), torch.equal(full["blocks.0.fc.weight"], model.blocks[0].fc.weight.detach()) and same_init)
+    return (
+        fsdpfn.transforms.dp_rank(plan),
+        fsdpfn.transforms.cp_rank(plan),
+        rows,
+        tuple(w.placements),
+        w.device_mesh.size(),
+        torch.equal(full["blocks.0.fc.weight"], model.blocks[0].fc.weight.detach()) and same_init,
+    )
 
 
 def test_every_cp_rank_holds_a_distinct_shard_and_meta_init_is_one_processs(run_on_ranks):
@@ -380,7 +401,9 @@ def _not_cp_aware(rank, world, style):
     try:
         with fsdpfn.context_parallel(plan):
             if style == "pure":
-                torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+                torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(
+                    params
+                )
             else:
                 rt = Runtime(model, plan)
                 with rt.bind(params):
@@ -396,7 +419,11 @@ def test_attention_that_is_not_cp_aware_is_named_at_the_first_step(run_on_ranks,
         # The pure loop meets the count of cp attention calls at its first reduce; the runtime's
         # first step is checked before that (fsdpfn.verify), which names the root's code between
         # the units (the attention here is not in a unit) and the cp call to make.
-        expected = "never called fsdpfn.context_parallel_attention" if style == "pure" else "unit '<root>': input 0 of unit 'blocks.1'"
+        expected = (
+            "never called fsdpfn.context_parallel_attention"
+            if style == "pure"
+            else "unit '<root>': input 0 of unit 'blocks.1'"
+        )
         assert msg and expected in msg and "cp=2" in msg and "fsdpfn.context_parallel_attention" in msg, msg
 
 
@@ -422,7 +449,9 @@ def test_cp_beside_ep_needs_cp_after_the_ep_and_shard_axes():
     # expert weights are sharded over edp x cp flattened, so a cp axis before them is refused.
     axes = fsdpfn.MeshAxes.from_shape({"ep": 2, "edp": 1, "cp": 2})
     assert (axes.dp_size, axes.grad_ranks, axes.dense_shard_size) == (2, 4, 4)
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(axis 'cp'\) beside expert parallelism .* after"):
+    with pytest.raises(
+        NotImplementedError, match=r"context parallelism \(axis 'cp'\) beside expert parallelism .* after"
+    ):
         fsdpfn.MeshAxes.from_shape({"cp": 2, "ep": 2, "edp": 1})
 
 
@@ -446,7 +475,10 @@ def _muon_dp_cp(rank, world):
     updates, _ = opt.update(fsdpfn.shard(grads, plan, check=False), opt.init(params), params)
     ref, _ = opt.update(grads, opt.init(full), full)
     w = params["blocks.0.fc.weight"]
-    group = [w.device_mesh.size(d) for d in split_mesh_dims(w.placements, [w.device_mesh.size(d) for d in range(w.device_mesh.ndim)])]
+    group = [
+        w.device_mesh.size(d)
+        for d in split_mesh_dims(w.placements, [w.device_mesh.size(d) for d in range(w.device_mesh.ndim)])
+    ]
     return group, all(torch.equal(updates[n].full_tensor(), ref[n]) for n in full)
 
 
@@ -456,7 +488,9 @@ def test_muon_on_dp_cp_equals_one_process_bitwise(run_on_ranks):
 
 
 def _ckpt_template(model, plan):
-    params = {n: p * 0 - 1 for n, p in fsdpfn.shard(model, plan).items()}  # not the saved values: the load must overwrite them
+    params = {
+        n: p * 0 - 1 for n, p in fsdpfn.shard(model, plan).items()
+    }  # not the saved values: the load must overwrite them
     return {"params": params, "opt_state": fsdpfn.optim.adamw(1e-3).init(params), "step": 0}
 
 
@@ -476,7 +510,9 @@ def _ckpt_step(rank, world, src, dst, shape, names):
         for step in range(2):
             x, y = fsdpfn.context_parallel_shard(tuple(t[mine] for t in _batch(plan.dp_size, step)), plan)
             with fsdpfn.context_parallel(plan):
-                g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+                g = torch.func.grad(
+                    lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
+                )(params)
             updates, state = opt.update(g, state, params)
             params = fsdpfn.optim.apply_updates(params, updates)
         full_state = {"params": params, "opt_state": state, "step": 2}
@@ -535,4 +571,6 @@ def test_remat_recomputes_attention_over_cp_after_the_block_ended(run_on_ranks, 
     on the same values, in the same order)."""
     plain = run_on_ranks(_remat_grads, 4, style, "none")[0]
     for got in run_on_ranks(_remat_grads, 4, style, "full"):
-        assert all(torch.equal(got[n], plain[n]) for n in plain), [n for n in plain if not torch.equal(got[n], plain[n])]
+        assert all(torch.equal(got[n], plain[n]) for n in plain), [
+            n for n in plain if not torch.equal(got[n], plain[n])
+        ]

@@ -50,8 +50,19 @@ from _cp_steps import cp_adamw_worst
 from _parity import one_process
 
 SEQ = 16
-CFG = GPTConfig(vocab_size=29, seq_len=SEQ, width=16, depth=2, heads=4, bias=False, experts=4, top_k=2, aux_weight=0.1,
-                capacity_factor=None, causal=True)
+CFG = GPTConfig(
+    vocab_size=29,
+    seq_len=SEQ,
+    width=16,
+    depth=2,
+    heads=4,
+    bias=False,
+    experts=4,
+    top_k=2,
+    aux_weight=0.1,
+    capacity_factor=None,
+    causal=True,
+)
 PER_RANK = 2
 STEPS = 5
 MESH = ((2, 1, 2), ("ep", "edp", "cp"))
@@ -80,8 +91,11 @@ def _head_tail(seq, cp, r):
 
 def _rank_tokens(dp, cp, seq=SEQ):
     """The flat (batch x seq) token indices each (dp position, cp position) rank routes."""
-    return [torch.tensor([b * seq + t for b in range(d * PER_RANK, (d + 1) * PER_RANK) for t in _head_tail(seq, cp, c)])
-            for d in range(dp) for c in range(cp)]
+    return [
+        torch.tensor([b * seq + t for b in range(d * PER_RANK, (d + 1) * PER_RANK) for t in _head_tail(seq, cp, c)])
+        for d in range(dp)
+        for c in range(cp)
+    ]
 
 
 def _per_rank_moe(model, groups):
@@ -91,9 +105,11 @@ def _per_rank_moe(model, groups):
     back = torch.argsort(order)
     for m in model.modules():
         if isinstance(m, MoE):
+
             def forward(x, m=m):
                 outs = [MoE.forward(m, x[g]) for g in groups]
                 return torch.cat([y for y, _ in outs])[back], sum(a for _, a in outs) / len(outs)
+
             m.forward = forward
 
 
@@ -132,8 +148,11 @@ def _train(rank, world, mesh_shape, names, configs, steps=STEPS):
         plan = fsdpfn.plan(model, mesh)
         ref = _reference(plan.dp_size, plan.axes.cp_size, steps)
         me = fsdpfn.transforms.dp_rank(plan)
-        results.append(cp_adamw_worst(model, plan, style, strategy, lambda step: _batch(plan.dp_size, step), _loss, ref,
-                                      PER_RANK, steps))
+        results.append(
+            cp_adamw_worst(
+                model, plan, style, strategy, lambda step: _batch(plan.dp_size, step), _loss, ref, PER_RANK, steps
+            )
+        )
     return (me, fsdpfn.transforms.cp_rank(plan), plan.dp_size, plan.grad_ranks), results
 
 
@@ -159,7 +178,9 @@ def test_plan_shards_dense_over_ep_x_edp_x_cp_and_experts_over_edp_x_cp():
     experts = [u for u in plan.units if u.experts]
     assert dense and experts
     for u in dense:
-        assert P.unit_row_roles(u, plan.axes) == (fsdpfn.Role.EP, fsdpfn.Role.SHARD, fsdpfn.Role.CP) and u.shard_size == 4
+        assert (
+            P.unit_row_roles(u, plan.axes) == (fsdpfn.Role.EP, fsdpfn.Role.SHARD, fsdpfn.Role.CP) and u.shard_size == 4
+        )
     for u in experts:
         assert P.unit_row_roles(u, plan.axes) == (fsdpfn.Role.SHARD, fsdpfn.Role.CP) and u.shard_size == 2
         assert P.reduce_roles(u.params[0], plan.axes) == (fsdpfn.Role.SHARD, fsdpfn.Role.CP)
@@ -167,7 +188,9 @@ def test_plan_shards_dense_over_ep_x_edp_x_cp_and_experts_over_edp_x_cp():
 
 def test_cp_before_the_ep_and_shard_axes_is_refused_by_name():
     for shape in ({"cp": 2, "ep": 2, "edp": 1}, {"ep": 2, "cp": 2, "edp": 1}):
-        with pytest.raises(NotImplementedError, match=r"context parallelism \(axis 'cp'\) beside expert parallelism .* after"):
+        with pytest.raises(
+            NotImplementedError, match=r"context parallelism \(axis 'cp'\) beside expert parallelism .* after"
+        ):
             fsdpfn.MeshAxes.from_shape(shape)
     with pytest.raises(NotImplementedError, match=r"axis 'tp' \(tp\) cannot be combined"):
         fsdpfn.MeshAxes.from_shape({"ep": 2, "edp": 1, "cp": 2, "tp": 2})
@@ -177,7 +200,9 @@ def test_cp_before_the_ep_and_shard_axes_is_refused_by_name():
 
 
 def _ckpt_template(model, plan):
-    params = {n: p * 0 - 1 for n, p in fsdpfn.shard(model, plan).items()}  # not the saved values: the load must overwrite them
+    params = {
+        n: p * 0 - 1 for n, p in fsdpfn.shard(model, plan).items()
+    }  # not the saved values: the load must overwrite them
     return {"params": params, "opt_state": fsdpfn.optim.adamw(1e-3).init(params), "step": 0}
 
 
@@ -198,7 +223,9 @@ def _ckpt_step(rank, world, src, dst, shape, names):
         for step in range(2):
             x, y = fsdpfn.context_parallel_shard(tuple(t[mine] for t in _batch(plan.dp_size, step)), plan)
             with fsdpfn.context_parallel(plan):
-                g = torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+                g = torch.func.grad(
+                    lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
+                )(params)
             updates, state = opt.update(g, state, params)
             params = fsdpfn.optim.apply_updates(params, updates)
         full_state = {"params": params, "opt_state": state, "step": 2}
@@ -254,10 +281,14 @@ def _compiled_refusal(rank, world, names):
     return "compiled"
 
 
-@pytest.mark.parametrize("names,axis", [(("dp", "cp"), "context parallelism (cp=2)"), (("ep", "edp"), "expert parallelism (ep=2)")])
+@pytest.mark.parametrize(
+    "names,axis", [(("dp", "cp"), "context parallelism (cp=2)"), (("ep", "edp"), "expert parallelism (ep=2)")]
+)
 def test_compiling_a_cp_or_ep_step_is_refused_by_name(run_on_ranks, names, axis):
     """Their units gather over axes flattened with shard, which the traced collectives do not size:
     the compile is refused naming the axis and the eager alternatives, not a fake-tensor error
     from inside dynamo."""
     for message in run_on_ranks(_compiled_refusal, 2, names, timeout=600):
-        assert axis in message and "does not run under torch.compile yet" in message and "Runtime" in message, message[:1500]
+        assert axis in message and "does not run under torch.compile yet" in message and "Runtime" in message, message[
+            :1500
+        ]

@@ -43,8 +43,16 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-PUBLIC_MODULES = ["fsdpfn", "fsdpfn.optim", "fsdpfn.runtime", "fsdpfn.checkpoint", "fsdpfn.comm", "fsdpfn.fp8",
-                  "fsdpfn.sim", "fsdpfn.testing"]
+PUBLIC_MODULES = [
+    "fsdpfn",
+    "fsdpfn.optim",
+    "fsdpfn.runtime",
+    "fsdpfn.checkpoint",
+    "fsdpfn.comm",
+    "fsdpfn.fp8",
+    "fsdpfn.sim",
+    "fsdpfn.testing",
+]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 _FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 _MARK = re.compile(r"^<!--\s*test:\s*(?P<kind>run|pytest|ranks=(?P<n>\d+))\s*-->$")
@@ -89,7 +97,9 @@ def _blocks(page: str) -> list[Block]:
             end += 1
         prev = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         mark = _MARK.match(prev)
-        blocks.append(Block(page, start + 1, lang, mark["kind"] if mark else None, "\n".join(lines[start + 1 : end]) + "\n"))
+        blocks.append(
+            Block(page, start + 1, lang, mark["kind"] if mark else None, "\n".join(lines[start + 1 : end]) + "\n")
+        )
         i = end + 1
     return blocks
 
@@ -144,8 +154,14 @@ def test_site_builds_strict_without_warnings(tmp_path):
     if missing:
         pytest.skip(f"{missing} is not installed: pip install -e '.[docs]' (make test installs it)")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     warnings = [line for line in log.splitlines() if "WARNING" in line]
     assert proc.returncode == 0 and not warnings, log[-6000:]
@@ -157,7 +173,9 @@ def test_site_builds_strict_without_warnings(tmp_path):
     assert _links_that_are_not_files(site) == [], "mkdocs.yml: use_directory_urls must stay false"
     # The API reference rendered the docstrings, examples included (as code, not prose).
     api = (site / "api" / "fsdpfn.runtime.html").read_text()
-    assert "Runs a model&#39;s training steps under a plan" in api or "Runs a model's training steps under a plan" in api
+    assert (
+        "Runs a model&#39;s training steps under a plan" in api or "Runs a model's training steps under a plan" in api
+    )
     assert "value_and_grad" in api and '<span class="gp">&gt;&gt;&gt; </span>' in api  # a highlighted >>> prompt
 
 
@@ -214,8 +232,9 @@ def _run_pycon(rank: int, world_size: int, page: str, workdir: str) -> tuple[int
 
 
 # A `pytest` block runs pytest in a fresh process (see conftest.py: `make test-e2e`).
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.e2e] if b.mark == "pytest" else [])
-                                   for b in MARKED])
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=b.id, marks=[pytest.mark.e2e] if b.mark == "pytest" else []) for b in MARKED]
+)
 def test_marked_blocks_run(run_on_ranks, tmp_path, block):
     if block.mark == "pytest":
         first = block.code.splitlines()[0]
@@ -223,11 +242,21 @@ def test_marked_blocks_run(run_on_ranks, tmp_path, block):
         assert name, f"{block.where}: a pytest block starts with '# test_<name>.py', got {first!r}"
         (tmp_path / name[1]).write_text(block.code)
         env = {**os.environ, "PYTHONPATH": ROOT, "FSDPFN_WORKER_WARNINGS": "error"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-W", "error", "-p", "no:cacheprovider", name[1]],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0 and " passed" in proc.stdout, f"{block.where}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-W", "error", "-p", "no:cacheprovider", name[1]],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0 and " passed" in proc.stdout, (
+            f"{block.where}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+        )
         return
-    assert re.search(r"^\s*assert\b|assert_close\(", block.code, re.M), f"{block.where} runs but checks nothing: add an assert"
+    assert re.search(r"^\s*assert\b|assert_close\(", block.code, re.M), (
+        f"{block.where} runs but checks nothing: add an assert"
+    )
     world = 1 if block.mark == "run" else int(block.mark.split("=")[1])
     run_on_ranks(_exec_block, world, block.code, block.where, str(tmp_path))
 
@@ -236,7 +265,9 @@ def test_marked_blocks_run(run_on_ranks, tmp_path, block):
 def test_pycon_blocks_are_doctests(run_on_ranks, tmp_path, page):
     [(examples, report)] = run_on_ranks(_run_pycon, 1, page, str(tmp_path))
     assert examples > 0
-    assert not report, f"docs/{page}: the printed output differs from what the code prints now (update the page):\n{report}"
+    assert not report, (
+        f"docs/{page}: the printed output differs from what the code prints now (update the page):\n{report}"
+    )
 
 
 # ---- what the pages point at ---------------------------------------------------------------

@@ -63,42 +63,81 @@ HOW: list[tuple[str, str, str]] = [
     (r"^torchrun --nproc-per-node 2 examples/quickstart\.py$", "run", ""),
     (r"^python examples/your_model\.py$", "test", "tests/test_docs_figures.py::test_your_model_first_losses"),
     (r"^(python|torchrun .*) examples/your_model\.py\b", "run", "--steps 2 --log-every 1 --out {tmp}/out"),
-    (r"^python examples/train_gpt\.py --resume runs/",  # the checkpoint the page's earlier commands wrote
-     "test", "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory"),
-    (r"^torchrun .* examples/train_gpt\.py .*--device cuda",  # on a GPU machine; here: the flags, with --device cpu
-     "gpu", "tests/test_train_gpt.py::test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason"),
+    (
+        r"^python examples/train_gpt\.py --resume runs/",  # the checkpoint the page's earlier commands wrote
+        "test",
+        "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory",
+    ),
+    (
+        r"^torchrun .* examples/train_gpt\.py .*--device cuda",  # on a GPU machine; here: the flags, with --device cpu
+        "gpu",
+        "tests/test_train_gpt.py::test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason",
+    ),
     # The fault-tolerant demo, run for real: a lighthouse, two replica groups of 2 ranks, a tiny
     # model; the fault (a rank of group 1 killed in step 3) leaves the survivors finishing before
     # the restarted group is up, which then has nothing to rejoin (tests/test_ft_faults.py runs
     # the rejoins).
-    (r"^python examples/train_gpt\.py .*--ft\b.*--resume\b", "test",
-     "tests/test_ft_faults.py::test_demo_ft_resume_continues_every_group_from_its_checkpoint"),
-    (r"^python examples/train_gpt\.py .*--ft\b.*--fault", "run",
-     "--steps 6 --fault 1:1:3:kill --step-delay 0 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 "
-     "--log-every 1 --eval-every 0 --sample-chars 0 --no-progress --ckpt-every 3 --ft-timeout 10 --out {tmp}/ft"),
-    (r"^python examples/train_gpt\.py .*--ft\b", "run",
-     "--steps 4 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 --log-every 1 --eval-every 0 "
-     "--sample-chars 0 --no-progress --ckpt-every 2 --ft-timeout 10 --out {tmp}/ft"),
-    (r"^(python|torchrun .*) examples/train_gpt\.py\b",
-     "validate", "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory"),
-    (r"^python examples/tensor_parallel\.py$",
-     "test", "tests/test_tp.py::test_the_tensor_parallel_example_resumes_at_another_tp_degree"),
+    (
+        r"^python examples/train_gpt\.py .*--ft\b.*--resume\b",
+        "test",
+        "tests/test_ft_faults.py::test_demo_ft_resume_continues_every_group_from_its_checkpoint",
+    ),
+    (
+        r"^python examples/train_gpt\.py .*--ft\b.*--fault",
+        "run",
+        "--steps 6 --fault 1:1:3:kill --step-delay 0 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 "
+        "--log-every 1 --eval-every 0 --sample-chars 0 --no-progress --ckpt-every 3 --ft-timeout 10 --out {tmp}/ft",
+    ),
+    (
+        r"^python examples/train_gpt\.py .*--ft\b",
+        "run",
+        "--steps 4 --width 16 --depth 1 --heads 2 --seq-len 16 --batch-size 2 --log-every 1 --eval-every 0 "
+        "--sample-chars 0 --no-progress --ckpt-every 2 --ft-timeout 10 --out {tmp}/ft",
+    ),
+    (
+        r"^(python|torchrun .*) examples/train_gpt\.py\b",
+        "validate",
+        "tests/test_train_gpt.py::test_readme_demo_commands_run_in_order_on_a_fresh_directory",
+    ),
+    (
+        r"^python examples/tensor_parallel\.py$",
+        "test",
+        "tests/test_tp.py::test_the_tensor_parallel_example_resumes_at_another_tp_degree",
+    ),
     (r"^(python|torchrun .*) examples/functional_loop\.py\b", "run", "--steps 2"),
     (r"^(python|torchrun .*) examples/(tensor|expert)_parallel\.py\b", "run", "--steps 2 --dir {tmp}/ckpt"),
-    (r"^python examples/finetune_hf\.py --model ",  # a local directory; the test builds one in the hub's layout
-     "test", "tests/test_finetune_hf.py::test_finetune_hf_runs_on_a_hub_layout_directory"),
-    (r"^python examples/finetune_hf\.py$", "run",
-     "--steps 2 --log-every 1 --batch-size 2 --seq-len 16 --sample-tokens 5 --no-progress --out {tmp}/hf"),
+    (
+        r"^python examples/finetune_hf\.py --model ",  # a local directory; the test builds one in the hub's layout
+        "test",
+        "tests/test_finetune_hf.py::test_finetune_hf_runs_on_a_hub_layout_directory",
+    ),
+    (
+        r"^python examples/finetune_hf\.py$",
+        "run",
+        "--steps 2 --log-every 1 --batch-size 2 --seq-len 16 --sample-tokens 5 --no-progress --out {tmp}/hf",
+    ),
     # One micro-batch per rank and one prefetch depth: the search, not its breadth (4M tokens of
     # Llama 8B on 64 ranks are 16 micro-batches, each simulated).
-    (r"^python examples/plan_search\.py .*--hardware measure", "run", "--global-tokens 4096 --prefetch 1"),  # starts ranks
+    (
+        r"^python examples/plan_search\.py .*--hardware measure",
+        "run",
+        "--global-tokens 4096 --prefetch 1",
+    ),  # starts ranks
     # The page's plain search (and its plot) on 8 ranks, not 64: the same search over fewer mesh shapes.
-    (r"^python examples/plan_search\.py( --plot \S+)?$", "here", "--gpus 8 --global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png"),
+    (
+        r"^python examples/plan_search\.py( --plot \S+)?$",
+        "here",
+        "--gpus 8 --global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png",
+    ),
     (r"^python examples/plan_search\.py\b", "here", "--global-tokens 4096 --prefetch 1 --plot {tmp}/pick.png"),
     (r"^python benchmarks/compile_bucket\.py\b", "run", "--steps 1"),
     # On a GPU the check runs for minutes and installs what is missing: its dry run (CUDA hidden),
     # its flags and its steps' code are tests/test_gpu_check.py's.
-    (r"^python benchmarks/gpu_check\.py\b", "test", "tests/test_gpu_check.py::test_the_dry_run_says_skipped_no_cuda_for_every_step"),
+    (
+        r"^python benchmarks/gpu_check\.py\b",
+        "test",
+        "tests/test_gpu_check.py::test_the_dry_run_says_skipped_no_cuda_for_every_step",
+    ),
     # Two short sequences at every cp degree, and the projection of its first row (cp 1, 32k tokens).
     (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
     # The census of one block: the breaks are the runtime's, the same at any depth (a third less tracing).
@@ -117,35 +156,73 @@ HOW: list[tuple[str, str, str]] = [
     # run without a fault: the faults are tests/test_ft_faults.py's.
     (r"^python benchmarks/chaos\.py\b", "run", "--faults 0 --steps 4 --ckpt-every 2 --step-delay 0 --no-baseline"),
     # A replica group of a fault-tolerant job needs a lighthouse and peers: the test starts both.
-    (r"^python examples/ft_replicas\.py\b", "test",
-     "tests/test_ft.py::test_a_lost_replica_does_not_stop_the_job_and_a_restarted_one_rejoins"),
-    (r"^python benchmarks/fp8_gather\.py\b", "run",
-     "--width 64 --vocab 256 --seq 32 --small-width 64 --small-vocab 256 --small-seq 32 --batch 1 --steps 1 --warmup 0 "
-     "--demo-steps 10 --runs {shared}/fp8_off {shared}/fp8_on --plot {tmp}/fp8_loss.png"),
-    (r"^python benchmarks/init_memory\.py\b", "run", "--world-size 2 --width 64 --depth 1 --heads 2 --vocab 64 --seq-len 16"),
-    (r"^python benchmarks/memory_levers\.py\b", "run", "--steps 1 --width 64 --depth 2 --heads 2 --vocab 128 --seq 32 --batch 1"),
+    (
+        r"^python examples/ft_replicas\.py\b",
+        "test",
+        "tests/test_ft.py::test_a_lost_replica_does_not_stop_the_job_and_a_restarted_one_rejoins",
+    ),
+    (
+        r"^python benchmarks/fp8_gather\.py\b",
+        "run",
+        "--width 64 --vocab 256 --seq 32 --small-width 64 --small-vocab 256 --small-seq 32 --batch 1 --steps 1 --warmup 0 "
+        "--demo-steps 10 --runs {shared}/fp8_off {shared}/fp8_on --plot {tmp}/fp8_loss.png",
+    ),
+    (
+        r"^python benchmarks/init_memory\.py\b",
+        "run",
+        "--world-size 2 --width 64 --depth 1 --heads 2 --vocab 64 --seq-len 16",
+    ),
+    (
+        r"^python benchmarks/memory_levers\.py\b",
+        "run",
+        "--steps 1 --width 64 --depth 2 --heads 2 --vocab 128 --seq 32 --batch 1",
+    ),
     (r"^python benchmarks/moe\.py\b", "run", "--width 32 --tokens 32 --steps 1 --warmup 0"),
     (r"^python benchmarks/muon\.py --project$", "here", ""),
     # With --mesh (a tp axis of up to 4), heads that every tp degree divides.
-    (r"^python benchmarks/muon\.py .*--mesh\b", "run",
-     "--width 64 --depth 1 --vocab 128 --seq 16 --heads 4 --batch 1 --steps 1 --warmup 0 --batches 1,2"),
-    (r"^python benchmarks/muon\.py\b", "run",
-     "--width 64 --depth 1 --vocab 128 --seq 16 --heads 2 --batch 1 --steps 1 --warmup 0 --batches 1,2"),
-    (r"^python benchmarks/sim_project\.py\b", "here", "--models 8b --gpus 8 --global-tokens 32768"),  # one search, not eight
+    (
+        r"^python benchmarks/muon\.py .*--mesh\b",
+        "run",
+        "--width 64 --depth 1 --vocab 128 --seq 16 --heads 4 --batch 1 --steps 1 --warmup 0 --batches 1,2",
+    ),
+    (
+        r"^python benchmarks/muon\.py\b",
+        "run",
+        "--width 64 --depth 1 --vocab 128 --seq 16 --heads 2 --batch 1 --steps 1 --warmup 0 --batches 1,2",
+    ),
+    (
+        r"^python benchmarks/sim_project\.py\b",
+        "here",
+        "--models 8b --gpus 8 --global-tokens 32768",
+    ),  # one search, not eight
     (r"^python benchmarks/sim_published\.py\b", "here", "--max-rows 2"),
     # Every grid command runs as the whole grid (each strategy, prefetch depth and optimizer: a
     # superset of what each command picks) on a tiny model at one world size; each search check
     # at one world size and one budget.
-    (r"^python benchmarks/sim_validate\.py\b", "run",
-     "--world-sizes 4 --strategies local,replicate,zero1,zero2,zero3,hsdp --optimizers adamw,muon --search-budget-mib 128 "
-     "--width 32 --depth 2 --heads 2 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0 --probe-repeats 1"),
-    (r"^python benchmarks/tp\.py\b", "run", "--width 32 --depth 1 --heads 4 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0"),
+    (
+        r"^python benchmarks/sim_validate\.py\b",
+        "run",
+        "--world-sizes 4 --strategies local,replicate,zero1,zero2,zero3,hsdp --optimizers adamw,muon --search-budget-mib 128 "
+        "--width 32 --depth 2 --heads 2 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0 --probe-repeats 1",
+    ),
+    (
+        r"^python benchmarks/tp\.py\b",
+        "run",
+        "--width 32 --depth 1 --heads 4 --vocab 64 --seq 16 --batch 1 --steps 1 --warmup 0",
+    ),
     # Two configurations, between them each strategy and each precision the commands name; the
     # peak memory (a fresh 2-rank launch per side) of one of them: the same code for each.
-    (r"^python benchmarks/vs_fsdp2\.py\b(?!.*--compile)", "run",
-     "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0 --memory-steps 1 --configs zero2:fp32,zero3:bf16 "
-     "--memory-configs zero3:bf16"),
-    (r"^python benchmarks/vs_fsdp2\.py\b", "run", "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0"),
+    (
+        r"^python benchmarks/vs_fsdp2\.py\b(?!.*--compile)",
+        "run",
+        "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0 --memory-steps 1 --configs zero2:fp32,zero3:bf16 "
+        "--memory-configs zero3:bf16",
+    ),
+    (
+        r"^python benchmarks/vs_fsdp2\.py\b",
+        "run",
+        "--width 64 --depth 1 --heads 2 --vocab 128 --seq 16 --batch 1 --steps 1 --warmup 0",
+    ),
 ]
 
 
@@ -186,8 +263,9 @@ def documented_commands() -> dict[str, list[str]]:
         if argv and "..." not in argv and not any(a.startswith("[") for a in argv):  # a usage line's [optional] flags
             found.setdefault(shlex.join(argv), []).append(where)
 
-    pages = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
-                                                                                  recursive=True))
+    pages = ["README.md"] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+    )
     for page in pages:
         with open(os.path.join(ROOT, page), encoding="utf-8") as f:
             text = f.read()
@@ -199,7 +277,9 @@ def documented_commands() -> dict[str, list[str]]:
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "sim", "*.txt"))):
         with open(path, encoding="utf-8") as f:
             add(f.readline(), os.path.relpath(path, ROOT))
-    for path in sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))):
+    for path in sorted(
+        glob.glob(os.path.join(ROOT, "examples", "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    ):
         with open(path, encoding="utf-8") as f:
             doc = re.match(r'\s*(?:#.*\n)*\s*"""(.*?)"""', f.read(), re.S)
         for line in (doc[1] if doc else "").replace("\\\\\n", " ").splitlines():
@@ -220,9 +300,13 @@ def how(command: str) -> tuple[str, str]:
 
 def test_the_collector_finds_the_commands_the_pages_are_known_to_show():
     # Guards the collector: if it stopped finding commands, every check below would pass vacuously.
-    for command in ["python examples/quickstart.py", "python examples/your_model.py --world-size 3 --strategy zero2 --steps 100",
-                    "torchrun --nproc-per-node 2 examples/quickstart.py", "make test",
-                    "python benchmarks/sim_validate.py --width 512 --vocab 4096 --seq 256 --steps 5 --world-sizes 4 --optimizers muon"]:
+    for command in [
+        "python examples/quickstart.py",
+        "python examples/your_model.py --world-size 3 --strategy zero2 --steps 100",
+        "torchrun --nproc-per-node 2 examples/quickstart.py",
+        "make test",
+        "python benchmarks/sim_validate.py --width 512 --vocab 4096 --seq 256 --steps 5 --world-sizes 4 --optimizers muon",
+    ]:
         assert command in COMMANDS, sorted(COMMANDS)
     assert len(COMMANDS) > 50, len(COMMANDS)
 
@@ -274,7 +358,9 @@ def test_pip_lines_name_extras_that_exist():
     for command in _of("pip"):
         for extras in re.findall(r"\.\[([\w,]+)\]", command):
             for extra in extras.split(","):
-                assert re.search(rf"^{extra} = \[", pyproject, re.M), f"`{command}`: pyproject.toml has no extra {extra!r}"
+                assert re.search(rf"^{extra} = \[", pyproject, re.M), (
+                    f"`{command}`: pyproject.toml has no extra {extra!r}"
+                )
 
 
 def _script(argv: list[str]) -> tuple[str, list[str], int]:
@@ -332,7 +418,11 @@ def _what_it_parses(command: str) -> str:
     saved = dict(os.environ), list(sys.path), sys.argv
     sys.argv = [path, *flags]
     try:
-        with _stop_after_parsing(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with (
+            _stop_after_parsing(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             runpy.run_path(path, run_name="__main__")
     except _Parsed as parsed:
         return repr(sorted(vars(parsed.namespace).items()))
@@ -367,7 +457,9 @@ def test_runs_stand_for_the_commands_that_parse_alike():
 
     assert run_of("python benchmarks/moe.py --steps 20") == run_of("python benchmarks/moe.py")
     assert run_of("python benchmarks/muon.py --project") != run_of("python benchmarks/muon.py")
-    assert run_of("torchrun --nproc-per-node 2 examples/functional_loop.py") != run_of("python examples/functional_loop.py")
+    assert run_of("torchrun --nproc-per-node 2 examples/functional_loop.py") != run_of(
+        "python examples/functional_loop.py"
+    )
     assert sorted(c for same in RUNS.values() for c in same) == sorted(_of("run") + _of("here"))
     assert len(RUNS) > 30, len(RUNS)
 
@@ -418,7 +510,9 @@ def test_torchrun_commands_accept_their_flags_at_the_launchers_world_size(comman
     err = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            if re.search(r"^def parse_args\(", source, re.M):  # and its own checks after argparse's (examples/your_model.py)
+            if re.search(
+                r"^def parse_args\(", source, re.M
+            ):  # and its own checks after argparse's (examples/your_model.py)
                 _module(path).parse_args(flags)
             else:
                 with _stop_after_parsing():
@@ -428,8 +522,10 @@ def test_torchrun_commands_accept_their_flags_at_the_launchers_world_size(comman
         pass
     except SystemExit as e:
         if e.code not in (0, None):
-            pytest.fail(f"`{command}` (shown in {COMMANDS[command]}) is refused before a rank starts (exit {e.code}):\n"
-                        f"{err.getvalue()[-2000:]}")
+            pytest.fail(
+                f"`{command}` (shown in {COMMANDS[command]}) is refused before a rank starts (exit {e.code}):\n"
+                f"{err.getvalue()[-2000:]}"
+            )
     finally:
         os.environ.clear()
         os.environ.update(saved[0])
@@ -443,12 +539,21 @@ def test_torchrun_commands_accept_their_flags_at_the_launchers_world_size(comman
 RESULTS: list[tuple[str, list[str]]] = [
     (r"examples/quickstart\.py", [r"^loss \d+\.\d+ -> \d+\.\d+ in 20 steps$"]),
     (r"examples/functional_loop\.py", [r"^max relative difference to the one-process run: "]),
-    (r"examples/tensor_parallel\.py", [r"^saved step_\d+ on dp=\d x tp=\d, resumed on dp=\d x tp=\d; final loss \d\.\d+$"]),
-    (r"examples/expert_parallel\.py", [r"^saved step_\d+ on ep=\d x edp=\d, resumed on ep=\d x edp=\d; final loss \d\.\d+$"]),
+    (
+        r"examples/tensor_parallel\.py",
+        [r"^saved step_\d+ on dp=\d x tp=\d, resumed on dp=\d x tp=\d; final loss \d\.\d+$"],
+    ),
+    (
+        r"examples/expert_parallel\.py",
+        [r"^saved step_\d+ on ep=\d x edp=\d, resumed on ep=\d x edp=\d; final loss \d\.\d+$"],
+    ),
     (r"examples/(tensor|expert)_parallel\.py", [r"^largest relative difference from one process: "]),
     (r"examples/plan_search\.py", [r"^pick: ", r"^  plan = fsdpfn\.plan\(model, mesh, "]),
     (r"compile_bucket\.py", [r"^step time, bucket=True / bucket=False: "]),
-    (r"benchmarks/cp\.py(?!.*--no-gloo)", [r"^cp exchange counted == listed \(calls, bytes\) in (\d+)/\1 rows; every rank sends the same: True$"]),
+    (
+        r"benchmarks/cp\.py(?!.*--no-gloo)",
+        [r"^cp exchange counted == listed \(calls, bytes\) in (\d+)/\1 rows; every rank sends the same: True$"],
+    ),
     (r"benchmarks/cp\.py(?!.*--no-project)", [r"^\(\d+ s\) projected / torchtitan tokens/s/GPU: "]),
     (r"benchmarks/pp\.py", [r"^largest \|op lists - closed form\|: .*; equal to rounding: True$"]),
     (r"compile_probe\.py", [r"^runtime: forward \+ loss\.backward\(\): \d+ graph"]),
@@ -457,7 +562,10 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"benchmarks/replicas\.py", [r"^steps lost, fsdpfn\.ft / stop-and-restart: \d+\.\d+x$"]),
     (r"exit_stress\.py", [r"^non-zero exits: 0$"]),
     (r"flight_recorder\.py", [r"^after +\d"]),
-    (r"fp8_gather\.py(?!.*--parts)|--parts bytes", [r"^counted == plan\.cost\(\) for all-gather and reduce-scatter: True;"]),
+    (
+        r"fp8_gather\.py(?!.*--parts)|--parts bytes",
+        [r"^counted == plan\.cost\(\) for all-gather and reduce-scatter: True;"],
+    ),
     (r"fp8_gather\.py(?!.*--parts)|--parts \S*time", [r"^\| training step, params fp32, "]),
     (r"fp8_gather\.py(?!.*--parts)|--parts \S*loss", [r"^plot: "]),
     (r"init_memory\.py", [r"^\| way to get the shards \|"]),
@@ -470,8 +578,13 @@ RESULTS: list[tuple[str, list[str]]] = [
     (r"sim_validate\.py(?!.*--search-check)", [r"^memory: \d+/\d+ rows within 5%"]),
     (r"sim_validate\.py .*--search-check", [r"^\| 4 \| "]),
     (r"benchmarks/tp\.py", [r"^every call equal to the list .*: True; the same counts on every rank: True"]),
-    (r"vs_fsdp2\.py(?!.*--compile)", [r"^collective calls per step \(rank 0\):$",
-                                      r"^  zero3 bf16 \| .* \| \d+\.\d\d \(\d+/\d+ MiB\) \| [\d.]+ MiB$"]),  # its peak memory measured
+    (
+        r"vs_fsdp2\.py(?!.*--compile)",
+        [
+            r"^collective calls per step \(rank 0\):$",
+            r"^  zero3 bf16 \| .* \| \d+\.\d\d \(\d+/\d+ MiB\) \| [\d.]+ MiB$",
+        ],
+    ),  # its peak memory measured
     (r"vs_fsdp2\.py .*--compile", [r"^whole-step compile "]),
 ]
 AGREES = r"^(?:max|largest) relative difference (?:to|from) (?:the )?one[- ]process(?: run)?: (\S+)$"
@@ -483,9 +596,11 @@ ALL = os.environ.get("FSDPFN_DOCS_COMMANDS") == "all"
 
 
 # The script's cheapest run where its first command is not (fewer launches).
-CHEAPEST = {"python benchmarks/exit_stress.py -n 5 --ways spawn torchrun",
-            "python benchmarks/sim_project.py --models 8b --gpus 8,64 --no-search",
-            "python benchmarks/fp8_gather.py --parts bytes,time --steps 3 --warmup 1"}
+CHEAPEST = {
+    "python benchmarks/exit_stress.py -n 5 --ways spawn torchrun",
+    "python benchmarks/sim_project.py --models 8b --gpus 8,64 --no-search",
+    "python benchmarks/fp8_gather.py --parts bytes,time --steps 3 --warmup 1",
+}
 
 
 # Scripts none of whose commands fits a session: inductor compiles the model twice, whatever the

@@ -84,9 +84,18 @@ def markers(page: str) -> list[Marker]:
             clauses = [CLAUSE.match(c.strip()) for c in m["how"].split("|")]
             bad = [c for c, ok in zip(m["how"].split("|"), clauses) if not ok]
             if bad:
-                raise ValueError(f"{page}:{i + 1}: unknown clause(s) {bad}: 'checked by tests/x.py::test' or 'measured YYYY-MM-DD'")
-            out.append(Marker(page, i + 1, m["command"].strip(), tuple(c["test"] for c in clauses if c["test"]),
-                              next((c["date"] for c in clauses if c["date"]), None)))
+                raise ValueError(
+                    f"{page}:{i + 1}: unknown clause(s) {bad}: 'checked by tests/x.py::test' or 'measured YYYY-MM-DD'"
+                )
+            out.append(
+                Marker(
+                    page,
+                    i + 1,
+                    m["command"].strip(),
+                    tuple(c["test"] for c in clauses if c["test"]),
+                    next((c["date"] for c in clauses if c["date"]), None),
+                )
+            )
     return out
 
 
@@ -101,7 +110,9 @@ def figure_spots(page: str) -> list[tuple[int, str]]:
             body = lines[i + 1 : end]
             if fence[1] in ("", "text") and any(_DECIMAL.search(b) for b in body):
                 spots.append((i + 1, "an output block"))
-            if fence[1] == "bash" and any("#" in b and re.search(r"\d\.\d\d|\b\d+ (min|s)\b", b.split("#", 1)[1]) for b in body):
+            if fence[1] == "bash" and any(
+                "#" in b and re.search(r"\d\.\d\d|\b\d+ (min|s)\b", b.split("#", 1)[1]) for b in body
+            ):
                 spots.append((i + 1, "a command whose comment quotes a figure"))
             i = end + 1
             continue
@@ -161,15 +172,19 @@ def test_the_detector_sees_the_known_figures():
 @pytest.mark.parametrize("page", pages())
 def test_every_figure_has_a_marker(page):
     missing = [f"{page}:{line}: {what}" for line, what in figure_spots(page) if marker_for(page, line) is None]
-    assert not missing, ("figures without a '<!-- figures: COMMAND | checked by ... / measured DATE -->' line above "
-                         "them (see tests/test_docs_figures.py):\n" + "\n".join(missing))
+    assert not missing, (
+        "figures without a '<!-- figures: COMMAND | checked by ... / measured DATE -->' line above "
+        "them (see tests/test_docs_figures.py):\n" + "\n".join(missing)
+    )
 
 
 @pytest.mark.parametrize("page", pages())
 def test_markers_name_a_test_that_exists_or_a_date(page):
     today = datetime.date.today()
     for m in markers(page):
-        assert m.tests or m.date, f"{page}:{m.line}: a marker says how its figures stay true: checked by a test, or measured on a date"
+        assert m.tests or m.date, (
+            f"{page}:{m.line}: a marker says how its figures stay true: checked by a test, or measured on a date"
+        )
         if m.date:
             assert datetime.date.fromisoformat(m.date) <= today, f"{page}:{m.line}: measured in the future ({m.date})"
         for test in m.tests:
@@ -178,7 +193,9 @@ def test_markers_name_a_test_that_exists_or_a_date(page):
             with open(os.path.join(ROOT, path), encoding="utf-8") as f:
                 assert re.search(rf"^def {name}\(", f.read(), re.M), f"{page}:{m.line}: {test} does not exist"
         if m.command not in ("the table's commands", SECTION):
-            assert re.match(r"(OMP_NUM_THREADS=\d+ )?(python|torchrun|make) ", m.command), f"{page}:{m.line}: {m.command!r}"
+            assert re.match(r"(OMP_NUM_THREADS=\d+ )?(python|torchrun|make) ", m.command), (
+                f"{page}:{m.line}: {m.command!r}"
+            )
 
 
 def test_sim_outputs_start_with_their_command():
@@ -192,8 +209,9 @@ def test_sim_outputs_start_with_their_command():
 def _run(args: list[str], cwd, timeout=600) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error", "PYTHONPATH": ROOT}
     script = os.path.join(ROOT, args[0])  # the repository's, wherever the command runs
-    proc = subprocess.run([sys.executable, script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -215,8 +233,21 @@ LOSS_TOL = 2e-3
 @pytest.mark.e2e
 def test_demo_first_logged_loss(tmp_path):
     # The demo's step-10 loss needs 10 steps, with the 300-step run's learning-rate schedule.
-    out = _run(["examples/train_gpt.py", "--steps", "10", "--schedule-steps", "300", "--no-progress",
-                "--sample-chars", "0", "--out", str(tmp_path / "run")], cwd=ROOT)
+    out = _run(
+        [
+            "examples/train_gpt.py",
+            "--steps",
+            "10",
+            "--schedule-steps",
+            "300",
+            "--no-progress",
+            "--sample-chars",
+            "0",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+    )
     m = re.search(r"^step 10/10 loss (\d\.\d+)", out, re.M)
     assert m, out
     # --sample-chars 0: no sample, so no empty sample frame either.
@@ -253,7 +284,9 @@ def _replace(page: str, pattern: str, new: str, count: int = 1) -> None:
 
 
 def _redate(page: str, command: str, date: str) -> None:
-    _replace(page, rf"^(<!-- figures: {re.escape(command)} \|.*?measured )\d{{4}}-\d{{2}}-\d{{2}}", rf"\g<1>{date}", count=0)
+    _replace(
+        page, rf"^(<!-- figures: {re.escape(command)} \|.*?measured )\d{{4}}-\d{{2}}-\d{{2}}", rf"\g<1>{date}", count=0
+    )
 
 
 def _metrics(run: str) -> dict[int, dict]:
@@ -277,8 +310,12 @@ DEMO_BLOCK = r"(\$ python examples/train_gpt.py --no-progress\n).*?(?=\n```)"
 DEMO_TIME = r"The run above took \d+ s"
 FP8_SENTENCE = r"loss \d\.\d{4} vs \d\.\d{4} at step 100 .*?validation \d\.\d{3} vs \d\.\d{3}\."
 SEARCH_SENTENCE = r"\d+\.\d+ s against the default's\s+\d+\.\d+ s"
-PATTERNS = [("docs/getting-started.md", DEMO_BLOCK), ("docs/getting-started.md", DEMO_TIME),
-            ("docs/tour/fp8.md", FP8_SENTENCE), ("docs/simulator.md", SEARCH_SENTENCE)]
+PATTERNS = [
+    ("docs/getting-started.md", DEMO_BLOCK),
+    ("docs/getting-started.md", DEMO_TIME),
+    ("docs/tour/fp8.md", FP8_SENTENCE),
+    ("docs/simulator.md", SEARCH_SENTENCE),
+]
 
 
 def refresh_demo(date: str, work: str) -> None:
@@ -294,9 +331,11 @@ def refresh_demo(date: str, work: str) -> None:
     _redate("docs/getting-started.md", "python examples/train_gpt.py", date)
     a, b = _metrics(plain), _metrics(fp8)
     val = [next(r["val_loss"] for r in sorted(m.values(), key=lambda r: -r["step"]) if "val_loss" in r) for m in (b, a)]
-    text = (f"loss {b[100]['loss']:.4f} vs {a[100]['loss']:.4f} at step 100 ({b[100]['loss'] - a[100]['loss']:+.4f}) and "
-            f"{b[300]['loss']:.4f} vs {a[300]['loss']:.4f}\nat step 300 ({b[300]['loss'] - a[300]['loss']:+.4f}); "
-            f"validation {val[0]:.3f} vs {val[1]:.3f}.")
+    text = (
+        f"loss {b[100]['loss']:.4f} vs {a[100]['loss']:.4f} at step 100 ({b[100]['loss'] - a[100]['loss']:+.4f}) and "
+        f"{b[300]['loss']:.4f} vs {a[300]['loss']:.4f}\nat step 300 ({b[300]['loss'] - a[300]['loss']:+.4f}); "
+        f"validation {val[0]:.3f} vs {val[1]:.3f}."
+    )
     _replace("docs/tour/fp8.md", FP8_SENTENCE, text)
     _redate("docs/tour/fp8.md", "python examples/train_gpt.py --fp8", date)
     # The two plots of these runs: the demo's loss curve, and both runs' (benchmarks/fp8_gather.py draws it).
@@ -311,8 +350,7 @@ def refresh_search(date: str, work: str) -> None:
         f.write("$ python " + " ".join(command) + "\n" + out)
     pick = float(re.search(r"^pick: .*step ([\d,.]+) ms", out, re.M)[1].replace(",", "")) / 1000
     default = float(re.search(r"^default: .*step ([\d,.]+) ms", out, re.M)[1].replace(",", "")) / 1000
-    _replace("docs/simulator.md", SEARCH_SENTENCE,
-             f"{pick:.2f} s against the default's {default:.2f} s")
+    _replace("docs/simulator.md", SEARCH_SENTENCE, f"{pick:.2f} s against the default's {default:.2f} s")
     _redate("docs/simulator.md", "python examples/plan_search.py", date)
 
 
@@ -326,7 +364,9 @@ REFRESH = {
 
 def test_refresh_patterns_match_the_pages():
     for page, pattern in PATTERNS:
-        assert re.search(pattern, "\n".join(_read(page)), re.M | re.S), f"{page}: docs-refresh could not find /{pattern}/"
+        assert re.search(pattern, "\n".join(_read(page)), re.M | re.S), (
+            f"{page}: docs-refresh could not find /{pattern}/"
+        )
 
 
 def test_refresh_covers_markers_that_exist():
@@ -335,12 +375,34 @@ def test_refresh_covers_markers_that_exist():
 
 
 def test_demo_output_block_keeps_the_pages_lines():
-    out = "\n".join(["GPT 0.82M parameters", *[f"step {s}/300 loss 1.0" for s in range(10, 310, 10)], "",
-                     "--- sample ---", "Once", "-----", "steps 0->300 of 300 in 9 s", "loss 4.0 (first logged)"])
-    assert demo_output_block(out) == "\n".join(["GPT 0.82M parameters", "step 10/300 loss 1.0", "...",
-                                                "step 100/300 loss 1.0", "...", "step 300/300 loss 1.0", "",
-                                                "--- sample ---", "Once", "-----", "steps 0->300 of 300 in 9 s",
-                                                "loss 4.0 (first logged)"])
+    out = "\n".join(
+        [
+            "GPT 0.82M parameters",
+            *[f"step {s}/300 loss 1.0" for s in range(10, 310, 10)],
+            "",
+            "--- sample ---",
+            "Once",
+            "-----",
+            "steps 0->300 of 300 in 9 s",
+            "loss 4.0 (first logged)",
+        ]
+    )
+    assert demo_output_block(out) == "\n".join(
+        [
+            "GPT 0.82M parameters",
+            "step 10/300 loss 1.0",
+            "...",
+            "step 100/300 loss 1.0",
+            "...",
+            "step 300/300 loss 1.0",
+            "",
+            "--- sample ---",
+            "Once",
+            "-----",
+            "steps 0->300 of 300 in 9 s",
+            "loss 4.0 (first logged)",
+        ]
+    )
 
 
 def refresh() -> None:

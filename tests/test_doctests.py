@@ -99,7 +99,9 @@ def _run_module_examples(rank: int, world_size: int, module: str) -> tuple[int, 
     """Runs ``module``'s examples here; ``(examples run, examples skipped, failure report)``."""
     mod = importlib.import_module(module)
     tests = [t for t in doctest.DocTestFinder().find(mod, module) if t.examples]
-    runner = doctest.DocTestRunner(verbose=False, optionflags=FLAGS)  # not from sys.argv: pytest -v would make every example "fail"
+    runner = doctest.DocTestRunner(
+        verbose=False, optionflags=FLAGS
+    )  # not from sys.argv: pytest -v would make every example "fail"
     report: list[str] = []
     skipped = 0
     cwd = os.getcwd()
@@ -118,7 +120,9 @@ def _run_module_examples(rank: int, world_size: int, module: str) -> tuple[int, 
 
 
 def test_the_walk_finds_every_module():
-    assert {"fsdpfn._plan", "fsdpfn.comm._collectives", "fsdpfn.runtime._runtime", "fsdpfn.testing._harness"} <= set(MODULES)
+    assert {"fsdpfn._plan", "fsdpfn.comm._collectives", "fsdpfn.runtime._runtime", "fsdpfn.testing._harness"} <= set(
+        MODULES
+    )
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -134,7 +134,9 @@ def test_a_rank_fault_ends_every_rank_naming_it_and_resume_is_bitwise(tmp_path, 
     assert f"rank {VICTIM}: last started #" in survivor, survivor
     # Behind when it stopped before the survivor's collective; stopped or dead when it had started
     # that one, or a later one (a prefetched gather), before it stopped or died.
-    assert (f"Rank(s) [{VICTIM}] are behind" in survivor or f"Rank(s) [{VICTIM}] are stopped or dead" in survivor), survivor
+    assert f"Rank(s) [{VICTIM}] are behind" in survivor or f"Rank(s) [{VICTIM}] are stopped or dead" in survivor, (
+        survivor
+    )
     if fault == "stop":
         assert "is stopped" in survivor and "did not finish after another rank failed" in errors[VICTIM], errors
         # The survivor enters its next collective at once and fails after TIMEOUT; the launcher then

@@ -96,9 +96,29 @@ def test_finetune_hf_runs_on_a_hub_layout_directory(tiny_gpt2, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--model", directory, "--out", str(out), "--steps", "4", "--log-every", "2", "--batch-size", "2",
-         "--seq-len", "16", "--sample-tokens", "5", "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            SCRIPT,
+            "--model",
+            directory,
+            "--out",
+            str(out),
+            "--steps",
+            "4",
+            "--log-every",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--sample-tokens",
+            "5",
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss" in proc.stdout and "validation" in proc.stdout

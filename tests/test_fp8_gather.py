@@ -77,7 +77,11 @@ def _on_vs_off(rank, world, mesh_shape, strategy, recipe):
     names = ["off", "pure", "rt1", "rt2", "rt2-eager"]
     params = {k: fsdpfn.shard(model, on if k != "off" else off, requires_grad=(k == "rt2-eager")) for k in names}
     states = {k: opt.init(params[k]) for k in names}
-    runtimes = {"rt1": Runtime(model, on, prefetch=1), "rt2": Runtime(model, on, prefetch=2), "rt2-eager": Runtime(model, on, prefetch=2)}
+    runtimes = {
+        "rt1": Runtime(model, on, prefetch=1),
+        "rt2": Runtime(model, on, prefetch=2),
+        "rt2-eager": Runtime(model, on, prefetch=2),
+    }
     mism = []
     # Step 0: every master is the high-precision init's rows, bit for bit.
     for k in names:
@@ -131,7 +135,9 @@ def _on_vs_off(rank, world, mesh_shape, strategy, recipe):
                 if not _same(params[k][n]._local_tensor, params["off"][n]._local_tensor):
                     mism.append((step, k, "master", n))
     r = fsdpfn.transforms.shard_rank(on)
-    moved = all(not torch.equal(params["off"][n]._local_tensor, init[n][slice(*on.unit_of(n).local_rows(n, r))]) for n in fp8)
+    moved = all(
+        not torch.equal(params["off"][n]._local_tensor, init[n][slice(*on.unit_of(n).local_rows(n, r))]) for n in fp8
+    )
     return mism, len(fp8), moved
 
 
@@ -144,7 +150,11 @@ ON_OFF = [
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,strategy,recipe", ON_OFF, ids=["W2-zero3", "W3-zero3", "HSDP2x2-zero3", "W3-zero2-tensorwise", "W2-zero3-1x128"])
+@pytest.mark.parametrize(
+    "mesh_shape,strategy,recipe",
+    ON_OFF,
+    ids=["W2-zero3", "W3-zero3", "HSDP2x2-zero3", "W3-zero2-tensorwise", "W2-zero3-1x128"],
+)
 def test_fp8_gather_on_equals_bf16_gather_then_quantize_bitwise(run_on_ranks, mesh_shape, strategy, recipe):
     world = mesh_shape[0] if len(mesh_shape) == 1 else mesh_shape[0] * mesh_shape[1]
     for mism, n_fp8, moved in run_on_ranks(_on_vs_off, world, mesh_shape, strategy, recipe):
@@ -194,8 +204,18 @@ def _odd_gather(rank, world, recipe, param_dtype):
     return bad, sorted(fp8), counted == predicted, (counted, predicted)
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", MXFP8BlockScaling("floor"), "blockwise", Float8BlockScaling(16), "tensorwise", Float8CurrentScaling(True)],
-                         ids=["mxfp8", "mxfp8-floor", "1x128", "1x16", "tensorwise", "tensorwise-pow2"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "mxfp8",
+        MXFP8BlockScaling("floor"),
+        "blockwise",
+        Float8BlockScaling(16),
+        "tensorwise",
+        Float8CurrentScaling(True),
+    ],
+    ids=["mxfp8", "mxfp8-floor", "1x128", "1x16", "tensorwise", "tensorwise-pow2"],
+)
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
 def test_quantize_then_gather_equals_gather_then_quantize(run_on_ranks, recipe, param_dtype):
     for bad, fp8, same_cost, detail in run_on_ranks(_odd_gather, 3, recipe, param_dtype):
@@ -235,11 +255,16 @@ def _bytes(rank, world, mesh_shape, recipe, prefetch):
     return out["fp8"][:2], out["bf16"][:2], ratios
 
 
-@pytest.mark.parametrize("mesh_shape,recipe,prefetch", [((2,), "mxfp8", 1), ((2, 2), "tensorwise", 2), ((3,), "blockwise", 1)],
-                         ids=["W2-mxfp8", "HSDP2x2-tensorwise", "W3-1x128"])
+@pytest.mark.parametrize(
+    "mesh_shape,recipe,prefetch",
+    [((2,), "mxfp8", 1), ((2, 2), "tensorwise", 2), ((3,), "blockwise", 1)],
+    ids=["W2-mxfp8", "HSDP2x2-tensorwise", "W3-1x128"],
+)
 def test_counted_bytes_equal_plan_cost_and_fp8_units_move_at_most_052x(run_on_ranks, mesh_shape, recipe, prefetch):
     world = mesh_shape[0] if len(mesh_shape) == 1 else mesh_shape[0] * mesh_shape[1]
-    for (fp8_same, fp8_detail), (bf16_same, bf16_detail), ratios in run_on_ranks(_bytes, world, mesh_shape, recipe, prefetch):
+    for (fp8_same, fp8_detail), (bf16_same, bf16_detail), ratios in run_on_ranks(
+        _bytes, world, mesh_shape, recipe, prefetch
+    ):
         assert fp8_same, fp8_detail
         assert bf16_same, bf16_detail
         assert set(ratios) == {"", "blocks.0", "blocks.1"}  # the head makes the root an FP8 unit too
@@ -317,7 +342,12 @@ def test_plan_time_errors_name_the_unit_parameter_or_setting():
     with pytest.raises(ValueError, match="FP8 recipes quantize from float32, bfloat16 or float16"):
         fsdpfn.plan(GPT(CFG).double(), (2,), mp=fsdpfn.MixedPrecision(fp8="mxfp8"))
     # Replicate units left out by name are fine; excluded and embedding weights stay high precision.
-    p = fsdpfn.plan(model, (2,), strategy={"*": "zero3", "blocks.1": "replicate"}, mp=_mp(units=["blocks.0"], exclude=["*.out.weight"]))
+    p = fsdpfn.plan(
+        model,
+        (2,),
+        strategy={"*": "zero3", "blocks.1": "replicate"},
+        mp=_mp(units=["blocks.0"], exclude=["*.out.weight"]),
+    )
     assert [u.fp8 for u in p.units] == [(), ("blocks.0.qkv.weight", "blocks.0.proj.weight", "blocks.0.fc.weight"), ()]
     tied = fsdpfn.plan(GPT(GPTConfig(**{**CFG.__dict__, "tie_embeddings": True})), (2,), mp=_mp())
     assert "head.weight" not in tied.units[0].fp8 and "embed.weight" not in tied.units[0].fp8
@@ -336,7 +366,11 @@ def test_units_and_plans_refuse_inconsistent_fp8_settings():
 
 def test_plan_json_round_trips_fp8_and_keeps_old_plans_unchanged():
     model = _gpt()
-    p = fsdpfn.plan(model, (3,), mp=fsdpfn.MixedPrecision(**BF16, fp8=Float8GatherPolicy(Float8BlockScaling(64), exclude=["head.weight"])))
+    p = fsdpfn.plan(
+        model,
+        (3,),
+        mp=fsdpfn.MixedPrecision(**BF16, fp8=Float8GatherPolicy(Float8BlockScaling(64), exclude=["head.weight"])),
+    )
     q = fsdpfn.Plan.from_json(p.to_json())
     assert q == p and q.fingerprint == p.fingerprint and '"format": 2' in p.to_json()
     assert "fp8=blockwise" in str(p) and "fp8 params" in str(p)
@@ -397,7 +431,9 @@ def _te_handoff(rank, world):
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = nn.Sequential(te.Linear(64, 128, params_dtype=torch.bfloat16), te.Linear(128, 64, params_dtype=torch.bfloat16))
+        model = nn.Sequential(
+            te.Linear(64, 128, params_dtype=torch.bfloat16), te.Linear(128, 64, params_dtype=torch.bfloat16)
+        )
     mesh = _mesh((world,))
     handed = fsdpfn.plan(model, mesh, units=[], mp=fsdpfn.MixedPrecision(**BF16, fp8=Float8GatherPolicy(backend="te")))
     plain = fsdpfn.plan(model, mesh, units=[], mp=fsdpfn.MixedPrecision(**BF16, fp8="mxfp8"))
@@ -408,7 +444,11 @@ def _te_handoff(rank, world):
     x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     recipe = importlib.import_module("transformer_engine.common.recipe").MXFP8BlockScaling()
     # te.autocast(recipe=) in recent TE, te.fp8_autocast(fp8_recipe=) before.
-    autocast = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    autocast = (
+        te.autocast(enabled=True, recipe=recipe)
+        if hasattr(te, "autocast")
+        else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    )
     with warnings.catch_warnings(), autocast:
         warnings.simplefilter("ignore")  # TE's own deprecation notices
         y = torch.func.functional_call(model, te_full, (x,))

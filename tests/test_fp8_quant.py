@@ -190,12 +190,40 @@ def ref_e4m3_value(y) -> Fraction:
 # Hypothesis against the reference
 # ---------------------------------------------------------------------------------------------
 
-EDGES = [0.0, -0.0, 448.0, 449.0, 464.0, 465.0, 480.0, -512.0, 1 + 1 / 16, 1 + 3 / 16, 2.0**-10, 3 * 2.0**-10, 2.0**-9,
-         2.0**-6, 2.0**-126, 2.0**-133, 2.0**-149, 1.75 * 2.0**-120, 3.3895e38, float("nan"), float("inf"), -float("inf")]
+EDGES = [
+    0.0,
+    -0.0,
+    448.0,
+    449.0,
+    464.0,
+    465.0,
+    480.0,
+    -512.0,
+    1 + 1 / 16,
+    1 + 3 / 16,
+    2.0**-10,
+    3 * 2.0**-10,
+    2.0**-9,
+    2.0**-6,
+    2.0**-126,
+    2.0**-133,
+    2.0**-149,
+    1.75 * 2.0**-120,
+    3.3895e38,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+]
 
-ties = st.builds(lambda m, k, neg: (-1) ** neg * (16 + 2 * m + 1) / 16 * 2.0**k,
-                 st.integers(0, 7), st.integers(-40, 40), st.booleans())  # E4M3 ties under any power-of-two scale
-bf16_bits = st.integers(0, 0xFFFF).map(lambda b: torch.tensor([b], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).item())
+ties = st.builds(
+    lambda m, k, neg: (-1) ** neg * (16 + 2 * m + 1) / 16 * 2.0**k,
+    st.integers(0, 7),
+    st.integers(-40, 40),
+    st.booleans(),
+)  # E4M3 ties under any power-of-two scale
+bf16_bits = st.integers(0, 0xFFFF).map(
+    lambda b: torch.tensor([b], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).item()
+)
 finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
 values = st.one_of(st.sampled_from(EDGES), ties, bf16_bits, finite_f32, st.floats(-4, 4, width=32))
 
@@ -231,7 +259,9 @@ def test_block_recipes_match_the_exact_reference(x, which):
         assert scale.tolist() == [[255 if s is None else s + 127 for s in row] for row in exps]
     else:
         got = scale.tolist()
-        assert [[None if math.isnan(v) else v for v in row] for row in got] == [[None if s is None else 2.0**s for s in row] for row in exps]
+        assert [[None if math.isnan(v) else v for v in row] for row in got] == [
+            [None if s is None else 2.0**s for s in row] for row in exps
+        ]
     # Dequantized: exactly code value * 2**s in float32, then one cast.
     y = recipe.dequantize(q, torch.float32).reshape(-1, x.shape[-1]).tolist()
     for row_y, row_c, row_s in zip(y, codes, exps):
@@ -268,7 +298,9 @@ def test_tensorwise_matches_the_reference(x):
         mult = np.float32(np.finfo(np.float32).max)
     with np.errstate(over="ignore"):
         ys = (x.float().reshape(-1).numpy() * mult).astype(np.float32)
-    want = [ref_e4m3(Fraction(float(v)) if np.isfinite(v) else Fraction(448), math.copysign(1.0, float(v)) < 0) for v in ys]
+    want = [
+        ref_e4m3(Fraction(float(v)) if np.isfinite(v) else Fraction(448), math.copysign(1.0, float(v)) < 0) for v in ys
+    ]
     assert q.data.view(torch.uint8).reshape(-1).tolist() == want
     assert q.scale.item() == float(np.float32(1) / mult)
 

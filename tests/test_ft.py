@@ -74,8 +74,9 @@ def _replay(rank, world, lives):
             for other in grads[1:]:
                 total += other[k].to_local()
             total /= len(live)
-            mean[k] = DTensor.from_local(total, g.device_mesh, g.placements, run_check=False, shape=g.shape,
-                                         stride=g.stride())
+            mean[k] = DTensor.from_local(
+                total, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
         updates, state = opt.update(mean, state, params)
         params = optim.apply_updates(params, updates)
         out.append(losses)
@@ -100,9 +101,23 @@ class _Job:
         self.env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def start(self, replica: int, run: str, *extra: str) -> subprocess.Popen:
-        cmd = [sys.executable, EXAMPLE, "--lighthouse", self.lighthouse.address, "--replica", str(replica),
-               "--shard", str(SHARD), "--steps", str(STEPS), "--timeout", str(TIMEOUT),
-               "--log", os.path.join(self.tmp, run), *extra]
+        cmd = [
+            sys.executable,
+            EXAMPLE,
+            "--lighthouse",
+            self.lighthouse.address,
+            "--replica",
+            str(replica),
+            "--shard",
+            str(SHARD),
+            "--steps",
+            str(STEPS),
+            "--timeout",
+            str(TIMEOUT),
+            "--log",
+            os.path.join(self.tmp, run),
+            *extra,
+        ]
         with open(os.path.join(self.tmp, run + ".out"), "w") as out:
             proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         self.procs.append(proc)

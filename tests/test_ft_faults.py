@@ -50,9 +50,38 @@ TIMEOUT = 4.0  # --ft-timeout: a stopped replica group is given up on after this
 # Slows the survivors so that the restarted group (fresh interpreters importing torch on two busy
 # cores: 10-25 s) finds them still training: STEPS x DELAY leaves it about 20 s after the fault.
 DELAY = 0.3
-TINY = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", str(STEPS),
-        "--log-every", "1", "--eval-every", "0", "--sample-chars", "0", "--no-progress", "--ckpt-every", str(CKPT_EVERY),
-        "--ckpt-async", "--keep", "2", "--optimizer", "adamw", "--adamw-lr", "1e-2", "--warmup", "2"]
+TINY = [
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--steps",
+    str(STEPS),
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--sample-chars",
+    "0",
+    "--no-progress",
+    "--ckpt-every",
+    str(CKPT_EVERY),
+    "--ckpt-async",
+    "--keep",
+    "2",
+    "--optimizer",
+    "adamw",
+    "--adamw-lr",
+    "1e-2",
+    "--warmup",
+    "2",
+]
 
 
 def _demo():
@@ -73,8 +102,22 @@ def _replay(rank, world, lives, ckpt=None, ckpt_step=None):
     from fsdpfn import checkpoint, comm, optim
 
     demo = _demo()
-    args = demo.parse_args(["--world-size", str(2 * world), "--replicas", "2", "--ft", "--replica-group", "0",
-                            "--lighthouse", "unused", *TINY, "--steps", str(len(lives))])  # the lr schedule's horizon
+    args = demo.parse_args(
+        [
+            "--world-size",
+            str(2 * world),
+            "--replicas",
+            "2",
+            "--ft",
+            "--replica-group",
+            "0",
+            "--lighthouse",
+            "unused",
+            *TINY,
+            "--steps",
+            str(len(lives)),
+        ]
+    )  # the lr schedule's horizon
     job, state = demo.setup(rank, world, args)
     loss_fn = demo.make_loss(demo.make_forward(job.model, job.plan, args))
     grad_and_loss = torch.func.grad_and_value(loss_fn)
@@ -84,12 +127,19 @@ def _replay(rank, world, lives, ckpt=None, ckpt_step=None):
         if step == ckpt_step and ckpt is not None:
             got = checkpoint.load(ckpt, state, job.plan)
             pairs = zip(*(optree.tree_leaves(s, none_is_leaf=True) for s in (got, state)))
-            same = all(torch.equal(a.to_local(), b.to_local()) if isinstance(a, DTensor) else
-                       torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in pairs)
+            same = all(
+                torch.equal(a.to_local(), b.to_local())
+                if isinstance(a, DTensor)
+                else torch.equal(a, b)
+                if isinstance(a, torch.Tensor)
+                else a == b
+                for a, b in pairs
+            )
         grads, losses = [], {}
         for r in sorted(live):
-            x, y = demo.get_batch(job.train_data, step, base + r * job.plan.dp_size, args.batch_size, args.seq_len,
-                                  args.seed)
+            x, y = demo.get_batch(
+                job.train_data, step, base + r * job.plan.dp_size, args.batch_size, args.seq_len, args.seed
+            )
             g, loss = grad_and_loss(state["params"], x, y)
             grads.append(g)
             total = loss.detach().clone()
@@ -101,16 +151,23 @@ def _replay(rank, world, lives, ckpt=None, ckpt_step=None):
             for other in grads[1:]:
                 local += other[k].to_local()
             local /= len(live)
-            mean[k] = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape,
-                                         stride=g.stride())
+            mean[k] = DTensor.from_local(
+                local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
         updates, opt_state = job.opt.update(mean, state["opt_state"], state["params"])
         state = {"params": optim.apply_updates(state["params"], updates), "opt_state": opt_state, "step": step + 1}
         out.append(losses)
     if ckpt is not None and ckpt_step == len(lives):  # the state after the last step
         got = checkpoint.load(ckpt, state, job.plan)
         pairs = zip(*(optree.tree_leaves(s, none_is_leaf=True) for s in (got, state)))
-        same = all(torch.equal(a.to_local(), b.to_local()) if isinstance(a, DTensor) else
-                   torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in pairs)
+        same = all(
+            torch.equal(a.to_local(), b.to_local())
+            if isinstance(a, DTensor)
+            else torch.equal(a, b)
+            if isinstance(a, torch.Tensor)
+            else a == b
+            for a, b in pairs
+        )
     return out, same
 
 
@@ -122,9 +179,24 @@ class _Run:
         self.out = os.path.join(str(tmp), "run")
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env.pop("TORCHFT_LIGHTHOUSE", None)
-        cmd = [sys.executable, DEMO, "--world-size", str(2 * GROUP), "--replicas", "2", "--ft", "--out", self.out,
-               "--ft-timeout", str(TIMEOUT), "--step-delay", str(DELAY), *(["--fault", fault] if fault else []), *TINY,
-               *extra]
+        cmd = [
+            sys.executable,
+            DEMO,
+            "--world-size",
+            str(2 * GROUP),
+            "--replicas",
+            "2",
+            "--ft",
+            "--out",
+            self.out,
+            "--ft-timeout",
+            str(TIMEOUT),
+            "--step-delay",
+            str(DELAY),
+            *(["--fault", fault] if fault else []),
+            *TINY,
+            *extra,
+        ]
         self.lines: list[str] = []
         self.hooks: list[tuple[re.Pattern, object]] = []
         self.t0 = time.monotonic()
@@ -286,8 +358,11 @@ def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins
     assert code == 0, text
     assert pid and continued, text
     assert re.search(rf"replica replica0: step {fault} was not committed \(", text), text
-    assert re.search(rf"ft: replica group 1: rank 0 \(pid {pid[0]}\) has been stopped \(SIGSTOP or a debugger\) "
-                     rf"for {TIMEOUT / 2:g} s; ending the group", text), text
+    assert re.search(
+        rf"ft: replica group 1: rank 0 \(pid {pid[0]}\) has been stopped \(SIGSTOP or a debugger\) "
+        rf"for {TIMEOUT / 2:g} s; ending the group",
+        text,
+    ), text
     # Group 0 waited for the watchdog's grace (a stopped peer looks like a slow one until then),
     # and not much more: the lighthouse leaves the killed group out after its heartbeat timeout.
     waited = when["on"] - when["stop"]
@@ -297,8 +372,10 @@ def test_demo_rank_stopped_mid_step_is_given_up_on_after_the_timeout_and_rejoins
     # The stop step's first attempt was not committed on group 0, and ran again without group 1.
     assert any(e["step"] == fault and not e["committed"] and e["error"] for e in run.log(0)), run.log(0)
     restarted = "ft: replica group 1 failed" in text
-    print(f"stop in step {fault}: group 0 went on after {waited:.1f} s; continued: {continued[0]}; "
-          f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}")
+    print(
+        f"stop in step {fault}: group 0 went on after {waited:.1f} s; continued: {continued[0]}; "
+        f"group 1 {'restarted and ' if restarted else ''}rejoined at step {rejoin}"
+    )
 
 
 @pytest.mark.faults
@@ -342,8 +419,11 @@ def test_demo_survives_a_kill_and_a_stop_of_a_non_zero_rank_between_steps(tmp_pa
     assert code == 0, text
     assert "kill" in when and "stop" in when, f"the faults were not both sent: {when}\n{text}"
     assert re.search(r"ft: replica group 1: rank 1 \(pid \d+\) is gone; ending the group", text), text
-    assert re.search(r"ft: replica group 1: rank 1 \(pid \d+\) has been stopped \(SIGSTOP or a debugger\) for "
-                     rf"{TIMEOUT / 2:g} s; ending the group", text), text
+    assert re.search(
+        r"ft: replica group 1: rank 1 \(pid \d+\) has been stopped \(SIGSTOP or a debugger\) for "
+        rf"{TIMEOUT / 2:g} s; ending the group",
+        text,
+    ), text
     survivor = _committed(run.log(0))
     assert sorted(survivor) == list(range(steps)), text
     times = sorted(e["time"] for e in survivor.values())
@@ -374,8 +454,9 @@ def test_demo_ft_resume_continues_every_group_from_its_checkpoint(tmp_path):
     text = resumed.text()
     for g in (0, 1):
         assert f"resumed from {os.path.join(resumed.out, f'replica{g}', 'ckpt', 'step_00000004')}" in text, text
-    replay, same = testing.run_on_ranks(_replay, GROUP, [{0, 1}] * steps, os.path.join(resumed.out, "replica1", "ckpt"),
-                                        steps)[0]
+    replay, same = testing.run_on_ranks(
+        _replay, GROUP, [{0, 1}] * steps, os.path.join(resumed.out, "replica1", "ckpt"), steps
+    )[0]
     assert same, "replica group 1's final state is not the replay's"
     for g in (0, 1):
         mine = _committed(resumed.log(g))
@@ -393,17 +474,22 @@ def _continue(pid: int) -> None:
 # ---- what needs no ranks: the demo's refusals and the supervisor's restarts ----------------------
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--ft"], "--ft needs --replicas >= 2"),
-    (["--ft", "--replicas", "2", "--world-size", "4", "--experts", "4", "--ep", "2"], "--ft with --ep 2"),
-    (["--fault", "1:0:3:kill"], "--fault needs --ft"),
-    (["--replica-group", "0"], "--replica-group needs --ft"),
-    (["--ft", "--replicas", "2", "--world-size", "4", "--replica-group", "2", "--lighthouse", "x"],
-     "--replica-group 2 must be in [0, --replicas 2)"),
-    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3"], "expected R:K:STEP:HOW"),
-    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:2:3:kill"], "do not exist"),
-    (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3:save"], "needs --ckpt-async"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--ft"], "--ft needs --replicas >= 2"),
+        (["--ft", "--replicas", "2", "--world-size", "4", "--experts", "4", "--ep", "2"], "--ft with --ep 2"),
+        (["--fault", "1:0:3:kill"], "--fault needs --ft"),
+        (["--replica-group", "0"], "--replica-group needs --ft"),
+        (
+            ["--ft", "--replicas", "2", "--world-size", "4", "--replica-group", "2", "--lighthouse", "x"],
+            "--replica-group 2 must be in [0, --replicas 2)",
+        ),
+        (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3"], "expected R:K:STEP:HOW"),
+        (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:2:3:kill"], "do not exist"),
+        (["--ft", "--replicas", "2", "--world-size", "4", "--fault", "1:0:3:save"], "needs --ckpt-async"),
+    ],
+)
 def test_demo_refuses_bad_ft_flags_before_any_rank_starts(flags, says, capsys, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(SystemExit) as e:
@@ -416,39 +502,61 @@ def _fake_group(script: str) -> str:
     """A replica group's stand-in: says it is up (as start_together does), then runs ``script``
     (which sees ``R``, this group, ``N``, its restarts, and, for the stand-ins to order their
     events, ``mark(name)`` and ``wait_for(name)`` on files in ``$FAKE_DIR``)."""
-    return ("import os, sys, time\n"
-            "R, N = int(sys.argv[1]), int(os.environ['FSDPFN_FT_RESTARTS'])\n"
-            "D = os.environ.get('FAKE_DIR', '')\n"
-            "mark = lambda name: open(os.path.join(D, name), 'w').close()\n"
-            "def wait_for(name):\n"
-            "    while not os.path.exists(os.path.join(D, name)): time.sleep(0.01)\n"
-            "d = os.environ.get('FSDPFN_FT_START')\n"
-            "if d:\n"
-            "    open(os.path.join(d, f'up.{R}'), 'w').close()\n"
-            "    while not os.path.exists(os.path.join(d, 'go')): time.sleep(0.01)\n" + script)
+    return (
+        "import os, sys, time\n"
+        "R, N = int(sys.argv[1]), int(os.environ['FSDPFN_FT_RESTARTS'])\n"
+        "D = os.environ.get('FAKE_DIR', '')\n"
+        "mark = lambda name: open(os.path.join(D, name), 'w').close()\n"
+        "def wait_for(name):\n"
+        "    while not os.path.exists(os.path.join(D, name)): time.sleep(0.01)\n"
+        "d = os.environ.get('FSDPFN_FT_START')\n"
+        "if d:\n"
+        "    open(os.path.join(d, f'up.{R}'), 'w').close()\n"
+        "    while not os.path.exists(os.path.join(d, 'go')): time.sleep(0.01)\n" + script
+    )
 
 
-@pytest.mark.parametrize("script, code, lines", [
-    # group 1 fails on its first start only: restarted once, the job finishes
-    ("time.sleep(1.5 if R == 0 else 0.2)\nsys.exit(1 if (R, N) == (1, 0) else 0)", 0,
-     ["ft: replica group 1 failed (exit code 1); restarting it (1 of 2)"]),
-    # group 1 always fails: restarted twice, then left out while group 0 finishes (after it:
-    # once a group finished the job, a failed one is not restarted)
-    ("if R == 1 and N == 2: mark('last')\nif R == 0: wait_for('last'); time.sleep(0.5)\n"
-     "sys.exit(1 if R == 1 else 0)", 1,
-     ["restarting it (2 of 2)", "ft: replica group 1 failed (exit code 1) after 2 restart(s); left out"]),
-    # group 1 is killed, restarted, and finds no one to rejoin: neither finished nor failed
-    ("time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)", 0,
-     ["failed (killed by SIGKILL); restarting it", "ft: replica group 1 was restarted, but no live replica group"]),
-])
+@pytest.mark.parametrize(
+    "script, code, lines",
+    [
+        # group 1 fails on its first start only: restarted once, the job finishes
+        (
+            "time.sleep(1.5 if R == 0 else 0.2)\nsys.exit(1 if (R, N) == (1, 0) else 0)",
+            0,
+            ["ft: replica group 1 failed (exit code 1); restarting it (1 of 2)"],
+        ),
+        # group 1 always fails: restarted twice, then left out while group 0 finishes (after it:
+        # once a group finished the job, a failed one is not restarted)
+        (
+            "if R == 1 and N == 2: mark('last')\nif R == 0: wait_for('last'); time.sleep(0.5)\n"
+            "sys.exit(1 if R == 1 else 0)",
+            1,
+            ["restarting it (2 of 2)", "ft: replica group 1 failed (exit code 1) after 2 restart(s); left out"],
+        ),
+        # group 1 is killed, restarted, and finds no one to rejoin: neither finished nor failed
+        (
+            "time.sleep(1.5 if R == 0 else 0.2)\nif (R, N) == (1, 0): os.kill(os.getpid(), 9)\nsys.exit(75 if R == 1 else 0)",
+            0,
+            [
+                "failed (killed by SIGKILL); restarting it",
+                "ft: replica group 1 was restarted, but no live replica group",
+            ],
+        ),
+    ],
+)
 @pytest.mark.e2e
 def test_run_replica_groups_restarts_a_failed_group_while_another_trains(script, code, lines, tmp_path):
     import fsdpfn.ft
 
     said: list[str] = []
-    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
-                                       lighthouse="unused", max_restarts=2, echo=said.append,
-                                       env={**os.environ, "FAKE_DIR": str(tmp_path)})
+    got = fsdpfn.ft.run_replica_groups(
+        lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)],
+        2,
+        lighthouse="unused",
+        max_restarts=2,
+        echo=said.append,
+        env={**os.environ, "FAKE_DIR": str(tmp_path)},
+    )
     assert got == code, said
     for line in lines:
         assert any(line in s for s in said), (line, said)
@@ -461,29 +569,51 @@ def test_run_replica_groups_refuses_fewer_than_two_groups():
         fsdpfn.ft.run_replica_groups(lambda r, a: ["true"], 1, lighthouse="unused")
 
 
-@pytest.mark.parametrize("script, code, lines", [
-    # group 1 fails, is restarted and has nothing to rejoin; then group 0 fails too, every group
-    # is lost: it is restarted all the same (with checkpoints it resumes from its latest)
-    ("if (R, N) == (1, 1): mark('idle'); sys.exit(75)\nif (R, N) == (0, 0): wait_for('idle'); time.sleep(0.5)\n"
-     "sys.exit(1 if N == 0 else 0)", 0,
-     ["no other replica group is training: it resumes from its latest verified checkpoint"]),
-    # group 1 fails after group 0 finished the job: not restarted, and the job is done
-    ("if R == 1:\n    while not os.path.exists(os.environ['FSDPFN_FT_FINISHED']): time.sleep(0.01)\n"
-     "sys.exit(0 if R == 0 else 1)", 0,
-     ["ft: replica group 1 failed (exit code 1) after replica group(s) [0] finished the job: not restarted"]),
-    # group 1's process stops itself: killed after the grace, restarted, it finishes
-    ("if (R, N) == (1, 0): os.kill(os.getpid(), 19)\nif R == 1: mark('back')\nif R == 0: wait_for('back')\n", 0,
-     ["ft: replica group 1's process", "has been stopped (SIGSTOP) for 0.5 s: killing it",
-      "ft: replica group 1 failed (killed by SIGKILL); restarting it (1 of 2)"]),
-])
+@pytest.mark.parametrize(
+    "script, code, lines",
+    [
+        # group 1 fails, is restarted and has nothing to rejoin; then group 0 fails too, every group
+        # is lost: it is restarted all the same (with checkpoints it resumes from its latest)
+        (
+            "if (R, N) == (1, 1): mark('idle'); sys.exit(75)\nif (R, N) == (0, 0): wait_for('idle'); time.sleep(0.5)\n"
+            "sys.exit(1 if N == 0 else 0)",
+            0,
+            ["no other replica group is training: it resumes from its latest verified checkpoint"],
+        ),
+        # group 1 fails after group 0 finished the job: not restarted, and the job is done
+        (
+            "if R == 1:\n    while not os.path.exists(os.environ['FSDPFN_FT_FINISHED']): time.sleep(0.01)\n"
+            "sys.exit(0 if R == 0 else 1)",
+            0,
+            ["ft: replica group 1 failed (exit code 1) after replica group(s) [0] finished the job: not restarted"],
+        ),
+        # group 1's process stops itself: killed after the grace, restarted, it finishes
+        (
+            "if (R, N) == (1, 0): os.kill(os.getpid(), 19)\nif R == 1: mark('back')\nif R == 0: wait_for('back')\n",
+            0,
+            [
+                "ft: replica group 1's process",
+                "has been stopped (SIGSTOP) for 0.5 s: killing it",
+                "ft: replica group 1 failed (killed by SIGKILL); restarting it (1 of 2)",
+            ],
+        ),
+    ],
+)
 @pytest.mark.e2e
 def test_run_replica_groups_outlives_every_group_and_a_stopped_one(script, code, lines, tmp_path):
     import fsdpfn.ft
 
     said: list[str] = []
-    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
-                                       lighthouse="unused", max_restarts=2, echo=said.append, restart_alone=True,
-                                       stop_grace_s=0.5, env={**os.environ, "FAKE_DIR": str(tmp_path)})
+    got = fsdpfn.ft.run_replica_groups(
+        lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)],
+        2,
+        lighthouse="unused",
+        max_restarts=2,
+        echo=said.append,
+        restart_alone=True,
+        stop_grace_s=0.5,
+        env={**os.environ, "FAKE_DIR": str(tmp_path)},
+    )
     assert got == code, said
     for line in lines:
         assert any(line in s for s in said), (line, said)
@@ -496,32 +626,45 @@ def test_job_finished_tells_a_restarted_group_that_the_job_is_done(tmp_path):
     with NOTHING_TO_REJOIN, as the demo's groups do: the job is done, nothing was left out."""
     import fsdpfn.ft
 
-    script = ("import importlib.util\n"  # the module by its path: a stand-in need not import torch
-              "spec = importlib.util.spec_from_file_location('sup', os.environ['SUPERVISOR'])\n"
-              "sup = importlib.util.module_from_spec(spec); spec.loader.exec_module(sup)\n"
-              "if (R, N) == (1, 0): sys.exit(1)\n"
-              "if R == 0: wait_for('restarted'); sys.exit(0)\n"
-              "before = sup.job_finished(); mark('restarted')\n"
-              "while not sup.job_finished(): time.sleep(0.01)\n"
-              "sys.exit(75 if not before else 3)\n")
+    script = (
+        "import importlib.util\n"  # the module by its path: a stand-in need not import torch
+        "spec = importlib.util.spec_from_file_location('sup', os.environ['SUPERVISOR'])\n"
+        "sup = importlib.util.module_from_spec(spec); spec.loader.exec_module(sup)\n"
+        "if (R, N) == (1, 0): sys.exit(1)\n"
+        "if R == 0: wait_for('restarted'); sys.exit(0)\n"
+        "before = sup.job_finished(); mark('restarted')\n"
+        "while not sup.job_finished(): time.sleep(0.01)\n"
+        "sys.exit(75 if not before else 3)\n"
+    )
     said: list[str] = []
     supervisor = os.path.join(ROOT, "fsdpfn", "_ft_supervisor.py")
-    got = fsdpfn.ft.run_replica_groups(lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)], 2,
-                                       lighthouse="unused", max_restarts=2, echo=said.append,
-                                       env={**os.environ, "FAKE_DIR": str(tmp_path), "SUPERVISOR": supervisor})
+    got = fsdpfn.ft.run_replica_groups(
+        lambda r, address: [sys.executable, "-c", _fake_group(script), str(r)],
+        2,
+        lighthouse="unused",
+        max_restarts=2,
+        echo=said.append,
+        env={**os.environ, "FAKE_DIR": str(tmp_path), "SUPERVISOR": supervisor},
+    )
     assert got == 0, said
-    assert said[-2:] == ["ft: replica group 1 was restarted, but no live replica group was left to rejoin",
-                         "ft: replica group(s) [0] finished; [1] did not"], said
+    assert said[-2:] == [
+        "ft: replica group 1 was restarted, but no live replica group was left to rejoin",
+        "ft: replica group(s) [0] finished; [1] did not",
+    ], said
 
 
-_FAKE_RANK = ("import os, sys, time\n"
-              "open(os.path.join(os.environ['FSDPFN_FT_WATCH'], 'rank' + sys.argv[1]), 'w').write(str(os.getpid()))\n"
-              "time.sleep(float(sys.argv[2]))\n"
-              "if sys.argv[3] == 'done': open(os.path.join(os.environ['FSDPFN_FT_WATCH'], 'done' + sys.argv[1]), 'w').close()\n")
+_FAKE_RANK = (
+    "import os, sys, time\n"
+    "open(os.path.join(os.environ['FSDPFN_FT_WATCH'], 'rank' + sys.argv[1]), 'w').write(str(os.getpid()))\n"
+    "time.sleep(float(sys.argv[2]))\n"
+    "if sys.argv[3] == 'done': open(os.path.join(os.environ['FSDPFN_FT_WATCH'], 'done' + sys.argv[1]), 'w').close()\n"
+)
 
 
 def _fake_ranks(watch, lives: list[tuple[float, str]]) -> list[subprocess.Popen]:
-    procs = [subprocess.Popen([sys.executable, "-c", _FAKE_RANK, str(k), str(t), how]) for k, (t, how) in enumerate(lives)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _FAKE_RANK, str(k), str(t), how]) for k, (t, how) in enumerate(lives)
+    ]
     deadline = time.monotonic() + 30
     while len(watch._pids()) < len(procs) and time.monotonic() < deadline:  # every rank registered
         time.sleep(0.01)
@@ -554,9 +697,13 @@ def test_watch_ranks_ends_the_group_when_any_rank_dies_or_stops(fault):
                     p.kill()
                     p.wait()
     assert codes[0] == codes[2] == -signal.SIGKILL, codes
-    why = {"kill": "is gone", "exit": "is gone", "stop": f"has been stopped (SIGSTOP or a debugger) for {grace:g} s"}[fault]
-    assert said == [f"ft: replica group 1: rank 1 (pid {procs[1].pid}) {why}; ending the group so that the other "
-                    "replica groups go on without it (the supervisor restarts it)"], said
+    why = {"kill": "is gone", "exit": "is gone", "stop": f"has been stopped (SIGSTOP or a debugger) for {grace:g} s"}[
+        fault
+    ]
+    assert said == [
+        f"ft: replica group 1: rank 1 (pid {procs[1].pid}) {why}; ending the group so that the other "
+        "replica groups go on without it (the supervisor restarts it)"
+    ], said
     assert watch.reason == said[0]
     if fault == "stop":
         assert grace <= waited < grace + 5, waited

@@ -42,13 +42,19 @@ def test_the_classifier_tells_the_classes_apart():
     case = cat.Case("c", "a case", lambda rank, world: 0.0, "'blocks.0.qkv'", "apply_tp")
     named = ("raised", "ValueError: module 'blocks.0.qkv' ... Call fsdpfn.apply_tp(model, plan)", 0)
     assert cat.classify(case, [named, named])[0] == "named"
-    assert cat.classify(case, [named, ("ran", 0.0, 3)]) == ("unnamed", named[1] + " (only rank(s) [0]) [0 collectives first]")
+    assert cat.classify(case, [named, ("ran", 0.0, 3)]) == (
+        "unnamed",
+        named[1] + " (only rank(s) [0]) [0 collectives first]",
+    )
     no_fix = ("raised", "ValueError: module 'blocks.0.qkv' is wrong", 0)
     assert cat.classify(case, [no_fix, no_fix])[0] == "unnamed"  # the culprit without the fix
     shape = ("raised", "RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x32 and 64x16)", 0)
     assert cat.classify(case, [shape, shape])[0] == "unnamed"
     assert cat.classify(case, "RankError: rank 1 did not finish within 120 s (hang?)")[0] == "unnamed"
-    assert cat.classify(case, [("ran", cat.TOL, 0), ("ran", 0.0, 0)]) == ("correct", f"max relative error {cat.TOL:.3g}")
+    assert cat.classify(case, [("ran", cat.TOL, 0), ("ran", 0.0, 0)]) == (
+        "correct",
+        f"max relative error {cat.TOL:.3g}",
+    )
     assert cat.classify(case, [("ran", 0.0, 0), ("ran", 2 * cat.TOL, 0)])[0] == "silent"
 
 
@@ -57,4 +63,3 @@ def test_each_case_names_a_test_that_exists():
         path, name = case.test.split("::")
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             assert re.search(rf"^def {name}\(", f.read(), re.M), f"{case.id}: {case.test}"
-

@@ -141,7 +141,9 @@ def _refusals(rank, world):
     cases = {
         "no_dispatch": lambda: fsdpfn.plan(_net(DenseMoE), ep, experts=["blocks.*.moe.w1", "blocks.*.moe.w2"]),
         "no_dispatch_default": lambda: fsdpfn.plan(_net(BareExperts), ep),
-        "router": lambda: fsdpfn.plan(_net(fsdpfn_moe), ep, experts=["blocks.*.moe.router.weight", "blocks.*.moe.experts.w*"]),
+        "router": lambda: fsdpfn.plan(
+            _net(fsdpfn_moe), ep, experts=["blocks.*.moe.router.weight", "blocks.*.moe.experts.w*"]
+        ),
         "router_star": lambda: fsdpfn.plan(_net(fsdpfn_moe), ep, experts=["blocks.*.moe.*"]),
         "one_d_ep": lambda: fsdpfn.plan(_net(fsdpfn_moe), testing.mesh((2,), ("ep",))),
         "one_d_ep_shape": lambda: fsdpfn.plan(_net(fsdpfn_moe), {"ep": 2}),
@@ -169,7 +171,9 @@ def test_bad_meshes_and_expert_layers_are_named_on_every_rank_before_any_collect
         # A 1-D mesh named "ep": told to add the expert data-parallel axis.
         for key in ("one_d_ep", "one_d_ep_shape"):
             msg = out[key]
-            assert msg.startswith("ValueError") and "1-D mesh named 'ep'" in msg and "mesh_dim_names=('ep', 'edp')" in msg, msg
+            assert (
+                msg.startswith("ValueError") and "1-D mesh named 'ep'" in msg and "mesh_dim_names=('ep', 'edp')" in msg
+            ), msg
         # A mesh smaller than the world: refused on both ranks (rank 0 is in it, rank 1 is not).
         for key in ("small_mesh", "small_mesh_bind"):
             msg = out[key]
@@ -195,7 +199,9 @@ def _user_layer_step(rank, world):
         grads = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)))(params)
         params = {n: p - 0.1 * grads[n] for n, p in params.items()}
         want = torch.func.grad(
-            lambda ps: sum(torch.func.functional_call(ref_model, ps, (_tokens(10 * step + r),)) for r in range(world)) / world
+            lambda ps: (
+                sum(torch.func.functional_call(ref_model, ps, (_tokens(10 * step + r),)) for r in range(world)) / world
+            )
         )(ref)
         ref = {n: p - 0.1 * want[n] for n, p in ref.items()}
     local = plan.param("blocks.0.moe.w1").local_shape
@@ -256,7 +262,9 @@ class Gated(Biased):
 
 
 def test_expert_weights_of_one_layer_must_pack_the_same_experts():
-    with pytest.raises(ValueError, match=r"'blocks.0.moe.w1' \(4, 12, 8\) and 'blocks.0.moe.bias' \(8, 8\) .* pack 4 and 8"):
+    with pytest.raises(
+        ValueError, match=r"'blocks.0.moe.w1' \(4, 12, 8\) and 'blocks.0.moe.bias' \(8, 8\) .* pack 4 and 8"
+    ):
         fsdpfn.plan(_net(Biased), {"ep": 2, "edp": 1}, experts=["blocks.*.moe.w1", "blocks.*.moe.bias"])
 
 
@@ -267,10 +275,15 @@ def test_a_parameter_its_layer_does_not_declare_is_refused():
 
 @pytest.mark.parametrize("shape,axes", [({"ep": 4}, None), ({"experts": 4}, {"experts": "ep"})], ids=["named", "axes"])
 def test_a_1d_ep_mesh_is_refused_with_the_2d_mesh_to_build(shape, axes):
-    with pytest.raises(ValueError, match=r"1-D mesh named '(ep|experts)' of 4 ranks.*\(4, 1\), mesh_dim_names=\('(ep|experts)', 'edp'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"1-D mesh named '(ep|experts)' of 4 ranks.*\(4, 1\), mesh_dim_names=\('(ep|experts)', 'edp'\)",
+    ):
         fsdpfn.MeshAxes.from_shape(shape, axes)
     assert fsdpfn.MeshAxes.from_shape({"ep": 4, "edp": 1}).ep_size == 4  # the fix
-    assert fsdpfn.MeshAxes.from_names((4,), ("data",)).roles == (fsdpfn.Role.SHARD,)  # other names: still the shard axis
+    assert fsdpfn.MeshAxes.from_names((4,), ("data",)).roles == (
+        fsdpfn.Role.SHARD,
+    )  # other names: still the shard axis
 
 
 def test_fsdpfn_moe_and_a_dispatching_layer_pass_the_guards():

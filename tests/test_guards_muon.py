@@ -204,7 +204,9 @@ def test_muon_labels_by_name_still_work():
         optim.muon_labels(42)
 
 
-@pytest.mark.parametrize("model", [Classifier(), TokLM(), TiedLM()], ids=["emb-classifier", "tok_emb-unembed", "tied-pos_table"])
+@pytest.mark.parametrize(
+    "model", [Classifier(), TokLM(), TiedLM()], ids=["emb-classifier", "tok_emb-unembed", "tied-pos_table"]
+)
 def test_muon_default_name_rule_knows_common_embedding_and_head_names(model):
     # Without a model, muon reads names: the usual spellings of embeddings and heads (emb,
     # tok_emb, token_embedding, unembed, classifier) and a bare position table (pos_table: Muon
@@ -243,12 +245,29 @@ def test_streamed_refuses_an_unavailable_device_when_built():
 
 def test_muon_labels_on_hf_models():
     T = pytest.importorskip("transformers")
-    llama = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                             num_key_value_heads=1, vocab_size=50))
-    bert = T.BertForSequenceClassification(T.BertConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
-                                                        num_attention_heads=2, vocab_size=50))
-    for model, out in ((llama, {"lm_head.weight", "model.embed_tokens.weight"}),
-                       (bert, {"classifier.weight", *(f"bert.embeddings.{k}_embeddings.weight" for k in ("word", "position", "token_type"))})):
+    llama = T.LlamaForCausalLM(
+        T.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=50,
+        )
+    )
+    bert = T.BertForSequenceClassification(
+        T.BertConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=50)
+    )
+    for model, out in (
+        (llama, {"lm_head.weight", "model.embed_tokens.weight"}),
+        (
+            bert,
+            {
+                "classifier.weight",
+                *(f"bert.embeddings.{k}_embeddings.weight" for k in ("word", "position", "token_type")),
+            },
+        ),
+    ):
         labels = optim.muon_labels(model)
         matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
         assert {n for n in matrices if labels[n] == "adamw"} == out, sorted(n for n in matrices if labels[n] == "adamw")

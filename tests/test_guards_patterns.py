@@ -25,8 +25,15 @@ def _remats(plan):
 
 def test_first_match_is_the_one_rule():
     names = ["blocks.0", "blocks.1", "blocks.2"]
-    assert first_match(["blocks.1", "blocks.*"], names, "remat", "unit") == {"blocks.1": "blocks.1", "blocks.0": "blocks.*", "blocks.2": "blocks.*"}
-    with pytest.raises(ValueError, match=r"remat pattern 'blocks.1' matches only 'blocks.1', which the earlier pattern\(s\) 'blocks.\*'"):
+    assert first_match(["blocks.1", "blocks.*"], names, "remat", "unit") == {
+        "blocks.1": "blocks.1",
+        "blocks.0": "blocks.*",
+        "blocks.2": "blocks.*",
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"remat pattern 'blocks.1' matches only 'blocks.1', which the earlier pattern\(s\) 'blocks.\*'",
+    ):
         first_match(["blocks.*", "blocks.1"], names, "remat", "unit")
     with pytest.raises(ValueError, match="remat pattern 'blocks.9' matches no unit; did you mean"):
         first_match(["blocks.9"], names, "remat", "unit")
@@ -36,7 +43,9 @@ def test_the_memory_page_remat_example_means_what_it_says():
     """Before: every block got save_dots (the later pattern overwrote the earlier)."""
     plan = fsdpfn.plan(GPT(CFG), (2,), remat={"blocks.[0-5]": "full", "blocks.*": "save_dots"})
     assert _remats(plan) == {"<root>": "none", **{f"blocks.{i}": "full" if i < 6 else "save_dots" for i in range(8)}}
-    with pytest.raises(ValueError, match=r"remat pattern 'blocks.\[0-5\]' matches only 'blocks.0', .*'blocks.\*' already claim"):
+    with pytest.raises(
+        ValueError, match=r"remat pattern 'blocks.\[0-5\]' matches only 'blocks.0', .*'blocks.\*' already claim"
+    ):
         fsdpfn.plan(GPT(CFG), (2,), remat={"blocks.*": "save_dots", "blocks.[0-5]": "full"})
 
 
@@ -56,7 +65,10 @@ def test_tp_first_match_wins_and_dead_patterns_are_refused():
     model = GPT(GPTConfig(vocab_size=20, seq_len=8, width=16, depth=2, heads=2))
     plan = fsdpfn.plan(model, {"dp": 1, "tp": 2}, tp={"blocks.0.fc": "replicate", "blocks.0.out": "replicate", **TP})
     assert plan.param("blocks.0.fc.weight").tp == "replicate" and plan.param("blocks.1.fc.weight").tp == "shard0"
-    with pytest.raises(ValueError, match=r"tp pattern 'blocks.0.fc' matches only 'blocks.0.fc', which the earlier pattern\(s\) 'blocks.\*.fc'"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp pattern 'blocks.0.fc' matches only 'blocks.0.fc', which the earlier pattern\(s\) 'blocks.\*.fc'",
+    ):
         fsdpfn.plan(model, {"dp": 1, "tp": 2}, tp={**TP, "blocks.0.fc": "replicate"})
 
 
@@ -83,7 +95,9 @@ def test_experts_dead_patterns_are_refused():
 
 
 def test_fp8_exclude_dead_patterns_are_refused():
-    mp = lambda exclude: fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8=fsdpfn.fp8.Float8GatherPolicy(exclude=exclude))  # noqa: E731
+    def mp(exclude):
+        return fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8=fsdpfn.fp8.Float8GatherPolicy(exclude=exclude))
+
     model = GPT(GPTConfig(vocab_size=20, seq_len=8, width=32, depth=2, heads=2))
     fsdpfn.plan(model, (2,), mp=mp(["blocks.0.fc.weight", "*.out.weight"]))
     with pytest.raises(ValueError, match="exclude=...\\) pattern 'blocks.0.out.weight' matches only"):
@@ -91,15 +105,22 @@ def test_fp8_exclude_dead_patterns_are_refused():
 
 
 def _muon_params():
-    return {"blocks.0.qkv.weight": torch.randn(12, 4), "blocks.0.proj.weight": torch.randn(4, 4), "blocks.0.fc.weight": torch.randn(8, 4),
-            "embed.weight": torch.randn(10, 4)}
+    return {
+        "blocks.0.qkv.weight": torch.randn(12, 4),
+        "blocks.0.proj.weight": torch.randn(4, 4),
+        "blocks.0.fc.weight": torch.randn(8, 4),
+        "embed.weight": torch.randn(10, 4),
+    }
 
 
 def test_muon_blocks_pattern_matching_nothing_is_refused_at_init():
     """Before: blocks={'*qkv.wieght': 6} updated whole matrices without a word."""
     params = _muon_params()
     opt = optim.muon(blocks={"*qkv.wieght": 6})
-    with pytest.raises(ValueError, match=r"muon: blocks pattern '\*qkv.wieght' matches no parameter Muon updates; did you mean 'blocks.0.qkv.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"muon: blocks pattern '\*qkv.wieght' matches no parameter Muon updates; did you mean 'blocks.0.qkv.weight'",
+    ):
         opt.init(params)
     with pytest.raises(ValueError, match=r"blocks pattern 'blocks.0.qkv.weight' matches only .*'\*qkv.weight'"):
         optim.muon(blocks={"*qkv.weight": 6, "blocks.0.qkv.weight": 3}).init(params)
@@ -124,8 +145,11 @@ def _save_names_typo(rank, world, style):
                 F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
         else:
             params = fsdpfn.shard(model, plan)
-            torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1),
-                                                        x.flatten()))(params)
+            torch.func.grad(
+                lambda ps: F.cross_entropy(
+                    torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), x.flatten()
+                )
+            )(params)
     except ValueError as e:
         return str(e)
     return None
@@ -187,7 +211,9 @@ BLOCKS = {"counter": _Counted, "choice": _Rolled}
 def _replay_case(rank, world, kind, policy, style):
     """One step of ``kind``'s net under ``policy``: ``"ok"`` and the gradients, or the error."""
     torch.manual_seed(0)
-    model = _Net(BLOCKS[kind]() if kind in BLOCKS else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    model = _Net(
+        BLOCKS[kind]() if kind in BLOCKS else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    )
     plan = fsdpfn.plan(model, testing.mesh((world,)) if world > 1 else (1,), remat=policy)
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
     torch.manual_seed(7)
@@ -252,8 +278,12 @@ def _compile_remat(rank, world):
     params = fsdpfn.shard(model, plan)
     x = torch.randint(0, 20, (2, 8))
     try:
-        fsdpfn.compile(lambda ps: F.cross_entropy(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), x.flatten()),
-                       backend="aot_eager")(params)
+        fsdpfn.compile(
+            lambda ps: F.cross_entropy(
+                torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), x.flatten()
+            ),
+            backend="aot_eager",
+        )(params)
     except Exception as e:  # noqa: BLE001  (dynamo may wrap it; the message must still name the unit)
         return f"{type(e).__name__}: {e}"
     return "compiled"

@@ -59,8 +59,15 @@ def test_dict_subclasses_flatten_to_their_tensors_and_rebuild_in_their_class():
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -265,6 +272,11 @@ def test_a_spawned_job_ending_with_torch_collectives_exits_0():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "exit_stress.py"), "--job", "spawn"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "exit_stress.py"), "--job", "spawn"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

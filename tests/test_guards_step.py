@@ -49,7 +49,9 @@ def _setup(mesh_shape, names, tp=True, **kw):
 
 
 def _grad_step(runner, plan, params, x, y):
-    return torch.func.grad_and_value(lambda ps: _ce(torch.func.functional_call(runner, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+    return torch.func.grad_and_value(
+        lambda ps: _ce(torch.func.functional_call(runner, fsdpfn.unshard(ps, plan), (x,)), y)
+    )(params)
 
 
 def _error(fn):
@@ -93,7 +95,8 @@ def _tp_hooked_model(rank, world, how):
     model, plan = _setup((1, 2), ("dp", "tp"))
     x, y = _batch(4)
     ref = torch.func.grad_and_value(lambda ps: _ce(torch.func.functional_call(model, ps, (x,)), y))(
-        {n: p.detach() for n, p in model.named_parameters()})
+        {n: p.detach() for n, p in model.named_parameters()}
+    )
     if how == "same":
         params, runner = fsdpfn.shard(model, plan), model
     else:
@@ -125,7 +128,7 @@ def _tp_batch(rank, world, index_by, runtime):
     params = fsdpfn.shard(model, plan)
     x, y = _batch(4)
     i = rank if index_by == "global_rank" else fsdpfn.transforms.dp_rank(plan)
-    x, y = x[2 * i: 2 * i + 2], y[2 * i: 2 * i + 2]
+    x, y = x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]
     if runtime:
         rt = Runtime(model, plan)
         return _error(lambda: rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params))
@@ -154,7 +157,7 @@ def _dp_rows(rank, world, rows, mode):
     params = fsdpfn.shard(model, plan)
     x, y = _batch(sum(rows))
     start = sum(rows[:rank])
-    x, y = x[start: start + rows[rank]], y[start: start + rows[rank]]
+    x, y = x[start : start + rows[rank]], y[start : start + rows[rank]]
     if mode == "eval":
         with torch.no_grad():
             return _error(lambda: torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,)))
@@ -171,7 +174,8 @@ def _dp_rows(rank, world, rows, mode):
         grads = torch.func.grad(loss)(params)
         X, Y = _batch(sum(rows))
         ref = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, ps, (X,)), Y))(
-            {n: p.detach() for n, p in model.named_parameters()})
+            {n: p.detach() for n, p in model.named_parameters()}
+        )
         return max(((grads[n].full_tensor() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)).item() for n in grads)
     return _error(lambda: _grad_step(model, plan, params, x, y))
 

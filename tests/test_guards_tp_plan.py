@@ -77,7 +77,12 @@ class FusedGPT(nn.Module):
         return self.head(h)
 
 
-FUSED_TP = {"blocks.*.attn.qkv": "colwise_fused:3", "blocks.*.attn.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+FUSED_TP = {
+    "blocks.*.attn.qkv": "colwise_fused:3",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.fc": "colwise",
+    "blocks.*.out": "rowwise",
+}
 PLAIN_TP = {**FUSED_TP, "blocks.*.attn.qkv": "colwise"}  # head-major split of a q|k|v-major weight: wrong
 # Fused parts are not cut over a data-parallel axis > 1 yet: the blocks replicate, the root is FSDP.
 REPLICATED_BLOCKS = {"*": "replicate", "<root>": "zero3"}
@@ -139,7 +144,8 @@ def _train(rank, world, shape, tp, strategy, steps=3, runtime=False):
             grads, _ = rt.value_and_grad(lambda ps: _loss(rt.apply(ps, x[mine]), y[mine]))(params)
         else:
             grads = torch.func.grad(
-                lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine],)), y[mine]))(params)
+                lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[mine],)), y[mine])
+            )(params)
         if step == 0:
             grad_err = max(_rel(g.full_tensor(), ref_grads[n]) for n, g in grads.items())
             fsdpfn_grad_err = max(_rel(fsdpfn.comm.full_tensor(g), ref_grads[n]) for n, g in grads.items())
@@ -149,11 +155,15 @@ def _train(rank, world, shape, tp, strategy, steps=3, runtime=False):
     return grad_err, fsdpfn_grad_err, param_err, str(params["blocks.0.attn.qkv.weight"].placements)
 
 
-@pytest.mark.parametrize("shape, runtime", [((1, 2), False), ((2, 2), False), ((1, 2), True)], ids=["1x2", "2x2", "1x2-runtime"])
+@pytest.mark.parametrize(
+    "shape, runtime", [((1, 2), False), ((2, 2), False), ((1, 2), True)], ids=["1x2", "2x2", "1x2-runtime"]
+)
 def test_fused_qkv_split_colwise_fused_trains_as_one_process(run_on_ranks, shape, runtime):
     """Tolerance: [Note: the tolerance of the fused parity tests]. The pure loop, and the runtime."""
     strategy = "zero3" if shape[0] == 1 else REPLICATED_BLOCKS
-    for grad_err, fsdpfn_grad_err, param_err, placed in run_on_ranks(_train, shape[0] * shape[1], shape, FUSED_TP, strategy, 3, runtime):
+    for grad_err, fsdpfn_grad_err, param_err, placed in run_on_ranks(
+        _train, shape[0] * shape[1], shape, FUSED_TP, strategy, 3, runtime
+    ):
         assert grad_err < 1e-5 and fsdpfn_grad_err < 1e-5 and param_err < 1e-5, (grad_err, fsdpfn_grad_err, param_err)
         assert placed == "(Replicate(), _StridedShard(dim=0, sf=3))", placed
 
@@ -175,7 +185,9 @@ def _plain_colwise(rank, world, runtime, steps):
                 rt = Runtime(model, plan)
                 rt.value_and_grad(lambda ps: _loss(rt.apply(ps, x), y))(params)
             else:
-                torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+                torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(
+                    params
+                )
     except ValueError as e:
         return str(e), watched, bool(_guards._MODE)
     return None, watched, bool(_guards._MODE)
@@ -188,7 +200,9 @@ def test_plain_colwise_on_a_fused_qkv_is_refused_on_every_rank(run_on_ranks, run
     3 along its last dimension, which names the layout: refused with the style that fits."""
     for err, _, left_on in run_on_ranks(_plain_colwise, 2, runtime, 1):
         assert err is not None, "a q|k|v-major qkv split plainly trained without a word"
-        assert "tp splits 'blocks.0.attn.qkv' 'colwise'" in err and "into 3 parts along its last dimension (chunk)" in err, err
+        assert (
+            "tp splits 'blocks.0.attn.qkv' 'colwise'" in err and "into 3 parts along its last dimension (chunk)" in err
+        ), err
         assert "tp={'blocks.*.attn.qkv': 'colwise_fused:3'}" in err, err
         assert not left_on  # the watch is left when the forward raises
 
@@ -214,7 +228,9 @@ def _gpt_steps_watched(rank, world, steps):
     model.head.register_forward_pre_hook(lambda m, a: watched.append(bool(_guards._MODE)))
     try:
         for _ in range(steps):
-            torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(params)
+            torch.func.grad(lambda ps: _loss(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y))(
+                params
+            )
     except ValueError as e:
         return str(e), watched, bool(_guards._MODE)
     return None, watched, bool(_guards._MODE)
@@ -290,10 +306,14 @@ def test_fused_style_places_each_part_and_round_trips_through_json():
     for u in edited["units"]:
         for p in u["params"]:
             p.pop("tp_stride", None)
-    with pytest.raises(ValueError, match=r"'blocks.0.attn.qkv' is split 'colwise_fused:3', but its weight has tp_stride 1"):
+    with pytest.raises(
+        ValueError, match=r"'blocks.0.attn.qkv' is split 'colwise_fused:3', but its weight has tp_stride 1"
+    ):
         fsdpfn.Plan.from_json(json.dumps(edited))
     # Plans without fused layers keep format 3 and read as before.
-    plain = fsdpfn.plan(GPT(GPTConfig(vocab_size=20, seq_len=8, width=16, depth=2, heads=2)), {"dp": 1, "tp": 2}, tp=GPT_TP_PLAN)
+    plain = fsdpfn.plan(
+        GPT(GPTConfig(vocab_size=20, seq_len=8, width=16, depth=2, heads=2)), {"dp": 1, "tp": 2}, tp=GPT_TP_PLAN
+    )
     d = json.loads(plain.to_json())
     assert d["format"] == 3 and all("tp_stride" not in p for u in d["units"] for p in u["params"])
     assert fsdpfn.Plan.from_json(plain.to_json()) == plain
@@ -309,11 +329,14 @@ def test_fused_slices_are_the_parts_slices():
         assert torch.equal(local, torch.cat([z.chunk(2)[r] for z in (q, k, v)]))
 
 
-@pytest.mark.parametrize("style, match", [
-    ("colwise_fused:1", "unknown style"),
-    ("colwise_fused:x", "unknown style"),
-    ("colwise_fused:5", r"'blocks.0.attn.qkv.weight' has 48 rows, which do not make 5 fused parts"),
-])
+@pytest.mark.parametrize(
+    "style, match",
+    [
+        ("colwise_fused:1", "unknown style"),
+        ("colwise_fused:x", "unknown style"),
+        ("colwise_fused:5", r"'blocks.0.attn.qkv.weight' has 48 rows, which do not make 5 fused parts"),
+    ],
+)
 def test_bad_fused_styles_are_named(style, match):
     with pytest.raises(ValueError, match=match):
         fsdpfn.plan(_fused_model(), {"dp": 1, "tp": 2}, tp={**FUSED_TP, "blocks.*.attn.qkv": style})
@@ -342,10 +365,15 @@ def test_a_split_layer_beside_whole_ones_is_named_with_the_fix():
     with pytest.raises(ValueError) as e:
         fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp={"blocks.*.qkv": "colwise"})
     msg = str(e.value)
-    assert "module 'blocks.0' (Block) has Linear layers split over tp (qkv: colwise) beside ones left whole (proj, fc, out)" in msg
+    assert (
+        "module 'blocks.0' (Block) has Linear layers split over tp (qkv: colwise) beside ones left whole (proj, fc, out)"
+        in msg
+    )
     assert "tp={'blocks.*.proj': 'replicate'}" in msg and "'rowwise'" in msg, msg
     no_out = {k: v for k, v in GPT_TP_PLAN.items() if k != "blocks.*.out"}
-    with pytest.raises(ValueError, match=r"split over tp \(qkv: colwise, proj: rowwise, fc: colwise\) beside ones left whole \(out\)"):
+    with pytest.raises(
+        ValueError, match=r"split over tp \(qkv: colwise, proj: rowwise, fc: colwise\) beside ones left whole \(out\)"
+    ):
         fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp=no_out)
 
 
@@ -383,7 +411,9 @@ def test_a_replicated_layer_fed_by_a_colwise_one_is_named():
     assert "tp marks 'blocks.0.out' 'replicate'" in msg and "the output of 'blocks.0.fc'" in msg, msg
     assert "tp={'blocks.*.out': 'rowwise'}" in msg and "'blocks.*.fc' 'colwise_gather'" in msg, msg
     # Both fixes pass, and so does a replicated layer that reads the block's input (a router).
-    fsdpfn.plan(_gpt(), {"dp": 1, "tp": 2}, tp={**GPT_TP_PLAN, "blocks.*.fc": "colwise_gather", "blocks.*.out": "replicate"})
+    fsdpfn.plan(
+        _gpt(), {"dp": 1, "tp": 2}, tp={**GPT_TP_PLAN, "blocks.*.fc": "colwise_gather", "blocks.*.out": "replicate"}
+    )
     fsdpfn.plan(Net(), {"dp": 1, "tp": 2}, tp={"mlp.fc": "colwise_gather", "mlp.out": "replicate"})
 
 
@@ -412,7 +442,10 @@ def test_partner_in_a_sibling_module_is_accepted():
     model = nn.ModuleDict({"attention": BertLikeAttention()})
     tp = {"attention.self.*": "colwise", "attention.output.dense": "rowwise"}
     assert len(fsdpfn.plan(model, {"dp": 1, "tp": 2}, tp=tp).tp) == 4
-    with pytest.raises(ValueError, match=r"'attention.self' \(BertLikeSelf\) has num_attention_heads = 4, which does not divide over tp=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"'attention.self' \(BertLikeSelf\) has num_attention_heads = 4, which does not divide over tp=8",
+    ):
         fsdpfn.plan(model, {"dp": 1, "tp": 8}, tp=tp)
 
 
@@ -422,16 +455,26 @@ def test_head_counts_tp_does_not_divide_are_named():
     with pytest.raises(ValueError) as e:
         fsdpfn.plan(_gpt(heads=2), {"dp": 1, "tp": 4}, tp=GPT_TP_PLAN)
     msg = str(e.value)
-    assert "module 'blocks.0' (Block) has heads = 2, which does not divide over tp=4 ranks" in msg and "whole" in msg, msg
+    assert "module 'blocks.0' (Block) has heads = 2, which does not divide over tp=4 ranks" in msg and "whole" in msg, (
+        msg
+    )
     llama = Llama(LlamaConfig(dim=32, layers=1, heads=4, kv_heads=2, ffn=64, vocab=64))
-    with pytest.raises(ValueError, match=r"'layers.0.attn' \(Attention\) has kv_heads = 2, which does not divide over tp=4"):
+    with pytest.raises(
+        ValueError, match=r"'layers.0.attn' \(Attention\) has kv_heads = 2, which does not divide over tp=4"
+    ):
         fsdpfn.plan(llama, {"dp": 1, "tp": 4}, tp=LLAMA_TP)
     assert len(fsdpfn.plan(llama, {"dp": 1, "tp": 2}, tp=LLAMA_TP).tp) == 7
 
 
-LLAMA_TP = {"layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
-            "layers.*.attn.wo": "rowwise", "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise",
-            "layers.*.mlp.w2": "rowwise"}
+LLAMA_TP = {
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.w1": "colwise",
+    "layers.*.mlp.w3": "colwise",
+    "layers.*.mlp.w2": "rowwise",
+}
 
 
 def test_a_style_matching_a_non_linear_names_the_pattern_formatted():
@@ -449,8 +492,12 @@ def _every_rank(rank, world):
         "beside": lambda: fsdpfn.plan(_gpt(), testing.mesh((2, 2), ("dp", "tp")), tp={"blocks.*.qkv": "colwise"}),
         "heads": lambda: fsdpfn.plan(_gpt(heads=2), testing.mesh((1, 4), ("dp", "tp")), tp=GPT_TP_PLAN),
         "fused_dp": lambda: fsdpfn.plan(_fused_model(), testing.mesh((2, 2), ("dp", "tp")), tp=FUSED_TP),
-        "rebind": lambda: fsdpfn.plan(_gpt(), {"dp": 2, "tp": 2}, tp=GPT_TP_PLAN).bind(testing.mesh((1, 4), ("dp", "tp"))),
-        "replicated_reader": lambda: fsdpfn.plan(_gpt(), testing.mesh((2, 2), ("dp", "tp")), tp={**GPT_TP_PLAN, "blocks.*.out": "replicate"}),
+        "rebind": lambda: fsdpfn.plan(_gpt(), {"dp": 2, "tp": 2}, tp=GPT_TP_PLAN).bind(
+            testing.mesh((1, 4), ("dp", "tp"))
+        ),
+        "replicated_reader": lambda: fsdpfn.plan(
+            _gpt(), testing.mesh((2, 2), ("dp", "tp")), tp={**GPT_TP_PLAN, "blocks.*.out": "replicate"}
+        ),
     }
     return refusals(cases)
 
@@ -463,25 +510,41 @@ def test_tp_layout_errors_reach_every_rank_before_any_collective(run_on_ranks):
     assert "beside ones left whole (proj, fc, out)" in out["beside"], out["beside"]
     assert "has heads = 2, which does not divide over tp=4" in out["heads"], out["heads"]
     assert out["fused_dp"].startswith("NotImplementedError") and "colwise_fused:3" in out["fused_dp"], out["fused_dp"]
-    assert out["replicated_reader"].startswith("ValueError: tp marks 'blocks.0.out' 'replicate'"), out["replicated_reader"]
+    assert out["replicated_reader"].startswith("ValueError: tp marks 'blocks.0.out' 'replicate'"), out[
+        "replicated_reader"
+    ]
     rebind = out["rebind"]
     assert "mesh has shape (1, 4), but the plan was made for (2, 2)" in rebind, rebind
-    assert "Build the plan again on the new mesh" in rebind and "load it into the plan built for the new mesh" in rebind, rebind
+    assert (
+        "Build the plan again on the new mesh" in rebind and "load it into the plan built for the new mesh" in rebind
+    ), rebind
 
 
 # ---- grouped-query attention in a Hugging Face Llama ------------------------------------------
 
-HF_TP = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-         "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
-         "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-         "model.layers.*.mlp.down_proj": "rowwise"}
+HF_TP = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
 HF_Q_ONLY = {k: v for k, v in HF_TP.items() if not k.endswith(("k_proj", "v_proj"))}
 
 
 def _hf_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -491,14 +554,20 @@ def test_hf_gqa_q_split_without_k_and_v_is_named():
     with pytest.raises(ValueError) as e:
         fsdpfn.plan(_hf_llama(), {"dp": 1, "tp": 2}, tp=HF_Q_ONLY)
     msg = str(e.value)
-    assert "module 'model.layers.0.self_attn' (LlamaAttention) has Linear layers split over tp (q_proj: colwise, o_proj: rowwise)" in msg
+    assert (
+        "module 'model.layers.0.self_attn' (LlamaAttention) has Linear layers split over tp (q_proj: colwise, o_proj: rowwise)"
+        in msg
+    )
     assert "left whole (k_proj, v_proj)" in msg and "'model.layers.*.self_attn.k_proj'" in msg, msg
 
 
 def test_hf_gqa_kv_heads_tp_does_not_divide_are_named():
     """Before: tp = 4 with 2 kv heads failed on a view deep inside LlamaAttention."""
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' \(LlamaAttention\) has config.num_key_value_heads = 2, "
-                                         r"which does not divide over tp=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.self_attn' \(LlamaAttention\) has config.num_key_value_heads = 2, "
+        r"which does not divide over tp=4",
+    ):
         fsdpfn.plan(_hf_llama(), {"dp": 1, "tp": 4}, tp=HF_TP)
 
 

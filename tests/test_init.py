@@ -154,7 +154,9 @@ def test_custom_initialisers():
     w = "gpt.blocks.0.fc.weight"
     assert not torch.equal(default[w], by_module[w]) and not torch.equal(by_module[w], by_param[w])
     assert by_param[w].abs().max() <= 0.1 and by_param["scale"].item() == 1.0
-    assert torch.equal(by_module["gpt.norm.weight"], fsdpfn.init_full(_meta_model(), seed=SEED, init=_my_init)["gpt.norm.weight"])
+    assert torch.equal(
+        by_module["gpt.norm.weight"], fsdpfn.init_full(_meta_model(), seed=SEED, init=_my_init)["gpt.norm.weight"]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +202,16 @@ def _init_parity(rank, world, mesh_shape, strategy, units, how):
         ((3,), "zero3", "list", "init"),
         ((4,), {"*": "zero3", "<root>": "replicate"}, "linear", "param_init"),
     ],
-    ids=["w1", "w2-zero3", "w3-zero2", "w4-zero3", "hsdp2x2", "hsdp2x2-zero2-units", "w3-units-init", "w4-linear-units-param-init"],
+    ids=[
+        "w1",
+        "w2-zero3",
+        "w3-zero2",
+        "w4-zero3",
+        "hsdp2x2",
+        "hsdp2x2-zero2-units",
+        "w3-units-init",
+        "w4-linear-units-param-init",
+    ],
 )
 def test_init_shards_equals_the_one_process_twin(run_on_ranks, mesh_shape, strategy, units, how):
     world = math.prod(mesh_shape)
@@ -227,7 +238,12 @@ def _requires_grad_leaves(rank, world):
     plan = fsdpfn.plan(model, _mesh((world,)))
     params = fsdpfn.init_shards(model, plan, seed=SEED, requires_grad=True)
     x, y = _batch(world)
-    _loss(model, fsdpfn.unshard(params, plan), x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+    _loss(
+        model,
+        fsdpfn.unshard(params, plan),
+        x[rank * PER_RANK : (rank + 1) * PER_RANK],
+        y[rank * PER_RANK : (rank + 1) * PER_RANK],
+    ).backward()
     return all(p.is_leaf and p.grad is not None and p.grad.placements == p.placements for p in params.values())
 
 
@@ -247,9 +263,17 @@ def _disagree(rank, world, case):
         if case == "seed":
             fsdpfn.init_shards(model, plan, seed=rank)
         elif case == "rank-dependent":
-            fsdpfn.init_shards(model, plan, param_init=lambda path, t: t.fill_(comm.rank() if path == "gpt.pos.weight" else 1.0))
+            fsdpfn.init_shards(
+                model, plan, param_init=lambda path, t: t.fill_(comm.rank() if path == "gpt.pos.weight" else 1.0)
+            )
         elif case == "unseeded":
-            fsdpfn.init_shards(model, plan, param_init=lambda path, t: t.copy_(torch.rand(t.shape, generator=torch.Generator().manual_seed(comm.rank()))))
+            fsdpfn.init_shards(
+                model,
+                plan,
+                param_init=lambda path, t: t.copy_(
+                    torch.rand(t.shape, generator=torch.Generator().manual_seed(comm.rank()))
+                ),
+            )
         elif case == "plan":
             other = fsdpfn.plan(model, _mesh((world,)), strategy="zero2" if rank else "zero3")
             fsdpfn.init_shards(model, other)
@@ -263,7 +287,10 @@ def _disagree(rank, world, case):
 @pytest.mark.parametrize(
     "case,expected",
     [
-        ("seed", "ranks [1] have a different init seed and initialiser than rank 0: 'seed=1, reset_parameters' against 'seed=0, reset_parameters'"),
+        (
+            "seed",
+            "ranks [1] have a different init seed and initialiser than rank 0: 'seed=1, reset_parameters' against 'seed=0, reset_parameters'",
+        ),
         ("rank-dependent", "parameter 'gpt.pos.weight' differs between rank 0 and ranks [1]"),
         ("unseeded", "differs between rank 0 and ranks [1]"),
         ("plan", "ranks [1] built a different plan than rank 0"),
@@ -306,7 +333,9 @@ class _Rebinding(nn.Module):
 def test_bad_arguments_are_named_before_any_collective():
     model = _meta_model()
     plan = fsdpfn.plan(model, (2,))  # unbound: a collective would fail differently
-    with pytest.raises(ValueError, match=r"module '<root>' \(_NoReset\) owns parameter 'gain' but has no reset_parameters\(\)"):
+    with pytest.raises(
+        ValueError, match=r"module '<root>' \(_NoReset\) owns parameter 'gain' but has no reset_parameters\(\)"
+    ):
         with torch.device("meta"):
             fsdpfn.init_full(_NoReset())
     with pytest.raises(ValueError, match="not both"):
@@ -321,7 +350,9 @@ def test_bad_arguments_are_named_before_any_collective():
         fsdpfn.init_full(model, device="meta")
     with pytest.raises(ValueError, match="this plan has no mesh"):
         fsdpfn.init_shards(model, plan)
-    with pytest.raises(RuntimeError, match=r"initialising 'b' \(alone: the model's other parameters are on the meta device\)"):
+    with pytest.raises(
+        RuntimeError, match=r"initialising 'b' \(alone: the model's other parameters are on the meta device\)"
+    ):
         with torch.device("meta"):
             fsdpfn.init_full(_Copying())
     with pytest.raises(ValueError, match="the initialiser replaced parameter 'w' instead of filling it in place"):
@@ -373,9 +404,16 @@ def _memory(rank, world):
     del params
     with _AllocationCounter() as full_path:  # today's path, for contrast: the counter sees it
         torch.manual_seed(0)
-        params = fsdpfn.shard(GPT(cfg), plan)
-    return dict(largest=meta_init.largest, peak=meta_init.peak, full_peak=full_path.peak, unit=unit_bytes,
-                param=param_bytes, model=model_bytes, shards=shard_bytes)
+        fsdpfn.shard(GPT(cfg), plan)
+    return dict(
+        largest=meta_init.largest,
+        peak=meta_init.peak,
+        full_peak=full_path.peak,
+        unit=unit_bytes,
+        param=param_bytes,
+        model=model_bytes,
+        shards=shard_bytes,
+    )
 
 
 def test_sharded_init_allocates_at_most_one_unit_at_a_time(run_on_ranks):

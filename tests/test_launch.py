@@ -30,8 +30,10 @@ def _main(rank, world_size):
 def test_cuda_problem_names_what_is_missing_and_the_fix(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     _fake_cuda(monkeypatch, built=False)
-    assert cuda_problem(0) == (f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a "
-                               "CUDA build of torch (https://pytorch.org/get-started/locally/)")
+    assert cuda_problem(0) == (
+        f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a "
+        "CUDA build of torch (https://pytorch.org/get-started/locally/)"
+    )
 
     _fake_cuda(monkeypatch, built=True, available=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -42,24 +44,32 @@ def test_cuda_problem_names_what_is_missing_and_the_fix(monkeypatch):
     _fake_cuda(monkeypatch, built=True, available=True, count=2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert cuda_problem(0) is None and cuda_problem(1) is None
-    assert cuda_problem(2) == ("this process is local rank 2, which needs GPU 2, but it sees 2 GPU(s): start at most "
-                               "2 process(es) per node (torchrun --nproc_per_node 2)")
+    assert cuda_problem(2) == (
+        "this process is local rank 2, which needs GPU 2, but it sees 2 GPU(s): start at most "
+        "2 process(es) per node (torchrun --nproc_per_node 2)"
+    )
 
 
-@pytest.mark.parametrize("built, available, count, local_rank, missing", [
-    (False, False, 0, 0, "is a CPU-only build"),
-    (True, False, 0, 0, "finds no usable GPU"),
-    (True, True, 1, 1, "is local rank 1, which needs GPU 1, but it sees 1 GPU(s)"),
-])
-def test_under_torchrun_nccl_fails_before_cuda_or_the_process_group(monkeypatch, built, available, count, local_rank,
-                                                                      missing):
+@pytest.mark.parametrize(
+    "built, available, count, local_rank, missing",
+    [
+        (False, False, 0, 0, "is a CPU-only build"),
+        (True, False, 0, 0, "finds no usable GPU"),
+        (True, True, 1, 1, "is local rank 1, which needs GPU 1, but it sees 1 GPU(s)"),
+    ],
+)
+def test_under_torchrun_nccl_fails_before_cuda_or_the_process_group(
+    monkeypatch, built, available, count, local_rank, missing
+):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     set_device_calls = _fake_cuda(monkeypatch, built=built, available=available, count=count)
     monkeypatch.setattr(comm, "init_process_group", lambda *a, **k: pytest.fail("the process group was started"))
-    with pytest.raises(RuntimeError, match=re.escape(f"rank 1 of 2 (backend 'nccl', LOCAL_RANK {local_rank}): this ")
-                                           + ".*" + re.escape(missing)):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(f"rank 1 of 2 (backend 'nccl', LOCAL_RANK {local_rank}): this ") + ".*" + re.escape(missing),
+    ):
         launch(_main, 2, backend="nccl")
     assert set_device_calls == []
 

@@ -81,4 +81,5 @@ def test_the_check_sees_an_upward_import(tmp_path):
     (tmp_path / "fsdpfn" / "_plan").mkdir()
     (tmp_path / "fsdpfn" / "_plan" / "steps.py").write_text("from fsdpfn._wire import wire_bytes\n")
     assert _upward_imports(tmp_path / "fsdpfn", _layers()) == [
-        "fsdpfn/comm/_record.py:2 imports fsdpfn._plan.wire (fsdpfn._plan is drawn above fsdpfn.comm)"]
+        "fsdpfn/comm/_record.py:2 imports fsdpfn._plan.wire (fsdpfn._plan is drawn above fsdpfn.comm)"
+    ]

@@ -50,7 +50,12 @@ def test_custom_names_take_roles_from_axes():
         ({"dp": 2, "tp": 2}, {"tp": "pipeline"}, ValueError, "unknown role 'pipeline'"),
         ({"dp": 2, "tp": 2}, {"xp": "tp"}, ValueError, "names 'xp', which is not a mesh dim"),
         ({"ep": 2, "dp": 2, "tp": 2}, None, NotImplementedError, r"axis 'tp' \(tp\) cannot be combined"),
-        ({"ep": 2, "replicate": 2, "edp": 2}, None, NotImplementedError, r"replicate axis \('replicate'\) must be the first mesh dim"),
+        (
+            {"ep": 2, "replicate": 2, "edp": 2},
+            None,
+            NotImplementedError,
+            r"replicate axis \('replicate'\) must be the first mesh dim",
+        ),
         ((2, 2, 2), None, ValueError, "3-D mesh needs dim names"),
     ],
 )
@@ -133,15 +138,20 @@ def _bad_tp(rank, world):
     model = GPT(CFG)
     cases = {
         "nothing": lambda: fsdpfn.plan(model, mesh, tp={"blocks.*.qkvv": "colwise"}),
-        "divisible": lambda: fsdpfn.plan(GPT(GPTConfig(vocab_size=64, width=15, depth=1, heads=3)), mesh, tp={"blocks.*.qkv": "colwise"}),
+        "divisible": lambda: fsdpfn.plan(
+            GPT(GPTConfig(vocab_size=64, width=15, depth=1, heads=3)), mesh, tp={"blocks.*.qkv": "colwise"}
+        ),
         "embedding": lambda: fsdpfn.plan(model, mesh, tp={"embed": "colwise"}),
         "style": lambda: fsdpfn.plan(model, mesh, tp={"blocks.*.fc": "diagonal"}),
         "not_linear": lambda: fsdpfn.plan(model, mesh, tp={"blocks.0": "colwise"}),
         "no_tp_axis": lambda: fsdpfn.plan(model, testing.mesh((4,)), tp=GPT_TP_PLAN),
         "no_role": lambda: fsdpfn.plan(model, testing.mesh((2, 2), ("data", "model"))),
         "fp8_width": lambda: fsdpfn.plan(
-            GPT(GPTConfig(vocab_size=64, width=96, depth=1, heads=4)), mesh, tp={"blocks.*.proj": "rowwise", "blocks.*.qkv": "colwise"},
-            mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8="mxfp8")),
+            GPT(GPTConfig(vocab_size=64, width=96, depth=1, heads=4)),
+            mesh,
+            tp={"blocks.*.proj": "rowwise", "blocks.*.qkv": "colwise"},
+            mp=fsdpfn.MixedPrecision(param_dtype=torch.bfloat16, fp8="mxfp8"),
+        ),
     }
     return refusals(cases)
 
@@ -150,30 +160,40 @@ def test_bad_tp_input_is_named_on_every_rank_before_any_collective(run_on_ranks)
     for out in run_on_ranks(_bad_tp, 4):
         assert out["collectives"] == 0
         assert "tp pattern 'blocks.*.qkvv' matches no module" in out["nothing"] and "did you mean" in out["nothing"]
-        assert "'blocks.0.qkv.weight' has 45 along dim 0, which does not divide over tp=2" in out["divisible"], out["divisible"]
+        assert "'blocks.0.qkv.weight' has 45 along dim 0, which does not divide over tp=2" in out["divisible"], out[
+            "divisible"
+        ]
         assert out["embedding"].startswith("NotImplementedError") and "embedding 'embed'" in out["embedding"]
         assert "tp['blocks.*.fc'] = 'diagonal': unknown style" in out["style"]
         assert "matches 'blocks.0', a Block" in out["not_linear"]
         assert "has no tensor-parallel axis" in out["no_tp_axis"]
         assert "mesh axis 'data' has no role" in out["no_role"]
-        assert "'blocks.0.proj.weight' is split by columns over tp=2: its local width 48 is not a multiple" in out["fp8_width"], out["fp8_width"]
+        assert (
+            "'blocks.0.proj.weight' is split by columns over tp=2: its local width 48 is not a multiple"
+            in out["fp8_width"]
+        ), out["fp8_width"]
 
 
 # ---- a 1-D mesh named for another parallelism ------------------------------------------------
 
 
-@pytest.mark.parametrize("name,role,mesh", [
-    ("cp", None, "(1, 4), mesh_dim_names=('dp', 'cp')"),
-    ("tp", None, "(1, 4), mesh_dim_names=('dp', 'tp')"),
-    ("ep", None, "(4, 1), mesh_dim_names=('ep', 'edp')"),
-    ("pp", None, "(4, 1), mesh_dim_names=('pp', 'dp')"),
-    ("seq", "cp", "(1, 4), mesh_dim_names=('dp', 'seq')"),  # the role given by axes, not the name
-])
+@pytest.mark.parametrize(
+    "name,role,mesh",
+    [
+        ("cp", None, "(1, 4), mesh_dim_names=('dp', 'cp')"),
+        ("tp", None, "(1, 4), mesh_dim_names=('dp', 'tp')"),
+        ("ep", None, "(4, 1), mesh_dim_names=('ep', 'edp')"),
+        ("pp", None, "(4, 1), mesh_dim_names=('pp', 'dp')"),
+        ("seq", "cp", "(1, 4), mesh_dim_names=('dp', 'seq')"),  # the role given by axes, not the name
+    ],
+)
 def test_a_1d_mesh_of_another_parallelism_is_refused_with_the_mesh_to_build(name, role, mesh):
     # It used to shard plainly over the 4 ranks (a "cp" mesh: cp = 1, every rank reading whole
     # sequences), with no word to the user who asked for another parallelism.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=rf"1-D mesh named '{name}' of 4 ranks .*{re.escape(mesh)}.*name the axis 'dp'"):
+    with pytest.raises(
+        ValueError, match=rf"1-D mesh named '{name}' of 4 ranks .*{re.escape(mesh)}.*name the axis 'dp'"
+    ):
         fsdpfn.plan(model, {name: 4}, axes={name: role} if role else None)
 
 

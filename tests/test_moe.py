@@ -47,10 +47,14 @@ def _ep(rank, world, style, capacity_factor=None):
     ref = {n: p.detach().clone() for n, p in full.named_parameters()}
     moe = MoE(cfg, ep_group=group)
     sl = slice(rank * moe.local, (rank + 1) * moe.local)
-    params = {"router.weight": ref["router.weight"].clone(), "experts.w1": ref["experts.w1"][sl].clone(),
-              "experts.w2": ref["experts.w2"][sl].clone()}
+    params = {
+        "router.weight": ref["router.weight"].clone(),
+        "experts.w1": ref["experts.w1"][sl].clone(),
+        "experts.w2": ref["experts.w2"][sl].clone(),
+    }
     x = _tokens(rank)
     if style == "func":
+
         def loss_fn(ps):
             out = torch.func.functional_call(moe, ps, (x,))
             return _loss(out), out[0]
@@ -178,14 +182,17 @@ def test_a_capacity_no_expert_reaches_changes_nothing():
     assert capped.dropped == 0 and torch.equal(y, y2) and torch.equal(aux, aux2)
 
 
-@pytest.mark.parametrize("factor,error,named", [
-    (0, ValueError, "capacity_factor=0 must be a finite number > 0"),
-    (-1.5, ValueError, "capacity_factor=-1.5 must be a finite number > 0"),
-    (math.nan, ValueError, "capacity_factor=nan must be a finite number > 0"),
-    (math.inf, ValueError, "capacity_factor=inf must be a finite number > 0"),
-    ("1.25", TypeError, "capacity_factor='1.25' (str) must be a number > 0"),
-    (True, TypeError, "capacity_factor=True (bool) must be a number > 0"),
-])
+@pytest.mark.parametrize(
+    "factor,error,named",
+    [
+        (0, ValueError, "capacity_factor=0 must be a finite number > 0"),
+        (-1.5, ValueError, "capacity_factor=-1.5 must be a finite number > 0"),
+        (math.nan, ValueError, "capacity_factor=nan must be a finite number > 0"),
+        (math.inf, ValueError, "capacity_factor=inf must be a finite number > 0"),
+        ("1.25", TypeError, "capacity_factor='1.25' (str) must be a number > 0"),
+        (True, TypeError, "capacity_factor=True (bool) must be a number > 0"),
+    ],
+)
 def test_bad_capacity_factor_is_named(factor, error, named):
     with pytest.raises(error, match="MoEConfig: " + re.escape(named)):
         MoEConfig(capacity_factor=factor)

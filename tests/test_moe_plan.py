@@ -82,8 +82,12 @@ def _opt(kind):
     # over the experts sums to zero per token), which holds only rounding noise, and
     # Newton-Schulz blows a direction with a tiny singular value up by its slope at 0 (3.4445
     # per iteration, ~490x over 5): its update is noise-dominated in one process too.
-    return optim.muon(lr=2e-2, adamw_lr=1e-2, ns_dtype=torch.float32,
-                      labels=lambda n, p: "muon" if p.dim() >= 2 and "router" not in n else "adamw")
+    return optim.muon(
+        lr=2e-2,
+        adamw_lr=1e-2,
+        ns_dtype=torch.float32,
+        labels=lambda n, p: "muon" if p.dim() >= 2 and "router" not in n else "adamw",
+    )
 
 
 def _rel(a, b):
@@ -105,7 +109,9 @@ def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3", capaci
     for step in range(STEPS):
         x = _tokens(me, step)
         if style == "func":
-            grads = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)))(params)
+            grads = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)))(
+                params
+            )
         else:
             rt.apply(params, x).backward()
             grads = {n: p.grad for n, p in params.items()}
@@ -170,7 +176,9 @@ def test_moe_with_a_replicate_axis_runtime_backward(run_on_ranks):
 MIXED = {"*": "zero2", "<root>": "zero3", "blocks.0.moe.experts": "replicate", "blocks.1.moe.experts": "zero1"}
 
 
-@pytest.mark.parametrize("kind,strategy", [("adamw", "zero3"), ("muon", "zero3"), ("adamw", MIXED)], ids=["adamw", "muon", "mixed"])
+@pytest.mark.parametrize(
+    "kind,strategy", [("adamw", "zero3"), ("muon", "zero3"), ("adamw", MIXED)], ids=["adamw", "muon", "mixed"]
+)
 def test_moe_runtime_backward_trains_like_one_process(run_on_ranks, kind, strategy):
     for r in run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), kind, "backward", strategy):
         assert max(r.values()) < 1e-6, r
@@ -179,8 +187,11 @@ def test_moe_runtime_backward_trains_like_one_process(run_on_ranks, kind, strate
 def test_plan_puts_each_layers_experts_in_a_unit_of_their_own():
     plan = fsdpfn.plan(_model(), {"ep": 2, "edp": 2})
     assert [(u.label, u.experts, u.shard_size) for u in plan.units] == [
-        ("<root>", False, 4), ("blocks.0", False, 4), ("blocks.0.moe.experts", True, 2),
-        ("blocks.1", False, 4), ("blocks.1.moe.experts", True, 2),
+        ("<root>", False, 4),
+        ("blocks.0", False, 4),
+        ("blocks.0.moe.experts", True, 2),
+        ("blocks.1", False, 4),
+        ("blocks.1.moe.experts", True, 2),
     ]
     w1 = plan.param("blocks.0.moe.experts.w1")
     assert (w1.expert, w1.shape, w1.local_shape) == (True, (4, 12, 8), (2, 12, 8))
@@ -188,7 +199,9 @@ def test_plan_puts_each_layers_experts_in_a_unit_of_their_own():
     assert plan.dp_size == 4 and plan.ep_size == 2
     # The same model on a mesh without ep: experts are ordinary parameters of their block.
     flat = fsdpfn.plan(_model(), (4,))
-    assert [u.label for u in flat.units] == ["<root>", "blocks.0", "blocks.1"] and not flat.param("blocks.0.moe.experts.w1").expert
+    assert [u.label for u in flat.units] == ["<root>", "blocks.0", "blocks.1"] and not flat.param(
+        "blocks.0.moe.experts.w1"
+    ).expert
 
 
 def test_plan_json_round_trips_experts():
@@ -230,7 +243,10 @@ def _bad_ep(rank, world):
 def test_bad_expert_plans_are_named_on_every_rank_before_any_collective(run_on_ranks):
     for out in run_on_ranks(_bad_ep, 4):
         assert out["collectives"] == 0, out
-        assert "'blocks.0.moe.experts.w1' packs 6 experts (dim 0 of (6, 12, 8)), which do not divide over ep=4" in out["divisible"], out
+        assert (
+            "'blocks.0.moe.experts.w1' packs 6 experts (dim 0 of (6, 12, 8)), which do not divide over ep=4"
+            in out["divisible"]
+        ), out
         assert "has an expert-parallel axis, but GPT has no expert weights" in out["no_experts"], out
         assert "built with its experts already split" in out["split"], out
         assert "experts pattern 'blocks.*.moe.w9' matches no parameter" in out["pattern"], out
@@ -291,7 +307,7 @@ def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
     for loaded, _ in [*ep4, *swapped, *one, *replicated]:
         assert loaded.keys() == saved.keys()
         for k in saved:
-            assert (torch.equal(loaded[k], saved[k]) if isinstance(saved[k], torch.Tensor) else loaded[k] == saved[k]), k
+            assert torch.equal(loaded[k], saved[k]) if isinstance(saved[k], torch.Tensor) else loaded[k] == saved[k], k
 
 
 # ---- the step's collectives ------------------------------------------------------------------
@@ -316,7 +332,11 @@ def _counted_step(rank, world, mesh_shape=(2, 2), names=("ep", "edp")):
         # The row exchanges move what the routing sends (max of in and out): compared by call only.
         return (phase, kind, size, None if tag.startswith("moe_") else nbytes, str(dtype), tag)
 
-    counted = [key(p, c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for p, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls]
+    counted = [
+        key(p, c.kind, c.group_size, c.nbytes, c.dtype, c.tag)
+        for p, ctr in (("forward", fwd), ("backward", bwd))
+        for c in ctr.calls
+    ]
     listed_calls = step_collectives(plan, schedule=rt.schedule, tokens=TOKENS)
     listed = [key(c.phase, c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for c in listed_calls]
     dispatch = [c.nbytes for c in fwd.calls if c.tag == "moe_dispatch"]
@@ -355,7 +375,13 @@ def _muon_experts_local(rank, world, mesh_shape, names):
     plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names))
     gen = torch.Generator().manual_seed(5)
     full = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters() if plan.param(n).expert}
-    sharded = {n: v for n, v in fsdpfn.shard({**{n: p.detach() for n, p in model.named_parameters()}, **full}, plan, check=False).items() if n in full}
+    sharded = {
+        n: v
+        for n, v in fsdpfn.shard(
+            {**{n: p.detach() for n, p in model.named_parameters()}, **full}, plan, check=False
+        ).items()
+        if n in full
+    }
     ok = []
     for dtype in (torch.float32, torch.bfloat16):
         opt = optim.scale_by_muon(ns_dtype=dtype)
@@ -398,7 +424,9 @@ def test_the_simulator_times_the_expert_all_to_alls():
     assert work.at(fsdpfn.runtime.Op("forward", "blocks.0.moe.experts")).flops > 0
     r = fsdpfn.sim.simulate(plan, workload=work, hardware=fsdpfn.sim.H100_SXM)
     cost = plan.cost()
-    assert {k: (t.calls, t.nbytes) for k, t in r.traffic["step"].items()} == {k: (c.calls, c.nbytes) for k, c in cost.collectives.items()}
+    assert {k: (t.calls, t.nbytes) for k, t in r.traffic["step"].items()} == {
+        k: (c.calls, c.nbytes) for k, c in cost.collectives.items()
+    }
     assert r.traffic["step"]["all_to_all"].calls == 10
 
 

@@ -34,7 +34,9 @@ def _train(rank, world, strategy, style, offload, steps=5, streamed=False):
     if streamed:  # the step runs on the "device" (the CPU here) and the state is written back to host buffers
         opt = fsdpfn.optim.streamed(opt, device="cpu")
     state = opt.init(params)
-    state_buffers = [t._local_tensor.untyped_storage()._cdata for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    state_buffers = [
+        t._local_tensor.untyped_storage()._cdata for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)
+    ]
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     copies, between = [], []
     for step in range(steps):
@@ -53,7 +55,9 @@ def _train(rank, world, strategy, style, offload, steps=5, streamed=False):
         params = fsdpfn.optim.apply_updates(params, updates)
         params = {n: p.detach().requires_grad_(style == "eager") for n, p in params.items()}
     devices = {str(t._local_tensor.device) for t in [*params.values(), *g.values()]}
-    same = [t._local_tensor.untyped_storage()._cdata for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)] == state_buffers
+    same = [
+        t._local_tensor.untyped_storage()._cdata for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)
+    ] == state_buffers
     assert same or not streamed, "streamed must write the new state into the host state's buffers"
     return {n: p._local_tensor for n, p in params.items()}, copies, between, devices, plan
 
@@ -74,8 +78,11 @@ def test_offload_is_bitwise_the_run_without_it(run_on_ranks, strategy, style):
         # One copy in per gather, one copy out per unit: the shard bytes each way.
         sched = schedule(plan)
         shard_bytes = {u.name: sum(p1[p.name].numel() * 4 for p in u.params) for u in plan.units}
-        expected = [("copy_in" if op.kind.value == "copy_in" else "copy_out", op.unit, shard_bytes[op.unit])
-                    for op in sched.ops if op.kind.value in ("copy_in", "copy_out")]
+        expected = [
+            ("copy_in" if op.kind.value == "copy_in" else "copy_out", op.unit, shard_bytes[op.unit])
+            for op in sched.ops
+            if op.kind.value in ("copy_in", "copy_out")
+        ]
         gathers = [op.unit for op in sched.ops if op.kind.value == "gather"]
         assert [c[1] for c in expected if c[0] == "copy_in"] == gathers
         assert all(c == expected for c in copies), [(a, b) for a, b in zip(copies[0], expected) if a != b]
@@ -108,10 +115,10 @@ def test_the_validator_checks_the_copies():
     ops = list(s.ops)
     first_copy = ops.index(Op("copy_in", "blocks.1"))
     with pytest.raises(ScheduleError, match="add 'copy_in blocks.1' before this gather"):
-        validate(dataclasses.replace(s, ops=ops[:first_copy] + ops[first_copy + 1:]), plan)
+        validate(dataclasses.replace(s, ops=ops[:first_copy] + ops[first_copy + 1 :]), plan)
     out = ops.index(Op("copy_out", "blocks.1"))
     with pytest.raises(ScheduleError, match="'copy_out blocks.1' is missing"):
-        validate(dataclasses.replace(s, ops=ops[:out] + ops[out + 1:]), plan)
+        validate(dataclasses.replace(s, ops=ops[:out] + ops[out + 1 :]), plan)
     with pytest.raises(ScheduleError, match="before 'wait_reduce blocks.1'"):
         validate(dataclasses.replace(s, ops=[*ops[:first_copy], Op("copy_out", "blocks.1"), *ops[first_copy:]]), plan)
     with pytest.raises(ScheduleError, match="unit 'blocks.0' is not offloaded"):
@@ -132,7 +139,9 @@ def _sim_vs_run(rank, world, strategy):
         counted[kind] += nbytes
     wl = fsdpfn.sim.profile(model, plan, x)
     res = fsdpfn.sim.simulate(plan, rt.schedule, wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
-    plain = fsdpfn.sim.simulate(fsdpfn.plan(model, (world,), strategy=strategy), None, wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
+    plain = fsdpfn.sim.simulate(
+        fsdpfn.plan(model, (world,), strategy=strategy), None, wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM
+    )
     streamed = fsdpfn.sim.simulate(plan, rt.schedule, wl, fsdpfn.sim.AdamW(streamed=True), fsdpfn.sim.H100_SXM)
     return counted, res.host_copies, res.memory, plain.memory, res.step_time, plain.step_time, streamed.host_copies
 

@@ -64,7 +64,9 @@ def _hand_edited(sched: runtime.Schedule, edit: str | None) -> runtime.Schedule:
         ops.insert(ops.index(Op(OpKind.FORWARD_DONE, "blocks.1")) + 1, free)
     else:
         backward = ops.index(Op(OpKind.BACKWARD, ""))
-        ops = ops[:backward] + [op for op in ops[backward:] if op not in (Op(OpKind.GATHER, "blocks.0"), Op(OpKind.WAIT, "blocks.0"))]
+        ops = ops[:backward] + [
+            op for op in ops[backward:] if op not in (Op(OpKind.GATHER, "blocks.0"), Op(OpKind.WAIT, "blocks.0"))
+        ]
     return dataclasses.replace(sched, ops=tuple(ops))
 
 
@@ -76,8 +78,15 @@ def _build(case: Case, mesh):
     else:
         model = GPT(CFG)
     mp = fsdpfn.MixedPrecision(**BF16, fp8=case.fp8) if case.fp8 else None
-    plan = fsdpfn.plan(model, mesh, strategy=case.strategy, mp=mp, tp=GPT_TP_PLAN if case.tp else None, remat=case.remat,
-                       offload={"blocks.*": True} if case.offload else None)
+    plan = fsdpfn.plan(
+        model,
+        mesh,
+        strategy=case.strategy,
+        mp=mp,
+        tp=GPT_TP_PLAN if case.tp else None,
+        remat=case.remat,
+        offload={"blocks.*": True} if case.offload else None,
+    )
     sched = _hand_edited(runtime.schedule(plan, case.prefetch, case.raf), case.edit)
     runtime.validate(sched, plan)
     return model, plan, sched
@@ -116,14 +125,27 @@ def _counted_steps(rank, world, cases):
         with fsdpfn.count_collectives() as bwd:
             loss.backward()
         moe = case.model == "moe"
-        counted = [_record_key(c, phase, moe) for phase, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls]
+        counted = [
+            _record_key(c, phase, moe) for phase, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls
+        ]
         listed_calls = fsdpfn.step_collectives(plan, schedule=sched, tokens=_tokens(case))
         listed = [_record_key(c, c.phase, moe) for c in listed_calls]
-        dispatch_ok = all(min(c.nbytes for c in fwd.calls if c.tag == "moe_dispatch") >= c.nbytes
-                          for c in listed_calls if c.tag == "moe_dispatch" and c.phase == "forward")
+        dispatch_ok = all(
+            min(c.nbytes for c in fwd.calls if c.tag == "moe_dispatch") >= c.nbytes
+            for c in listed_calls
+            if c.tag == "moe_dispatch" and c.phase == "forward"
+        )
         first_diff = next(((i, a, b) for i, (a, b) in enumerate(zip(counted, listed)) if a != b), None)
-        out.append(dict(case=case, equal=counted == listed, lengths=(len(counted), len(listed)), first_diff=first_diff,
-                        dispatch_ok=dispatch_ok, schedule=str(sched)))
+        out.append(
+            dict(
+                case=case,
+                equal=counted == listed,
+                lengths=(len(counted), len(listed)),
+                first_diff=first_diff,
+                dispatch_ok=dispatch_ok,
+                schedule=str(sched),
+            )
+        )
     return out
 
 
@@ -138,7 +160,9 @@ def _check_cost_and_sim(case: Case) -> None:
     tokens = _tokens(case)
     listed = fsdpfn.step_collectives(plan, schedule=sched, tokens=tokens)
     cost = plan.cost(schedule=sched, tokens=tokens)
-    assert {k: (c.calls, c.nbytes, round(c.wire_bytes, 6)) for k, c in cost.collectives.items()} == _sums(listed), str(case)
+    assert {k: (c.calls, c.nbytes, round(c.wire_bytes, 6)) for k, c in cost.collectives.items()} == _sums(listed), str(
+        case
+    )
     assert list(cost.calls) == list(listed), str(case)
     if case.edit is None:  # a default schedule: plan.cost() without it says the same
         assert plan.cost(case.raf, case.prefetch, tokens=tokens).collectives == cost.collectives, str(case)
@@ -152,7 +176,9 @@ def _check_cost_and_sim(case: Case) -> None:
     assert wl.tokens == (tokens if case.model == "gpt" else 0), str(case)
     r = sim.simulate(plan, sched, wl, None, HW)
     with_wl_tokens = fsdpfn.step_collectives(plan, schedule=sched, tokens=wl.tokens)
-    assert {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["step"].items()} == _sums(with_wl_tokens), str(case)
+    assert {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["step"].items()} == _sums(
+        with_wl_tokens
+    ), str(case)
     assert sorted(map(str, r.calls)) == sorted(map(str, with_wl_tokens)), str(case)
 
 
@@ -243,12 +269,23 @@ def _cp_counted(rank, world, cases):
             with fsdpfn.count_collectives() as bwd:
                 loss.backward()
         wl = _cp_profile(model, plan, strategy)
-        counted = [_record_key(c, phase, False) for phase, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls]
-        listed = [_record_key(c, c.phase, False) for c in
-                  fsdpfn.step_collectives(plan, schedule=sched, tokens=x.numel(), attention=wl.attention)]
+        counted = [
+            _record_key(c, phase, False) for phase, ctr in (("forward", fwd), ("backward", bwd)) for c in ctr.calls
+        ]
+        listed = [
+            _record_key(c, c.phase, False)
+            for c in fsdpfn.step_collectives(plan, schedule=sched, tokens=x.numel(), attention=wl.attention)
+        ]
         first_diff = next(((i, a, b) for i, (a, b) in enumerate(zip(counted, listed)) if a != b), None)
-        out.append(dict(case=case, equal=counted == listed, lengths=(len(counted), len(listed)), first_diff=first_diff,
-                        cp_calls=sum(c.tag.startswith("cp_") for c in fwd.calls + bwd.calls)))
+        out.append(
+            dict(
+                case=case,
+                equal=counted == listed,
+                lengths=(len(counted), len(listed)),
+                first_diff=first_diff,
+                cp_calls=sum(c.tag.startswith("cp_") for c in fwd.calls + bwd.calls),
+            )
+        )
     return out
 
 
@@ -270,8 +307,9 @@ def test_attention_over_cp_is_on_the_list_the_cost_and_the_simulation(run_on_ran
         shape, names, strategy, remat, _ = case
         model, plan, sched = _cp_build(case, dict(zip(names, shape)))
         wl = _cp_profile(model, plan, strategy)
-        assert wl.attention == tuple(fsdpfn.AttentionCall(f"blocks.{i}", CFG.width, True, strategy, torch.float32)
-                                     for i in range(CFG.depth))
+        assert wl.attention == tuple(
+            fsdpfn.AttentionCall(f"blocks.{i}", CFG.width, True, strategy, torch.float32) for i in range(CFG.depth)
+        )
         tokens = PER_RANK * CFG.seq_len // plan.cp_size
         assert wl.tokens == tokens
         listed = fsdpfn.step_collectives(plan, schedule=sched, tokens=tokens, attention=wl.attention)
@@ -280,14 +318,18 @@ def test_attention_over_cp_is_on_the_list_the_cost_and_the_simulation(run_on_ran
         # every call holds the whole sequence's keys and values while it runs: 2 (K, V) x seq x width x 4 bytes a row
         assert cost.memory["attention_kv"] == CFG.depth * PER_RANK * 2 * CFG.seq_len * CFG.width * 4
         r = sim.simulate(plan, sched, wl, None, HW)
-        assert {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["step"].items()} == _sums(listed), case
+        assert {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["step"].items()} == _sums(
+            listed
+        ), case
         assert sorted(map(str, r.calls)) == sorted(map(str, listed)), case
 
 
 def _cp_hardware(link: float) -> sim.Hardware:
     """Slow compute (attention far longer than a hop at ``link`` bytes/s), one link level."""
     rates = {"float32": 1e7, "attention float32": 1e7}
-    return sim.Hardware("cp test", rates, 1e10, 2**34, 8, intra=sim.Link(1e-6, link), inter=sim.Link(1e-6, link), overlap=1.0)
+    return sim.Hardware(
+        "cp test", rates, 1e10, 2**34, 8, intra=sim.Link(1e-6, link), inter=sim.Link(1e-6, link), overlap=1.0
+    )
 
 
 def test_ring_hops_overlap_the_attention_in_the_simulation():
@@ -306,4 +348,9 @@ def test_ring_hops_overlap_the_attention_in_the_simulation():
     # A hop hides only behind compute: what the compute cannot cover is exposed.
     in_flight = sum(h.end - h.start for h in slow.spans if h.kind == "send_recv")
     compute = sum(c.end - c.start for c in slow.spans if c.stream == "compute")
-    assert slow.exposed_comm >= in_flight - compute > ring.exposed_comm, (slow.exposed_comm, in_flight, compute, ring.exposed_comm)
+    assert slow.exposed_comm >= in_flight - compute > ring.exposed_comm, (
+        slow.exposed_comm,
+        in_flight,
+        compute,
+        ring.exposed_comm,
+    )

@@ -41,7 +41,9 @@ def _edited_reduces(sched: runtime.Schedule) -> runtime.Schedule:
     r1, r0 = Op(OpKind.REDUCE, "blocks.1"), Op(OpKind.REDUCE, "blocks.0")
     ops = [op for op in sched.ops if op != r1]
     ops.insert(ops.index(r0) + 1, r1)
-    acc = [Op(OpKind.ACCUMULATE, "blocks.0") if op == r0 else op for op in ops if op != Op(OpKind.WAIT_REDUCE, "blocks.0")]
+    acc = [
+        Op(OpKind.ACCUMULATE, "blocks.0") if op == r0 else op for op in ops if op != Op(OpKind.WAIT_REDUCE, "blocks.0")
+    ]
     return dataclasses.replace(sched, ops=tuple(ops), accumulating=tuple(acc))
 
 
@@ -71,8 +73,10 @@ def _two_micro_batches(rank, world):
             counted += [_key(m, "", c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for c in ctr.calls]
             for n, g in grads.items():
                 summed[n] = summed.get(n, 0) + g.to_local()
-        listed = [_key(c.micro_batch, "", c.kind, c.group_size, c.nbytes, c.dtype, c.tag)
-                  for c in fsdpfn.step_collectives(plan, schedule=sched, micro_batches=2, tokens=TOKENS)]
+        listed = [
+            _key(c.micro_batch, "", c.kind, c.group_size, c.nbytes, c.dtype, c.tag)
+            for c in fsdpfn.step_collectives(plan, schedule=sched, micro_batches=2, tokens=TOKENS)
+        ]
         out[edited] = dict(counted=counted, listed=listed, grads=summed, events=[e for _, e in rt.last_step.events])
     return out
 
@@ -133,7 +137,9 @@ def test_accumulating_ops_print_parse_and_validate():
 
 
 PEAK_CASES = [
-    dict(prefetch=0), dict(prefetch=1), dict(prefetch=2),
+    dict(prefetch=0),
+    dict(prefetch=1),
+    dict(prefetch=2),
     dict(prefetch=0, edit="late_free"),  # blocks.0 freed after blocks.1's forward: 2 blocks alive at prefetch 0
     dict(prefetch=1, raf=True),  # the root resharded: it is alive through the whole forward anyway
     dict(prefetch=2, edit="keep_gathered"),
@@ -172,8 +178,12 @@ def test_unsharded_peak_is_the_runtimes_high_water(run_on_ranks):
         sched = _peak_schedule(plan, case)
         cost = plan.cost(schedule=sched).memory["unsharded_peak"]
         simulated = sim.simulate(plan, sched, wl, None, HW).memory["unsharded_peak"]
-        assert all(m[i] == cost == simulated == unsharded_peak(plan, sched.ops) for m in measured), (case, [m[i] for m in measured],
-                                                                                                    cost, simulated)
+        assert all(m[i] == cost == simulated == unsharded_peak(plan, sched.ops) for m in measured), (
+            case,
+            [m[i] for m in measured],
+            cost,
+            simulated,
+        )
     # a moved free is seen: with prefetch 0, blocks.0 and blocks.1 are alive at once
     plan = fsdpfn.plan(model, (2,))
     units = {u.name: u.numel * plan.gather_dtype(u).itemsize for u in plan.units}
@@ -200,7 +210,9 @@ def test_the_simulator_issues_collectives_in_the_op_lists_order():
         for name in experts:
             fwd = sched.ops.index(Op(OpKind.FORWARD, name))
             dispatch = [s for s in r.spans if s.kind == "all_to_all" and s.unit == "moe_dispatch" and s.op == fwd]
-            compute = [s for s in r.spans if s.stream == "compute" and s.kind == "forward" and s.unit == name and s.op == fwd]
+            compute = [
+                s for s in r.spans if s.stream == "compute" and s.kind == "forward" and s.unit == name and s.op == fwd
+            ]
             gather = [s for s in r.spans if s.kind == "all_gather" and s.unit == name and s.op < fwd + 4]
             assert dispatch and compute
             assert max(s.end for s in dispatch) <= min(s.start for s in compute)
@@ -224,8 +236,9 @@ def test_the_compiled_default_is_the_schedules_rule():
         plan = fsdpfn.plan(GPT(CFG), (2,), strategy=strategy)
         for raf in (None, True, False):
             sched = runtime.schedule(plan, 0, raf)
-            assert {u.name for u in plan.units if reshards_after_forward(plan, u.name, raf)} == \
-                {u.name for u in plan.units if sched.reshard_after_forward(u.name)}
+            assert {u.name for u in plan.units if reshards_after_forward(plan, u.name, raf)} == {
+                u.name for u in plan.units if sched.reshard_after_forward(u.name)
+            }
 
 
 def _compiled_runtime_gathers(rank, world):

@@ -18,7 +18,13 @@ from fsdpfn.optim._distributed_ns import assign_owners, owner_plan
 # Conformance table
 # ---------------------------------------------------------------------------------------------
 
-MIXED = {"blocks.0.fc.weight": (6, 4), "blocks.0.fc.bias": (6,), "embed.weight": (5, 4), "experts": (2, 3, 5), "gain": ()}
+MIXED = {
+    "blocks.0.fc.weight": (6, 4),
+    "blocks.0.fc.bias": (6,),
+    "embed.weight": (5, 4),
+    "experts": (2, 3, 5),
+    "gain": (),
+}
 MATRICES = {"a": (6, 4), "b": (3, 8), "c": (2, 3, 5)}
 
 TRANSFORMS = {
@@ -30,10 +36,15 @@ TRANSFORMS = {
     "chain_clip_adamw": (lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), MIXED),
     "scale_by_muon": (lambda: optim.scale_by_muon(), MATRICES),
     "muon": (lambda: optim.muon(lr=0.02), MIXED),
-    "muon_fp32_gather": (lambda: optim.muon(lr=0.02, ns_dtype=torch.float32, layout="gather", adjust_lr_fn="match_rms_adamw"), MIXED),
+    "muon_fp32_gather": (
+        lambda: optim.muon(lr=0.02, ns_dtype=torch.float32, layout="gather", adjust_lr_fn="match_rms_adamw"),
+        MIXED,
+    ),
     "muon_gram": (lambda: optim.muon(lr=0.02, ns_method="gram"), MIXED),
     "partition": (
-        lambda: optim.partition({"x": optim.sgd(0.1), "y": optim.adamw(1e-3)}, lambda ps: {n: "x" if "weight" in n else "y" for n in ps}),
+        lambda: optim.partition(
+            {"x": optim.sgd(0.1), "y": optim.adamw(1e-3)}, lambda ps: {n: "x" if "weight" in n else "y" for n in ps}
+        ),
         MIXED,
     ),
 }
@@ -46,7 +57,10 @@ def _tree(shapes, seed, dtype):
 
 def _as_dtensors(tree):
     mesh = testing.mesh((1,))
-    return {n: DTensor.from_local(t, mesh, (Shard(0) if t.dim() else Replicate(),), run_check=False) for n, t in tree.items()}
+    return {
+        n: DTensor.from_local(t, mesh, (Shard(0) if t.dim() else Replicate(),), run_check=False)
+        for n, t in tree.items()
+    }
 
 
 def _signature(tree):
@@ -178,7 +192,9 @@ def test_sgd_equals_torch_sgd(nesterov, weight_decay):
     want, topt, sizes = _torch_run(lambda ps: torch.optim.SGD(ps, foreach=False, **kw), SHAPES, steps)
     got, state = _our_run(optim.sgd(**kw), SHAPES, steps)
     for i, n in enumerate(SHAPES):
-        assert torch.equal(state.momentum_buffer[n], topt.state[topt.param_groups[0]["params"][i]]["momentum_buffer"]), n
+        assert torch.equal(
+            state.momentum_buffer[n], topt.state[topt.param_groups[0]["params"][i]]["momentum_buffer"]
+        ), n
     # The step d is computed alike; torch adds p - lr * d fused on vectorised CPUs (|p_t+1|, plus
     # |step| unfused), we round -lr * d (|step|) and p + update (|p_t+1|): 2 roundings of at most
     # |p_t| + |p_t+1| + |step| per step. Weight decay feeds p back into d: a difference in p grows
@@ -286,14 +302,18 @@ def test_gram_newton_schulz_is_the_standard_polynomial(shape, restarts):
 
 def _low_rank(m, n, rank, seed):
     gen = torch.Generator().manual_seed(seed)
-    lr = torch.randn(m, rank, generator=gen, dtype=torch.float64) @ torch.randn(rank, n, generator=gen, dtype=torch.float64)
+    lr = torch.randn(m, rank, generator=gen, dtype=torch.float64) @ torch.randn(
+        rank, n, generator=gen, dtype=torch.float64
+    )
     return lr + 1e-4 * torch.randn(m, n, generator=gen, dtype=torch.float64)
 
 
 @pytest.mark.parametrize(
     "x",
     [
-        pytest.param(torch.randn(48, 192, generator=torch.Generator().manual_seed(6), dtype=torch.float64), id="gaussian"),
+        pytest.param(
+            torch.randn(48, 192, generator=torch.Generator().manual_seed(6), dtype=torch.float64), id="gaussian"
+        ),
         pytest.param(_low_rank(48, 192, 3, 7), id="rank3"),
         pytest.param(_low_rank(96, 24, 2, 8), id="rank2-tall"),
     ],
@@ -330,7 +350,9 @@ def test_gram_newton_schulz_flops_are_counted_and_fewer(shape, restarts):
     assert counted <= optim.newton_schulz_flops(shape)
     m, n = sorted(shape[-2:])
     if restarts == (2,):
-        assert counted == optim.newton_schulz_flops(shape) if n <= 1.5 * m else counted < optim.newton_schulz_flops(shape)
+        assert (
+            counted == optim.newton_schulz_flops(shape) if n <= 1.5 * m else counted < optim.newton_schulz_flops(shape)
+        )
     if shape == (512, 2048) and restarts == (2,):
         # 8 m^2 n + 28 m^3 against 20 m^2 n + 10 m^3: a third fewer on a 1:4 MLP matrix.
         assert optim.newton_schulz_flops(shape) / counted == 1.5
@@ -370,7 +392,9 @@ def test_muon_gram_equals_muon_standard_up_to_rounding():
         # rounding (decay, update, p + update: at most 6 a step, as in the torch comparisons)
         # adds. On the near-square matrix both run the standard form: only the latter.
         ns = _ns_tol(shape, U32, lambda m, n: 2 * n + 8 * m + 12) if max(shape) > 1.5 * min(shape) else 0.0
-        bound = (ns * moved[n] + steps * 6 * U32 * outs["standard"][n].norm().item()) / outs["standard"][n].norm().item()
+        bound = (ns * moved[n] + steps * 6 * U32 * outs["standard"][n].norm().item()) / outs["standard"][
+            n
+        ].norm().item()
         assert _rel(outs["gram"][n], outs["standard"][n].double()) < bound, n
 
 

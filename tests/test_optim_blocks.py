@@ -38,7 +38,10 @@ BLOCKS = {
     "*tiny.weight": 3,
     "*experts": (2, 1),
 }
-SPECS = {n: next((s if isinstance(s, tuple) else (s, 1) for p, s in BLOCKS.items() if n.endswith(p[1:])), (1, 1)) for n in SHAPES}
+SPECS = {
+    n: next((s if isinstance(s, tuple) else (s, 1) for p, s in BLOCKS.items() if n.endswith(p[1:])), (1, 1))
+    for n in SHAPES
+}
 
 
 def _full(seed):
@@ -78,7 +81,11 @@ def test_split_and_merge_blocks_round_trip_row_major():
     x = torch.arange(2 * 6 * 4.0).view(2, 6, 4)
     blocks = split_blocks(x, (3, 2))
     assert blocks.shape == (12, 2, 2)
-    assert torch.equal(blocks[1], x[0, 0:2, 2:4]) and torch.equal(blocks[2], x[0, 2:4, 0:2]) and torch.equal(blocks[6], x[1, 0:2, 0:2])
+    assert (
+        torch.equal(blocks[1], x[0, 0:2, 2:4])
+        and torch.equal(blocks[2], x[0, 2:4, 0:2])
+        and torch.equal(blocks[6], x[1, 0:2, 0:2])
+    )
     assert torch.equal(merge_blocks(blocks, (3, 2), x.shape), x)
 
 
@@ -124,7 +131,10 @@ def test_muon_with_blocks_is_momentum_then_per_block_ns_then_per_block_lr():
     names = [n for n in SHAPES if n.startswith("blocks") and full[n].dim() >= 2]
     params = {n: full[n] for n in names}
     lr, wd, mom = 0.05, 0.1, 0.95
-    opt = optim.chain(optim.scale_by_muon(ns_dtype=torch.float32, blocks=BLOCKS), optim.scale_by_muon_lr(lr, wd, "spectral_norm", blocks=BLOCKS))
+    opt = optim.chain(
+        optim.scale_by_muon(ns_dtype=torch.float32, blocks=BLOCKS),
+        optim.scale_by_muon_lr(lr, wd, "spectral_norm", blocks=BLOCKS),
+    )
     state = opt.init(params)
     ref, bufs = dict(params), {n: torch.zeros_like(p) for n, p in params.items()}
     sizes = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -188,13 +198,15 @@ def test_owner_balancing_counts_blocks():
     assert len(big.buckets) == 4
 
 
-
-@pytest.mark.parametrize("sizes, placements", [
-    ((3,), (Shard(0),)),                                  # rows chunked, uneven
-    ((2, 2), (Replicate(), Shard(0))),                    # HSDP: replicas send by block number
-    ((2, 3), (Shard(0), Shard(1))),                       # dp rows x tp columns
-    ((2, 2), (Shard(0), Shard(0))),                       # dp rows inside tp rows
-])
+@pytest.mark.parametrize(
+    "sizes, placements",
+    [
+        ((3,), (Shard(0),)),  # rows chunked, uneven
+        ((2, 2), (Replicate(), Shard(0))),  # HSDP: replicas send by block number
+        ((2, 3), (Shard(0), Shard(1))),  # dp rows x tp columns
+        ((2, 2), (Shard(0), Shard(0))),  # dp rows inside tp rows
+    ],
+)
 def test_bucket_totals_are_every_ranks_bucket_splits_summed(sizes, placements):
     # The simulator costs every rank's all-to-alls from bucket_totals; the optimizer packs with
     # bucket_splits. Both walk the same pieces, so the totals are exact sums, rank by rank.
@@ -214,9 +226,15 @@ def test_bucket_totals_are_every_ranks_bucket_splits_summed(sizes, placements):
         for way, t in enumerate(pair):
             for q in range(w):
                 ins, outs = per_rank[q][k][way]
-                assert (t.sent[q], t.received[q], t.kept[q], t.peers[q]) == (sum(ins), sum(outs), ins[q], sum(1 for x in ins if x))
+                assert (t.sent[q], t.received[q], t.kept[q], t.peers[q]) == (
+                    sum(ins),
+                    sum(outs),
+                    ins[q],
+                    sum(1 for x in ins if x),
+                )
                 assert outs[q] == ins[q]
             assert sum(t.sent) == sum(t.received)
+
 
 # ---------------------------------------------------------------------------------------------
 # Distributed: per-block parity, pipelined == unpipelined, the overlap counted
@@ -236,9 +254,18 @@ def _parity(rank, world, mesh_shape, layout, buckets_list, dtypes):
         one_process = fc.get_total_flops()
         per_buckets = {}
         for buckets in buckets_list:
-            with fsdpfn.count_collectives() as counter, FlopCounterMode(display=False) as fc, optim.record_pipeline() as rec:
+            with (
+                fsdpfn.count_collectives() as counter,
+                FlopCounterMode(display=False) as fc,
+                optim.record_pipeline() as rec,
+            ):
                 got = optim.orthogonalize(
-                    [sharded[n] for n in names], names, layout=layout, dtype=dtype, blocks=[SPECS[n] for n in names], buckets=buckets
+                    [sharded[n] for n in names],
+                    names,
+                    layout=layout,
+                    dtype=dtype,
+                    blocks=[SPECS[n] for n in names],
+                    buckets=buckets,
                 )
             fulls = {n: g.full_tensor() for n, g in zip(names, got)}
             per_buckets[buckets] = dict(
@@ -249,7 +276,10 @@ def _parity(rank, world, mesh_shape, layout, buckets_list, dtypes):
                 in_flight=[(b.bucket, b.in_flight) for b in rec.buckets],
                 fulls=fulls,
             )
-        same = {b: all(torch.equal(r["fulls"][n], per_buckets[buckets_list[0]]["fulls"][n]) for n in names) for b, r in per_buckets.items()}
+        same = {
+            b: all(torch.equal(r["fulls"][n], per_buckets[buckets_list[0]]["fulls"][n]) for n in names)
+            for b, r in per_buckets.items()
+        }
         for r in per_buckets.values():
             del r["fulls"]
         out.append(dict(dtype=str(dtype), one_process=one_process, runs=per_buckets, same_as_first=same))
@@ -280,7 +310,9 @@ def test_blocks_equal_the_one_process_per_block_reference(run_on_ranks, mesh_sha
                 assert all(run["bitwise"].values()), (r["dtype"], b, run["bitwise"])
                 assert run["placements"]
                 n = 1 if b is None else b
-                assert run["counts"] == ({"all_to_all": 2 * n} if layout == "owner" else {"all_gather": 1}), run["counts"]
+                assert run["counts"] == ({"all_to_all": 2 * n} if layout == "owner" else {"all_gather": 1}), run[
+                    "counts"
+                ]
         one = per_dtype[0]["one_process"]
         for b in per_dtype[0]["runs"]:
             total = sum(r["runs"][b]["flops"] for r in per_dtype) / (world // shard)  # per replicate group
@@ -293,7 +325,9 @@ def _pipeline_record(rank, world):
     names = [n for n in SHAPES if full[n].dim() >= 2 and not n.startswith("embed")]
     sharded = _shard(full, mesh)
     with optim.record_pipeline() as rec:
-        optim.orthogonalize([sharded[n] for n in names], names, dtype=torch.float32, blocks=[SPECS[n] for n in names], buckets=3)
+        optim.orthogonalize(
+            [sharded[n] for n in names], names, dtype=torch.float32, blocks=[SPECS[n] for n in names], buckets=3
+        )
     return [(b.bucket, b.in_flight, b.blocks > 0) for b in rec.buckets], rec.overlapped()
 
 
@@ -314,7 +348,18 @@ def test_pipeline_has_the_next_buckets_rows_and_the_last_results_in_flight_while
 def _muon_steps(rank, world, mesh_shape, buckets):
     mesh = _mesh(mesh_shape)
     ref, params = _full(0), _shard(_full(0), mesh)
-    make = lambda: optim.muon(lr=0.05, weight_decay=0.1, adamw_lr=0.01, ns_dtype=torch.bfloat16, adjust_lr_fn="spectral_norm", blocks=BLOCKS, buckets=buckets)
+
+    def make():
+        return optim.muon(
+            lr=0.05,
+            weight_decay=0.1,
+            adamw_lr=0.01,
+            ns_dtype=torch.bfloat16,
+            adjust_lr_fn="spectral_norm",
+            blocks=BLOCKS,
+            buckets=buckets,
+        )
+
     opt, ref_opt = make(), make()
     state, ref_state = opt.init(params), ref_opt.init(ref)
     bitwise = True

@@ -50,7 +50,9 @@ def _shard(full, mesh):
     out = {}
     for n, t in full.items():
         local = t[slice(*chunk_bounds(t.shape[0], world, rank))] if t.dim() else t
-        out[n] = DTensor.from_local(local.clone(), mesh, _placements(mesh, t.dim()), run_check=False, shape=t.shape, stride=t.stride())
+        out[n] = DTensor.from_local(
+            local.clone(), mesh, _placements(mesh, t.dim()), run_check=False, shape=t.shape, stride=t.stride()
+        )
     return out
 
 
@@ -60,7 +62,12 @@ def _mesh(mesh_shape):
 
 def _muon_parity(rank, world, layout, mesh_shape, ns_dtype, ns_method="standard"):
     mesh = _mesh(mesh_shape)
-    make = lambda: optim.muon(lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, layout=layout, adamw_lr=0.01, ns_method=ns_method)
+
+    def make():
+        return optim.muon(
+            lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, layout=layout, adamw_lr=0.01, ns_method=ns_method
+        )
+
     opt, ref_opt = make(), make()
     ref = _full(0)
     params = _shard(ref, mesh)
@@ -86,7 +93,9 @@ def _muon_parity(rank, world, layout, mesh_shape, ns_dtype, ns_method="standard"
     buf = {n: b for n, b in state.inner_states["muon"][0].momentum_buffer.items() if b is not None}
     assert sorted(buf) == sorted(n for n in SHAPES if optim.muon_labels(n, ref[n]) == "muon")
     adam = state.inner_states["adamw"]
-    moments = [(n, b) for n, b in buf.items()] + [(n, m) for tree in (adam.mu, adam.nu) for n, m in tree.items() if m is not None]
+    moments = [(n, b) for n, b in buf.items()] + [
+        (n, m) for tree in (adam.mu, adam.nu) for n, m in tree.items() if m is not None
+    ]
     assert len(moments) == len(SHAPES) + sum(1 for n in SHAPES if n not in buf)
     for n, b in moments:
         assert b.placements == params[n].placements, n
@@ -179,9 +188,18 @@ def _bad_placement(rank, world):
         opt.update({"w": x}, opt.init({"w": x}))
     # Columns split over the mesh (Shard(1)) are read as boxes like rows: the one-process bits.
     full = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
-    cols = DTensor.from_local(full[:, slice(*chunk_bounds(7, world, rank))].clone(), mesh, (Shard(1),), run_check=False, shape=full.shape, stride=full.stride())
+    cols = DTensor.from_local(
+        full[:, slice(*chunk_bounds(7, world, rank))].clone(),
+        mesh,
+        (Shard(1),),
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
     got = optim.orthogonalize([cols], ["w"], dtype=torch.float32)[0]
-    return got.placements == (Shard(1),) and torch.equal(got.full_tensor(), optim.newton_schulz(full, dtype=torch.float32))
+    return got.placements == (Shard(1),) and torch.equal(
+        got.full_tensor(), optim.newton_schulz(full, dtype=torch.float32)
+    )
 
 
 def test_unsupported_placement_names_the_leaf(run_on_ranks):
@@ -214,7 +232,9 @@ def _train(rank, world, steps):
 
     losses, ref_losses, sensitivity, moved = [], [], 0.0, {n: 0.0 for n in ref_params}
     for _ in range(steps):
-        grads, value = torch.func.grad_and_value(lambda ps: loss(model, fsdpfn.unshard(ps, plan), x[mine], y[mine]))(params)
+        grads, value = torch.func.grad_and_value(lambda ps: loss(model, fsdpfn.unshard(ps, plan), x[mine], y[mine]))(
+            params
+        )
         updates, state = opt.update(grads, state, params)
         params = optim.apply_updates(params, updates)
         full_loss = torch.tensor([value.item()])
@@ -223,7 +243,10 @@ def _train(rank, world, steps):
         ref_grads, ref_value = torch.func.grad_and_value(lambda ps: loss(reference, ps, x, y))(ref_params)
         # How much the loss moves, relatively, when every parameter moves by a relative d: at most
         # d * sum_p |grad_p| |p| / loss (first order), at the parameters the loss was taken at.
-        sensitivity = max(sensitivity, sum(ref_grads[n].norm().item() * p.norm().item() for n, p in ref_params.items()) / ref_value.item())
+        sensitivity = max(
+            sensitivity,
+            sum(ref_grads[n].norm().item() * p.norm().item() for n, p in ref_params.items()) / ref_value.item(),
+        )
         ref_updates, ref_state = opt.update(ref_grads, ref_state, ref_params)
         ref_params = optim.apply_updates(ref_params, ref_updates)
         moved = {n: max(moved[n], ref_updates[n].norm().item()) for n in ref_params}

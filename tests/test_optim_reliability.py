@@ -95,8 +95,20 @@ BAD = [
     ("partition", optim.partition, dict(transforms={"a": 42}, labels={}), "transforms['a']", "42"),
     ("partition", optim.partition, dict(transforms={"a": optim.sgd(0.1)}, labels=None), "labels", "None"),
     ("apply_if_finite", optim.apply_if_finite, dict(inner=0.1, max_consecutive_errors=1), "inner", "float"),
-    ("apply_if_finite", optim.apply_if_finite, dict(inner=optim.sgd(0.1), max_consecutive_errors=-1), "max_consecutive_errors", "-1"),
-    ("apply_if_finite", optim.apply_if_finite, dict(inner=optim.sgd(0.1), max_consecutive_errors=2.0), "max_consecutive_errors", "2.0"),
+    (
+        "apply_if_finite",
+        optim.apply_if_finite,
+        dict(inner=optim.sgd(0.1), max_consecutive_errors=-1),
+        "max_consecutive_errors",
+        "-1",
+    ),
+    (
+        "apply_if_finite",
+        optim.apply_if_finite,
+        dict(inner=optim.sgd(0.1), max_consecutive_errors=2.0),
+        "max_consecutive_errors",
+        "2.0",
+    ),
     ("newton_schulz", optim.newton_schulz, dict(x=torch.ones(2, 3), steps=-1), "steps", "-1"),
     ("newton_schulz", optim.newton_schulz, dict(x=torch.ones(2, 3), coeffs=(1.0, 2.0, INF)), "coeffs[2]", "inf"),
     ("newton_schulz", optim.orthogonalize, dict(leaves=[], names=[], layout="everywhere"), "layout", "'everywhere'"),
@@ -109,8 +121,20 @@ BAD = [
     ("scale_by_muon_lr", optim.scale_by_muon_lr, dict(lr=0.02, blocks=[3]), "blocks", "[3]"),
     ("head_blocks", optim.head_blocks, dict(heads=0), "heads", "0"),
     ("newton_schulz", optim.orthogonalize, dict(leaves=[], names=[], buckets=-1), "buckets", "-1"),
-    ("TorchOptimizer", optim.TorchOptimizer, dict(params={"w": torch.zeros(2, 2)}, transform=optim.muon, lr=-0.1), "lr", "-0.1"),
-    ("TorchOptimizer", optim.TorchOptimizer, dict(params={"w": torch.zeros(2, 2)}, transform=optim.muon, momentum=1.0), "momentum", "1.0"),
+    (
+        "TorchOptimizer",
+        optim.TorchOptimizer,
+        dict(params={"w": torch.zeros(2, 2)}, transform=optim.muon, lr=-0.1),
+        "lr",
+        "-0.1",
+    ),
+    (
+        "TorchOptimizer",
+        optim.TorchOptimizer,
+        dict(params={"w": torch.zeros(2, 2)}, transform=optim.muon, momentum=1.0),
+        "momentum",
+        "1.0",
+    ),
 ]
 # chain takes its transforms positionally.
 CHAIN_BAD = [
@@ -293,9 +317,7 @@ def test_apply_if_finite_gives_up_after_max_consecutive_errors():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "w", [[NAN, 1.0], [INF, 1.0], [3e30, 1.0]], ids=["nan", "inf", "finite-but-overflowing"]
-)
+@pytest.mark.parametrize("w", [[NAN, 1.0], [INF, 1.0], [3e30, 1.0]], ids=["nan", "inf", "finite-but-overflowing"])
 def test_clip_makes_a_non_finite_norm_a_nan_step_on_every_leaf(w):
     # torch's clip_grad_norm_ would zero the finite leaves here (a factor max_norm / inf = 0),
     # and on the overflowing case return an all-zero step; we make the step NaN everywhere so it
@@ -356,7 +378,9 @@ def _bitwise(a, b):
     for x, y in zip(la, lb):
         if isinstance(x, torch.Tensor):
             assert type(x) is type(y) and getattr(x, "placements", None) == getattr(y, "placements", None)
-            assert torch.equal(x.to_local() if hasattr(x, "to_local") else x, y.to_local() if hasattr(y, "to_local") else y)
+            assert torch.equal(
+                x.to_local() if hasattr(x, "to_local") else x, y.to_local() if hasattr(y, "to_local") else y
+            )
         else:
             assert x == y, (x, y)
     return True
@@ -438,7 +462,9 @@ def _raise_on_every_rank(rank, world, max_errors):
 @pytest.mark.parametrize("world", [2, 3])
 def test_apply_if_finite_raises_on_every_rank_after_max_consecutive_errors(run_on_ranks, world):
     messages = run_on_ranks(_raise_on_every_rank, world, 2)
-    assert all(m is not None and "3 steps in a row" in m and "max_consecutive_errors=2" in m for m in messages), messages
+    assert all(m is not None and "3 steps in a row" in m and "max_consecutive_errors=2" in m for m in messages), (
+        messages
+    )
     assert repr(POISONED) in messages[0]
     assert all("another rank" in m for m in messages[1:])
 
@@ -447,7 +473,21 @@ def test_apply_if_finite_raises_on_every_rank_after_max_consecutive_errors(run_o
 # The docstring examples run (one process, plain tensors)
 # ---------------------------------------------------------------------------------------------
 
-OPTIM_MODULES = ["_base", "_blocks", "_checks", "_clip", "_distributed_ns", "_finite", "_muon", "_newton_schulz", "_owner", "_schedules", "_sgd_adamw", "_torch_optim", "_tree"]
+OPTIM_MODULES = [
+    "_base",
+    "_blocks",
+    "_checks",
+    "_clip",
+    "_distributed_ns",
+    "_finite",
+    "_muon",
+    "_newton_schulz",
+    "_owner",
+    "_schedules",
+    "_sgd_adamw",
+    "_torch_optim",
+    "_tree",
+]
 
 
 @pytest.mark.parametrize("module", OPTIM_MODULES)

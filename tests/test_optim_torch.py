@@ -14,7 +14,12 @@ from fsdpfn import optim, testing
 from fsdpfn._rows import chunk_bounds
 from fsdpfn.models import GPT, GPTConfig
 
-SHAPES = {"blocks.0.fc.weight": (8, 6), "blocks.0.qkv.weight": (12, 6), "blocks.0.fc.bias": (8,), "embed.weight": (5, 6)}
+SHAPES = {
+    "blocks.0.fc.weight": (8, 6),
+    "blocks.0.qkv.weight": (12, 6),
+    "blocks.0.fc.bias": (8,),
+    "embed.weight": (5, 6),
+}
 
 
 def _tree(seed):
@@ -38,7 +43,9 @@ def _replay(values):
 SCHEDULERS = {
     "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
     "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5),
-    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.1, 0.02], total_steps=6, cycle_momentum=False),
+    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=[0.1, 0.02], total_steps=6, cycle_momentum=False
+    ),
     "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)),
 }
 
@@ -194,7 +201,14 @@ def test_a_gradient_placed_unlike_its_parameter_is_refused_on_every_rank(run_on_
 def _sharded(full, mesh):
     world, rank = mesh.size(0), mesh.get_local_rank(0)
     return {
-        n: DTensor.from_local(t[slice(*chunk_bounds(t.shape[0], world, rank))].clone(), mesh, (Shard(0),), run_check=False, shape=t.shape, stride=t.stride())
+        n: DTensor.from_local(
+            t[slice(*chunk_bounds(t.shape[0], world, rank))].clone(),
+            mesh,
+            (Shard(0),),
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
         for n, t in full.items()
     }
 
@@ -217,7 +231,10 @@ def _run(params, opt, sched, mesh, steps):
 
 def _full_state(opt):
     return {
-        "state": {g: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()} for g, s in opt.state_dict()["state"].items()},
+        "state": {
+            g: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+            for g, s in opt.state_dict()["state"].items()
+        },
         "lr": [g["lr"] for g in opt.param_groups],
     }
 
@@ -228,8 +245,12 @@ def _save_then_go_on(rank, world, root):
     mesh = testing.mesh((world,))
     params, opt, sched = _make(mesh, _tree(0))
     _run(params, opt, sched, mesh, range(2))
-    checkpoint.save(root + "/fsdpfn", {"optim": opt.state_dict(), "sched": sched.state_dict(), "params": params, "step": 2})
-    torch.distributed.checkpoint.save({"optim": opt.state_dict(), "sched": sched.state_dict()}, checkpoint_id=root + "/dcp")
+    checkpoint.save(
+        root + "/fsdpfn", {"optim": opt.state_dict(), "sched": sched.state_dict(), "params": params, "step": 2}
+    )
+    torch.distributed.checkpoint.save(
+        {"optim": opt.state_dict(), "sched": sched.state_dict()}, checkpoint_id=root + "/dcp"
+    )
     saved = _full_state(opt)
     _run(params, opt, sched, mesh, range(2, 4))
     return saved, {n: p.detach().full_tensor() for n, p in params.items()}
@@ -241,7 +262,9 @@ def _load_then_go_on(rank, world, root, how):
     mesh = testing.mesh((world,))
     params, opt, sched = _make(mesh, {n: torch.zeros(s) for n, s in SHAPES.items()})
     if how == "fsdpfn":
-        loaded = checkpoint.load(root + "/fsdpfn", {"optim": opt.state_dict(), "sched": sched.state_dict(), "params": params, "step": 0})
+        loaded = checkpoint.load(
+            root + "/fsdpfn", {"optim": opt.state_dict(), "sched": sched.state_dict(), "params": params, "step": 0}
+        )
         with torch.no_grad():
             for n, p in params.items():
                 p.to_local().copy_(loaded["params"][n].to_local())
@@ -258,7 +281,11 @@ def _load_then_go_on(rank, world, root, how):
                 p.to_local().copy_(loaded_params[n].to_local())
     got = _full_state(opt)
     _run(params, opt, sched, mesh, range(2, 4))
-    return got, {n: p.detach().full_tensor() for n, p in params.items()}, [p.to_local().shape[0] for p in params.values()]
+    return (
+        got,
+        {n: p.detach().full_tensor() for n, p in params.items()},
+        [p.to_local().shape[0] for p in params.values()],
+    )
 
 
 def _equal(a, b):

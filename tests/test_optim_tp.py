@@ -24,7 +24,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import fsdpfn
 from fsdpfn import optim, testing
 
-TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise", "whole": "replicate"}  # every Linear of the root split or marked
+TP = {
+    "col": "colwise",
+    "row": "rowwise",
+    "qkv": "colwise",
+    "whole": "replicate",
+}  # every Linear of the root split or marked
 BLOCKS = {"qkv.weight": 4}  # 4 heads of 3 rows; tp = 2 gives each tp rank 2 whole heads
 
 
@@ -51,8 +56,15 @@ def _grads(model, seed):
 
 
 def _muon(layout, dtype):
-    return optim.muon(lr=0.05, weight_decay=0.1, adamw_lr=0.01, ns_dtype=dtype, layout=layout, blocks=BLOCKS,
-                      labels=lambda n, p: "muon" if p.dim() >= 2 else "adamw")
+    return optim.muon(
+        lr=0.05,
+        weight_decay=0.1,
+        adamw_lr=0.01,
+        ns_dtype=dtype,
+        layout=layout,
+        blocks=BLOCKS,
+        labels=lambda n, p: "muon" if p.dim() >= 2 else "adamw",
+    )
 
 
 def _parity(rank, world, mesh_shape, names, layout, dtype, steps=2):
@@ -76,7 +88,9 @@ def _parity(rank, world, mesh_shape, names, layout, dtype, steps=2):
         ref = optim.apply_updates(ref, ref_updates)
         for n in ref:
             bitwise[n] = bitwise.get(n, True) and torch.equal(params[n].full_tensor(), ref[n])
-    placements = {n: tuple(type(p).__name__ for p in params[n].placements) for n in ("col.weight", "row.weight", "whole.weight")}
+    placements = {
+        n: tuple(type(p).__name__ for p in params[n].placements) for n in ("col.weight", "row.weight", "whole.weight")
+    }
     return dict(bitwise=bitwise, counts=counts, flops=flops, ref_flops=ref_flops, placements=placements)
 
 
@@ -157,7 +171,9 @@ def test_blockwise_equals_the_per_piece_reference(run_on_ranks):
 def _heads_local(rank, world):
     """tp = 4, dp = 1: each rank holds its 3-row heads whole, so per-head Muon moves nothing. (qkv is
     colwise_gather, placed as colwise, needing no rowwise partner; the other Linears stay whole.)"""
-    model, plan = _plan((1, 4), ("dp", "tp"), {"qkv": "colwise_gather", "col": "replicate", "row": "replicate", "whole": "replicate"})
+    model, plan = _plan(
+        (1, 4), ("dp", "tp"), {"qkv": "colwise_gather", "col": "replicate", "row": "replicate", "whole": "replicate"}
+    )
     g = _grads(model, 9)
     x = fsdpfn.shard(g, plan, check=False)["qkv.weight"]
     with fsdpfn.count_collectives() as counter:
@@ -176,8 +192,14 @@ def test_strided_shard_with_a_wrong_split_factor_is_named(run_on_ranks):
 
 def _bad_strided(rank, world):
     mesh = testing.mesh((2, 2), ("dp", "tp"))
-    x = DTensor.from_local(torch.zeros(2, 4), mesh, (_StridedShard(0, split_factor=3), Shard(0)), run_check=False,
-                           shape=torch.Size((8, 4)), stride=(4, 1))
+    x = DTensor.from_local(
+        torch.zeros(2, 4),
+        mesh,
+        (_StridedShard(0, split_factor=3), Shard(0)),
+        run_check=False,
+        shape=torch.Size((8, 4)),
+        stride=(4, 1),
+    )
     try:
         optim.orthogonalize([x], ["w"])
     except NotImplementedError as e:
@@ -203,7 +225,11 @@ def _buckets(rank, world):
 
 def test_buckets_on_a_tp_mesh_give_the_bits_of_one_bucket(run_on_ranks):
     for same, one, three, overlapped in run_on_ranks(_buckets, 4):
-        assert same and one == {"all_to_all": 2} and three == {"all_to_all": 6} and overlapped >= 3, (one, three, overlapped)
+        assert same and one == {"all_to_all": 2} and three == {"all_to_all": 6} and overlapped >= 3, (
+            one,
+            three,
+            overlapped,
+        )
 
 
 def _full_tensor_after_a_work_group(rank, world):

@@ -50,8 +50,11 @@ class _MoENet(nn.Module):
 
 def _gpt(bias=True):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=32, seq_len=8, width=24, depth=2, heads=6, bias=bias) if bias else
-               GPTConfig(vocab_size=32, seq_len=8, width=24, depth=2, heads=6))
+    return GPT(
+        GPTConfig(vocab_size=32, seq_len=8, width=24, depth=2, heads=6, bias=bias)
+        if bias
+        else GPTConfig(vocab_size=32, seq_len=8, width=24, depth=2, heads=6)
+    )
 
 
 def _plans():
@@ -62,7 +65,9 @@ def _plans():
     return {
         "dp x tp": fsdpfn.plan(gpt, {"dp": 2, "tp": 3}, tp=GPT_TP_PLAN),
         "tp x dp": fsdpfn.plan(gpt, {"tp": 3, "dp": 2}, tp=GPT_TP_PLAN),
-        "hsdp x tp": fsdpfn.plan(gpt, {"replicate": 2, "shard": 2, "tp": 3}, tp=GPT_TP_PLAN, strategy={"*": "zero3", "blocks.1": "zero2"}),
+        "hsdp x tp": fsdpfn.plan(
+            gpt, {"replicate": 2, "shard": 2, "tp": 3}, tp=GPT_TP_PLAN, strategy={"*": "zero3", "blocks.1": "zero2"}
+        ),
         "tp, replicate units": fsdpfn.plan(gpt, {"dp": 2, "tp": 3}, tp=GPT_TP_PLAN, strategy=replicated_blocks),
         "fused, dp 1": fsdpfn.plan(gpt, {"dp": 1, "tp": 3}, tp=FUSED),
         "fused, tp 1": fsdpfn.plan(gpt, {"dp": 2, "tp": 1}, tp=FUSED),
@@ -175,18 +180,25 @@ def test_placements_derive_what_the_flags_gave(key):
             assert transforms.placements(plan, spec.name) == _old_placements(plan, spec.name), spec
             full = torch.arange(spec.global_numel, dtype=torch.float32).reshape(spec.shape)
             for t in range(model_axis):
-                assert torch.equal(transforms.tp_slice(plan, spec.name, full, t), _old_tp_slice(spec, full, t)), (spec, t)
+                assert torch.equal(transforms.tp_slice(plan, spec.name, full, t), _old_tp_slice(spec, full, t)), (
+                    spec,
+                    t,
+                )
                 for r in range(unit.shard_size):
                     want = _old_local_index(plan, spec.name, r, t)
                     if want is None:
-                        with pytest.raises(NotImplementedError, match="is split colwise_fused:3: each tp rank holds 3 slices"):
+                        with pytest.raises(
+                            NotImplementedError, match="is split colwise_fused:3: each tp rank holds 3 slices"
+                        ):
                             local_index(plan, spec.name, rank=r, tp=t)
                     else:
                         assert local_index(plan, spec.name, rank=r, tp=t) == want, (spec, r, t)
             # The gradient is summed over every data-parallel axis that does not split it.
             want_reduce = {r for r in plan.axes.roles if r.is_data_parallel} - ({Role.EP} if spec.expert else set())
             assert set(P.reduce_roles(spec, plan.axes)) == want_reduce
-            checked.add(type(P.placement_of(spec, Role.TP)).__name__ + "/" + type(P.placement_of(spec, Role.EP)).__name__)
+            checked.add(
+                type(P.placement_of(spec, Role.TP)).__name__ + "/" + type(P.placement_of(spec, Role.EP)).__name__
+            )
     if key == "dp x tp":
         assert checked >= {"Shard/Replicate", "Partial/Replicate", "Replicate/Replicate"}
     if key.startswith("ep"):
@@ -206,7 +218,9 @@ def test_json_is_what_earlier_versions_wrote_and_reads_back_equal():
                 assert p.get("expert", False) == spec.expert
         again = fsdpfn.Plan.from_json(plan.to_json())
         assert again == plan and again.fingerprint == plan.fingerprint, key
-        assert [p.placements for u in again.units for p in u.params] == [p.placements for u in plan.units for p in u.params]
+        assert [p.placements for u in again.units for p in u.params] == [
+            p.placements for u in plan.units for p in u.params
+        ]
 
 
 def test_the_old_words_build_the_placements_and_read_back():
@@ -217,7 +231,11 @@ def test_the_old_words_build_the_placements_and_read_back():
         (dict(tp="shard1", tp_size=3), (AxisPlacement("tp", 3, Shard(1)),), ("shard1", 3, 1, 1, False, 1)),
         (dict(tp="partial", tp_size=2), (AxisPlacement("tp", 2, Partial()),), ("partial", 2, 1, None, False, 1)),
         (dict(tp="replicate", tp_size=2), (AxisPlacement("tp", 2, Replicate()),), ("replicate", 2, 1, None, False, 1)),
-        (dict(tp="shard0", tp_size=2, tp_stride=3), (AxisPlacement("tp", 2, StridedShard(0, 3)),), ("shard0", 2, 3, 0, False, 1)),
+        (
+            dict(tp="shard0", tp_size=2, tp_stride=3),
+            (AxisPlacement("tp", 2, StridedShard(0, 3)),),
+            ("shard0", 2, 3, 0, False, 1),
+        ),
         (dict(expert=True, ep_size=2), (AxisPlacement("ep", 2, Shard(0)),), ("replicate", 1, 1, None, True, 2)),
         (dict(expert=False, ep_size=2), (AxisPlacement("ep", 2, Replicate()),), ("replicate", 1, 1, None, False, 2)),
         (dict(expert=True), (AxisPlacement("ep", 1, Shard(0)),), ("replicate", 1, 1, None, True, 1)),
@@ -229,7 +247,9 @@ def test_the_old_words_build_the_placements_and_read_back():
         assert spec == fsdpfn.ParamSpec("w", (12, 6), f32, placements=placements)
         assert spec == dataclasses.replace(spec) and hash(spec) == hash(dataclasses.replace(spec))
     # positional, as fsdpfn.plan used to build them
-    assert fsdpfn.ParamSpec("w", (12, 6), f32, "shard0", 2, False, 1, 3).placements == (AxisPlacement("tp", 2, StridedShard(0, 3)),)
+    assert fsdpfn.ParamSpec("w", (12, 6), f32, "shard0", 2, False, 1, 3).placements == (
+        AxisPlacement("tp", 2, StridedShard(0, 3)),
+    )
     # the words are read-only
     with pytest.raises(AttributeError):
         fsdpfn.ParamSpec("w", (12, 6), f32).tp = "shard0"  # type: ignore[misc]
@@ -252,7 +272,9 @@ def test_placements_are_validated_with_the_old_messages():
     with pytest.raises(ValueError, match="not both"):
         fsdpfn.ParamSpec("w", (4, 4), f32, tp="shard0", placements=())
     with pytest.raises(ValueError, match="two placements on axis 'tp'"):
-        fsdpfn.ParamSpec("w", (4, 4), f32, placements=[AxisPlacement("tp", 2, Shard(0)), AxisPlacement("tp", 2, Shard(1))])
+        fsdpfn.ParamSpec(
+            "w", (4, 4), f32, placements=[AxisPlacement("tp", 2, Shard(0)), AxisPlacement("tp", 2, Shard(1))]
+        )
     with pytest.raises(ValueError, match="data-parallel axes are its unit's"):
         AxisPlacement("shard", 2, Shard(0))
 
@@ -293,9 +315,13 @@ def test_a_new_placement_kind_is_cut_boxed_and_placed_without_editing_fsdpfn():
     assert spec.local_shape == (4, 3) and spec.rows == 4 and spec.numel == 12
     assert P.local_part(spec, full, {Role.TP: 1}).tolist() == full[1::2].tolist()
     assert P.local_box(spec, (0, 4), {Role.TP: 1}) is None  # builders by box refuse it
-    assert P.split_roles(spec) == (Role.TP,) and P.reduce_roles(spec, MeshAxes.from_shape({"dp": 2, "tp": 2})) == (Role.SHARD,)
+    assert P.split_roles(spec) == (Role.TP,) and P.reduce_roles(spec, MeshAxes.from_shape({"dp": 2, "tp": 2})) == (
+        Role.SHARD,
+    )
     # data-parallel rows are cut from the part a later mesh dim splits along dim 0
-    assert P.dtensor_placements(spec, MeshAxes.from_shape({"dp": 2, "tp": 2}), True)[0] == _StridedShard(0, split_factor=2)
+    assert P.dtensor_placements(spec, MeshAxes.from_shape({"dp": 2, "tp": 2}), True)[0] == _StridedShard(
+        0, split_factor=2
+    )
     with pytest.raises(ValueError, match="does not deal over tp=2"):
         fsdpfn.ParamSpec("seq", (7, 3), torch.float32, placements=[AxisPlacement("tp", 2, Interleaved())])
     unit = fsdpfn.Unit("", "zero3", (spec,), 2)

@@ -28,12 +28,30 @@ def _example():
 
 
 def test_gpt_on_a_preset(capsys):
-    res = _example().main(["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "1024",
-                           "--budget-gib", "0.25", "--optimizer", "adamw"])
+    res = _example().main(
+        [
+            "--model",
+            "gpt",
+            "--gpus",
+            "4",
+            "--seq",
+            "64",
+            "--global-tokens",
+            "1024",
+            "--budget-gib",
+            "0.25",
+            "--optimizer",
+            "adamw",
+        ]
+    )
     out = capsys.readouterr().out
     assert res.result.memory["peak"] <= 0.25 * 2**30
     assert res.result.step_time <= res.default.step_time
-    assert "pick:" in out and "default: zero3, prefetch 1" in out and "rt = fsdpfn.runtime.Runtime(model, plan, prefetch=" in out
+    assert (
+        "pick:" in out
+        and "default: zero3, prefetch 1" in out
+        and "rt = fsdpfn.runtime.Runtime(model, plan, prefetch=" in out
+    )
     # the printed strategy builds the picked plan
     strategy = {(u.name or "<root>"): u.strategy for u in res.plan.units}
     with torch.device("meta"):
@@ -44,9 +62,32 @@ def test_gpt_on_a_preset(capsys):
 def test_custom_hardware_flags_reach_the_search(capsys):
     """Your own numbers instead of a preset (the 8B default search runs as the README's command,
     tests/test_docs_commands.py): a small GPT keeps this to the flags' plumbing."""
-    res = _example().main(["--model", "gpt", "--gpus", "16", "--seq", "64", "--global-tokens", "4096", "--prefetch", "1",
-                           "--optimizer", "adamw", "--flops", "700e12", "--intra-gbps", "300", "--inter-gbps", "25",
-                           "--memory-gib", "96", "--gpus-per-node", "4"])
+    res = _example().main(
+        [
+            "--model",
+            "gpt",
+            "--gpus",
+            "16",
+            "--seq",
+            "64",
+            "--global-tokens",
+            "4096",
+            "--prefetch",
+            "1",
+            "--optimizer",
+            "adamw",
+            "--flops",
+            "700e12",
+            "--intra-gbps",
+            "300",
+            "--inter-gbps",
+            "25",
+            "--memory-gib",
+            "96",
+            "--gpus-per-node",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert "custom: 700 TFLOP/s, 300/25 GB/s" in out
     assert res.result.hardware.devices_per_node == 4
@@ -73,12 +114,20 @@ def test_llama_shapes():
 
 @pytest.mark.e2e
 def test_help_has_the_whole_description_every_flag_and_each_default_once():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), "--help"], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "COLUMNS": "100"})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan_search.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "100"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout
     # The description whole, as written (its first sentence used to be cut after "a cluster that").
-    assert "for a model and a cluster that\nneed not exist here" in text and "  python examples/plan_search.py --plot" in text
+    assert (
+        "for a model and a cluster that\nneed not exist here" in text
+        and "  python examples/plan_search.py --plot" in text
+    )
     assert "(default: None)" not in text and "(default: False)" not in text
     blocks, current = {}, None
     for line in text.splitlines():
@@ -102,7 +151,20 @@ def test_help_has_the_whole_description_every_flag_and_each_default_once():
 def test_a_tight_budget_picks_activation_checkpointing_and_the_printed_plan_builds(capsys):
     """Under a budget the plans without checkpointing exceed, the search picks a remat policy;
     the printed ``fsdpfn.plan(...)`` line, evaluated, builds the picked plan."""
-    args = ["--model", "gpt", "--gpus", "4", "--seq", "256", "--global-tokens", "4096", "--optimizer", "adamw", "--prefetch", "1"]
+    args = [
+        "--model",
+        "gpt",
+        "--gpus",
+        "4",
+        "--seq",
+        "256",
+        "--global-tokens",
+        "4096",
+        "--optimizer",
+        "adamw",
+        "--prefetch",
+        "1",
+    ]
     free = _example().main(args + ["--budget-gib", "100", "--remat", "none,save_dots,full"])
     smallest = min(c.peak for c in free.candidates if not c.remat)  # no plan without checkpointing gets below this
     smallest_remat = min(c.peak for c in free.candidates if c.remat)
@@ -128,8 +190,14 @@ def _picked_degree_and_plan(args, axis: str, label: str, model):
     given: exit 0, which degree won ("<label>: <axis> N picked among 2, 4"), the pick line, the
     printed mesh's size on ``axis``; returns that degree and the printed ``fsdpfn.plan(...)``
     line built on ``model``."""
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_search.py"), *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan_search.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = re.search(rf"^{label}: {axis} (\d+) picked among 2, 4$", proc.stdout, re.M)
     assert m and int(m.group(1)) in (2, 4), proc.stdout[-3000:]
@@ -148,8 +216,24 @@ def test_tp_degrees_are_searched_and_the_pick_is_printed():
     """``--tp 2,4``: the script exits 0, prints which degree won (one of those given), and the
     printed ``fsdpfn.plan(...)`` line, with the printed mesh's names, builds the picked tp plan.
     Degrees above 1 only, so that the tp lines of the output are the ones printed."""
-    args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "1024", "--budget-gib", "0.25",
-            "--optimizer", "adamw", "--prefetch", "1", "--tp", "2,4"]
+    args = [
+        "--model",
+        "gpt",
+        "--gpus",
+        "4",
+        "--seq",
+        "64",
+        "--global-tokens",
+        "1024",
+        "--budget-gib",
+        "0.25",
+        "--optimizer",
+        "adamw",
+        "--prefetch",
+        "1",
+        "--tp",
+        "2,4",
+    ]
     with torch.device("meta"):
         model = _example().build_model("gpt", 64)
     tp, plan = _picked_degree_and_plan(args, "tp", "tensor parallel", model)
@@ -171,16 +255,39 @@ def test_ep_degrees_are_searched_and_the_pick_is_printed():
     printed."""
     # One micro-batch per rank (256 tokens over 4 ranks of 64): the smallest search, as the model
     # with experts is profiled for real.
-    args = ["--model", "gpt", "--gpus", "4", "--seq", "64", "--global-tokens", "256", "--budget-gib", "0.25",
-            "--optimizer", "adamw", "--prefetch", "1", "--experts", "4", "--ep", "2,4"]
+    args = [
+        "--model",
+        "gpt",
+        "--gpus",
+        "4",
+        "--seq",
+        "64",
+        "--global-tokens",
+        "256",
+        "--budget-gib",
+        "0.25",
+        "--optimizer",
+        "adamw",
+        "--prefetch",
+        "1",
+        "--experts",
+        "4",
+        "--ep",
+        "2,4",
+    ]
     ep, plan = _picked_degree_and_plan(args, "ep", "expert parallel", _example().build_model("gpt", 64, 4))
     assert plan.axes.dim(fsdpfn.Role.EP) is not None and plan.world_size == 4
     assert dict(zip(plan.mesh_dim_names, plan.mesh_shape))["ep"] == ep
 
 
 def test_bad_ep_degrees_name_the_flag(capsys):
-    for bad in (["--experts", "4", "--ep", "3"], ["--experts", "4", "--ep", "x"], ["--ep", "2"],
-                ["--experts", "2", "--ep", "4"], ["--experts", "4", "--ep", "2", "--tp", "2"]):
+    for bad in (
+        ["--experts", "4", "--ep", "3"],
+        ["--experts", "4", "--ep", "x"],
+        ["--ep", "2"],
+        ["--experts", "2", "--ep", "4"],
+        ["--experts", "4", "--ep", "2", "--tp", "2"],
+    ):
         with pytest.raises(SystemExit):
             _example().main(["--model", "gpt", "--gpus", "4", *bad])
         assert "--ep" in capsys.readouterr().err

@@ -58,7 +58,12 @@ def _reference(dp):
         x, y = _batch(dp, step)
         with torch.no_grad():
             logits = torch.func.functional_call(model, params, (x,))
-            losses.append([_ce(logits[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]).item() for r in range(dp)])
+            losses.append(
+                [
+                    _ce(logits[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]).item()
+                    for r in range(dp)
+                ]
+            )
         g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, ps, (x,)), y))(params)
         updates, state = opt.update(g, state, params)
         params = fsdpfn.optim.apply_updates(params, updates)
@@ -91,11 +96,14 @@ def _train(rank, world, shape, names, schedule, cp_strategy):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("shape,names,cp_strategy", [
-    pytest.param((2, 2, 1), ("pp", "replicate", "shard"), "allgather", id="pp2xhsdp2"),
-    pytest.param((2, 1, 2), ("pp", "dp", "cp"), "allgather", id="pp2xcp2-allgather"),
-    pytest.param((2, 1, 2), ("pp", "dp", "cp"), "ring", id="pp2xcp2-ring"),
-])
+@pytest.mark.parametrize(
+    "shape,names,cp_strategy",
+    [
+        pytest.param((2, 2, 1), ("pp", "replicate", "shard"), "allgather", id="pp2xhsdp2"),
+        pytest.param((2, 1, 2), ("pp", "dp", "cp"), "allgather", id="pp2xcp2-allgather"),
+        pytest.param((2, 1, 2), ("pp", "dp", "cp"), "ring", id="pp2xcp2-ring"),
+    ],
+)
 def test_pipeline_beside_hsdp_and_cp_trains_as_one_process(run_on_ranks, shape, names, cp_strategy, schedule):
     results = run_on_ranks(_train, math.prod(shape), shape, names, schedule, cp_strategy)
     for worst, _, _, _ in results:
@@ -114,12 +122,20 @@ def test_pipeline_beside_hsdp_and_cp_trains_as_one_process(run_on_ranks, shape, 
 def _moe(rank, world):
     cfg = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=2, heads=4, experts=2)
     model = GPT(cfg)
-    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
+    plan = fsdpfn.plan(
+        model, testing.mesh((2, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+    )
     with pytest.raises(NotImplementedError, match="MoE blocks return"):
         PipelineRuntime(model, plan, "1f1b", 2, loss_fn=_ce)
     with pytest.raises(ValueError, match="cp_strategy must be 'allgather' or 'ring'"):
-        PipelineRuntime(GPT(CFG), fsdpfn.plan(GPT(CFG), testing.mesh((2, 1), ("pp", "dp")), units=UNITS), "1f1b", 2,
-                        loss_fn=_ce, cp_strategy="ulysses")
+        PipelineRuntime(
+            GPT(CFG),
+            fsdpfn.plan(GPT(CFG), testing.mesh((2, 1), ("pp", "dp")), units=UNITS),
+            "1f1b",
+            2,
+            loss_fn=_ce,
+            cp_strategy="ulysses",
+        )
     return True
 
 

@@ -70,7 +70,9 @@ def _same(got_params, got_state, ref_params, ref_state, names) -> list[str]:
         mine = _full(getattr(got_state, moment))
         if sorted(mine) != sorted(names):
             bad.append(f"{moment} holds {sorted(mine)}")
-        bad += [f"{moment} of {n}" for n in names if n in mine and not torch.equal(mine[n], getattr(ref_state, moment)[n])]
+        bad += [
+            f"{moment} of {n}" for n in names if n in mine and not torch.equal(mine[n], getattr(ref_state, moment)[n])
+        ]
     return bad
 
 

@@ -2,7 +2,6 @@
 rank (a model that trains without its pipeline), on every rank and before any collective, with
 the way to its stages; one stage's plan takes its parameters from the whole model."""
 
-import pytest
 import torch
 
 import fsdpfn
@@ -20,7 +19,9 @@ def _refusals(rank, world):
     stage = plan.stage_plan(rank)
     params = fsdpfn.shard(model, stage)  # the whole model: the stage takes its own
     own = fsdpfn.shard({n: p for n, p in model.named_parameters() if n in stage.param_names}, stage)
-    same = sorted(params) == sorted(stage.param_names) and all(torch.equal(params[n].to_local(), own[n].to_local()) for n in own)
+    same = sorted(params) == sorted(stage.param_names) and all(
+        torch.equal(params[n].to_local(), own[n].to_local()) for n in own
+    )
     with torch.device("meta"):
         meta = GPT(CFG)
     init = fsdpfn.init_shards(meta, plan.stage_plan(rank), seed=0)

@@ -46,8 +46,9 @@ def _grads(model, seed):
 
 def _stage_layout(model, shape, names, num_stages):
     """This rank's stage plans and its stages' shards of the model's parameters."""
-    plan = fsdpfn.plan(model, testing.mesh(shape, names), units=UNITS, stages=num_stages,
-                       tp=GPT_TP_PLAN if "tp" in names else None)
+    plan = fsdpfn.plan(
+        model, testing.mesh(shape, names), units=UNITS, stages=num_stages, tp=GPT_TP_PLAN if "tp" in names else None
+    )
     here = plan.stages.stages_of(plan.mesh.get_local_rank("pp"))
     return [plan.stage_plan(s) for s in here]
 
@@ -106,8 +107,9 @@ def _norm_and_clip(rank, world, shape, names, num_stages, poison):
     clip = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
     updates, _ = clip.update(grads, clip.init(params), params)
     ref_updates, _ = clip.update(g, clip.init(full), full)
-    clip_err = max(((updates[n].full_tensor() - ref_updates[n]).abs().max() / ref_updates[n].abs().max()).item()
-                   for n in updates)
+    clip_err = max(
+        ((updates[n].full_tensor() - ref_updates[n]).abs().max() / ref_updates[n].abs().max()).item() for n in updates
+    )
 
     # apply_if_finite: a NaN in one gradient of the last stage, on the last rank only.
     guarded = optim.apply_if_finite(optim.sgd(0.1), max_consecutive_errors=3)
@@ -117,15 +119,18 @@ def _norm_and_clip(rank, world, shape, names, num_stages, poison):
         name = next(n for n in stage_plans[-1].param_names if n.startswith("head"))
         local = bad[name].to_local().clone()
         local.view(-1)[0] = float("nan")
-        bad[name] = torch.distributed.tensor.DTensor.from_local(local, bad[name].device_mesh, bad[name].placements,
-                                                                 shape=bad[name].shape, stride=bad[name].stride())
+        bad[name] = torch.distributed.tensor.DTensor.from_local(
+            local, bad[name].device_mesh, bad[name].placements, shape=bad[name].shape, stride=bad[name].stride()
+        )
     updates, state = guarded.update(bad if poison else grads, state, params)
     stepped = optim.apply_updates(params, updates)
     unchanged = all(torch.equal(stepped[n].to_local(), params[n].to_local()) for n in params)
     skipped = (state.last_finite, state.notfinite_count, unchanged)
     updates, state = guarded.update(grads, state, params)  # the next step is finite everywhere
     stepped = optim.apply_updates(params, updates)
-    moved = all(not torch.equal(stepped[n].to_local(), params[n].to_local()) for n in params if params[n].to_local().numel())
+    moved = all(
+        not torch.equal(stepped[n].to_local(), params[n].to_local()) for n in params if params[n].to_local().numel()
+    )
     return norm, ref_norm, clip_err, skipped, (state.last_finite, moved)
 
 

@@ -18,7 +18,7 @@ MICRO, BATCH = 4, 2
 
 
 def _sub(full, prefix):
-    return {k[len(prefix) + 1:]: v for k, v in full.items() if k.startswith(prefix + ".")}
+    return {k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")}
 
 
 def _stage0(model, full, tokens):
@@ -46,7 +46,10 @@ def _reference():
     xs, ys = _data()
 
     def loss(p):  # the mean over micro-batches of each one's mean: the whole batch's mean
-        return sum(F.cross_entropy(functional_call(model, p, (x,)).flatten(0, 1), y.flatten()) for x, y in zip(xs, ys)) / MICRO
+        return (
+            sum(F.cross_entropy(functional_call(model, p, (x,)).flatten(0, 1), y.flatten()) for x, y in zip(xs, ys))
+            / MICRO
+        )
 
     params = dict(model.named_parameters())
     return loss(params).item(), torch.func.grad(loss)(params)

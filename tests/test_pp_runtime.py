@@ -80,8 +80,12 @@ def _reference(dp, steps):
         x, y = _batch(dp, step)
         with torch.no_grad():
             logits = torch.func.functional_call(model, params, (x,))
-            losses.append([_ce(logits[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]).item()
-                           for r in range(dp)])
+            losses.append(
+                [
+                    _ce(logits[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]).item()
+                    for r in range(dp)
+                ]
+            )
         g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, ps, (x,)), y))(params)
         updates, state = opt.update(g, state, params)
         params = fsdpfn.optim.apply_updates(params, updates)
@@ -137,8 +141,10 @@ def _parity(rank, world, shape, names, configs):
             traces[schedule] = trace
             same = None
             if schedule == "zero_bubble" and "1f1b" in traces:
-                same = all(la == lb and all(torch.equal(pa[n], pb[n]) for n in pa)
-                           for (la, pa), (lb, pb) in zip(traces["1f1b"], trace))
+                same = all(
+                    la == lb and all(torch.equal(pa[n], pb[n]) for n in pa)
+                    for (la, pa), (lb, pb) in zip(traces["1f1b"], trace)
+                )
             out.append((schedule, num_stages, worst_p, worst_l, sorted(pipe.stages_here), same))
     return out
 
@@ -153,7 +159,9 @@ def _check(results, configs, world):
             # the split backward's halves sum what stage_backward sums, in its order
             assert same is None or same, (schedule, "differs from 1f1b's gradients bitwise")
             worst[(schedule, stages)] = max(worst.get((schedule, stages), (0.0, 0.0)), (wp, wl))
-    print("worst relative differences (params, loss):", {k: (f"{wp:.2e}", f"{wl:.2e}") for k, (wp, wl) in worst.items()})
+    print(
+        "worst relative differences (params, loss):", {k: (f"{wp:.2e}", f"{wl:.2e}") for k, (wp, wl) in worst.items()}
+    )
     for key, (wp, wl) in worst.items():
         assert wp < TOL and wl < TOL, (key, wp, wl)
     return worst
@@ -173,7 +181,9 @@ def test_pp4_matches_one_process(run_on_ranks):
     _check(run_on_ranks(_parity, 4, (4, 1), ("pp", "dp"), PP4), PP4, 4)
 
 
-@pytest.mark.parametrize("shape, names", [((2, 2), ("pp", "dp")), ((2, 1, 2), ("pp", "dp", "tp"))], ids=["pp2_dp2", "pp2_tp2"])
+@pytest.mark.parametrize(
+    "shape, names", [((2, 2), ("pp", "dp")), ((2, 1, 2), ("pp", "dp", "tp"))], ids=["pp2_dp2", "pp2_tp2"]
+)
 def test_pp2_with_dp2_or_tp2_matches_one_process(run_on_ranks, shape, names):
     """(pp=2, dp=2): each stage's units FSDP-sharded over 2 ranks, gradients reduced once per
     step; (pp=2, tp=2): each stage's blocks split Megatron-style over 2 ranks."""
@@ -226,8 +236,10 @@ def _edited(rank, world):
         model, plan = _setup(mesh, names, "1f1b", 2)
         _, _, trace_good, pipe = _train(model, plan, mesh, names, good, 3)
         out["ran_edited_order"] = pipe.last_ops == [str(op) for op in good.ranks[rank]]
-        out["bitwise"] = all(lb == lg and all(torch.equal(pb[n], pg[n]) for n in pb)
-                             for (lb, pb), (lg, pg) in zip(trace_base, trace_good))
+        out["bitwise"] = all(
+            lb == lg and all(torch.equal(pb[n], pg[n]) for n in pb)
+            for (lb, pb), (lg, pg) in zip(trace_base, trace_good)
+        )
         # A split by hand: 1F1B's micro-batch 0 backward as its input half in place and its
         # weight half moved after micro-batch 1's whole backward, on both ranks. The gradient
         # accumulator then takes micro-batch 1's before 0's: the first of its additions, and a
@@ -235,14 +247,20 @@ def _edited(rank, world):
         split = text
         for r in range(2):
             split = split.replace(f"stage_backward s{r} m0\n", f"stage_backward_input s{r} m0\n")
-            split = split.replace(f"stage_backward s{r} m1\n", f"stage_backward s{r} m1\n  stage_backward_weight s{r} m0\n")
+            split = split.replace(
+                f"stage_backward s{r} m1\n", f"stage_backward s{r} m1\n  stage_backward_weight s{r} m0\n"
+            )
         split_ps = fsdpfn.PipelineSchedule.from_str(split)
         model, plan = _setup(mesh, names, "1f1b", 2)
         _, _, trace_split, pipe = _train(model, plan, mesh, names, split_ps, 3)
-        out["ran_split"] = (pipe.last_ops == [str(op) for op in split_ps.ranks[rank]]
-                            and f"stage_backward_weight s{rank} m0" in pipe.last_ops)
-        out["split_bitwise"] = all(lb == ls and all(torch.equal(pb[n], ps_[n]) for n in pb)
-                                   for (lb, pb), (ls, ps_) in zip(trace_base, trace_split))
+        out["ran_split"] = (
+            pipe.last_ops == [str(op) for op in split_ps.ranks[rank]]
+            and f"stage_backward_weight s{rank} m0" in pipe.last_ops
+        )
+        out["split_bitwise"] = all(
+            lb == ls and all(torch.equal(pb[n], ps_[n]) for n in pb)
+            for (lb, pb), (ls, ps_) in zip(trace_base, trace_split)
+        )
     return out
 
 

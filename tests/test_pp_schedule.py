@@ -83,24 +83,57 @@ def test_old_plans_still_load_unchanged(model):
     assert fsdpfn.Plan.from_json(plan.to_json()).stages is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, r"root unit holds \['embed.weight'"),
-    ({"units": UNITS, "stages": [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]]},
-     r"parameter 'pos.weight' \(unit 'pos'\) matches no stage"),
-    ({"stages": [["embed", "pos", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]]},
-     r"unit '<root>' has parameters in 2 stages \('embed.weight' in stage 0, 'norm.weight' in stage 1\)"),
-    ({"units": UNITS, "stages": [["embed", "pos", "blocks.0.norm1", "blocks.0.qkv", "blocks.0.proj"],
-                                 ["blocks.0.norm2", "blocks.0.fc", "blocks.0.out", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]]},
-     r"unit 'blocks.0' has parameters in 2 stages .*put all of 'blocks.0' in one stage"),
-    ({"units": UNITS, "stages": [["embed", "pos", "blocks"], ["blocks.3", "norm", "head"]]},
-     r"parameter 'blocks.3.norm1.weight' matches prefixes of stages \[0, 1\]"),
-    ({"units": UNITS, "stages": [["blocks.2", "embed", "pos"], ["blocks.0", "blocks.1", "blocks.3", "norm", "head"]]},
-     r"stage 0 holds unit 'blocks.2', which runs after stage 1's unit 'blocks.0'"),
-    ({"units": UNITS, "stages": [["embed", "pos", "blocks", "nothing"], ["norm", "head"]]}, r"stage 0's prefix 'nothing' names no parameter"),
-    ({"units": UNITS, "stages": 3}, r"positive multiple of the pp size 2"),
-    ({"units": UNITS, "stages": [["embed", "pos", "blocks", "norm", "head"]]}, r"lists 1 stages for 2 pp ranks"),
-    ({"units": UNITS, "stages": 12}, r"12 stages need at least 12 units"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, r"root unit holds \['embed.weight'"),
+        (
+            {"units": UNITS, "stages": [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]]},
+            r"parameter 'pos.weight' \(unit 'pos'\) matches no stage",
+        ),
+        (
+            {"stages": [["embed", "pos", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]]},
+            r"unit '<root>' has parameters in 2 stages \('embed.weight' in stage 0, 'norm.weight' in stage 1\)",
+        ),
+        (
+            {
+                "units": UNITS,
+                "stages": [
+                    ["embed", "pos", "blocks.0.norm1", "blocks.0.qkv", "blocks.0.proj"],
+                    [
+                        "blocks.0.norm2",
+                        "blocks.0.fc",
+                        "blocks.0.out",
+                        "blocks.1",
+                        "blocks.2",
+                        "blocks.3",
+                        "norm",
+                        "head",
+                    ],
+                ],
+            },
+            r"unit 'blocks.0' has parameters in 2 stages .*put all of 'blocks.0' in one stage",
+        ),
+        (
+            {"units": UNITS, "stages": [["embed", "pos", "blocks"], ["blocks.3", "norm", "head"]]},
+            r"parameter 'blocks.3.norm1.weight' matches prefixes of stages \[0, 1\]",
+        ),
+        (
+            {
+                "units": UNITS,
+                "stages": [["blocks.2", "embed", "pos"], ["blocks.0", "blocks.1", "blocks.3", "norm", "head"]],
+            },
+            r"stage 0 holds unit 'blocks.2', which runs after stage 1's unit 'blocks.0'",
+        ),
+        (
+            {"units": UNITS, "stages": [["embed", "pos", "blocks", "nothing"], ["norm", "head"]]},
+            r"stage 0's prefix 'nothing' names no parameter",
+        ),
+        ({"units": UNITS, "stages": 3}, r"positive multiple of the pp size 2"),
+        ({"units": UNITS, "stages": [["embed", "pos", "blocks", "norm", "head"]]}, r"lists 1 stages for 2 pp ranks"),
+        ({"units": UNITS, "stages": 12}, r"12 stages need at least 12 units"),
+    ],
+)
 def test_bad_splits_name_the_module_or_stage(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         fsdpfn.plan(model, {"pp": 2, "dp": 1}, **kwargs)
@@ -122,7 +155,7 @@ def test_stages_value_checks_itself():
 
 import dataclasses  # noqa: E402
 
-from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, pipeline_schedule, pipeline_times, validate_pipeline  # noqa: E402
+from fsdpfn._plan.pipeline import PipelineSchedule, PipeOp, pipeline_schedule, pipeline_times, validate_pipeline  # noqa: E402
 from fsdpfn._plan.schedule import Op, OpKind, ScheduleError  # noqa: E402
 
 
@@ -191,14 +224,19 @@ def test_print_shows_peers_and_parses_with_or_without_numbers():
     ps = pipeline_schedule(_stages(2), "1f1b", 2)
     text = str(ps)
     assert "send_act s0 m0  # to rank 1" in text and "recv_grad s0 m0  # from rank 1" in text
-    bare = "\n".join(ln.split("#")[0].strip().split(maxsplit=1)[-1] if ln.strip()[:1].isdigit() else ln for ln in text.splitlines())
+    bare = "\n".join(
+        ln.split("#")[0].strip().split(maxsplit=1)[-1] if ln.strip()[:1].isdigit() else ln for ln in text.splitlines()
+    )
     assert PipelineSchedule.from_str(bare) == ps
 
 
 def test_deadlock_is_refused_naming_each_waiting_op():
     ps = pipeline_schedule(_stages(2), "gpipe", 2)
     # rank 0 waits for a gradient before sending the activation that gradient needs
-    edited = _parsed(ps, 0, """
+    edited = _parsed(
+        ps,
+        0,
+        """
         recv_grad s0 m0
         stage_forward s0 m0
         send_act s0 m0
@@ -206,16 +244,22 @@ def test_deadlock_is_refused_naming_each_waiting_op():
         send_act s0 m1
         stage_backward s0 m0
         recv_grad s0 m1
-        stage_backward s0 m1""")
-    with pytest.raises(ScheduleError, match=r"deadlock.*rank 0 op #0 \(recv_grad s0 m0\) waits for rank 1's op #5 \(send_grad s1 m0\)"
-                                            r".*rank 1 op #0 \(recv_act s1 m0\) waits for rank 0's op #2 \(send_act s0 m0\)"):
+        stage_backward s0 m1""",
+    )
+    with pytest.raises(
+        ScheduleError,
+        match=r"deadlock.*rank 0 op #0 \(recv_grad s0 m0\) waits for rank 1's op #5 \(send_grad s1 m0\)"
+        r".*rank 1 op #0 \(recv_act s1 m0\) waits for rank 0's op #2 \(send_act s0 m0\)",
+    ):
         validate_pipeline(edited)
 
 
 def test_recv_with_no_matching_send_is_refused():
     ps = pipeline_schedule(_stages(2), "1f1b", 2)
     ops = [op for op in ps.ranks[0] if op != PipeOp("send_act", 0, 1)]
-    with pytest.raises(ScheduleError, match=r"rank 1 op #\d+ \(recv_act s1 m1\): has no matching send: rank 0 sends rank 1 only 1"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 1 op #\d+ \(recv_act s1 m1\): has no matching send: rank 0 sends rank 1 only 1"
+    ):
         validate_pipeline(_edit(ps, 0, ops))
 
 
@@ -223,8 +267,15 @@ def test_sends_received_out_of_order_are_refused():
     ps = pipeline_schedule(_stages(2), "gpipe", 2)
     r0 = list(ps.ranks[0])
     r0[1], r0[3] = r0[3], r0[1]  # send m1 before m0: ... and m1's send before it is computed
-    r0 = [PipeOp("stage_forward", 0, 0), PipeOp("stage_forward", 0, 1), PipeOp("send_act", 0, 1), PipeOp("send_act", 0, 0)] + r0[4:]
-    with pytest.raises(ScheduleError, match=r"rank 1 op #0 \(recv_act s1 m0\): would receive rank 0's op #2 \(send_act s0 m1\)"):
+    r0 = [
+        PipeOp("stage_forward", 0, 0),
+        PipeOp("stage_forward", 0, 1),
+        PipeOp("send_act", 0, 1),
+        PipeOp("send_act", 0, 0),
+    ] + r0[4:]
+    with pytest.raises(
+        ScheduleError, match=r"rank 1 op #0 \(recv_act s1 m0\): would receive rank 0's op #2 \(send_act s0 m1\)"
+    ):
         validate_pipeline(_edit(ps, 0, r0))
 
 
@@ -232,43 +283,81 @@ def test_activation_used_before_it_arrives_is_refused():
     ps = pipeline_schedule(_stages(2), "gpipe", 2)
     r1 = list(ps.ranks[1])
     r1[0], r1[1] = r1[1], r1[0]  # forward, then receive its input
-    with pytest.raises(ScheduleError, match=r"rank 1 op #0 \(stage_forward s1 m0\): uses the activation of micro-batch 0 before "
-                                            r"it arrives; put 'recv_act s1 m0' before it"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1 op #0 \(stage_forward s1 m0\): uses the activation of micro-batch 0 before "
+        r"it arrives; put 'recv_act s1 m0' before it",
+    ):
         validate_pipeline(_edit(ps, 1, r1))
 
 
 def test_gradient_used_before_it_arrives_is_refused():
     ps = pipeline_schedule(_stages(2), "1f1b", 2)
     r0 = [op for op in ps.ranks[0] if op != PipeOp("recv_grad", 0, 1)] + [PipeOp("recv_grad", 0, 1)]
-    with pytest.raises(ScheduleError, match=r"rank 0 op #\d+ \(stage_backward s0 m1\): uses the gradient of micro-batch 1"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 0 op #\d+ \(stage_backward s0 m1\): uses the gradient of micro-batch 1"
+    ):
         validate_pipeline(_edit(ps, 0, r0))
 
 
 def test_an_earlier_send_is_a_valid_edit():
     ps = pipeline_schedule(_stages(2), "gpipe", 4)
     # rank 0 runs all four forwards, then sends all four activations: valid, but rank 1 starts later
-    late = _parsed(ps, 0, "\n".join([f"stage_forward s0 m{i}" for i in range(4)] + [f"send_act s0 m{i}" for i in range(4)]
-                                     + [f"recv_grad s0 m{i}\nstage_backward s0 m{i}" for i in range(4)]))
+    late = _parsed(
+        ps,
+        0,
+        "\n".join(
+            [f"stage_forward s0 m{i}" for i in range(4)]
+            + [f"send_act s0 m{i}" for i in range(4)]
+            + [f"recv_grad s0 m{i}\nstage_backward s0 m{i}" for i in range(4)]
+        ),
+    )
     validate_pipeline(late)
     # the edit: each send moved earlier, right after its forward (the generated order): the step gets shorter
-    early = _parsed(ps, 0, "\n".join([f"stage_forward s0 m{i}\nsend_act s0 m{i}" for i in range(4)]
-                                      + [f"recv_grad s0 m{i}\nstage_backward s0 m{i}" for i in range(4)]))
+    early = _parsed(
+        ps,
+        0,
+        "\n".join(
+            [f"stage_forward s0 m{i}\nsend_act s0 m{i}" for i in range(4)]
+            + [f"recv_grad s0 m{i}\nstage_backward s0 m{i}" for i in range(4)]
+        ),
+    )
     validate_pipeline(early)
     assert pipeline_times(early).makespan < pipeline_times(late).makespan
     assert early == ps
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda ops: [op for op in ops if op != Op("wait", "blocks.0")], r"rank 0 op #\d+ \(stage_forward s0 m0\): stage 0's unit 'blocks.0' is not gathered"),
-    (lambda ops: [Op("reduce", "embed")] + list(ops), r"rank 0 op #0 \(reduce embed\): before its stage's last backward \(0 of 4"),
-    (lambda ops: [op for op in ops if op != Op("free", "pos")], r"rank 0 leaves unit 'pos' unsharded"),
-    (lambda ops: [op for op in ops if op.kind is not OpKind.WAIT_REDUCE or op.unit != "embed"], r"rank 0 never reduces unit 'embed'"),
-    (lambda ops: [Op("gather", "head")] + list(ops), r"rank 0 op #0 \(gather head\): unit 'head' is in stage 1, on rank 1"),
-    (lambda ops: [Op("forward", "embed")] + list(ops), r"per-unit events have no place"),
-    (lambda ops: [op for op in ops if op != PipeOp("stage_backward", 0, 3)],
-     r"\(reduce blocks.1\): before its stage's last backward \(3 of 4 micro-batches done\)"),
-    (lambda ops: [PipeOp("stage_forward", 1, 0)] + list(ops), r"rank 0 op #0 \(stage_forward s1 m0\): stage 1 runs on rank 1"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda ops: [op for op in ops if op != Op("wait", "blocks.0")],
+            r"rank 0 op #\d+ \(stage_forward s0 m0\): stage 0's unit 'blocks.0' is not gathered",
+        ),
+        (
+            lambda ops: [Op("reduce", "embed")] + list(ops),
+            r"rank 0 op #0 \(reduce embed\): before its stage's last backward \(0 of 4",
+        ),
+        (lambda ops: [op for op in ops if op != Op("free", "pos")], r"rank 0 leaves unit 'pos' unsharded"),
+        (
+            lambda ops: [op for op in ops if op.kind is not OpKind.WAIT_REDUCE or op.unit != "embed"],
+            r"rank 0 never reduces unit 'embed'",
+        ),
+        (
+            lambda ops: [Op("gather", "head")] + list(ops),
+            r"rank 0 op #0 \(gather head\): unit 'head' is in stage 1, on rank 1",
+        ),
+        (lambda ops: [Op("forward", "embed")] + list(ops), r"per-unit events have no place"),
+        (
+            lambda ops: [op for op in ops if op != PipeOp("stage_backward", 0, 3)],
+            r"\(reduce blocks.1\): before its stage's last backward \(3 of 4 micro-batches done\)",
+        ),
+        (
+            lambda ops: [PipeOp("stage_forward", 1, 0)] + list(ops),
+            r"rank 0 op #0 \(stage_forward s1 m0\): stage 1 runs on rank 1",
+        ),
+    ],
+)
 def test_plan_schedule_edits_are_refused_naming_the_op(model, edit, message):
     plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
     ps = pipeline_schedule(plan, "1f1b", 4)
@@ -291,12 +380,15 @@ def test_schedule_for_another_plan_is_refused(model):
         validate_pipeline(pipeline_schedule(plan, "gpipe", 2), other)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((_stages(2, 2), "1f1b", 4), r"1f1b runs one stage per pp rank.*use 'interleaved_1f1b'"),
-    ((_stages(2, 2), "interleaved_1f1b", 3), r"micro_batches=3 is not a multiple of 2. Use micro_batches=4"),
-    ((_stages(2), "zb", 4), r"unknown pipeline schedule 'zb'"),
-    ((_stages(2), "gpipe", 0), r"micro_batches must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((_stages(2, 2), "1f1b", 4), r"1f1b runs one stage per pp rank.*use 'interleaved_1f1b'"),
+        ((_stages(2, 2), "interleaved_1f1b", 3), r"micro_batches=3 is not a multiple of 2. Use micro_batches=4"),
+        ((_stages(2), "zb", 4), r"unknown pipeline schedule 'zb'"),
+        ((_stages(2), "gpipe", 0), r"micro_batches must be an int >= 1"),
+    ],
+)
 def test_generator_refuses_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         pipeline_schedule(*args)
@@ -304,9 +396,13 @@ def test_generator_refuses_bad_arguments(args, message):
 
 def test_parse_errors_name_the_line():
     with pytest.raises(ScheduleError, match=r"line 3: cannot parse 'stage_forward s0'"):
-        PipelineSchedule.from_str("Pipeline schedule x for plan - (pp=1, stages=1, micro_batches=1):\nrank 0:\nstage_forward s0")
+        PipelineSchedule.from_str(
+            "Pipeline schedule x for plan - (pp=1, stages=1, micro_batches=1):\nrank 0:\nstage_forward s0"
+        )
     with pytest.raises(ScheduleError, match=r"unknown pipeline op kind 'stage_fwd'"):
-        PipelineSchedule.from_str("Pipeline schedule x for plan - (pp=1, stages=1, micro_batches=1):\nrank 0:\nstage_fwd s0 m0")
+        PipelineSchedule.from_str(
+            "Pipeline schedule x for plan - (pp=1, stages=1, micro_batches=1):\nrank 0:\nstage_fwd s0 m0"
+        )
 
 
 # ---- a stage's plan -------------------------------------------------------------------------------

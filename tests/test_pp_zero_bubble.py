@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 
 import fsdpfn
-from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, pipeline_schedule, pipeline_times, validate_pipeline
+from fsdpfn._plan.pipeline import (
+    PipeKind,
+    PipelineSchedule,
+    PipeOp,
+    pipeline_schedule,
+    pipeline_times,
+    validate_pipeline,
+)
 from fsdpfn._plan.schedule import Op, OpKind, ScheduleError
 from fsdpfn._plan.stages import Stages
 from fsdpfn.models import GPT, GPTConfig
@@ -67,8 +74,20 @@ def test_one_f_b_w_is_a_third_of_1f1b_idle(p, m):
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16), (3, 5), (4, 4)])
-@pytest.mark.parametrize("f, b, w", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.5, 1.5),
-                                     (1.0, 0.5, 1.5), (0.5, 1.0, 0.6), (1.0, 3.0, 2.0), (1.25, 0.75, 3.0)])
+@pytest.mark.parametrize(
+    "f, b, w",
+    [
+        (1.0, 1.0, 1.0),
+        (1.0, 2.0, 1.0),
+        (2.0, 1.0, 1.0),
+        (1.0, 1.0, 0.5),
+        (1.0, 1.5, 1.5),
+        (1.0, 0.5, 1.5),
+        (0.5, 1.0, 0.6),
+        (1.0, 3.0, 2.0),
+        (1.25, 0.75, 3.0),
+    ],
+)
 def test_makespan_matches_its_formula(p, m, f, b, w):
     t = pipeline_times(_zb(p, m), forward=f, backward=b + w, backward_input=b, backward_weight=w)
     # [Note: the zero-bubble schedule]: m (f + b + w) + (p - 1) max(f + b - w, f, b), for m >= p
@@ -93,9 +112,15 @@ def test_peak_activations_are_1f1b_rank_0s(p, m):
 
 def test_halves_default_to_half_the_backward_and_whole_backwards_are_unchanged():
     ps = _zb(4, 8)
-    assert pipeline_times(ps, 1.0, 3.0).makespan == pipeline_times(ps, 1.0, 3.0, backward_input=1.5, backward_weight=1.5).makespan
+    assert (
+        pipeline_times(ps, 1.0, 3.0).makespan
+        == pipeline_times(ps, 1.0, 3.0, backward_input=1.5, backward_weight=1.5).makespan
+    )
     one = pipeline_schedule(_stages(4), "1f1b", 8)
-    assert pipeline_times(one, 1.0, 2.0, backward_input=5.0, backward_weight=7.0).makespan == pipeline_times(one, 1.0, 2.0).makespan
+    assert (
+        pipeline_times(one, 1.0, 2.0, backward_input=5.0, backward_weight=7.0).makespan
+        == pipeline_times(one, 1.0, 2.0).makespan
+    )
     with pytest.raises(ValueError, match=r"backward_weight needs one number >= 0 per stage \(4\)"):
         pipeline_times(ps, backward_weight=[1.0, 2.0])
     with pytest.raises(ValueError, match=r"backward_input must be >= 0"):
@@ -117,8 +142,10 @@ def test_plan_schedule_reduces_after_the_last_weight_half_and_round_trips(model)
 
 def test_print_parse_round_trip_without_numbers():
     ps = _zb(3, 4)
-    bare = "\n".join(ln.split("#")[0].strip().split(maxsplit=1)[-1] if ln.strip()[:1].isdigit() else ln
-                     for ln in str(ps).splitlines())
+    bare = "\n".join(
+        ln.split("#")[0].strip().split(maxsplit=1)[-1] if ln.strip()[:1].isdigit() else ln
+        for ln in str(ps).splitlines()
+    )
     back = PipelineSchedule.from_str(bare)
     assert back == ps and back.name == "zero_bubble"
 
@@ -141,8 +168,11 @@ def _swap(ops, a, b):
 def test_weight_half_before_its_input_half_is_refused():
     ps = _zb(2, 4)
     ops = _swap(ps.ranks[1], PipeOp(BI, 1, 0), PipeOp(BW, 1, 0))
-    with pytest.raises(ScheduleError, match=r"rank 1 op #\d+ \(stage_backward_weight s1 m0\): runs before "
-                                            r"'stage_backward_input s1 m0'; the weight half follows the input half"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1 op #\d+ \(stage_backward_weight s1 m0\): runs before "
+        r"'stage_backward_input s1 m0'; the weight half follows the input half",
+    ):
         validate_pipeline(_edit(ps, 1, ops))
 
 
@@ -151,19 +181,27 @@ def test_input_half_before_its_forward_or_its_gradient_is_refused():
     r1 = list(ps.ranks[1])
     r1.remove(PipeOp(BI, 1, 0))
     r1.insert(0, PipeOp(BI, 1, 0))
-    with pytest.raises(ScheduleError, match=r"rank 1 op #0 \(stage_backward_input s1 m0\): runs before 'stage_forward s1 m0'"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 1 op #0 \(stage_backward_input s1 m0\): runs before 'stage_forward s1 m0'"
+    ):
         validate_pipeline(_edit(ps, 1, r1))
     r0 = _swap(ps.ranks[0], PipeOp(PipeKind.RECV_GRAD, 0, 1), PipeOp(BI, 0, 1))
-    with pytest.raises(ScheduleError, match=r"rank 0 op #\d+ \(stage_backward_input s0 m1\): uses the gradient of micro-batch 1 "
-                                            r"before it arrives; put 'recv_grad s0 m1' before it"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 0 op #\d+ \(stage_backward_input s0 m1\): uses the gradient of micro-batch 1 "
+        r"before it arrives; put 'recv_grad s0 m1' before it",
+    ):
         validate_pipeline(_edit(ps, 0, r0))
 
 
 def test_send_grad_before_the_input_half_is_refused():
     ps = _zb(2, 4)
     r1 = _swap(ps.ranks[1], PipeOp(BI, 1, 2), PipeOp(PipeKind.SEND_GRAD, 1, 2))
-    with pytest.raises(ScheduleError, match=r"rank 1 op #\d+ \(send_grad s1 m2\): sends what 'stage_backward_input s1 m2' "
-                                            r"computes before it runs"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1 op #\d+ \(send_grad s1 m2\): sends what 'stage_backward_input s1 m2' "
+        r"computes before it runs",
+    ):
         validate_pipeline(_edit(ps, 1, r1))
 
 
@@ -171,8 +209,11 @@ def test_whole_and_split_backward_of_one_micro_batch_are_refused():
     ps = _zb(2, 4)
     r1 = list(ps.ranks[1])
     r1.insert(r1.index(PipeOp(BW, 1, 1)) + 1, PipeOp(B, 1, 1))
-    with pytest.raises(ScheduleError, match=r"\(stage_backward s1 m1\): 'stage_backward_input s1 m1' already ran \(op #\d+\); a "
-                                            r"micro-batch's backward is either one 'stage_backward s1 m1' or one"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"\(stage_backward s1 m1\): 'stage_backward_input s1 m1' already ran \(op #\d+\); a "
+        r"micro-batch's backward is either one 'stage_backward s1 m1' or one",
+    ):
         validate_pipeline(_edit(ps, 1, r1))
     # a 1F1B list with a stray weight half after a whole backward
     one = pipeline_schedule(_stages(2), "1f1b", 2)
@@ -183,7 +224,9 @@ def test_whole_and_split_backward_of_one_micro_batch_are_refused():
 
 def test_a_missing_or_doubled_half_is_refused():
     ps = _zb(2, 4)
-    with pytest.raises(ScheduleError, match=r"rank 1 never runs 'stage_backward_weight s1 m3'; each stage runs forward and backward"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 1 never runs 'stage_backward_weight s1 m3'; each stage runs forward and backward"
+    ):
         validate_pipeline(_edit(ps, 1, [op for op in ps.ranks[1] if op != PipeOp(BW, 1, 3)]))
     with pytest.raises(ScheduleError, match=r"\(stage_backward_weight s1 m3\): appears twice"):
         validate_pipeline(_edit(ps, 1, list(ps.ranks[1]) + [PipeOp(BW, 1, 3)]))
@@ -196,7 +239,7 @@ def test_mixing_whole_and_split_backwards_across_micro_batches_is_valid():
     for r, ops in enumerate(one.ranks):
         ops = list(ops)
         i = ops.index(PipeOp(B, r, 0))
-        ops[i:i + 1] = [PipeOp(BI, r, 0)]
+        ops[i : i + 1] = [PipeOp(BI, r, 0)]
         ops.append(PipeOp(BW, r, 0))
         ranks.append(tuple(ops))
     edited = dataclasses.replace(one, ranks=tuple(ranks))
@@ -209,6 +252,9 @@ def test_reduce_before_the_last_weight_half_is_refused(model):
     ps = pipeline_schedule(plan, "zero_bubble", 4)
     r1 = [op for op in ps.ranks[1] if op != PipeOp(BW, 1, 3)]
     r1.append(PipeOp(BW, 1, 3))
-    with pytest.raises(ScheduleError, match=r"rank 1 op #\d+ \(reduce \w+\): before its stage's last backward \(3 of 4 "
-                                            r"micro-batches done\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1 op #\d+ \(reduce \w+\): before its stage's last backward \(3 of 4 "
+        r"micro-batches done\)",
+    ):
         validate_pipeline(_edit(ps, 1, r1), plan)

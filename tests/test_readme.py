@@ -31,7 +31,9 @@ def test_the_readme_example_is_examples_quickstart_py():
     blocks = _python_blocks(_readme())
     assert len(blocks) == 1, f"the README has {len(blocks)} python blocks; its one example is examples/quickstart.py"
     with open(QUICKSTART, encoding="utf-8") as f:
-        assert blocks[0] == f.read(), "README.md's example and examples/quickstart.py differ: copy the file into the README"
+        assert blocks[0] == f.read(), (
+            "README.md's example and examples/quickstart.py differ: copy the file into the README"
+        )
 
 
 @pytest.mark.e2e
@@ -50,7 +52,8 @@ def test_quickstart_runs_and_the_loss_falls():
     quoted = re.search(r"prints: loss (\d+\.\d+) -> (\d+\.\d+) in 20 steps", _readme())
     assert quoted, "the README no longer quotes the example's output"
     assert abs(float(quoted[1]) - first) < 0.01 and abs(float(quoted[2]) - last) < 0.01, (
-        f"the README quotes loss {quoted[1]} -> {quoted[2]}, the example prints {m[1]} -> {m[2]}: update the README")
+        f"the README quotes loss {quoted[1]} -> {quoted[2]}, the example prints {m[1]} -> {m[2]}: update the README"
+    )
 
 
 def test_links_and_make_targets_exist():
@@ -87,12 +90,20 @@ def test_the_command_block_installs_the_cpu_torch_before_make():
     for text, page in ((_readme(), "README.md"), (started, "docs/getting-started.md")):
         block = next((b for b in _bash_blocks(text) if any(line.startswith("make demo") for line in b)), None)
         assert block, f"{page}: no bash block runs `make demo`"
-        cpu = [i for i, line in enumerate(block) if re.match(r"pip install torch==\S+ --index-url https://download\.pytorch\.org/whl/cpu", line)]
+        cpu = [
+            i
+            for i, line in enumerate(block)
+            if re.match(r"pip install torch==\S+ --index-url https://download\.pytorch\.org/whl/cpu", line)
+        ]
         first_make = next(i for i, line in enumerate(block) if line.startswith("make "))
-        assert cpu and cpu[0] < first_make, f"{page}: the `make demo` block installs the CPU torch first:\n" + "\n".join(block)
+        assert cpu and cpu[0] < first_make, (
+            f"{page}: the `make demo` block installs the CPU torch first:\n" + "\n".join(block)
+        )
         with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
             pinned = re.search(r"^TORCH \?= (torch==\S+)", f.read(), re.M)[1]
-        assert block[cpu[0]].split()[2] == pinned, f"{page}: the CPU line installs {block[cpu[0]].split()[2]}, the Makefile {pinned}"
+        assert block[cpu[0]].split()[2] == pinned, (
+            f"{page}: the CPU line installs {block[cpu[0]].split()[2]}, the Makefile {pinned}"
+        )
 
 
 def test_make_demo_installs_the_demo_extra_only():

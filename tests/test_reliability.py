@@ -34,7 +34,11 @@ def _wrong_split(rank, world):
     w = model.layers[0].weight.detach()
     # Right global shape, wrong rows: tensor_split gives 4, 3, 3 where torch.chunk gives 4, 4, 2.
     local = torch.tensor_split(w, world)[rank].clone()
-    params = {"layers.0.weight": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())}
+    params = {
+        "layers.0.weight": DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()
+        )
+    }
     fsdpfn.unshard(params, plan)
 
 
@@ -67,7 +71,9 @@ def _wrong_rows_on_one_rank(rank, world):
     rows = torch.chunk(w, world)[rank].clone()
     if rank == 1:
         rows = torch.cat([rows, rows[:1]])
-    params = {"layers.0.weight": DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())}
+    params = {
+        "layers.0.weight": DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())
+    }
     with fsdpfn.comm.count_collectives() as counter:
         try:
             fsdpfn.unshard(params, plan)
@@ -125,8 +131,12 @@ def _default_device_is_not_used(rank, world):
             grads = torch.func.grad(loss_fn)(params, pure)
             updates, _ = opt.update(grads, state, params)
             new = optim.apply_updates(params, updates)
-            results.append({n: (g.device.type, u.device.type, p.to_local().device.type) for (n, g), u, p in
-                            zip(grads.items(), updates.values(), new.values())})
+            results.append(
+                {
+                    n: (g.device.type, u.device.type, p.to_local().device.type)
+                    for (n, g), u, p in zip(grads.items(), updates.values(), new.values())
+                }
+            )
     return results
 
 

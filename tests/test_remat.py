@@ -29,8 +29,10 @@ class DropoutMLP(nn.Module):
     def __init__(self, width=16, depth=2):
         super().__init__()
         self.inp = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.3), nn.Linear(4 * width, width))
-                                    for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.3), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
         self.out = nn.Linear(width, 3)
 
     def forward(self, x):
@@ -62,7 +64,9 @@ def _train(rank, world, strategy, style, remat, model_kind, steps=5):
         x, y = _data(step, world, model_kind)
         with fsdpfn.comm.count_collectives() as counter:
             if style == "func":
-                g, _ = rt.value_and_grad(lambda ps: F.cross_entropy(rt.apply(ps, x[mine]).flatten(0, 1), y[mine].flatten()))(params)
+                g, _ = rt.value_and_grad(
+                    lambda ps: F.cross_entropy(rt.apply(ps, x[mine]).flatten(0, 1), y[mine].flatten())
+                )(params)
             else:
                 with rt.bind(params):
                     F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten()).backward()
@@ -196,7 +200,9 @@ def _pure(rank, world, remat, style, model_kind, steps=3):
 
 
 @pytest.mark.parametrize("style", ["func", "eager"])
-@pytest.mark.parametrize("model_kind, policy", [("gpt", p) for p in POLICIES] + [("dropout", "full"), ("dropout", "save_dots")])
+@pytest.mark.parametrize(
+    "model_kind, policy", [("gpt", p) for p in POLICIES] + [("dropout", "full"), ("dropout", "save_dots")]
+)
 def test_remat_in_the_pure_loop_is_bitwise_the_run_without_it(run_on_ranks, style, model_kind, policy):
     plain = run_on_ranks(_pure, 2, None, style, model_kind)
     remat = run_on_ranks(_pure, 2, policy, style, model_kind)
@@ -217,7 +223,9 @@ def test_the_remat_wrapper_really_recomputes():
         plan = fsdpfn.plan(model, (1,), remat=remat)
         fsdpfn.transforms.apply_remat(model, plan)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        torch.func.grad(lambda ps: F.cross_entropy(torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten()))(params)
+        torch.func.grad(
+            lambda ps: F.cross_entropy(torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten())
+        )(params)
         assert len(calls) == expected, (remat, calls)
 
 
@@ -231,9 +239,13 @@ def _recompute_flops(rank, world, remat):
     x, y = _data(0, world, "gpt")
     with rt.bind(params):
         F.cross_entropy(model(x[:PER_RANK]).flatten(0, 1), y[:PER_RANK].flatten()).backward()
-    wl = fsdpfn.sim.profile(model, plan, x[:PER_RANK], loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y[:PER_RANK].flatten()))
-    predicted = ({u: wl.recompute(u).flops for u in rt.last_step.recompute_flops},
-                 {u: wl.activation(u) for u in rt.last_step.kept_bytes})
+    wl = fsdpfn.sim.profile(
+        model, plan, x[:PER_RANK], loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), y[:PER_RANK].flatten())
+    )
+    predicted = (
+        {u: wl.recompute(u).flops for u in rt.last_step.recompute_flops},
+        {u: wl.activation(u) for u in rt.last_step.kept_bytes},
+    )
     return dict(rt.last_step.recompute_flops), dict(rt.last_step.kept_bytes), predicted
 
 
@@ -244,8 +256,11 @@ def test_kept_results_are_not_recomputed(run_on_ranks, policy):
     t, c, h = PER_RANK * CFG.seq_len, CFG.width, CFG.heads
     mm = {"qkv": 2 * t * c * 3 * c, "proj": 2 * t * c * c, "fc": 2 * t * c * 4 * c, "out": 2 * t * 4 * c * c}
     attention = 4 * PER_RANK * h * CFG.seq_len * CFG.seq_len * (c // h) * 0.5  # causal: half the blocks
-    expected = {"full": sum(mm.values()) + attention, "save_dots": 0.0,
-                "save_names:attention,mlp_up": mm["qkv"] + mm["proj"] + mm["out"]}[policy]
+    expected = {
+        "full": sum(mm.values()) + attention,
+        "save_dots": 0.0,
+        "save_names:attention,mlp_up": mm["qkv"] + mm["proj"] + mm["out"],
+    }[policy]
     got, kept, (sim_flops, sim_kept) = run_on_ranks(_recompute_flops, 2, policy)[0]
     assert got == {f"blocks.{i}": expected for i in range(CFG.depth)}, (got, expected)
     # The simulator costs the plan's policy from its profile: the same FLOPs and kept bytes.

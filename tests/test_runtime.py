@@ -100,7 +100,9 @@ def _expected(rank, world, strategy, mesh_shape, accumulate, micro, mp, cfg):
         if accumulate == "reduce" and not all(u.strategy.keeps_full_grads for u in plan.units):
             # Pure path: one torch.func.grad per micro-batch (each reduced by unshard's VJP), summed.
             for s in slices:
-                g = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]) / micro)(pure)
+                g = torch.func.grad(
+                    lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]) / micro
+                )(pure)
                 pure_g = g if pure_g is None else {n: pure_g[n] + g[n] for n in g}
         else:
             # Pure path in local accumulation's order (accumulate="local", or zero1 units, which
@@ -368,17 +370,40 @@ def _with(s, op, after):
         (lambda s: _without(s, Op("wait", "blocks.1")), "unit 'blocks.1' is used from op"),
         (lambda s: _without(s, Op("gather", "blocks.1")), "'wait blocks.1' without a 'gather blocks.1'"),
         (lambda s: _without(s, Op("reduce", "blocks.0")), "'wait_reduce blocks.0' without a 'reduce blocks.0'"),
-        (lambda s: _without(_without(s, Op("reduce", "blocks.0")), Op("wait_reduce", "blocks.0")), "the reduce of unit 'blocks.0' is missing"),
+        (
+            lambda s: _without(_without(s, Op("reduce", "blocks.0")), Op("wait_reduce", "blocks.0")),
+            "the reduce of unit 'blocks.0' is missing",
+        ),
         (lambda s: _without(s, Op("backward_done", "blocks.2")), "unit 'blocks.2' is freed while in use"),
-        (lambda s: _without(_without(s, Op("backward_done", "blocks.2")), Op("backward", "blocks.2")), "'reduce blocks.2' before its gradients are complete"),
+        (
+            lambda s: _without(_without(s, Op("backward_done", "blocks.2")), Op("backward", "blocks.2")),
+            "'reduce blocks.2' before its gradients are complete",
+        ),
         (lambda s: _without(s, Op("free", "")), "unit '<root>' is still unsharded at the end"),
         (lambda s: dataclasses.replace(s, plan_fingerprint="0" * 16), "was made for plan"),
-        (lambda s: _with(s, Op("gather", "blocks.1"), after=Op("gather", "blocks.1")), "unit 'blocks.1' is gathered twice"),
-        (lambda s: _with(s, Op("forward", "blocks.1"), after=Op("forward_done", "blocks.1")), "'forward blocks.1' appears twice"),
+        (
+            lambda s: _with(s, Op("gather", "blocks.1"), after=Op("gather", "blocks.1")),
+            "unit 'blocks.1' is gathered twice",
+        ),
+        (
+            lambda s: _with(s, Op("forward", "blocks.1"), after=Op("forward_done", "blocks.1")),
+            "'forward blocks.1' appears twice",
+        ),
         (lambda s: _with(s, Op("free", "blocks.9"), after=Op("end")), "unit 'blocks.9' is not in the plan"),
     ],
-    ids=["wait-missing", "gather-missing", "reduce-missing", "reduce-and-wait-missing", "done-missing", "events-missing",
-         "free-missing", "other-plan", "gathered-twice", "event-twice", "unknown-unit"],
+    ids=[
+        "wait-missing",
+        "gather-missing",
+        "reduce-missing",
+        "reduce-and-wait-missing",
+        "done-missing",
+        "events-missing",
+        "free-missing",
+        "other-plan",
+        "gathered-twice",
+        "event-twice",
+        "unknown-unit",
+    ],
 )
 def test_invalid_schedule_rejected_before_anything_runs(edit, message):
     model, plan = _offline_plan()
@@ -395,7 +420,9 @@ def test_reduce_before_gradients_complete_is_rejected():
     ops = list(s.ops)
     ops.remove(Op("reduce", "blocks.0"))
     ops.insert(ops.index(Op("backward", "blocks.0")) + 1, Op("reduce", "blocks.0"))
-    with pytest.raises(ScheduleError, match="before its gradients are complete; move it after 'backward_done blocks.0'"):
+    with pytest.raises(
+        ScheduleError, match="before its gradients are complete; move it after 'backward_done blocks.0'"
+    ):
         runtime.validate(dataclasses.replace(s, ops=tuple(ops)), plan)
 
 
@@ -413,7 +440,9 @@ def _edited_schedule_step(rank, world):
     params = fsdpfn.shard(model, plan)
     x, y = _batch(world, 0)
     s = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    pure = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]))(params)
+    pure = torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x[s],)), y[s]))(
+        params
+    )
     rt = Runtime(model, plan, schedule=edited)
     grads, _ = rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x[s]), y[s]))(params)
     flight = dict((e, g) for e, g, _ in rt.last_step.in_flight)
@@ -540,7 +569,8 @@ def _no_root(rank, world, style):
     params = fsdpfn.shard(model, plan, requires_grad=style == "eager")
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     ref = torch.func.grad(lambda ps: torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).square().sum())(
-        {n: p.detach() for n, p in params.items()})
+        {n: p.detach() for n, p in params.items()}
+    )
     if style == "func":
         got = torch.func.grad(lambda ps: rt.apply(ps, x).square().sum())(params)
     else:

@@ -121,7 +121,9 @@ def test_loads_the_full_state_dict_bitwise(run_on_ranks, tmp_path, layout, kind,
     expected = {n: v.to(torch.bfloat16).float() if kind == "bf16" else v for n, v in _state().items()}
     for full in run_on_ranks(_load, world, str(tmp_path), kind, strategy, mesh):
         assert sorted(full) == sorted(expected)
-        assert all(torch.equal(full[n], expected[n]) for n in expected), [n for n in expected if not torch.equal(full[n], expected[n])]
+        assert all(torch.equal(full[n], expected[n]) for n in expected), [
+            n for n in expected if not torch.equal(full[n], expected[n])
+        ]
 
 
 def _rows_read(rank, world, path):
@@ -171,25 +173,40 @@ def _check_error(tmp_path, tensors, match, rename=None, layout="single"):
 def test_missing_tensor_is_named_with_its_shape(tmp_path):
     state = _state()
     del state["gpt.blocks.1.fc.weight"]
-    _check_error(tmp_path, state, r"missing from the checkpoint \(1\): 'gpt.blocks.1.fc.weight' \(model shape \(48, 12\)\)")
+    _check_error(
+        tmp_path, state, r"missing from the checkpoint \(1\): 'gpt.blocks.1.fc.weight' \(model shape \(48, 12\)\)"
+    )
 
 
 def test_extra_tensor_is_named_with_its_shape(tmp_path):
     state = _state()
     state["gpt.blocks.0.attn.bias"] = torch.zeros(8, 8)
-    _check_error(tmp_path, state, r"in the checkpoint but not in the model \(1\): 'gpt.blocks.0.attn.bias' \(checkpoint shape \(8, 8\)\)")
+    _check_error(
+        tmp_path,
+        state,
+        r"in the checkpoint but not in the model \(1\): 'gpt.blocks.0.attn.bias' \(checkpoint shape \(8, 8\)\)",
+    )
 
 
 def test_wrong_shape_names_both_shapes(tmp_path):
     state = _state()
     state["gpt.blocks.0.fc.weight"] = torch.zeros(12, 48)
-    _check_error(tmp_path, state, r"wrong shape \(1\): 'gpt.blocks.0.fc.weight': checkpoint shape \(12, 48\), model shape \(48, 12\)")
+    _check_error(
+        tmp_path,
+        state,
+        r"wrong shape \(1\): 'gpt.blocks.0.fc.weight': checkpoint shape \(12, 48\), model shape \(48, 12\)",
+    )
 
 
 def test_wrong_shape_after_rename_names_the_key(tmp_path):
     state = {_hf_name(n): v for n, v in _state().items()}
     state["transformer.h.0.fc.weight"] = torch.zeros(12, 48)
-    _check_error(tmp_path, state, r"'gpt.blocks.0.fc.weight': checkpoint shape \(12, 48\) \(key 'transformer.h.0.fc.weight'\), model shape \(48, 12\)", _from_hf)
+    _check_error(
+        tmp_path,
+        state,
+        r"'gpt.blocks.0.fc.weight': checkpoint shape \(12, 48\) \(key 'transformer.h.0.fc.weight'\), model shape \(48, 12\)",
+        _from_hf,
+    )
 
 
 def test_all_problems_are_listed_together(tmp_path):
@@ -203,13 +220,24 @@ def test_all_problems_are_listed_together(tmp_path):
 def test_two_keys_renamed_to_one_name(tmp_path):
     state = _state()
     state["copy_of_small"] = state["small"].clone()
-    _check_error(tmp_path, state, r"mapped twice \(1\): 'copy_of_small' and 'small' both map to 'small'|'small' and 'copy_of_small' both map to 'small'",
-                 rename={"copy_of_small": "small"})
+    _check_error(
+        tmp_path,
+        state,
+        r"mapped twice \(1\): 'copy_of_small' and 'small' both map to 'small'|'small' and 'copy_of_small' both map to 'small'",
+        rename={"copy_of_small": "small"},
+    )
 
 
 def test_bad_rename(tmp_path):
-    _check_error(tmp_path, _state(), r"rename names \['nope'\], which the checkpoint does not hold", rename={"nope": "x"})
-    _check_error(tmp_path, _state(), r"rename\('gpt.embed.weight'\) returned 3", rename=lambda k: 3 if k == "gpt.embed.weight" else k)
+    _check_error(
+        tmp_path, _state(), r"rename names \['nope'\], which the checkpoint does not hold", rename={"nope": "x"}
+    )
+    _check_error(
+        tmp_path,
+        _state(),
+        r"rename\('gpt.embed.weight'\) returned 3",
+        rename=lambda k: 3 if k == "gpt.embed.weight" else k,
+    )
     _check_error(tmp_path, _state(), "rename must be a dict", rename=["a"])
 
 
@@ -229,7 +257,11 @@ def test_bad_paths(tmp_path):
         fsdpfn.load_safetensors(model, plan, str(tmp_path / "bad.json"))
     _write(tmp_path / "lies", _state(), "index")
     index = json.loads((tmp_path / "lies" / "model.safetensors.index.json").read_text())
-    index["weight_map"]["small"] = "model-00001-of-00003.safetensors" if index["weight_map"]["small"].startswith("model-00002") else "model-00002-of-00003.safetensors"
+    index["weight_map"]["small"] = (
+        "model-00001-of-00003.safetensors"
+        if index["weight_map"]["small"].startswith("model-00002")
+        else "model-00002-of-00003.safetensors"
+    )
     (tmp_path / "lies" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"the index maps \['small'\] to .*, which does not hold them"):
         fsdpfn.load_safetensors(model, plan, str(tmp_path / "lies"))
@@ -255,7 +287,11 @@ def test_tied_names_with_different_values_fail_on_every_rank(run_on_ranks, tmp_p
     state["gpt.head.weight"][-1, 0] += 1  # only the last rank's rows differ
     _write(tmp_path, state, "single")
     for message in run_on_ranks(_untied, 3, str(tmp_path)):
-        assert message and "tied parameters under several names with different values: 'gpt.embed.weight' and 'gpt.head.weight'" in message
+        assert (
+            message
+            and "tied parameters under several names with different values: 'gpt.embed.weight' and 'gpt.head.weight'"
+            in message
+        )
 
 
 def _other_checkpoints(rank, world, directories):

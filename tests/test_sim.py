@@ -21,8 +21,17 @@ from fsdpfn.runtime import OpKind
 
 # Uneven on purpose: 37 vocabulary rows and width 20 split unevenly over 3 and 4 ranks.
 CFG = GPTConfig(vocab_size=37, seq_len=8, width=20, depth=3, heads=2)
-HW = sim.Hardware("test", {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10}, 1e10, 2**34, 2,
-                  intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8), overlap=0.5, op_overhead=1e-6)
+HW = sim.Hardware(
+    "test",
+    {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10},
+    1e10,
+    2**34,
+    2,
+    intra=sim.Link(2e-5, 1e9),
+    inter=sim.Link(5e-5, 1e8),
+    overlap=0.5,
+    op_overhead=1e-6,
+)
 STRATEGIES = ["zero3", "zero2", "zero1", "replicate", {"*": "zero3", "<root>": "zero2", "blocks.1": "replicate"}]
 
 
@@ -133,9 +142,12 @@ def _real_step(rank, world, shape, strategy, prefetch, opt_name, extra=""):
     ns = opt_model.cost(plan, rank).ns_flops
     if extra == "tp":  # every tp rank reads its data-parallel rank's batch: the same tokens as profiled
         assert _workload(plan).tokens == x.numel()
-    return dict(step=(counted(c1), predicted("step")), optimizer=(counted(c2), predicted("optimizer")),
-                high_water=(rt.memory.high_water, r.memory["unsharded_peak"], _unsharded_walk(plan, rt.schedule)),
-                ns_flops=(flops.get_total_flops(), ns[rank] if ns else 0))
+    return dict(
+        step=(counted(c1), predicted("step")),
+        optimizer=(counted(c2), predicted("optimizer")),
+        high_water=(rt.memory.high_water, r.memory["unsharded_peak"], _unsharded_walk(plan, rt.schedule)),
+        ns_flops=(flops.get_total_flops(), ns[rank] if ns else 0),
+    )
 
 
 @pytest.mark.parametrize(
@@ -151,8 +163,17 @@ def _real_step(rank, world, shape, strategy, prefetch, opt_name, extra=""):
         (4, (2, 2), "zero3", 1, "adamw", "tp"),
         (2, (2,), "zero3", 1, "adamw", "fp8"),
     ],
-    ids=["w2-zero3-owner", "w3-zero2-gather", "w3-mixed-owner", "w4-hsdp-owner", "w4-replicate-adamw",
-         "w3-zero3-owner-3-buckets", "w4-zero2-owner-4-buckets", "w4-dp2-tp2-adamw", "w2-fp8-tensorwise-adamw"],
+    ids=[
+        "w2-zero3-owner",
+        "w3-zero2-gather",
+        "w3-mixed-owner",
+        "w4-hsdp-owner",
+        "w4-replicate-adamw",
+        "w3-zero3-owner-3-buckets",
+        "w4-zero2-owner-4-buckets",
+        "w4-dp2-tp2-adamw",
+        "w2-fp8-tensorwise-adamw",
+    ],
 )
 def test_bytes_flops_and_high_water_equal_the_runtime(run_on_ranks, world, shape, strategy, prefetch, opt, extra):
     for rank, res in enumerate(run_on_ranks(_real_step, world, shape, strategy, prefetch, opt, extra)):
@@ -304,8 +325,9 @@ def test_search_beats_the_default_where_it_should():
     model = _model("meta")
     x, y = _batch(device="meta")
     hw = dataclasses.replace(HW, intra=sim.Link(1e-4, 1e6), inter=sim.Link(1e-4, 1e5))
-    res = sim.search(model, 4, 2**30, x, hardware=hw, optimizer=sim.AdamW(), loss_fn=_loss(y), units=[None],
-                     workloads=_WORKLOADS)
+    res = sim.search(
+        model, 4, 2**30, x, hardware=hw, optimizer=sim.AdamW(), loss_fn=_loss(y), units=[None], workloads=_WORKLOADS
+    )
     assert res.speedup > 1.05, str(res)
     assert res.result.memory["peak"] <= 2**30
     assert res.plan != fsdpfn.plan(model, (4,)) or res.schedule.prefetch != 1
@@ -331,7 +353,7 @@ def test_search_lists_as_fitting_no_plan_whose_reserved_memory_is_over_the_part(
     # The listing says which verdict, and each listed line shows the reserved bytes it rests on.
     listed = str(res).splitlines()
     assert "(peak, reserved within the part's " in listed[0], listed[0]
-    for c, line in zip(res.candidates, listed[listed.index("fastest candidates:          peak     reserved") + 1:]):
+    for c, line in zip(res.candidates, listed[listed.index("fastest candidates:          peak     reserved") + 1 :]):
         assert line.split()[6] == ("fits" if c.fits else "over") and f"{c.reserved / 2**30:,.2f} GiB" in line, line
 
 
@@ -357,8 +379,18 @@ def test_search_never_returns_a_plan_over_budget(budget_mib, opt, bandwidth):
     hw = dataclasses.replace(HW, intra=sim.Link(1e-5, bandwidth), inter=sim.Link(1e-5, bandwidth / 10))
     budget = budget_mib * 2**20
     try:
-        res = sim.search(model, 4, budget, x, hardware=hw, optimizer=opt, loss_fn=_loss(y), prefetch=(0, 1),
-                         units=[None], workloads=_WORKLOADS)
+        res = sim.search(
+            model,
+            4,
+            budget,
+            x,
+            hardware=hw,
+            optimizer=opt,
+            loss_fn=_loss(y),
+            prefetch=(0, 1),
+            units=[None],
+            workloads=_WORKLOADS,
+        )
     except ValueError as e:
         assert "no plan fits" in str(e)
         return
@@ -390,16 +422,33 @@ def test_search_over_accumulation_and_its_bad_arguments():
     model = _model("meta")
     x, y = _batch(device="meta")
     hw = dataclasses.replace(HW, intra=sim.Link(1e-4, 1e6), inter=sim.Link(1e-4, 1e5))
-    kw = dict(hardware=hw, optimizer=sim.AdamW(), loss_fn=_loss(y), units=[None], workloads=_WORKLOADS, micro_batches=6,
-              strategies=("zero3",), prefetch=(1,), mesh_shapes=[(4,)])
+    kw = dict(
+        hardware=hw,
+        optimizer=sim.AdamW(),
+        loss_fn=_loss(y),
+        units=[None],
+        workloads=_WORKLOADS,
+        micro_batches=6,
+        strategies=("zero3",),
+        prefetch=(1,),
+        mesh_shapes=[(4,)],
+    )
     roomy = sim.search(model, 4, 2**30, x, accumulate=("reduce", "local"), **kw)
-    assert roomy.accumulate == "local" and roomy.speedup > 1.2, str(roomy)  # the reduce-scatters of 5 micro-batches saved
-    local = sim.simulate(roomy.plan, roomy.schedule, _workload(roomy.plan), sim.AdamW(), hw, micro_batches=6, accumulate="local")
+    assert roomy.accumulate == "local" and roomy.speedup > 1.2, str(
+        roomy
+    )  # the reduce-scatters of 5 micro-batches saved
+    local = sim.simulate(
+        roomy.plan, roomy.schedule, _workload(roomy.plan), sim.AdamW(), hw, micro_batches=6, accumulate="local"
+    )
     assert local.step_time == roomy.result.step_time
     tight = sim.search(model, 4, roomy.default.memory["peak"], x, accumulate=("reduce", "local"), **kw)
     assert tight.accumulate == "reduce" and tight.speedup == 1.0
-    for bad, match in [(dict(accumulate="sum"), "accumulate"), (dict(prefetch=(-1,)), "prefetch"), (dict(strategies=("zero4",)), "strategies"),
-                       (dict(micro_batches=0), "micro_batches")]:
+    for bad, match in [
+        (dict(accumulate="sum"), "accumulate"),
+        (dict(prefetch=(-1,)), "prefetch"),
+        (dict(strategies=("zero4",)), "strategies"),
+        (dict(micro_batches=0), "micro_batches"),
+    ]:
         with pytest.raises(ValueError, match=match):
             sim.search(model, 4, 2**30, x, **{**kw, **bad})
     with pytest.raises(ValueError, match="budget"):
@@ -452,9 +501,11 @@ def test_a_step_above_the_parts_memory_says_so():
     over = sim.simulate(plan, None, wl, sim.AdamW(), small)
     said = [n for n in over.notes if n.startswith("memory")]
     gib = 2**30
-    assert said == [f"memory: {fits.memory['reserved'] / gib:,.1f} GiB reserved is above the {small.memory / gib:,.1f} GiB of test: "
-                     "the step does not fit as planned (at the limit the caching allocator frees and retries, which this "
-                     "time leaves out)"]
+    assert said == [
+        f"memory: {fits.memory['reserved'] / gib:,.1f} GiB reserved is above the {small.memory / gib:,.1f} GiB of test: "
+        "the step does not fit as planned (at the limit the caching allocator frees and retries, which this "
+        "time leaves out)"
+    ]
     assert over.step_time == fits.step_time and "note: memory: " in over.summary()
 
 
@@ -475,7 +526,9 @@ def test_a_profile_is_the_same_whether_meta_results_are_remembered_or_not(moe):
     # and its factory operators' outputs, keyed like a meta one's, must not come back on meta.
     from fsdpfn.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=64, seq_len=16, width=32, depth=3, heads=4, bias=False, **(dict(experts=4) if moe else {}))
+    cfg = GPTConfig(
+        vocab_size=64, seq_len=16, width=32, depth=3, heads=4, bias=False, **(dict(experts=4) if moe else {})
+    )
     torch.manual_seed(0)
     with torch.device("cpu" if moe else "meta"):
         model = GPT(cfg)

@@ -28,7 +28,9 @@ def _x(seq=SEQ):
 
 
 def _loss(out):
-    return F.cross_entropy(out.flatten(0, 1).float(), torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long, device="meta"))
+    return F.cross_entropy(
+        out.flatten(0, 1).float(), torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long, device="meta")
+    )
 
 
 def test_a_budget_one_ranks_sequences_exceed_picks_a_cp_plan_and_predicts_it():
@@ -51,8 +53,11 @@ def test_a_budget_one_ranks_sequences_exceed_picks_a_cp_plan_and_predicts_it():
     # The same plan built by hand, profiled on one cp rank's part and simulated at cp x the
     # micro-batches, predicts the same step, attention's exchange over cp included.
     c = res.candidate
-    mesh = {"dp": c.mesh_shape[0], "cp": c.cp} if len(c.mesh_shape) == 2 else \
-        {"replicate": c.mesh_shape[0], "shard": c.mesh_shape[1], "cp": c.cp}
+    mesh = (
+        {"dp": c.mesh_shape[0], "cp": c.cp}
+        if len(c.mesh_shape) == 2
+        else {"replicate": c.mesh_shape[0], "shard": c.mesh_shape[1], "cp": c.cp}
+    )
     plan = fsdpfn.plan(model, mesh, strategy={(u or "<root>"): s for u, s in c.strategy})
     assert plan == res.plan
     work = sim.profile(model, plan, _x(SEQ // c.cp), loss_fn=_loss)

@@ -13,8 +13,17 @@ from fsdpfn.runtime import schedule
 
 # A CPU-like machine (gloo-speed links), as the other search tests use: slow enough links that
 # the expert weights' gathers and reductions cost more than the tokens' all-to-alls.
-HW = sim.Hardware("cpu-like", {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10}, 1e10,
-                  2**34, 2, intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8), overlap=0.5, op_overhead=1e-6)
+HW = sim.Hardware(
+    "cpu-like",
+    {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10},
+    1e10,
+    2**34,
+    2,
+    intra=sim.Link(2e-5, 1e9),
+    inter=sim.Link(5e-5, 1e8),
+    overlap=0.5,
+    op_overhead=1e-6,
+)
 CFG = GPTConfig(vocab_size=64, seq_len=16, width=32, depth=2, heads=4, experts=4, top_k=2)
 _WORKLOADS: dict = {}
 
@@ -37,8 +46,20 @@ def _x(device="cpu"):
 
 
 def _search(model, ep, **kw):
-    return sim.search(model, 4, 2**30, _x(), hardware=HW, optimizer=sim.AdamW(), loss_fn=_loss, units=[None], prefetch=(1,),
-                      workloads=_WORKLOADS, ep=ep, **kw)
+    return sim.search(
+        model,
+        4,
+        2**30,
+        _x(),
+        hardware=HW,
+        optimizer=sim.AdamW(),
+        loss_fn=_loss,
+        units=[None],
+        prefetch=(1,),
+        workloads=_WORKLOADS,
+        ep=ep,
+        **kw,
+    )
 
 
 def test_search_over_ep_degrees_picks_one_and_predicts_its_plan():
@@ -60,7 +81,11 @@ def test_search_over_ep_degrees_picks_one_and_predicts_its_plan():
     # adds nothing of its own to the prediction.
     c = res.candidate
     shape = c.mesh_shape
-    mesh = {"ep": shape[0], "edp": shape[1]} if len(shape) == 2 else {"replicate": shape[0], "ep": shape[1], "edp": shape[2]}
+    mesh = (
+        {"ep": shape[0], "edp": shape[1]}
+        if len(shape) == 2
+        else {"replicate": shape[0], "ep": shape[1], "edp": shape[2]}
+    )
     plan = fsdpfn.plan(model, mesh, strategy={(u or "<root>"): s for u, s in c.strategy})
     assert plan == res.plan and plan.axes.dim(fsdpfn.Role.EP) is not None
     sched = schedule(plan, prefetch=c.prefetch)
@@ -74,7 +99,10 @@ def test_search_over_ep_degrees_picks_one_and_predicts_its_plan():
 def test_search_with_one_ep_degree_stays_on_it():
     res = _search(_model(), (2,))
     assert res.ep == 2 and {c.ep for c in res.candidates} == {2}
-    assert res.plan.axes.dim(fsdpfn.Role.EP) is not None and res.plan.mesh_shape[-2 if len(res.plan.mesh_shape) == 3 else 0] == 2
+    assert (
+        res.plan.axes.dim(fsdpfn.Role.EP) is not None
+        and res.plan.mesh_shape[-2 if len(res.plan.mesh_shape) == 3 else 0] == 2
+    )
     # mesh_shapes beside an ep degree: the (edp,) or (replicate, edp) shapes of the W/E others.
     narrowed = _search(_model(), (2,), mesh_shapes=[(2,)])
     assert {c.mesh_shape for c in narrowed.candidates} == {(2, 2)}

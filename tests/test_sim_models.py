@@ -20,13 +20,26 @@ from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 # float64 rounding is ~1e-16 relative per operation, so 1e-12 relative is far above it.
 REL = 1e-12
 
-KERNELS = sim.Kernels(matmul_efficiency=0.5, matmul_latency=1e-5, attention_efficiency=0.25,
-                      attention_half_intensity=100.0, memory_efficiency=0.8)
+KERNELS = sim.Kernels(
+    matmul_efficiency=0.5,
+    matmul_latency=1e-5,
+    attention_efficiency=0.25,
+    attention_half_intensity=100.0,
+    memory_efficiency=0.8,
+)
 
 
 def _hw(kernels=KERNELS, **kw):
-    args = dict(name="toy", matmul_flops={"bfloat16": 1e12, "float32": 1e11}, memory_bandwidth=1e11, memory=2**34,
-                devices_per_node=8, intra=sim.Link(3e-6, 400e9), inter=sim.Link(1e-5, 25e9), kernels=kernels)
+    args = dict(
+        name="toy",
+        matmul_flops={"bfloat16": 1e12, "float32": 1e11},
+        memory_bandwidth=1e11,
+        memory=2**34,
+        devices_per_node=8,
+        intra=sim.Link(3e-6, 400e9),
+        inter=sim.Link(1e-5, 25e9),
+        kernels=kernels,
+    )
     args.update(kw)
     return sim.Hardware(**args)
 
@@ -135,9 +148,17 @@ def test_torchtitan_op_checkpointing_as_save_names_recomputes_three_of_seven_mat
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.wq, self.wk, self.wv = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, kv, bias=False), torch.nn.Linear(d, kv, bias=False)
+            self.wq, self.wk, self.wv = (
+                torch.nn.Linear(d, d, bias=False),
+                torch.nn.Linear(d, kv, bias=False),
+                torch.nn.Linear(d, kv, bias=False),
+            )
             self.wo = torch.nn.Linear(d, d, bias=False)
-            self.w1, self.w2, self.w3 = torch.nn.Linear(d, ffn, bias=False), torch.nn.Linear(ffn, d, bias=False), torch.nn.Linear(d, ffn, bias=False)
+            self.w1, self.w2, self.w3 = (
+                torch.nn.Linear(d, ffn, bias=False),
+                torch.nn.Linear(ffn, d, bias=False),
+                torch.nn.Linear(d, ffn, bias=False),
+            )
 
         def forward(self, x):
             tag = lambda t: fsdpfn.checkpoint_name(t, "op_sac")  # noqa: E731
@@ -165,7 +186,9 @@ def test_sustained_scales_every_kernel_rate():
     slow = _hw(kernels=sim.Kernels(0.5, 1e-5, 0.25, 100.0, 0.8, sustained=0.5))
     fast = _hw()
     for rate, f, b in (("bfloat16", 2e9, 6e6), ("attention bfloat16", 1e9, 1e7)):
-        assert slow.kernel_seconds(rate, f, b) - 1e-5 == pytest.approx(2 * (fast.kernel_seconds(rate, f, b) - 1e-5), rel=REL)
+        assert slow.kernel_seconds(rate, f, b) - 1e-5 == pytest.approx(
+            2 * (fast.kernel_seconds(rate, f, b) - 1e-5), rel=REL
+        )
     assert slow.memory_seconds(1e9) == pytest.approx(2 * fast.memory_seconds(1e9), rel=REL)
 
 
@@ -353,7 +376,10 @@ def test_tensor_parallel_activation_collectives_are_timed():
     assert sum(s.nbytes for s in tp_spans) == sum(c.nbytes for c in acts)
     # A slower link within the node makes the step slower by at least those collectives' extra time.
     slow = sim.simulate(plan, runtime.schedule(plan), wl, None, _hw(intra=sim.Link(3e-6, 1e6)))
-    extra = sum(_hw(intra=sim.Link(3e-6, 1e6)).collective_seconds(c.kind, [0, 1], c.nbytes)
-                - _hw().collective_seconds(c.kind, [0, 1], c.nbytes) for c in acts)
+    extra = sum(
+        _hw(intra=sim.Link(3e-6, 1e6)).collective_seconds(c.kind, [0, 1], c.nbytes)
+        - _hw().collective_seconds(c.kind, [0, 1], c.nbytes)
+        for c in acts
+    )
     assert slow.step_time >= r.step_time + extra * (1 - 1e-9)
     assert math.isfinite(slow.step_time)

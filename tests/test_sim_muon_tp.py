@@ -20,10 +20,22 @@ import fsdpfn
 from fsdpfn import optim, sim, testing
 
 
-TP = {"col": "colwise", "row": "rowwise", "qkv": "colwise", "whole": "replicate"}  # every Linear of the root split or marked
+TP = {
+    "col": "colwise",
+    "row": "rowwise",
+    "qkv": "colwise",
+    "whole": "replicate",
+}  # every Linear of the root split or marked
 BLOCKS = {"qkv.weight": 4}  # 4 heads of 3 rows: tp = 2 gives each tp rank 2 whole heads, dp cuts them
-LAYOUTS = [("owner", None, None), ("owner", 2, None), ("duplicated", None, None), ("blockwise", None, None),
-           ("owner", None, BLOCKS), ("duplicated", None, BLOCKS), ("blockwise", None, BLOCKS)]
+LAYOUTS = [
+    ("owner", None, None),
+    ("owner", 2, None),
+    ("duplicated", None, None),
+    ("blockwise", None, None),
+    ("owner", None, BLOCKS),
+    ("duplicated", None, BLOCKS),
+    ("blockwise", None, BLOCKS),
+]
 
 
 class Net(nn.Module):
@@ -58,7 +70,9 @@ def _predicted(plan, model_cost, rank, workload):
     return {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["optimizer"].items()}
 
 
-_HW = sim.Hardware("test", {"float32": 1e11, "bfloat16": 1e11}, 1e10, 2**34, 2, intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8))
+_HW = sim.Hardware(
+    "test", {"float32": 1e11, "bfloat16": 1e11}, 1e10, 2**34, 2, intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8)
+)
 
 
 def _step(rank, world, model, plan, labels, layouts, dtype=torch.bfloat16):
@@ -74,8 +88,11 @@ def _step(rank, world, model, plan, labels, layouts, dtype=torch.bfloat16):
             opt.update(grads, state, params)
         cost_model = sim.Muon(layout=layout, ns_dtype=dtype, buckets=buckets, labels_fn=labels, blocks=blocks)
         predicted = _predicted(plan, cost_model, rank, wl)
-        out[(layout, buckets, blocks is not None)] = dict(counted=_counted(counter), predicted=predicted,
-                                      flops=(flops.get_total_flops(), cost_model.cost(plan, rank).ns_flops[rank]))
+        out[(layout, buckets, blocks is not None)] = dict(
+            counted=_counted(counter),
+            predicted=predicted,
+            flops=(flops.get_total_flops(), cost_model.cost(plan, rank).ns_flops[rank]),
+        )
     return out
 
 
@@ -102,7 +119,10 @@ def test_sim_muon_equals_a_real_step_on_tp_meshes(run_on_ranks, mesh_shape, name
             assert counted_flops == predicted_flops, (rank, key)
     # The cases are not vacuous: every layout communicates on these meshes (dp > 1).
     r0 = results[0]
-    assert r0[("owner", None, False)]["counted"]["all_to_all"][0] == 2 and r0[("owner", 2, False)]["counted"]["all_to_all"][0] == 4
+    assert (
+        r0[("owner", None, False)]["counted"]["all_to_all"][0] == 2
+        and r0[("owner", 2, False)]["counted"]["all_to_all"][0] == 4
+    )
     assert r0[("duplicated", None, False)]["counted"]["all_gather"][0] == 1
     assert r0[("blockwise", None, True)]["counted"]["all_to_all"][0] == 2
     assert r0[("owner", None, False)]["flops"][0] > 0
@@ -128,14 +148,18 @@ def _ep_case(rank, world, mesh_shape, names):
     def experts_only(name, p):
         return "muon" if name in experts else "adamw"
 
-    both = _step(rank, world, model, plan, _moe_label, [("owner", None, None), ("duplicated", None, None)], torch.float32)
+    both = _step(
+        rank, world, model, plan, _moe_label, [("owner", None, None), ("duplicated", None, None)], torch.float32
+    )
     alone = _step(rank, world, model, plan, experts_only, [("owner", None, None)], torch.float32)
     return both, alone, sorted(experts)
 
 
-@pytest.mark.parametrize("mesh_shape,names", [((2, 2), ("ep", "edp")), ((2, 2), ("edp", "ep")),
-                                              ((2, 2, 1), ("replicate", "ep", "edp"))],
-                         ids=["ep2xedp2", "edp2xep2", "hsdp2xep2"])
+@pytest.mark.parametrize(
+    "mesh_shape,names",
+    [((2, 2), ("ep", "edp")), ((2, 2), ("edp", "ep")), ((2, 2, 1), ("replicate", "ep", "edp"))],
+    ids=["ep2xedp2", "edp2xep2", "hsdp2xep2"],
+)
 def test_sim_muon_equals_a_real_step_on_an_ep_plan(run_on_ranks, mesh_shape, names):
     for rank, (both, alone, experts) in enumerate(run_on_ranks(_ep_case, 4, mesh_shape, names)):
         assert experts, "the plan has expert leaves"
@@ -190,7 +214,11 @@ def test_profile_under_tp_counts_each_ranks_share_of_the_split_layers():
     attention = one.at(fwd).flops - linear  # the fused attention kernel's count, whatever its formula
     assert attention > 0
     assert two.at(fwd).flops == linear / 2 + attention / 2
-    assert two.at(Op("backward", "blocks.0")).flops == 2 * two.at(fwd).flops == one.at(Op("backward", "blocks.0")).flops / 2
+    assert (
+        two.at(Op("backward", "blocks.0")).flops
+        == 2 * two.at(fwd).flops
+        == one.at(Op("backward", "blocks.0")).flops / 2
+    )
     for root in (Op("forward", ""), Op("backward", "")):
         assert two.at(root).flops == one.at(root).flops
     # Activations between the colwise and rowwise layers are 1/tp wide on each rank.
@@ -203,7 +231,9 @@ def test_search_over_tp_degrees_says_which_it_picked():
     model = _gpt()
     x = torch.zeros(2, 16, dtype=torch.long, device="meta")
     cache: dict = {}
-    kw = dict(hardware=sim.H100_SXM, prefetch=(1,), units=[None], tp_plan=GPT_TP_PLAN, workloads=cache, optimizer=sim.Muon())
+    kw = dict(
+        hardware=sim.H100_SXM, prefetch=(1,), units=[None], tp_plan=GPT_TP_PLAN, workloads=cache, optimizer=sim.Muon()
+    )
     forced = sim.search(model, 4, 2**30, x, tp=(2,), **kw)
     assert forced.tp == 2 and forced.plan.tp_size == 2 and "(tp 2)" in forced.candidate.describe()
     assert {c.tp for c in forced.candidates} == {2} and {c.mesh_shape for c in forced.candidates} == {(2, 2), (2, 1, 2)}
@@ -228,12 +258,16 @@ def test_search_names_a_tp_that_does_not_fit():
     with pytest.raises(ValueError, match="needs tp_plan"):
         sim.search(model, 4, 2**30, x, tp=(2,), hardware=sim.H100_SXM)
     with pytest.raises(ValueError, match="does not divide over tp"):  # a width tp does not divide, named by the plan
-        sim.search(_gpt(vocab=66), 4, 2**30, x, tp=(1, 4), hardware=sim.H100_SXM, tp_plan={**GPT_TP_PLAN, "head": "colwise"})
+        sim.search(
+            _gpt(vocab=66), 4, 2**30, x, tp=(1, 4), hardware=sim.H100_SXM, tp_plan={**GPT_TP_PLAN, "head": "colwise"}
+        )
 
 
 def test_sim_muon_names_blocks_that_do_not_divide_a_leaf():
     plan = fsdpfn.plan(Net(), {"dp": 2, "tp": 2}, tp=TP)
     with pytest.raises(ValueError, match=r"'qkv.weight' of shape \(12, 4\) cannot be cut into 5 x 1 blocks"):
         sim.Muon(blocks={"qkv.weight": 5}, labels_fn=_label).cost(plan)
-    with pytest.raises(ValueError, match="cut across its 2 tensor-parallel pieces"):  # blockwise: 3 row blocks over tp = 2
+    with pytest.raises(
+        ValueError, match="cut across its 2 tensor-parallel pieces"
+    ):  # blockwise: 3 row blocks over tp = 2
         sim.Muon(layout="blockwise", blocks={"qkv.weight": 3}, labels_fn=_label).cost(plan)

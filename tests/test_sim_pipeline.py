@@ -56,10 +56,15 @@ def test_peak_activation_bytes_follow_the_micro_batches_in_flight():
     assert g.peak_activations == tuple(m * a for a in acts)
 
 
-@pytest.mark.parametrize("kw,says", [({"forward": [1.0, 2.0]}, "forward needs one number >= 0 per stage (4)"),
-                                     ({"transfer": [0.1] * 4}, "per boundary between stages (3)"),
-                                     ({"start": -1.0}, "start must be >= 0"),
-                                     ({"after": [0, 0, 0]}, "per pp rank (4)")])
+@pytest.mark.parametrize(
+    "kw,says",
+    [
+        ({"forward": [1.0, 2.0]}, "forward needs one number >= 0 per stage (4)"),
+        ({"transfer": [0.1] * 4}, "per boundary between stages (3)"),
+        ({"start": -1.0}, "start must be >= 0"),
+        ({"after": [0, 0, 0]}, "per pp rank (4)"),
+    ],
+)
 def test_bad_costs_are_named(kw, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
         fsdpfn.pipeline_times(fsdpfn.pipeline_schedule(_stages(4), "1f1b", 8), **kw)
@@ -86,7 +91,9 @@ def test_stages_price_the_whole_profile_once(meta_gpt, stages):
     the profile's total (no tp or cp: no activation collectives). Each term is the same float
     sum in another order: 1e-12 relative."""
     model, x = meta_gpt
-    plan, wl, ps, r = _run(model, x, {"pp": 2, "dp": 4}, "1f1b" if stages is None else "interleaved_1f1b", stages=stages)
+    plan, wl, ps, r = _run(
+        model, x, {"pp": 2, "dp": 4}, "1f1b" if stages is None else "interleaved_1f1b", stages=stages
+    )
     hw = sim.H100_SXM
     total = sum(w.seconds(hw) for _, w in wl.work)
     assert sum(r.forward) + sum(r.backward) == pytest.approx(total, rel=1e-12)
@@ -97,8 +104,17 @@ def test_stages_price_the_whole_profile_once(meta_gpt, stages):
     assert r.p2p_bytes == tuple(BATCH * CFG.seq_len * CFG.width * 4 for _ in first)
     assert all(h > 0 for h in r.transfer)  # pp ranks 0 and 1 sit 4 ranks apart: a real hop
     # the result is pipeline_times of its own prices, and the optimizer after the last reduce
-    t = fsdpfn.pipeline_times(ps, r.forward, r.backward, transfer=r.transfer, start=r.gather, after=r.reduce, accumulate=r.accumulate,
-                              activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units], plan=plan)
+    t = fsdpfn.pipeline_times(
+        ps,
+        r.forward,
+        r.backward,
+        transfer=r.transfer,
+        start=r.gather,
+        after=r.reduce,
+        accumulate=r.accumulate,
+        activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units],
+        plan=plan,
+    )
     assert t == r.times
     assert r.step_time == max(f + o for f, o in zip(t.finish, r.optimizer))
     assert r.tokens == BATCH * CFG.seq_len * 8 * plan.dp_size
@@ -115,7 +131,10 @@ def test_memory_per_rank_is_its_stages(meta_gpt):
         assert m["activations"] == (2 - rank) * sum(acts.get(u, 0) for u in units)  # 1F1B: p - r in flight
         sp = plan.stage_plan(rank)
         assert (m["params"], m["grads"]) == (sp.cost().memory["params"], sp.cost().memory["grads"])
-        assert m["peak"] == m["params"] + m["grads"] + m["optimizer_state"] + m["unsharded"] + m["accumulated"] + m["activations"]
+        assert (
+            m["peak"]
+            == m["params"] + m["grads"] + m["optimizer_state"] + m["unsharded"] + m["accumulated"] + m["activations"]
+        )
 
 
 def test_tp_collectives_add_to_the_stages_compute(meta_gpt):
@@ -125,9 +144,17 @@ def test_tp_collectives_add_to_the_stages_compute(meta_gpt):
     hw = sim.H100_SXM
     plan, wl, _, r = _run(model, x, {"pp": 2, "dp": 2, "tp": 2}, tp=GPT_TP_PLAN)
     stage0 = set(plan.stages.units[0])
-    compute = sum(w.seconds(hw) for e, w in wl.work if e.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE)
-                  and (e.unit in stage0 or e.unit == "" and e.kind is OpKind.FORWARD))
-    calls = [c for c in fsdpfn.step_collectives(plan.stage_plan(0), tokens=wl.tokens) if c.activation and c.phase == "forward"]
+    compute = sum(
+        w.seconds(hw)
+        for e, w in wl.work
+        if e.kind in (OpKind.FORWARD, OpKind.FORWARD_DONE)
+        and (e.unit in stage0 or e.unit == "" and e.kind is OpKind.FORWARD)
+    )
+    calls = [
+        c
+        for c in fsdpfn.step_collectives(plan.stage_plan(0), tokens=wl.tokens)
+        if c.activation and c.phase == "forward"
+    ]
     assert calls and {c.purpose for c in calls} <= {"tp_reduce", "tp_copy", "tp_gather"}
     comm = sum(hw.collective_seconds(c.kind, [0, 1], c.nbytes) for c in calls)
     assert r.forward[0] == pytest.approx(compute + comm, rel=1e-12)
@@ -141,11 +168,20 @@ def test_bad_arguments_are_named(meta_gpt):
         sim.simulate_pipeline(flat, ps, wl, None, sim.H100_SXM)
     with pytest.raises(TypeError, match="needs a fsdpfn.PipelineSchedule"):
         sim.simulate_pipeline(plan, fsdpfn.runtime.schedule(flat), wl, None, sim.H100_SXM)
-    other = fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=UNITS, stages=[["embed", "pos", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]])
+    other = fsdpfn.plan(
+        model,
+        {"pp": 2, "dp": 4},
+        units=UNITS,
+        stages=[["embed", "pos", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "norm", "head"]],
+    )
     with pytest.raises(ScheduleError, match="was made for plan"):
         sim.simulate_pipeline(other, ps, wl, None, sim.H100_SXM)
-    coarse = sim.profile(model, fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks", "norm", "head"]), x)
-    with pytest.raises(ValueError, match=r"no work for units \['blocks.0'"):  # another plan's profile: named, not priced low
+    coarse = sim.profile(
+        model, fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks", "norm", "head"]), x
+    )
+    with pytest.raises(
+        ValueError, match=r"no work for units \['blocks.0'"
+    ):  # another plan's profile: named, not priced low
         sim.simulate_pipeline(plan, ps, coarse, None, sim.H100_SXM)
     with pytest.raises(ValueError, match="global rank"):
         sim.simulate_pipeline(plan, ps, wl, None, sim.H100_SXM, rank=8)
@@ -158,8 +194,20 @@ def test_pipeline_units_are_the_top_modules_and_each_block(meta_gpt):
 
 def test_search_considers_pp_degrees_and_schedules(meta_gpt):
     model, x = meta_gpt
-    res = sim.search(model, 8, 2**34, x, hardware=sim.H100_SXM, optimizer=sim.AdamW(), prefetch=(1,), units=[None],
-                     strategies=("zero3", "zero2"), pp=(1, 2, 4), pp_schedules=("1f1b", "interleaved_1f1b"), micro_batches=2)
+    res = sim.search(
+        model,
+        8,
+        2**34,
+        x,
+        hardware=sim.H100_SXM,
+        optimizer=sim.AdamW(),
+        prefetch=(1,),
+        units=[None],
+        strategies=("zero3", "zero2"),
+        pp=(1, 2, 4),
+        pp_schedules=("1f1b", "interleaved_1f1b"),
+        micro_batches=2,
+    )
     tried = {(c.pp, c.pipeline) for c in res.candidates}
     assert tried == {(1, ""), (2, "1f1b"), (2, "interleaved_1f1b"), (4, "1f1b"), (4, "interleaved_1f1b")}
     for c in res.candidates:
@@ -169,17 +217,24 @@ def test_search_considers_pp_degrees_and_schedules(meta_gpt):
     best = min((c for c in res.candidates if c.pp == 2), key=lambda c: c.step_time)
     stages = 4 if best.pipeline == "interleaved_1f1b" else 2
     dp = {"dp": 4} if len(best.mesh_shape) == 2 else dict(zip(("replicate", "shard"), best.mesh_shape[1:]))
-    plan = fsdpfn.plan(model, {"pp": 2, **dp}, units=UNITS, stages=stages, strategy={"*": "zero3", **dict(best.strategy)})
+    plan = fsdpfn.plan(
+        model, {"pp": 2, **dp}, units=UNITS, stages=stages, strategy={"*": "zero3", **dict(best.strategy)}
+    )
     wl = sim.profile(model, plan, x)
     r = sim.simulate_pipeline(plan, fsdpfn.pipeline_schedule(plan, best.pipeline, 2 * 2), wl, sim.AdamW(), sim.H100_SXM)
     assert r.step_time == pytest.approx(best.step_time, rel=1e-12)
     assert res.pp == res.candidate.pp
 
 
-@pytest.mark.parametrize("kw,says", [({"pp": (3,)}, "pp=3 does not divide world=8"),
-                                     ({"pp": (2,), "pp_schedules": ("zb",)}, "pp_schedules must be some of"),
-                                     ({"pp": (8,), "pp_schedules": ("interleaved_1f1b",)}, "needs 16 stages, but GPT has 8 pipeline units"),
-                                     ({"pp": (2,), "cp": (2,)}, "does not combine a pp axis with an ep or cp axis")])
+@pytest.mark.parametrize(
+    "kw,says",
+    [
+        ({"pp": (3,)}, "pp=3 does not divide world=8"),
+        ({"pp": (2,), "pp_schedules": ("zb",)}, "pp_schedules must be some of"),
+        ({"pp": (8,), "pp_schedules": ("interleaved_1f1b",)}, "needs 16 stages, but GPT has 8 pipeline units"),
+        ({"pp": (2,), "cp": (2,)}, "does not combine a pp axis with an ep or cp axis"),
+    ],
+)
 def test_search_names_bad_pp_arguments_before_profiling(meta_gpt, kw, says):
     model, x = meta_gpt
     with pytest.raises(ValueError, match=says):
@@ -196,9 +251,19 @@ def test_zero_bubble_prices_the_backward_halves(meta_gpt):
     for s in range(2):
         assert r.backward_input[s] + r.backward_weight[s] == pytest.approx(r.backward[s], rel=1e-12)
         assert r.backward_input[s] > r.backward_weight[s]  # the tp collectives carry activation gradients
-    t = fsdpfn.pipeline_times(ps, r.forward, r.backward, transfer=r.transfer, start=r.gather, after=r.reduce, plan=plan,
-                              backward_input=r.backward_input, backward_weight=r.backward_weight, accumulate=r.accumulate,
-                              activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units])
+    t = fsdpfn.pipeline_times(
+        ps,
+        r.forward,
+        r.backward,
+        transfer=r.transfer,
+        start=r.gather,
+        after=r.reduce,
+        plan=plan,
+        backward_input=r.backward_input,
+        backward_weight=r.backward_weight,
+        accumulate=r.accumulate,
+        activations=[sum(b for u, b in wl.activations if u in names) for names in plan.stages.units],
+    )
     assert t == r.times
     assert r.times.bubble < one.times.bubble and r.step_time < one.step_time
     acts = [sum(b for u, b in wl.activations if u in names) for names in plan.stages.units]
@@ -208,8 +273,20 @@ def test_zero_bubble_prices_the_backward_halves(meta_gpt):
 
 def test_search_accepts_zero_bubble(meta_gpt):
     model, x = meta_gpt
-    res = sim.search(model, 8, 2**34, x, hardware=sim.H100_SXM, optimizer=sim.AdamW(), prefetch=(1,), units=[None],
-                     strategies=("zero3",), pp=(2,), pp_schedules=("1f1b", "zero_bubble"), micro_batches=2)
+    res = sim.search(
+        model,
+        8,
+        2**34,
+        x,
+        hardware=sim.H100_SXM,
+        optimizer=sim.AdamW(),
+        prefetch=(1,),
+        units=[None],
+        strategies=("zero3",),
+        pp=(2,),
+        pp_schedules=("1f1b", "zero_bubble"),
+        micro_batches=2,
+    )
     by = {c.pipeline: c for c in res.candidates if c.pp == 2}
     assert set(by) == {"1f1b", "zero_bubble"}
     assert by["zero_bubble"].step_time < by["1f1b"].step_time
@@ -255,7 +332,12 @@ def test_each_micro_batch_after_the_first_adds_its_gradients_as_the_one_stage_si
     added = {}
     for span in one.spans:
         # The first of 2 micro-batches accumulates (the second reduces): its ops are the list's head.
-        if span.micro_batch == 0 and span.op >= 0 and ops[span.op].op.kind is OpKind.ACCUMULATE and span.stream == "compute":
+        if (
+            span.micro_batch == 0
+            and span.op >= 0
+            and ops[span.op].op.kind is OpKind.ACCUMULATE
+            and span.stream == "compute"
+        ):
             added[span.unit] = added.get(span.unit, 0.0) + span.end - span.start
     assert set(UNITS) <= set(added)
     params = dict(model.named_parameters())
@@ -264,8 +346,12 @@ def test_each_micro_batch_after_the_first_adds_its_gradients_as_the_one_stage_si
         assert r.accumulate[rank] == pytest.approx(stage, rel=1e-12)
         halves = r.backward[rank] if name == "1f1b" else r.backward_input[rank] + r.backward_weight[rank]
         assert r.times.busy[rank] == pytest.approx(m * (r.forward[rank] + halves) + (m - 1) * stage, rel=1e-12)
-        kept = sum(p.numel() * 4 for n, p in params.items() if any(n.startswith(u + ".") for u in units))  # float32, whole
+        kept = sum(
+            p.numel() * 4 for n, p in params.items() if any(n.startswith(u + ".") for u in units)
+        )  # float32, whole
         assert r.memory[rank]["accumulated"] == kept > 0
-    single = sim.simulate_pipeline(plan, fsdpfn.pipeline_schedule(plan, name, 1), sim.profile(model, plan, x), sim.AdamW(), hw)
+    single = sim.simulate_pipeline(
+        plan, fsdpfn.pipeline_schedule(plan, name, 1), sim.profile(model, plan, x), sim.AdamW(), hw
+    )
     assert all(mem["accumulated"] == 0 for mem in single.memory)
     assert single.times.busy == tuple(f + b for f, b in zip(single.forward, single.backward))

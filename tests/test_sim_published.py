@@ -28,7 +28,11 @@ def test_term_applies_to_the_sweeps_rows_only(sp):
     for source in (sp.FOUNDRY, sp.FOUNDRY_SWEEP):
         k = sp.hardware("A100_SXM", source=source).kernels
         assert k.attention_efficiency == pytest.approx(base.attention_efficiency * sp.SWEEP_ATTENTION, rel=1e-12)
-        assert (k.matmul_efficiency, k.memory_efficiency, k.sustained) == (base.matmul_efficiency, base.memory_efficiency, base.sustained)
+        assert (k.matmul_efficiency, k.memory_efficiency, k.sustained) == (
+            base.matmul_efficiency,
+            base.memory_efficiency,
+            base.sustained,
+        )
         off = sp.hardware("A100_SXM", source=source, sweep_term=False).kernels
         assert off.attention_efficiency == base.attention_efficiency
     for source in (sp.TT_A100, sp.TT_H100):

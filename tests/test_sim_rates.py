@@ -15,10 +15,13 @@ def test_matmul_shape_table_reproduces_its_source_points():
     """At the table's own grid points the curve is XLA's measured sm_90 bf16 throughput (to the
     0.1 TFLOP/s the table is kept at), as a fraction of the 989 TFLOP/s dense peak."""
     for (rows, cols, k), tflops in _rates._XLA_SM90_BF16.items():
-        assert _rates.matmul_shape_efficiency("h100", "bfloat16", rows, cols, k) * 989.0 == pytest.approx(tflops, abs=1e-9)
+        assert _rates.matmul_shape_efficiency("h100", "bfloat16", rows, cols, k) * 989.0 == pytest.approx(
+            tflops, abs=1e-9
+        )
     # A GEMM and its transpose are one kernel's work.
-    assert _rates.matmul_shape_efficiency("h100", "bfloat16", 1024, 4096, 2048) == \
-        _rates.matmul_shape_efficiency("h100", "bfloat16", 4096, 1024, 2048)
+    assert _rates.matmul_shape_efficiency("h100", "bfloat16", 1024, 4096, 2048) == _rates.matmul_shape_efficiency(
+        "h100", "bfloat16", 4096, 1024, 2048
+    )
 
 
 def test_matmul_shape_curve_grows_with_the_inner_dimension_and_levels_off():
@@ -63,7 +66,9 @@ def test_flashattention2_runs_padded_head_dims():
     plain = dataclasses.replace(hw, kernels=dataclasses.replace(hw.kernels, attention_kernel=""))
     lat = hw.kernels.matmul_latency
     padded = hw.kernel_seconds("attention bfloat16@8192x8192x112", f, b) - lat
-    assert padded == pytest.approx((plain.kernel_seconds("attention bfloat16@8192x8192x112", f, b) - lat) * 128 / 112, rel=1e-12)
+    assert padded == pytest.approx(
+        (plain.kernel_seconds("attention bfloat16@8192x8192x112", f, b) - lat) * 128 / 112, rel=1e-12
+    )
 
 
 def test_links_run_at_the_published_nccl_bus_bandwidth():

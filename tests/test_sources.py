@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.split()
+FILES = subprocess.run(
+    ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=False
+).stdout.split()
 
 
 @pytest.mark.skipif(not FILES, reason="not a git checkout: the file list comes from git ls-files")

@@ -84,8 +84,11 @@ def _counted_steps(rank, world, cases):
         params = fsdpfn.shard(model, plan, requires_grad=True)
         dp, dp_rank = plan.dp_size, fsdpfn.transforms.dp_rank(plan)
         x, y = _batch(dp, case.micro)
-        rt = Runtime(model, plan, prefetch=case.prefetch, reshard_after_forward=case.raf, accumulate=case.accumulate) \
-            if case.path == "runtime" else None
+        rt = (
+            Runtime(model, plan, prefetch=case.prefetch, reshard_after_forward=case.raf, accumulate=case.accumulate)
+            if case.path == "runtime"
+            else None
+        )
         counted = []
         for m in range(case.micro):
             s = _slice(dp_rank, dp, m)
@@ -101,25 +104,44 @@ def _counted_steps(rank, world, cases):
             for phase, counter in (("forward", fwd), ("backward", bwd)):
                 counted += [_key(m, phase, c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for c in counter.calls]
         tokens = PER_RANK * CFG.seq_len
-        listed_calls = step_collectives(plan, schedule=rt.schedule if rt is not None else None,
-                                        reshard_after_forward=False if rt is None else case.raf,
-                                        micro_batches=case.micro, accumulate=case.accumulate, tokens=tokens)
+        listed_calls = step_collectives(
+            plan,
+            schedule=rt.schedule if rt is not None else None,
+            reshard_after_forward=False if rt is None else case.raf,
+            micro_batches=case.micro,
+            accumulate=case.accumulate,
+            tokens=tokens,
+        )
         listed = [_key(c.micro_batch, c.phase, c.kind, c.group_size, c.nbytes, c.dtype, c.tag) for c in listed_calls]
         if rt is None:  # the pure path gathers every unit before the model runs: compare as multisets
             counted, listed = sorted(counted, key=str), sorted(listed, key=str)
-        cost = plan.cost(False if rt is None else case.raf, case.prefetch, tokens=tokens, micro_batches=case.micro,
-                         accumulate=case.accumulate)
+        cost = plan.cost(
+            False if rt is None else case.raf,
+            case.prefetch,
+            tokens=tokens,
+            micro_batches=case.micro,
+            accumulate=case.accumulate,
+        )
         by_kind = {}
         for k in counted:
             t = by_kind.setdefault(k[2], [0, 0, 0.0])
             t[0] += 1
             t[1] += k[4]
             t[2] += (2.0 if k[2] == "all_reduce" else 1.0) * (k[3] - 1) / k[3] * k[4]
-        cost_ok = {k: (c.calls, c.nbytes) for k, c in cost.collectives.items()} == {k: (v[0], v[1]) for k, v in by_kind.items()} and all(
-            math.isclose(cost.collectives[k].wire_bytes, v[2], rel_tol=1e-12) for k, v in by_kind.items())
+        cost_ok = {k: (c.calls, c.nbytes) for k, c in cost.collectives.items()} == {
+            k: (v[0], v[1]) for k, v in by_kind.items()
+        } and all(math.isclose(cost.collectives[k].wire_bytes, v[2], rel_tol=1e-12) for k, v in by_kind.items())
         first_diff = next(((i, a, b) for i, (a, b) in enumerate(zip(counted, listed)) if a != b), None)
-        out.append(dict(case=case, equal=counted == listed, lengths=(len(counted), len(listed)), first_diff=first_diff,
-                        cost_ok=cost_ok, tp_calls=sum(1 for k in counted if k[6].startswith("blocks.") and "." in k[6][7:])))
+        out.append(
+            dict(
+                case=case,
+                equal=counted == listed,
+                lengths=(len(counted), len(listed)),
+                first_diff=first_diff,
+                cost_ok=cost_ok,
+                tp_calls=sum(1 for k in counted if k[6].startswith("blocks.") and "." in k[6][7:]),
+            )
+        )
     return out
 
 
@@ -200,8 +222,11 @@ def _accumulated(rank, world, micro):
     model = GPT(CFG)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = _batch(world, micro, step=7)
-    parts = [torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, ps, (x[s],)), y[s]) / micro)(full)
-             for m in range(micro) for s in [_slice(r, world, m) for r in range(world)]]
+    parts = [
+        torch.func.grad(lambda ps: _ce(torch.func.functional_call(model, ps, (x[s],)), y[s]) / micro)(full)
+        for m in range(micro)
+        for s in [_slice(r, world, m) for r in range(world)]
+    ]
     return out, parts
 
 
@@ -254,8 +279,12 @@ def _strip(calls):
 def test_default_walk_equals_the_runtime_schedule(mesh, strategy):
     """Without a schedule the list follows the runtime's default schedule: in order with
     prefetch 0, the same calls with any prefetch (prefetch moves gathers earlier, adds none)."""
-    plan = fsdpfn.plan(_meta_model(), mesh, strategy=MIXED if strategy == "mixed" else strategy,
-                       tp=GPT_TP_PLAN if isinstance(mesh, dict) else None)
+    plan = fsdpfn.plan(
+        _meta_model(),
+        mesh,
+        strategy=MIXED if strategy == "mixed" else strategy,
+        tp=GPT_TP_PLAN if isinstance(mesh, dict) else None,
+    )
     for raf in (None, True, False):
         for micro, acc in ((1, "reduce"), (3, "reduce"), (3, "local")):
             kw = dict(micro_batches=micro, accumulate=acc, tokens=16)
@@ -280,7 +309,12 @@ def test_tp_activation_bytes_and_smaller_gathers():
         act = [c for c in calls if c.activation]
         assert len(act) == 4 * cfg.depth and {c.group_size for c in act} == {tp}
         assert all(c.nbytes == tokens * cfg.width * 4 and c.dtype == torch.float32 for c in act)
-        assert {(c.phase, c.tag.rsplit(".", 1)[1]) for c in act} == {("forward", "proj"), ("forward", "out"), ("backward", "qkv"), ("backward", "fc")}
+        assert {(c.phase, c.tag.rsplit(".", 1)[1]) for c in act} == {
+            ("forward", "proj"),
+            ("forward", "out"),
+            ("backward", "qkv"),
+            ("backward", "fc"),
+        }
         assert all(c.wire_bytes == 2 * (tp - 1) / tp * c.nbytes for c in act)
         blind = plan.cost()
         assert "listed with 0 bytes" in str(blind) and "tokens" in str(blind)
@@ -295,14 +329,21 @@ def test_tp_activation_bytes_and_smaller_gathers():
 
 
 def test_cost_and_static_memory_are_the_lists_sums():
-    plan = fsdpfn.plan(_meta_model(), (3,), strategy={"*": "zero3", "<root>": "zero2", "blocks.1": "zero1"},
-                       mp=fsdpfn.MixedPrecision(**BF16, fp8="tensorwise"))
+    plan = fsdpfn.plan(
+        _meta_model(),
+        (3,),
+        strategy={"*": "zero3", "<root>": "zero2", "blocks.1": "zero1"},
+        mp=fsdpfn.MixedPrecision(**BF16, fp8="tensorwise"),
+    )
     for raf in (None, True, False):
         cost = plan.cost(raf, micro_batches=2)
         listed = totals(step_collectives(plan, reshard_after_forward=raf, micro_batches=2))
-        assert {k: (c.calls, c.nbytes, c.wire_bytes) for k, c in cost.collectives.items()} == \
-            {k: (t.calls, t.nbytes, t.wire_bytes) for k, t in listed.items()}
-        assert cost.by(lambda c: c.purpose)["amax"].calls == cost.by(lambda c: c.purpose)["gather"].calls  # one per FP8 gather
+        assert {k: (c.calls, c.nbytes, c.wire_bytes) for k, c in cost.collectives.items()} == {
+            k: (t.calls, t.nbytes, t.wire_bytes) for k, t in listed.items()
+        }
+        assert (
+            cost.by(lambda c: c.purpose)["amax"].calls == cost.by(lambda c: c.purpose)["gather"].calls
+        )  # one per FP8 gather
     mem = static_memory(plan)
     assert {k: plan.cost().memory[k] for k in mem} == mem
     zero1 = fsdpfn.plan(_meta_model(), (3,), strategy="zero1")
@@ -314,8 +355,17 @@ def test_cost_and_static_memory_are_the_lists_sums():
         plan.cost(tokens=-1)
 
 
-HW = sim.Hardware("test", {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10}, 1e10, 2**34, 2,
-                  intra=sim.Link(2e-5, 1e9), inter=sim.Link(5e-5, 1e8), overlap=0.5, op_overhead=1e-6)
+HW = sim.Hardware(
+    "test",
+    {"float32": 1e11, "bfloat16": 1e11, "attention float32": 2e10, "attention bfloat16": 2e10},
+    1e10,
+    2**34,
+    2,
+    intra=sim.Link(2e-5, 1e9),
+    inter=sim.Link(5e-5, 1e8),
+    overlap=0.5,
+    op_overhead=1e-6,
+)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "tp", "tp-hsdp", "zero1-accumulate"])
@@ -325,16 +375,28 @@ def test_the_simulator_times_the_list(kind):
     model = _meta_model()
     x = torch.zeros(2, CFG.seq_len, dtype=torch.long, device="meta")
     mp = fsdpfn.MixedPrecision(**BF16, fp8="tensorwise") if kind == "fp8" else None
-    mesh = {"fp8": (4,), "tp": {"dp": 2, "tp": 2}, "tp-hsdp": {"replicate": 2, "shard": 2, "tp": 2}, "zero1-accumulate": (4,)}[kind]
-    plan = fsdpfn.plan(model, mesh, mp=mp, tp=GPT_TP_PLAN if kind.startswith("tp") else None,
-                       strategy="zero1" if kind == "zero1-accumulate" else "zero3")
+    mesh = {
+        "fp8": (4,),
+        "tp": {"dp": 2, "tp": 2},
+        "tp-hsdp": {"replicate": 2, "shard": 2, "tp": 2},
+        "zero1-accumulate": (4,),
+    }[kind]
+    plan = fsdpfn.plan(
+        model,
+        mesh,
+        mp=mp,
+        tp=GPT_TP_PLAN if kind.startswith("tp") else None,
+        strategy="zero1" if kind == "zero1-accumulate" else "zero3",
+    )
     wl = sim.profile(model, plan, x)
     assert wl.tokens == 2 * CFG.seq_len
     micro = 3 if kind == "zero1-accumulate" else 1
     for prefetch in (0, 1):
         r = sim.simulate(plan, runtime.schedule(plan, prefetch), wl, sim.AdamW(), HW, micro_batches=micro)
         cost = plan.cost(prefetch=prefetch, tokens=wl.tokens, micro_batches=micro)
-        assert {k: (t.calls, t.nbytes) for k, t in r.traffic["step"].items()} == {k: (c.calls, c.nbytes) for k, c in cost.collectives.items()}
+        assert {k: (t.calls, t.nbytes) for k, t in r.traffic["step"].items()} == {
+            k: (c.calls, c.nbytes) for k, c in cost.collectives.items()
+        }
         assert r.memory["grads"] == cost.memory["grads"]
         tp_spans = [s for s in r.spans if s.stream == "tp"]
         assert len(tp_spans) == (4 * CFG.depth if kind.startswith("tp") else 0)

@@ -58,7 +58,7 @@ def test_a_hang_fails_by_timeout_and_the_pool_recovers():
         testing.run_on_ranks(_hangs_on_zero, 2, timeout=3)
     assert time.monotonic() - start < 30
     # Where it hung: the rank's own Python stack, down to the line that waits.
-    assert 'in _hangs_on_zero' in str(info.value) and "time.sleep(60)" not in str(info.value), str(info.value)
+    assert "in _hangs_on_zero" in str(info.value) and "time.sleep(60)" not in str(info.value), str(info.value)
     assert list(info.value.errors) == [0]
     after = testing.run_on_ranks(_identity, 2, "after")
     assert [r[:3] for r in after] == [(0, 2, "after"), (1, 2, "after")]

@@ -266,8 +266,13 @@ def test_the_tensor_parallel_example_resumes_at_another_tp_degree(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "tensor_parallel.py"), "--steps", "8", "--dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "tensor_parallel.py"), "--steps", "8", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved step_00000004 on dp=2 x tp=2, resumed on dp=4 x tp=1" in proc.stdout, proc.stdout
     worst = float(re.search(r"largest relative difference from one process: (\S+)", proc.stdout)[1])

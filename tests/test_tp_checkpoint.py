@@ -63,7 +63,11 @@ def _tp_modules(plan) -> list[str]:
 
 def _same_locals(a: dict, b: dict) -> list[str]:
     """Names whose DTensors differ in placement, local shape or local bytes."""
-    return [n for n in b if tuple(a[n].placements) != tuple(b[n].placements) or not torch.equal(a[n].to_local(), b[n].to_local())]
+    return [
+        n
+        for n in b
+        if tuple(a[n].placements) != tuple(b[n].placements) or not torch.equal(a[n].to_local(), b[n].to_local())
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,9 +113,12 @@ def _init_on_ranks(rank, world, shape):
         differ=_same_locals(shards, reference),
         full_differ=[n for n in shards if not torch.equal(comm.full_tensor(shards[n]), twin[n])],
         hooked=_hooked(model, plan) == _tp_modules(plan) != [],
-        largest=counted.largest, peak=counted.peak, full_param=full_bytes,
+        largest=counted.largest,
+        peak=counted.peak,
+        full_param=full_bytes,
         shards=sum(s.to_local().numel() for s in shards.values()) * 4,
-        model=sum(p.global_numel for u in plan.units for p in u.params) * 4, params=len(plan.param_names),
+        model=sum(p.global_numel for u in plan.units for p in u.params) * 4,
+        params=len(plan.param_names),
     )
 
 
@@ -151,9 +158,13 @@ def _safetensors_on_ranks(rank, world, path, shape):
     finally:
         module._read_box = original
     reference = fsdpfn.shard(_full_model(), plan)
-    return dict(differ=_same_locals(shards, reference), hooked=_hooked(model, plan) == _tp_modules(plan),
-                boxes={n: boxes[n] for n in TP_WEIGHTS}, tp=fsdpfn.transforms.tp_rank(plan),
-                dp=fsdpfn.transforms.shard_rank(plan))
+    return dict(
+        differ=_same_locals(shards, reference),
+        hooked=_hooked(model, plan) == _tp_modules(plan),
+        boxes={n: boxes[n] for n in TP_WEIGHTS},
+        tp=fsdpfn.transforms.tp_rank(plan),
+        dp=fsdpfn.transforms.shard_rank(plan),
+    )
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)], ids=["dp2-tp2", "hsdp2x2-tp2"])
@@ -163,7 +174,9 @@ def test_safetensors_into_dp_tp_is_bitwise_shard_of_the_full_model(run_on_ranks,
     rows as its tp rows' dp chunk (the replicate axis reads the same as its shard rank)."""
     from safetensors.torch import save_file
 
-    save_file({n: p.detach().contiguous() for n, p in _full_model().named_parameters()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {n: p.detach().contiguous() for n, p in _full_model().named_parameters()}, str(tmp_path / "model.safetensors")
+    )
     world = 4 if len(shape) == 2 else 8
     for r in run_on_ranks(_safetensors_on_ranks, world, str(tmp_path), shape):
         assert r["differ"] == [] and r["hooked"], r
@@ -227,7 +240,11 @@ def _check_placements(state, plan) -> list[str]:
     bad = []
     for p, v in entries.items():
         name = p.rsplit("/", 1)[-1]
-        if isinstance(v, DTensor) and name in plan.param_names and tuple(v.placements) != fsdpfn.transforms.placements(plan, name):
+        if (
+            isinstance(v, DTensor)
+            and name in plan.param_names
+            and tuple(v.placements) != fsdpfn.transforms.placements(plan, name)
+        ):
             bad.append(p)
     return bad
 
@@ -290,9 +307,14 @@ def test_checkpoint_reshards_across_tp_degrees_bitwise(run_on_ranks, tmp_path):
 
     exported = torch.load(export, weights_only=True)
     assert all(torch.equal(exported[n], saved[f"params/{n}"]) for n in exported) and len(exported) == len(
-        [p for p in saved if p.startswith("params/")])
+        [p for p in saved if p.startswith("params/")]
+    )
 
-    hops = [(4, roots[0], roots[1], (4, 1)), (2, roots[1], roots[2], (1, 2)), (8, roots[0], str(tmp_path / "hsdp"), (2, 2, 2))]
+    hops = [
+        (4, roots[0], roots[1], (4, 1)),
+        (2, roots[1], roots[2], (1, 2)),
+        (8, roots[0], str(tmp_path / "hsdp"), (2, 2, 2)),
+    ]
     for world, src, dst, shape in hops:
         for full, differ in run_on_ranks(_load_and_save, world, src, dst, shape):
             assert differ == [], (shape, differ)
@@ -320,11 +342,23 @@ def _strided_full_tensor(rank, world):
     coord = mesh.get_coordinate()
     rows = x[27 * coord[1] : 27 * coord[1] + 27]
     start, stop = fsdpfn._rows.chunk_bounds(27, 2, coord[0])
-    strided = DTensor.from_local(rows[start:stop], mesh, (_StridedShard(0, split_factor=2), Shard(0)),
-                                 shape=x.shape, stride=x.stride(), run_check=False)
+    strided = DTensor.from_local(
+        rows[start:stop],
+        mesh,
+        (_StridedShard(0, split_factor=2), Shard(0)),
+        shape=x.shape,
+        stride=x.stride(),
+        run_check=False,
+    )
     out.append(torch.equal(comm.full_tensor(strided), x) and torch.equal(strided.full_tensor(), x))
-    bad = DTensor.from_local(rows[start:stop], mesh, (_StridedShard(0, split_factor=3), Shard(0)),
-                             shape=x.shape, stride=x.stride(), run_check=False)
+    bad = DTensor.from_local(
+        rows[start:stop],
+        mesh,
+        (_StridedShard(0, split_factor=3), Shard(0)),
+        shape=x.shape,
+        stride=x.stride(),
+        run_check=False,
+    )
     try:
         comm.full_tensor(bad)
         out.append(False)
@@ -358,12 +392,26 @@ def _norms(rank, world, shape):
     clip = fsdpfn.optim.clip_by_global_norm(1.0)
     clipped, _ = clip.update(shards, clip.init(None))
     expected, _ = clip.update(full, clip.init(None))
-    clip_err = max(((comm.full_tensor(clipped[n]) - expected[n]).abs().max() / expected[n].abs().max()).item() for n in full)
+    clip_err = max(
+        ((comm.full_tensor(clipped[n]) - expected[n]).abs().max() / expected[n].abs().max()).item() for n in full
+    )
     # Each leaf alone: (its norm over the shards, its one-process norm, its elements).
-    leaves = {n: (fsdpfn.optim.global_norm({n: shards[n]}).item(), fsdpfn.optim.global_norm({n: full[n]}).item(), full[n].numel())
-              for n in full}
-    return dict(sharded=sharded.item(), reference=reference.item(), elements=sum(v.numel() for v in full.values()),
-                clip_err=clip_err, leaves=leaves, tp_sharded=sum(1 for n in full if plan.param(n).tp_dim is not None))
+    leaves = {
+        n: (
+            fsdpfn.optim.global_norm({n: shards[n]}).item(),
+            fsdpfn.optim.global_norm({n: full[n]}).item(),
+            full[n].numel(),
+        )
+        for n in full
+    }
+    return dict(
+        sharded=sharded.item(),
+        reference=reference.item(),
+        elements=sum(v.numel() for v in full.values()),
+        clip_err=clip_err,
+        leaves=leaves,
+        tp_sharded=sum(1 for n in full if plan.param(n).tp_dim is not None),
+    )
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)], ids=["dp2-tp2", "hsdp2x2-tp2"])
@@ -385,13 +433,13 @@ def test_global_norm_counts_each_shard_once(run_on_ranks, shape):
     assert len({r["sharded"] for r in results}) == 1  # equal on every rank
 
     def bound(n):
-        u = 2.0 ** -24
+        u = 2.0**-24
         return n * u / (1 - n * u) + 2 * u
 
     for r in results:
         assert r["tp_sharded"] >= 4
         assert abs(r["sharded"] - r["reference"]) <= bound(r["elements"]) * r["reference"], r
-        assert r["clip_err"] <= bound(r["elements"]) + 2 * 2.0 ** -24, r
+        assert r["clip_err"] <= bound(r["elements"]) + 2 * 2.0**-24, r
         # Leaf by leaf, so that no over-count in one leaf hides behind another's under-count.
         for name, (sharded, reference, n) in r["leaves"].items():
             assert abs(sharded - reference) <= bound(n) * reference, (name, sharded, reference)

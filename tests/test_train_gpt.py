@@ -25,15 +25,40 @@ from fsdpfn import checkpoint, optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
-TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "8",
-        "--warmup", "2", "--log-every", "2", "--eval-every", "4", "--ckpt-every", "4", "--sample-chars", "20",
-        "--no-progress", "--world-size", "2"]
+TINY = [
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--steps",
+    "8",
+    "--warmup",
+    "2",
+    "--log-every",
+    "2",
+    "--eval-every",
+    "4",
+    "--ckpt-every",
+    "4",
+    "--sample-chars",
+    "20",
+    "--no-progress",
+    "--world-size",
+    "2",
+]
 
 
 def _run(out, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--out", str(out), *extra], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *TINY, "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -61,8 +86,9 @@ def test_train_gpt_runs_saves_and_resumes_bitwise(tmp_path):
     assert [r["step"] for r in _metrics(half)] == [2, 4, 6, 8]
 
     _run(straight)
-    assert _metrics(straight) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
-                                  for r, s in zip(_metrics(half), _metrics(straight))]
+    assert _metrics(straight) == [
+        {**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}} for r, s in zip(_metrics(half), _metrics(straight))
+    ]
     a = torch.load(half / "model.pt", weights_only=True)
     b = torch.load(straight / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -70,8 +96,13 @@ def test_train_gpt_runs_saves_and_resumes_bitwise(tmp_path):
 
 def _run_raw(out, *extra, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, SCRIPT, *TINY, "--out", str(out), *extra], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *TINY, "--out", str(out), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.e2e
@@ -86,22 +117,31 @@ def test_bad_flags_are_named_before_any_rank_starts(tmp_path, capsys):
     assert len(proc.stderr.splitlines()) == 2 and "usage:" not in proc.stderr, proc.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     mod = _example()
-    for flags, named in [(["--replicas", "0"], "--replicas"), (["--heads", "3"], "--heads 3 must divide --width 32"),
-                         (["--ckpt-every", "0"], "--ckpt-every"), (["--batch-size", "0"], "--batch-size"),
-                         (["--lr", "-1"], "--lr"), (["--world-size", "3", "--replicas", "2"], "--replicas 2 must divide"),
-                         (["--timeout", "0"], "--timeout"), (["--resume", str(tmp_path / "nowhere")], "--resume"),
-                         (["--ep", "2"], "--ep 2 needs --experts"), (["--experts", "3", "--ep", "2"], "--ep 2 must divide --experts 3"),
-                         (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be a number > 0"),
-                         (["--experts", "2", "--top-k", "3"], "--top-k 3 must be at most --experts 2"),
-                         (["--experts", "4", "--tp", "2"], "--experts with --tp 2")]:
+    for flags, named in [
+        (["--replicas", "0"], "--replicas"),
+        (["--heads", "3"], "--heads 3 must divide --width 32"),
+        (["--ckpt-every", "0"], "--ckpt-every"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--lr", "-1"], "--lr"),
+        (["--world-size", "3", "--replicas", "2"], "--replicas 2 must divide"),
+        (["--timeout", "0"], "--timeout"),
+        (["--resume", str(tmp_path / "nowhere")], "--resume"),
+        (["--ep", "2"], "--ep 2 needs --experts"),
+        (["--experts", "3", "--ep", "2"], "--ep 2 must divide --experts 3"),
+        (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be a number > 0"),
+        (["--experts", "2", "--top-k", "3"], "--top-k 3 must be at most --experts 2"),
+        (["--experts", "4", "--tp", "2"], "--experts with --tp 2"),
+    ]:
         with pytest.raises(SystemExit) as exited:
             mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and named in err, (flags, err[-500:])
         assert err.splitlines()[0].startswith("train_gpt.py: error: ") and "usage:" not in err, err
     # argparse's own errors (an unknown flag, a value of the wrong type) come the same way.
-    for flags, named in [(["--stesp", "3"], "unrecognized arguments: --stesp 3"),
-                         (["--steps", "x"], "argument --steps: invalid int value: 'x'")]:
+    for flags, named in [
+        (["--stesp", "3"], "unrecognized arguments: --stesp 3"),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ]:
         with pytest.raises(SystemExit) as exited:
             mod.parse_args([*TINY, *flags])
         err = capsys.readouterr().err
@@ -121,25 +161,37 @@ def test_logs_gradient_norm_and_lr_and_resumes_from_a_named_checkpoint(tmp_path)
 @pytest.mark.e2e
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     # A learning rate of 1e30 sends the weights to inf after one step: every later gradient is NaN.
-    proc = _run_raw(tmp_path / "nan", "--optimizer", "adamw", "--adamw-lr", "1e30", "--warmup", "0", "--max-nonfinite", "2")
+    proc = _run_raw(
+        tmp_path / "nan", "--optimizer", "adamw", "--adamw-lr", "1e30", "--warmup", "0", "--max-nonfinite", "2"
+    )
     assert proc.returncode != 0
-    assert "non-finite gradients, update skipped on every rank (1 in a row, 1 in all)" in proc.stdout, proc.stdout[-2000:]
+    assert "non-finite gradients, update skipped on every rank (1 in a row, 1 in all)" in proc.stdout, proc.stdout[
+        -2000:
+    ]
     assert "(2 in a row, 2 in all)" in proc.stdout
-    assert "FloatingPointError" in proc.stderr and "rank 0" in proc.stderr and "rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "FloatingPointError" in proc.stderr and "rank 0" in proc.stderr and "rank 1" in proc.stderr, proc.stderr[
+        -3000:
+    ]
 
 
 @pytest.mark.e2e
 def test_a_second_job_cannot_write_into_a_running_jobs_directory(tmp_path):
     out = tmp_path / "busy"
     # The first job sleeps between its steps: it only has to hold the lock, not to compete for the CPU.
-    first = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--steps", "400", "--step-delay", "5", "--out", str(out)],
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [sys.executable, SCRIPT, *TINY, "--steps", "400", "--step-delay", "5", "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (out / ".lock").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         proc = _run_raw(out, timeout=60)
-        assert proc.returncode != 0 and "is in use by pid" in proc.stderr and "--out DIR" in proc.stderr, proc.stderr[-500:]
+        assert proc.returncode != 0 and "is in use by pid" in proc.stderr and "--out DIR" in proc.stderr, proc.stderr[
+            -500:
+        ]
     finally:
         first.kill()
         first.wait()
@@ -176,8 +228,13 @@ def _option_blocks(help_text: str) -> dict[str, str]:
 
 @pytest.mark.e2e
 def test_help_describes_every_flag_and_shows_each_default_once():
-    proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "100"})
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "100"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout
     assert "(default: None)" not in text and "(default: False)" not in text
@@ -211,10 +268,21 @@ def test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason(t
     # (torchrun itself, with a free port) and with 2 processes instead of 8 to spare the CPU.
     line = next(c for c in _readme_commands() if c[0] == "torchrun")
     assert line[1:3] == ["--nproc_per_node", "8"], line
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, *line[4:],
-           "--out", str(tmp_path / "gpu")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        SCRIPT,
+        *line[4:],
+        "--out",
+        str(tmp_path / "gpu"),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode != 0
     # Each rank checks its flags before any collective and says why it stops. Under torchrun the
     # first rank to exit makes the agent SIGTERM the others, so a rank still importing torch on a
@@ -223,13 +291,16 @@ def test_readme_torchrun_line_without_cuda_fails_on_every_rank_with_the_reason(t
     said = proc.stderr.count("--device cuda: this torch")
     assert said >= 1, proc.stderr[-3000:]
     assert said == 2 or "SIGTERM" in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback (most recent call last):\n  File \"" + SCRIPT not in proc.stderr, proc.stderr[-3000:]
+    assert 'Traceback (most recent call last):\n  File "' + SCRIPT not in proc.stderr, proc.stderr[-3000:]
     assert "_cuda_setDevice" not in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _snapshot(root) -> dict[str, tuple[int, bytes]]:
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -244,11 +315,16 @@ def finished_run(tmp_path_factory):
 def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):
     before = _snapshot(finished_run)
     ckpt = finished_run / "ckpt" / "step_00000008"
-    for flags, limit, more in [([], "--steps 8", "a larger --steps"), (["--steps", "6"], "--steps 6", "a larger --steps"),
-                               (["--steps", "12", "--stop-at", "8"], "--stop-at 8", "a larger --stop-at, or none,")]:
+    for flags, limit, more in [
+        ([], "--steps 8", "a larger --steps"),
+        (["--steps", "6"], "--steps 6", "a larger --steps"),
+        (["--steps", "12", "--stop-at", "8"], "--stop-at 8", "a larger --stop-at, or none,"),
+    ]:
         log = _run(finished_run, "--resume", *flags)
-        assert log.strip() == (f"nothing to train: the checkpoint {ckpt} is at step 8 and {limit}; pass {more} to "
-                               "continue the run. Outputs left as they are."), log
+        assert log.strip() == (
+            f"nothing to train: the checkpoint {ckpt} is at step 8 and {limit}; pass {more} to "
+            "continue the run. Outputs left as they are."
+        ), log
     assert _snapshot(finished_run) == before
 
 
@@ -261,14 +337,17 @@ def test_ckpt_async_stops_resumes_and_equals_the_synchronous_run(finished_run, t
     assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 4
     # Each save says what it cost training and how long its write took, once committed (the
     # write's time starts with the call, so it includes the stall).
-    said = re.findall(r"^checkpoint (step_\d+): training stalled (\d+\.\d+) s, written beside it in (\d+\.\d+) s$", first, re.M)
+    said = re.findall(
+        r"^checkpoint (step_\d+): training stalled (\d+\.\d+) s, written beside it in (\d+\.\d+) s$", first, re.M
+    )
     assert [name for name, _, _ in said] == ["step_00000004"] and all(float(a) <= float(b) for _, a, b in said), first
     log = _run(out, "--ckpt-async", "--resume")
     assert "(step 4," in log, log
     assert checkpoint.read_info(out / "ckpt")["values"]["step"] == 8
     assert not any(p.name.startswith(".partial-") for p in (out / "ckpt").iterdir())
-    assert _metrics(out) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
-                             for r, s in zip(_metrics(finished_run), _metrics(out))]
+    assert _metrics(out) == [
+        {**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}} for r, s in zip(_metrics(finished_run), _metrics(out))
+    ]
     a = torch.load(finished_run / "model.pt", weights_only=True)
     b = torch.load(out / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -294,8 +373,9 @@ def test_extending_steps_keeps_the_checkpoints_lr_horizon(finished_run, tmp_path
 
     # The extended run is the straight run with that horizon, bit for bit.
     _run(straight, "--steps", "12", "--schedule-steps", "8")
-    assert _metrics(straight) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
-                                  for r, s in zip(rows, _metrics(straight))]
+    assert _metrics(straight) == [
+        {**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}} for r, s in zip(rows, _metrics(straight))
+    ]
     a = torch.load(extended / "model.pt", weights_only=True)
     b = torch.load(straight / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -329,15 +409,33 @@ def test_readme_demo_commands_run_in_order_on_a_fresh_directory(tmp_path):
     # own flags win) keeps it to a few minutes. The torchrun line needs GPUs: see the test above.
     with open(os.path.join(ROOT, "Makefile")) as f:
         assert "\t$(PYTHON) examples/train_gpt.py\n" in f.read()
-    tiny = ["--width", "32", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--sample-chars",
-            "20", "--log-every", "50", "--eval-every", "0", "--no-progress"]
+    tiny = [
+        "--width",
+        "32",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--sample-chars",
+        "20",
+        "--log-every",
+        "50",
+        "--eval-every",
+        "0",
+        "--no-progress",
+    ]
     commands = [["python", "examples/train_gpt.py"]] + [c for c in _readme_commands() if c[0] != "torchrun"]
     assert len(commands) == 7 and all(c[:2] == ["python", "examples/train_gpt.py"] for c in commands), commands
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
     logs = []
     for c in commands:
-        proc = subprocess.run([sys.executable, SCRIPT, *tiny, *c[2:]], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, *tiny, *c[2:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, (c, proc.stdout[-3000:] + proc.stderr[-3000:])
         assert "nothing to train" not in proc.stdout, (c, proc.stdout[-2000:])
         logs.append(proc.stdout)
@@ -355,10 +453,17 @@ def test_readme_demo_commands_run_in_order_on_a_fresh_directory(tmp_path):
     assert "lr schedule: kept the checkpoint's horizon of 300 steps" in logs[1]
     assert f"{optim.warmup_cosine_schedule(0.02, 20, 400, end_value=0.002)(300):.2g}" == "0.0049"
     # Run again, the first resume has nothing left to do.
-    proc = subprocess.run([sys.executable, SCRIPT, *tiny, *commands[1][2:]], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.startswith("nothing to train: the checkpoint runs/gpt/ckpt/step_00000500 "
-                                                           "is at step 500 and --steps 400;"), proc.stdout
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *tiny, *commands[1][2:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith(
+        "nothing to train: the checkpoint runs/gpt/ckpt/step_00000500 is at step 500 and --steps 400;"
+    ), proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,8 +478,19 @@ def test_moe_demo_on_an_ep_mesh_trains_and_resumes_bitwise(tmp_path):
     # A run under torchrun (2 processes); then a job spawned from its step-4 checkpoint into
     # another directory: its losses and final weights equal the first run's from step 4 on.
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, *TINY, *MOE,
-           "--out", str(first)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        SCRIPT,
+        *TINY,
+        *MOE,
+        "--out",
+        str(first),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 MoE layer(s) of 4 experts (top-2, capacity factor 1.25) over ep=2" in proc.stdout, proc.stdout
@@ -384,8 +500,9 @@ def test_moe_demo_on_an_ep_mesh_trains_and_resumes_bitwise(tmp_path):
 
     log = _run(resumed, *MOE, "--resume", str(first / "ckpt" / "step_00000004"))
     assert "(step 4, saved on 2 rank(s)" in log, log
-    assert _metrics(resumed) == [{**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}}
-                                 for r, s in zip(rows[2:], _metrics(resumed))]
+    assert _metrics(resumed) == [
+        {**r, **{k: s[k] for k in ("tokens_per_s", "elapsed_s")}} for r, s in zip(rows[2:], _metrics(resumed))
+    ]
     a = torch.load(first / "model.pt", weights_only=True)
     b = torch.load(resumed / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -455,27 +572,33 @@ def test_pipeline_flags_are_named_before_any_rank_starts(tmp_path, capsys):
     # process: an interpreter per case would cost seconds each (test_bad_flags_are_named_...
     # checks the exit code and message end to end).
     mod = _example()
-    for flags, named in [(["--schedule", "gpipe"], "--schedule needs --pp"),
-                         (["--micro-batches", "2"], "--micro-batches needs --pp"),
-                         (["--pp", "2", "--ft", "--replicas", "2", "--world-size", "4"], "--pp 2 with --ft: not supported yet"),
-                         (["--pp", "2", "--experts", "2"], "--pp 2 with --experts: not supported yet"),
-                         (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 must be >= 1 and divide --batch-size 2"),
-                         (["--pp", "2", "--world-size", "3"], "--pp 2 x --replicas 1 x --cp 1 x --tp 1 must divide the world size 3"),
-                         (["--pp", "4", "--world-size", "4", "--schedule", "interleaved_1f1b"], "cuts the model into 8 stages"),
-                         (["--pp", "2", "--schedule", "nope"], "invalid choice: 'nope'")]:
+    for flags, named in [
+        (["--schedule", "gpipe"], "--schedule needs --pp"),
+        (["--micro-batches", "2"], "--micro-batches needs --pp"),
+        (["--pp", "2", "--ft", "--replicas", "2", "--world-size", "4"], "--pp 2 with --ft: not supported yet"),
+        (["--pp", "2", "--experts", "2"], "--pp 2 with --experts: not supported yet"),
+        (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 must be >= 1 and divide --batch-size 2"),
+        (["--pp", "2", "--world-size", "3"], "--pp 2 x --replicas 1 x --cp 1 x --tp 1 must divide the world size 3"),
+        (["--pp", "4", "--world-size", "4", "--schedule", "interleaved_1f1b"], "cuts the model into 8 stages"),
+        (["--pp", "2", "--schedule", "nope"], "invalid choice: 'nope'"),
+    ]:
         with pytest.raises(SystemExit) as exited:
             mod.parse_args([*TINY, "--out", str(tmp_path / "bad"), *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and named in err, (flags, err[-500:])
         assert err.splitlines()[0].startswith("train_gpt.py: error: ") and "usage:" not in err, err
     # argparse's own errors (an unknown flag, a value of the wrong type) come the same way.
-    for flags, named in [(["--stesp", "3"], "unrecognized arguments: --stesp 3"),
-                         (["--steps", "x"], "argument --steps: invalid int value: 'x'")]:
+    for flags, named in [
+        (["--stesp", "3"], "unrecognized arguments: --stesp 3"),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ]:
         with pytest.raises(SystemExit) as exited:
             mod.parse_args([*TINY, *flags])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and err.startswith(f"train_gpt.py: error: {named}") and "usage:" not in err, err
-    args = mod.parse_args([*TINY, "--pp", "2", "--world-size", "4", "--schedule", "interleaved_1f1b", "--batch-size", "8"])
+    args = mod.parse_args(
+        [*TINY, "--pp", "2", "--world-size", "4", "--schedule", "interleaved_1f1b", "--batch-size", "8"]
+    )
     assert (args.schedule, args.micro_batches) == ("interleaved_1f1b", 4)  # the most up to 2 x pp, a multiple of pp
 
 
@@ -491,7 +614,9 @@ def test_ft_is_quiet_by_default_and_verbose_on_request(tmp_path, monkeypatch, ca
 
     mod = _example()
     seen = []
-    monkeypatch.setattr(fsdpfn.ft, "run_replica_groups", lambda command, replicas, **kw: seen.append(command(0, "h:1")) or 0)
+    monkeypatch.setattr(
+        fsdpfn.ft, "run_replica_groups", lambda command, replicas, **kw: seen.append(command(0, "h:1")) or 0
+    )
     base = [*TINY, "--world-size", "4", "--replicas", "2", "--ft", "--out", str(tmp_path)]
     for extra, env, want in [([], None, "warn"), ([], "debug", "debug"), (["--ft-verbose"], None, None)]:
         if env is None:
@@ -518,8 +643,10 @@ def test_quiet_torchft_leaves_one_line_per_warning(monkeypatch, capsys):
 
     mod = _example()
     names = ["torchft", "torchft_quorums", "torchft_commits", "torchft_errors"]
-    saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
-             for n in names}
+    saved = {
+        n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
+        for n in names
+    }
     monkeypatch.setattr(BaseHTTPRequestHandler, "log_request", BaseHTTPRequestHandler.log_request)
     try:
         mod.quiet_torchft("cpu")
@@ -552,10 +679,29 @@ def test_a_signal_saves_the_step_and_prints_the_resume_command(tmp_path, sig):
     import signal as signals
 
     out = tmp_path / "run"
-    flags = [*TINY, "--steps", "100000", "--log-every", "1", "--eval-every", "0", "--sample-chars", "0",
-             "--ckpt-every", "1000", "--out", str(out)]
-    proc = subprocess.Popen([sys.executable, SCRIPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    flags = [
+        *TINY,
+        "--steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--sample-chars",
+        "0",
+        "--ckpt-every",
+        "1000",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
@@ -571,15 +717,26 @@ def test_a_signal_saves_the_step_and_prints_the_resume_command(tmp_path, sig):
             os.killpg(proc.pid, signals.SIGKILL)
     assert proc.returncode == 128 + signals.Signals[sig].value, (proc.returncode, stdout[-2000:], stderr[-2000:])
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    m = re.search(rf"^stopped by {sig} at step (\d+) of 100000; checkpoint (\S+)\. Resume with: (python examples/train_gpt\.py .* --resume)$",
-                  stdout, re.M)
+    m = re.search(
+        rf"^stopped by {sig} at step (\d+) of 100000; checkpoint (\S+)\. Resume with: (python examples/train_gpt\.py .* --resume)$",
+        stdout,
+        re.M,
+    )
     assert m, stdout[-2000:]
     step, saved, command = int(m[1]), m[2], m[3]
     # The checkpoint of the step it stopped at, verified (checksums) and committed as the newest.
-    assert step >= 2 and saved.endswith(f"step_{step:08d}") and checkpoint.latest(str(out / "ckpt"), verify=True) == saved
+    assert (
+        step >= 2 and saved.endswith(f"step_{step:08d}") and checkpoint.latest(str(out / "ckpt"), verify=True) == saved
+    )
     # The command as printed resumes from it (one step more, so that it ends at once).
     argv = shlex.split(command)[1:]
-    resumed = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:], "--steps", str(step + 1)], cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, argv[0]), *argv[1:], "--steps", str(step + 1)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resumed from {saved} (step {step}," in resumed.stdout, resumed.stdout[-2000:]

@@ -19,7 +19,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-needs_mypy = pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="needs mypy (pip install -e '.[test]')")
+needs_mypy = pytest.mark.skipif(
+    importlib.util.find_spec("mypy") is None, reason="needs mypy (pip install -e '.[test]')"
+)
 
 
 @needs_mypy
@@ -30,9 +32,12 @@ def test_fsdpfn_type_checks_with_no_errors(monkeypatch):
 
     monkeypatch.chdir(ROOT)
     cache = os.environ.get("MYPY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdpfn-mypy")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdpfn-mypy"
+    )
     out, err, code = api.run(["--cache-dir", cache])
-    assert code == 0, f"mypy found errors (fix the code; a narrow `# type: ignore[code]` only where torch's stubs are wrong):\n{out}{err}"
+    assert code == 0, (
+        f"mypy found errors (fix the code; a narrow `# type: ignore[code]` only where torch's stubs are wrong):\n{out}{err}"
+    )
     assert "Success: no issues found" in out, out + err
 
 
@@ -41,9 +46,13 @@ def test_the_mypy_config_keeps_its_checks():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         config = tomllib.load(f)["tool"]["mypy"]
     assert config["files"] == ["fsdpfn"]
-    assert config["check_untyped_defs"] is True, "the CUDA branches sit in unannotated functions: their bodies must be checked"
+    assert config["check_untyped_defs"] is True, (
+        "the CUDA branches sit in unannotated functions: their bodies must be checked"
+    )
     assert config["warn_unused_ignores"] is True
     # What the check is for: a misspelt attribute or a wrong call is an error everywhere.
     assert not config.get("ignore_errors") and not config.get("disable_error_code"), config
     for override in config.get("overrides", []):
-        assert set(override) <= {"module", "ignore_missing_imports"}, f"an override may only excuse missing stubs: {override}"
+        assert set(override) <= {"module", "ignore_missing_imports"}, (
+            f"an override may only excuse missing stubs: {override}"
+        )

@@ -47,7 +47,7 @@ class Block(nn.Module):
         if self.cut == "unbind":
             q, k, v = o.view(b, t, 3, -1, HD).unbind(2)
         elif self.cut == "slice":
-            q, k, v = o[..., :d], o[..., d: 2 * d], o[..., 2 * d:]
+            q, k, v = o[..., :d], o[..., d : 2 * d], o[..., 2 * d :]
             q, k, v = (z.reshape(b, t, -1, HD) for z in (q, k, v))
         elif self.cut == "permute":
             q, k, v = o.reshape(b, t, 3, -1, HD).permute(2, 0, 1, 3, 4)
@@ -61,8 +61,11 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = self._split(self.qkv(self.norm1(x)))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True) if self.sdpa else \
-            fsdpfn.context_parallel_attention(q, k, v, causal=True)
+        att = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if self.sdpa
+            else fsdpfn.context_parallel_attention(q, k, v, causal=True)
+        )
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         h = self.norm2(x)
         if self.mlp == "module":
@@ -165,6 +168,7 @@ def test_a_split_layer_called_around_its_module_is_named(run_on_ranks, mlp):
 
 # ---- experts -------------------------------------------------------------------------------------
 
+
 class MoENet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -217,6 +221,7 @@ def test_experts_with_one_packed_weight_left_out_are_named(run_on_ranks):
 
 # ---- context parallelism -------------------------------------------------------------------------
 
+
 def _cp_case(rank, world, sdpa_blocks):
     torch.manual_seed(0)
     model = Net("heads", "unbind", "module", sdpa_blocks)
@@ -241,6 +246,7 @@ def test_cp_with_one_block_still_on_plain_sdpa_is_named(run_on_ranks):
 
 
 # ---- where the check runs ------------------------------------------------------------------------
+
 
 def _runtime_case(rank, world, layout, verify):
     torch.manual_seed(0)
@@ -327,7 +333,7 @@ def _pp_case(rank, world, mistake):
 
     pipe = PipelineRuntime(model, plan, "1f1b", 2, loss_fn=ce)
     params = pipe.shard(model)
-    dp, pp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    dp = mesh.get_local_rank("dp")
     rows = 4 if (mistake == "unequal_rows" and dp == 1) else 8
     seed = rank if mistake == "stages_differ" else dp  # by global rank: stage 0 and the last read different batches
     tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
@@ -360,7 +366,10 @@ def test_a_pipeline_stage_or_loss_that_cannot_go_on_is_named():
 
     from fsdpfn.runtime import PipelineRuntime
 
-    with pytest.raises(ValueError, match=r"must return the micro-batch's mean loss, a scalar; got shape \(32,\) \(a loss built with reduction='none'"):
+    with pytest.raises(
+        ValueError,
+        match=r"must return the micro-batch's mean loss, a scalar; got shape \(32,\) \(a loss built with reduction='none'",
+    ):
         PipelineRuntime._check_loss(None, torch.ones(32))
     fake = SimpleNamespace(modules={1: nn.Identity()})
     with pytest.raises(ValueError, match=r"stage 1 \(Identity\) returned a tuple of 1; .*return layer\(x\)\[0\]"):
@@ -397,6 +406,7 @@ def test_a_mask_given_to_cp_attention_is_named():
 
 # ---- the loss the step trains, against the loss function on the whole batch ---------------------
 
+
 class AuxNet(Net):
     """Returns ``(logits, aux)``: an auxiliary loss without batch rows, per rank by design."""
 
@@ -409,8 +419,11 @@ def _loss_case(rank, world, names, loss, ignored):
     torch.manual_seed(0)
     model = AuxNet() if loss == "aux" else Net()
     shape = (world // 2, 2) if len(names) == 2 else (world,)  # tp: (1, 2)
-    plan = fsdpfn.plan(model, torch.distributed.device_mesh.init_device_mesh("cpu", shape, mesh_dim_names=names),
-                       **({"tp": TP} if "tp" in names else {}))
+    plan = fsdpfn.plan(
+        model,
+        torch.distributed.device_mesh.init_device_mesh("cpu", shape, mesh_dim_names=names),
+        **({"tp": TP} if "tp" in names else {}),
+    )
     params = fsdpfn.shard(model, plan)
     tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(7))
     x, y = tokens[:, :-1], tokens[:, 1:].clone()
@@ -454,11 +467,18 @@ def test_a_mean_over_each_ranks_counted_tokens_is_named(run_on_ranks, names, ign
     assert f"mean over the {2 * len(names)} ranks" in text and "grad_op='sum'" in text
 
 
-@pytest.mark.parametrize("names,loss,ignored", [
-    (("dp",), "mean", None), (("dp", "cp"), "mean", None),  # every rank counts all its tokens
-    (("dp",), "sum", "rows"), (("dp", "cp"), "sum", "positions"), (("dp", "cp"), "sum", "rows"),  # the fix
-    (("dp", "tp"), "mean", "rows"),  # dp 1 x tp 2: tp peers read the same rows, one data-parallel rank
-    (("dp",), "aux", None)])  # an auxiliary output, used linearly
+@pytest.mark.parametrize(
+    "names,loss,ignored",
+    [
+        (("dp",), "mean", None),
+        (("dp", "cp"), "mean", None),  # every rank counts all its tokens
+        (("dp",), "sum", "rows"),
+        (("dp", "cp"), "sum", "positions"),
+        (("dp", "cp"), "sum", "rows"),  # the fix
+        (("dp", "tp"), "mean", "rows"),  # dp 1 x tp 2: tp peers read the same rows, one data-parallel rank
+        (("dp",), "aux", None),
+    ],
+)  # an auxiliary output, used linearly
 def test_a_loss_that_is_the_whole_batchs_passes(run_on_ranks, names, loss, ignored):
     """Both sides compute from the same model outputs: they differ by the loss's own sums in
     another order, within 4 u (tokens + classes) (about 1e-5 here); rounding gives 1e-7."""
@@ -470,13 +490,20 @@ def test_a_loss_that_is_the_whole_batchs_passes(run_on_ranks, names, loss, ignor
 
 # ---- a pipeline's stages, one after the other ----------------------------------------------------
 
+
 def _pp_tp_case(rank, world, qkv0, qkv1, inner="tp"):
     from fsdpfn.runtime import PipelineRuntime
 
     torch.manual_seed(0)
     model = GPT(PP_CFG)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", inner))
-    tp = {"blocks.0.qkv": qkv0, "blocks.1.qkv": qkv1, "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+    tp = {
+        "blocks.0.qkv": qkv0,
+        "blocks.1.qkv": qkv1,
+        "blocks.*.proj": "rowwise",
+        "blocks.*.fc": "colwise",
+        "blocks.*.out": "rowwise",
+    }
     plan = fsdpfn.plan(model, mesh, units=PP_UNITS, **({"tp": tp} if inner == "tp" else {}))
 
     def ce(logits, y):
@@ -489,8 +516,14 @@ def _pp_tp_case(rank, world, qkv0, qkv1, inner="tp"):
         _, loss = pipe.step(params, tokens[:, :-1], tokens[:, 1:])
     except fsdpfn.VerificationError as e:
         return ("error", str(e))
-    return ("ran", float(loss), {s: (r.units, max(c.error for c in r.comparisons), r.worst().error / r.worst().bound)
-                                 for s, r in pipe.verified.items()})
+    return (
+        "ran",
+        float(loss),
+        {
+            s: (r.units, max(c.error for c in r.comparisons), r.worst().error / r.worst().bound)
+            for s, r in pipe.verified.items()
+        },
+    )
 
 
 @pytest.mark.parametrize("inner", ["tp", "cp"])
@@ -501,7 +534,7 @@ def test_each_pipeline_stage_is_checked_on_its_own_ranks(run_on_ranks, inner):
     assert all(r[0] == "ran" for r in results), results
     assert "blocks.0" in results[0][2][0][0] and "blocks.1" in results[2][2][1][0]
     for r in results:  # rounding alone: a few float32 ulps, every comparison ten times inside its bound
-        (units, worst, ratio), = r[2].values()
+        ((units, worst, ratio),) = r[2].values()
         assert worst < 1e-6 and ratio < 0.1, r
 
 
@@ -520,11 +553,13 @@ def test_a_pipeline_stage_that_computes_wrong_is_named_on_every_rank(run_on_rank
 def _cp_cut_case(rank, world, by_global_rank):
     torch.manual_seed(0)
     model = Net()
-    plan = fsdpfn.plan(model, torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")))
+    plan = fsdpfn.plan(
+        model, torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    )
     params = fsdpfn.shard(model, plan)
     tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(7))
     index = rank % 2 if by_global_rank else fsdpfn.transforms.dp_rank(plan)  # rank % 2: the cp peers 0, 1 differ
-    (x,) = fsdpfn.context_parallel_shard((tokens[2 * index: 2 * index + 2],), plan)
+    (x,) = fsdpfn.context_parallel_shard((tokens[2 * index : 2 * index + 2],), plan)
     with fsdpfn.context_parallel(plan):
         return _outcome(lambda: fsdpfn.verify(model, plan, params, x))
 

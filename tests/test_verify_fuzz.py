@@ -16,19 +16,33 @@ from hypothesis import HealthCheck, Phase, given, settings
 import _fuzz
 
 
-@settings(max_examples=_fuzz.EXAMPLES, derandomize=True, database=None, deadline=None,
-          phases=[Phase.explicit, Phase.generate],  # no shrinking: an example is seconds of gloo work
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=_fuzz.EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: an example is seconds of gloo work
+    suppress_health_check=list(HealthCheck),
+)
 @given(d=_fuzz.describe())
 def test_every_drawn_example_is_refused_by_name_or_matches_one_process(run_on_ranks, d):
     outcome, detail = _fuzz.run(run_on_ranks, d)
     assert outcome in ("refused", "correct"), f"{outcome}: {detail}\nexample: {d}"
 
 
-BASE = {"qkv": "heads", "cut": "heads_permute", "moe": False, "tied": False,
-        "calls": {"qkv": "call", "proj": "call", "fc": "call", "out": "call"}, "attn": ("cp", "cp"), "mesh": "dp1_tp2",
-        "tp": {"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"},
-        "experts": [], "remat": False, "strategy": "zero3"}
+BASE = {
+    "qkv": "heads",
+    "cut": "heads_permute",
+    "moe": False,
+    "tied": False,
+    "calls": {"qkv": "call", "proj": "call", "fc": "call", "out": "call"},
+    "attn": ("cp", "cp"),
+    "mesh": "dp1_tp2",
+    "tp": {"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"},
+    "experts": [],
+    "remat": False,
+    "strategy": "zero3",
+}
 
 
 def test_the_oracle_passes_a_correct_layout_and_refuses_a_wrong_one(run_on_ranks):

@@ -32,8 +32,21 @@ def _example():
 
 def _run(out, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error", "PYTHONPATH": ROOT}
-    args = ["--steps", str(STEPS), "--batch", str(BATCH), "--lr", str(LR), "--world-size", str(WORLD),
-            "--log-every", "4", "--out", str(out), *extra]
+    args = [
+        "--steps",
+        str(STEPS),
+        "--batch",
+        str(BATCH),
+        "--lr",
+        str(LR),
+        "--world-size",
+        str(WORLD),
+        "--log-every",
+        "4",
+        "--out",
+        str(out),
+        *extra,
+    ]
     return subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -81,8 +94,7 @@ def test_trained_parameters_match_one_process(tmp_path):
     # parameters by ~lr = 3e-3 per element, i.e. ~3e-2 relative (measured here: ~5e-8).
     worst = max(((trained[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
     assert worst < 1e-5, worst
-    moved = min(((trained[n] - ex_init).norm() / ex_init.norm()).item()
-                for n, ex_init in _initial(ex, args).items())
+    moved = min(((trained[n] - ex_init).norm() / ex_init.norm()).item() for n, ex_init in _initial(ex, args).items())
     assert moved > 1e-3, f"training did not move the parameters ({moved:.2e}): the comparison would be vacuous"
 
 
@@ -91,11 +103,14 @@ def _initial(ex, args) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in ex.SmallCNN(args.channels, args.depth).named_parameters()}
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--batch", "15"], "--batch 15 must be a multiple of --world-size 2"),
-    (["--steps", "0"], "--steps must be >= 1, got 0"),
-    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--batch", "15"], "--batch 15 must be a multiple of --world-size 2"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    ],
+)
 def test_bad_flags_are_named_before_any_rank_starts(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         _example().parse_args(flags)  # main() parses before launch(): no rank has started

@@ -17,22 +17,98 @@ import argparse
 import os
 import random
 
-NAMES = ["Anna", "Ben", "Clara", "Daniel", "Ella", "Finn", "Grace", "Hugo", "Ida", "Jonas", "Lena", "Max",
-         "Nora", "Oskar", "Rosa", "Sam", "Tilda", "Victor"]
+NAMES = [
+    "Anna",
+    "Ben",
+    "Clara",
+    "Daniel",
+    "Ella",
+    "Finn",
+    "Grace",
+    "Hugo",
+    "Ida",
+    "Jonas",
+    "Lena",
+    "Max",
+    "Nora",
+    "Oskar",
+    "Rosa",
+    "Sam",
+    "Tilda",
+    "Victor",
+]
 ANIMALS = ["fox", "cat", "dog", "owl", "bear", "rabbit", "mouse", "duck", "horse", "goat", "frog", "crow"]
-ADJS = ["little", "old", "brave", "quiet", "clever", "happy", "tired", "small", "big", "kind", "shy", "curious",
-        "hungry", "sleepy", "proud", "gentle"]
+ADJS = [
+    "little",
+    "old",
+    "brave",
+    "quiet",
+    "clever",
+    "happy",
+    "tired",
+    "small",
+    "big",
+    "kind",
+    "shy",
+    "curious",
+    "hungry",
+    "sleepy",
+    "proud",
+    "gentle",
+]
 COLOURS = ["red", "blue", "green", "yellow", "brown", "white", "black", "grey"]
-PLACES = ["forest", "river", "garden", "village", "hill", "lake", "meadow", "barn", "bridge", "market", "castle",
-          "beach"]
-THINGS = ["apple", "ball", "book", "hat", "kite", "basket", "lamp", "key", "boat", "cake", "drum", "map", "shell",
-          "stone", "flower", "letter"]
+PLACES = [
+    "forest",
+    "river",
+    "garden",
+    "village",
+    "hill",
+    "lake",
+    "meadow",
+    "barn",
+    "bridge",
+    "market",
+    "castle",
+    "beach",
+]
+THINGS = [
+    "apple",
+    "ball",
+    "book",
+    "hat",
+    "kite",
+    "basket",
+    "lamp",
+    "key",
+    "boat",
+    "cake",
+    "drum",
+    "map",
+    "shell",
+    "stone",
+    "flower",
+    "letter",
+]
 WALK = ["walked", "ran", "hopped", "wandered", "hurried", "climbed", "went", "raced"]
 FEEL = ["happy", "sad", "surprised", "scared", "glad", "proud", "sleepy", "hungry"]
-TIMES = ["In the morning", "One day", "After lunch", "At night", "On a rainy day", "Later that day", "At sunset",
-         "Early in the spring"]
-WEATHER = ["The sun was warm.", "The wind was cold.", "It began to rain.", "The sky was clear and blue.",
-           "Snow fell on the roofs.", "The air smelled of bread."]
+TIMES = [
+    "In the morning",
+    "One day",
+    "After lunch",
+    "At night",
+    "On a rainy day",
+    "Later that day",
+    "At sunset",
+    "Early in the spring",
+]
+WEATHER = [
+    "The sun was warm.",
+    "The wind was cold.",
+    "It began to rain.",
+    "The sky was clear and blue.",
+    "Snow fell on the roofs.",
+    "The air smelled of bread.",
+]
 SAY = ["said", "asked", "whispered", "shouted", "called"]
 
 
@@ -55,19 +131,23 @@ class Story:
         return self.rng.choice(xs)
 
     def opening(self) -> str:
-        return self.c([
-            f"Once upon a time there was {a(self.adj)} {self.animal} who lived near the {self.place}.",
-            f"{self.hero} had {a(self.colour)} {self.thing} and {a(self.adj)} {self.animal}.",
-            f"{self.c(TIMES)}, {self.hero} {self.c(WALK)} to the {self.place} with {self.friend}.",
-        ])
+        return self.c(
+            [
+                f"Once upon a time there was {a(self.adj)} {self.animal} who lived near the {self.place}.",
+                f"{self.hero} had {a(self.colour)} {self.thing} and {a(self.adj)} {self.animal}.",
+                f"{self.c(TIMES)}, {self.hero} {self.c(WALK)} to the {self.place} with {self.friend}.",
+            ]
+        )
 
     def middle(self) -> str:
         r = self.rng.random()
         if r < 0.25:
             return f"{self.c(TIMES)}, the {self.animal} {self.c(WALK)} to the {self.c(PLACES)} to look for {a(self.c(THINGS))}."
         if r < 0.45:
-            return (f"\"Where is my {self.thing}?\" {self.c(SAY)} {self.hero}. "
-                    f"\"I saw it by the {self.c(PLACES)},\" {self.c(SAY)} {self.friend}.")
+            return (
+                f'"Where is my {self.thing}?" {self.c(SAY)} {self.hero}. '
+                f'"I saw it by the {self.c(PLACES)}," {self.c(SAY)} {self.friend}.'
+            )
         if r < 0.6:
             return self.c(WEATHER)
         if r < 0.75:
@@ -75,15 +155,17 @@ class Story:
         if r < 0.9:
             n = self.rng.randint(2, 9)
             return f"The {self.animal} found {n} {self.c(THINGS)}s and gave one to {self.friend}."
-        return f"\"Can we go to the {self.c(PLACES)} tomorrow?\" {self.c(SAY)} {self.friend}. \"Yes,\" said {self.hero}."
+        return f'"Can we go to the {self.c(PLACES)} tomorrow?" {self.c(SAY)} {self.friend}. "Yes," said {self.hero}.'
 
     def ending(self) -> str:
-        return self.c([
-            f"In the end, {self.hero} and the {self.animal} were {self.c(FEEL)} and went home.",
-            f"They found the {self.colour} {self.thing} under a tree, and everyone laughed.",
-            f"That night the {self.adj} {self.animal} slept well by the {self.place}.",
-            f"And so {self.hero} and {self.friend} became good friends.",
-        ])
+        return self.c(
+            [
+                f"In the end, {self.hero} and the {self.animal} were {self.c(FEEL)} and went home.",
+                f"They found the {self.colour} {self.thing} under a tree, and everyone laughed.",
+                f"That night the {self.adj} {self.animal} slept well by the {self.place}.",
+                f"And so {self.hero} and {self.friend} became good friends.",
+            ]
+        )
 
     def text(self) -> str:
         body = [self.middle() for _ in range(self.rng.randint(2, 5))]

@@ -76,7 +76,9 @@ class AttentionCall:
         if self.strategy not in CP_STRATEGIES:
             raise ValueError(f"AttentionCall({self.unit!r}): strategy {self.strategy!r} is not one of {CP_STRATEGIES}")
         if not isinstance(self.kv_width, int) or isinstance(self.kv_width, bool) or self.kv_width < 1:
-            raise ValueError(f"AttentionCall({self.unit!r}): kv_width must be an int >= 1 (kv_heads x head_dim), got {self.kv_width!r}")
+            raise ValueError(
+                f"AttentionCall({self.unit!r}): kv_width must be an int >= 1 (kv_heads x head_dim), got {self.kv_width!r}"
+            )
 
 
 def kv_bytes(a: AttentionCall, tokens: int, dtype: torch.dtype) -> int:
@@ -90,7 +92,9 @@ def kv_bytes(a: AttentionCall, tokens: int, dtype: torch.dtype) -> int:
     return 2 * tokens * a.kv_width * (a.dtype or dtype).itemsize
 
 
-def attention_entries(a: AttentionCall, cp: int, phase: str, tokens: int, dtype: torch.dtype, recompute: bool = False) -> list[tuple]:
+def attention_entries(
+    a: AttentionCall, cp: int, phase: str, tokens: int, dtype: torch.dtype, recompute: bool = False
+) -> list[tuple]:
     """``(kind, role, nbytes, dtype, purpose, tag)`` of one attention call in ``phase``
     (``"forward"`` or ``"backward"``), over ``cp`` ranks; ``recompute``: the unit's forward runs
     again in its backward (see [Note: what attention over cp issues]). Tags are those

@@ -97,16 +97,30 @@ class Role(str, enum.Enum):
 
 
 DEFAULT_ROLES: Mapping[str, Role] = {
-    "shard": Role.SHARD, "dp_shard": Role.SHARD, "dp": Role.SHARD, "fsdp": Role.SHARD, "edp": Role.SHARD, "efsdp": Role.SHARD,
-    "replicate": Role.REPLICATE, "dp_replicate": Role.REPLICATE, "ddp": Role.REPLICATE,
-    "tp": Role.TP, "ep": Role.EP, "cp": Role.CP, "pp": Role.PP,
+    "shard": Role.SHARD,
+    "dp_shard": Role.SHARD,
+    "dp": Role.SHARD,
+    "fsdp": Role.SHARD,
+    "edp": Role.SHARD,
+    "efsdp": Role.SHARD,
+    "replicate": Role.REPLICATE,
+    "dp_replicate": Role.REPLICATE,
+    "ddp": Role.REPLICATE,
+    "tp": Role.TP,
+    "ep": Role.EP,
+    "cp": Role.CP,
+    "pp": Role.PP,
 }
 
 
 # [Note: a 1-D mesh of another parallelism]: per role, the data-parallel axis it needs beside it,
 # whether that axis comes first in the mesh that says the same (size 1), and why it is needed.
 _PARTNER: Mapping[Role, tuple[str, bool, str]] = {
-    Role.EP: ("edp", False, "expert parallelism gathers each layer's experts over an expert data-parallel axis beside it"),
+    Role.EP: (
+        "edp",
+        False,
+        "expert parallelism gathers each layer's experts over an expert data-parallel axis beside it",
+    ),
     Role.PP: ("dp", False, "pipeline parallelism needs a data-parallel axis beside it"),
     Role.TP: ("dp", True, "tensor parallelism splits layers over it, beside a data-parallel axis"),
     Role.CP: ("dp", True, "context parallelism splits sequences over it, beside a data-parallel axis"),
@@ -117,9 +131,11 @@ def _one_dim_message(name: str, n: int, role: Role) -> str:
     partner, first, why = _PARTNER[role]
     shape, dims = ((1, n), (partner, name)) if first else ((n, 1), (name, partner))
     article = "an" if role is Role.EP else "a"
-    return (f"a 1-D mesh named {name!r} of {n} ranks is {article} {role.value} axis with nothing beside it: {why} "
-            f"(size 1 is fine). Build init_device_mesh('cpu', {shape}, mesh_dim_names={dims}) (or 'cuda'); "
-            "for plain sharding over every rank, name the axis 'dp'")
+    return (
+        f"a 1-D mesh named {name!r} of {n} ranks is {article} {role.value} axis with nothing beside it: {why} "
+        f"(size 1 is fine). Build init_device_mesh('cpu', {shape}, mesh_dim_names={dims}) (or 'cuda'); "
+        "for plain sharding over every rank, name the axis 'dp'"
+    )
 
 
 def _as_role(value: Any, where: str) -> Role:
@@ -155,7 +171,9 @@ class MeshAxes:
         object.__setattr__(self, "names", tuple(self.names))
         object.__setattr__(self, "roles", tuple(_as_role(r, "MeshAxes") for r in self.roles))
         if not (len(self.shape) == len(self.names) == len(self.roles)) or not self.shape:
-            raise ValueError(f"MeshAxes needs one name and one role per mesh dim, got shape {self.shape}, names {self.names}, roles {self.roles}")
+            raise ValueError(
+                f"MeshAxes needs one name and one role per mesh dim, got shape {self.shape}, names {self.names}, roles {self.roles}"
+            )
         if any(s < 1 for s in self.shape):
             raise ValueError(f"mesh dims must have >= 1 rank, got shape {self.shape}")
         if len(set(self.names)) != len(self.names):
@@ -163,11 +181,16 @@ class MeshAxes:
         for role in Role:
             dims = [n for n, r in zip(self.names, self.roles) if r is role]
             if len(dims) > 1:
-                raise ValueError(f"mesh axes {dims} all have role {role.value!r}; give each role to one axis (flatten them into one mesh dim)")
+                raise ValueError(
+                    f"mesh axes {dims} all have role {role.value!r}; give each role to one axis (flatten them into one mesh dim)"
+                )
         if Role.SHARD not in self.roles:
-            example = ("init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))" if Role.CP not in self.roles else
-                       f"init_device_mesh('cpu', {(1, *self.shape)}, mesh_dim_names={('dp', *self.names)}): FSDP then "
-                       "shards over dp x cp")
+            example = (
+                "init_device_mesh('cpu', (1, tp), mesh_dim_names=('dp', 'tp'))"
+                if Role.CP not in self.roles
+                else f"init_device_mesh('cpu', {(1, *self.shape)}, mesh_dim_names={('dp', *self.names)}): FSDP then "
+                "shards over dp x cp"
+            )
             raise ValueError(
                 f"mesh {dict(zip(self.names, self.shape))} has no data-parallel shard axis; add one (size 1 is fine), "
                 f"e.g. {example}"
@@ -177,8 +200,11 @@ class MeshAxes:
             tp = [n for n, r in zip(self.names, self.roles) if r is Role.TP]
             rep = self.dim(Role.REPLICATE)
             if tp or (rep is not None and rep != 0):
-                why = (f"axis {tp[0]!r} (tp) cannot be combined with it yet" if tp else
-                       f"a replicate axis ({self.names[cast(int, rep)]!r}) must be the first mesh dim, outside {ep!r} and the shard axis")
+                why = (
+                    f"axis {tp[0]!r} (tp) cannot be combined with it yet"
+                    if tp
+                    else f"a replicate axis ({self.names[cast(int, rep)]!r}) must be the first mesh dim, outside {ep!r} and the shard axis"
+                )
                 raise NotImplementedError(
                     f"mesh {dict(zip(self.names, self.shape))}: expert parallelism (axis {ep!r}) runs beside a data-parallel "
                     f"shard axis and, optionally, a replicate axis before both; {why}. Use a mesh such as "
@@ -251,7 +277,9 @@ class MeshAxes:
         else:
             names, sizes = None, tuple(shape)
         if not sizes or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in sizes):
-            raise ValueError(f"an abstract mesh is a tuple of positive ints like (W,) or (R, W), or a dict like {{'dp': 2, 'tp': 2}}, got {shape!r}")
+            raise ValueError(
+                f"an abstract mesh is a tuple of positive ints like (W,) or (R, W), or a dict like {{'dp': 2, 'tp': 2}}, got {shape!r}"
+            )
         return cls.from_names(sizes, names, axes)
 
     @classmethod
@@ -350,7 +378,10 @@ class MeshAxes:
 
     def describe(self) -> str:
         """``"dp=2 (shard) x tp=2 (tp)"``."""
-        return " x ".join(f"{n}={s}" + ("" if n == r.value else f" ({r.value})") for n, s, r in zip(self.names, self.shape, self.roles))
+        return " x ".join(
+            f"{n}={s}" + ("" if n == r.value else f" ({r.value})")
+            for n, s, r in zip(self.names, self.shape, self.roles)
+        )
 
     def to_dict(self) -> dict:
         return {"shape": list(self.shape), "dim_names": list(self.names), "roles": [r.value for r in self.roles]}

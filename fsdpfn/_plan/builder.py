@@ -60,7 +60,9 @@ def _select_units(model: nn.Module, units: UnitsArg) -> list[str]:
             if not isinstance(name, str):
                 raise ValueError(f"units must be module names (str), got {name!r}")
             if name not in modules:
-                raise ValueError(f"unit {name!r} names no module of {type(model).__name__}{_did_you_mean(name, list(modules))}")
+                raise ValueError(
+                    f"unit {name!r} names no module of {type(model).__name__}{_did_you_mean(name, list(modules))}"
+                )
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"units lists {dupes} more than once; name each module once")
@@ -90,11 +92,15 @@ def _strategy_for(strategy: StrategyArg, unit_names: list[str]) -> dict[str, str
             continue
         unit = labels.get(key, key)
         if unit not in out:
-            raise ValueError(f"strategy names unit {key!r}, which is not a unit of this plan{_did_you_mean(key, unit_names)}")
+            raise ValueError(
+                f"strategy names unit {key!r}, which is not a unit of this plan{_did_you_mean(key, unit_names)}"
+            )
         out[unit] = value
     for unit, value in out.items():
         if value not in STRATEGIES:
-            raise ValueError(f"unknown strategy {value!r} for unit {unit_label(unit)!r}; choose one of {', '.join(STRATEGIES)}")
+            raise ValueError(
+                f"unknown strategy {value!r} for unit {unit_label(unit)!r}; choose one of {', '.join(STRATEGIES)}"
+            )
     return out
 
 
@@ -124,7 +130,9 @@ def _axes_of(mesh, axes: Mapping[str, Any] | None) -> tuple[MeshAxes, tuple[str,
         names = parsed.names if isinstance(mesh, Mapping) or len(parsed.shape) != 1 else None
         return parsed, names, None
     if not hasattr(mesh, "mesh") or not hasattr(mesh, "mesh_dim_names"):
-        raise ValueError(f"mesh must be a torch DeviceMesh, a shape tuple like (W,) or a dict like {{'dp': 2, 'tp': 2}}, got {type(mesh).__name__}")
+        raise ValueError(
+            f"mesh must be a torch DeviceMesh, a shape tuple like (W,) or a dict like {{'dp': 2, 'tp': 2}}, got {type(mesh).__name__}"
+        )
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     return MeshAxes.from_mesh(mesh, axes), names, mesh
 
@@ -179,7 +187,8 @@ def _check_has_attention(model: nn.Module, axes: MeshAxes) -> None:
         f"the mesh {axes.describe()} splits each sequence over {axes.cp_size} ranks (axis {cp!r}), but model "
         f"{type(model).__name__} has no attention (no module class named for it, no forward that mentions attention or "
         f"softmax), the one layer that joins the parts of a sequence; use those ranks as data-parallel ones instead "
-        f"(fold {cp!r} into the shard axis)")
+        f"(fold {cp!r} into the shard axis)"
+    )
 
 
 def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
@@ -187,7 +196,9 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
     if tp is None:
         return {}
     if not isinstance(tp, Mapping):
-        raise ValueError(f"tp must be a dict {{module name pattern: style}}, e.g. {{'blocks.*.fc': 'colwise'}}, got {type(tp).__name__}")
+        raise ValueError(
+            f"tp must be a dict {{module name pattern: style}}, e.g. {{'blocks.*.fc': 'colwise'}}, got {type(tp).__name__}"
+        )
     modules = dict(model.named_modules())
     choices = TP_MODULE_STYLES + ("replicate",)
     for pattern, style in tp.items():
@@ -394,38 +405,70 @@ def plan(
         # Experts are split along dim 0 over ep; everything else is replicated over it (and over
         # tp unless tp= splits its module).
         ep = AxisPlacement(Role.EP, ep_size, Shard(0) if name in expert_of else Replicate())
-        owned[owner].append(ParamSpec(name, tuple(p.shape), p.dtype, placements=(ep, AxisPlacement(Role.TP, tp_size, placement))))
+        owned[owner].append(
+            ParamSpec(name, tuple(p.shape), p.dtype, placements=(ep, AxisPlacement(Role.TP, tp_size, placement)))
+        )
 
     fp8 = _fp8_params(model, mp, owned, strategies, unit_names) if mp.fp8 is not None else {}
     if remat is not None and not isinstance(remat, (str, Mapping)):
-        raise ValueError(f"remat must be a policy name or a dict {{unit name pattern: policy}}, got {type(remat).__name__}")
+        raise ValueError(
+            f"remat must be a policy name or a dict {{unit name pattern: policy}}, got {type(remat).__name__}"
+        )
     if offload is not None and not isinstance(offload, (bool, Mapping)):
-        raise ValueError(f"offload must be True, False or a dict {{unit name pattern: bool}}, got {type(offload).__name__}")
+        raise ValueError(
+            f"offload must be True, False or a dict {{unit name pattern: bool}}, got {type(offload).__name__}"
+        )
     remats = _per_unit(remat, dense_names, "remat", "none", "none")  # the root keeps its activations
     offloads = _per_unit(offload, unit_names, "offload", False, None)
     built = tuple(
-        Unit(u, Strategy(strategies[u]), tuple(owned[u]), rows_size(owned[u], mesh_axes),
-             fp8.get(u, ()), remats.get(u, "none"), offloads[u], u in expert_units, top_k.get(u, 0))
+        Unit(
+            u,
+            Strategy(strategies[u]),
+            tuple(owned[u]),
+            rows_size(owned[u], mesh_axes),
+            fp8.get(u, ()),
+            remats.get(u, "none"),
+            offloads[u],
+            u in expert_units,
+            top_k.get(u, 0),
+        )
         for u in unit_names
         if owned[u]
     )
     if tp_styles:
         check_tp_layout(model, tp or {}, tp_styles, tp_size)
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
-    return Plan(built, mesh_axes.shape, names, mp, mesh, roles, tuple(tp_styles.items()),
-                _stages_of(built, mesh_axes, stages, stage_costs))
+    return Plan(
+        built,
+        mesh_axes.shape,
+        names,
+        mp,
+        mesh,
+        roles,
+        tuple(tp_styles.items()),
+        _stages_of(built, mesh_axes, stages, stage_costs),
+    )
 
 
 def _stages_of(units, axes: MeshAxes, stages, stage_costs):
     if Role.PP not in axes.roles:
         if stages is not None or stage_costs is not None:
-            raise ValueError(f"stages= / stage_costs= split the model into pipeline stages, but the mesh {axes.describe()} has no "
-                             "'pp' axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))")
+            raise ValueError(
+                f"stages= / stage_costs= split the model into pipeline stages, but the mesh {axes.describe()} has no "
+                "'pp' axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))"
+            )
         return None
     if stage_costs is not None and not (stages is None or isinstance(stages, int)):
-        raise ValueError("stage_costs= balances a split by cost; it cannot be combined with stages=[[...], ...], a split by name")
-    return split_stages([(u.name, [p.name for p in u.params]) for u in units], axes.pp_size, stages, costs=stage_costs,
-                        numels={u.name: sum(p.global_numel for p in u.params) for u in units})
+        raise ValueError(
+            "stage_costs= balances a split by cost; it cannot be combined with stages=[[...], ...], a split by name"
+        )
+    return split_stages(
+        [(u.name, [p.name for p in u.params]) for u in units],
+        axes.pp_size,
+        stages,
+        costs=stage_costs,
+        numels={u.name: sum(p.global_numel for p in u.params) for u in units},
+    )
 
 
 def _expert_params(model: nn.Module, experts, ep_size: int) -> tuple[dict[str, str], dict[str, int]]:
@@ -437,24 +480,28 @@ def _expert_params(model: nn.Module, experts, ep_size: int) -> tuple[dict[str, s
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     if experts is None:
         found = {
-            f"{m}.{leaf}" if m else leaf: m
-            for m, mod in modules.items()
-            for leaf in getattr(mod, "expert_params", ())
+            f"{m}.{leaf}" if m else leaf: m for m, mod in modules.items() for leaf in getattr(mod, "expert_params", ())
         }
         top_k = {m: int(getattr(modules[m], "top_k", 0) or 0) for m in set(found.values())}
     else:
         if isinstance(experts, str) or not all(isinstance(e, str) for e in experts):
-            raise ValueError(f"experts must be a list of parameter name patterns (str), e.g. ['blocks.*.moe.w1'], got {experts!r}")
+            raise ValueError(
+                f"experts must be a list of parameter name patterns (str), e.g. ['blocks.*.moe.w1'], got {experts!r}"
+            )
         found, top_k = {}, {}
         ks = experts if isinstance(experts, Mapping) else dict.fromkeys(experts, 0)
         for pattern, k in ks.items():
             if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-                raise ValueError(f"experts[{pattern!r}] = {k!r}: give each pattern the top_k of its router (an int >= 1)")
+                raise ValueError(
+                    f"experts[{pattern!r}] = {k!r}: give each pattern the top_k of its router (an int >= 1)"
+                )
         for name, pattern in first_match(ks, names, "experts", f"parameter of {type(model).__name__}").items():
             found[name] = module = name.rpartition(".")[0]
             if top_k.setdefault(module, ks[pattern]) != ks[pattern]:
-                raise ValueError(f"experts gives the weights of one layer {module!r} two top_k values ({top_k[module]} and "
-                                 f"{ks[pattern]}, {pattern!r} for {name!r}); a layer's router has one top_k")
+                raise ValueError(
+                    f"experts gives the weights of one layer {module!r} two top_k values ({top_k[module]} and "
+                    f"{ks[pattern]}, {pattern!r} for {name!r}); a layer's router has one top_k"
+                )
     if not found:
         raise ValueError(
             f"the mesh has an expert-parallel axis, but {type(model).__name__} has no expert weights (no module lists "
@@ -463,7 +510,9 @@ def _expert_params(model: nn.Module, experts, ep_size: int) -> tuple[dict[str, s
         )
     for name, module in found.items():
         if not module:
-            raise ValueError(f"expert parameter {name!r} belongs to the model itself; expert weights must live in a submodule (their unit)")
+            raise ValueError(
+                f"expert parameter {name!r} belongs to the model itself; expert weights must live in a submodule (their unit)"
+            )
         whole = getattr(modules[module], "num_experts", None)
         shape = tuple(dict(model.named_parameters(remove_duplicate=False))[name].shape)
         if whole is not None and shape[:1] != (whole,):
@@ -513,8 +562,14 @@ def _check_expert_layers(model: nn.Module, found: dict[str, str], ep_size: int) 
         mod, leaf = modules[module], name.rpartition(".")[2]
         kind = type(mod).__name__
         if not shapes[name]:
-            raise ValueError(f"expert parameter {name!r} is 0-d; an expert weight packs its experts along dim 0. Leave it out of experts=")
-        if type(mod).__module__.startswith("torch.nn.") and type(mod) is not nn.Module and not isinstance(mod, _CONTAINERS):
+            raise ValueError(
+                f"expert parameter {name!r} is 0-d; an expert weight packs its experts along dim 0. Leave it out of experts="
+            )
+        if (
+            type(mod).__module__.startswith("torch.nn.")
+            and type(mod) is not nn.Module
+            and not isinstance(mod, _CONTAINERS)
+        ):
             raise ValueError(
                 f"experts= selects {name!r}, the {leaf} of the nn.{kind} {module!r}: an expert parameter is a packed "
                 f"per-expert tensor (dim 0 the expert index, each rank given only its experts' slices), and a torch "
@@ -560,8 +615,13 @@ def _with_expert_units(dense: list[str], expert_units: list[str]) -> list[str]:
     return out
 
 
-def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[ParamSpec]], strategies: dict[str, str],
-                unit_names: list[str]) -> dict[str, tuple[str, ...]]:
+def _fp8_params(
+    model: nn.Module,
+    mp: MixedPrecision,
+    owned: dict[str, list[ParamSpec]],
+    strategies: dict[str, str],
+    unit_names: list[str],
+) -> dict[str, tuple[str, ...]]:
     """Each unit's parameters gathered in FP8 under ``mp.fp8``, with every setting that cannot
     work refused here, on every rank, before any collective."""
     policy = mp.fp8
@@ -581,14 +641,17 @@ def _fp8_params(model: nn.Module, mp: MixedPrecision, owned: dict[str, list[Para
         for label in policy.units:
             unit = ROOT if label == ROOT_LABEL else label
             if unit not in unit_names:
-                raise ValueError(f"Float8GatherPolicy(units=...) names {label!r}, which is not a unit of this plan{_did_you_mean(label, [unit_label(u) for u in unit_names])}")
+                raise ValueError(
+                    f"Float8GatherPolicy(units=...) names {label!r}, which is not a unit of this plan{_did_you_mean(label, [unit_label(u) for u in unit_names])}"
+                )
             chosen.add(unit)
     out: dict[str, tuple[str, ...]] = {}
     for u in unit_names:
         if u not in chosen:
             continue
         eligible = tuple(
-            p.name for p in owned[u]
+            p.name
+            for p in owned[u]
             if len(p.shape) >= 2 and p.numel > 0 and id(by_name[p.name]) not in embedded and not policy.excludes(p.name)
         )
         if not eligible:

@@ -23,7 +23,15 @@ from fsdpfn._plan.attention import AttentionCall, kv_bytes
 from fsdpfn._plan.values import PlanValues, _human
 from fsdpfn._plan.schedule import Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
-from fsdpfn._plan.steps import Collective, CollectiveCost, static_memory, step_collectives, step_ops, totals, unsharded_peak
+from fsdpfn._plan.steps import (
+    Collective,
+    CollectiveCost,
+    static_memory,
+    step_collectives,
+    step_ops,
+    totals,
+    unsharded_peak,
+)
 
 __all__ = ["CollectiveCost", "PlanCost", "plan_cost"]
 
@@ -87,27 +95,45 @@ class PlanCost:
         if tp:
             t = totals(tp, lambda c: "tp")["tp"]
             if self.tokens is None:
-                lines.append(f"  of which {t.calls} activation collectives (tensor, expert or context parallel), listed with 0 bytes: "
-                             "pass cost(tokens=...) (tokens per rank per micro-batch) to count them")
+                lines.append(
+                    f"  of which {t.calls} activation collectives (tensor, expert or context parallel), listed with 0 bytes: "
+                    "pass cost(tokens=...) (tokens per rank per micro-batch) to count them"
+                )
             else:
-                lines.append(f"  of which activations over tp, ep and cp ({self.tokens:,} tokens per rank per micro-batch): "
-                             f"{t.calls} calls, {_human(t.nbytes)} buffers, {_human(t.wire_bytes)} sent")
+                lines.append(
+                    f"  of which activations over tp, ep and cp ({self.tokens:,} tokens per rank per micro-batch): "
+                    f"{t.calls} calls, {_human(t.nbytes)} buffers, {_human(t.wire_bytes)} sent"
+                )
         lines.append("memory per rank: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
         return "\n".join(lines)
 
 
-def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-              micro_batches: int = 1, accumulate: str = "reduce", schedule: Schedule | None = None,
-              attention: tuple[AttentionCall, ...] = ()) -> PlanCost:
+def plan_cost(
+    plan: PlanValues,
+    reshard_after_forward: bool | None = None,
+    prefetch: int = 1,
+    *,
+    tokens: int | None = None,
+    micro_batches: int = 1,
+    accumulate: str = "reduce",
+    schedule: Schedule | None = None,
+    attention: tuple[AttentionCall, ...] = (),
+) -> PlanCost:
     """:meth:`fsdpfn.Plan.cost` (see there)."""
     attention = tuple(attention)
     if schedule is not None:
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be an fsdpfn.runtime.Schedule, got {type(schedule).__name__}")
         validate(schedule, plan)
-    calls: tuple[Collective, ...] = step_collectives(plan, schedule=schedule, reshard_after_forward=reshard_after_forward,
-                                                     micro_batches=micro_batches, accumulate=accumulate, tokens=tokens,
-                                                     attention=attention)
+    calls: tuple[Collective, ...] = step_collectives(
+        plan,
+        schedule=schedule,
+        reshard_after_forward=reshard_after_forward,
+        micro_batches=micro_batches,
+        accumulate=accumulate,
+        tokens=tokens,
+        attention=attention,
+    )
     kinds = {k: CollectiveCost() for k in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds.update(totals(calls))
     # The unsharded peak walks the gathers and frees of the ops the runtime runs, every
@@ -118,6 +144,7 @@ def plan_cost(plan: PlanValues, reshard_after_forward: bool | None = None, prefe
     mem = {**static_memory(plan), "unsharded_peak": unsharded_peak(plan, ops)}
     if plan.cp_size > 1 and attention:
         units = {u.name: u for u in plan.units}
-        mem["attention_kv"] = sum(plan.cp_size * kv_bytes(a, tokens or 0, plan.gather_dtype(units[a.unit])) for a in attention)
+        mem["attention_kv"] = sum(
+            plan.cp_size * kv_bytes(a, tokens or 0, plan.gather_dtype(units[a.unit])) for a in attention
+        )
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem, calls, tokens)
-

@@ -48,7 +48,6 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-
 def _param_dict(p: Any) -> dict:
     # Placements are written in the words formats 3 and 4 used (P.legacy_fields), only where they
     # differ from the default, so a plan's JSON and fingerprint are what earlier versions wrote.
@@ -70,10 +69,18 @@ def plan_to_dict(plan: Any) -> dict:
       >>> plan_to_dict(plan)["format"]
       1
     """
-    legacy = plan.axes.legacy and not plan.tp and plan.mesh_roles is None and all(u.remat == "none" and not u.offload for u in plan.units)
+    legacy = (
+        plan.axes.legacy
+        and not plan.tp
+        and plan.mesh_roles is None
+        and all(u.remat == "none" and not u.offload for u in plan.units)
+    )
     d: dict[str, Any] = {
         "format": FORMAT_PLAIN,
-        "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
+        "mesh": {
+            "shape": list(plan.mesh_shape),
+            "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None,
+        },
         "mp": {"param_dtype": _dtype_name(plan.mp.param_dtype), "reduce_dtype": _dtype_name(plan.mp.reduce_dtype)},
         "units": [
             {
@@ -110,7 +117,6 @@ def plan_to_dict(plan: Any) -> dict:
         d["format"] = FORMAT_PP
         d["pp_stage"] = list(plan.pp_stage)
     return d
-
 
 
 def plan_fingerprint(plan: Any) -> str:

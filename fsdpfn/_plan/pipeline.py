@@ -59,8 +59,17 @@ from fsdpfn._plan.schedule import GradState, Op, OpKind, ScheduleError, UnitStat
 from fsdpfn._plan.stages import Stages
 from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
-__all__ = ["PIPELINE_SCHEDULES", "PipeKind", "PipeOp", "PipelineSchedule", "PipelineTimes", "forward_only", "pipeline_schedule",
-           "pipeline_times", "validate_pipeline"]
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "PipeKind",
+    "PipeOp",
+    "PipelineSchedule",
+    "PipelineTimes",
+    "forward_only",
+    "pipeline_schedule",
+    "pipeline_times",
+    "validate_pipeline",
+]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -87,8 +96,12 @@ class PipeKind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_INPUT,
-                        PipeKind.STAGE_BACKWARD_WEIGHT)
+        return self in (
+            PipeKind.STAGE_FORWARD,
+            PipeKind.STAGE_BACKWARD,
+            PipeKind.STAGE_BACKWARD_INPUT,
+            PipeKind.STAGE_BACKWARD_WEIGHT,
+        )
 
     @property
     def computes_input_grad(self) -> bool:
@@ -128,8 +141,9 @@ class PipeOp:
             try:
                 object.__setattr__(self, "kind", PipeKind(self.kind))
             except ValueError:
-                raise ScheduleError(f"unknown pipeline op kind {self.kind!r}; choose one of "
-                                    f"{', '.join(k.value for k in PipeKind)}") from None
+                raise ScheduleError(
+                    f"unknown pipeline op kind {self.kind!r}; choose one of {', '.join(k.value for k in PipeKind)}"
+                ) from None
         for field in ("stage", "micro"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -144,8 +158,12 @@ class PipeOp:
 
     def partner(self) -> "PipeOp":
         """The op on the peer that a send or recv pairs with."""
-        swap = {PipeKind.SEND_ACT: PipeKind.RECV_ACT, PipeKind.RECV_ACT: PipeKind.SEND_ACT,
-                PipeKind.SEND_GRAD: PipeKind.RECV_GRAD, PipeKind.RECV_GRAD: PipeKind.SEND_GRAD}
+        swap = {
+            PipeKind.SEND_ACT: PipeKind.RECV_ACT,
+            PipeKind.RECV_ACT: PipeKind.SEND_ACT,
+            PipeKind.SEND_GRAD: PipeKind.RECV_GRAD,
+            PipeKind.RECV_GRAD: PipeKind.SEND_GRAD,
+        }
         return PipeOp(swap[self.kind], self.peer_stage, self.micro)
 
     def __str__(self) -> str:
@@ -153,7 +171,9 @@ class PipeOp:
 
 
 AnyOp = Union[PipeOp, Op]
-_FSDP_ACTIONS = frozenset({OpKind.GATHER, OpKind.WAIT, OpKind.FREE, OpKind.REDUCE, OpKind.WAIT_REDUCE, OpKind.COPY_IN, OpKind.COPY_OUT})
+_FSDP_ACTIONS = frozenset(
+    {OpKind.GATHER, OpKind.WAIT, OpKind.FREE, OpKind.REDUCE, OpKind.WAIT_REDUCE, OpKind.COPY_IN, OpKind.COPY_OUT}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +229,14 @@ class PipelineSchedule:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"PipelineSchedule: {name} must be an int >= 1, got {value!r}")
         if self.num_stages % self.pp_size:
-            raise ScheduleError(f"PipelineSchedule: {self.num_stages} stages over {self.pp_size} pp ranks; the stages must be a "
-                                "multiple of the pp size")
+            raise ScheduleError(
+                f"PipelineSchedule: {self.num_stages} stages over {self.pp_size} pp ranks; the stages must be a "
+                "multiple of the pp size"
+            )
         if len(self.ranks) != self.pp_size:
-            raise ScheduleError(f"PipelineSchedule: {len(self.ranks)} op lists for pp={self.pp_size}; give one per pp rank")
+            raise ScheduleError(
+                f"PipelineSchedule: {len(self.ranks)} op lists for pp={self.pp_size}; give one per pp rank"
+            )
         for r, ops in enumerate(self.ranks):
             for i, op in enumerate(ops):
                 if not isinstance(op, (PipeOp, Op)):
@@ -227,8 +251,10 @@ class PipelineSchedule:
         return self.rank_of(op.peer_stage)
 
     def __str__(self) -> str:
-        lines = [f"Pipeline schedule {self.name} for plan {self.plan_fingerprint} (pp={self.pp_size}, stages={self.num_stages}, "
-                 f"micro_batches={self.micro_batches}):"]
+        lines = [
+            f"Pipeline schedule {self.name} for plan {self.plan_fingerprint} (pp={self.pp_size}, stages={self.num_stages}, "
+            f"micro_batches={self.micro_batches}):"
+        ]
         for r, ops in enumerate(self.ranks):
             lines.append(f"rank {r}:")
             width = len(str(max(len(ops) - 1, 0)))
@@ -245,10 +271,18 @@ class PipelineSchedule:
         """Parses :meth:`__str__`'s output; op numbers and ``#`` comments are optional and
         ignored, so a printed schedule can be edited as text and loaded back."""
         lines = [ln.split("#", 1)[0].strip() for ln in text.strip().splitlines()]
-        head = re.match(r"Pipeline schedule (\S+) for plan (\S+) \(pp=(\d+), stages=(\d+), micro_batches=(\d+)\):", lines[0]) if lines else None
+        head = (
+            re.match(
+                r"Pipeline schedule (\S+) for plan (\S+) \(pp=(\d+), stages=(\d+), micro_batches=(\d+)\):", lines[0]
+            )
+            if lines
+            else None
+        )
         if head is None:
-            raise ScheduleError("pipeline schedule text must start with 'Pipeline schedule <name> for plan <fingerprint> "
-                                "(pp=<p>, stages=<s>, micro_batches=<m>):'")
+            raise ScheduleError(
+                "pipeline schedule text must start with 'Pipeline schedule <name> for plan <fingerprint> "
+                "(pp=<p>, stages=<s>, micro_batches=<m>):'"
+            )
         ranks: list[list[AnyOp]] = []
         for n, ln in enumerate(lines[1:], start=2):
             if not ln:
@@ -266,13 +300,24 @@ class PipelineSchedule:
                 parts = parts[1:]
             stage_op = re.fullmatch(r"s(\d+) m(\d+)", " ".join(parts[1:]))
             if len(parts) == 3 and stage_op:
-                ranks[-1].append(PipeOp(PipeKind(parts[0]) if parts[0] in _PIPE_NAMES else parts[0],  # type: ignore[arg-type]
-                                        int(stage_op.group(1)), int(stage_op.group(2))))
+                ranks[-1].append(
+                    PipeOp(
+                        PipeKind(parts[0]) if parts[0] in _PIPE_NAMES else parts[0],  # type: ignore[arg-type]
+                        int(stage_op.group(1)),
+                        int(stage_op.group(2)),
+                    )
+                )
             elif len(parts) == 2 and parts[0] not in _PIPE_NAMES:
-                ranks[-1].append(Op(OpKind(parts[0]) if parts[0] in _OP_NAMES else parts[0],  # type: ignore[arg-type]
-                                    ROOT if parts[1] == ROOT_LABEL else parts[1]))
+                ranks[-1].append(
+                    Op(
+                        OpKind(parts[0]) if parts[0] in _OP_NAMES else parts[0],  # type: ignore[arg-type]
+                        ROOT if parts[1] == ROOT_LABEL else parts[1],
+                    )
+                )
             else:
-                raise ScheduleError(f"line {n}: cannot parse {ln!r}; expected '<kind> s<stage> m<micro-batch>' or '<action> <unit>'")
+                raise ScheduleError(
+                    f"line {n}: cannot parse {ln!r}; expected '<kind> s<stage> m<micro-batch>' or '<action> <unit>'"
+                )
         p, s, m = (int(head.group(i)) for i in (3, 4, 5))
         return cls(head.group(1), head.group(2), p, s, m, tuple(tuple(ops) for ops in ranks))
 
@@ -405,8 +450,9 @@ def _with_fsdp(ops: list[PipeOp], plan: PlanValues, stages: Stages, prefetch: in
     return out
 
 
-def pipeline_schedule(plan_or_stages: "PlanValues | Stages", name: str = "1f1b", micro_batches: int = 8, *,
-                      prefetch: int = 1) -> PipelineSchedule:
+def pipeline_schedule(
+    plan_or_stages: "PlanValues | Stages", name: str = "1f1b", micro_batches: int = 8, *, prefetch: int = 1
+) -> PipelineSchedule:
     """Generates every pp rank's op list for one step of ``micro_batches`` micro-batches.
 
     Args:
@@ -444,20 +490,30 @@ def pipeline_schedule(plan_or_stages: "PlanValues | Stages", name: str = "1f1b",
     plan = plan_or_stages if isinstance(plan_or_stages, PlanValues) else None
     stages = plan.stages if plan is not None else plan_or_stages
     if not isinstance(stages, Stages):
-        what = "a plan without pipeline stages (its mesh has no 'pp' axis)" if plan is not None else type(plan_or_stages).__name__
-        raise ValueError(f"pipeline_schedule needs a pipelined plan or fsdpfn.Stages, got {what}; build the plan on a mesh with "
-                         "a pp axis, e.g. fsdpfn.plan(model, {'pp': 2, 'dp': 1}, units=[...])")
+        what = (
+            "a plan without pipeline stages (its mesh has no 'pp' axis)"
+            if plan is not None
+            else type(plan_or_stages).__name__
+        )
+        raise ValueError(
+            f"pipeline_schedule needs a pipelined plan or fsdpfn.Stages, got {what}; build the plan on a mesh with "
+            "a pp axis, e.g. fsdpfn.plan(model, {'pp': 2, 'dp': 1}, units=[...])"
+        )
     if name not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
     p, v, m = stages.pp_size, stages.virtual, micro_batches
     if name in ("1f1b", "zero_bubble") and v > 1:
-        raise ValueError(f"{name} runs one stage per pp rank, but the plan has {v} virtual stages per rank "
-                         f"({stages.num_stages} stages over pp={p}); use 'interleaved_1f1b', or build the plan with stages={p}")
+        raise ValueError(
+            f"{name} runs one stage per pp rank, but the plan has {v} virtual stages per rank "
+            f"({stages.num_stages} stages over pp={p}); use 'interleaved_1f1b', or build the plan with stages={p}"
+        )
     if name == "interleaved_1f1b" and m % p:
-        raise ValueError(f"interleaved_1f1b sends micro-batches through each virtual stage in groups of pp={p}; micro_batches="
-                         f"{m} is not a multiple of {p}. Use micro_batches={(m // p + 1) * p}")
+        raise ValueError(
+            f"interleaved_1f1b sends micro-batches through each virtual stage in groups of pp={p}; micro_batches="
+            f"{m} is not a multiple of {p}. Use micro_batches={(m // p + 1) * p}"
+        )
     ranks = []
     for r in range(p):
         ops: list[AnyOp] = list(_with_p2p(_compute_order(name, p, v, m, r), p, stages.num_stages))
@@ -544,57 +600,109 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
     grads = dict.fromkeys(units, GradState.PENDING)
     backs = {s: 0 for s in _stages_on(ps, r)}
     ops = ps.ranks[r]
-    input_halves = {op for op in ops if isinstance(op, PipeOp) and op.kind is BI}  # to name the op a send_grad waits for
+    input_halves = {
+        op for op in ops if isinstance(op, PipeOp) and op.kind is BI
+    }  # to name the op a send_grad waits for
     for i, op in enumerate(ops):
         if isinstance(op, Op):
             if op.kind not in _FSDP_ACTIONS:
-                raise _fail(r, i, op, "per-unit events have no place in a pipeline list (the stage ops run them); keep only "
-                                      "gather, wait, free, reduce, wait_reduce, copy_in and copy_out")
+                raise _fail(
+                    r,
+                    i,
+                    op,
+                    "per-unit events have no place in a pipeline list (the stage ops run them); keep only "
+                    "gather, wait, free, reduce, wait_reduce, copy_in and copy_out",
+                )
             if stages is None:
-                raise _fail(r, i, op, "FSDP actions need a schedule made for a plan (plan fingerprint '-' has no units)")
+                raise _fail(
+                    r, i, op, "FSDP actions need a schedule made for a plan (plan fingerprint '-' has no units)"
+                )
             if op.unit not in params:
-                raise _fail(r, i, op, f"unit {unit_label(op.unit)!r} is not in the plan's stages; units: {', '.join(map(unit_label, units))}")
+                raise _fail(
+                    r,
+                    i,
+                    op,
+                    f"unit {unit_label(op.unit)!r} is not in the plan's stages; units: {', '.join(map(unit_label, units))}",
+                )
             s = stages.stage_of(op.unit)
             if ps.rank_of(s) != r:
-                raise _fail(r, i, op, f"unit {unit_label(op.unit)!r} is in stage {s}, on rank {ps.rank_of(s)}; move the op there")
+                raise _fail(
+                    r,
+                    i,
+                    op,
+                    f"unit {unit_label(op.unit)!r} is in stage {s}, on rank {ps.rank_of(s)}; move the op there",
+                )
             _fsdp_step(r, i, op, params, grads, backs[s], m)
             continue
         s, mb = op.stage, op.micro
         if s >= S or mb >= m:
-            raise _fail(r, i, op, f"stage {s} / micro-batch {mb} out of range (stages 0..{S - 1}, micro-batches 0..{m - 1})")
+            raise _fail(
+                r, i, op, f"stage {s} / micro-batch {mb} out of range (stages 0..{S - 1}, micro-batches 0..{m - 1})"
+            )
         if ps.rank_of(s) != r:
-            raise _fail(r, i, op, f"stage {s} runs on rank {ps.rank_of(s)}, not rank {r}; move the op to rank {ps.rank_of(s)}'s list")
+            raise _fail(
+                r,
+                i,
+                op,
+                f"stage {s} runs on rank {ps.rank_of(s)}, not rank {r}; move the op to rank {ps.rank_of(s)}'s list",
+            )
         if op.kind.is_send or op.kind.is_recv:
             if not 0 <= op.peer_stage < S:
-                raise _fail(r, i, op, f"stage {s} has no {'next' if op.peer_stage > s else 'previous'} stage to talk to; remove the op")
+                raise _fail(
+                    r,
+                    i,
+                    op,
+                    f"stage {s} has no {'next' if op.peer_stage > s else 'previous'} stage to talk to; remove the op",
+                )
             if ps.rank_of(op.peer_stage) == r:
-                raise _fail(r, i, op, f"stages {s} and {op.peer_stage} are both on rank {r}: they pass data in memory; remove the op")
+                raise _fail(
+                    r,
+                    i,
+                    op,
+                    f"stages {s} and {op.peer_stage} are both on rank {r}: they pass data in memory; remove the op",
+                )
         if op in done:
             raise _fail(r, i, op, f"appears twice (first at op #{done[op]}); each happens once per step")
         if op.kind is F and s > 0:
             need = PipeOp(F, s - 1, mb) if ps.rank_of(s - 1) == r else PipeOp(PipeKind.RECV_ACT, s, mb)
             if need not in done:
-                raise _fail(r, i, op, f"uses the activation of micro-batch {mb} before it arrives; put '{need}' before it")
+                raise _fail(
+                    r, i, op, f"uses the activation of micro-batch {mb} before it arrives; put '{need}' before it"
+                )
         if op.kind in (B, BI, BW):
             # a micro-batch's backward is whole or split in two, not both
             other = [PipeOp(k, s, mb) for k in ((BI, BW) if op.kind is B else (B,)) if PipeOp(k, s, mb) in done]
             if other:
-                raise _fail(r, i, op, f"'{other[0]}' already ran (op #{done[other[0]]}); a micro-batch's backward is either one "
-                                      f"'stage_backward s{s} m{mb}' or one 'stage_backward_input s{s} m{mb}' and one "
-                                      f"'stage_backward_weight s{s} m{mb}': remove one of them")
+                raise _fail(
+                    r,
+                    i,
+                    op,
+                    f"'{other[0]}' already ran (op #{done[other[0]]}); a micro-batch's backward is either one "
+                    f"'stage_backward s{s} m{mb}' or one 'stage_backward_input s{s} m{mb}' and one "
+                    f"'stage_backward_weight s{s} m{mb}': remove one of them",
+                )
         if op.kind in (B, BI):
             if PipeOp(F, s, mb) not in done:
                 raise _fail(r, i, op, f"runs before 'stage_forward s{s} m{mb}'; a backward follows its forward")
             if s < S - 1:
                 if ps.rank_of(s + 1) == r:
-                    need = next((PipeOp(k, s + 1, mb) for k in (BI, B) if PipeOp(k, s + 1, mb) in done), PipeOp(B, s + 1, mb))
+                    need = next(
+                        (PipeOp(k, s + 1, mb) for k in (BI, B) if PipeOp(k, s + 1, mb) in done), PipeOp(B, s + 1, mb)
+                    )
                 else:
                     need = PipeOp(PipeKind.RECV_GRAD, s, mb)
                 if need not in done:
-                    raise _fail(r, i, op, f"uses the gradient of micro-batch {mb} before it arrives; put '{need}' before it")
+                    raise _fail(
+                        r, i, op, f"uses the gradient of micro-batch {mb} before it arrives; put '{need}' before it"
+                    )
         if op.kind is BW and PipeOp(BI, s, mb) not in done:
-            raise _fail(r, i, op, f"runs before 'stage_backward_input s{s} m{mb}'; the weight half follows the input half "
-                                  "(it reuses the output gradient the input half was seeded with)")
+            raise _fail(
+                r,
+                i,
+                op,
+                f"runs before 'stage_backward_input s{s} m{mb}'; the weight half follows the input half "
+                "(it reuses the output gradient the input half was seeded with)",
+            )
         if op.kind.is_send:
             if op.kind is PipeKind.SEND_ACT:
                 src = PipeOp(F, s, mb)
@@ -603,14 +711,19 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
             if src not in done:
                 raise _fail(r, i, op, f"sends what '{src}' computes before it runs; move the send after it")
         if op.kind.is_compute:
-            for u in (stages.units[s] if stages is not None else ()):
+            for u in stages.units[s] if stages is not None else ():
                 if params[u] is not UnitState.GATHERED:
-                    raise _fail(r, i, op, f"stage {s}'s unit {unit_label(u)!r} is not gathered and waited for; put "
-                                          f"'gather {unit_label(u)}' and 'wait {unit_label(u)}' before it")
+                    raise _fail(
+                        r,
+                        i,
+                        op,
+                        f"stage {s}'s unit {unit_label(u)!r} is not gathered and waited for; put "
+                        f"'gather {unit_label(u)}' and 'wait {unit_label(u)}' before it",
+                    )
         if op.kind.computes_weight_grad:
             backs[s] += 1
             if backs[s] == m:
-                for u in (stages.units[s] if stages is not None else ()):
+                for u in stages.units[s] if stages is not None else ():
                     grads[u] = GradState.COMPLETE
         done[op] = i
     for s in _stages_on(ps, r):
@@ -623,16 +736,22 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
                 else:
                     missing = PipeOp(B, s, mb)
             if missing is not None:
-                raise ScheduleError(f"invalid pipeline schedule: rank {r} never runs '{missing}'; each stage runs forward and "
-                                    "backward once per micro-batch (a backward whole, or its input and weight halves)")
+                raise ScheduleError(
+                    f"invalid pipeline schedule: rank {r} never runs '{missing}'; each stage runs forward and "
+                    "backward once per micro-batch (a backward whole, or its input and weight halves)"
+                )
     for u in units:
         if ps.rank_of(stages.stage_of(u)) != r:  # type: ignore[union-attr]
             continue
         if grads[u] is not GradState.REDUCED:
-            raise ScheduleError(f"invalid pipeline schedule: rank {r} never reduces unit {unit_label(u)!r} (or never waits for it); "
-                                f"put 'reduce {unit_label(u)}' and 'wait_reduce {unit_label(u)}' after its stage's last backward")
+            raise ScheduleError(
+                f"invalid pipeline schedule: rank {r} never reduces unit {unit_label(u)!r} (or never waits for it); "
+                f"put 'reduce {unit_label(u)}' and 'wait_reduce {unit_label(u)}' after its stage's last backward"
+            )
         if params[u] is not UnitState.SHARDED:
-            raise ScheduleError(f"invalid pipeline schedule: rank {r} leaves unit {unit_label(u)!r} unsharded; add 'free {unit_label(u)}'")
+            raise ScheduleError(
+                f"invalid pipeline schedule: rank {r} leaves unit {unit_label(u)!r} unsharded; add 'free {unit_label(u)}'"
+            )
 
 
 def _stages_on(ps: PipelineSchedule, r: int) -> tuple[int, ...]:
@@ -651,14 +770,23 @@ def _fsdp_step(r: int, i: int, op: Op, params: dict, grads: dict, backs: int, m:
         raise _fail(r, i, op, "the unit is not gathered and waited for")
     if kind is OpKind.REDUCE:
         if grads[u] is GradState.PENDING:
-            raise _fail(r, i, op, f"before its stage's last backward ({backs} of {m} micro-batches done); its gradients are "
-                                  "complete only after every micro-batch's backward")
+            raise _fail(
+                r,
+                i,
+                op,
+                f"before its stage's last backward ({backs} of {m} micro-batches done); its gradients are "
+                "complete only after every micro-batch's backward",
+            )
         if grads[u] is not GradState.COMPLETE:
             raise _fail(r, i, op, f"unit {label!r} is reduced twice")
     if kind is OpKind.WAIT_REDUCE and grads[u] is not GradState.REDUCING:
         raise _fail(r, i, op, f"without a 'reduce {label}' before it")
     if kind in (OpKind.GATHER, OpKind.WAIT, OpKind.FREE):
-        params[u] = {OpKind.GATHER: UnitState.GATHERING, OpKind.WAIT: UnitState.GATHERED, OpKind.FREE: UnitState.SHARDED}[kind]
+        params[u] = {
+            OpKind.GATHER: UnitState.GATHERING,
+            OpKind.WAIT: UnitState.GATHERED,
+            OpKind.FREE: UnitState.SHARDED,
+        }[kind]
     if kind is OpKind.REDUCE:
         grads[u] = GradState.REDUCING
     if kind is OpKind.WAIT_REDUCE:
@@ -677,29 +805,49 @@ def _check_pairs(ps: PipelineSchedule) -> dict[tuple[int, int], int]:
             elif isinstance(op, PipeOp) and op.kind.is_recv:
                 recvs.setdefault((ps.peer(op), r), []).append((i, op))
     match: dict[tuple[int, int], int] = {}
-    for (src, dst) in sorted(set(sends) | set(recvs)):
+    for src, dst in sorted(set(sends) | set(recvs)):
         out, inn = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (j, rop) in enumerate(inn):
             if k >= len(out):
-                raise _fail(dst, j, rop, f"has no matching send: rank {src} sends rank {dst} only {len(out)} messages, and this is "
-                                         f"recv number {k + 1} from it; add '{rop.partner()}' to rank {src}'s list")
+                raise _fail(
+                    dst,
+                    j,
+                    rop,
+                    f"has no matching send: rank {src} sends rank {dst} only {len(out)} messages, and this is "
+                    f"recv number {k + 1} from it; add '{rop.partner()}' to rank {src}'s list",
+                )
             i, sop = out[k]
             if sop != rop.partner():
-                raise _fail(dst, j, rop, f"would receive rank {src}'s op #{i} ({sop}): between two ranks, messages arrive in the "
-                                         f"order they are sent. Send '{rop.partner()}' before '{sop}' on rank {src}, or receive "
-                                         "in the order they are sent")
+                raise _fail(
+                    dst,
+                    j,
+                    rop,
+                    f"would receive rank {src}'s op #{i} ({sop}): between two ranks, messages arrive in the "
+                    f"order they are sent. Send '{rop.partner()}' before '{sop}' on rank {src}, or receive "
+                    "in the order they are sent",
+                )
             match[(dst, j)] = i
-        for i, sop in out[len(inn):]:
-            raise _fail(src, i, sop, f"is never received: rank {dst} has no '{sop.partner()}'; add it there or remove the send")
+        for i, sop in out[len(inn) :]:
+            raise _fail(
+                src, i, sop, f"is never received: rank {dst} has no '{sop.partner()}'; add it there or remove the send"
+            )
     return match
 
 
-def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.0, backward: "float | Sequence[float]" = 2.0, *,
-                   transfer: "float | Sequence[float]" = 0.0, start: "float | Sequence[float]" = 0.0,
-                   after: "float | Sequence[float]" = 0.0, activations: "Sequence[int] | None" = None,
-                   plan: PlanValues | None = None, backward_input: "float | Sequence[float] | None" = None,
-                   backward_weight: "float | Sequence[float] | None" = None,
-                   accumulate: "float | Sequence[float]" = 0.0) -> PipelineTimes:
+def pipeline_times(
+    ps: PipelineSchedule,
+    forward: "float | Sequence[float]" = 1.0,
+    backward: "float | Sequence[float]" = 2.0,
+    *,
+    transfer: "float | Sequence[float]" = 0.0,
+    start: "float | Sequence[float]" = 0.0,
+    after: "float | Sequence[float]" = 0.0,
+    activations: "Sequence[int] | None" = None,
+    plan: PlanValues | None = None,
+    backward_input: "float | Sequence[float] | None" = None,
+    backward_weight: "float | Sequence[float] | None" = None,
+    accumulate: "float | Sequence[float]" = 0.0,
+) -> PipelineTimes:
     """Validates ``ps`` (see :func:`validate_pipeline`) and runs every rank's list together:
     a recv waits for its send, a send does not wait, FSDP's ops take no time of their own.
 
@@ -738,22 +886,35 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
     """
     if plan is not None:
         if ps.plan_fingerprint != plan.fingerprint:
-            raise ScheduleError(f"pipeline schedule was made for plan {ps.plan_fingerprint}, not this plan ({plan.fingerprint}); "
-                                "derive it from this plan with fsdpfn.pipeline_schedule(plan, ...)")
+            raise ScheduleError(
+                f"pipeline schedule was made for plan {ps.plan_fingerprint}, not this plan ({plan.fingerprint}); "
+                "derive it from this plan with fsdpfn.pipeline_schedule(plan, ...)"
+            )
         if plan.stages is None or (plan.stages.pp_size, plan.stages.num_stages) != (ps.pp_size, ps.num_stages):
-            raise ScheduleError(f"pipeline schedule has pp={ps.pp_size}, {ps.num_stages} stages, but the plan's stages are "
-                                f"{None if plan.stages is None else (plan.stages.pp_size, plan.stages.num_stages)}; regenerate it")
+            raise ScheduleError(
+                f"pipeline schedule has pp={ps.pp_size}, {ps.num_stages} stages, but the plan's stages are "
+                f"{None if plan.stages is None else (plan.stages.pp_size, plan.stages.num_stages)}; regenerate it"
+            )
     stages = plan.stages if plan is not None else None
     for r in range(ps.pp_size):
         _check_rank(ps, r, stages)
     match = _check_pairs(ps)
     S, p = ps.num_stages, ps.pp_size
     whole = _per("backward", backward, S, "stage")
-    cost = {PipeKind.STAGE_FORWARD: _per("forward", forward, S, "stage"), PipeKind.STAGE_BACKWARD: whole,
-            PipeKind.STAGE_BACKWARD_INPUT: (tuple(b / 2 for b in whole) if backward_input is None
-                                            else _per("backward_input", backward_input, S, "stage")),
-            PipeKind.STAGE_BACKWARD_WEIGHT: (tuple(b / 2 for b in whole) if backward_weight is None
-                                             else _per("backward_weight", backward_weight, S, "stage"))}
+    cost = {
+        PipeKind.STAGE_FORWARD: _per("forward", forward, S, "stage"),
+        PipeKind.STAGE_BACKWARD: whole,
+        PipeKind.STAGE_BACKWARD_INPUT: (
+            tuple(b / 2 for b in whole)
+            if backward_input is None
+            else _per("backward_input", backward_input, S, "stage")
+        ),
+        PipeKind.STAGE_BACKWARD_WEIGHT: (
+            tuple(b / 2 for b in whole)
+            if backward_weight is None
+            else _per("backward_weight", backward_weight, S, "stage")
+        ),
+    }
     hop = _per("transfer", transfer, max(S - 1, 0), "boundary between stages")
     add = _per("accumulate", accumulate, S, "stage")
     grads_kept: set[int] = set()  # stages whose parameter gradients of an earlier micro-batch are kept
@@ -786,18 +947,26 @@ def pipeline_times(ps: PipelineSchedule, forward: "float | Sequence[float]" = 1.
                 moved = True
     stuck = [r for r in range(ps.pp_size) if pc[r] < len(ps.ranks[r])]
     if stuck:
-        waits = "; ".join(f"rank {r} op #{pc[r]} ({ps.ranks[r][pc[r]]}) waits for rank {ps.peer(ps.ranks[r][pc[r]])}'s op "  # type: ignore[arg-type]
-                          f"#{match[(r, pc[r])]} ({ps.ranks[ps.peer(ps.ranks[r][pc[r]])][match[(r, pc[r])]]})"  # type: ignore[arg-type]
-                          for r in stuck)
-        raise ScheduleError(f"invalid pipeline schedule: deadlock, every rank left waits for another: {waits}. Move a send "
-                            "earlier (before the recv its rank blocks in) or a recv later")
+        waits = "; ".join(
+            f"rank {r} op #{pc[r]} ({ps.ranks[r][pc[r]]}) waits for rank {ps.peer(ps.ranks[r][pc[r]])}'s op "  # type: ignore[arg-type]
+            f"#{match[(r, pc[r])]} ({ps.ranks[ps.peer(ps.ranks[r][pc[r]])][match[(r, pc[r])]]})"  # type: ignore[arg-type]
+            for r in stuck
+        )
+        raise ScheduleError(
+            f"invalid pipeline schedule: deadlock, every rank left waits for another: {waits}. Move a send "
+            "earlier (before the recv its rank blocks in) or a recv later"
+        )
     finish = [c + a for c, a in zip(clock, _per("after", after, p, "pp rank"))]
     makespan = max(finish)
     acts = _per("activations", activations, S, "stage") if activations is not None else None
-    return PipelineTimes(tuple(finish), tuple(busy), makespan,
-                         1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
-                         tuple(_peak_in_flight(ops) for ops in ps.ranks),
-                         tuple(_peak_bytes(ops, acts) for ops in ps.ranks) if acts is not None else ())
+    return PipelineTimes(
+        tuple(finish),
+        tuple(busy),
+        makespan,
+        1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
+        tuple(_peak_in_flight(ops) for ops in ps.ranks),
+        tuple(_peak_bytes(ops, acts) for ops in ps.ranks) if acts is not None else (),
+    )
 
 
 def _per(name: str, value, n: int, what: str) -> tuple[float, ...]:

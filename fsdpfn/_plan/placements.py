@@ -55,10 +55,34 @@ from fsdpfn._plan.axes import MeshAxes, Role
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Placement", "Replicate", "Shard", "StridedShard", "Partial", "AxisPlacement", "PLACED_ROLES", "placement_of",
-           "axis_size", "local_shape", "local_part", "local_box", "uses_zeros", "split_roles", "row_roles", "rows_over",
-           "rows_size", "unit_row_roles", "reduce_roles", "mesh_dims", "dtensor_placements", "normalise", "check", "from_legacy",
-           "legacy_fields", "module_placement"]
+__all__ = [
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StridedShard",
+    "Partial",
+    "AxisPlacement",
+    "PLACED_ROLES",
+    "placement_of",
+    "axis_size",
+    "local_shape",
+    "local_part",
+    "local_box",
+    "uses_zeros",
+    "split_roles",
+    "row_roles",
+    "rows_over",
+    "rows_size",
+    "unit_row_roles",
+    "reduce_roles",
+    "mesh_dims",
+    "dtensor_placements",
+    "normalise",
+    "check",
+    "from_legacy",
+    "legacy_fields",
+    "module_placement",
+]
 
 # The mesh axes a ParamSpec carries placements for, in the order they are composed (an axis
 # further on cuts the part the earlier ones left). The data-parallel shard and replicate axes are
@@ -198,7 +222,9 @@ class Shard(Placement):
                 )
             return
         if d >= len(shape):
-            raise ValueError(f"parameter {name!r} of shape {shape} cannot be split along dim {d} ({axis.value}={self!r})")
+            raise ValueError(
+                f"parameter {name!r} of shape {shape} cannot be split along dim {d} ({axis.value}={self!r})"
+            )
         if shape[d] % size:
             raise ValueError(
                 f"parameter {name!r} has {shape[d]} along dim {d}, which does not divide over {axis.value}={size} "
@@ -230,7 +256,9 @@ class StridedShard(Shard):
 
     def __post_init__(self):
         if self.fused < 2:
-            raise ValueError(f"StridedShard needs >= 2 fused parts, got {self.fused}; one part is Shard({self.split_dim})")
+            raise ValueError(
+                f"StridedShard needs >= 2 fused parts, got {self.fused}; one part is Shard({self.split_dim})"
+            )
 
     @property
     def parts(self) -> int:
@@ -284,8 +312,10 @@ class AxisPlacement:
     def __post_init__(self):
         object.__setattr__(self, "axis", Role(self.axis))
         if self.axis not in PLACED_ROLES:
-            raise ValueError(f"a parameter is placed on the axes {[r.value for r in PLACED_ROLES]}, not {self.axis.value!r}: "
-                             "the data-parallel axes are its unit's")
+            raise ValueError(
+                f"a parameter is placed on the axes {[r.value for r in PLACED_ROLES]}, not {self.axis.value!r}: "
+                "the data-parallel axes are its unit's"
+            )
         if not isinstance(self.placement, Placement):
             raise ValueError(f"placement on {self.axis.value!r} must be an fsdpfn Placement, got {self.placement!r}")
         if not isinstance(self.size, int) or self.size < 1:
@@ -308,8 +338,11 @@ def normalise(entries: Iterable[AxisPlacement]) -> tuple[AxisPlacement, ...]:
         if e.axis in by_axis:
             raise ValueError(f"two placements on axis {e.axis.value!r}: {by_axis[e.axis]!r} and {e!r}")
         by_axis[e.axis] = e
-    return tuple(by_axis[r] for r in PLACED_ROLES
-                 if r in by_axis and (by_axis[r].size > 1 or type(by_axis[r].placement) is not Replicate))
+    return tuple(
+        by_axis[r]
+        for r in PLACED_ROLES
+        if r in by_axis and (by_axis[r].size > 1 or type(by_axis[r].placement) is not Replicate)
+    )
 
 
 # ---- what one parameter's placements say -------------------------------------------------------
@@ -386,7 +419,9 @@ def local_box(spec, rows: tuple[int, int], index: Mapping[Role, int]) -> tuple[s
             return None
         start = [a + b for a, b in zip(start, off)]
         shape = e.placement.local_shape(shape, e.size)
-    cut = [e.placement.dim for e in spec.placements if e.placement.is_split and e.placement.dim]  # dims past 0 some axis splits
+    cut = [
+        e.placement.dim for e in spec.placements if e.placement.is_split and e.placement.dim
+    ]  # dims past 0 some axis splits
     box = [slice(start[0] + rows[0], start[0] + rows[1])]
     for d in range(1, (max(cut) + 1) if cut else 1):
         box.append(slice(start[d], start[d] + shape[d]) if d in cut else slice(None))
@@ -551,8 +586,9 @@ def dtensor_placements(spec, axes: MeshAxes, sharded: bool) -> tuple:
 _TP_STYLE = {"replicate": Replicate(), "shard0": Shard(0), "shard1": Shard(1), "partial": Partial()}
 
 
-def from_legacy(name: str, tp: str = "replicate", tp_size: int = 1, expert: bool = False, ep_size: int = 1,
-                tp_stride: int = 1) -> tuple[AxisPlacement, ...]:
+def from_legacy(
+    name: str, tp: str = "replicate", tp_size: int = 1, expert: bool = False, ep_size: int = 1, tp_stride: int = 1
+) -> tuple[AxisPlacement, ...]:
     """The placements the ``tp`` / ``tp_size`` / ``tp_stride`` / ``expert`` / ``ep_size`` words
     of parameter ``name`` mean (what ``ParamSpec(..., tp=..., tp_size=...)`` and plan JSON say).
 
@@ -561,15 +597,24 @@ def from_legacy(name: str, tp: str = "replicate", tp_size: int = 1, expert: bool
       (AxisPlacement('tp', 2, StridedShard(0, parts=3)),)
     """
     if tp_stride < 1 or (tp_stride > 1 and tp != "shard0"):
-        raise ValueError(f"parameter {name!r}: tp_stride={tp_stride} needs tp='shard0' and a stride >= 1 (got tp={tp!r})")
+        raise ValueError(
+            f"parameter {name!r}: tp_stride={tp_stride} needs tp='shard0' and a stride >= 1 (got tp={tp!r})"
+        )
     if tp not in _TP_STYLE:
-        raise ValueError(f"parameter {name!r}: unknown tensor-parallel placement {tp!r}; choose one of {', '.join(_TP_STYLE)}")
+        raise ValueError(
+            f"parameter {name!r}: unknown tensor-parallel placement {tp!r}; choose one of {', '.join(_TP_STYLE)}"
+        )
     if tp_size < 1:
         raise ValueError(f"parameter {name!r}: tp_size must be >= 1, got {tp_size}")
     if ep_size < 1:
         raise ValueError(f"parameter {name!r}: ep_size must be >= 1, got {ep_size}")
     tp_placement = StridedShard(0, tp_stride) if tp_stride > 1 else _TP_STYLE[tp]
-    return normalise([AxisPlacement(Role.EP, ep_size, Shard(0) if expert else Replicate()), AxisPlacement(Role.TP, tp_size, tp_placement)])
+    return normalise(
+        [
+            AxisPlacement(Role.EP, ep_size, Shard(0) if expert else Replicate()),
+            AxisPlacement(Role.TP, tp_size, tp_placement),
+        ]
+    )
 
 
 def legacy_fields(spec) -> dict[str, Any]:
@@ -581,7 +626,9 @@ def legacy_fields(spec) -> dict[str, Any]:
       {'tp': 'shard1', 'tp_stride': 1, 'expert': False}
     """
     tp = placement_of(spec, Role.TP)
-    style = next((s for s, p in _TP_STYLE.items() if p == tp or (type(tp) is StridedShard and p == Shard(tp.split_dim))), None)
+    style = next(
+        (s for s, p in _TP_STYLE.items() if p == tp or (type(tp) is StridedShard and p == Shard(tp.split_dim))), None
+    )
     if style is None:
         raise ValueError(f"parameter {spec.name!r} is placed {tp!r} over tp, which plan JSON has no word for (yet)")
     return {"tp": style, "tp_stride": tp.parts, "expert": placement_of(spec, Role.EP).is_split}

@@ -57,8 +57,17 @@ class Plan(PlanValues):
         """
         return plan_from_dict(json.loads(s), cls, mesh)
 
-    def cost(self, reshard_after_forward: bool | None = None, prefetch: int = 1, *, tokens: int | None = None,
-             micro_batches: int = 1, accumulate: str = "reduce", schedule: Any = None, attention: Any = ()) -> PlanCost:
+    def cost(
+        self,
+        reshard_after_forward: bool | None = None,
+        prefetch: int = 1,
+        *,
+        tokens: int | None = None,
+        micro_batches: int = 1,
+        accumulate: str = "reduce",
+        schedule: Any = None,
+        attention: Any = (),
+    ) -> PlanCost:
         """Bytes each collective kind moves per rank per training step, and memory per rank.
 
         Every figure is summed from :func:`fsdpfn.step_collectives`, the list of the step's
@@ -98,5 +107,13 @@ class Plan(PlanValues):
           >>> cp.cost(tokens=2 * 256, attention=calls).collectives["send_recv"]   # per block: 3 hops forward; K/V again and dK/dV home, 6 back
           CollectiveCost(calls=18, nbytes=4718592, wire_bytes=4718592.0)
         """
-        return plan_cost(self, reshard_after_forward, prefetch, tokens=tokens, micro_batches=micro_batches, accumulate=accumulate,
-                              schedule=schedule, attention=attention)
+        return plan_cost(
+            self,
+            reshard_after_forward,
+            prefetch,
+            tokens=tokens,
+            micro_batches=micro_batches,
+            accumulate=accumulate,
+            schedule=schedule,
+            attention=attention,
+        )

@@ -61,8 +61,19 @@ from typing import cast
 
 from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
-__all__ = ["ROOT", "GradState", "Op", "OpKind", "Schedule", "ScheduleError", "UnitState", "reshards_after_forward", "schedule",
-           "unit_ops", "validate"]
+__all__ = [
+    "ROOT",
+    "GradState",
+    "Op",
+    "OpKind",
+    "Schedule",
+    "ScheduleError",
+    "UnitState",
+    "reshards_after_forward",
+    "schedule",
+    "unit_ops",
+    "validate",
+]
 
 
 class ScheduleError(ValueError):
@@ -223,7 +234,9 @@ class Schedule:
             if parts == [OpKind.END.value]:
                 ops.append(Op(OpKind.END))
             elif len(parts) == 2:
-                ops.append(Op(cast(OpKind, parts[0]), ROOT if parts[1] == ROOT_LABEL else parts[1]))  # Op converts the name
+                ops.append(
+                    Op(cast(OpKind, parts[0]), ROOT if parts[1] == ROOT_LABEL else parts[1])
+                )  # Op converts the name
             else:
                 raise ScheduleError(f"cannot parse schedule line {ln!r}; expected '<kind> <unit>' or 'end'")
         if accumulating is not None:  # the main ops came first
@@ -296,15 +309,21 @@ def schedule(plan: PlanValues, prefetch: int = 1, reshard_after_forward: bool | 
     """
     if plan.stages is not None:
         # One list for every unit would run (and cost) every stage on every rank: no pipeline.
-        raise ValueError(f"the plan is cut into {plan.stages.num_stages} pipeline stages; its step is a pipeline schedule, "
-                         "fsdpfn.pipeline_schedule(plan, '1f1b', micro_batches), which fsdpfn.runtime.PipelineRuntime runs; "
-                         "each stage's own step is that of plan.stage_plan(stage) (schedule(), cost() and the runtime take it "
-                         "as they are)")
+        raise ValueError(
+            f"the plan is cut into {plan.stages.num_stages} pipeline stages; its step is a pipeline schedule, "
+            "fsdpfn.pipeline_schedule(plan, '1f1b', micro_batches), which fsdpfn.runtime.PipelineRuntime runs; "
+            "each stage's own step is that of plan.stage_plan(stage) (schedule(), cost() and the runtime take it "
+            "as they are)"
+        )
     return Schedule(tuple(unit_ops(plan, None, prefetch, reshard_after_forward)), plan.fingerprint, prefetch)
 
 
-def unit_ops(plan: PlanValues, names: "set[str] | frozenset[str] | None" = None, prefetch: int = 1,
-             reshard_after_forward: bool | None = None) -> list[Op]:
+def unit_ops(
+    plan: PlanValues,
+    names: "set[str] | frozenset[str] | None" = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool | None = None,
+) -> list[Op]:
     """:func:`schedule`'s ops for the units ``names`` alone (``None``: every unit), in the
     plan's order: the one builder of a unit's gathers, frees and reduces, which a pipeline
     schedule asks once per stage (:func:`fsdpfn.pipeline_schedule`).
@@ -387,7 +406,12 @@ def unit_ops(plan: PlanValues, names: "set[str] | frozenset[str] | None" = None,
             gather(child)
             if child not in live:
                 ops.append(Op(OpKind.WAIT, child))
-            ops += [Op(OpKind.BACKWARD_DONE, child), Op(OpKind.FREE, child), Op(OpKind.REDUCE, child), Op(OpKind.WAIT_REDUCE, child)]
+            ops += [
+                Op(OpKind.BACKWARD_DONE, child),
+                Op(OpKind.FREE, child),
+                Op(OpKind.REDUCE, child),
+                Op(OpKind.WAIT_REDUCE, child),
+            ]
         ops.append(Op(OpKind.BACKWARD_DONE, name))
         ops.append(Op(OpKind.FREE, name))
         ops.append(Op(OpKind.REDUCE, name))
@@ -465,7 +489,11 @@ _GRADS_AFTER = {
     OpKind.ACCUMULATE: GradState.ACCUMULATED,
 }
 # The event each event must follow, for the same unit.
-_EVENT_AFTER = {OpKind.FORWARD_DONE: OpKind.FORWARD, OpKind.BACKWARD: OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE: OpKind.BACKWARD}
+_EVENT_AFTER = {
+    OpKind.FORWARD_DONE: OpKind.FORWARD,
+    OpKind.BACKWARD: OpKind.FORWARD_DONE,
+    OpKind.BACKWARD_DONE: OpKind.BACKWARD,
+}
 
 
 class _Walk:
@@ -521,8 +549,10 @@ def _quoted(unit: str) -> str:
 def _made_for_plan(sched: Schedule, plan: PlanValues) -> None:
     """The schedule was made for this plan."""
     if sched.plan_fingerprint != plan.fingerprint:
-        raise ScheduleError(f"schedule was made for plan {sched.plan_fingerprint}, not this plan ({plan.fingerprint}); "
-                            "derive it from this plan with fsdpfn.runtime.schedule(plan)")
+        raise ScheduleError(
+            f"schedule was made for plan {sched.plan_fingerprint}, not this plan ({plan.fingerprint}); "
+            "derive it from this plan with fsdpfn.runtime.schedule(plan)"
+        )
 
 
 def _unit_in_plan(w: _Walk, op: Op) -> None:
@@ -544,8 +574,10 @@ def _used_units_are_gathered(w: _Walk, op: Op) -> None:
     for unit, since in w.in_use.items():
         if w.params[unit] is not UnitState.GATHERED:
             what = "gathered" if w.params[unit] is UnitState.SHARDED else "waited for"
-            w.fail(f"unit {_quoted(unit)} is used from op #{since} ({w.ops[since]}) but is not {what} by then; "
-                   f"add 'wait {unit_label(unit)}' (after a 'gather') between op #{since} and op #{w.at}")
+            w.fail(
+                f"unit {_quoted(unit)} is used from op #{since} ({w.ops[since]}) but is not {what} by then; "
+                f"add 'wait {unit_label(unit)}' (after a 'gather') between op #{since} and op #{w.at}"
+            )
 
 
 def _event_happens_once(w: _Walk, op: Op) -> None:
@@ -588,7 +620,9 @@ def _freed_when_gathered(w: _Walk, op: Op) -> None:
 def _not_freed_in_use(w: _Walk, op: Op) -> None:
     """A unit is not freed while in use."""
     if op.kind is OpKind.FREE and op.unit in w.in_use:
-        w.fail(f"unit {_quoted(op.unit)} is freed while in use (since op #{w.in_use[op.unit]}); free it after its '*_done' event")
+        w.fail(
+            f"unit {_quoted(op.unit)} is freed while in use (since op #{w.in_use[op.unit]}); free it after its '*_done' event"
+        )
 
 
 def _reduced_once_complete(w: _Walk, op: Op) -> None:
@@ -606,8 +640,10 @@ def _reduced_once_complete(w: _Walk, op: Op) -> None:
 def _accumulated_only_before_the_end(w: _Walk, op: Op) -> None:
     """The micro-batch that ends the step reduces every unit: 'accumulate' only in the others."""
     if op.kind is OpKind.ACCUMULATE and w.ending:
-        w.fail(f"the micro-batch that ends the step must reduce every unit; replace '{op}' by 'reduce {unit_label(op.unit)}' "
-               "and a 'wait_reduce', or put it in Schedule.accumulating (the micro-batches that do not end the step)")
+        w.fail(
+            f"the micro-batch that ends the step must reduce every unit; replace '{op}' by 'reduce {unit_label(op.unit)}' "
+            "and a 'wait_reduce', or put it in Schedule.accumulating (the micro-batches that do not end the step)"
+        )
 
 
 def _reduce_waited_after_reduce(w: _Walk, op: Op) -> None:
@@ -619,14 +655,18 @@ def _reduce_waited_after_reduce(w: _Walk, op: Op) -> None:
 def _copies_only_offloaded(w: _Walk, op: Op) -> None:
     """Only offloaded units are copied in and out."""
     if op.kind in (OpKind.COPY_IN, OpKind.COPY_OUT) and op.unit not in w.offloaded:
-        w.fail(f"unit {_quoted(op.unit)} is not offloaded (its shards stay on the device); remove '{op}' or build the plan "
-               f"with offload={{{unit_label(op.unit)!r}: True}}")
+        w.fail(
+            f"unit {_quoted(op.unit)} is not offloaded (its shards stay on the device); remove '{op}' or build the plan "
+            f"with offload={{{unit_label(op.unit)!r}: True}}"
+        )
 
 
 def _offloaded_copied_in_before_gather(w: _Walk, op: Op) -> None:
     """An offloaded unit's shards are copied in before each of its gathers, once."""
     if op.kind is OpKind.GATHER and op.unit in w.offloaded and op.unit not in w.staged:
-        w.fail(f"unit {_quoted(op.unit)} is offloaded: its shards are in host memory; add 'copy_in {unit_label(op.unit)}' before this gather")
+        w.fail(
+            f"unit {_quoted(op.unit)} is offloaded: its shards are in host memory; add 'copy_in {unit_label(op.unit)}' before this gather"
+        )
     if op.kind is OpKind.COPY_IN and op.unit in w.staged:
         w.fail(f"'{op}' twice before its gather; each gather consumes one copy")
 
@@ -634,15 +674,19 @@ def _offloaded_copied_in_before_gather(w: _Walk, op: Op) -> None:
 def _copied_out_after_reduce(w: _Walk, op: Op) -> None:
     """An offloaded unit's gradients are copied out once their reduce is waited for."""
     if op.kind is OpKind.COPY_OUT and (w.grads[op.unit] is not GradState.REDUCED or op.unit in w.copied_out):
-        w.fail(f"'{op}' before 'wait_reduce {unit_label(op.unit)}' (or twice); the gradient shards are final only after it")
+        w.fail(
+            f"'{op}' before 'wait_reduce {unit_label(op.unit)}' (or twice); the gradient shards are final only after it"
+        )
 
 
 def _every_offloaded_unit_copied_out(w: _Walk) -> None:
     """Every offloaded unit's gradients reach host memory, and no copy is left unused."""
     accumulated = {u for u, state in w.grads.items() if state is GradState.ACCUMULATED}  # nothing reduced to copy out
     for unit in sorted(w.offloaded - w.copied_out - accumulated):
-        raise w.final(f"'copy_out {unit_label(unit)}' is missing after 'wait_reduce {unit_label(unit)}'; "
-                      "an offloaded unit's gradients must reach host memory")
+        raise w.final(
+            f"'copy_out {unit_label(unit)}' is missing after 'wait_reduce {unit_label(unit)}'; "
+            "an offloaded unit's gradients must reach host memory"
+        )
     for unit in sorted(w.staged):
         raise w.final(f"'copy_in {unit_label(unit)}' is never consumed by a gather; remove it")
 
@@ -650,10 +694,14 @@ def _every_offloaded_unit_copied_out(w: _Walk) -> None:
 def _every_event_present(w: _Walk) -> None:
     """Every unit has all its events, and the step has 'end'."""
     for unit in w.units:
-        wanted = [OpKind.FORWARD, OpKind.FORWARD_DONE, OpKind.BACKWARD] + ([] if unit == ROOT else [OpKind.BACKWARD_DONE])
+        wanted = [OpKind.FORWARD, OpKind.FORWARD_DONE, OpKind.BACKWARD] + (
+            [] if unit == ROOT else [OpKind.BACKWARD_DONE]
+        )
         for kind in wanted:
             if Op(kind, unit) not in w.seen:
-                raise w.final(f"event '{Op(kind, unit)}' is missing; every unit needs {', '.join(k.value for k in wanted)}")
+                raise w.final(
+                    f"event '{Op(kind, unit)}' is missing; every unit needs {', '.join(k.value for k in wanted)}"
+                )
     if Op(OpKind.END) not in w.seen:
         raise w.final("the 'end' event is missing; put it after the last 'backward_done'")
 
@@ -663,8 +711,10 @@ def _every_reduce_waited(w: _Walk) -> None:
     for unit, state in w.grads.items():
         label = unit_label(unit)
         if state is GradState.COMPLETE:
-            raise w.final(f"the reduce of unit {_quoted(unit)} is missing; add 'reduce {label}' "
-                          f"after its gradients are complete and 'wait_reduce {label}' after it")
+            raise w.final(
+                f"the reduce of unit {_quoted(unit)} is missing; add 'reduce {label}' "
+                f"after its gradients are complete and 'wait_reduce {label}' after it"
+            )
         if state is GradState.REDUCING:
             raise w.final(f"'wait_reduce {label}' is missing after op #{len(w.ops) - 1}")
 

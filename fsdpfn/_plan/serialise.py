@@ -23,8 +23,14 @@ PlanT = TypeVar("PlanT", bound=PlanValues)
 def _param_from(p: dict, axes: MeshAxes) -> ParamSpec:
     # The placements in the words of formats 3 and 4 (P.from_legacy); the axes' sizes come from
     # the mesh, as JSON never repeated them per parameter.
-    placements = P.from_legacy(p["name"], p.get("tp", "replicate"), axes.tp_size, bool(p.get("expert", False)), axes.ep_size,
-                               int(p.get("tp_stride", 1)))
+    placements = P.from_legacy(
+        p["name"],
+        p.get("tp", "replicate"),
+        axes.tp_size,
+        bool(p.get("expert", False)),
+        axes.ep_size,
+        int(p.get("tp_stride", 1)),
+    )
     return ParamSpec(p["name"], tuple(p["shape"]), cast(torch.dtype, _dtype_from(p["dtype"])), placements=placements)
 
 
@@ -64,4 +70,3 @@ def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
     stages = Stages.from_dict(d["stages"]) if fmt >= FORMAT_PP and d.get("stages") is not None else None
     pp_stage = tuple(d["pp_stage"]) if fmt >= FORMAT_PP and d.get("pp_stage") is not None else None
     return cls(units, shape, names, mp, mesh, roles, tp, stages, pp_stage)
-

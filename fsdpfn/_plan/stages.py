@@ -50,15 +50,19 @@ class Stages:
         if not isinstance(self.pp_size, int) or isinstance(self.pp_size, bool) or self.pp_size < 1:
             raise ValueError(f"Stages: pp_size must be an int >= 1, got {self.pp_size!r}")
         if not self.units or len(self.units) % self.pp_size:
-            raise ValueError(f"Stages: {len(self.units)} stages over {self.pp_size} pp ranks; the number of stages must be a "
-                             f"positive multiple of the pp size (each rank the same number of virtual stages)")
+            raise ValueError(
+                f"Stages: {len(self.units)} stages over {self.pp_size} pp ranks; the number of stages must be a "
+                f"positive multiple of the pp size (each rank the same number of virtual stages)"
+            )
         seen: dict[str, int] = {}
         for s, names in enumerate(self.units):
             if not names:
                 raise ValueError(f"Stages: stage {s} holds no unit; every stage needs at least one")
             for name in names:
                 if name in seen:
-                    raise ValueError(f"Stages: unit {unit_label(name)!r} is in stage {seen[name]} and stage {s}; a unit belongs to one stage")
+                    raise ValueError(
+                        f"Stages: unit {unit_label(name)!r} is in stage {seen[name]} and stage {s}; a unit belongs to one stage"
+                    )
                 seen[name] = s
 
     @property
@@ -83,7 +87,9 @@ class Stages:
         for s, names in enumerate(self.units):
             if unit in names:
                 return s
-        raise ValueError(f"unit {unit_label(unit)!r} is in no stage; stages: {[list(map(unit_label, u)) for u in self.units]}")
+        raise ValueError(
+            f"unit {unit_label(unit)!r} is in no stage; stages: {[list(map(unit_label, u)) for u in self.units]}"
+        )
 
     def to_dict(self) -> dict:
         return {"units": [list(s) for s in self.units], "pp_size": self.pp_size}
@@ -93,7 +99,9 @@ class Stages:
         return cls(tuple(tuple(s) for s in d["units"]), int(d["pp_size"]))
 
     def __str__(self) -> str:
-        return "; ".join(f"stage {s} (pp rank {self.rank_of(s)}): {', '.join(map(unit_label, u))}" for s, u in enumerate(self.units))
+        return "; ".join(
+            f"stage {s} (pp rank {self.rank_of(s)}): {', '.join(map(unit_label, u))}" for s, u in enumerate(self.units)
+        )
 
 
 def _owns(prefix: str, name: str) -> bool:
@@ -110,19 +118,26 @@ def _split_by_names(units: Sequence[tuple[str, Sequence[str]]], split: Sequence[
         for p in params:
             found = [(s, q) for s, qs in enumerate(split) for q in qs if _owns(q, p)]
             if not found:
-                raise ValueError(f"parameter {p!r} (unit {unit_label(unit)!r}) matches no stage's module prefixes; add its "
-                                 f"module (or {unit_label(unit)!r}) to one stage of stages=[...]")
+                raise ValueError(
+                    f"parameter {p!r} (unit {unit_label(unit)!r}) matches no stage's module prefixes; add its "
+                    f"module (or {unit_label(unit)!r}) to one stage of stages=[...]"
+                )
             if len({s for s, _ in found}) > 1:
-                raise ValueError(f"parameter {p!r} matches prefixes of stages {sorted({s for s, _ in found})} "
-                                 f"({', '.join(repr(q) for _, q in found)}); name each module in one stage")
+                raise ValueError(
+                    f"parameter {p!r} matches prefixes of stages {sorted({s for s, _ in found})} "
+                    f"({', '.join(repr(q) for _, q in found)}); name each module in one stage"
+                )
             homes.setdefault(found[0][0], p)
             for key in found:
                 used[key] = True
         if len(homes) > 1:
             where = ", ".join(f"{p!r} in stage {s}" for s, p in sorted(homes.items()))
-            fix = ("make the modules at each end units of their own, e.g. fsdpfn.plan(..., units=[...]), so the root is empty "
-                   "(see [Note: the root unit in a pipeline])" if unit == ROOT else
-                   f"a stage holds whole units: put all of {unit_label(unit)!r} in one stage, or split it into smaller units")
+            fix = (
+                "make the modules at each end units of their own, e.g. fsdpfn.plan(..., units=[...]), so the root is empty "
+                "(see [Note: the root unit in a pipeline])"
+                if unit == ROOT
+                else f"a stage holds whole units: put all of {unit_label(unit)!r} in one stage, or split it into smaller units"
+            )
             raise ValueError(f"unit {unit_label(unit)!r} has parameters in {len(homes)} stages ({where}); {fix}")
         if homes:
             out[next(iter(homes))].append(unit)
@@ -132,14 +147,18 @@ def _split_by_names(units: Sequence[tuple[str, Sequence[str]]], split: Sequence[
     return out
 
 
-def _split_balanced(units: Sequence[tuple[str, Sequence[str]]], costs: Mapping[str, float], count: int) -> list[list[str]]:
+def _split_balanced(
+    units: Sequence[tuple[str, Sequence[str]]], costs: Mapping[str, float], count: int
+) -> list[list[str]]:
     """Contiguous runs minimising the largest run's cost (exact, by dynamic programming: the
     unit counts are small, and a greedy cut can leave the last stage twice as heavy)."""
     names = [u for u, _ in units]
     n = len(names)
     if n < count:
-        raise ValueError(f"{count} stages need at least {count} units, the plan has {n} ({', '.join(map(unit_label, names))}); "
-                         "use fewer stages or more units (fsdpfn.plan(..., units=[...]))")
+        raise ValueError(
+            f"{count} stages need at least {count} units, the plan has {n} ({', '.join(map(unit_label, names))}); "
+            "use fewer stages or more units (fsdpfn.plan(..., units=[...]))"
+        )
     prefix = [0.0]
     for u in names:
         prefix.append(prefix[-1] + float(costs[u]))
@@ -161,8 +180,14 @@ def _split_balanced(units: Sequence[tuple[str, Sequence[str]]], costs: Mapping[s
     return [names[a:b] for a, b in reversed(bounds)]
 
 
-def split_stages(units: Sequence[tuple[str, Sequence[str]]], pp_size: int, split=None, *,
-                 costs: Mapping[str, float] | None = None, numels: Mapping[str, int] | None = None) -> Stages:
+def split_stages(
+    units: Sequence[tuple[str, Sequence[str]]],
+    pp_size: int,
+    split=None,
+    *,
+    costs: Mapping[str, float] | None = None,
+    numels: Mapping[str, int] | None = None,
+) -> Stages:
     """Cuts ``units`` (``(name, parameter names)`` in model order) into pipeline stages.
 
     Args:
@@ -188,14 +213,18 @@ def split_stages(units: Sequence[tuple[str, Sequence[str]]], pp_size: int, split
     if split is None or isinstance(split, int) and not isinstance(split, bool):
         count = pp_size if split is None else split
         if count < 1 or count % pp_size:
-            raise ValueError(f"stages={split!r}: the number of stages must be a positive multiple of the pp size {pp_size} "
-                             f"(e.g. stages={2 * pp_size} for two virtual stages per rank)")
+            raise ValueError(
+                f"stages={split!r}: the number of stages must be a positive multiple of the pp size {pp_size} "
+                f"(e.g. stages={2 * pp_size} for two virtual stages per rank)"
+            )
         root = [p for u, ps in units if u == ROOT for p in ps]
         if root:
-            raise ValueError(f"a balanced split cuts the units in order, but the root unit holds {root[:3]}"
-                             f"{'...' if len(root) > 3 else ''}, which have no place in that order; make their modules units "
-                             "of their own (fsdpfn.plan(..., units=[...])) or split by name with stages=[[...], ...] "
-                             "(see [Note: the root unit in a pipeline])")
+            raise ValueError(
+                f"a balanced split cuts the units in order, but the root unit holds {root[:3]}"
+                f"{'...' if len(root) > 3 else ''}, which have no place in that order; make their modules units "
+                "of their own (fsdpfn.plan(..., units=[...])) or split by name with stages=[[...], ...] "
+                "(see [Note: the root unit in a pipeline])"
+            )
         weights = dict(costs) if costs is not None else dict(numels or {})
         missing = [u for u, _ in units if u not in weights]
         if missing:
@@ -205,18 +234,26 @@ def split_stages(units: Sequence[tuple[str, Sequence[str]]], pp_size: int, split
             raise ValueError(f"stage_costs must be numbers >= 0, got {bad}")
         return Stages(tuple(tuple(s) for s in _split_balanced(units, weights, count)), pp_size)
     if isinstance(split, (str, bytes)) or not isinstance(split, Sequence):
-        raise ValueError(f"stages must be None, an int or a list of lists of module-name prefixes (one per stage), got {split!r}")
+        raise ValueError(
+            f"stages must be None, an int or a list of lists of module-name prefixes (one per stage), got {split!r}"
+        )
     if len(split) % pp_size or not split:
-        raise ValueError(f"stages=[...] lists {len(split)} stages for {pp_size} pp ranks; give a positive multiple of {pp_size}")
+        raise ValueError(
+            f"stages=[...] lists {len(split)} stages for {pp_size} pp ranks; give a positive multiple of {pp_size}"
+        )
     out = _split_by_names(units, split)
     order = [u for u, _ in units]
     for s in range(1, len(out)):
         late = [u for u in out[s - 1] if out[s] and order.index(u) > order.index(out[s][0])]
         if late:
-            raise ValueError(f"stage {s - 1} holds unit {unit_label(late[0])!r}, which runs after stage {s}'s unit "
-                             f"{unit_label(out[s][0])!r}; a stage feeds the next, so list the modules in the order they run")
+            raise ValueError(
+                f"stage {s - 1} holds unit {unit_label(late[0])!r}, which runs after stage {s}'s unit "
+                f"{unit_label(out[s][0])!r}; a stage feeds the next, so list the modules in the order they run"
+            )
     for s, names in enumerate(out):
         if not names:
-            raise ValueError(f"stage {s} ({split[s]!r}) holds no unit: its modules' parameters all belong to units of other "
-                             "stages; a stage holds whole units")
+            raise ValueError(
+                f"stage {s} ({split[s]!r}) holds no unit: its modules' parameters all belong to units of other "
+                "stages; a stage holds whole units"
+            )
     return Stages(tuple(tuple(s) for s in out), pp_size)

@@ -94,8 +94,20 @@ from fsdpfn._plan.schedule import Op, OpKind
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn._wire import wire_bytes
 
-__all__ = ["Collective", "CollectiveCost", "PHASES", "StepOp", "micro_batch_ops", "reduces_now", "static_memory", "step_collectives",
-           "step_ops", "totals", "unsharded_bytes", "unsharded_peak"]
+__all__ = [
+    "Collective",
+    "CollectiveCost",
+    "PHASES",
+    "StepOp",
+    "micro_batch_ops",
+    "reduces_now",
+    "static_memory",
+    "step_collectives",
+    "step_ops",
+    "totals",
+    "unsharded_bytes",
+    "unsharded_peak",
+]
 
 PHASES = ("forward", "backward", "optimizer")
 ACCUMULATE = ("reduce", "local")
@@ -193,7 +205,9 @@ def micro_batch_ops(plan: PlanValues, sched: Any, last: bool, accumulate: str = 
       >>> sorted({op.kind.value for op in ops} & {"reduce", "wait_reduce", "accumulate"})
       ['accumulate']
     """
-    ops = tuple(op if isinstance(op, Op) else Op(op.kind, op.unit) for op in (sched.ops if hasattr(sched, "ops") else sched))
+    ops = tuple(
+        op if isinstance(op, Op) else Op(op.kind, op.unit) for op in (sched.ops if hasattr(sched, "ops") else sched)
+    )
     if last:
         return ops
     given = getattr(sched, "accumulating", None)
@@ -235,8 +249,11 @@ def _unit_reduce(plan: PlanValues, unit: Unit) -> tuple[list[tuple], list[tuple]
     n, wire, accum = codec.numel, codec.wire_dtype, codec.accum_dtype
     if not n:
         return [], []
-    first = ("reduce_scatter", Role.SHARD, unit.shard_size * n * wire.itemsize, wire, "reduce") if unit.sharded else \
-        ("all_reduce", Role.SHARD, n * wire.itemsize, wire, "reduce")
+    first = (
+        ("reduce_scatter", Role.SHARD, unit.shard_size * n * wire.itemsize, wire, "reduce")
+        if unit.sharded
+        else ("all_reduce", Role.SHARD, n * wire.itemsize, wire, "reduce")
+    )
     second = [("all_reduce", Role.REPLICATE, n * accum.itemsize, accum, "replicate_reduce")] if plan.hsdp else []
     return [first], second
 
@@ -286,8 +303,10 @@ def _unit_ep(plan: PlanValues, unit: Unit, event: str, tokens: int) -> list[tupl
     dtype = plan.gather_dtype(unit)
     rows = tokens * unit.top_k * first.shape[-1] * dtype.itemsize
     return {
-        "forward": [("all_to_all", Role.EP, 8 * first.shape[0], torch.int64, "ep_counts", "ep_counts"),
-                    ("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch")],
+        "forward": [
+            ("all_to_all", Role.EP, 8 * first.shape[0], torch.int64, "ep_counts", "ep_counts"),
+            ("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch"),
+        ],
         "forward_done": [("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")],
         "backward": [("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")],
         "backward_done": [("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch")],
@@ -300,10 +319,14 @@ def _cp_calls(plan: PlanValues, attention: Iterable[AttentionCall]) -> dict[str,
     names = {u.name for u in plan.units}
     for a in attention:
         if not isinstance(a, AttentionCall):
-            raise ValueError(f"attention= takes fsdpfn.AttentionCall values (fsdpfn.sim.profile(...).attention), got {a!r}")
+            raise ValueError(
+                f"attention= takes fsdpfn.AttentionCall values (fsdpfn.sim.profile(...).attention), got {a!r}"
+            )
         if a.unit not in names:
-            raise ValueError(f"attention call of unit {a.unit!r}: the plan has no such unit (units: "
-                             f"{', '.join(unit_label(n) for n in sorted(names))})")
+            raise ValueError(
+                f"attention call of unit {a.unit!r}: the plan has no such unit (units: "
+                f"{', '.join(unit_label(n) for n in sorted(names))})"
+            )
         out.setdefault(a.unit, []).append(a)
     return out
 
@@ -316,10 +339,15 @@ def _unit_cp(plan: PlanValues, unit: Unit, calls, phase: str, tokens: int) -> li
         raise NotImplementedError(
             f"unit {unit_label(unit.name)!r} recomputes with the selective policy {unit.remat!r}; whether its attention's "
             "exchange over cp runs again in backward depends on what the policy keeps, which the op list does not model yet: "
-            "cost it with remat='none' or 'full'")
+            "cost it with remat='none' or 'full'"
+        )
     order = calls if phase == "forward" else list(reversed(calls))
     dtype = plan.gather_dtype(unit)
-    return [e for a in order for e in attention_entries(a, plan.cp_size, phase, tokens, dtype, recompute=unit.remat == "full")]
+    return [
+        e
+        for a in order
+        for e in attention_entries(a, plan.cp_size, phase, tokens, dtype, recompute=unit.remat == "full")
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +382,9 @@ def _check_step_args(micro_batches: int, accumulate: str, tokens: int | None) ->
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
-        raise ValueError(f"tokens must be None or an int >= 0 (tokens per rank per micro-batch: batch x sequence), got {tokens!r}")
+        raise ValueError(
+            f"tokens must be None or an int >= 0 (tokens per rank per micro-batch: batch x sequence), got {tokens!r}"
+        )
 
 
 def step_ops(
@@ -394,11 +424,27 @@ def step_ops(
         for kind, role, nbytes, dtype, purpose, *tag in entries:
             name, size = axes[role]
             rows = unit_row_roles(units[unit], plan.axes) if role is Role.SHARD else ()
-            if len(rows) > 1:  # a unit whose rows run over several axes (dense beside ep or cp): them flattened, in mesh order
+            if (
+                len(rows) > 1
+            ):  # a unit whose rows run over several axes (dense beside ep or cp): them flattened, in mesh order
                 name = "_".join(plan.axes.names[cast(int, plan.axes.dim(r))] for r in rows)
                 size = math.prod(plan.axes.size(r) for r in rows)
-            out.append(Collective(kind, unit, tag[0] if tag else unit, role, name, size, int(nbytes), dtype, phase, purpose,
-                                  m, i if indexed else -1))
+            out.append(
+                Collective(
+                    kind,
+                    unit,
+                    tag[0] if tag else unit,
+                    role,
+                    name,
+                    size,
+                    int(nbytes),
+                    dtype,
+                    phase,
+                    purpose,
+                    m,
+                    i if indexed else -1,
+                )
+            )
         return tuple(out)
 
     out: list[StepOp] = []
@@ -492,8 +538,15 @@ def step_collectives(
     indexed = schedule is not None
     if schedule is None:
         schedule = default_schedule(plan, 0, reshard_after_forward)
-    ops = step_ops(plan, schedule, micro_batches=micro_batches, accumulate=accumulate, tokens=tokens, indexed=indexed,
-                   attention=attention)
+    ops = step_ops(
+        plan,
+        schedule,
+        micro_batches=micro_batches,
+        accumulate=accumulate,
+        tokens=tokens,
+        indexed=indexed,
+        attention=attention,
+    )
     return tuple(_in_issue_order(ops))
 
 

@@ -37,8 +37,17 @@ __all__ = ["check_tp_layout", "HEAD_ATTRS"]
 
 # Attributes under which attention modules state their head counts (fsdpfn's GPT and Llama,
 # nanoGPT, HF configs and older HF modules).
-HEAD_ATTRS = ("heads", "kv_heads", "n_head", "n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_attention_heads",
-              "num_key_value_heads")
+HEAD_ATTRS = (
+    "heads",
+    "kv_heads",
+    "n_head",
+    "n_heads",
+    "n_kv_heads",
+    "num_heads",
+    "num_kv_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 _SPLIT_INPUT = "rowwise"
 
 
@@ -57,11 +66,18 @@ def _leaves_split(style: str) -> bool:
 
 
 def _head_counts(mod: nn.Module) -> dict[str, int]:
-    counts = {a: getattr(mod, a) for a in HEAD_ATTRS if isinstance(getattr(mod, a, None), int) and not isinstance(getattr(mod, a), bool)}
+    counts = {
+        a: getattr(mod, a)
+        for a in HEAD_ATTRS
+        if isinstance(getattr(mod, a, None), int) and not isinstance(getattr(mod, a), bool)
+    }
     config = getattr(mod, "config", None)
     if not counts and config is not None and hasattr(mod, "head_dim"):  # HF attention: counts live in its config
-        counts = {f"config.{a}": getattr(config, a) for a in HEAD_ATTRS
-                  if isinstance(getattr(config, a, None), int) and not isinstance(getattr(config, a), bool)}
+        counts = {
+            f"config.{a}": getattr(config, a)
+            for a in HEAD_ATTRS
+            if isinstance(getattr(config, a, None), int) and not isinstance(getattr(config, a), bool)
+        }
     return counts
 
 
@@ -76,7 +92,11 @@ def check_tp_layout(model: nn.Module, tp: Mapping[str, str], styles: Mapping[str
       ValueError: module 'blocks.0' (Block) has Linear layers split over tp (qkv: colwise) beside ones left whole (proj, fc, out)...
     """
     modules = dict(model.named_modules())
-    marked = {n for n in modules if n and any(str(st) == "replicate" and fnmatch.fnmatchcase(n, pat) for pat, st in tp.items())}
+    marked = {
+        n
+        for n in modules
+        if n and any(str(st) == "replicate" and fnmatch.fnmatchcase(n, pat) for pat, st in tp.items())
+    }
     parents = list(dict.fromkeys(name.rpartition(".")[0] for name in styles))
     for parent in sorted(parents, key=list(modules).index):
         mod = modules[parent]
@@ -98,7 +118,9 @@ def check_tp_layout(model: nn.Module, tp: Mapping[str, str], styles: Mapping[str
             )
         for n in split:
             _check_partner(n, styles, modules, parent)
-        _check_replicated_readers(parent, [n for n in linears if n in marked and n not in styles], split, styles, children)
+        _check_replicated_readers(
+            parent, [n for n in linears if n in marked and n not in styles], split, styles, children
+        )
         if any(styles[n] != "colwise_gather" for n in split):
             for attr, count in _head_counts(mod).items():
                 if count % tp_size:
@@ -110,8 +132,9 @@ def check_tp_layout(model: nn.Module, tp: Mapping[str, str], styles: Mapping[str
                     )
 
 
-def _check_replicated_readers(parent: str, replicated: list[str], split: list[str], styles: Mapping[str, str],
-                              children: Mapping[str, nn.Module]) -> None:
+def _check_replicated_readers(
+    parent: str, replicated: list[str], split: list[str], styles: Mapping[str, str], children: Mapping[str, nn.Module]
+) -> None:
     """Rule 2 for a layer marked ``"replicate"``: it reads whole activations, so no split output
     may feed it. Which layer feeds which is only known when the forward runs; the widths tell
     it here: a marked layer whose input width only a split sibling makes, and no rowwise sibling
@@ -140,9 +163,11 @@ def _check_partner(name: str, styles: Mapping[str, str], modules: Mapping[str, n
     fits = (lambda s: s == _SPLIT_INPUT) if wants_rowwise else _leaves_split
     siblings = [n for n in styles if n != name and n.rpartition(".")[0] == parent]
     grand = parent.rpartition(".")[0] if parent else None
-    cousins = [] if grand is None else [
-        n for n in styles if n.rpartition(".")[0].rpartition(".")[0] == grand and n.rpartition(".")[0] != parent
-    ]
+    cousins = (
+        []
+        if grand is None
+        else [n for n in styles if n.rpartition(".")[0].rpartition(".")[0] == grand and n.rpartition(".")[0] != parent]
+    )
     if any(fits(styles[n]) for n in siblings) or any(fits(styles[n]) for n in cousins):
         return
     if wants_rowwise:

@@ -92,7 +92,26 @@ from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
 from fsdpfn.fp8 import ByteSlot, Float8Codec, Float8GatherPolicy, Float8Layout, as_gather_policy
 
-__all__ = ["MixedPrecision", "ParamSpec", "Unit", "PlanValues", "Strategy", "STRATEGIES", "TP_STYLES", "TP_MODULE_STYLES", "tp_style_stride", "REMAT_POLICIES", "ROOT", "ROOT_LABEL", "chunk_bounds", "chunk_size", "unit_label", "Float8Layout", "ByteSlot", "Slot"]
+__all__ = [
+    "MixedPrecision",
+    "ParamSpec",
+    "Unit",
+    "PlanValues",
+    "Strategy",
+    "STRATEGIES",
+    "TP_STYLES",
+    "TP_MODULE_STYLES",
+    "tp_style_stride",
+    "REMAT_POLICIES",
+    "ROOT",
+    "ROOT_LABEL",
+    "chunk_bounds",
+    "chunk_size",
+    "unit_label",
+    "Float8Layout",
+    "ByteSlot",
+    "Slot",
+]
 
 # The root unit (the model's own parameters, outside every other unit) has the empty name; it is
 # shown and accepted in strategy dicts as ROOT_LABEL.
@@ -182,10 +201,12 @@ def tp_style_stride(style: str) -> int | None:
     if style in TP_MODULE_STYLES:
         return 1
     if isinstance(style, str) and style.startswith(TP_FUSED_PREFIX):
-        k = style[len(TP_FUSED_PREFIX):]
+        k = style[len(TP_FUSED_PREFIX) :]
         if k.isdigit() and k == str(int(k)) and int(k) >= 2:
             return int(k)
     return None
+
+
 # Activation checkpointing of a unit (Unit.remat): keep its activations, keep only its inputs and
 # recompute its forward in backward, or keep some results too (see [Note: selective
 # rematerialisation]); "save_names:..." and registered policies are accepted besides these.
@@ -241,7 +262,9 @@ class MixedPrecision:
 
     def __post_init__(self):
         if self.codec is not None and (not isinstance(self.codec, str) or not self.codec):
-            raise ValueError(f"MixedPrecision.codec must be the name of a registered codec (str) or None, got {self.codec!r}")
+            raise ValueError(
+                f"MixedPrecision.codec must be the name of a registered codec (str) or None, got {self.codec!r}"
+            )
         object.__setattr__(self, "param_dtype", _as_dtype(self.param_dtype, "MixedPrecision.param_dtype"))
         object.__setattr__(self, "reduce_dtype", _as_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype"))
         object.__setattr__(self, "fp8", as_gather_policy(self.fp8))
@@ -318,19 +341,44 @@ class ParamSpec:
     dtype: torch.dtype
     placements: tuple[AxisPlacement, ...] = ()
 
-    def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype, tp: str | None = None, tp_size: int | None = None,
-                 expert: bool | None = None, ep_size: int | None = None, tp_stride: int | None = None, *,
-                 placements: Sequence[AxisPlacement] | None = None):
-        legacy = [k for k, v in (("tp", tp), ("tp_size", tp_size), ("expert", expert), ("ep_size", ep_size), ("tp_stride", tp_stride))
-                  if v is not None]
+    def __init__(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        tp: str | None = None,
+        tp_size: int | None = None,
+        expert: bool | None = None,
+        ep_size: int | None = None,
+        tp_stride: int | None = None,
+        *,
+        placements: Sequence[AxisPlacement] | None = None,
+    ):
+        legacy = [
+            k
+            for k, v in (
+                ("tp", tp),
+                ("tp_size", tp_size),
+                ("expert", expert),
+                ("ep_size", ep_size),
+                ("tp_stride", tp_stride),
+            )
+            if v is not None
+        ]
         if placements is not None and legacy:
             raise ValueError(f"parameter {name!r}: give placements= or the words {legacy}, not both")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
         object.__setattr__(self, "dtype", dtype)
         if placements is None:  # the words before placements: what they meant
-            entries = P.from_legacy(name, tp or "replicate", 1 if tp_size is None else tp_size, bool(expert),
-                                    1 if ep_size is None else ep_size, 1 if tp_stride is None else tp_stride)
+            entries = P.from_legacy(
+                name,
+                tp or "replicate",
+                1 if tp_size is None else tp_size,
+                bool(expert),
+                1 if ep_size is None else ep_size,
+                1 if tp_stride is None else tp_stride,
+            )
         else:
             entries = P.normalise(placements)
         object.__setattr__(self, "placements", entries)
@@ -459,7 +507,9 @@ class Unit:
         if not isinstance(self.experts, bool):
             raise ValueError(f"unit {self.label!r}: experts must be True or False, got {self.experts!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0 or (self.top_k and not self.experts):
-            raise ValueError(f"unit {self.label!r}: top_k must be an int >= 0, and 0 unless the unit holds experts; got {self.top_k!r}")
+            raise ValueError(
+                f"unit {self.label!r}: top_k must be an int >= 0, and 0 unless the unit holds experts; got {self.top_k!r}"
+            )
         # Expert weights are the ones split over ep: their rows and gradients run over other axes.
         mixed = [p.name for p in self.params if (Role.EP in P.split_roles(p)) != self.experts]
         if mixed:
@@ -481,9 +531,13 @@ class Unit:
             )
         for name in self.fp8:
             if name not in self._by_name:
-                raise ValueError(f"unit {self.label!r} lists {name!r} as an FP8 parameter, but it is not one of the unit's parameters")
+                raise ValueError(
+                    f"unit {self.label!r} lists {name!r} as an FP8 parameter, but it is not one of the unit's parameters"
+                )
             if len(self._by_name[name].shape) < 2:
-                raise ValueError(f"parameter {name!r} of unit {self.label!r} has shape {self._by_name[name].shape}; only >= 2-D weights gather in FP8")
+                raise ValueError(
+                    f"parameter {name!r} of unit {self.label!r} has shape {self._by_name[name].shape}; only >= 2-D weights gather in FP8"
+                )
 
     @property
     def label(self) -> str:
@@ -601,7 +655,9 @@ class PlanValues:
                     "the plan was edited by hand or written by another fsdpfn. Build it again with fsdpfn.plan(..., tp=...)"
                 )
         if self.tp and axes.tp_size == 1 and Role.TP not in axes.roles:
-            raise ValueError(f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis")
+            raise ValueError(
+                f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis"
+            )
         self._check_stages(axes)
         seen: dict[str, str] = {}
         if self.mp.codec is not None:
@@ -616,22 +672,31 @@ class PlanValues:
             # A unit cuts rows over the data-parallel axes that do not split its parameters.
             want = math.prod(axes.size(r) for r in P.unit_row_roles(unit, axes))
             if unit.shard_size != want:
-                what = ("the mesh's shard axis" if len(P.unit_row_roles(unit, axes)) == 1 else
-                        f"the mesh's {' x '.join(r.value for r in P.unit_row_roles(unit, axes))} axes")
+                what = (
+                    "the mesh's shard axis"
+                    if len(P.unit_row_roles(unit, axes)) == 1
+                    else f"the mesh's {' x '.join(r.value for r in P.unit_row_roles(unit, axes))} axes"
+                )
                 raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
             if unit.experts and Role.EP not in axes.roles:
-                raise ValueError(f"unit {unit.label!r} holds expert weights, but the mesh {axes.describe()} has no 'ep' axis")
+                raise ValueError(
+                    f"unit {unit.label!r} holds expert weights, but the mesh {axes.describe()} has no 'ep' axis"
+                )
             for p in unit.params:
                 if p.name in seen:
-                    raise ValueError(f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit")
+                    raise ValueError(
+                        f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit"
+                    )
                 seen[p.name] = unit.label
                 # Every axis a parameter is placed on must be the mesh's (tp always: its activation
                 # collectives assume every tp rank holds its part; others where they split it).
                 for role in P.PLACED_ROLES:
                     size = P.axis_size(p, role)
                     if size != axes.size(role) and (role is Role.TP or role in P.split_roles(p)):
-                        raise ValueError(f"parameter {p.name!r} has {role.value}_size {size}, but the mesh's {role.value} axis has "
-                                         f"{axes.size(role)} ranks")
+                        raise ValueError(
+                            f"parameter {p.name!r} has {role.value}_size {size}, but the mesh's {role.value} axis has "
+                            f"{axes.size(role)} ranks"
+                        )
                 uncut = [e for e in p.placements if not e.placement.cuts_rows and e.size > 1]
                 if uncut and unit.slots[p.name].sharded and unit.shard_size > 1:
                     raise NotImplementedError(
@@ -672,24 +737,32 @@ class PlanValues:
 
     def _check_stages(self, axes: MeshAxes) -> None:
         if Role.PP in axes.roles and self.stages is None:
-            raise ValueError(f"the mesh {axes.describe()} has a pipeline axis, but the plan has no stages; build it with "
-                             "fsdpfn.plan(model, mesh, ...), which splits the units into stages (stages=... to choose how)")
+            raise ValueError(
+                f"the mesh {axes.describe()} has a pipeline axis, but the plan has no stages; build it with "
+                "fsdpfn.plan(model, mesh, ...), which splits the units into stages (stages=... to choose how)"
+            )
         if self.stages is None:
             return
         if Role.PP not in axes.roles:
-            raise ValueError(f"the plan has {self.stages.num_stages} pipeline stages, but the mesh {axes.describe()} has no 'pp' "
-                             "axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))")
+            raise ValueError(
+                f"the plan has {self.stages.num_stages} pipeline stages, but the mesh {axes.describe()} has no 'pp' "
+                "axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))"
+            )
         if self.stages.pp_size != axes.pp_size:
-            raise ValueError(f"the plan's stages are laid out for {self.stages.pp_size} pp ranks, but the mesh's pp axis has "
-                             f"{axes.pp_size}; build the plan again on this mesh")
+            raise ValueError(
+                f"the plan's stages are laid out for {self.stages.pp_size} pp ranks, but the mesh's pp axis has "
+                f"{axes.pp_size}; build the plan again on this mesh"
+            )
         staged = [u for names in self.stages.units for u in names]
         names = [u.name for u in self.units]
         missing = [unit_label(u) for u in names if u not in staged]
         extra = [unit_label(u) for u in staged if u not in names]
         if missing or extra:
-            raise ValueError(f"the plan's stages do not hold its units: {'in no stage: ' + str(missing) if missing else ''}"
-                             f"{'; ' if missing and extra else ''}{'not units of the plan: ' + str(extra) if extra else ''}; "
-                             "every unit belongs to exactly one stage")
+            raise ValueError(
+                f"the plan's stages do not hold its units: {'in no stage: ' + str(missing) if missing else ''}"
+                f"{'; ' if missing and extra else ''}{'not units of the plan: ' + str(extra) if extra else ''}; "
+                "every unit belongs to exactly one stage"
+            )
 
     def stage_plan(self, stage: int) -> "PlanValues":
         """The plan of one pipeline stage: its units on the mesh without the ``pp`` axis, where
@@ -705,22 +778,39 @@ class PlanValues:
           (['blocks.1', 'norm', 'head'], 'dp=2 (shard)', (1, 2))
         """
         if self.stages is None:
-            raise ValueError(f"the plan has no pipeline stages (mesh {self.axes.describe()}); build it on a mesh with a 'pp' axis")
+            raise ValueError(
+                f"the plan has no pipeline stages (mesh {self.axes.describe()}); build it on a mesh with a 'pp' axis"
+            )
         if not isinstance(stage, int) or not 0 <= stage < self.stages.num_stages:
-            raise ValueError(f"stage {stage!r} is not a stage of the plan; its stages are 0..{self.stages.num_stages - 1}")
+            raise ValueError(
+                f"stage {stage!r} is not a stage of the plan; its stages are 0..{self.stages.num_stages - 1}"
+            )
         axes = self.axes
         pp_dim = axes.dim(Role.PP)
         keep = [d for d in range(len(axes.shape)) if d != pp_dim]
         names = tuple(axes.names[d] for d in keep)
         mesh = None
-        if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(stage):
+        if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(
+            stage
+        ):
             mesh = self.mesh[names if len(names) > 1 else names[0]]
-            mark_stage_mesh(mesh, self.mesh, axes.names[cast(int, pp_dim)])  # [Note: a stage's parameters are part of one model]
+            mark_stage_mesh(
+                mesh, self.mesh, axes.names[cast(int, pp_dim)]
+            )  # [Note: a stage's parameters are part of one model]
         units = tuple(u for u in self.units if u.name in self.stages.units[stage])
         held = {p.name for u in units for p in u.params}
         tp = tuple((m, style) for m, style in self.tp if any(n.startswith(m + ".") for n in held))
-        return type(self)(units, tuple(axes.shape[d] for d in keep), names, self.mp, mesh,
-                          tuple(axes.roles[d].value for d in keep), tp, None, (stage, self.stages.pp_size))
+        return type(self)(
+            units,
+            tuple(axes.shape[d] for d in keep),
+            names,
+            self.mp,
+            mesh,
+            tuple(axes.roles[d].value for d in keep),
+            tp,
+            None,
+            (stage, self.stages.pp_size),
+        )
 
     # ---- mesh ----------------------------------------------------------------------------
 
@@ -807,7 +897,9 @@ class PlanValues:
         try:
             return self._unit_of[param]
         except KeyError:
-            raise ValueError(f"parameter {param!r} is not in the plan{_did_you_mean(param, self.param_names)}") from None
+            raise ValueError(
+                f"parameter {param!r} is not in the plan{_did_you_mean(param, self.param_names)}"
+            ) from None
 
     def unit(self, name: str) -> Unit:
         for u in self.units:
@@ -872,7 +964,9 @@ class PlanValues:
         for table, side in zip(out, ("gather", "reduce")):
             factories = codec_factories(self.codec_names, side)
             for u in self.units:
-                table[u.name] = next(c for c in (f(self, u) for f in factories) if c is not None)  # "plain" never declines
+                table[u.name] = next(
+                    c for c in (f(self, u) for f in factories) if c is not None
+                )  # "plain" never declines
         return out
 
     def gather_bytes(self, unit: Unit) -> int:
@@ -896,19 +990,36 @@ class PlanValues:
         head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
         if self.stages is not None:
             head += f"\n{self.stages.num_stages} pipeline stages: {self.stages}"
-        rows = [("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())]
+        rows = [
+            ("unit", "strategy", "params", "elements", "bytes/rank", "padding/rank") + (("fp8 params",) if fp8 else ())
+        ]
         for u in self.units:
             itemsize = u.params[0].dtype.itemsize
             pad = max(u.padding(r) for r in range(u.shard_size)) if u.sharded else 0
             extra = (str(len(u.fp8)),) if fp8 else ()
             elements = sum(p.global_numel for p in u.params)
-            rows.append((u.label, u.strategy.value, str(len(u.params)), f"{elements:,}", _human(u.local_numel * itemsize), f"{pad:,}") + extra)
+            rows.append(
+                (
+                    u.label,
+                    u.strategy.value,
+                    str(len(u.params)),
+                    f"{elements:,}",
+                    _human(u.local_numel * itemsize),
+                    f"{pad:,}",
+                )
+                + extra
+            )
         total = sum(p.global_numel for u in self.units for p in u.params)
-        rows.append(("total", "", str(len(self.param_names)), f"{total:,}", "", "") + ((str(sum(len(u.fp8) for u in self.units)),) if fp8 else ()))
+        rows.append(
+            ("total", "", str(len(self.param_names)), f"{total:,}", "", "")
+            + ((str(sum(len(u.fp8) for u in self.units)),) if fp8 else ())
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head]
         for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+            lines.append(
+                "  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip()
+            )
             if i == 0 or i == len(rows) - 2:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)

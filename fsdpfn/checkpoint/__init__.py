@@ -39,5 +39,15 @@ from fsdpfn.checkpoint._export import export_full as export_full
 from fsdpfn.checkpoint._manifest import CheckpointError as CheckpointError
 from fsdpfn.checkpoint._tree import flatten_state as flatten_state
 
-__all__ = ["AsyncCheckpoint", "CheckpointError", "async_save", "export_full", "flatten_state", "latest", "load",
-           "read_info", "save", "wait"]
+__all__ = [
+    "AsyncCheckpoint",
+    "CheckpointError",
+    "async_save",
+    "export_full",
+    "flatten_state",
+    "latest",
+    "load",
+    "read_info",
+    "save",
+    "wait",
+]

@@ -22,8 +22,18 @@ from fsdpfn.checkpoint._manifest import CheckpointError
 
 __all__ = ["agree", "decide", "portable", "rebuild", "timeout_scope"]
 
-_KINDS = {c.__name__: c for c in (ValueError, FileNotFoundError, NotADirectoryError, PermissionError,
-                                  FileExistsError, OSError, CheckpointError)}
+_KINDS = {
+    c.__name__: c
+    for c in (
+        ValueError,
+        FileNotFoundError,
+        NotADirectoryError,
+        PermissionError,
+        FileExistsError,
+        OSError,
+        CheckpointError,
+    )
+}
 
 
 def portable(error: BaseException | None):
@@ -67,8 +77,9 @@ def decide(action: Callable[[], Any], what: str, group=None) -> Any:
             result = action()
         except Exception as e:  # noqa: BLE001 - sent to every rank below
             error = e
-    outcome = comm.broadcast_object(("error", portable(error)) if error is not None else ("ok", result), 0, group,
-                                   tag=what)
+    outcome = comm.broadcast_object(
+        ("error", portable(error)) if error is not None else ("ok", result), 0, group, tag=what
+    )
     if error is not None:
         raise rebuild(portable(error), 0, what) from error
     if outcome[0] == "error":

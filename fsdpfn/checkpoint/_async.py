@@ -92,8 +92,21 @@ def _write_staged(partial: str, staged: dict[str, torch.Tensor], rank: int) -> t
     return meta, describe_files(partial, [f"{sub}/{n}" for n in os.listdir(os.path.join(partial, sub))])
 
 
-def _background(pending: AsyncCheckpoint, staged: dict | BaseException, partial: str, rank: int, root: str, name: str, token: str,
-                values: dict, info: dict, plan, keep: int | None, group, seconds: float) -> None:
+def _background(
+    pending: AsyncCheckpoint,
+    staged: dict | BaseException,
+    partial: str,
+    rank: int,
+    root: str,
+    name: str,
+    token: str,
+    values: dict,
+    info: dict,
+    plan,
+    keep: int | None,
+    group,
+    seconds: float,
+) -> None:
     try:
         with comm.timeout_scope(seconds):
             report, error = None, staged if isinstance(staged, BaseException) else None
@@ -104,8 +117,11 @@ def _background(pending: AsyncCheckpoint, staged: dict | BaseException, partial:
                     error = e
                 staged.clear()  # this save's references to the host copy: the write is done
             reports = agree(error, f"writing checkpoint {name!r} into {partial!r}", report, group)
-            decide(lambda: _publish(root, partial, name, token, reports, values, info, plan, keep),
-                   f"committing checkpoint {name!r} in {root!r}", group)
+            decide(
+                lambda: _publish(root, partial, name, token, reports, values, info, plan, keep),
+                f"committing checkpoint {name!r} in {root!r}",
+                group,
+            )
     except BaseException as e:  # noqa: BLE001 - handed to the future, raised where it is waited for
         pending.set_exception(e)
     else:
@@ -168,8 +184,10 @@ def async_save(
     pending = AsyncCheckpoint(os.path.join(root, name))
     partial = _atomic.partial_dir(root, name, token)
     # Not a daemon: an interpreter that exits waits for the commit instead of cutting it short.
-    threading.Thread(target=_background, name="fsdpfn-checkpoint",
-                     args=(pending, staged, partial, rank, root, name, token, values, info, plan, keep, group,
-                           seconds)).start()
+    threading.Thread(
+        target=_background,
+        name="fsdpfn-checkpoint",
+        args=(pending, staged, partial, rank, root, name, token, values, info, plan, keep, group, seconds),
+    ).start()
     _pending.append(pending)
     return pending

@@ -98,8 +98,14 @@ def candidates(root: str) -> list[str]:
     one ``latest`` names are never used: they belong to a run abandoned by a resume from an
     earlier step. Without a readable ``latest`` every checkpoint directory is a candidate.
     """
-    names = sorted((n for n in os.listdir(root) if not n.startswith(".") and is_checkpoint_dir(os.path.join(root, n))),
-                   reverse=True) if os.path.isdir(root) else []
+    names = (
+        sorted(
+            (n for n in os.listdir(root) if not n.startswith(".") and is_checkpoint_dir(os.path.join(root, n))),
+            reverse=True,
+        )
+        if os.path.isdir(root)
+        else []
+    )
     head = _pointer(root)
     if head is None:
         return [os.path.join(root, n) for n in names]

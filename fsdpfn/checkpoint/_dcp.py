@@ -173,8 +173,10 @@ def save(
             error = e
         reports = agree(error, f"writing checkpoint {name!r} into {partial!r}", report)
         info = {p: _tensor_info(v) for p, v in tensors.items()}
-        decide(lambda: _publish(root, partial, name, token, reports, values, info, plan, keep),
-               f"committing checkpoint {name!r} in {root!r}")
+        decide(
+            lambda: _publish(root, partial, name, token, reports, values, info, plan, keep),
+            f"committing checkpoint {name!r} in {root!r}",
+        )
     return os.path.join(root, name)
 
 
@@ -274,9 +276,12 @@ def _read_metadata(ckpt: str) -> Metadata:
         with open(path, "rb") as f:
             return pickle.load(f)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"{path!r} of checkpoint {ckpt!r} cannot be read ({type(e).__name__}: {e}); "
-                              "the checkpoint is damaged. Load an older one, or delete this directory.",
-                              ckpt, METADATA) from None
+        raise CheckpointError(
+            f"{path!r} of checkpoint {ckpt!r} cannot be read ({type(e).__name__}: {e}); "
+            "the checkpoint is damaged. Load an older one, or delete this directory.",
+            ckpt,
+            METADATA,
+        ) from None
 
 
 def _examine(ckpt: str, entries: dict[str, Any], targets: dict[str, torch.Tensor], plan) -> dict:
@@ -308,8 +313,11 @@ def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
         verdicts = comm.all_gather_object((ckpt, portable(error)), tag="fsdpfn.checkpoint.load")
         if len({c for c, _ in verdicts}) > 1:
             seen = ", ".join(f"rank {r}: {c!r}" for r, (c, _) in enumerate(verdicts))
-            raise CheckpointError(f"the ranks see different checkpoints under {path!r} ({seen}); they must share "
-                                  "one filesystem and load the same path", path)
+            raise CheckpointError(
+                f"the ranks see different checkpoints under {path!r} ({seen}); they must share "
+                "one filesystem and load the same path",
+                path,
+            )
         if ckpt is None:
             if skipped:
                 what = f"no intact checkpoint under {path!r}"
@@ -331,8 +339,9 @@ def _choose(path: str, entries, targets, plan) -> tuple[str, dict]:
     raise AssertionError("unreachable")
 
 
-def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float | None = None,
-         return_info: bool = False) -> Any:
+def load(
+    path: str | os.PathLike, template_state: Any, plan=None, *, timeout: float | None = None, return_info: bool = False
+) -> Any:
     """Loads a checkpoint into the structure and placements of ``template_state``.
 
     Every rank calls it (it is collective when a process group is initialised; without one it
@@ -388,7 +397,9 @@ def load(path: str | os.PathLike, template_state: Any, plan=None, *, timeout: fl
         comm.arrive("fsdpfn.checkpoint.load")
         targets = {p: _empty_like(v) for p, v in entries.items() if isinstance(v, torch.Tensor)}
         fused = {p: cast(DTensor, v) for p, v in targets.items() if _shards.fused_split(v)}  # read whole, then cut
-        targets.update({p: _shards.whole(v, torch.empty(v.shape, dtype=v.dtype, device=v.device)) for p, v in fused.items()})
+        targets.update(
+            {p: _shards.whole(v, torch.empty(v.shape, dtype=v.dtype, device=v.device)) for p, v in fused.items()}
+        )
         ckpt, info = _choose(path, entries, targets, plan)
         error = None
         try:

@@ -103,8 +103,10 @@ def _check_names(params, plan, model) -> dict[str, str | None] | None:
         here = [n for sp in stage_plans for n in sp.param_names]
         extra = sorted(set(params) - set(here))
         if extra:
-            raise ValueError(f"export_full: params holds {extra[:4]}, which are not in this rank's pipeline stages; pass "
-                             "this rank's stages' parameters (PipelineRuntime.shard's dict)")
+            raise ValueError(
+                f"export_full: params holds {extra[:4]}, which are not in this rank's pipeline stages; pass "
+                "this rank's stages' parameters (PipelineRuntime.shard's dict)"
+            )
         here = plan.param_names  # every stage's, on rank 0
     elif plan is not None:
         check_params(params, plan, "export_full(params)")
@@ -114,8 +116,10 @@ def _check_names(params, plan, model) -> dict[str, str | None] | None:
     absent = [(k, n) for k, n in keys.items() if n is not None and n not in here]
     if absent:
         key, name = absent[0]
-        raise ValueError(f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in {'the plan' if plan is not None and plan.stages is not None else 'params'} "
-                         f"({len(absent)} missing); pass every parameter of the model")
+        raise ValueError(
+            f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in {'the plan' if plan is not None and plan.stages is not None else 'params'} "
+            f"({len(absent)} missing); pass every parameter of the model"
+        )
     return keys
 
 

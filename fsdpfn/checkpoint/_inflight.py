@@ -89,5 +89,8 @@ def settled() -> None:
 def _unseen_at_exit() -> None:
     """An error nobody waited for is still told (the thread was joined before ``atexit`` runs)."""
     if _pending and _pending[0].done() and not _pending[0].seen and _pending[0].exception() is not None:
-        print(f"fsdpfn.checkpoint.async_save of {_pending[0].path!r} failed and nothing waited for it "
-              f"(call fsdpfn.checkpoint.wait()): {_pending[0].exception()}", file=sys.stderr)
+        print(
+            f"fsdpfn.checkpoint.async_save of {_pending[0].path!r} failed and nothing waited for it "
+            f"(call fsdpfn.checkpoint.wait()): {_pending[0].exception()}",
+            file=sys.stderr,
+        )

@@ -28,15 +28,26 @@ import hashlib
 import json
 import os
 
-__all__ = ["CheckpointError", "HASH", "INFO", "METADATA", "check_present", "describe_files", "digest", "read_manifest",
-           "verify"]
+__all__ = [
+    "CheckpointError",
+    "HASH",
+    "INFO",
+    "METADATA",
+    "check_present",
+    "describe_files",
+    "digest",
+    "read_manifest",
+    "verify",
+]
 
 INFO = "fsdpfn.json"
 METADATA = ".metadata"  # DCP's global metadata file
 HASH = "sha256"
 _BLOCK = 1 << 20
-_HINT = ("Load an older checkpoint: fsdpfn.checkpoint.load(root, ...) on the checkpoint root falls back to the "
-         "newest intact one; or delete this directory.")
+_HINT = (
+    "Load an older checkpoint: fsdpfn.checkpoint.load(root, ...) on the checkpoint root falls back to the "
+    "newest intact one; or delete this directory."
+)
 
 
 class CheckpointError(RuntimeError):
@@ -97,17 +108,26 @@ def read_manifest(ckpt: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {ckpt!r} has no {INFO}: it is incomplete (a save that never finished, or a file "
-            f"deleted since). {_HINT}", ckpt, INFO) from None
+            f"deleted since). {_HINT}",
+            ckpt,
+            INFO,
+        ) from None
     try:
         info = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"{path!r} ({len(raw)} bytes) is not a valid checkpoint manifest: {e}. The file is truncated or was "
-            f"overwritten, so nothing in checkpoint {ckpt!r} can be trusted. {_HINT}", ckpt, INFO) from None
+            f"overwritten, so nothing in checkpoint {ckpt!r} can be trusted. {_HINT}",
+            ckpt,
+            INFO,
+        ) from None
     if not isinstance(info, dict) or not {"format", "values", "tensors"} <= set(info):
         raise CheckpointError(
             f"{path!r} is valid JSON but not a checkpoint manifest (no 'format', 'values' and 'tensors' fields). "
-            f"{_HINT}", ckpt, INFO)
+            f"{_HINT}",
+            ckpt,
+            INFO,
+        )
     return info
 
 
@@ -130,7 +150,10 @@ def check_present(ckpt: str, info: dict) -> None:
             how = "truncated" if size < want["bytes"] else "longer than written"
             raise CheckpointError(
                 f"{full!r} of checkpoint {ckpt!r} is {how}: {size} bytes, {INFO} recorded {want['bytes']} when it "
-                f"was saved. {_HINT}", ckpt, rel)
+                f"was saved. {_HINT}",
+                ckpt,
+                rel,
+            )
 
 
 def verify(ckpt: str, info: dict, relpaths) -> None:
@@ -143,7 +166,10 @@ def verify(ckpt: str, info: dict, relpaths) -> None:
         if want is None:
             raise CheckpointError(
                 f"checkpoint {ckpt!r} reads {rel!r}, which its {INFO} does not list: the directory was modified "
-                f"after the save. {_HINT}", ckpt, rel)
+                f"after the save. {_HINT}",
+                ckpt,
+                rel,
+            )
         full = os.path.join(ckpt, rel)
         try:
             size = os.path.getsize(full)
@@ -154,8 +180,13 @@ def verify(ckpt: str, info: dict, relpaths) -> None:
             how = "truncated" if size < want["bytes"] else "longer than written"
             raise CheckpointError(
                 f"{full!r} of checkpoint {ckpt!r} is {how}: {size} bytes, {INFO} recorded {want['bytes']}. {_HINT}",
-                ckpt, rel)
+                ckpt,
+                rel,
+            )
         if got != want[HASH]:
             raise CheckpointError(
                 f"{full!r} of checkpoint {ckpt!r} is damaged: its {HASH} is {got[:16]}..., {INFO} recorded "
-                f"{want[HASH][:16]}... when it was saved. {_HINT}", ckpt, rel)
+                f"{want[HASH][:16]}... when it was saved. {_HINT}",
+                ckpt,
+                rel,
+            )

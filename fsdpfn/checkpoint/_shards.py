@@ -32,8 +32,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -85,7 +90,11 @@ def fused_split(x: torch.Tensor) -> tuple[int, int, int] | None:
         return None
     for i, p in enumerate(x.placements):
         if isinstance(p, _StridedShard) and x.device_mesh.size(i) > 1:
-            cutting = [j for j, q in enumerate(x.placements) if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim]  # type: ignore[attr-defined]  # a Shard, which has .dim
+            cutting = [
+                j
+                for j, q in enumerate(x.placements)
+                if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim
+            ]  # type: ignore[attr-defined]  # a Shard, which has .dim
             if cutting == [i]:
                 return i, p.dim, int(p.split_factor)
     return None
@@ -95,8 +104,9 @@ def whole(x: DTensor, full: torch.Tensor | None = None) -> DTensor:
     """``x`` as a DTensor replicated on its mesh, holding ``full`` (default: ``x``'s full tensor,
     gathered: collective)."""
     full = comm.full_tensor(x) if full is None else full
-    return DTensor.from_local(full, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False,
-                              shape=x.shape, stride=x.stride())
+    return DTensor.from_local(
+        full, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 def fused_part(whole_x: DTensor, like: DTensor) -> DTensor:
@@ -109,8 +119,9 @@ def fused_part(whole_x: DTensor, like: DTensor) -> DTensor:
     full = whole_x.to_local().movedim(d, 0)
     n = full.shape[0] // (parts * w)
     local = full.reshape(parts, w, n, *full.shape[1:])[:, r].reshape(parts * n, *full.shape[1:]).movedim(0, d)
-    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        local.contiguous(), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def owned(path: str, x: torch.Tensor, rank: int) -> bool:
@@ -129,10 +140,13 @@ def owned(path: str, x: torch.Tensor, rank: int) -> bool:
             raise ValueError(
                 f"state leaf {path!r} is a DTensor with a Partial placement {x.placements}: its local values are "
                 "summands, not the tensor. Reduce it first (x.redistribute(placements=[Replicate()]) or "
-                "fsdpfn.comm.full_tensor(x)).")
+                "fsdpfn.comm.full_tensor(x))."
+            )
         if not p.is_replicate() and not _splits(p):
-            raise ValueError(f"state leaf {path!r} is a DTensor placed {x.placements}: placement {p} is neither a "
-                             "shard nor a replica, and checkpoints write only those. Redistribute it first.")
+            raise ValueError(
+                f"state leaf {path!r} is a DTensor placed {x.placements}: placement {p} is neither a "
+                "shard nor a replica, and checkpoints write only those. Redistribute it first."
+            )
         if not _splits(p) and coord[i] != 0:
             return False
     return True
@@ -199,7 +213,8 @@ def merge(metas: list[Metadata | None], save_id: str) -> Metadata:
             elif not isinstance(mine, TensorStorageMetadata) or _layout(mine) != _layout(item):
                 raise ValueError(
                     f"ranks saved {fqn!r} differently: rank {first[fqn]} as {_describe(mine)}, rank {r} as "
-                    f"{_describe(item)}. Every rank must save the same state structure.")
+                    f"{_describe(item)}. Every rank must save the same state structure."
+                )
             have = {(tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks}
             for chunk in item.chunks:
                 if (tuple(chunk.offsets), tuple(chunk.sizes)) in have:
@@ -213,9 +228,15 @@ def merge(metas: list[Metadata | None], save_id: str) -> Metadata:
             if covered != math.prod(item.size):
                 raise ValueError(
                     f"the saved chunks of {fqn!r} cover {covered} of its {math.prod(item.size)} elements "
-                    f"(shape {tuple(item.size)}): ranks disagree on how it is sharded.")
-    return Metadata(entries, planner_data=planner_data, storage_data=storage,
-                    storage_meta=StorageMeta(save_id=save_id), version=version)
+                    f"(shape {tuple(item.size)}): ranks disagree on how it is sharded."
+                )
+    return Metadata(
+        entries,
+        planner_data=planner_data,
+        storage_data=storage,
+        storage_meta=StorageMeta(save_id=save_id),
+        version=version,
+    )
 
 
 def _layout(item: TensorStorageMetadata) -> tuple:
@@ -265,5 +286,6 @@ def read(targets: dict[str, torch.Tensor], ckpt: str) -> None:
             raise _unwrapped(e) from None
     except Exception as e:
         where = f"{os.path.join(ckpt, reader.current)!r}" if reader.current else f"checkpoint {ckpt!r}"
-        raise CheckpointError(f"reading {where} failed: {type(e).__name__}: {str(e).strip()[:500]}",
-                              ckpt, reader.current) from e
+        raise CheckpointError(
+            f"reading {where} failed: {type(e).__name__}: {str(e).strip()[:500]}", ckpt, reader.current
+        ) from e

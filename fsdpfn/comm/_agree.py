@@ -86,22 +86,35 @@ def _exchange(label: str, value, group, read_all: bool) -> dict:
         left = deadline - time.monotonic()
         step = max(min(left, 1.0), 0.001)
         try:
-            bad = int(_record.bounded_store_call(
-                lambda: (store.wait([f"{base}/done"], datetime.timedelta(seconds=step)), store.get(f"{base}/done"))[1],
-                step + 1.0))
+            bad = int(
+                _record.bounded_store_call(
+                    lambda: (store.wait([f"{base}/done"], datetime.timedelta(seconds=step)), store.get(f"{base}/done"))[
+                        1
+                    ],
+                    step + 1.0,
+                )
+            )
             break
         except Exception:  # noqa: BLE001 - not everyone is in yet (or the store is slow): look again
             failed = _record.peer_failures(store, ranks, me)
             if failed or left <= 1.0:
                 try:
                     missing = _record.bounded_store_call(
-                        lambda: [r for r in ranks if not store.check([f"{base}/at/{r}"])], 2.0)
+                        lambda: [r for r in ranks if not store.check([f"{base}/at/{r}"])], 2.0
+                    )
                 except Exception:  # noqa: BLE001
                     missing = []
-                what = "; ".join(f"rank {r} raised: {e}" for r, e in sorted(failed.items())) if failed else (
-                    f"rank(s) {missing} did not reach it within {seconds:g} s (stopped, dead, or taking another code path)")
-                raise CollectiveError(f"every rank of {list(ranks)} must run the check {label}, but {what}",
-                                      sorted(set(missing) | set(failed))) from None
+                what = (
+                    "; ".join(f"rank {r} raised: {e}" for r, e in sorted(failed.items()))
+                    if failed
+                    else (
+                        f"rank(s) {missing} did not reach it within {seconds:g} s (stopped, dead, or taking another code path)"
+                    )
+                )
+                raise CollectiveError(
+                    f"every rank of {list(ranks)} must run the check {label}, but {what}",
+                    sorted(set(missing) | set(failed)),
+                ) from None
     if not bad and not read_all:
         return {}
 

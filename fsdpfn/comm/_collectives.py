@@ -115,24 +115,35 @@ def announce_failure(error: BaseException | str) -> None:
         _record.announce_failure(store, _groups.rank(), error)
 
 
-def _failure(rec: FlightRecord | None, kind: str, tag: str, cause: BaseException | str,
-             failed: dict[int, str] | None = None) -> CollectiveError:
+def _failure(
+    rec: FlightRecord | None, kind: str, tag: str, cause: BaseException | str, failed: dict[int, str] | None = None
+) -> CollectiveError:
     me = _groups.rank()
     lines, behind, stuck = peer_report(_groups.store(), rec, me)
     what = rec.describe() if rec else f"{kind}" + (f" of {tag!r}" if tag else "")
     size = f", {rec.nbytes / 2**20:.2f} MiB over ranks {list(rec.ranks)}" if rec else ""
     head = f"collective {what}{size} failed on rank {me} (timeout {_groups.timeout():g} s): {str(cause).strip().splitlines()[0][:300]}"
-    verdict = (f"\nRank(s) {behind} are behind: they never reached this collective (stopped, dead, or "
-               "taking another code path).") if behind else ""
+    verdict = (
+        (
+            f"\nRank(s) {behind} are behind: they never reached this collective (stopped, dead, or "
+            "taking another code path)."
+        )
+        if behind
+        else ""
+    )
     if stuck:
-        verdict += (f"\nRank(s) {stuck} are stopped or dead: they started this collective, or a later one, but "
-                    "will not finish it.")
+        verdict += (
+            f"\nRank(s) {stuck} are stopped or dead: they started this collective, or a later one, but "
+            "will not finish it."
+        )
         behind = sorted(behind + stuck)
     if failed:
         behind = sorted(set(behind) | set(failed))
         verdict += "".join(f"\nRank {r} raised: {err}" for r, err in sorted(failed.items()))
-    hint = ("\nThe timeout is fsdpfn.comm.set_timeout(seconds), the FSDPFN_TIMEOUT environment variable "
-            "or the demo's --timeout.")
+    hint = (
+        "\nThe timeout is fsdpfn.comm.set_timeout(seconds), the FSDPFN_TIMEOUT environment variable "
+        "or the demo's --timeout."
+    )
     return CollectiveError(f"{head}\n{lines}{verdict}{hint}" if lines else f"{head}{hint}", behind)
 
 
@@ -144,8 +155,15 @@ class Pending:
     callers never see a half-done result.
     """
 
-    def __init__(self, output: torch.Tensor, work=None, finish: Callable[[], torch.Tensor] | None = None,
-                 rec: FlightRecord | None = None, kind: str = "", tag: str = ""):
+    def __init__(
+        self,
+        output: torch.Tensor,
+        work=None,
+        finish: Callable[[], torch.Tensor] | None = None,
+        rec: FlightRecord | None = None,
+        kind: str = "",
+        tag: str = "",
+    ):
         self._output = output
         self._work = work
         self._finish = finish
@@ -205,8 +223,17 @@ def _wait(work, rec, kind: str, tag: str) -> None:
                 raise _failure(rec, kind, tag, "a peer failed while this rank waited", failed) from e
 
 
-def _start(kind: str, group, nbytes: int, dtype: torch.dtype, tag: str, launch: Callable, output: torch.Tensor,
-           async_op: bool, finish: Callable | None = None) -> Pending:
+def _start(
+    kind: str,
+    group,
+    nbytes: int,
+    dtype: torch.dtype,
+    tag: str,
+    launch: Callable,
+    output: torch.Tensor,
+    async_op: bool,
+    finish: Callable | None = None,
+) -> Pending:
     """Records, launches asynchronously (so every wait is bounded) and, unless ``async_op``,
     waits."""
     ranks, gid = group_info(group)
@@ -240,7 +267,9 @@ def _nbytes(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, tag: str = "") -> Pending:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, tag: str = ""
+) -> Pending:
     """Concatenates every rank's ``input`` (n elements) into ``output`` (W n), in rank order.
 
     Transpose: :func:`reduce_scatter`. ``all_gather(x)[r n:(r+1) n] == x_r``.
@@ -292,8 +321,11 @@ def reduce_scatter_impl(impl: str) -> Iterator[None]:
 def set_reduce_scatter_impl(impl: str) -> None:
     """Deprecated: use ``with fsdpfn.comm.reduce_scatter_impl(impl):`` or the ``impl`` argument of
     :func:`reduce_scatter`. Sets the process-wide default."""
-    warnings.warn("set_reduce_scatter_impl is deprecated; use `with fsdpfn.comm.reduce_scatter_impl(impl):`",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "set_reduce_scatter_impl is deprecated; use `with fsdpfn.comm.reduce_scatter_impl(impl):`",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     _rs_impl[0] = _check_impl(impl)
 
 
@@ -304,8 +336,15 @@ def _use_all_to_all(group, impl: str | None) -> bool:
     return impl == "all_to_all"
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, tag: str = "",
-                   impl: str | None = None) -> Pending:
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    *,
+    async_op: bool = False,
+    tag: str = "",
+    impl: str | None = None,
+) -> Pending:
     """Sums ``input`` (W n elements) over ranks; rank r keeps elements ``[r n, (r+1) n)``.
 
     Transpose: :func:`all_gather`. Sums in rank order on every path we control (see
@@ -392,14 +431,19 @@ def all_to_all(
         output.copy_(input)
         return Pending(output)
     launch = lambda: dist.all_to_all_single(  # noqa: E731
-        _wire_view(output), _wire_view(input), output_split_sizes=output_splits, input_split_sizes=input_splits,
-        group=group, async_op=True,
+        _wire_view(output),
+        _wire_view(input),
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
+        async_op=True,
     )
     return _start("all_to_all", group, nbytes, input.dtype, tag, launch, output, async_op)
 
 
-def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: int = 1, async_op: bool = False,
-              tag: str = "") -> Pending:
+def send_recv(
+    output: torch.Tensor, input: torch.Tensor, group=None, *, shift: int = 1, async_op: bool = False, tag: str = ""
+) -> Pending:
     """One hop of a ring: rank ``r`` of the group sends ``input`` to rank ``(r + shift) % W``
     and receives rank ``(r - shift) % W``'s into ``output``. ``output`` has as many elements as
     that rank's ``input`` (every rank's, on a ring of equal buffers); a rank whose ``input`` or
@@ -418,8 +462,10 @@ def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: i
     """
     w = _groups.group_size(group)
     if w == 1 and output.numel() != input.numel():
-        raise ValueError(f"send_recv: output has {output.numel()} elements, input {input.numel()}; on one rank the hop sends "
-                         "the buffer to itself, so they must be equal")
+        raise ValueError(
+            f"send_recv: output has {output.numel()} elements, input {input.numel()}; on one rank the hop sends "
+            "the buffer to itself, so they must be equal"
+        )
     if w == 1:
         record("send_recv", 1, _nbytes(input), input.dtype, tag)
         output.copy_(input)
@@ -431,7 +477,12 @@ def send_recv(output: torch.Tensor, input: torch.Tensor, group=None, *, shift: i
     # which names the collective and the ranks through the flight recorder).
     recv = [output.numel() if q == src else 0 for q in range(w)]
     launch = lambda: dist.all_to_all_single(  # noqa: E731
-        _wire_view(output), _wire_view(input), output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True,
+        _wire_view(output),
+        _wire_view(input),
+        output_split_sizes=recv,
+        input_split_sizes=send,
+        group=group,
+        async_op=True,
     )
     return _start("send_recv", group, _nbytes(input), input.dtype, tag, launch, output, async_op)
 

@@ -32,7 +32,9 @@ def ep_counts(send_counts: list[int] | torch.Tensor, group=None, *, tag: str = "
     w = _groups.group_size(group)
     counts = torch.as_tensor(send_counts, dtype=torch.int64).reshape(-1)
     if counts.numel() % w:
-        raise ValueError(f"ep_counts: {counts.numel()} counts for a group of {w} ranks; give a whole number of counts per rank")
+        raise ValueError(
+            f"ep_counts: {counts.numel()} counts for a group of {w} ranks; give a whole number of counts per rank"
+        )
     out = torch.empty_like(counts)
     all_to_all(out, counts, group, tag=tag).wait()
     return out.tolist()
@@ -43,7 +45,9 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, tag: str
     n = int(torch.Size(row).numel())
     flat = x.contiguous().view(-1)
     out = torch.empty(sum(recv) * n, dtype=x.dtype, device=x.device)
-    all_to_all(out, flat, group, output_splits=[c * n for c in recv], input_splits=[c * n for c in send], tag=tag).wait()
+    all_to_all(
+        out, flat, group, output_splits=[c * n for c in recv], input_splits=[c * n for c in send], tag=tag
+    ).wait()
     return out.view(sum(recv), *row)
 
 
@@ -63,7 +67,9 @@ class _AllToAll(torch.autograd.Function):
             return _exchange(g, ctx.recv, ctx.send, ctx.group, ctx.tag), None, None, None, None
 
 
-def ep_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None, *, tag: str = "ep") -> torch.Tensor:
+def ep_all_to_all(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None, *, tag: str = "ep"
+) -> torch.Tensor:
     """Sends rows ``[sum(send_counts[:r]), sum(send_counts[:r+1]))`` of ``x`` to rank ``r`` of
     ``group`` and returns the ``sum(recv_counts)`` rows received, by source rank. Backward: the
     same exchange of the gradient with the counts swapped (its transpose).
@@ -87,7 +93,11 @@ def ep_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int
     w = _groups.group_size(group)
     send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
     if len(send) != w or len(recv) != w or min(send + recv, default=0) < 0:
-        raise ValueError(f"ep_all_to_all: send_counts {send} and recv_counts {recv} need one count >= 0 per rank of the group ({w})")
+        raise ValueError(
+            f"ep_all_to_all: send_counts {send} and recv_counts {recv} need one count >= 0 per rank of the group ({w})"
+        )
     if x.dim() < 1 or sum(send) != x.shape[0]:
-        raise ValueError(f"ep_all_to_all: send_counts {send} add up to {sum(send)} rows, but x has shape {tuple(x.shape)}")
+        raise ValueError(
+            f"ep_all_to_all: send_counts {send} add up to {sum(send)} rows, but x has shape {tuple(x.shape)}"
+        )
     return _AllToAll.apply(x, send, recv, group, tag)

@@ -219,8 +219,14 @@ def store():
         return None
 
 
-def init_process_group(backend: str | None = None, *, init_method: str | None = None, rank: int | None = None,
-                       world_size: int | None = None, timeout_s: float | None = None) -> None:
+def init_process_group(
+    backend: str | None = None,
+    *,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float | None = None,
+) -> None:
     """Creates the default process group with the collective timeout (see [Note: one timeout]).
 
     ``backend`` defaults to NCCL when CUDA is available, else gloo; without ``init_method`` the

@@ -70,8 +70,11 @@ def broadcast_object(obj: Any, src: int = 0, group=None, *, tag: str = "") -> An
     mine = _groups.rank() == src
     payload = pickle.dumps(obj) if mine else b""
     size = broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=device), src, group, tag=tag)
-    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine
-           else torch.empty(int(size), dtype=torch.uint8, device=device))
+    buf = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        if mine
+        else torch.empty(int(size), dtype=torch.uint8, device=device)
+    )
     buf = broadcast(buf, src, group, tag=tag)
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
@@ -140,7 +143,9 @@ def full_tensor(x: torch.Tensor, *, tag: str = "") -> torch.Tensor:
             rows = all_gather_rows(padded, mesh.get_group(i), tag=tag).reshape(w * chunk, *moved.shape[1:])
             local = rows[:n].movedim(0, d)
     for i, p in enumerate(x.placements):
-        if isinstance(p, _StridedShard) and [q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim] == [p]:  # type: ignore[attr-defined]  # a Shard, which has .dim
+        if isinstance(p, _StridedShard) and [
+            q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim
+        ] == [p]:  # type: ignore[attr-defined]  # a Shard, which has .dim
             local = _unfuse(local, p.dim, int(p.split_factor), mesh.size(i), mesh.get_group(i), tag)
     for i, p in enumerate(x.placements):
         if p.is_partial():
@@ -196,5 +201,6 @@ def arrive(what: str, timeout_s: float | None = None, group=None) -> None:
     except RuntimeError as e:
         raise CollectiveError(
             f"{what} is collective: every rank must call it, but not every rank did within {seconds:g} s ({e}). "
-            f"Do not gate it on rank 0 (`if rank == 0: ...`); call it on every rank.", []
+            f"Do not gate it on rank 0 (`if rank == 0: ...`); call it on every rank.",
+            [],
         ) from e

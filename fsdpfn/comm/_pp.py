@@ -93,11 +93,13 @@ def pp_send_recv(x: torch.Tensor, shape, group=None, *, shift: int = 1, tag: str
         # Its backward is a hop every rank of the group enters: a rank whose x is outside the
         # graph would never run it, and the rank that sent to it would wait there until the
         # timeout (a plain torch.empty(0) from a receiving rank is the usual way in).
-        problem = (f"pp_send_recv(x) on rank {_groups.rank()}: x ({'empty' if x.numel() == 0 else tuple(x.shape)}) is not "
-                   "in the autograd graph while gradients are computed, so that rank would never run the backward hop "
-                   "its peer waits in. A rank that sends nothing passes a zero-element view of one of its parameters, "
-                   "e.g. next(iter(full.values())).reshape(-1)[:0], not torch.empty(0); for a forward without "
-                   "gradients, run it under torch.no_grad()")
+        problem = (
+            f"pp_send_recv(x) on rank {_groups.rank()}: x ({'empty' if x.numel() == 0 else tuple(x.shape)}) is not "
+            "in the autograd graph while gradients are computed, so that rank would never run the backward hop "
+            "its peer waits in. A rank that sends nothing passes a zero-element view of one of its parameters, "
+            "e.g. next(iter(full.values())).reshape(-1)[:0], not torch.empty(0); for a forward without "
+            "gradients, run it under torch.no_grad()"
+        )
     # Every rank learns of it, through the store (see [Note: agreeing through the store]), before
     # the hop: the others would otherwise wait in it for the rank that raised.
     found = exchange_problems(f"pp_send_recv {tag}", problem, group)

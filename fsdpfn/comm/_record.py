@@ -262,7 +262,15 @@ def group_info(group=None) -> tuple[tuple[int, ...], int]:
     return info
 
 
-_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "send_recv")  # append only: codes are stored
+_KINDS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "send_recv",
+)  # append only: codes are stored
 _KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 _MAGIC = b"FSDPFNFR"
 _HEADER = struct.Struct("<8sIIqi4x")  # magic, version, slots, pid, slot written last
@@ -336,8 +344,17 @@ class _Mirror:
             tag = rec.tag.encode("utf-8", "replace")[:_TAG_BYTES]
             if len(self.tags) < 4096:
                 self.tags[rec.tag] = tag
-        _SLOT.pack_into(self.mm, _HEADER.size + slot * _SLOT.size, gid, rec.seq, rec.nbytes, rec.start,
-                        _KIND_CODE.get(rec.kind, 255), len(tag), tag)
+        _SLOT.pack_into(
+            self.mm,
+            _HEADER.size + slot * _SLOT.size,
+            gid,
+            rec.seq,
+            rec.nbytes,
+            rec.start,
+            _KIND_CODE.get(rec.kind, 255),
+            len(tag),
+            tag,
+        )
         struct.pack_into("<i", self.mm, _LAST_AT, slot)
 
 
@@ -419,8 +436,9 @@ def flight_records() -> list[FlightRecord]:
     return list(_ring)
 
 
-def record(kind: str, group_size: int, nbytes: int, dtype: torch.dtype, tag: str, ranks=None,
-           gid: int | None = None) -> FlightRecord | None:
+def record(
+    kind: str, group_size: int, nbytes: int, dtype: torch.dtype, tag: str, ranks=None, gid: int | None = None
+) -> FlightRecord | None:
     """Counts one collective and, when it involves other ranks (``ranks``, their group id
     ``gid``), gives it the next sequence number of its group and records it (see [Note: the flight
     recorder]). Touches nothing outside this process but the host-readable file."""
@@ -589,7 +607,9 @@ def _gather_peers(store, peers: list[int], me: int, wait_s: float) -> dict[int, 
     it is on this host, else from its answer in the store (waiting at most ``wait_s``)."""
     _raise_alarm(store, me)
     host = socket.gethostname()
-    whois = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in _read(store, [_key("whois", r) for r in peers]).items()}
+    whois = {
+        int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in _read(store, [_key("whois", r) for r in peers]).items()
+    }
     found: dict[int, dict] = {}
     remote = []
     for r, who in whois.items():
@@ -605,13 +625,19 @@ def _gather_peers(store, peers: list[int], me: int, wait_s: float) -> dict[int, 
             store.wait(keys, datetime.timedelta(seconds=wait_s))
         for k, v in _read(store, keys).items():
             state = json.loads(v)
-            records = {int(g, 16): FlightRecord(s, kind, tag, 0, (), start) for g, (s, kind, tag, start) in state["groups"].items()}
-            found[int(k.rsplit("/", 1)[1])].update(records=records, latest=int(state["latest"], 16) if state["latest"] else None)
+            records = {
+                int(g, 16): FlightRecord(s, kind, tag, 0, (), start)
+                for g, (s, kind, tag, start) in state["groups"].items()
+            }
+            found[int(k.rsplit("/", 1)[1])].update(
+                records=records, latest=int(state["latest"], 16) if state["latest"] else None
+            )
     return found
 
 
-def peer_report(store, rec: FlightRecord | None, me: int,
-                wait_s: float = ANSWER_WAIT_S) -> tuple[str, list[int], list[int]]:
+def peer_report(
+    store, rec: FlightRecord | None, me: int, wait_s: float = ANSWER_WAIT_S
+) -> tuple[str, list[int], list[int]]:
     """Lines naming where each rank of ``rec``'s group is; the ranks that are behind (they never
     started this collective, or did not answer); the ranks that started it, or a later one, but
     are stopped or dead (see [Note: the flight recorder]). Takes at most ``wait_s`` plus a few
@@ -624,7 +650,10 @@ def peer_report(store, rec: FlightRecord | None, me: int,
     try:
         found = _helper.call(lambda: _gather_peers(store, peers, me, wait_s), wait_s + 2.0)
     except Exception as e:  # noqa: BLE001 - the store may be served by the stopped process
-        found, unreachable = {}, f" (the store did not answer: {str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__})"
+        found, unreachable = (
+            {},
+            f" (the store did not answer: {str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__})",
+        )
     gid, host = _group_id(rec.ranks), socket.gethostname()
     lines, behind, stuck = [], [], []
     for r in rec.ranks:
@@ -633,7 +662,9 @@ def peer_report(store, rec: FlightRecord | None, me: int,
             continue
         peer = found.get(r)
         if peer is None:
-            lines.append(f"  rank {r}: no record (it has not started any collective, or the store is unreachable){unreachable}")
+            lines.append(
+                f"  rank {r}: no record (it has not started any collective, or the store is unreachable){unreachable}"
+            )
             behind.append(r)
             continue
         who = peer["who"]
@@ -641,8 +672,10 @@ def peer_report(store, rec: FlightRecord | None, me: int,
         proc = f"; process {who['pid']} {state}" if state else ""
         records = peer.get("records")
         if records is None:
-            lines.append(f"  rank {r}: no answer within {wait_s:g} s (busy outside collectives, stopped or dead; "
-                         f"host {who.get('host')}, pid {who.get('pid')}){proc}")
+            lines.append(
+                f"  rank {r}: no answer within {wait_s:g} s (busy outside collectives, stopped or dead; "
+                f"host {who.get('host')}, pid {who.get('pid')}){proc}"
+            )
             behind.append(r)
             continue
         mine = records.get(gid)

@@ -79,15 +79,25 @@ class Lighthouse:
       True
     """
 
-    def __init__(self, min_replicas: int = 1, *, bind: str = "[::]:0", join_timeout_s: float = 1.0,
-                 heartbeat_timeout_s: float = 2.0, quorum_tick_s: float = 0.05):
+    def __init__(
+        self,
+        min_replicas: int = 1,
+        *,
+        bind: str = "[::]:0",
+        join_timeout_s: float = 1.0,
+        heartbeat_timeout_s: float = 2.0,
+        quorum_tick_s: float = 0.05,
+    ):
         require_torchft()
         from torchft._torchft import LighthouseServer
 
-        self._server = LighthouseServer(bind=bind, min_replicas=min_replicas,
-                                        join_timeout_ms=int(join_timeout_s * 1000),
-                                        quorum_tick_ms=int(quorum_tick_s * 1000),
-                                        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+        self._server = LighthouseServer(
+            bind=bind,
+            min_replicas=min_replicas,
+            join_timeout_ms=int(join_timeout_s * 1000),
+            quorum_tick_ms=int(quorum_tick_s * 1000),
+            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+        )
         self.address: str = self._server.address()
 
     def shutdown(self) -> None:
@@ -128,8 +138,14 @@ def _like(template, local: torch.Tensor):
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
-                              shape=template.shape, stride=template.stride())
+    return DTensor.from_local(
+        local,
+        template.device_mesh,
+        template.placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )
 
 
 class ReplicaGroup:
@@ -151,8 +167,17 @@ class ReplicaGroup:
     from one): the quorum's replicas behind the one furthest ahead receive its state.
     """
 
-    def __init__(self, lighthouse: str, replica_id: str, *, min_replicas: int = 1, timeout: float | None = None,
-                 quorum_timeout: float | None = None, max_retries: int | None = 5, step: int = 0):
+    def __init__(
+        self,
+        lighthouse: str,
+        replica_id: str,
+        *,
+        min_replicas: int = 1,
+        timeout: float | None = None,
+        quorum_timeout: float | None = None,
+        max_retries: int | None = 5,
+        step: int = 0,
+    ):
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
@@ -161,11 +186,14 @@ class ReplicaGroup:
         # receives is a read-only buffer (it is copied before use, see _rebuild), and logging's,
         # that torchft calls the deprecated Logger.warn.
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated", category=DeprecationWarning,
-                                module=r"torchft\.")
+        warnings.filterwarnings(
+            "ignore", message="The 'warn' method is deprecated", category=DeprecationWarning, module=r"torchft\."
+        )
 
         seconds = _groups.timeout() if timeout is None else _groups._check_timeout(timeout, "timeout")
-        quorum_s = max(seconds, 30.0) if quorum_timeout is None else _groups._check_timeout(quorum_timeout, "quorum_timeout")
+        quorum_s = (
+            max(seconds, 30.0) if quorum_timeout is None else _groups._check_timeout(quorum_timeout, "quorum_timeout")
+        )
         self.replica_id = str(replica_id)
         self.history: list[ReplicaStep] = []
         self._state: Any = None
@@ -179,15 +207,27 @@ class ReplicaGroup:
         # commit would race it and fail the survivors too. So the commit gets twice as long.
         commit_s = 2 * seconds + 5.0
         self._manager = Manager(
-            pg=ProcessGroupGloo(timeout=_td(seconds)), load_state_dict=self._receive, state_dict=self._send,
-            min_replica_size=min_replicas, use_async_quorum=False, timeout=_td(commit_s),
-            quorum_timeout=_td(quorum_s), connect_timeout=_td(quorum_s), rank=group_rank, world_size=group_size,
-            store_addr=host, store_port=port, lighthouse_addr=lighthouse, replica_id=self.replica_id,
+            pg=ProcessGroupGloo(timeout=_td(seconds)),
+            load_state_dict=self._receive,
+            state_dict=self._send,
+            min_replica_size=min_replicas,
+            use_async_quorum=False,
+            timeout=_td(commit_s),
+            quorum_timeout=_td(quorum_s),
+            connect_timeout=_td(quorum_s),
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=lighthouse,
+            replica_id=self.replica_id,
             max_retries=max_retries,
         )
         if step:
             if not isinstance(step, int) or step < 0:
-                raise ValueError(f"ReplicaGroup: step must be an int >= 0 (the committed steps to start from), got {step!r}")
+                raise ValueError(
+                    f"ReplicaGroup: step must be an int >= 0 (the committed steps to start from), got {step!r}"
+                )
             self._manager.load_state_dict({"step": step, "batches_committed": 0})
 
     # -- the state a recovering replica receives -------------------------------------------------
@@ -207,17 +247,25 @@ class ReplicaGroup:
         self._received = None
         assert got is not None
         if len(got) != len(leaves):
-            raise ValueError(f"replica {self.replica_id!r} received a state of {len(got)} leaves from a live replica, "
-                             f"but its own has {len(leaves)}: every replica must train the same model with the same "
-                             "optimizer and plan")
+            raise ValueError(
+                f"replica {self.replica_id!r} received a state of {len(got)} leaves from a live replica, "
+                f"but its own has {len(leaves)}: every replica must train the same model with the same "
+                "optimizer and plan"
+            )
         out = []
         for i, (mine, theirs) in enumerate(zip(leaves, got)):
             if isinstance(mine, torch.Tensor):
                 local = _local(mine)
                 if not isinstance(theirs, torch.Tensor) or theirs.shape != local.shape or theirs.dtype != local.dtype:
-                    what = (f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs).__name__)
-                    raise ValueError(f"replica {self.replica_id!r}: leaf {i} of the received state is {what}, its own "
-                                     f"is {tuple(local.shape)} {local.dtype}: the replicas' plans differ")
+                    what = (
+                        f"{tuple(theirs.shape)} {theirs.dtype}"
+                        if isinstance(theirs, torch.Tensor)
+                        else type(theirs).__name__
+                    )
+                    raise ValueError(
+                        f"replica {self.replica_id!r}: leaf {i} of the received state is {what}, its own "
+                        f"is {tuple(local.shape)} {local.dtype}: the replicas' plans differ"
+                    )
                 # a copy: what arrives may be a read-only view of the transfer's buffer
                 out.append(_like(mine, theirs.to(local.device, copy=True)))
             else:
@@ -254,12 +302,21 @@ class ReplicaGroup:
             state = self._state = self._rebuild(state)
             self._healed = True
             if self.step > 0:  # at step 0 every replica starts from one replica's state: nothing to say
-                log.warning("replica %s: rejoined at step %d with the state of a live replica (%d replicas)",
-                            self.replica_id, self.step, self.replicas)
+                log.warning(
+                    "replica %s: rejoined at step %d with the state of a live replica (%d replicas)",
+                    self.replica_id,
+                    self.step,
+                    self.replicas,
+                )
         n = self.replicas
         if self._last_replicas is not None and n != self._last_replicas:
-            log.warning("replica %s: step %d: %d replica group(s) alive (was %d); the gradient is their mean",
-                        self.replica_id, self.step, n, self._last_replicas)
+            log.warning(
+                "replica %s: step %d: %d replica group(s) alive (was %d); the gradient is their mean",
+                self.replica_id,
+                self.step,
+                n,
+                self._last_replicas,
+            )
         self._last_replicas = n
         return state
 
@@ -277,12 +334,19 @@ class ReplicaGroup:
         for dtype, members in by_dtype.items():
             locals_ = [_local(leaves[i]) for i in members]
             flat = torch.cat([t.reshape(-1) for t in locals_])
-            _record.record("all_reduce", max(n, 2), flat.numel() * flat.element_size(), dtype, "replicas",
-                           ranks=tuple(range(max(n, 2))), gid=_REPLICAS_GID)
+            _record.record(
+                "all_reduce",
+                max(n, 2),
+                flat.numel() * flat.element_size(),
+                dtype,
+                "replicas",
+                ranks=tuple(range(max(n, 2))),
+                gid=_REPLICAS_GID,
+            )
             self._manager.allreduce(flat).wait()
             pos = 0
             for i, t in zip(members, locals_):
-                out[i] = _like(leaves[i], flat[pos:pos + t.numel()].view(t.shape).clone())
+                out[i] = _like(leaves[i], flat[pos : pos + t.numel()].view(t.shape).clone())
                 pos += t.numel()
         return optree.tree_unflatten(spec, out)
 
@@ -298,13 +362,25 @@ class ReplicaGroup:
                 f"replica {self.replica_id!r}, rank {_groups.rank()}: step {step} could not be committed "
                 f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); when a rank of "
                 "this replica group is dead or stopped, the other replicas go on without it: restart this replica "
-                "group as a whole and it rejoins with a live replica's state") from e
-        why = "" if ok else (str(error.original_exception).strip().splitlines()[0][:300] if error is not None
-                              else "another rank of the quorum failed it")
+                "group as a whole and it rejoins with a live replica's state"
+            ) from e
+        why = (
+            ""
+            if ok
+            else (
+                str(error.original_exception).strip().splitlines()[0][:300]
+                if error is not None
+                else "another rank of the quorum failed it"
+            )
+        )
         self.history.append(ReplicaStep(step, n, ok, self._healed, why))
         if not ok:
-            log.warning("replica %s: step %d was not committed (%s); it runs again with the replicas that are alive",
-                        self.replica_id, step, why)
+            log.warning(
+                "replica %s: step %d was not committed (%s); it runs again with the replicas that are alive",
+                self.replica_id,
+                step,
+                why,
+            )
         return ok
 
     def reduce(self, grads):

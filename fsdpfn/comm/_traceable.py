@@ -29,7 +29,14 @@ import torch.distributed._functional_collectives as funcol
 
 from fsdpfn._wire import wire_bytes
 
-__all__ = ["compiling", "count_compiled", "graph_collectives", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter"]
+__all__ = [
+    "compiling",
+    "count_compiled",
+    "graph_collectives",
+    "traced_all_gather",
+    "traced_all_reduce",
+    "traced_reduce_scatter",
+]
 
 
 def compiling() -> bool:
@@ -90,8 +97,13 @@ def traced_all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x, op, group))
 
 
-_OPS = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",  # _out: inductor's merged gathers
-        "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+_OPS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",  # _out: inductor's merged gathers
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+}
 
 
 def graph_collectives(gm) -> list:

@@ -161,7 +161,9 @@ class Float8Codec(GatherCodec):
                 buf[slot.scale_offset : slot.scale_offset + scale.numel()].copy_(scale)
         return buf
 
-    def decode(self, stacked: torch.Tensor | None, locals_: list[torch.Tensor], out=None, amax: torch.Tensor | None = None) -> list:
+    def decode(
+        self, stacked: torch.Tensor | None, locals_: list[torch.Tensor], out=None, amax: torch.Tensor | None = None
+    ) -> list:
         device = next((t.device for t in locals_), torch.device("cpu"))
         amaxes = self._amax(amax)
         te = self.policy.backend == "te" and out is None

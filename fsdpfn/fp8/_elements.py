@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E4M3_MAX", "E4M3_NAN", "E8M0_BIAS", "E8M0_NAN", "SCALE_RULES", "exp2_exact", "pow2_exponent", "to_e4m3", "e8m0_to_float"]
+__all__ = [
+    "E4M3_MAX",
+    "E4M3_NAN",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "SCALE_RULES",
+    "exp2_exact",
+    "pow2_exponent",
+    "to_e4m3",
+    "e8m0_to_float",
+]
 
 E4M3_MAX = 448.0  # 1.75 * 2**8: the largest finite float8_e4m3fn
 E4M3_EMAX = 8  # exponent of the largest normal E4M3 number (the spec's emax_elem)

@@ -76,7 +76,9 @@ class Float8GatherPolicy:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Float8GatherPolicy":
-        return cls(recipe_from_dict(d["recipe"]), d.get("units"), tuple(d.get("exclude", ())), d.get("backend", "torch"))
+        return cls(
+            recipe_from_dict(d["recipe"]), d.get("units"), tuple(d.get("exclude", ())), d.get("backend", "torch")
+        )
 
 
 def _as_recipe(value: Any) -> Float8Recipe:

@@ -41,7 +41,17 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from fsdpfn.fp8._elements import E4M3_MAX, E4M3_NAN, E8M0_BIAS, E8M0_NAN, SCALE_RULES, e8m0_to_float, exp2_exact, pow2_exponent, to_e4m3
+from fsdpfn.fp8._elements import (
+    E4M3_MAX,
+    E4M3_NAN,
+    E8M0_BIAS,
+    E8M0_NAN,
+    SCALE_RULES,
+    e8m0_to_float,
+    exp2_exact,
+    pow2_exponent,
+    to_e4m3,
+)
 
 __all__ = [
     "Float8BlockScaling",
@@ -171,7 +181,9 @@ def _check_input(x: torch.Tensor) -> None:
     if x.dtype not in INPUT_DTYPES:
         raise ValueError(f"FP8 recipes quantize float32, bfloat16 or float16 tensors, got {x.dtype}")
     if x.dim() == 0:
-        raise ValueError("FP8 recipes quantize tensors of at least 1 dim (blocks run along the last dim); got a 0-d tensor")
+        raise ValueError(
+            "FP8 recipes quantize tensors of at least 1 dim (blocks run along the last dim); got a 0-d tensor"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,4 +306,3 @@ def recipe_from_dict(d: dict[str, Any]) -> Float8Recipe:
     if kind not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {kind!r} in plan JSON; this fsdpfn knows {sorted(RECIPES)}")
     return RECIPES[kind](**d)
-

@@ -79,13 +79,19 @@ def check_te(recipe: Float8Recipe, params: Sequence[tuple[str, tuple[int, ...]]]
             "Engine; 1 x 128 blocks (Float8BlockScaling) are not handed over yet: use backend='torch' for them"
         )
     if not torch.cuda.is_available():
-        raise ValueError("Float8GatherPolicy(backend='te') needs a CUDA device (Transformer Engine runs on GPUs only); use backend='torch' on CPU")
+        raise ValueError(
+            "Float8GatherPolicy(backend='te') needs a CUDA device (Transformer Engine runs on GPUs only); use backend='torch' on CPU"
+        )
     ok, reason = _support(te, recipe)
     if not ok:
-        raise ValueError(f"this GPU cannot run {te_name} in Transformer Engine {_te_version()}: {reason}; use another recipe or backend='torch'")
+        raise ValueError(
+            f"this GPU cannot run {te_name} in Transformer Engine {_te_version()}: {reason}; use another recipe or backend='torch'"
+        )
     if isinstance(recipe, MXFP8BlockScaling):
         if recipe.scale_mode != "rceil":
-            raise ValueError("Transformer Engine computes MXFP8 scales with the 'rceil' rule; use MXFP8BlockScaling() (scale_mode='rceil') with backend='te'")
+            raise ValueError(
+                "Transformer Engine computes MXFP8 scales with the 'rceil' rule; use MXFP8BlockScaling() (scale_mode='rceil') with backend='te'"
+            )
         for name, shape in params:
             lines = math.prod(shape[:-1])
             if shape[-1] % _MX_BLOCK or lines % _MX_BLOCK:
@@ -100,7 +106,9 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def te_tensor(recipe: Float8Recipe, q: Quantized, shape: tuple[int, ...], dtype: torch.dtype, dequantized: torch.Tensor):
+def te_tensor(
+    recipe: Float8Recipe, q: Quantized, shape: tuple[int, ...], dtype: torch.dtype, dequantized: torch.Tensor
+):
     """TE's quantized tensor for a gathered weight: ``q`` (our E4M3 bytes and scales, in the
     whole weight's row-major layout) becomes the rowwise data; the columnwise copy TE needs for
     the backward GEMMs is made by TE's own quantizer from ``dequantized``."""
@@ -109,11 +117,15 @@ def te_tensor(recipe: Float8Recipe, q: Quantized, shape: tuple[int, ...], dtype:
     if isinstance(recipe, MXFP8BlockScaling):
         mx = importlib.import_module("transformer_engine.pytorch.tensor.mxfp8_tensor")
         rows, cols = data.shape
-        scale_inv = torch.zeros(_round_up(rows, 128), _round_up(cols // _MX_BLOCK, 4), dtype=torch.uint8, device=data.device)
+        scale_inv = torch.zeros(
+            _round_up(rows, 128), _round_up(cols // _MX_BLOCK, 4), dtype=torch.uint8, device=data.device
+        )
         scale_inv[:rows, : cols // _MX_BLOCK].copy_(q.scale.reshape(rows, -1))
         quantizer = mx.MXFP8Quantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=False)
         out = quantizer.create_tensor_from_data(data, scale_inv, fake_dtype=dtype)
-        colwise = mx.MXFP8Quantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=False, columnwise=True)(dequantized.reshape(rows, cols))
+        colwise = mx.MXFP8Quantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=False, columnwise=True)(
+            dequantized.reshape(rows, cols)
+        )
         out._columnwise_data = colwise._columnwise_data
         out._columnwise_scale_inv = colwise._columnwise_scale_inv
         out._quantizer = mx.MXFP8Quantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=True)
@@ -121,7 +133,11 @@ def te_tensor(recipe: Float8Recipe, q: Quantized, shape: tuple[int, ...], dtype:
     if isinstance(recipe, Float8CurrentScaling):
         f8 = importlib.import_module("transformer_engine.pytorch.tensor.float8_tensor")
         return f8.Float8Tensor(
-            shape=tuple(shape), dtype=dtype, data=q.data.view(torch.uint8).reshape(shape),
-            fp8_scale_inv=q.scale.reshape(1).to(torch.float32), fp8_dtype=tex.DType.kFloat8E4M3, requires_grad=False,
+            shape=tuple(shape),
+            dtype=dtype,
+            data=q.data.view(torch.uint8).reshape(shape),
+            fp8_scale_inv=q.scale.reshape(1).to(torch.float32),
+            fp8_dtype=tex.DType.kFloat8E4M3,
+            requires_grad=False,
         )
     raise ValueError(f"{type(recipe).__name__} is not handed to Transformer Engine (checked at plan time)")

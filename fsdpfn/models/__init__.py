@@ -12,4 +12,15 @@ from fsdpfn.models._moe import Experts as Experts
 from fsdpfn.models._moe import MoE as MoE
 from fsdpfn.models._moe import MoEConfig as MoEConfig
 
-__all__ = ["GPT", "GPTConfig", "GPT_TP_PLAN", "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig", "Experts", "MoE", "MoEConfig"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "GPT_TP_PLAN",
+    "LLAMA3_70B",
+    "LLAMA3_8B",
+    "Llama",
+    "LlamaConfig",
+    "Experts",
+    "MoE",
+    "MoEConfig",
+]

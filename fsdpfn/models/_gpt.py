@@ -26,8 +26,16 @@ except ImportError:  # this file also runs on its own, without fsdpfn (exported 
     def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
         return x
 
-    def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_or_group=None, *,
-                                   causal: bool = True, strategy: str | None = None, scale: float | None = None) -> torch.Tensor:
+    def context_parallel_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan_or_group=None,
+        *,
+        causal: bool = True,
+        strategy: str | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
     def context_parallel_positions(local_len: int, plan_or_group=None, *, device=None) -> torch.Tensor:
@@ -70,9 +78,19 @@ def _moe(cfg: GPTConfig) -> nn.Module:
     try:
         from fsdpfn.models._moe import MoE, MoEConfig
     except ImportError as e:  # the dense model runs without fsdpfn; its MoE layer does not
-        raise ImportError(f"GPTConfig(experts={cfg.experts}) needs fsdpfn's MoE layer: install fsdpfn, or use experts=0") from e
-    return MoE(MoEConfig(width=cfg.width, hidden=cfg.mlp_ratio * cfg.width, experts=cfg.experts, top_k=cfg.top_k,
-                         aux_weight=cfg.aux_weight, capacity_factor=cfg.capacity_factor))
+        raise ImportError(
+            f"GPTConfig(experts={cfg.experts}) needs fsdpfn's MoE layer: install fsdpfn, or use experts=0"
+        ) from e
+    return MoE(
+        MoEConfig(
+            width=cfg.width,
+            hidden=cfg.mlp_ratio * cfg.width,
+            experts=cfg.experts,
+            top_k=cfg.top_k,
+            aux_weight=cfg.aux_weight,
+            capacity_factor=cfg.capacity_factor,
+        )
+    )
 
 
 class Block(nn.Module):
@@ -132,13 +150,17 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos = nn.Embedding(cfg.seq_len, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.experts > 0 and i % cfg.moe_every == 0) for i in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            Block(cfg, moe=cfg.experts > 0 and i % cfg.moe_every == 0) for i in range(cfg.depth)
+        )
         self.norm = nn.LayerNorm(cfg.width, bias=cfg.bias)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # positions: of each token in its sequence; by default 0..t-1, or this rank's positions
         # inside a context-parallel block (fsdpfn.context_parallel_positions).
         if positions is None:
@@ -169,8 +191,10 @@ class GPT(nn.Module):
         from fsdpfn.models._stage import ModelStage, call
 
         if self.cfg.experts:
-            raise NotImplementedError("GPT.pipeline_stage: MoE blocks return (x, aux), which a stage cannot pass on yet; "
-                                      "pipeline a dense GPT (experts=0)")
+            raise NotImplementedError(
+                "GPT.pipeline_stage: MoE blocks return (x, aux), which a stage cannot pass on yet; "
+                "pipeline a dense GPT (experts=0)"
+            )
 
         def add_pos(pos: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return x + pos(context_parallel_positions(x.shape[1], device=x.device))

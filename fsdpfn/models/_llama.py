@@ -43,7 +43,9 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.dim % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"LlamaConfig: dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"LlamaConfig: dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads ({self.kv_heads})"
+            )
 
 
 LLAMA3_8B = LlamaConfig(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336)

@@ -155,7 +155,9 @@ class Experts(nn.Module):
         starts = [sum(flat[:i]) for i in range(len(flat))]
         outs: list = [None] * len(flat)
         for e in range(local):
-            idx = torch.cat([torch.arange(starts[s * local + e], starts[s * local + e] + counts[s][e]) for s in range(len(counts))])
+            idx = torch.cat(
+                [torch.arange(starts[s * local + e], starts[s * local + e] + counts[s][e]) for s in range(len(counts))]
+            )
             h = F.gelu(inbox[idx] @ self.w1[e].T) @ self.w2[e].T
             off = 0
             for s in range(len(counts)):

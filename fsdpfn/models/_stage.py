@@ -28,18 +28,24 @@ class ModelStage(nn.Module):
       units: the stage's units: a contiguous run of ``order``.
     """
 
-    def __init__(self, model_name: str, order: Sequence[str], parts: dict[str, tuple[nn.Module, Callable]], units: Sequence[str]):
+    def __init__(
+        self, model_name: str, order: Sequence[str], parts: dict[str, tuple[nn.Module, Callable]], units: Sequence[str]
+    ):
         super().__init__()
         units = list(units)
         unknown = [u for u in units if u not in parts]
         if unknown or not units:
-            raise ValueError(f"{model_name}.pipeline_stage: units {unknown or units} are not parts this model can run as a "
-                             f"stage; a stage is a contiguous run of {', '.join(order[:4])}, ..., {order[-1]} (plan the model "
-                             f"with units=[...] naming those modules)")
+            raise ValueError(
+                f"{model_name}.pipeline_stage: units {unknown or units} are not parts this model can run as a "
+                f"stage; a stage is a contiguous run of {', '.join(order[:4])}, ..., {order[-1]} (plan the model "
+                f"with units=[...] naming those modules)"
+            )
         at = [order.index(u) for u in units]
         if at != list(range(at[0], at[0] + len(at))):
-            raise ValueError(f"{model_name}.pipeline_stage: units {units} are not a contiguous run in model order "
-                             f"({', '.join(order)}); a stage runs consecutive parts")
+            raise ValueError(
+                f"{model_name}.pipeline_stage: units {units} are not a contiguous run in model order "
+                f"({', '.join(order)}); a stage runs consecutive parts"
+            )
         self.names = units
         self.parts = nn.ModuleList(parts[u][0] for u in units)
         self._steps = [parts[u][1] for u in units]

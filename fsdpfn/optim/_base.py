@@ -96,7 +96,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """
     for i, t in enumerate(transforms):
         if isinstance(t, (list, tuple)) and not hasattr(t, "init"):
-            raise ValueError(f"chain: argument {i} is a {type(t).__name__} of transforms; pass them as separate arguments, chain(*transforms)")
+            raise ValueError(
+                f"chain: argument {i} is a {type(t).__name__} of transforms; pass them as separate arguments, chain(*transforms)"
+            )
         check_transform("chain", f"argument {i}", t)
 
     def init(params):
@@ -104,7 +106,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(updates, state, params=None):
         if len(state) != len(transforms):
-            raise ValueError(f"chain: state has {len(state)} entries for {len(transforms)} transforms; was it made by this chain's init?")
+            raise ValueError(
+                f"chain: state has {len(state)} entries for {len(transforms)} transforms; was it made by this chain's init?"
+            )
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params)
@@ -137,7 +141,9 @@ def _leaf_labels(tree: Any, labels: Labels, known: Mapping[str, Any]) -> tuple[l
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"partition: labels do not have the structure of the parameters ({e}). Give one label per "
-            f"parameter leaf, e.g. {{{names[0]!r}: {next(iter(known))!r}, ...}}" if names else f"partition: bad labels ({e})"
+            f"parameter leaf, e.g. {{{names[0]!r}: {next(iter(known))!r}, ...}}"
+            if names
+            else f"partition: bad labels ({e})"
         ) from None
     for name, label in zip(names, flat):
         if label not in known:
@@ -185,7 +191,9 @@ def partition(transforms: Mapping[str, GradientTransformation], labels: Labels) 
     for k, t in transforms.items():
         check_transform("partition", f"transforms[{k!r}]", t)
     if labels is None:
-        raise ValueError("partition: labels=None is invalid: pass a tree of labels shaped like the parameters, or a function of the parameters returning one")
+        raise ValueError(
+            "partition: labels=None is invalid: pass a tree of labels shaped like the parameters, or a function of the parameters returning one"
+        )
     transforms = dict(transforms)
 
     def init(params):

@@ -53,7 +53,12 @@ def _spec(who: str, where: str, value: Any) -> BlockSpec:
 
     if (m := count(value)) is not None:
         return (m, 1)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and (m := count(value[0])) is not None and (n := count(value[1])) is not None:
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and (m := count(value[0])) is not None
+        and (n := count(value[1])) is not None
+    ):
         return (m, n)
     raise ValueError(
         f"{who}: blocks{where}={value!r} is invalid: a block spec is an int m >= 1 (m row blocks), a pair (m, n) "
@@ -146,7 +151,9 @@ def merge_blocks(blocks: torch.Tensor, spec: BlockSpec, shape: tuple[int, ...]) 
     return grid.reshape(shape)
 
 
-def head_blocks(heads: int, qkv: tuple[str, ...] = ("*qkv.weight",), out: tuple[str, ...] = ("*proj.weight",)) -> dict[str, BlockSpec]:
+def head_blocks(
+    heads: int, qkv: tuple[str, ...] = ("*qkv.weight",), out: tuple[str, ...] = ("*proj.weight",)
+) -> dict[str, BlockSpec]:
     """Per-head Muon for attention in ``nn.Linear`` layout: a ``blocks=`` table giving fused
     ``qkv`` weights ``3 * heads`` row blocks (one per query, key and value head) and output
     projections ``heads`` column blocks (their inputs are the heads' outputs).

@@ -77,8 +77,10 @@ def global_norm(tree: Any) -> torch.Tensor:
         total = total + buf[0]
     if pipelines:
         if alone:  # the same leaf on every pp rank would be counted pp times
-            raise ValueError(f"global_norm: the tree mixes pipeline-stage parameters with {alone[0]}, which belongs to no "
-                             "stage; pass the stages' tree alone (PipelineRuntime.shard's parameters, or their gradients)")
+            raise ValueError(
+                f"global_norm: the tree mixes pipeline-stage parameters with {alone[0]}, which belongs to no "
+                "stage; pass the stages' tree alone (PipelineRuntime.shard's parameters, or their gradients)"
+            )
         buf = total.reshape(1).clone()
         for mesh, pp_name in pipelines.values():
             if mesh.size(mesh.mesh_dim_names.index(pp_name)) > 1:
@@ -115,7 +117,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
       tensor([nan])
     """
     max_norm = check_real(
-        "clip_by_global_norm", "max_norm", max_norm, lo=0.0, lo_open=True, fix="To not clip, leave clip_by_global_norm out of the chain."
+        "clip_by_global_norm",
+        "max_norm",
+        max_norm,
+        lo=0.0,
+        lo_open=True,
+        fix="To not clip, leave clip_by_global_norm out of the chain.",
     )
 
     def update(updates, state, params=None):

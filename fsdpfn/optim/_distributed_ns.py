@@ -57,12 +57,21 @@ from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, block_shape
 from fsdpfn.optim._checks import check_choice, check_int
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops
-from fsdpfn.optim._layout import Box, holdings, split_dims, whole_holdings, work_group
+from fsdpfn.optim._layout import Box, holdings, split_dims, work_group
 from fsdpfn.optim._owner import assign_owners, local_blocks_ns, owner_schedule, run_owner
 from fsdpfn.optim._tree import like
 from fsdpfn import comm as C
 
-__all__ = ["LAYOUTS", "assign_owners", "blockwise_spec", "check_buckets", "gather_pads", "ns_block_spec", "orthogonalize", "owner_plan"]
+__all__ = [
+    "LAYOUTS",
+    "assign_owners",
+    "blockwise_spec",
+    "check_buckets",
+    "gather_pads",
+    "ns_block_spec",
+    "orthogonalize",
+    "owner_plan",
+]
 
 LAYOUTS = ("owner", "duplicated", "blockwise", "gather")
 
@@ -85,7 +94,15 @@ class _NS(NamedTuple):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             return x.to(self.dtype or x.dtype)
-        return newton_schulz(x, self.steps, self.coeffs, eps=self.eps, dtype=self.dtype, method=self.method, gram_restarts=self.gram_restarts)
+        return newton_schulz(
+            x,
+            self.steps,
+            self.coeffs,
+            eps=self.eps,
+            dtype=self.dtype,
+            method=self.method,
+            gram_restarts=self.gram_restarts,
+        )
 
     def flops(self, shape: tuple[int, ...]) -> int:
         return newton_schulz_flops(shape, self.steps, self.method, self.gram_restarts)
@@ -127,7 +144,9 @@ def _blockwise_spec(x: torch.Tensor, name: str, spec: BlockSpec) -> BlockSpec:
     return blockwise_spec(tuple(x.shape), x.placements[d], mesh.size(d), spec, name)
 
 
-def blockwise_spec(shape: tuple[int, ...], tp_placement: Any, tp: int, spec: BlockSpec = WHOLE, name: str = "") -> BlockSpec:
+def blockwise_spec(
+    shape: tuple[int, ...], tp_placement: Any, tp: int, spec: BlockSpec = WHOLE, name: str = ""
+) -> BlockSpec:
     """The blocks ``layout="blockwise"`` orthogonalises a leaf of global ``shape`` in: ``spec``
     refined so that no block crosses one of the ``tp`` pieces the leaf's placement on the
     tensor-parallel mesh dim (``tp_placement``) cuts it into.
@@ -227,7 +246,9 @@ def orthogonalize(
     dims_of: dict[int, tuple[int, ...]] = {}
     for i, (x, name) in enumerate(zip(leaves, names)):
         if x.dim() < 2:
-            raise ValueError(f"Muon leaf {name!r} has shape {tuple(x.shape)}; Muon needs matrices (>= 2-D). Label it for AdamW instead.")
+            raise ValueError(
+                f"Muon leaf {name!r} has shape {tuple(x.shape)}; Muon needs matrices (>= 2-D). Label it for AdamW instead."
+            )
         specs[i] = ns_block_spec(x, name, specs[i], layout)
         dims_of[i] = split_dims(x, name)
     for i, (x, name) in enumerate(zip(leaves, names)):
@@ -257,7 +278,9 @@ def orthogonalize(
         if layout in ("gather", "duplicated"):
             results = _gather(xs, held, sp, wg, ns, key[1])
         else:
-            results = run_owner(locs, [tuple(x.shape) for x in xs], sp, wg.group, wg.size, wg.rank, ns, ns.flops, key[1], buckets, held)  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
+            results = run_owner(
+                locs, [tuple(x.shape) for x in xs], sp, wg.group, wg.size, wg.rank, ns, ns.flops, key[1], buckets, held
+            )  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
         for i, r in zip(idx, results):
             out[i] = like(leaves[i], r)
     return out
@@ -316,5 +339,9 @@ def _gather(xs: list[DTensor], held, specs: list[BlockSpec], wg, ns: _NS, send: 
         off += pad
         o = local_blocks_ns(full.view(shape), spec, ns).reshape(full.shape)  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
         h = hs[wg.rank]
-        results.append(o[h.mats[0] : h.mats[1], h.rows[0] : h.rows[1], h.cols[0] : h.cols[1]].reshape(x._local_tensor.shape).clone())
+        results.append(
+            o[h.mats[0] : h.mats[1], h.rows[0] : h.rows[1], h.cols[0] : h.cols[1]]
+            .reshape(x._local_tensor.shape)
+            .clone()
+        )
     return results

@@ -99,8 +99,10 @@ def all_finite(tree: Any) -> tuple[bool, torch.Tensor]:
 def _give_up(count: int, total: int, max_errors: int, tree: Any, flags: torch.Tensor) -> FloatingPointError:
     names, _, _ = named_leaves(tree)
     here = [n for n, bad in zip(names, flags.tolist()) if bad]
-    where = f"non-finite on this rank: {', '.join(repr(n) for n in here[:5])}{' ...' if len(here) > 5 else ''}" if here else (
-        "finite on this rank, so the NaN/inf is on another rank"
+    where = (
+        f"non-finite on this rank: {', '.join(repr(n) for n in here[:5])}{' ...' if len(here) > 5 else ''}"
+        if here
+        else ("finite on this rank, so the NaN/inf is on another rank")
     )
     return FloatingPointError(
         f"apply_if_finite: {count} step{'s' if count != 1 else ''} in a row had non-finite (NaN or inf) gradients, more than "
@@ -156,7 +158,10 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     """
     check_transform("apply_if_finite", "inner", inner)
     max_errors = check_int(
-        "apply_if_finite", "max_consecutive_errors", max_consecutive_errors, lo=0,
+        "apply_if_finite",
+        "max_consecutive_errors",
+        max_consecutive_errors,
+        lo=0,
         fix="It is how many non-finite steps in a row are skipped before raising; 0 raises at the first.",
     )
 

@@ -32,7 +32,17 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fsdpfn import comm as C
 from fsdpfn._rows import chunk_bounds
 
-__all__ = ["Box", "WorkGroup", "box_of", "holdings", "leaf_holdings", "split_dims", "split_mesh_dims", "whole_holdings", "work_group"]
+__all__ = [
+    "Box",
+    "WorkGroup",
+    "box_of",
+    "holdings",
+    "leaf_holdings",
+    "split_dims",
+    "split_mesh_dims",
+    "whole_holdings",
+    "work_group",
+]
 
 Span = tuple[int, int]
 
@@ -47,7 +57,11 @@ class Box(NamedTuple):
 
     @property
     def numel(self) -> int:
-        return max(0, self.mats[1] - self.mats[0]) * max(0, self.rows[1] - self.rows[0]) * max(0, self.cols[1] - self.cols[0])
+        return (
+            max(0, self.mats[1] - self.mats[0])
+            * max(0, self.rows[1] - self.rows[0])
+            * max(0, self.cols[1] - self.cols[0])
+        )
 
     def intersect(self, other: "Box") -> "Box":
         def span(a: Span, b: Span) -> Span:
@@ -112,7 +126,9 @@ def split_mesh_dims(placements: Sequence[Any], sizes: Sequence[int]) -> tuple[in
     return tuple(d for d, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and sizes[d] > 1)
 
 
-def _order_of(shape: tuple[int, ...], placements: Sequence[Any], sizes: Sequence[int], name: str) -> dict[int, list[int]]:
+def _order_of(
+    shape: tuple[int, ...], placements: Sequence[Any], sizes: Sequence[int], name: str
+) -> dict[int, list[int]]:
     """``{tensor dim: mesh dims cutting it, in the order they cut}`` (see [Note: holdings])."""
     n = len(shape)
     plain: dict[int, list[int]] = {}
@@ -156,8 +172,13 @@ def holdings(x: DTensor, name: str, coords: Sequence[dict[int, int]]) -> tuple[B
     return leaf_holdings(tuple(x.shape), tuple(x.placements), sizes, coords, name)
 
 
-def leaf_holdings(shape: Sequence[int], placements: Sequence[Any], sizes: Sequence[int], coords: Sequence[dict[int, int]],
-                  name: str = "") -> tuple[Box, ...]:
+def leaf_holdings(
+    shape: Sequence[int],
+    placements: Sequence[Any],
+    sizes: Sequence[int],
+    coords: Sequence[dict[int, int]],
+    name: str = "",
+) -> tuple[Box, ...]:
     """The box each rank holds of a leaf of global ``shape`` placed as ``placements`` on a mesh
     of ``sizes``, for ranks at mesh coordinates ``coords`` (one ``{mesh dim: index}`` per rank):
     what Muon reads off a DTensor, from its description alone (see [Note: holdings]).

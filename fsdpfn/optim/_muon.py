@@ -25,10 +25,14 @@ from fsdpfn.optim._tree import like, local, map_local, named_leaves, zeros_like_
 __all__ = ["MuonLRState", "ScaleByMuonState", "muon", "muon_labels", "scale_by_muon", "scale_by_muon_lr"]
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_norm")
-_MOMENTUM_FIX = "It is the old buffer's weight in lerp(b, g, 1 - momentum): at 1 the buffer never moves. 0.95 is the reference."
+_MOMENTUM_FIX = (
+    "It is the old buffer's weight in lerp(b, g, 1 - momentum): at 1 the buffer never moves. 0.95 is the reference."
+)
 
 
-def _check_muon(who: str, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets):
+def _check_muon(
+    who: str, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets
+):
     """Every setting of :func:`scale_by_muon`, named as ``who``'s caller wrote them: the momentum
     and the block spec function."""
     momentum = check_real(who, "momentum", momentum, lo=0.0, hi=1.0, hi_open=True, fix=_MOMENTUM_FIX)
@@ -126,7 +130,18 @@ def scale_by_muon(
     """
     # Now, on every rank, not at the first step on the ranks that own a matrix.
     momentum, spec_fn = _check_muon(
-        "scale_by_muon", momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets
+        "scale_by_muon",
+        momentum,
+        nesterov,
+        ns_steps,
+        ns_coeffs,
+        eps,
+        ns_dtype,
+        layout,
+        ns_method,
+        gram_restarts,
+        blocks,
+        buckets,
     )
 
     def init(params):
@@ -144,8 +159,17 @@ def scale_by_muon(
         names, leaves, spec = named_leaves(direction)
         specs = _leaf_specs(spec_fn, names, leaves)
         ortho = orthogonalize(
-            leaves, names, layout=layout, steps=ns_steps, coeffs=ns_coeffs, eps=eps, dtype=ns_dtype, method=ns_method,
-            gram_restarts=gram_restarts, blocks=specs, buckets=buckets,
+            leaves,
+            names,
+            layout=layout,
+            steps=ns_steps,
+            coeffs=ns_coeffs,
+            eps=eps,
+            dtype=ns_dtype,
+            method=ns_method,
+            gram_restarts=gram_restarts,
+            blocks=specs,
+            buckets=buckets,
         )
         out = [like(x, local(o).to(local(x).dtype)) for x, o in zip(leaves, ortho)]
         return optree.tree_unflatten(spec, out), ScaleByMuonState(buf)
@@ -172,7 +196,10 @@ class MuonLRState(NamedTuple):
 
 
 def scale_by_muon_lr(
-    lr: ScalarOrSchedule, weight_decay: float = 0.0, adjust_lr_fn: str | None = "original", blocks: Blocks = None,
+    lr: ScalarOrSchedule,
+    weight_decay: float = 0.0,
+    adjust_lr_fn: str | None = "original",
+    blocks: Blocks = None,
     layout: str = "owner",
 ) -> GradientTransformation:
     """``-lr * ratio(shape) * o - lr * weight_decay * p``: ``torch.optim.Muon``'s step after the
@@ -238,7 +265,9 @@ def scale_by_muon_lr(
     def update(updates, state, params=None):
         step_lr = schedule(state.count)
         if weight_decay and params is None:
-            raise ValueError("scale_by_muon_lr with weight_decay != 0 needs the parameters: call update(grads, state, params)")
+            raise ValueError(
+                "scale_by_muon_lr with weight_decay != 0 needs the parameters: call update(grads, state, params)"
+            )
         names, leaves, spec = named_leaves(updates)
         ps = spec.flatten_up_to(params) if weight_decay else [None] * len(leaves)
         out = []
@@ -259,7 +288,9 @@ def scale_by_muon_lr(
 # muon = partition({"muon": ..., "adamw": ...}, labels)
 # ---------------------------------------------------------------------------------------------
 
-_NOT_HIDDEN = frozenset({"embed", "embedding", "embeddings", "pos", "head", "lm_head", "wte", "wpe", "output", "classifier", "logits"})
+_NOT_HIDDEN = frozenset(
+    {"embed", "embedding", "embeddings", "pos", "head", "lm_head", "wte", "wpe", "output", "classifier", "logits"}
+)
 # A component that spells an embedding in any of the usual ways: emb, tok_emb, pos_emb,
 # token_embedding, word_embeddings, embed_tokens, unembed (the output side of a tied pair), or a
 # position table by its prefix (pos_table, pos_enc: a bare parameter the module rule gives AdamW).
@@ -392,7 +423,12 @@ def muon_labels(model: nn.Module | str, param: torch.Tensor | None = None, *, he
         )
     heads = _head_names(model, head)
     mods = dict(model.named_modules())
-    adamw_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters(recurse=False)}
+    adamw_ids = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for p in m.parameters(recurse=False)
+    }
     adamw_ids |= {id(p) for n in heads for p in mods[n].parameters(recurse=False)}
     labels = {}
     for mname, m in model.named_modules(remove_duplicate=False):
@@ -422,7 +458,9 @@ def _labels_tree(labels: Union[None, nn.Module, LabelFn, Mapping[str, str]]) -> 
 
         def fn(name, param):
             if name not in table:
-                raise ValueError(f"muon: parameter {name!r} has no entry in labels; give it 'muon' or 'adamw' (or pass a function)")
+                raise ValueError(
+                    f"muon: parameter {name!r} has no entry in labels; give it 'muon' or 'adamw' (or pass a function)"
+                )
             return table[name]
     else:
         raise ValueError(
@@ -518,7 +556,9 @@ def muon(
     # (adamw_betas, not adamw's b1); the factories below check again and agree.
     who = "muon"
     check_schedule(who, "lr", lr)
-    _check_muon(who, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets)
+    _check_muon(
+        who, momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets
+    )
     check_real(who, "weight_decay", weight_decay, lo=0.0)
     check_choice(who, "adjust_lr_fn", adjust_lr_fn, (None, *ADJUST_LR_FNS))
     if adamw_lr is not None:
@@ -529,7 +569,9 @@ def muon(
         check_real(who, "adamw_weight_decay", adamw_weight_decay, lo=0.0)
     labels_tree = _labels_tree(labels)
     muon_part = chain(
-        scale_by_muon(momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets),
+        scale_by_muon(
+            momentum, nesterov, ns_steps, ns_coeffs, eps, ns_dtype, layout, ns_method, gram_restarts, blocks, buckets
+        ),
         scale_by_muon_lr(lr, weight_decay, adjust_lr_fn, blocks, layout),
     )
     adam_part = adamw(
@@ -550,4 +592,6 @@ def _check_betas(who: str, name: str, betas: Any) -> None:
     if len(pair) != 2:
         raise ValueError(f"{who}: {name}={betas!r} is invalid: {name} must be a pair (b1, b2), e.g. (0.9, 0.999).")
     for i, b in enumerate(pair):
-        check_real(who, f"{name}[{i}]", b, lo=0.0, hi=1.0, hi_open=True, fix="Decay rates are in [0, 1), e.g. (0.9, 0.999).")
+        check_real(
+            who, f"{name}[{i}]", b, lo=0.0, hi=1.0, hi_open=True, fix="Decay rates are in [0, 1), e.g. (0.9, 0.999)."
+        )

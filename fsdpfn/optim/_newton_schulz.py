@@ -10,7 +10,14 @@ import torch
 
 from fsdpfn.optim._checks import check_choice, check_int, check_real
 
-__all__ = ["DEFAULT_GRAM_RESTARTS", "DEFAULT_NS_COEFFS", "NS_METHODS", "check_settings", "newton_schulz", "newton_schulz_flops"]
+__all__ = [
+    "DEFAULT_GRAM_RESTARTS",
+    "DEFAULT_NS_COEFFS",
+    "NS_METHODS",
+    "check_settings",
+    "newton_schulz",
+    "newton_schulz_flops",
+]
 
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 DEFAULT_GRAM_RESTARTS = (2,)
@@ -111,7 +118,9 @@ def newton_schulz(
 # batching costs nothing there (a CPU bmm is itself a loop of GEMMs; per-matrix dispatch adds
 # ~10 microseconds an operation, measured at 2x on 16 x (64 x 64) fp32 and nothing at 512 x 512).
 # Other devices run the batch through baddbmm, one kernel for all of it.
-def _iterate(X: torch.Tensor, steps: int, a: float, b: float, c: float, eps: float, gram: bool, restarts: frozenset[int]) -> torch.Tensor:
+def _iterate(
+    X: torch.Tensor, steps: int, a: float, b: float, c: float, eps: float, gram: bool, restarts: frozenset[int]
+) -> torch.Tensor:
     """The iteration on a wide matrix or batch ``X`` (``m <= n``), normalised first."""
     if X.dim() == 2 and not gram:
         X = X / X.norm().clamp(min=eps)
@@ -150,7 +159,9 @@ def _normalise(X: torch.Tensor, eps: float) -> torch.Tensor:
 # where Q = a I + Z) and R <- P (R P) (two; not needed after the last step). In floating point
 # the commutation holds only up to rounding and the error compounds over the steps, so at each
 # restart iteration X is materialised (X <- Q X) and R rebuilt from it (X X^T), Q reset.
-def _gram_iterations(X: torch.Tensor, steps: int, a: float, b: float, c: float, restarts: frozenset[int]) -> torch.Tensor:
+def _gram_iterations(
+    X: torch.Tensor, steps: int, a: float, b: float, c: float, restarts: frozenset[int]
+) -> torch.Tensor:
     if steps == 0:
         return X
     R = X @ X.mT
@@ -171,15 +182,21 @@ def _gram_iterations(X: torch.Tensor, steps: int, a: float, b: float, c: float, 
     return Q @ X
 
 
-def check_method(method: str, steps: int, gram_restarts: tuple[int, ...], *, who: str = "newton_schulz", prefix: str = "") -> frozenset[int]:
+def check_method(
+    method: str, steps: int, gram_restarts: tuple[int, ...], *, who: str = "newton_schulz", prefix: str = ""
+) -> frozenset[int]:
     """``gram_restarts`` as a set, once ``method`` and the restarts are known to fit ``steps``."""
     check_choice(who, f"{prefix}method", method, NS_METHODS)
     try:
         restarts = frozenset(gram_restarts)
     except TypeError:
-        raise ValueError(f"{who}: gram_restarts={gram_restarts!r} is invalid: pass a tuple of iteration numbers, e.g. (2,), or () for none.") from None
+        raise ValueError(
+            f"{who}: gram_restarts={gram_restarts!r} is invalid: pass a tuple of iteration numbers, e.g. (2,), or () for none."
+        ) from None
     if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in restarts):
-        raise ValueError(f"{who}: gram_restarts={gram_restarts!r} is invalid: every restart must be an int iteration number.")
+        raise ValueError(
+            f"{who}: gram_restarts={gram_restarts!r} is invalid: every restart must be an int iteration number."
+        )
     bad = sorted(i for i in restarts if not 1 <= i < steps)
     if method == "gram" and bad:
         raise ValueError(
@@ -222,10 +239,14 @@ def check_settings(
     except TypeError:
         parts = ()
     if len(parts) != 3:
-        raise ValueError(f"{who}: {name}={coeffs!r} is invalid: {name} must be three numbers (a, b, c), e.g. {DEFAULT_NS_COEFFS}.")
+        raise ValueError(
+            f"{who}: {name}={coeffs!r} is invalid: {name} must be three numbers (a, b, c), e.g. {DEFAULT_NS_COEFFS}."
+        )
     for i, c in enumerate(parts):
         check_real(who, f"{name}[{i}]", c, fix=f"The default is {DEFAULT_NS_COEFFS}.")
-    check_real(who, "eps", eps, lo=0.0, lo_open=True, fix="It floors the norm Newton–Schulz divides by; 1e-7 is torch's.")
+    check_real(
+        who, "eps", eps, lo=0.0, lo_open=True, fix="It floors the norm Newton–Schulz divides by; 1e-7 is torch's."
+    )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(
             f"{who}: {prefix}dtype={dtype!r} is invalid: pass a floating torch.dtype (torch.bfloat16, torch.float32) "
@@ -248,7 +269,10 @@ def _gram_is_cheaper(m: int, n: int, steps: int, restarts: frozenset[int]) -> bo
 
 
 def newton_schulz_flops(
-    shape: tuple[int, ...], steps: int = 5, method: str = "standard", gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS
+    shape: tuple[int, ...],
+    steps: int = 5,
+    method: str = "standard",
+    gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS,
 ) -> int:
     """Matmul FLOPs of :func:`newton_schulz` on ``shape`` (``m <= n`` the matrix's short and
     long sides), what ``FlopCounterMode`` counts.

@@ -225,10 +225,16 @@ def owner_schedule(
             by_box.setdefault(p, []).append(q)
         pieces.append(tuple((owners[j] if owners[j] in qs else qs[j % len(qs)], p) for p, qs in by_box.items()))
         returns.append(tuple(touch[j]))
-        assert sum(p.numel for _, p in pieces[-1]) == blocks[j].shape[0] * blocks[j].shape[1], "holdings do not tile the leaf"
+        assert sum(p.numel for _, p in pieces[-1]) == blocks[j].shape[0] * blocks[j].shape[1], (
+            "holdings do not tile the leaf"
+        )
     kept_set = set(kept)
     travel = [j for j in range(len(blocks)) if j not in kept_set]
-    count = _auto_buckets([blocks[j] for j in travel], [owners[j] for j in travel], world, itemsize) if buckets is None else buckets
+    count = (
+        _auto_buckets([blocks[j] for j in travel], [owners[j] for j in travel], world, itemsize)
+        if buckets is None
+        else buckets
+    )
     bucket_of = {}
     for r in range(world):
         mine = sorted((j for j in travel if owners[j] == r), key=lambda j: (-blocks[j].flops, j))
@@ -240,7 +246,16 @@ def owner_schedule(
             done += blocks[j].flops
     grouped = tuple(tuple(j for j in travel if bucket_of[j] == k) for k in range(count))
     return OwnerSchedule(
-        world, tuple(blocks), tuple(owners), tuple(g for g in grouped if g), tuple(loads), local, kept, held, tuple(pieces), tuple(returns)
+        world,
+        tuple(blocks),
+        tuple(owners),
+        tuple(g for g in grouped if g),
+        tuple(loads),
+        local,
+        kept,
+        held,
+        tuple(pieces),
+        tuple(returns),
     )
 
 
@@ -388,7 +403,9 @@ class _Bucket:
     def _in_block(self, stacks, slot, j: int, box: Box) -> torch.Tensor:
         b = self.sched.blocks[j]
         s, i = slot[j]
-        return stacks[s][i, box.rows[0] - b.rows[0] : box.rows[1] - b.rows[0], box.cols[0] - b.cols[0] : box.cols[1] - b.cols[0]]
+        return stacks[s][
+            i, box.rows[0] - b.rows[0] : box.rows[1] - b.rows[0], box.cols[0] - b.cols[0] : box.cols[1] - b.cols[0]
+        ]
 
     def pack_out(self, locals_: list[torch.Tensor]) -> torch.Tensor:
         """My pieces of every block, grouped by owner, cast to the send dtype while copied."""
@@ -437,7 +454,9 @@ class _Bucket:
                 off += box.numel
 
 
-def bucket_splits(sched: OwnerSchedule, rank: int) -> tuple[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]], ...]:
+def bucket_splits(
+    sched: OwnerSchedule, rank: int
+) -> tuple[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]], ...]:
     """Per bucket of ``sched``, the ``(input splits, output splits)`` (elements per peer) of
     rank ``rank``'s "out" and "back" all-to-alls: what :func:`run_owner` sends, read from the
     same packing, so that a cost model counts the bytes the optimizer moves.
@@ -550,7 +569,9 @@ def run_owner(
     if sched is None:
         if len(_SCHEDULES) > 64:
             _SCHEDULES.clear()
-        sched = _SCHEDULES[key] = owner_schedule(shapes, world, flops, specs=specs, buckets=buckets, itemsize=send.itemsize, held=held)
+        sched = _SCHEDULES[key] = owner_schedule(
+            shapes, world, flops, specs=specs, buckets=buckets, itemsize=send.itemsize, held=held
+        )
     locals_ = [x.contiguous() for x in locals_]
     device = locals_[0].device  # every buffer on the device of the tensors it serves
     results: list[Any] = [torch.empty(x.shape, dtype=send, device=device) for x in locals_]
@@ -560,7 +581,9 @@ def run_owner(
         # The buffer stays referenced with the pending work until it is waited for.
         in_splits, out_splits = p.splits(way)
         got = torch.empty(sum(out_splits), dtype=send, device=device)
-        return C.all_to_all(got, buf, group, output_splits=out_splits, input_splits=in_splits, async_op=True, tag="muon_owner"), buf
+        return C.all_to_all(
+            got, buf, group, output_splits=out_splits, input_splits=in_splits, async_op=True, tag="muon_owner"
+        ), buf
 
     def finish_back(p: _Bucket, launched) -> None:
         t0 = time.perf_counter()
@@ -570,9 +593,15 @@ def run_owner(
 
     out = trip(plans[0], plans[0].pack_out(locals_), "out") if plans else None
     t0 = time.perf_counter()
-    kept, kept_flops = _kept_ns(sched, rank, locals_, results, ns, send, device)  # under the first bucket's pieces travelling
+    kept, kept_flops = _kept_ns(
+        sched, rank, locals_, results, ns, send, device
+    )  # under the first bucket's pieces travelling
     if kept:
-        _note(BucketRecord("local", kept, kept_flops, (f"out {plans[0].label}",) if plans else (), 0.0, time.perf_counter() - t0))
+        _note(
+            BucketRecord(
+                "local", kept, kept_flops, (f"out {plans[0].label}",) if plans else (), 0.0, time.perf_counter() - t0
+            )
+        )
     back: dict[int, Any] = {}
     for k, p in enumerate(plans):
         t0 = time.perf_counter()
@@ -585,7 +614,9 @@ def run_owner(
         t0 = time.perf_counter()
         stacks, slot = p.assemble(got)
         ortho = {s: ns(stack) for s, stack in stacks.items()}  # same shapes: one batched call
-        _note(BucketRecord(p.label, len(p.mine), sum(b.flops for b in p.mine), flying, waited, time.perf_counter() - t0))
+        _note(
+            BucketRecord(p.label, len(p.mine), sum(b.flops for b in p.mine), flying, waited, time.perf_counter() - t0)
+        )
         back[k] = trip(p, p.pack_back(ortho, slot), "back")
         if k - 1 in back:
             finish_back(plans[k - 1], back.pop(k - 1))

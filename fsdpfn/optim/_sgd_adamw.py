@@ -71,7 +71,9 @@ def sgd(
     if not isinstance(nesterov, bool):
         raise ValueError(f"sgd: nesterov={nesterov!r} is invalid: nesterov must be True or False.")
     if nesterov and momentum == 0:
-        raise ValueError("sgd: nesterov=True needs momentum > 0 (as torch.optim.SGD), got momentum=0. Pass momentum=0.9, or nesterov=False.")
+        raise ValueError(
+            "sgd: nesterov=True needs momentum > 0 (as torch.optim.SGD), got momentum=0. Pass momentum=0.9, or nesterov=False."
+        )
 
     def init(params):
         return SGDState(0, zeros_like_tree(params) if momentum else None)

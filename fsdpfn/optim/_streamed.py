@@ -32,7 +32,9 @@ def _to(t, device: torch.device, pin: bool = False):
     if isinstance(t, DTensor):
         local = _to(t._local_tensor, device, pin)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    out = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin and device.type == "cpu" and torch.cuda.is_available())
+    out = torch.empty(
+        t.shape, dtype=t.dtype, device=device, pin_memory=pin and device.type == "cpu" and torch.cuda.is_available()
+    )
     out.copy_(t, non_blocking=True)
     return out
 
@@ -42,7 +44,12 @@ def _write_back(host, dev):
     if isinstance(host, DTensor):
         _write_back(host._local_tensor, dev._local_tensor if isinstance(dev, DTensor) else dev)
         return host
-    if isinstance(host, torch.Tensor) and isinstance(dev, torch.Tensor) and host.shape == dev.shape and host.dtype == dev.dtype:
+    if (
+        isinstance(host, torch.Tensor)
+        and isinstance(dev, torch.Tensor)
+        and host.shape == dev.shape
+        and host.dtype == dev.dtype
+    ):
         host.copy_(dev)
         return host
     return _to(dev, host.device) if isinstance(dev, torch.Tensor) else dev
@@ -54,7 +61,9 @@ def _check_device(device: Any) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"streamed: device={device!r} is not a device ({e}); pass 'cuda', 'cuda:0' or 'cpu'.") from None
+        raise ValueError(
+            f"streamed: device={device!r} is not a device ({e}); pass 'cuda', 'cuda:0' or 'cpu'."
+        ) from None
     try:
         torch.empty(0, device=dev)  # allocates nothing; fails as the first update's copy would
     except (AssertionError, RuntimeError) as e:

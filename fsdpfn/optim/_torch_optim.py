@@ -41,7 +41,9 @@ _NOT_HYPER = ("params", "param_names")
 def _named(params: Any, where: str) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs from a dict, named pairs or plain tensors (named by index)."""
     if isinstance(params, torch.Tensor):
-        raise TypeError(f"TorchOptimizer: {where} is a single tensor; pass a dict {{name: param}}, named_parameters() or a list")
+        raise TypeError(
+            f"TorchOptimizer: {where} is a single tensor; pass a dict {{name: param}}, named_parameters() or a list"
+        )
     if isinstance(params, Mapping):
         return [(str(n), p) for n, p in params.items()]
     items = list(params)
@@ -123,7 +125,12 @@ class TorchOptimizer(torch.optim.Optimizer):
       ['inner_states/adamw/count', 'inner_states/muon/0/momentum_buffer/w']
     """
 
-    def __init__(self, params: Any, transform: Callable[..., GradientTransformation] | GradientTransformation, **hyperparameters: Any):
+    def __init__(
+        self,
+        params: Any,
+        transform: Callable[..., GradientTransformation] | GradientTransformation,
+        **hyperparameters: Any,
+    ):
         built = hasattr(transform, "init") and hasattr(transform, "update")
         if built:
             check_transform("TorchOptimizer", "transform", transform)
@@ -133,7 +140,9 @@ class TorchOptimizer(torch.optim.Optimizer):
                     "cannot take them; pass its factory instead, e.g. TorchOptimizer(params, optim.muon, lr=0.02)"
                 )
         elif not callable(transform):
-            raise ValueError(f"TorchOptimizer: transform must be a factory of transforms or a transform, got {type(transform).__name__}")
+            raise ValueError(
+                f"TorchOptimizer: transform must be a factory of transforms or a transform, got {type(transform).__name__}"
+            )
         self._factory = None if built else cast("Callable[..., GradientTransformation]", transform)
         self._fixed = transform if built else None
         self._arg_keys: list[tuple[str, ...]] = []
@@ -186,7 +195,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         changed since it was built (checked by the factory, as when first built)."""
         group, built = self.param_groups[i], self._built_with[i]
         fixed_now = [k for k in self._arg_keys[i] if not _is_lr(k, group[k])]
-        if self._factory is not None and (set(fixed_now) != set(built) or any(not _same(group[k], built[k]) for k in built)):
+        if self._factory is not None and (
+            set(fixed_now) != set(built) or any(not _same(group[k], built[k]) for k in built)
+        ):
             self._build(i)
         return self._transforms[i]
 
@@ -251,7 +262,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         if not isinstance(groups, list) or not isinstance(states, Mapping) or len(groups) != len(self.param_groups):
             raise ValueError(
                 f"TorchOptimizer.load_state_dict: expected {{'state': ..., 'param_groups': [{len(self.param_groups)} groups]}} as "
-                "state_dict() gives, got " + (f"{len(groups)} groups" if isinstance(groups, list) else f"{type(state_dict).__name__}")
+                "state_dict() gives, got "
+                + (f"{len(groups)} groups" if isinstance(groups, list) else f"{type(state_dict).__name__}")
             )
         new_states = []
         for i, (mine, saved) in enumerate(zip(self.param_groups, groups)):
@@ -270,7 +282,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         leaves = []
         for path, ours in entries.items():
             if path not in saved:
-                raise ValueError(f"TorchOptimizer.load_state_dict: group {i} state {path!r} is missing from the state dict")
+                raise ValueError(
+                    f"TorchOptimizer.load_state_dict: group {i} state {path!r} is missing from the state dict"
+                )
             value = saved[path]
             if isinstance(ours, torch.Tensor):
                 ok = isinstance(value, torch.Tensor) and type(value) is type(ours) and value.shape == ours.shape

@@ -139,7 +139,20 @@ class RootExit(torch.autograd.Function):
 class UnitCall:
     """One call of a unit module: what its Function needs, and the graph it keeps."""
 
-    __slots__ = ("ex", "step", "unit", "module", "n_shards", "in_tree", "leaves", "tensor_idx", "out_tree", "inner", "needs_grad", "compiled")
+    __slots__ = (
+        "ex",
+        "step",
+        "unit",
+        "module",
+        "n_shards",
+        "in_tree",
+        "leaves",
+        "tensor_idx",
+        "out_tree",
+        "inner",
+        "needs_grad",
+        "compiled",
+    )
 
     def __init__(self, ex, step, unit, module, n_shards, in_tree, leaves, tensor_idx, needs_grad, compiled=None):
         self.ex, self.step, self.unit, self.module = ex, step, unit, module
@@ -235,10 +248,14 @@ class UnitFn(torch.autograd.Function):
                 params, xs_used, flat, call.out_tree = _run_unit(call, full, xs, call.needs_grad and not remat)
             for o in flat:
                 if not isinstance(o, torch.Tensor):
-                    raise ValueError(f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)")
+                    raise ValueError(
+                        f"unit {unit_label(name)!r} returned a {type(o).__name__}; units must return tensors (or trees of them)"
+                    )
             if remat:
                 call.inner = ("remat", [x.detach() for x in xs], rng, kept)
-                ex.record.kept_bytes[name] = _storage_bytes(xs + ([] if policy == "full" else cast(SaveMode, kept).tensors()))
+                ex.record.kept_bytes[name] = _storage_bytes(
+                    xs + ([] if policy == "full" else cast(SaveMode, kept).tensors())
+                )
             elif call.needs_grad:
                 call.inner = (params, xs_used, flat)
             ex.event(OpKind.FORWARD_DONE, name)
@@ -255,7 +272,9 @@ class UnitFn(torch.autograd.Function):
         with torch._C._DisableFuncTorch():
             ex.check_step(call.step, f"the backward of unit {unit_label(name)!r}")
             if call.inner is None:
-                raise RuntimeScheduleError(f"unit {unit_label(name)!r} ran its forward without autograd recording and cannot be differentiated")
+                raise RuntimeScheduleError(
+                    f"unit {unit_label(name)!r} ran its forward without autograd recording and cannot be differentiated"
+                )
             ex.event(OpKind.BACKWARD, name)
             if call.inner[0] == "remat":  # recompute on the parameters gathered for backward
                 _, saved_xs, (cpu, cuda, cuda_states), kept = call.inner
@@ -276,7 +295,9 @@ class UnitFn(torch.autograd.Function):
             wrt = list(params) + [x for x in xs if x.requires_grad]
             if pairs:
                 with torch.enable_grad(), _outside_functorch(call):
-                    got: Sequence[torch.Tensor | None] = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                    got: Sequence[torch.Tensor | None] = torch.autograd.grad(
+                        [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                    )
             else:
                 got = [None] * len(wrt)
             if call.compiled is not None and pairs:

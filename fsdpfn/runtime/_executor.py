@@ -160,13 +160,19 @@ class Executor:
             expected = ops[self.cursor] if self.cursor < len(ops) else "nothing (the step is over)"
             skipped = isinstance(expected, Op) and expected.kind in (OpKind.BACKWARD, OpKind.BACKWARD_DONE)
             if kind in (OpKind.BACKWARD, OpKind.END) and skipped:
-                why = (f"The backward of unit {unit_label(cast(Op, expected).unit)!r} did not run: its output does not reach the "
-                       "loss (or was detached). Every unit the forward ran must take part in the backward; "
-                       "its gradients would otherwise be silently missing.")
+                why = (
+                    f"The backward of unit {unit_label(cast(Op, expected).unit)!r} did not run: its output does not reach the "
+                    "loss (or was detached). Every unit the forward ran must take part in the backward; "
+                    "its gradients would otherwise be silently missing."
+                )
             else:
-                why = ("Units ran in another order than the schedule's: build the plan with units in execution "
-                       "order, or edit the schedule to match the model.")
-            raise RuntimeScheduleError(f"the model reached '{got}' but the schedule expects '{expected}' (op #{self.cursor}). {why}")
+                why = (
+                    "Units ran in another order than the schedule's: build the plan with units in execution "
+                    "order, or edit the schedule to match the model."
+                )
+            raise RuntimeScheduleError(
+                f"the model reached '{got}' but the schedule expects '{expected}' (op #{self.cursor}). {why}"
+            )
         self.record.events.append((self.cursor, str(got)))
         self.cursor += 1
         # Below functorch: buffers allocated here must be plain tensors whose storage we own.
@@ -179,8 +185,10 @@ class Executor:
             self.record.in_flight.append((str(got), tuple(self.gathers), tuple(self.reduces)))
         if kind is OpKind.END and (self.memory.live or self.gathers or self.reduces):
             labels = [list(map(unit_label, d)) for d in (self.memory.live, self.gathers, self.reduces)]
-            raise RuntimeScheduleError(f"after 'end', units {labels[0]} are still unsharded and {labels[1]} / "
-                                       f"{labels[2]} still in flight; the schedule must free and wait for everything")
+            raise RuntimeScheduleError(
+                f"after 'end', units {labels[0]} are still unsharded and {labels[1]} / "
+                f"{labels[2]} still in flight; the schedule must free and wait for everything"
+            )
 
     def forward_only_done(self) -> None:
         """The root's forward returned without autograd recording: finish the step now."""
@@ -221,13 +229,18 @@ class Executor:
         device = self.comm.compute_device()
         for t in host:
             if t.device.type != "cpu":
-                raise RuntimeScheduleError(f"unit {unit_label(name)!r} is offloaded but its shards are on {t.device}; pass shards in "
-                                           "host memory (fsdpfn.shard places an offloaded unit's shards there)")
+                raise RuntimeScheduleError(
+                    f"unit {unit_label(name)!r} is offloaded but its shards are on {t.device}; pass shards in "
+                    "host memory (fsdpfn.shard places an offloaded unit's shards there)"
+                )
         # non_blocking from pinned memory: the copy overlaps, ordered before the gather on the device.
-        self.staged[name] = [torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t, non_blocking=True) for t in host]
+        self.staged[name] = [
+            torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t, non_blocking=True) for t in host
+        ]
         nbytes = sum(t.numel() * t.element_size() for t in host)
         self.memory.offloaded[name] = nbytes
         self.record.copies.append(("copy_in", name, nbytes))
+
     def _free(self, name: str) -> None:
         for t in self.full.get(name, ()):
             t.untyped_storage().resize_(0)
@@ -238,8 +251,10 @@ class Executor:
         whether there were any)."""
         grads = self.full_grads.pop(name, None)
         if grads is None:
-            raise RuntimeScheduleError(f"unit {unit_label(name)!r} has no gradients to reduce: its backward did not run. "
-                                       "Every unit the forward used must take part in the loss's backward.")
+            raise RuntimeScheduleError(
+                f"unit {unit_label(name)!r} has no gradients to reduce: its backward did not run. "
+                "Every unit the forward used must take part in the loss's backward."
+            )
         rdtype = self.plan.reduce_dtype(self.units[name])
         acc = self.local_acc.pop(name, None)
         if acc is not None:
@@ -276,6 +291,7 @@ class Executor:
         self.results[name] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in grads]
         self.memory.offloaded.pop(name, None)
         self.record.copies.append(("copy_out", name, sum(t.numel() * t.element_size() for t in grads)))
+
     # ---- what the Functions ask for ------------------------------------------------------
 
     def full_params(self, name: str) -> list[torch.Tensor]:

@@ -61,8 +61,17 @@ from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send, ranks_group, uncounted
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
-from fsdpfn.transforms import (CHECKED_STEPS, VerifyReport, apply_tp, check_batch, check_params, context_parallel,
-                               context_parallel_shard, verify_stage, verify_stage_loss)
+from fsdpfn.transforms import (
+    CHECKED_STEPS,
+    VerifyReport,
+    apply_tp,
+    check_batch,
+    check_params,
+    context_parallel,
+    context_parallel_shard,
+    verify_stage,
+    verify_stage_loss,
+)
 
 __all__ = ["PipelineProfile", "PipelineRuntime"]
 
@@ -73,11 +82,13 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 def _header(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
-        raise ValueError(f"a pipeline stage returned a {t.dtype} tensor of shape {tuple(t.shape)}; stages pass tensors of at "
-                         f"most {_HEADER - 2} dims and dtype one of {[str(d) for d in _DTYPES]}")
+        raise ValueError(
+            f"a pipeline stage returned a {t.dtype} tensor of shape {tuple(t.shape)}; stages pass tensors of at "
+            f"most {_HEADER - 2} dims and dtype one of {[str(d) for d in _DTYPES]}"
+        )
     h = torch.full((_HEADER,), -1, dtype=torch.int64)
     h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
-    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return h
 
 
@@ -187,15 +198,28 @@ class PipelineRuntime:
       (torch.Size([64, 32]), True)
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, schedule: str | PipelineSchedule = "1f1b", micro_batches: int | None = 8,
-                 *, loss_fn: Callable[[Any, Any], torch.Tensor], stages=None, prefetch: int = 1,
-                 device: str | torch.device | None = "cpu", cp_strategy: str = "allgather", profile: bool = False,
-                 verify: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        schedule: str | PipelineSchedule = "1f1b",
+        micro_batches: int | None = 8,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        stages=None,
+        prefetch: int = 1,
+        device: str | torch.device | None = "cpu",
+        cp_strategy: str = "allgather",
+        profile: bool = False,
+        verify: bool = True,
+    ):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
         if plan.stages is None:
-            raise ValueError(f"PipelineRuntime needs a pipelined plan, but the plan's mesh ({plan.axes.describe()}) has no 'pp' "
-                             "axis; for one stage use fsdpfn.runtime.Runtime")
+            raise ValueError(
+                f"PipelineRuntime needs a pipelined plan, but the plan's mesh ({plan.axes.describe()}) has no 'pp' "
+                "axis; for one stage use fsdpfn.runtime.Runtime"
+            )
         if plan.mesh is None:
             raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a PipelineRuntime")
         if cp_strategy not in ("allgather", "ring"):
@@ -208,12 +232,16 @@ class PipelineRuntime:
             ps = pipeline_schedule(plan, schedule, micro_batches, prefetch=prefetch)
         elif isinstance(schedule, PipelineSchedule):
             if micro_batches is not None and micro_batches != schedule.micro_batches:
-                raise ValueError(f"micro_batches={micro_batches}, but the schedule runs {schedule.micro_batches}; pass "
-                                 f"micro_batches=None (or {schedule.micro_batches}) with a schedule object")
+                raise ValueError(
+                    f"micro_batches={micro_batches}, but the schedule runs {schedule.micro_batches}; pass "
+                    f"micro_batches=None (or {schedule.micro_batches}) with a schedule object"
+                )
             ps = schedule
         else:
-            raise ValueError(f"schedule must be a pipeline schedule name (gpipe, 1f1b, interleaved_1f1b, zero_bubble) or an "
-                             f"fsdpfn.PipelineSchedule, got {type(schedule).__name__}")
+            raise ValueError(
+                f"schedule must be a pipeline schedule name (gpipe, 1f1b, interleaved_1f1b, zero_bubble) or an "
+                f"fsdpfn.PipelineSchedule, got {type(schedule).__name__}"
+            )
         # Every rank checks every rank's list, before the first transfer: a deadlock is refused
         # here, naming the op, instead of leaving ranks blocked in recvs.
         validate_pipeline(ps, plan)
@@ -253,17 +281,23 @@ class PipelineRuntime:
         if stages is None:
             build = getattr(self.model, "pipeline_stage", None)
             if build is None:
-                raise ValueError(f"{type(self.model).__name__} has no pipeline_stage(units) method; pass stages={{stage index: "
-                                 "module}} (for this rank's stages) or stages=callable(s, units) -> module")
+                raise ValueError(
+                    f"{type(self.model).__name__} has no pipeline_stage(units) method; pass stages={{stage index: "
+                    "module}} (for this rank's stages) or stages=callable(s, units) -> module"
+                )
             return build(units)
         if isinstance(stages, Mapping):
             if s not in stages:
-                raise ValueError(f"stages has no module for stage {s} (units {units}), which runs on this rank (pp rank "
-                                 f"{self.pp_rank}); give one for each of stages {list(self.stages_here)}")
+                raise ValueError(
+                    f"stages has no module for stage {s} (units {units}), which runs on this rank (pp rank "
+                    f"{self.pp_rank}); give one for each of stages {list(self.stages_here)}"
+                )
             return stages[s]
         if callable(stages):
             return stages(s, tuple(units))
-        raise ValueError(f"stages must be None, a dict {{stage index: nn.Module}} or a callable (s, units) -> nn.Module, got {type(stages).__name__}")
+        raise ValueError(
+            f"stages must be None, a dict {{stage index: nn.Module}} or a callable (s, units) -> nn.Module, got {type(stages).__name__}"
+        )
 
     def _param_names(self, s: int) -> list[tuple[str, str]]:
         """``(module-local name, plan name)`` of the stage module's parameters, matched by
@@ -278,9 +312,11 @@ class PipelineRuntime:
         if foreign or got != expected:
             missing = sorted(expected - got)
             extra = sorted(n for n in got - expected if n is not None)
-            raise ValueError(f"stage {s}'s module must hold exactly the parameters of its units {list(self.plan.stages.units[s])}"
-                             f" (the model's own objects): missing {missing[:4]}, from other stages {extra[:4]}, not the "
-                             f"model's {foreign[:4]}; share the model's submodules (do not copy them)")
+            raise ValueError(
+                f"stage {s}'s module must hold exactly the parameters of its units {list(self.plan.stages.units[s])}"
+                f" (the model's own objects): missing {missing[:4]}, from other stages {extra[:4]}, not the "
+                f"model's {foreign[:4]}; share the model's submodules (do not copy them)"
+            )
         return pairs  # type: ignore[return-value]
 
     def shard(self, model_or_params) -> dict[str, DTensor]:
@@ -296,7 +332,11 @@ class PipelineRuntime:
         """
         from fsdpfn.transforms import shard
 
-        full = dict(model_or_params.named_parameters()) if isinstance(model_or_params, nn.Module) else dict(model_or_params)
+        full = (
+            dict(model_or_params.named_parameters())
+            if isinstance(model_or_params, nn.Module)
+            else dict(model_or_params)
+        )
         out: dict[str, DTensor] = {}
         for s, sp in self.stage_plans.items():
             out.update(shard({n: full[n] for n in sp.param_names}, sp))
@@ -304,7 +344,9 @@ class PipelineRuntime:
 
     # ---- a step --------------------------------------------------------------------------
 
-    def step(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, targets: Any) -> tuple[dict[str, DTensor | None], torch.Tensor]:
+    def step(
+        self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, targets: Any
+    ) -> tuple[dict[str, DTensor | None], torch.Tensor]:
         """One training step: forward and backward of every micro-batch through the pipeline.
 
         Args:
@@ -323,20 +365,28 @@ class PipelineRuntime:
         """
         return self._run(self.schedule, params, inputs, targets, train=True)
 
-    def _run(self, ps: PipelineSchedule, params, inputs, targets, train: bool) -> tuple[dict[str, DTensor | None], torch.Tensor]:
+    def _run(
+        self, ps: PipelineSchedule, params, inputs, targets, train: bool
+    ) -> tuple[dict[str, DTensor | None], torch.Tensor]:
         m = ps.micro_batches
         what = "step" if train else "evaluate"
         rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
         if rows is None or rows % m:
-            raise ValueError(f"PipelineRuntime.{what}: inputs has {rows} rows (dim 0), which micro_batches={m} does not divide; "
-                             f"pass a batch of a multiple of {m} rows, or build the runtime with a micro_batches that divides {rows}")
+            raise ValueError(
+                f"PipelineRuntime.{what}: inputs has {rows} rows (dim 0), which micro_batches={m} does not divide; "
+                f"pass a batch of a multiple of {m} rows, or build the runtime with a micro_batches that divides {rows}"
+            )
         if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or targets.shape[0] != rows:
-            raise ValueError(f"PipelineRuntime.{what}: targets must be a tensor with the inputs' {rows} rows (dim 0), got "
-                             f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
+            raise ValueError(
+                f"PipelineRuntime.{what}: targets must be a tensor with the inputs' {rows} rows (dim 0), got "
+                f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}"
+            )
         for s, sp in self.stage_plans.items():
             missing = [n for n in sp.param_names if n not in params]
             if missing:
-                raise ValueError(f"PipelineRuntime.{what}: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict")
+                raise ValueError(
+                    f"PipelineRuntime.{what}: params lacks stage {s}'s {missing[:4]}; pass pipe.shard(model)'s dict"
+                )
             check_params({n: params[n] for n in sp.param_names}, sp, f"PipelineRuntime.{what}(params)")
         cp_plan = next(iter(self.stage_plans.values()))
         if self._batch_checks:  # see [Note: checking the batch] in fsdpfn/transforms/_guards.py
@@ -354,19 +404,25 @@ class PipelineRuntime:
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
             ex.results, ex.full_grads, ex.local_acc = {}, {}, {}
-        self._acts: dict[tuple[int, int], torch.Tensor] = {}      # a stage's input, before its forward
-        self._grads: dict[tuple[int, int], torch.Tensor] = {}     # a stage's output gradient, before its backward
-        self._outbox: dict[tuple[int, int], torch.Tensor] = {}    # computed, to be sent
-        self._saved: dict[tuple[int, int], tuple] = {}            # forward graphs awaiting their backward
+        self._acts: dict[tuple[int, int], torch.Tensor] = {}  # a stage's input, before its forward
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}  # a stage's output gradient, before its backward
+        self._outbox: dict[tuple[int, int], torch.Tensor] = {}  # computed, to be sent
+        self._saved: dict[tuple[int, int], tuple] = {}  # forward graphs awaiting their backward
         self._losses: dict[int, torch.Tensor] = {}
-        self._sends: dict[PipeOp, list] = {}                     # transfers in flight, by their send op
+        self._sends: dict[PipeOp, list] = {}  # transfers in flight, by their send op
         self.last_ops = []
         self._train = train
         self._seeds: dict[tuple[int, int], torch.Tensor | None] = {}  # an input half's seed, for its weight half
-        run = {PipeKind.STAGE_FORWARD: self._forward, PipeKind.STAGE_BACKWARD: self._backward,
-               PipeKind.STAGE_BACKWARD_INPUT: self._backward_input, PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
-               PipeKind.SEND_ACT: self._send, PipeKind.SEND_GRAD: self._send,
-               PipeKind.RECV_ACT: self._recv_act, PipeKind.RECV_GRAD: self._recv_grad}
+        run = {
+            PipeKind.STAGE_FORWARD: self._forward,
+            PipeKind.STAGE_BACKWARD: self._backward,
+            PipeKind.STAGE_BACKWARD_INPUT: self._backward_input,
+            PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
+            PipeKind.SEND_ACT: self._send,
+            PipeKind.SEND_GRAD: self._send,
+            PipeKind.RECV_ACT: self._recv_act,
+            PipeKind.RECV_GRAD: self._recv_grad,
+        }
         clock, timeline = time.perf_counter, cast(list[tuple[str, float, float]], [])
         self._kept: dict[tuple[int, int], int] = {}  # activation bytes of each forward awaiting its backward
         self._peak_kept = 0
@@ -421,20 +477,31 @@ class PipelineRuntime:
                         x = held
                     else:
                         peer = ps.rank_of(s - 1)
-                        h = pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag="verify_header").wait().tolist()
-                        x = pp_recv(torch.empty(h[2:2 + h[0]], dtype=_DTYPES[h[1]]), peer, self.group, tag="verify_act").wait()
+                        h = (
+                            pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag="verify_header")
+                            .wait()
+                            .tolist()
+                        )
+                        x = pp_recv(
+                            torch.empty(h[2 : 2 + h[0]], dtype=_DTYPES[h[1]]), peer, self.group, tag="verify_act"
+                        ).wait()
                     sp = self.stage_plans[s]
                     version = x._version
-                    self.verified[s], out = verify_stage(self.model, self.modules[s], {name: local for local, name in self._names[s]},
-                                                         sp, {n: params[n] for n in sp.param_names}, x)
+                    self.verified[s], out = verify_stage(
+                        self.model,
+                        self.modules[s],
+                        {name: local for local, name in self._names[s]},
+                        sp,
+                        {n: params[n] for n in sp.param_names},
+                        x,
+                    )
                     if s > 0 and x._version != version:  # written in place: the step's autograd would refuse it
                         raise ValueError(self._in_place(s))
                     out = self._stage_output(s, out).detach().contiguous()
                     if s == ps.num_stages - 1:
                         self._check_loss(self.loss_fn(out, self._ys[0]))
                         # The loss over the last stage's ranks (see [Note: the loss check]).
-                        verify_stage_loss(sp, self.loss_fn, out, self._ys[0], self.verified[s],
-                                          self._last_stage_group)
+                        verify_stage_loss(sp, self.loss_fn, out, self._ys[0], self.verified[s], self._last_stage_group)
                 except (VerificationError, ValueError) as e:
                     error, problem = e, f"{'V' if isinstance(e, VerificationError) else 'E'}{e}"
             found = C.exchange_problems(f"pipeline verify stage {s}", problem, world)
@@ -467,11 +534,15 @@ class PipelineRuntime:
             self.last_ops.append(str(op))
             timeline.append((str(op), t0 - begin, clock() - begin))
 
-    def _finish(self, ps: PipelineSchedule, timeline: list, train: bool) -> tuple[dict[str, DTensor | None], torch.Tensor]:
+    def _finish(
+        self, ps: PipelineSchedule, timeline: list, train: bool
+    ) -> tuple[dict[str, DTensor | None], torch.Tensor]:
         """The step's loss on every pp rank, and this rank's reduced gradients (training)."""
         m = ps.micro_batches
         if self._profile:
-            self.last_profile = PipelineProfile(self.pp_rank, ps.name, tuple(timeline), tuple(self._kept_log), self._peak_kept)
+            self.last_profile = PipelineProfile(
+                self.pp_rank, ps.name, tuple(timeline), tuple(self._kept_log), self._peak_kept
+            )
         last = ps.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32)
         if not train:
@@ -479,7 +550,9 @@ class PipelineRuntime:
                 ex.results, ex.full_grads, ex.local_acc = {}, {}, {}
         if ps.rank_of(last) == self.pp_rank:
             loss = torch.stack([self._losses[k].float() for k in range(m)]).sum() / m
-        loss = broadcast(loss.reshape(1), src=self._global[ps.rank_of(last)], group=self.group, tag="pp_loss").reshape(())
+        loss = broadcast(loss.reshape(1), src=self._global[ps.rank_of(last)], group=self.group, tag="pp_loss").reshape(
+            ()
+        )
         grads: dict[str, DTensor | None] = {}
         for s, ex in self._ex.items() if train else ():
             names = [p.name for u in self.stage_plans[s].units for p in u.params]
@@ -525,7 +598,12 @@ class PipelineRuntime:
         if not self._train:  # evaluate: no graph, nothing saved for a backward
             x = self._xs[k] if s == 0 else self._acts.pop((s, k))
             params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
-            out = self._stage_output(s, torch.func.functional_call(self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,)))
+            out = self._stage_output(
+                s,
+                torch.func.functional_call(
+                    self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,)
+                ),
+            )
             if last:
                 loss = self.loss_fn(out, self._ys[k])
                 self._check_loss(loss)
@@ -533,7 +611,11 @@ class PipelineRuntime:
             else:
                 self._pass_on(s, k, out)
             return
-        leaves = {p.name: t.detach().requires_grad_() for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
+        leaves = {
+            p.name: t.detach().requires_grad_()
+            for u in self.stage_plans[s].units
+            for p, t in zip(u.params, ex.full[u.name])
+        }
         if s == 0:
             x = self._xs[k]
         else:
@@ -542,7 +624,9 @@ class PipelineRuntime:
         saved: dict[int, int] = {}
         with torch.enable_grad(), self._counting(saved, leaves.values()):
             try:
-                out = torch.func.functional_call(self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,))
+                out = torch.func.functional_call(
+                    self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,)
+                )
             except RuntimeError as e:
                 if "in-place operation" in str(e) and s > 0:
                     raise ValueError(self._in_place(s)) from e
@@ -562,24 +646,34 @@ class PipelineRuntime:
 
     @staticmethod
     def _in_place(s: int) -> str:
-        return (f"stage {s} modifies its input in place (e.g. `h *= 0.7` or `h.add_(...)` on the tensor it is given), which "
-                "is a leaf of the stage's graph: autograd cannot differentiate through it. Write the stage out of place "
-                "(`h = h * 0.7`)")
+        return (
+            f"stage {s} modifies its input in place (e.g. `h *= 0.7` or `h.add_(...)` on the tensor it is given), which "
+            "is a leaf of the stage's graph: autograd cannot differentiate through it. Write the stage out of place "
+            "(`h = h * 0.7`)"
+        )
 
     def _stage_output(self, s: int, out: Any) -> torch.Tensor:
         """A stage hands one tensor on: a 1-tuple (what Hugging Face layers return) is named."""
         if isinstance(out, torch.Tensor):
             return out
         kind = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}"
-        hint = " (Hugging Face layers return (hidden,): unpack it, `return layer(x)[0]`)" if isinstance(out, (tuple, list)) else ""
-        raise ValueError(f"stage {s} ({type(self.modules[s]).__name__}) returned {kind}; a pipeline stage must return one tensor, "
-                         f"which the next stage takes as its input{hint}")
+        hint = (
+            " (Hugging Face layers return (hidden,): unpack it, `return layer(x)[0]`)"
+            if isinstance(out, (tuple, list))
+            else ""
+        )
+        raise ValueError(
+            f"stage {s} ({type(self.modules[s]).__name__}) returned {kind}; a pipeline stage must return one tensor, "
+            f"which the next stage takes as its input{hint}"
+        )
 
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"PipelineRuntime: loss_fn(output, target) must return the micro-batch's mean loss, a scalar; got "
-                             f"{got} (a loss built with reduction='none'? take its .mean(), or use the default reduction)")
+            raise ValueError(
+                f"PipelineRuntime: loss_fn(output, target) must return the micro-batch's mean loss, a scalar; got "
+                f"{got} (a loss built with reduction='none'? take its .mean(), or use the default reduction)"
+            )
 
     def _pass_on(self, s: int, k: int, out: torch.Tensor) -> None:
         """Stage ``s``'s output of micro-batch ``k``: to stage ``s + 1`` here, or to be sent."""
@@ -633,7 +727,9 @@ class PipelineRuntime:
         _, out, leaves = self._saved.pop((s, k))
         self._kept.pop((s, k), None)
         names = list(leaves)
-        got = torch.autograd.grad(out, [leaves[n] for n in names], grad_outputs=self._seeds.pop((s, k)), allow_unused=True)
+        got = torch.autograd.grad(
+            out, [leaves[n] for n in names], grad_outputs=self._seeds.pop((s, k)), allow_unused=True
+        )
         self._add_param_grads(s, dict(zip(names, got)))
 
     def _add_param_grads(self, s: int, by_name: dict) -> None:
@@ -666,8 +762,12 @@ class PipelineRuntime:
 
     def _recv_act(self, op: PipeOp) -> None:
         peer = self.schedule.peer(op)
-        h = pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag=f"{op.kind.value}_header").wait().tolist()
-        buf = torch.empty(h[2:2 + h[0]], dtype=_DTYPES[h[1]])
+        h = (
+            pp_recv(torch.empty(_HEADER, dtype=torch.int64), peer, self.group, tag=f"{op.kind.value}_header")
+            .wait()
+            .tolist()
+        )
+        buf = torch.empty(h[2 : 2 + h[0]], dtype=_DTYPES[h[1]])
         self._acts[(op.stage, op.micro)] = pp_recv(buf, peer, self.group, tag=str(op)).wait()
 
     def _recv_grad(self, op: PipeOp) -> None:

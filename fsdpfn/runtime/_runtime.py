@@ -17,7 +17,15 @@ from fsdpfn.runtime._executor import Executor
 from fsdpfn._plan.schedule import OpKind, Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
 from fsdpfn.comm import compiling, count_compiled
-from fsdpfn.transforms import CompileUnsupportedError, note_step, apply_tp, check_params, recording_backend, unshard_traced, verify
+from fsdpfn.transforms import (
+    CompileUnsupportedError,
+    note_step,
+    apply_tp,
+    check_params,
+    recording_backend,
+    unshard_traced,
+    verify,
+)
 from fsdpfn.transforms import VerifyReport
 
 __all__ = ["Runtime"]
@@ -102,7 +110,9 @@ class Runtime:
         modules = dict(model.named_modules())
         for u in plan.units:
             if u.name not in modules:
-                raise ValueError(f"unit {u.name!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?")
+                raise ValueError(
+                    f"unit {u.name!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?"
+                )
         self._modules = {u.name: modules[u.name] for u in plan.units if u.name != ROOT}
         apply_tp(model, plan)  # the tensor-parallel activation collectives, if the plan has any
         self._ex = Executor(plan, sched, comm_for(device), accumulate)
@@ -211,7 +221,8 @@ class Runtime:
             raise CompileUnsupportedError(
                 "a micro-batch that accumulates locally (accumulating() with accumulate='local', or zero1 units) "
                 "does not compile: the compiled step reduces on every call. Use accumulate='reduce' or run "
-                "the accumulating micro-batches eagerly")
+                "the accumulating micro-batches eagerly"
+            )
         full = unshard_traced(params, self.plan, reshard=self._resharded)
         return torch.func.functional_call(self.model, full, args, kwargs, strict=False)
 
@@ -328,15 +339,19 @@ class Runtime:
           ['blocks.0', 'blocks.1']
         """
         if self._compiled:
-            raise ValueError("compile_units was already called on this Runtime; build a new Runtime to compile other units")
+            raise ValueError(
+                "compile_units was already called on this Runtime; build a new Runtime to compile other units"
+            )
         reasons = {ROOT: "it is the root unit, whose code wraps every other unit"}
         for name, module in self._modules.items():
             inner = [n for n in self._modules if n != name and n.startswith(name + ".")]
             if inner:
                 reasons[name] = f"it contains unit(s) {inner[:3]}; compile those instead"
             elif self.plan.unit(name).remat != "none":
-                reasons[name] = (f"its remat policy {self.plan.unit(name).remat!r} replays operators one by one, which compiled "
-                                 "kernels hide; use remat='none' for compiled units")
+                reasons[name] = (
+                    f"its remat policy {self.plan.unit(name).remat!r} replays operators one by one, which compiled "
+                    "kernels hide; use remat='none' for compiled units"
+                )
         if units is None:
             chosen = [n for n in self._modules if n not in reasons]
         else:
@@ -348,13 +363,17 @@ class Runtime:
                 if n not in known:
                     raise ValueError(f"compile_units: {n!r} is not a unit of this plan; units: {sorted(known)[:8]}")
                 if n in reasons:
-                    raise CompileUnsupportedError(f"compile_units: unit {n!r} cannot be compiled on its own: {reasons[n]}")
+                    raise CompileUnsupportedError(
+                        f"compile_units: unit {n!r} cannot be compiled on its own: {reasons[n]}"
+                    )
         by_class: dict[type, tuple] = {}
         for n in chosen:
             cls = type(self._modules[n])
             if cls not in by_class:
                 graphs: dict[str, list] = {}
-                fn = torch.compile(cls.forward, backend=recording_backend(backend, graphs), fullgraph=fullgraph, **options)
+                fn = torch.compile(
+                    cls.forward, backend=recording_backend(backend, graphs), fullgraph=fullgraph, **options
+                )
                 by_class[cls] = (fn, graphs)
             self._compiled[n] = by_class[cls]
         return chosen
@@ -374,14 +393,29 @@ class Runtime:
             unit = self.plan.unit(name)
             unit_shards = [shards[p.name] for p in unit.params]
             compiled = self._compiled.get(name)
-            original = type(module).forward.__get__(module) if compiled is None else functools.partial(_run_compiled, compiled, module)
+            original = (
+                type(module).forward.__get__(module)
+                if compiled is None
+                else functools.partial(_run_compiled, compiled, module)
+            )
 
             def forward(*args, _name=name, _module=module, _unit=unit, _shards=unit_shards, _orig=original, **kwargs):
                 if ex.inside == _name:
                     return _orig(*args, **kwargs)
                 leaves, in_tree = flatten((list(args), kwargs), none_is_leaf=True)
                 idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-                call = UnitCall(ex, step, _unit, _module, len(_shards), in_tree, leaves, idx, grad, self._compiled.get(_name, (None, None))[1])
+                call = UnitCall(
+                    ex,
+                    step,
+                    _unit,
+                    _module,
+                    len(_shards),
+                    in_tree,
+                    leaves,
+                    idx,
+                    grad,
+                    self._compiled.get(_name, (None, None))[1],
+                )
                 outs = UnitFn.apply(call, *_shards, *(leaves[i] for i in idx))
                 return unflatten(call.out_tree, list(outs))
 

@@ -41,13 +41,25 @@ import dataclasses
 import math
 from typing import Mapping, Union, cast
 
-import torch
 
 from fsdpfn._wire import ring_steps, wire_bytes
 from fsdpfn.sim import _rates
 from fsdpfn.sim._kernels import Kernels, _dtype_key
 
-__all__ = ["A100_SXM", "A100_SXM_40GB", "H100_96GB_500W", "H100_SXM", "H200_SXM", "KINDS", "Hardware", "Kernels", "Link", "PRESETS", "collective_steps", "wire_bytes"]
+__all__ = [
+    "A100_SXM",
+    "A100_SXM_40GB",
+    "H100_96GB_500W",
+    "H100_SXM",
+    "H200_SXM",
+    "KINDS",
+    "Hardware",
+    "Kernels",
+    "Link",
+    "PRESETS",
+    "collective_steps",
+    "wire_bytes",
+]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # Each hop pays ``alpha``: the ring's hops, as the counter's bytes, come from fsdpfn._wire.
@@ -103,7 +115,9 @@ def _links(value: LinksArg, what: str) -> tuple[tuple[str, Link], ...]:
     out = {}
     for kind, link in value.items():
         if kind != "*" and kind not in KINDS:
-            raise ValueError(f"Hardware.{what} names collective {kind!r}; kinds are {', '.join(KINDS)} (or '*' for all)")
+            raise ValueError(
+                f"Hardware.{what} names collective {kind!r}; kinds are {', '.join(KINDS)} (or '*' for all)"
+            )
         if not isinstance(link, Link):
             raise ValueError(f"Hardware.{what}[{kind!r}] must be a Link, got {link!r}")
         out[kind] = link
@@ -111,8 +125,6 @@ def _links(value: LinksArg, what: str) -> tuple[tuple[str, Link], ...]:
     if missing:
         raise ValueError(f"Hardware.{what} has no Link for {missing}; give them or a '*' default")
     return tuple(sorted(out.items()))
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,17 +198,25 @@ class Hardware:
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Hardware.overlap must be in [0, 1], got {self.overlap!r}")
         if not self.memory_bandwidth > 0 or not self.memory > 0 or self.devices_per_node < 1 or self.op_overhead < 0:
-            raise ValueError(f"Hardware {self.name!r}: memory_bandwidth and memory must be > 0, devices_per_node >= 1, op_overhead >= 0")
+            raise ValueError(
+                f"Hardware {self.name!r}: memory_bandwidth and memory must be > 0, devices_per_node >= 1, op_overhead >= 0"
+            )
         if self.kernels is not None and not isinstance(self.kernels, Kernels):
             raise ValueError(f"Hardware.kernels must be a fsdpfn.sim.Kernels or None, got {self.kernels!r}")
         if not isinstance(self.nics_per_node, int) or self.nics_per_node < 0:
-            raise ValueError(f"Hardware.nics_per_node must be an int >= 0 (0: inter is one rank's bandwidth), got {self.nics_per_node!r}")
+            raise ValueError(
+                f"Hardware.nics_per_node must be an int >= 0 (0: inter is one rank's bandwidth), got {self.nics_per_node!r}"
+            )
         if not 0.0 <= self.memory_reserve < 1.0:
             raise ValueError(f"Hardware.memory_reserve must be a fraction in [0, 1), got {self.memory_reserve!r}")
         if self.host is not None and not isinstance(self.host, Link):
-            raise ValueError(f"Hardware.host must be a fsdpfn.sim.Link (the PCIe link of host-device copies) or None, got {self.host!r}")
+            raise ValueError(
+                f"Hardware.host must be a fsdpfn.sim.Link (the PCIe link of host-device copies) or None, got {self.host!r}"
+            )
         if self.host_memory_bandwidth is not None and not self.host_memory_bandwidth > 0:
-            raise ValueError(f"Hardware.host_memory_bandwidth must be bytes/s > 0 or None, got {self.host_memory_bandwidth!r}")
+            raise ValueError(
+                f"Hardware.host_memory_bandwidth must be bytes/s > 0 or None, got {self.host_memory_bandwidth!r}"
+            )
 
     def copy_seconds(self, nbytes: float) -> float:
         """Seconds of one host-device copy of ``nbytes`` (see ``host``)."""
@@ -215,7 +235,9 @@ class Hardware:
             return self.flops(key.removeprefix("attention "))
         if "float32" in table:
             return table["float32"]
-        raise ValueError(f"Hardware {self.name!r} has no matmul rate for {key} and none for float32; add it to matmul_flops")
+        raise ValueError(
+            f"Hardware {self.name!r} has no matmul rate for {key} and none for float32; add it to matmul_flops"
+        )
 
     def peak(self, dtype) -> float:
         """The datasheet (or fitted) matmul FLOP/s of ``dtype``: :meth:`flops`."""
@@ -250,7 +272,9 @@ class Hardware:
             return inter.bandwidth
         per_node = collections.Counter(r // self.devices_per_node for r in ranks)
         q = max(per_node.values())
-        return min(self.link(kind, inter=False).bandwidth, inter.bandwidth * self.nics_per_node * q / self.devices_per_node)
+        return min(
+            self.link(kind, inter=False).bandwidth, inter.bandwidth * self.nics_per_node * q / self.devices_per_node
+        )
 
     def link(self, kind: str, inter: bool) -> Link:
         """The :class:`Link` of collective ``kind`` within a node (``inter=False``) or across."""
@@ -288,9 +312,12 @@ class Hardware:
         sent = wire_bytes(kind, g, nbytes) if sent is None else sent
         return net_hops * inter.alpha + (steps - net_hops) * intra.alpha + sent / self.network_bandwidth(kind, ranks)
 
-    def scaled(self, *, flops: float = 1.0, bandwidth: float = 1.0, memory_bandwidth: float = 1.0, name: str | None = None) -> "Hardware":
+    def scaled(
+        self, *, flops: float = 1.0, bandwidth: float = 1.0, memory_bandwidth: float = 1.0, name: str | None = None
+    ) -> "Hardware":
         """A copy with every matmul rate, link bandwidth or memory bandwidth multiplied (to derate
         datasheet peaks to what kernels and NCCL reach)."""
+
         def scale(links):
             return {k: Link(v.alpha, v.bandwidth * bandwidth) for k, v in links}
 
@@ -305,17 +332,23 @@ class Hardware:
 
     def __str__(self) -> str:
         flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in cast(_FlopPairs, self.matmul_flops))
-        lines = [f"Hardware {self.name}: {flops}; memory {self.memory / 2**30:.0f} GiB at {self.memory_bandwidth / 1e9:.3g} GB/s; "
-                 f"{self.devices_per_node} per node; overlap {self.overlap:.2f}; op overhead {self.op_overhead * 1e6:.1f} us"
-                 + (f"; {self.nics_per_node} network cards per node" if self.nics_per_node else "")]
+        lines = [
+            f"Hardware {self.name}: {flops}; memory {self.memory / 2**30:.0f} GiB at {self.memory_bandwidth / 1e9:.3g} GB/s; "
+            f"{self.devices_per_node} per node; overlap {self.overlap:.2f}; op overhead {self.op_overhead * 1e6:.1f} us"
+            + (f"; {self.nics_per_node} network cards per node" if self.nics_per_node else "")
+        ]
         if self.kernels is not None:
             k = self.kernels
-            lines.append(f"  kernels: matmul {k.matmul_efficiency:.3f} of peak + {k.matmul_latency * 1e6:.1f} us, attention {k.attention_efficiency:.3f} "
-                         f"of peak (half at {k.attention_half_intensity:g} FLOP/B; {k.attention_flop_ratio:.3g} FLOPs run per FLOP counted), "
-                         f"memory {k.memory_efficiency:.2f} of bandwidth, all at {k.sustained:.3g} sustained")
+            lines.append(
+                f"  kernels: matmul {k.matmul_efficiency:.3f} of peak + {k.matmul_latency * 1e6:.1f} us, attention {k.attention_efficiency:.3f} "
+                f"of peak (half at {k.attention_half_intensity:g} FLOP/B; {k.attention_flop_ratio:.3g} FLOPs run per FLOP counted), "
+                f"memory {k.memory_efficiency:.2f} of bandwidth, all at {k.sustained:.3g} sustained"
+            )
         for level, links in (("intra", self.intra), ("inter", self.inter)):
             for kind, link in cast(_LinkPairs, links):
-                lines.append(f"  {level:<5} {kind:<14} alpha {link.alpha * 1e6:8.2f} us   bandwidth {link.bandwidth / 1e9:8.3f} GB/s")
+                lines.append(
+                    f"  {level:<5} {kind:<14} alpha {link.alpha * 1e6:8.2f} us   bandwidth {link.bandwidth / 1e9:8.3f} GB/s"
+                )
         return "\n".join(lines)
 
 
@@ -382,14 +415,27 @@ _MEMORY_EFFICIENCY = 0.9
 # 0.901; before the overlap slow-down and the maximum achievable matmul rates, 0.887.) Used for
 # every preset; torchtitan's H100 runs (H100_96GB_500W) and every held-out row only check it.
 _SUSTAINED = 0.906
-_H100_KERNELS = Kernels(matmul_efficiency=_rates.matmul_efficiency("h100"), matmul_latency=_MATMUL_LATENCY,
-                        attention_efficiency=_rates.attention_efficiency("h100", "fa2"),
-                        attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED,
-                        attention_flop_ratio=_ATTN_FLOP_RATIO, matmul_shapes="h100", attention_kernel="fa2")
-_A100_KERNELS = Kernels(matmul_efficiency=_rates.matmul_efficiency("a100"), matmul_latency=_MATMUL_LATENCY,
-                        attention_efficiency=_rates.attention_efficiency("a100", "fa2"),
-                        attention_half_intensity=_ATTN_HALF, memory_efficiency=_MEMORY_EFFICIENCY, sustained=_SUSTAINED,
-                        attention_flop_ratio=_ATTN_FLOP_RATIO, attention_kernel="fa2")
+_H100_KERNELS = Kernels(
+    matmul_efficiency=_rates.matmul_efficiency("h100"),
+    matmul_latency=_MATMUL_LATENCY,
+    attention_efficiency=_rates.attention_efficiency("h100", "fa2"),
+    attention_half_intensity=_ATTN_HALF,
+    memory_efficiency=_MEMORY_EFFICIENCY,
+    sustained=_SUSTAINED,
+    attention_flop_ratio=_ATTN_FLOP_RATIO,
+    matmul_shapes="h100",
+    attention_kernel="fa2",
+)
+_A100_KERNELS = Kernels(
+    matmul_efficiency=_rates.matmul_efficiency("a100"),
+    matmul_latency=_MATMUL_LATENCY,
+    attention_efficiency=_rates.attention_efficiency("a100", "fa2"),
+    attention_half_intensity=_ATTN_HALF,
+    memory_efficiency=_MEMORY_EFFICIENCY,
+    sustained=_SUSTAINED,
+    attention_flop_ratio=_ATTN_FLOP_RATIO,
+    attention_kernel="fa2",
+)
 
 # Links at the bus bandwidth NCCL reaches of their line rate (see fsdpfn/sim/_rates.py, ``NCCL``):
 # H100 NVLink 4 370 of 450 GB/s, each 400 Gb/s card 41.1 of 50; A100 NVLink 3 232.5 of 300, each
@@ -497,9 +543,16 @@ module's tensor cores (the same 132-SM silicon: 989 TFLOP/s dense BF16 at boost 
 H100 kernel rates, with the part's own memory and bandwidth. The 500 W limit (against 700 W)
 is not modelled beyond what ``Kernels.sustained`` absorbs."""
 
-A100_SXM_40GB = dataclasses.replace(A100_SXM, name="A100 SXM 40GB (DGX A100)", memory_bandwidth=1.555e12, memory=40960 * _MIB)
+A100_SXM_40GB = dataclasses.replace(
+    A100_SXM, name="A100 SXM 40GB (DGX A100)", memory_bandwidth=1.555e12, memory=40960 * _MIB
+)
 """A100 SXM 40 GB: NVIDIA A100 datasheet: the 80 GB part's Tensor Core rates (312 TFLOP/s
 dense BF16), 40 GB HBM2 at 1,555 GB/s (40,960 MiB); DGX A100 links and network as ``A100_SXM``."""
 
-PRESETS = {"A100_SXM": A100_SXM, "A100_SXM_40GB": A100_SXM_40GB, "H100_96GB_500W": H100_96GB_500W,
-           "H100_SXM": H100_SXM, "H200_SXM": H200_SXM}
+PRESETS = {
+    "A100_SXM": A100_SXM,
+    "A100_SXM_40GB": A100_SXM_40GB,
+    "H100_96GB_500W": H100_96GB_500W,
+    "H100_SXM": H100_SXM,
+    "H200_SXM": H200_SXM,
+}

@@ -121,7 +121,9 @@ class Kernels:
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"Kernels.{name} must be a fraction in (0, 1], got {v!r}")
         if not (self.attention_flop_ratio > 0 and math.isfinite(self.attention_flop_ratio)):
-            raise ValueError(f"Kernels.attention_flop_ratio must be a finite number > 0, got {self.attention_flop_ratio!r}")
+            raise ValueError(
+                f"Kernels.attention_flop_ratio must be a finite number > 0, got {self.attention_flop_ratio!r}"
+            )
         for name in ("matmul_latency", "attention_half_intensity"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
@@ -155,7 +157,10 @@ class Kernels:
             executed = self.attention_flop_ratio * flops
             if self.attention_kernel and len(shape) == 3 and shape[2]:
                 executed *= _rates.attention_head_dim(self.attention_kernel, shape[2]) / shape[2]
-            return max(executed / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory) + self.matmul_latency
+            return (
+                max(executed / self.attention_rate(rate.removeprefix("attention "), flops, nbytes, hw), memory)
+                + self.matmul_latency
+            )
         fraction, tabled = self.matmul_fraction(rate, shape)
         latency = 0.0 if tabled else self.matmul_latency
         return max(flops / (self.sustained * fraction * hw.peak(rate)), memory) + latency

@@ -159,8 +159,9 @@ def measure_timings(
     timed("add", lambda: torch.add(x, y, out=z))
     # Operator overhead inside a training step: torch.func.grad of a chain of tiny layers (the
     # pure path's and the runtime's value_and_grad), per dispatched operator.
-    tiny = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU())
-                                 for _ in range(16)]).to(device)
+    tiny = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()) for _ in range(16)]
+    ).to(device)
     tiny_params = {n: p.detach() for n, p in tiny.named_parameters()}
     tiny_x = torch.randn(4, 8, device=device)
     tiny_grad = torch.func.grad(lambda ps: torch.func.functional_call(tiny, ps, (tiny_x,)).square().mean())
@@ -197,8 +198,11 @@ def measure_timings(
         comm.all_reduce(t, op="max").wait()
     out = Timings(zip(keys, t.tolist()))
     out["_world"] = float(w)
-    out["_memory"] = float(torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                           else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, w))
+    out["_memory"] = float(
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, w)
+    )
     out["_cuda"] = float(device.type == "cuda")
     return out
 
@@ -287,5 +291,7 @@ def measure(
       >>> hw.flops(torch.float32) > 0, hw.devices_per_node   # one rank: no link to measure
       (True, 1)
     """
-    timings = measure_timings(sizes_mib=sizes_mib, repeats=repeats, matmul_size=matmul_size, dtypes=dtypes, attention_shape=attention_shape)
+    timings = measure_timings(
+        sizes_mib=sizes_mib, repeats=repeats, matmul_size=matmul_size, dtypes=dtypes, attention_shape=attention_shape
+    )
     return fit_hardware(timings, name)

@@ -152,7 +152,13 @@ def local_shapes(plan: Plan, rank: int = 0) -> dict[str, tuple[int, ...]]:
         _, sizes, coords = _mesh_of(plan, unit, rank)
         dense = _dense(plan, unit)
         w = sizes[_rows_dim(plan, unit)] if dense else plan.shard_size
-        s = coords[_rows_dim(plan, unit)] if dense else coords[cast(int, plan.axes.dim(Role.SHARD))] if plan.axes.dim(Role.SHARD) is not None else 0
+        s = (
+            coords[_rows_dim(plan, unit)]
+            if dense
+            else coords[cast(int, plan.axes.dim(Role.SHARD))]
+            if plan.axes.dim(Role.SHARD) is not None
+            else 0
+        )
         for p in unit.params:
             if unit.sharded and p.shape:
                 start, stop = chunk_bounds(p.rows, w, s)
@@ -228,7 +234,9 @@ def _adamw(labels=None):
     return optim.adamw(1e-3, weight_decay=0.1)
 
 
-def owner_loads(shapes: list[tuple[int, ...]], world: int, flops: Callable[[tuple[int, ...]], int]) -> tuple[list[int | None], list[float]]:
+def owner_loads(
+    shapes: list[tuple[int, ...]], world: int, flops: Callable[[tuple[int, ...]], int]
+) -> tuple[list[int | None], list[float]]:
     """Owner of each leaf (``None``: a batched leaf, orthogonalised where it lies) and the
     Newton–Schulz FLOPs each rank runs: ``fsdpfn.optim.owner_schedule`` of whole matrices.
 
@@ -277,11 +285,15 @@ class Muon:
 
     def __post_init__(self):
         if self.layout not in optim.LAYOUTS:
-            raise ValueError(f"Muon.layout must be one of {optim.LAYOUTS} ('gather' is 'duplicated'), got {self.layout!r}")
+            raise ValueError(
+                f"Muon.layout must be one of {optim.LAYOUTS} ('gather' is 'duplicated'), got {self.layout!r}"
+            )
         if self.ns_method not in ("standard", "gram"):
             raise ValueError(f"Muon.ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
         object.__setattr__(self, "_spec_fn", optim.check_blocks("fsdpfn.sim.Muon", self.blocks))
-        if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1):
+        if self.buckets is not None and (
+            isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1
+        ):
             raise ValueError(f"Muon.buckets must be None (automatic) or an int >= 1, got {self.buckets!r}")
         # cost() per layout: a plan search costs the same parameter layout under many strategies,
         # prefetch depths and accumulation modes, and a 1,024-rank owner schedule takes seconds.
@@ -295,8 +307,14 @@ class Muon:
         return {n: fn(n, torch.empty(plan.param(n).shape, device="meta")) for n in plan.param_names}
 
     def _make(self, labels):
-        return optim.muon(0.02, ns_steps=self.ns_steps, ns_dtype=self.ns_dtype, layout=self.layout, ns_method=self.ns_method,
-                          labels=labels)
+        return optim.muon(
+            0.02,
+            ns_steps=self.ns_steps,
+            ns_dtype=self.ns_dtype,
+            layout=self.layout,
+            ns_method=self.ns_method,
+            labels=labels,
+        )
 
     def _ns_work(self, shape: tuple[int, ...], dtype: torch.dtype) -> Work:
         return _ns_work(shape, dtype, self.ns_steps, self.ns_dtype, self.ns_method)
@@ -310,9 +328,22 @@ class Muon:
         shapes = local_shapes(plan, rank)
         # Everything below reads the plan through these: the mesh, every parameter's global and
         # local shape, dtype and placements, and which mesh its unit lives on.
-        key = (rank, tuple(plan.mesh_shape), plan.axes, tuple(
-            (n, tuple(plan.param(n).shape), plan.param(n).dtype, shapes[n], tuple(placements(plan, n)), _dense(plan, plan.unit_of(n)))
-            for n in plan.param_names))
+        key = (
+            rank,
+            tuple(plan.mesh_shape),
+            plan.axes,
+            tuple(
+                (
+                    n,
+                    tuple(plan.param(n).shape),
+                    plan.param(n).dtype,
+                    shapes[n],
+                    tuple(placements(plan, n)),
+                    _dense(plan, plan.unit_of(n)),
+                )
+                for n in plan.param_names
+            ),
+        )
         if key not in self._costs:  # type: ignore[attr-defined]  # set in __post_init__ (a frozen dataclass's cache)
             self._costs[key] = self._cost(plan, rank, shapes)  # type: ignore[attr-defined]
         return self._costs[key]  # type: ignore[attr-defined]
@@ -378,8 +409,21 @@ class Muon:
             me = members.index({d: coords[d] for d in dims})
             held = tuple(optim.leaf_holdings(it[1], it[3], sizes, members, it[0]) for it in items)
             roles = "+".join(axes.roles[d].value for d in dims) if key == "mesh" else "dense"
-            out.append(_Group(tuple(it[0] for it in items), tuple(it[1] for it in items), tuple(it[2] for it in items), held,
-                              dtype, dims, members, me, sizes, key, roles))
+            out.append(
+                _Group(
+                    tuple(it[0] for it in items),
+                    tuple(it[1] for it in items),
+                    tuple(it[2] for it in items),
+                    held,
+                    dtype,
+                    dims,
+                    members,
+                    me,
+                    sizes,
+                    key,
+                    roles,
+                )
+            )
         return out
 
     def _blocks_flops(self, shape: tuple[int, ...], spec: tuple[int, int]) -> int:
@@ -412,7 +456,9 @@ class Muon:
         """Phases of the pipelined owner layout (see [Note: the owner assignment]), from the
         schedule and the all-to-all splits the optimizer runs."""
         w, item, me = len(g.members), g.dtype.itemsize, g.rank
-        sched = optim.owner_schedule(g.shapes, w, self.flops, specs=list(g.specs), buckets=self.buckets, itemsize=item, held=g.held)
+        sched = optim.owner_schedule(
+            g.shapes, w, self.flops, specs=list(g.specs), buckets=self.buckets, itemsize=item, held=g.held
+        )
         totals = optim.bucket_totals(sched)  # [bucket] -> (out, back), summed per rank from the same pieces
 
         def stacked(js) -> Work:  # same shapes batched into one call, as the optimizer stacks them
@@ -439,7 +485,10 @@ class Muon:
                 owned_by.setdefault(sched.owners[j], []).append(j)
             out = totals[k][0]
             # assembling the owned blocks from the received rows, and packing them back
-            work = [stacked(owned_by.get(q, ())) + Work(bytes=4 * out.received[q] * item, ops=2 * len(owned_by.get(q, ()))) for q in range(w)]
+            work = [
+                stacked(owned_by.get(q, ())) + Work(bytes=4 * out.received[q] * item, ops=2 * len(owned_by.get(q, ())))
+                for q in range(w)
+            ]
             pack = [Work(bytes=2 * out.sent[q] * item, ops=out.peers[q]) for q in range(w)]
             buckets.append((cost, work, pack))
 
@@ -448,7 +497,9 @@ class Muon:
 
         def a2a(k: int, way: str) -> CommCost:
             nbytes, sent = buckets[k][0][way]
-            return CommCost("all_to_all", g.roles, nbytes, wire_bytes("all_to_all", w, nbytes), sent, g.dtype, f"{way} {k}")
+            return CommCost(
+                "all_to_all", g.roles, nbytes, wire_bytes("all_to_all", w, nbytes), sent, g.dtype, f"{way} {k}"
+            )
 
         phases: list = []
         if buckets:
@@ -498,7 +549,9 @@ class _Group(NamedTuple):
         """``rank``'s index in its own group of this shape (every group of the other mesh dims
         runs the same schedule)."""
         coords = _mesh_of(plan, plan.unit_of(self.names[0]), rank)[2]
-        return self.members.index({d: coords[d] for d in cast("tuple[int, ...]", self.dims)})  # a group split along dims
+        return self.members.index(
+            {d: coords[d] for d in cast("tuple[int, ...]", self.dims)}
+        )  # a group split along dims
 
 
 def _minus(a: Work, b: Work) -> Work:

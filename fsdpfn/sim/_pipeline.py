@@ -120,18 +120,22 @@ class PipelineSimResult:
     def __str__(self) -> str:
         gib = 2**30
         ps = self.schedule
-        lines = [f"pipelined step {self.step_time * 1e3:,.1f} ms on {self.hardware.name if self.hardware else '?'}: "
-                 f"{ps.name}, pp={ps.pp_size}, {ps.num_stages} stages, {ps.micro_batches} micro-batches, "
-                 f"bubble {self.times.bubble:.1%}",
-                 "stage  forward ms  backward ms   hop ms   hop MiB"]
+        lines = [
+            f"pipelined step {self.step_time * 1e3:,.1f} ms on {self.hardware.name if self.hardware else '?'}: "
+            f"{ps.name}, pp={ps.pp_size}, {ps.num_stages} stages, {ps.micro_batches} micro-batches, "
+            f"bubble {self.times.bubble:.1%}",
+            "stage  forward ms  backward ms   hop ms   hop MiB",
+        ]
         for s in range(ps.num_stages):
             hop = f"{self.transfer[s] * 1e3:8.3f} {self.p2p_bytes[s] / 2**20:9.2f}" if s < ps.num_stages - 1 else ""
             lines.append(f"{s:5d} {self.forward[s] * 1e3:11.3f} {self.backward[s] * 1e3:12.3f} {hop}")
         lines.append("rank  finish ms  compute ms  gather ms  reduce ms  optimizer ms  peak GiB (activations)")
         for r in range(ps.pp_size):
             m = self.memory[r]
-            lines.append(f"{r:4d} {self.times.finish[r] * 1e3:10.1f} {self.times.busy[r] * 1e3:11.1f} {self.gather[r] * 1e3:10.2f} "
-                         f"{self.reduce[r] * 1e3:10.2f} {self.optimizer[r] * 1e3:13.2f} {m['peak'] / gib:9.2f} ({m['activations'] / gib:.2f})")
+            lines.append(
+                f"{r:4d} {self.times.finish[r] * 1e3:10.1f} {self.times.busy[r] * 1e3:11.1f} {self.gather[r] * 1e3:10.2f} "
+                f"{self.reduce[r] * 1e3:10.2f} {self.optimizer[r] * 1e3:13.2f} {m['peak'] / gib:9.2f} ({m['activations'] / gib:.2f})"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -146,12 +150,22 @@ def _stage_workload(wl: Workload, stage: int, owner: dict[str, int], last: int) 
     """The part of ``wl`` a stage runs (its units' events; the root's as [Note: pricing a pipeline
     schedule] assigns them), other events kept with no work so the stage plan's schedule finds them."""
     units = {u for u, s in owner.items() if s == stage}
-    work = tuple((e, w if _stage_of_event(e, owner, last) == stage else EMPTY) for e, w in wl.work
-                 if e.unit == ROOT or e.unit in units or e.kind is OpKind.END)
+    work = tuple(
+        (e, w if _stage_of_event(e, owner, last) == stage else EMPTY)
+        for e, w in wl.work
+        if e.unit == ROOT or e.unit in units or e.kind is OpKind.END
+    )
     keep = lambda pairs: tuple(x for x in pairs if x[0] in units)  # noqa: E731
-    return dataclasses.replace(wl, work=work, activations=keep(wl.activations), inputs=keep(wl.inputs),
-                               kept=keep(wl.kept), transient=tuple((e, b) for e, b in wl.transient if e.unit in units),
-                               attention=tuple(a for a in wl.attention if a.unit in units), base=None)
+    return dataclasses.replace(
+        wl,
+        work=work,
+        activations=keep(wl.activations),
+        inputs=keep(wl.inputs),
+        kept=keep(wl.kept),
+        transient=tuple((e, b) for e, b in wl.transient if e.unit in units),
+        attention=tuple(a for a in wl.attention if a.unit in units),
+        base=None,
+    )
 
 
 def _coords(shape: tuple[int, ...], rank: int) -> list[int]:
@@ -201,13 +215,19 @@ def simulate_pipeline(
       True
     """
     if not isinstance(plan, Plan) or plan.stages is None:
-        raise ValueError("simulate_pipeline needs a pipelined plan (a mesh with a 'pp' axis and stages); "
-                         "for a plan without pp use fsdpfn.sim.simulate")
+        raise ValueError(
+            "simulate_pipeline needs a pipelined plan (a mesh with a 'pp' axis and stages); "
+            "for a plan without pp use fsdpfn.sim.simulate"
+        )
     if not isinstance(schedule_, PipelineSchedule):
-        raise TypeError(f"simulate_pipeline needs a fsdpfn.PipelineSchedule (fsdpfn.pipeline_schedule(plan, '1f1b', m)), "
-                        f"got {type(schedule_).__name__}")
+        raise TypeError(
+            f"simulate_pipeline needs a fsdpfn.PipelineSchedule (fsdpfn.pipeline_schedule(plan, '1f1b', m)), "
+            f"got {type(schedule_).__name__}"
+        )
     if workload is None or hardware is None:
-        raise ValueError("simulate_pipeline needs a workload (fsdpfn.sim.profile(model, plan, micro_batch)) and a hardware")
+        raise ValueError(
+            "simulate_pipeline needs a workload (fsdpfn.sim.profile(model, plan, micro_batch)) and a hardware"
+        )
     shape = tuple(plan.mesh_shape)
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be a global rank of the plan's {plan.world_size} ranks, got {rank!r}")
@@ -215,8 +235,10 @@ def simulate_pipeline(
     profiled = {e.unit for e, _ in workload.work}
     missing = [u for names in stages.units for u in names if u not in profiled]
     if missing:  # their stages would be priced without their work
-        raise ValueError(f"simulate_pipeline: the workload has no work for units {missing[:4]}{' ...' if len(missing) > 4 else ''} "
-                         "of the plan; profile the model with this plan (fsdpfn.sim.profile(model, plan, micro_batch))")
+        raise ValueError(
+            f"simulate_pipeline: the workload has no work for units {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+            "of the plan; profile the model with this plan (fsdpfn.sim.profile(model, plan, micro_batch))"
+        )
     S, p, last = stages.num_stages, stages.pp_size, stages.num_stages - 1
     owner = {u: s for s, names in enumerate(stages.units) for u in names}
     pp_dim = cast(int, plan.axes.dim(Role.PP))  # a pipelined plan has a pp axis
@@ -282,8 +304,19 @@ def simulate_pipeline(
     per_rank = [stages.stages_of(r) for r in range(p)]
     start = [sum(gather_s[s] for s in ss) for ss in per_rank]
     after = [sum(reduce_s[s] for s in ss) for ss in per_rank]
-    times = pipeline_times(schedule_, fwd, bwd, transfer=hops, start=start, after=after, activations=acts, plan=plan,
-                           backward_input=bwd_in, backward_weight=bwd_w, accumulate=adds)
+    times = pipeline_times(
+        schedule_,
+        fwd,
+        bwd,
+        transfer=hops,
+        start=start,
+        after=after,
+        activations=acts,
+        plan=plan,
+        backward_input=bwd_in,
+        backward_weight=bwd_w,
+        accumulate=adds,
+    )
     optimizer_r = [sum(opt_s[s] for s in ss) for ss in per_rank]
     step = max(t + o for t, o in zip(times.finish, optimizer_r))
     memory = []
@@ -296,10 +329,32 @@ def simulate_pipeline(
         memory.append(m)
     # A micro-batch's tokens reach every tp rank of its pipeline; cp ranks each hold a part.
     tokens = workload.tokens * schedule_.micro_batches * plan.dp_size * plan.cp_size
-    notes: tuple[str, ...] = ("tp/cp collectives block after their unit's compute; FSDP gathers before a rank's first op and reduces after "
-             "its last (parameters stay unsharded through the step)",)
-    notes += tuple(n for r, m in enumerate(memory)
-                   if (n := over_memory(int(m["peak"] * (1.0 + hardware.memory_reserve)), hardware, f" on pp rank {r}")))
-    return PipelineSimResult(step, times, tuple(fwd), tuple(bwd), tuple(hops), tuple(p2p), tuple(start), tuple(after),
-                             tuple(optimizer_r), tuple(memory), tokens, plan.world_size, schedule_, hardware, notes,
-                             tuple(bwd_in), tuple(bwd_w), tuple(adds))
+    notes: tuple[str, ...] = (
+        "tp/cp collectives block after their unit's compute; FSDP gathers before a rank's first op and reduces after "
+        "its last (parameters stay unsharded through the step)",
+    )
+    notes += tuple(
+        n
+        for r, m in enumerate(memory)
+        if (n := over_memory(int(m["peak"] * (1.0 + hardware.memory_reserve)), hardware, f" on pp rank {r}"))
+    )
+    return PipelineSimResult(
+        step,
+        times,
+        tuple(fwd),
+        tuple(bwd),
+        tuple(hops),
+        tuple(p2p),
+        tuple(start),
+        tuple(after),
+        tuple(optimizer_r),
+        tuple(memory),
+        tokens,
+        plan.world_size,
+        schedule_,
+        hardware,
+        notes,
+        tuple(bwd_in),
+        tuple(bwd_w),
+        tuple(adds),
+    )

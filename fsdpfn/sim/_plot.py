@@ -5,8 +5,15 @@ from __future__ import annotations
 __all__ = ["plot"]
 
 _COLORS = {
-    "forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "copy": "#CCB974", "wait": "#BBBBBB",
-    "all_gather": "#DD8452", "reduce_scatter": "#C44E52", "all_reduce": "#937860", "all_to_all": "#DA8BC3",
+    "forward": "#4C72B0",
+    "backward": "#55A868",
+    "optimizer": "#8172B2",
+    "copy": "#CCB974",
+    "wait": "#BBBBBB",
+    "all_gather": "#DD8452",
+    "reduce_scatter": "#C44E52",
+    "all_reduce": "#937860",
+    "all_to_all": "#DA8BC3",
 }
 
 
@@ -27,14 +34,27 @@ def plot(result, path=None, ax=None, title=None):
     scale = 1e3
     for row, stream in enumerate(streams):
         for s in (s for s in result.spans if s.stream == stream):
-            ax.barh(row, (s.end - s.start) * scale, left=s.start * scale, color=_COLORS.get(s.kind, "#999999"), edgecolor="white", linewidth=0.3)
+            ax.barh(
+                row,
+                (s.end - s.start) * scale,
+                left=s.start * scale,
+                color=_COLORS.get(s.kind, "#999999"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
     ax.set_yticks(range(len(streams)))
     ax.set_yticklabels(streams)
     ax.invert_yaxis()
     ax.set_xlabel("ms")
-    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in _COLORS.items() if any(s.kind == k for s in result.spans)]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8, frameon=False)
-    ax.set_title(title or f"step {result.step_time * 1e3:,.1f} ms, exposed communication {result.exposed_comm * 1e3:,.1f} ms")
+    handles = [
+        matplotlib.patches.Patch(color=c, label=k) for k, c in _COLORS.items() if any(s.kind == k for s in result.spans)
+    ]
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8, frameon=False
+    )
+    ax.set_title(
+        title or f"step {result.step_time * 1e3:,.1f} ms, exposed communication {result.exposed_comm * 1e3:,.1f} ms"
+    )
     fig = fig or ax.figure
     fig.tight_layout()
     if path is not None:

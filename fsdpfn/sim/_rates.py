@@ -23,8 +23,18 @@ from __future__ import annotations
 import bisect
 import math
 
-__all__ = ["ATTENTION_KERNELS", "MATMUL_SHAPES", "NCCL", "OVERLAP", "OVERLAP_SLOWDOWN", "attention_efficiency", "attention_head_dim",
-           "matmul_efficiency", "matmul_shape_efficiency", "nccl_efficiency"]
+__all__ = [
+    "ATTENTION_KERNELS",
+    "MATMUL_SHAPES",
+    "NCCL",
+    "OVERLAP",
+    "OVERLAP_SLOWDOWN",
+    "attention_efficiency",
+    "attention_head_dim",
+    "matmul_efficiency",
+    "matmul_shape_efficiency",
+    "nccl_efficiency",
+]
 
 # Maximum achievable matmul FLOPS: stas00/ml-engineering, compute/accelerator/README.md, table
 # "Maximum Achievable Matmul FLOPS comparison table" (measured with
@@ -53,8 +63,9 @@ def matmul_efficiency(arch: str, dtype: str = "bfloat16") -> float:
     try:
         return _MAMF[(arch, dtype)]
     except KeyError:
-        raise ValueError(f"no published maximum achievable matmul rate for {dtype} on {arch!r}; "
-                         f"known: {sorted(_MAMF)}") from None
+        raise ValueError(
+            f"no published maximum achievable matmul rate for {dtype} on {arch!r}; known: {sorted(_MAMF)}"
+        ) from None
 
 
 # Fused attention, causal, head dimension 128, bf16, forward + backward, as a fraction of the
@@ -96,8 +107,9 @@ def attention_efficiency(arch: str, kernel: str = "fa2") -> float:
     try:
         return ATTENTION_KERNELS[(arch, kernel)]
     except KeyError:
-        raise ValueError(f"no published rate for attention kernel {kernel!r} on {arch!r}; "
-                         f"known: {sorted(ATTENTION_KERNELS)}") from None
+        raise ValueError(
+            f"no published rate for attention kernel {kernel!r} on {arch!r}; known: {sorted(ATTENTION_KERNELS)}"
+        ) from None
 
 
 # Compute beside communication: Lee et al., 2025, "Characterizing Compute-Communication Overlap
@@ -118,18 +130,42 @@ OVERLAP = 1.0 - OVERLAP_SLOWDOWN
 # 16,384 rows: as many output tiles), cols = n. Its best point, 808.7, sits beside ml-engineering's
 # maximum achievable 794.5 (the _MAMF table above).
 _XLA_SM90_BF16 = {
-    (1024, 1024, 1024): 236.3, (1024, 1024, 2048): 350.0, (1024, 1024, 4096): 470.1,
-    (2048, 1024, 1024): 373.3, (2048, 1024, 2048): 523.3, (2048, 1024, 4096): 653.1,
-    (2048, 2048, 1024): 493.9, (2048, 2048, 2048): 632.0, (2048, 2048, 4096): 738.0,
-    (4096, 1024, 1024): 488.1, (4096, 1024, 2048): 632.0, (4096, 1024, 4096): 738.5,
-    (4096, 2048, 1024): 593.2, (4096, 2048, 2048): 716.1, (4096, 2048, 4096): 758.4,
-    (4096, 4096, 1024): 677.4, (4096, 4096, 2048): 738.7, (4096, 4096, 4096): 783.3,
-    (8192, 1024, 1024): 598.2, (8192, 1024, 2048): 713.4, (8192, 1024, 4096): 750.6,
-    (8192, 2048, 1024): 680.9, (8192, 2048, 2048): 733.3, (8192, 2048, 4096): 783.2,
-    (8192, 4096, 1024): 693.0, (8192, 4096, 2048): 763.0, (8192, 4096, 4096): 807.7,
-    (16384, 1024, 1024): 673.8, (16384, 1024, 2048): 720.5, (16384, 1024, 4096): 777.6,
-    (16384, 2048, 1024): 687.9, (16384, 2048, 2048): 759.3, (16384, 2048, 4096): 808.7,
-    (16384, 4096, 1024): 725.5, (16384, 4096, 2048): 764.6, (16384, 4096, 4096): 793.1,
+    (1024, 1024, 1024): 236.3,
+    (1024, 1024, 2048): 350.0,
+    (1024, 1024, 4096): 470.1,
+    (2048, 1024, 1024): 373.3,
+    (2048, 1024, 2048): 523.3,
+    (2048, 1024, 4096): 653.1,
+    (2048, 2048, 1024): 493.9,
+    (2048, 2048, 2048): 632.0,
+    (2048, 2048, 4096): 738.0,
+    (4096, 1024, 1024): 488.1,
+    (4096, 1024, 2048): 632.0,
+    (4096, 1024, 4096): 738.5,
+    (4096, 2048, 1024): 593.2,
+    (4096, 2048, 2048): 716.1,
+    (4096, 2048, 4096): 758.4,
+    (4096, 4096, 1024): 677.4,
+    (4096, 4096, 2048): 738.7,
+    (4096, 4096, 4096): 783.3,
+    (8192, 1024, 1024): 598.2,
+    (8192, 1024, 2048): 713.4,
+    (8192, 1024, 4096): 750.6,
+    (8192, 2048, 1024): 680.9,
+    (8192, 2048, 2048): 733.3,
+    (8192, 2048, 4096): 783.2,
+    (8192, 4096, 1024): 693.0,
+    (8192, 4096, 2048): 763.0,
+    (8192, 4096, 4096): 807.7,
+    (16384, 1024, 1024): 673.8,
+    (16384, 1024, 2048): 720.5,
+    (16384, 1024, 4096): 777.6,
+    (16384, 2048, 1024): 687.9,
+    (16384, 2048, 2048): 759.3,
+    (16384, 2048, 4096): 808.7,
+    (16384, 4096, 1024): 725.5,
+    (16384, 4096, 2048): 764.6,
+    (16384, 4096, 4096): 793.1,
 }
 MATMUL_SHAPES = {("h100", "bfloat16"): (_XLA_SM90_BF16, 989.0), ("h100", "float16"): (_XLA_SM90_BF16, 989.0)}
 
@@ -207,8 +243,12 @@ def attention_head_dim(kernel: str, head_dim: int) -> int:
 # bandwidth of NVLink 3's 300 (NVIDIA/nccl-tests issue #175, 2023-10-29), and two nodes at 86 of
 # their cards' 100 GB/s (same issue). Across nodes on H100 the same protocol overhead is taken
 # (no published per-card figure for 400 Gb/s NDR at hand): 370 / 450.
-NCCL = {("h100", "intra"): 370.0 / 450.0, ("h100", "inter"): 370.0 / 450.0,
-        ("a100", "intra"): 232.54 / 300.0, ("a100", "inter"): 86.0 / 100.0}
+NCCL = {
+    ("h100", "intra"): 370.0 / 450.0,
+    ("h100", "inter"): 370.0 / 450.0,
+    ("a100", "intra"): 232.54 / 300.0,
+    ("a100", "inter"): 86.0 / 100.0,
+}
 
 
 def nccl_efficiency(arch: str, level: str) -> float:

@@ -114,7 +114,7 @@ def _fold(assignment: tuple[tuple[str, str], ...]) -> str:
     total: dict[str, int] = {}
     for unit, strategy in assignment:
         m = re.search(r"\.(\d+)(?=\.|$)", unit)
-        pattern, index = (unit[: m.start(1)] + "*" + unit[m.end(1):], int(m.group(1))) if m else (unit or "<root>", -1)
+        pattern, index = (unit[: m.start(1)] + "*" + unit[m.end(1) :], int(m.group(1))) if m else (unit or "<root>", -1)
         total[pattern] = total.get(pattern, 0) + 1
         if (pattern, strategy) not in groups:
             order.append((pattern, strategy))
@@ -196,17 +196,21 @@ class SearchResult:
         gib = 2**30
         best = self.candidate
         part = f", reserved within the part's {self.memory / gib:,.2f} GiB" if self.memory < float("inf") else ""
-        lines = [f"search under {self.budget / gib:,.2f} GiB per rank (peak{part}): {len(self.candidates)} candidates, "
-                 f"{len(self.candidates_fitting)} fit",
-                 f"pick:    {best.describe() if best else '-'}: step {self.result.step_time * 1e3:,.2f} ms, "
-                 f"peak {(best.peak if best else 0) / gib:,.2f} GiB, reserved {(best.reserved if best else 0) / gib:,.2f} GiB",
-                 f"default: zero3, prefetch 1: step {self.default.step_time * 1e3:,.2f} ms, peak "
-                 f"{self.default.memory['peak'] / gib:,.2f} GiB{'' if self.default_fits else ' (over budget)'}; "
-                 f"speedup {self.speedup:.3f}x",
-                 "fastest candidates:          peak     reserved"]
+        lines = [
+            f"search under {self.budget / gib:,.2f} GiB per rank (peak{part}): {len(self.candidates)} candidates, "
+            f"{len(self.candidates_fitting)} fit",
+            f"pick:    {best.describe() if best else '-'}: step {self.result.step_time * 1e3:,.2f} ms, "
+            f"peak {(best.peak if best else 0) / gib:,.2f} GiB, reserved {(best.reserved if best else 0) / gib:,.2f} GiB",
+            f"default: zero3, prefetch 1: step {self.default.step_time * 1e3:,.2f} ms, peak "
+            f"{self.default.memory['peak'] / gib:,.2f} GiB{'' if self.default_fits else ' (over budget)'}; "
+            f"speedup {self.speedup:.3f}x",
+            "fastest candidates:          peak     reserved",
+        ]
         for c in self.candidates[:8]:
-            lines.append(f"  {c.step_time * 1e3:10,.2f} ms  {c.peak / gib:8,.2f} GiB  {c.reserved / gib:8,.2f} GiB  "
-                         f"{'fits' if c.fits else 'over'}  {c.describe()}")
+            lines.append(
+                f"  {c.step_time * 1e3:10,.2f} ms  {c.peak / gib:8,.2f} GiB  {c.reserved / gib:8,.2f} GiB  "
+                f"{'fits' if c.fits else 'over'}  {c.describe()}"
+            )
         return "\n".join(lines)
 
     @property
@@ -248,8 +252,15 @@ def _classes(plan: Plan) -> list[list[str]]:
     return sorted(groups.values(), key=len, reverse=True)
 
 
-def _moves(state: tuple, classes: list[list[str]], strategies: Sequence[str], prefetch: Sequence[int], splits: int,
-           accumulates: Sequence[str] = ("reduce",), remats: Sequence[str] = ("none",)):
+def _moves(
+    state: tuple,
+    classes: list[list[str]],
+    strategies: Sequence[str],
+    prefetch: Sequence[int],
+    splits: int,
+    accumulates: Sequence[str] = ("reduce",),
+    remats: Sequence[str] = ("none",),
+):
     """Every single change of ``state`` = ``(class strategies, (split strategy, k), prefetch,
     accumulate, class remat policies)``."""
     per_class, split, p, acc, rm = state
@@ -258,7 +269,7 @@ def _moves(state: tuple, classes: list[list[str]], strategies: Sequence[str], pr
             continue
         for r in remats:
             if r != rm[i]:
-                yield (per_class, split, p, acc, rm[:i] + (r,) + rm[i + 1:])
+                yield (per_class, split, p, acc, rm[:i] + (r,) + rm[i + 1 :])
     for i in range(len(classes)):
         for s in strategies:
             if s != per_class[i]:
@@ -401,8 +412,10 @@ def search(
     cps = _check_cp(model, world, cp, cp_strategy, tps, eps, inputs, mp)
     pps, pipes = _check_pp(model, world, pp, pp_schedules, tps, eps, cps, mp, tp_plan)
     if max(cps) > 1 and extra:
-        raise ValueError(f"search: cp={cps} with the selective remat policies {extra}: the op list does not model which of "
-                         "attention's exchanges over cp a selective policy recomputes yet; search cp with remat 'none' and 'full'")
+        raise ValueError(
+            f"search: cp={cps} with the selective remat policies {extra}: the op list does not model which of "
+            "attention's exchanges over cp a selective policy recomputes yet; search cp with remat 'none' and 'full'"
+        )
     if isinstance(world, int):
         world_size = world
         shapes = []  # (tp, ep, cp, pp degree, pipeline schedule, data-parallel shape without them)
@@ -414,9 +427,13 @@ def search(
                     for c in cps:
                         d = q * t * e * c
                         if d == 1:
-                            dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+                            dp_shapes = (
+                                [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+                            )
                         else:  # the given shapes of W/T (or W/E, W/C, W/(P T)) ranks, else all of them
-                            dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(world // d)
+                            dp_shapes = [
+                                tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d
+                            ] or _mesh_shapes(world // d)
                         shapes += [(t, e, c, q, name, s) for name in (pipes if q > 1 else ("",)) for s in dp_shapes]
     else:
         shapes = [(1, 1, 1, 1, "", tuple(world))]
@@ -424,7 +441,9 @@ def search(
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
     cache = {} if workloads is None else workloads
-    seen: dict[tuple, tuple] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
+    seen: dict[
+        tuple, tuple
+    ] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
     default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
 
     def reserved_of(peak: int) -> int:
@@ -439,22 +458,72 @@ def search(
         if key not in seen:
             strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
             if q > 1:
-                plan = build_plan(model, {"pp": q, **_mesh_arg_dict(shape, t)}, units=u_opt, strategy=strategy, mp=mp,
-                                  remat=rm or None, tp=tp_plan if t > 1 else None, stages=_stage_count(q, pipe))
+                plan = build_plan(
+                    model,
+                    {"pp": q, **_mesh_arg_dict(shape, t)},
+                    units=u_opt,
+                    strategy=strategy,
+                    mp=mp,
+                    remat=rm or None,
+                    tp=tp_plan if t > 1 else None,
+                    stages=_stage_count(q, pipe),
+                )
                 psched = pipeline_schedule(plan, pipe, micro_batches * q, prefetch=p)
                 pres = simulate_pipeline(plan, psched, wl.with_remat(plan) if rm else wl, optimizer, hardware)
                 peak = max(m["peak"] for m in pres.memory)
-                cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, pres.step_time, peak, fits(peak), acc,
-                                 key[5], t, e, c, q, pipe, reserved_of(peak))
+                cand = Candidate(
+                    tuple(plan.mesh_shape),
+                    label,
+                    key[2],
+                    p,
+                    pres.step_time,
+                    peak,
+                    fits(peak),
+                    acc,
+                    key[5],
+                    t,
+                    e,
+                    c,
+                    q,
+                    pipe,
+                    reserved_of(peak),
+                )
                 seen[key] = (cand, plan, psched, pres)
                 return seen[key]
-            plan = build_plan(model, _mesh_arg(shape, t, e, c), units=u_opt, strategy=strategy, mp=mp, remat=rm or None,
-                               tp=tp_plan if t > 1 else None)
+            plan = build_plan(
+                model,
+                _mesh_arg(shape, t, e, c),
+                units=u_opt,
+                strategy=strategy,
+                mp=mp,
+                remat=rm or None,
+                tp=tp_plan if t > 1 else None,
+            )
             sched = make_schedule(plan, prefetch=p)
-            res = simulate(plan, sched, wl.with_remat(plan) if rm else wl, optimizer, hardware, micro_batches=micro_batches * c,
-                           accumulate=acc)
-            cand = Candidate(tuple(plan.mesh_shape), label, key[2], p, res.step_time, res.memory["peak"], fits(res.memory["peak"]),
-                             acc, key[5], t, e, c, reserved=res.memory["reserved"])
+            res = simulate(
+                plan,
+                sched,
+                wl.with_remat(plan) if rm else wl,
+                optimizer,
+                hardware,
+                micro_batches=micro_batches * c,
+                accumulate=acc,
+            )
+            cand = Candidate(
+                tuple(plan.mesh_shape),
+                label,
+                key[2],
+                p,
+                res.step_time,
+                res.memory["peak"],
+                fits(res.memory["peak"]),
+                acc,
+                key[5],
+                t,
+                e,
+                c,
+                reserved=res.memory["reserved"],
+            )
             seen[key] = (cand, plan, sched, res)
         return seen[key]
 
@@ -478,18 +547,27 @@ def search(
             # an ep plan's units (expert units of their own) name its workload, the same for every
             # degree: each rank routes its own batch, and dropless its experts see as many pairs.
             # A cp degree's is one cp rank's part of each sequence.
-            base = build_plan(model, _mesh_arg((world_size // (t * e * c),), t, e, c), units=uo, mp=mp,
-                              tp=tp_plan if t > 1 else None)  # the profile does not depend on pp: its units and tp do
+            base = build_plan(
+                model, _mesh_arg((world_size // (t * e * c),), t, e, c), units=uo, mp=mp, tp=tp_plan if t > 1 else None
+            )  # the profile does not depend on pp: its units and tp do
             key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
             key = key if c == 1 else (*key, ("cp", c, cp_strategy))
             if key not in cache:
-                cache[key] = profile(model, base, *_cp_part(_tp_batch(inputs, t), c), loss_fn=loss_fn, remat_policies=extra,
-                                     cp_strategy=cp_strategy)
+                cache[key] = profile(
+                    model,
+                    base,
+                    *_cp_part(_tp_batch(inputs, t), c),
+                    loss_fn=loss_fn,
+                    remat_policies=extra,
+                    cp_strategy=cp_strategy,
+                )
             wl: Workload = cache[key]
             classes = _classes(base)
             start_p = 1 if 1 in prefetch else prefetch[0]
             state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = evaluate(uo, lab, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e, c=c, q=q, pipe=pipe)
+            current = evaluate(
+                uo, lab, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e, c=c, q=q, pipe=pipe
+            )
             if uo is None and shape == (world_size,) and t == 1 and e == 1 and c == 1 and q == 1 and start_p == 1:
                 default = current
             # A pipeline reduces once per step, after its stages' last backward: accumulate is not a choice there.
@@ -497,8 +575,21 @@ def search(
             while True:
                 best_state, best = None, current
                 for nxt in _moves(state, classes, strategies, prefetch, splits, accs, remats):
-                    entry = evaluate(uo, lab, wl, shape, _assignment(nxt, classes), nxt[2], nxt[3],
-                                     {u: r for cls, r in zip(classes, nxt[4]) for u in cls}, t, e, c, q, pipe)
+                    entry = evaluate(
+                        uo,
+                        lab,
+                        wl,
+                        shape,
+                        _assignment(nxt, classes),
+                        nxt[2],
+                        nxt[3],
+                        {u: r for cls, r in zip(classes, nxt[4]) for u in cls},
+                        t,
+                        e,
+                        c,
+                        q,
+                        pipe,
+                    )
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -510,21 +601,39 @@ def search(
         key = tuple(u.name for u in plan.units)
         if key not in cache:
             cache[key] = profile(model, plan, *inputs, loss_fn=loss_fn)
-        default = evaluate(None, "default", cache[key], (world_size,), {u.name: "zero3" for u in plan.units}, 1, default_acc)
+        default = evaluate(
+            None, "default", cache[key], (world_size,), {u.name: "zero3" for u in plan.units}, 1, default_acc
+        )
     fitting = [c for c in candidates if c[0].fits]
     if not fitting:
         small = min(candidates, key=lambda c: c[0].peak)
-        raise ValueError(f"no plan fits {budget / 2**30:,.3f} GiB per rank (peak; reserved within the "
-                         f"{hardware.memory / 2**30:,.3f} GiB of {hardware.name}); the smallest predicted peak is "
-                         f"{small[0].peak / 2**30:,.3f} GiB, reserved {small[0].reserved / 2**30:,.3f} GiB "
-                         f"({small[0].describe()}). Raise the budget, use more ranks, "
-                         "fewer tokens per micro-batch or activation checkpointing.")
+        raise ValueError(
+            f"no plan fits {budget / 2**30:,.3f} GiB per rank (peak; reserved within the "
+            f"{hardware.memory / 2**30:,.3f} GiB of {hardware.name}); the smallest predicted peak is "
+            f"{small[0].peak / 2**30:,.3f} GiB, reserved {small[0].reserved / 2**30:,.3f} GiB "
+            f"({small[0].describe()}). Raise the budget, use more ranks, "
+            "fewer tokens per micro-batch or activation checkpointing."
+        )
     best_time = min(c[0].step_time for c in fitting)
     near = [c for c in fitting if c[0].step_time <= best_time * (1 + rel_tol)]
-    pick = default if default[0].fits and any(c is default for c in near) else min(near, key=lambda c: (c[0].peak, c[0].step_time))
+    pick = (
+        default
+        if default[0].fits and any(c is default for c in near)
+        else min(near, key=lambda c: (c[0].peak, c[0].step_time))
+    )
     ordered = tuple(c[0] for c in sorted(candidates, key=lambda c: (c[0].step_time, c[0].peak)))
-    return SearchResult(pick[1], pick[2], pick[3], default[3], default[0].fits, ordered, budget, pick[0].accumulate, pick[0],
-                        float(hardware.memory))
+    return SearchResult(
+        pick[1],
+        pick[2],
+        pick[3],
+        default[3],
+        default[0].fits,
+        ordered,
+        budget,
+        pick[0].accumulate,
+        pick[0],
+        float(hardware.memory),
+    )
 
 
 def pipeline_units(model: torch.nn.Module) -> list[str]:
@@ -544,8 +653,10 @@ def pipeline_units(model: torch.nn.Module) -> list[str]:
         elif any(True for _ in child.parameters()):
             out.append(name)
     if any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(f"search: {type(model).__name__} holds parameters of its own (not in a child module), which no pipeline "
-                         "stage can take; search it with pp=(1,)")
+        raise ValueError(
+            f"search: {type(model).__name__} holds parameters of its own (not in a child module), which no pipeline "
+            "stage can take; search it with pp=(1,)"
+        )
     return out
 
 
@@ -559,8 +670,9 @@ def _mesh_arg_dict(shape: tuple[int, ...], t: int) -> dict[str, int]:
     return {**dict(zip(names, shape)), **({"tp": t} if t > 1 else {})}
 
 
-def _check_pp(model: torch.nn.Module, world, pp: Sequence[int], schedules: Sequence[str], tps, eps, cps, mp,
-              tp_plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _check_pp(
+    model: torch.nn.Module, world, pp: Sequence[int], schedules: Sequence[str], tps, eps, cps, mp, tp_plan
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The pp degrees and schedules to try, each checked against ``world``, the model's units and
     the other degrees, before anything is profiled."""
     pps = tuple(dict.fromkeys((pp,) if isinstance(pp, int) else pp))
@@ -575,21 +687,29 @@ def _check_pp(model: torch.nn.Module, world, pp: Sequence[int], schedules: Seque
     if not isinstance(world, int):
         raise ValueError(f"search: pp={pps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
     if max(eps) > 1 or max(cps) > 1:
-        raise ValueError(f"search: pp={pps} with ep={eps}, cp={cps}: the search does not combine a pp axis with an ep or cp "
-                         "axis yet; search pp with ep=(1,) and cp=(1,)")
+        raise ValueError(
+            f"search: pp={pps} with ep={eps}, cp={cps}: the search does not combine a pp axis with an ep or cp "
+            "axis yet; search pp with ep=(1,) and cp=(1,)"
+        )
     units = pipeline_units(model)
     for q in pps:
         if world % q:
-            raise ValueError(f"search: pp={q} does not divide world={world}; choose degrees that divide the number of ranks")
+            raise ValueError(
+                f"search: pp={q} does not divide world={world}; choose degrees that divide the number of ranks"
+            )
         if q == 1:
             continue
         if not any((world // q) % t == 0 for t in tps):
             raise ValueError(f"search: pp={q} leaves {world // q} ranks per stage, which no tp degree of {tps} divides")
         most = max(_stage_count(q, n) for n in names)
         if most > len(units):
-            raise ValueError(f"search: pp={q} with {', '.join(names)} needs {most} stages, but {type(model).__name__} has "
-                             f"{len(units)} pipeline units ({units[:4]}...); choose a smaller pp degree")
-        build_plan(model, {"pp": q, "dp": world // q}, units=units, mp=mp, stages=q)  # whatever else the plan refuses: named here
+            raise ValueError(
+                f"search: pp={q} with {', '.join(names)} needs {most} stages, but {type(model).__name__} has "
+                f"{len(units)} pipeline units ({units[:4]}...); choose a smaller pp degree"
+            )
+        build_plan(
+            model, {"pp": q, "dp": world // q}, units=units, mp=mp, stages=q
+        )  # whatever else the plan refuses: named here
     return pps, names
 
 
@@ -607,7 +727,9 @@ def _cp_part(inputs: tuple, c: int) -> tuple:
     if c == 1:
         return inputs
     # A copy, not a view: the profile counts an input by its storage.
-    return tuple(x.narrow(1, 0, x.shape[1] // c).clone() if isinstance(x, torch.Tensor) and x.dim() > 1 else x for x in inputs)
+    return tuple(
+        x.narrow(1, 0, x.shape[1] // c).clone() if isinstance(x, torch.Tensor) and x.dim() > 1 else x for x in inputs
+    )
 
 
 def _mesh_arg(shape: tuple[int, ...], t: int, e: int = 1, c: int = 1):
@@ -641,15 +763,19 @@ def _check_tp(model: torch.nn.Module, world, tp: Sequence[int], tp_plan, mp) -> 
         raise ValueError(f"search: tp={tps} needs tp_plan, the layers to split, e.g. fsdpfn.models.GPT_TP_PLAN")
     for t in tps:
         if world % t:
-            raise ValueError(f"search: tp={t} does not divide world={world}; choose degrees that divide the number of ranks")
+            raise ValueError(
+                f"search: tp={t} does not divide world={world}; choose degrees that divide the number of ranks"
+            )
         if t == 1:
             continue
         for name, mod in model.named_modules():
             for attr in _HEAD_ATTRS:
                 n = getattr(mod, attr, None)
                 if isinstance(n, int) and not isinstance(n, bool) and n % t:
-                    raise ValueError(f"search: tp={t} does not divide {name or type(model).__name__}.{attr} = {n}: each tp rank "
-                                     "runs whole attention heads; choose tp degrees that divide every head count")
+                    raise ValueError(
+                        f"search: tp={t} does not divide {name or type(model).__name__}.{attr} = {n}: each tp rank "
+                        "runs whole attention heads; choose tp degrees that divide every head count"
+                    )
         build_plan(model, {"dp": world // t, "tp": t}, tp=tp_plan, mp=mp)  # a width tp does not divide: named here
     return tps
 
@@ -667,20 +793,31 @@ def _check_ep(model: torch.nn.Module, world, ep: Sequence[int], tp: Sequence[int
         raise ValueError(f"search: ep={eps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
     tps = tuple((tp,) if isinstance(tp, int) else tp)
     if any(isinstance(t, int) and t > 1 for t in tps):
-        raise ValueError(f"search: ep={eps} with tp={tps}: plans do not put an ep axis beside a tp axis; "
-                         "search expert parallelism (ep) or tensor parallelism (tp), not both")
-    layers = {name or type(model).__name__: getattr(mod, "num_experts", None)
-              for name, mod in model.named_modules() if getattr(mod, "expert_params", ())}
+        raise ValueError(
+            f"search: ep={eps} with tp={tps}: plans do not put an ep axis beside a tp axis; "
+            "search expert parallelism (ep) or tensor parallelism (tp), not both"
+        )
+    layers = {
+        name or type(model).__name__: getattr(mod, "num_experts", None)
+        for name, mod in model.named_modules()
+        if getattr(mod, "expert_params", ())
+    }
     if not layers:
-        raise ValueError(f"search: ep={eps}, but {type(model).__name__} has no expert layers (no module lists expert_params, "
-                         "as fsdpfn.models.Experts does); search it with ep=(1,)")
+        raise ValueError(
+            f"search: ep={eps}, but {type(model).__name__} has no expert layers (no module lists expert_params, "
+            "as fsdpfn.models.Experts does); search it with ep=(1,)"
+        )
     for e in eps:
         if world % e:
-            raise ValueError(f"search: ep={e} does not divide world={world}; choose degrees that divide the number of ranks")
+            raise ValueError(
+                f"search: ep={e} does not divide world={world}; choose degrees that divide the number of ranks"
+            )
         for name, n in layers.items():
             if isinstance(n, int) and n % e:
-                raise ValueError(f"search: ep={e} does not divide {name}.num_experts = {n}: each ep rank holds whole experts; "
-                                 "choose ep degrees that divide every layer's number of experts")
+                raise ValueError(
+                    f"search: ep={e} does not divide {name}.num_experts = {n}: each ep rank holds whole experts; "
+                    "choose ep degrees that divide every layer's number of experts"
+                )
     build_plan(model, {"ep": big, "edp": world // big}, mp=mp)  # whatever else the plan refuses: named here
     return eps
 
@@ -698,18 +835,26 @@ def _check_cp(model: torch.nn.Module, world, cp: Sequence[int], strategy: str, t
     if not isinstance(world, int):
         raise ValueError(f"search: cp={cps} needs world as a number of ranks, not the mesh shape {tuple(world)!r}")
     if max(tps) > 1 or max(eps) > 1:
-        raise ValueError(f"search: cp={cps} with tp={tps}, ep={eps}: the search does not combine a cp axis with a tp or ep "
-                         "axis yet; search cp with tp=(1,) and ep=(1,)")
+        raise ValueError(
+            f"search: cp={cps} with tp={tps}, ep={eps}: the search does not combine a cp axis with a tp or ep "
+            "axis yet; search cp with tp=(1,) and ep=(1,)"
+        )
     seqs = [x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 1]
     if not seqs:
-        raise ValueError("search: cp needs inputs of shape (batch, sequence, ...): a cp rank holds a part of each sequence (dim 1)")
+        raise ValueError(
+            "search: cp needs inputs of shape (batch, sequence, ...): a cp rank holds a part of each sequence (dim 1)"
+        )
     for c in cps:
         if world % c:
-            raise ValueError(f"search: cp={c} does not divide world={world}; choose degrees that divide the number of ranks")
+            raise ValueError(
+                f"search: cp={c} does not divide world={world}; choose degrees that divide the number of ranks"
+            )
         bad = [s for s in seqs if s % (2 * c)]
         if bad:
-            raise ValueError(f"search: cp={c} needs sequences (dim 1 of the inputs) divisible by 2 x cp = {2 * c}, got {bad[0]}: "
-                             "each cp rank holds a head and a tail chunk")
+            raise ValueError(
+                f"search: cp={c} needs sequences (dim 1 of the inputs) divisible by 2 x cp = {2 * c}, got {bad[0]}: "
+                "each cp rank holds a head and a tail chunk"
+            )
         if c > 1:
             build_plan(model, {"dp": world // c, "cp": c}, mp=mp)  # a model without attention: named here
     return cps

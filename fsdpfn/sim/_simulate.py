@@ -59,7 +59,16 @@ from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import rows_over, unit_row_roles
 from fsdpfn._plan.schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
-from fsdpfn._plan.steps import Collective, StepOp, static_memory, step_collectives, step_ops, totals, unsharded_bytes, unsharded_peak
+from fsdpfn._plan.steps import (
+    Collective,
+    StepOp,
+    static_memory,
+    step_collectives,
+    step_ops,
+    totals,
+    unsharded_bytes,
+    unsharded_peak,
+)
 from fsdpfn.sim._engine import Task, run
 from fsdpfn.sim._hardware import Hardware
 from fsdpfn.sim._optimizer import CommCost, Wait
@@ -179,7 +188,6 @@ class SimResult:
                 out[k] = out.get(k, Traffic()) + t
         return out
 
-
     def summary(self) -> str:
         gib = 2**30
         m = self.memory
@@ -194,7 +202,9 @@ class SimResult:
         ]
         for part, kinds in self.traffic.items():
             for kind, t in kinds.items():
-                lines.append(f"  {part:<9} {kind:<15} {t.calls:>5} calls  {t.nbytes / 2**20:12,.2f} MiB buffers  {t.wire_bytes / 2**20:12,.2f} MiB sent")
+                lines.append(
+                    f"  {part:<9} {kind:<15} {t.calls:>5} calls  {t.nbytes / 2**20:12,.2f} MiB buffers  {t.wire_bytes / 2**20:12,.2f} MiB sent"
+                )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -290,11 +300,15 @@ class _Builder:
         if not work and after is None:
             return None
         deps = (after,) if after is not None else ()
-        self.tasks.append(Task("compute", "compute", work.seconds(self.hw), deps, kind, unit, 0.0, self.op, self.micro_batch))
+        self.tasks.append(
+            Task("compute", "compute", work.seconds(self.hw), deps, kind, unit, 0.0, self.op, self.micro_batch)
+        )
         self.last_compute = len(self.tasks) - 1
         return self.last_compute
 
-    def collective(self, c: Collective, stream: str, sent: float | None = None, after: int | None = None, key: str | None = None) -> int:
+    def collective(
+        self, c: Collective, stream: str, sent: float | None = None, after: int | None = None, key: str | None = None
+    ) -> int:
         """Times one listed collective on ``stream``, after the compute before it (and ``after``),
         over ``rank``'s group ``key`` (default: the collective's role's)."""
         if key is None:
@@ -329,7 +343,11 @@ class _Builder:
         """A host-device copy of an offloaded unit on its own stream (a copy engine each way)."""
         deps = (self.last_compute,) if self.last_compute is not None else ()
         stream = "h2d" if kind in ("copy_in", "stream_in") else "d2h"
-        self.tasks.append(Task(stream, "host", self.hw.copy_seconds(nbytes), deps, kind, name, float(nbytes), self.op, self.micro_batch))
+        self.tasks.append(
+            Task(
+                stream, "host", self.hw.copy_seconds(nbytes), deps, kind, name, float(nbytes), self.op, self.micro_batch
+            )
+        )
         self.copied[kind] = self.copied.get(kind, 0) + nbytes
         return len(self.tasks) - 1
 
@@ -376,7 +394,9 @@ class _Builder:
         name = s.op.unit
         unit = self.units[name]
         item = self.plan.gather_dtype(unit).itemsize
-        self.compute(Work(bytes=2 * unit.numel * item, ops=len(unit.params)), "copy", name, after=self.gathers.pop(name, None))
+        self.compute(
+            Work(bytes=2 * unit.numel * item, ops=len(unit.params)), "copy", name, after=self.gathers.pop(name, None)
+        )
         self.drop("buffers", "gather " + name)
         self.drop("buffers", "staged " + name)  # an offloaded unit's device copy of its shards
 
@@ -498,9 +518,16 @@ class _Builder:
         """Walks the step's ops (every micro-batch's), each with the collectives it issues, in
         the op list's order: an event's own collectives (an expert layer's token exchange) when
         it is reached, before the actions after it (the experts' gather), as the runtime issues them."""
-        actions = {OpKind.GATHER: self.gather, OpKind.WAIT: self.wait, OpKind.FREE: self.free, OpKind.REDUCE: self.reduce,
-                   OpKind.WAIT_REDUCE: self.wait_reduce, OpKind.COPY_IN: self.copy_in, OpKind.COPY_OUT: self.copy_out,
-                   OpKind.ACCUMULATE: self.accumulate}
+        actions = {
+            OpKind.GATHER: self.gather,
+            OpKind.WAIT: self.wait,
+            OpKind.FREE: self.free,
+            OpKind.REDUCE: self.reduce,
+            OpKind.WAIT_REDUCE: self.wait_reduce,
+            OpKind.COPY_IN: self.copy_in,
+            OpKind.COPY_OUT: self.copy_out,
+            OpKind.ACCUMULATE: self.accumulate,
+        }
         pending: StepOp | None = None
         for s, unsharded in zip(ops, unsharded_bytes(self.plan, ops)):
             if pending is not None and (s.op.is_event or s.micro_batch != pending.micro_batch):
@@ -527,9 +554,23 @@ class _Builder:
             if isinstance(phase, CommCost):
                 key = self._optimizer_group(phase.group)
                 role = Role.SHARD if key == "dense" else Role(key.split("+")[0])
-                names = [axes.names[cast(int, axes.dim(Role(r)))] for r in key.split("+") if axes.dim(Role(r)) is not None] if key != "dense" else []
-                listed = Collective(phase.kind, ROOT, phase.tag, role, "+".join(names) or None, len(self.groups[key]),
-                                    phase.nbytes, phase.dtype, "optimizer", phase.tag or "optimizer")
+                names = (
+                    [axes.names[cast(int, axes.dim(Role(r)))] for r in key.split("+") if axes.dim(Role(r)) is not None]
+                    if key != "dense"
+                    else []
+                )
+                listed = Collective(
+                    phase.kind,
+                    ROOT,
+                    phase.tag,
+                    role,
+                    "+".join(names) or None,
+                    len(self.groups[key]),
+                    phase.nbytes,
+                    phase.dtype,
+                    "optimizer",
+                    phase.tag or "optimizer",
+                )
                 c = self.collective(listed, "optimizer", sent=phase.sent, key=key)
                 if phase.tag:
                     launched[phase.tag] = c
@@ -545,9 +586,13 @@ class _Builder:
                 self.compute(phase, "optimizer", "", after=copied_in)
                 self.compute(EMPTY, "wait", "", after=self.copy("stream_out", "", nbytes[1]))
             elif self.host_fraction:  # offloaded units step on the host, at its memory bandwidth
-                host = dataclasses.replace(self.hw, memory_bandwidth=self.hw.host_memory_bandwidth or self.hw.memory_bandwidth, kernels=None)
+                host = dataclasses.replace(
+                    self.hw, memory_bandwidth=self.hw.host_memory_bandwidth or self.hw.memory_bandwidth, kernels=None
+                )
                 seconds = (1 - self.host_fraction) * phase.seconds(self.hw) + self.host_fraction * phase.seconds(host)
-                self.tasks.append(Task("compute", "compute", seconds, (), "optimizer", "", 0.0, self.op, self.micro_batch))
+                self.tasks.append(
+                    Task("compute", "compute", seconds, (), "optimizer", "", 0.0, self.op, self.micro_batch)
+                )
                 self.last_compute = len(self.tasks) - 1
             else:
                 self.compute(phase, "optimizer", "")
@@ -597,7 +642,9 @@ def simulate(
       (True, True)
     """
     if workload is None or hardware is None:
-        raise ValueError("simulate needs a workload (fsdpfn.sim.profile(model, plan, batch)) and a hardware (a preset or fsdpfn.sim.measure())")
+        raise ValueError(
+            "simulate needs a workload (fsdpfn.sim.profile(model, plan, batch)) and a hardware (a preset or fsdpfn.sim.measure())"
+        )
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -606,7 +653,14 @@ def simulate(
     validate(sched, plan)
     if micro_batches > 3 and not exact:
         return _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank)
-    ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens, attention=workload.attention)
+    ops = step_ops(
+        plan,
+        sched,
+        micro_batches=micro_batches,
+        accumulate=accumulate,
+        tokens=workload.tokens,
+        attention=workload.attention,
+    )
     listed = sum(len(s.collectives) + len(s.with_compute) for s in ops)
     b = _Builder(plan, workload, hardware, rank)
     b.step(ops)
@@ -621,43 +675,91 @@ def simulate(
         b.optimizer(opt_cost)
     end = run(b.tasks, hardware.overlap)
     schedule_end = max((t.end for t in b.tasks[:first_opt]), default=0.0)
-    spans = tuple(Span(t.stream, t.start, t.end, t.kind, t.unit, t.nbytes, t.op, t.micro_batch) for t in b.tasks if t.end > t.start)
+    spans = tuple(
+        Span(t.stream, t.start, t.end, t.kind, t.unit, t.nbytes, t.op, t.micro_batch)
+        for t in b.tasks
+        if t.end > t.start
+    )
     busy = _union([(s.start, s.end) for s in spans if s.stream == "compute"])
     in_flight = _union([(s.start, s.end) for s in spans if s.stream != "compute"])
     static = _static_memory(plan, opt_cost)
     if len(b.calls) - sum(c.phase == "optimizer" for c in b.calls) != listed:
         raise AssertionError(f"the simulator timed {len(b.calls)} of the step's {listed} listed collectives")
     peak = sum(v for k, v in static.items() if k != "host") + b.peak["total"]
-    memory = {**static, "unsharded_peak": unsharded_peak(plan, ops), "activations_peak": b.peak["activations"],
-              "peak": peak, "reserved": int(peak * (1.0 + hardware.memory_reserve))}
+    memory = {
+        **static,
+        "unsharded_peak": unsharded_peak(plan, ops),
+        "activations_peak": b.peak["activations"],
+        "peak": peak,
+        "reserved": int(peak * (1.0 + hardware.memory_reserve)),
+    }
     notes = [n for n in (over_memory(memory["reserved"], hardware),) if n]
     if plan.hsdp:
-        notes.append("HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)")
+        notes.append(
+            "HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)"
+        )
     if plan.tp:
-        notes.append("tensor parallel: activation collectives of " + (f"{workload.tokens:,} tokens per micro-batch" if workload.tokens else
-                     "0 tokens (the workload has none: profile it with integer token inputs)") + ", blocking after each unit's compute; "
-                     "compute is the workload's as profiled (fsdpfn.sim.profile runs each rank's tp-local layers)")
+        notes.append(
+            "tensor parallel: activation collectives of "
+            + (
+                f"{workload.tokens:,} tokens per micro-batch"
+                if workload.tokens
+                else "0 tokens (the workload has none: profile it with integer token inputs)"
+            )
+            + ", blocking after each unit's compute; "
+            "compute is the workload's as profiled (fsdpfn.sim.profile runs each rank's tp-local layers)"
+        )
     if plan.cp_size > 1:
         kinds = sorted({a.strategy for a in workload.attention})
-        notes.append(f"context parallel over {plan.cp_size} ranks: {len(workload.attention)} attention calls ({', '.join(kinds) or 'none profiled'}); "
-                     "an all-gather of keys and values blocks, ring hops overlap the attention's blocks")
-    traffic = {"step": _traffic(c for c in b.calls if c.phase != "optimizer"), "optimizer": _traffic(c for c in b.calls if c.phase == "optimizer")}
-    return SimResult(end, end - schedule_end, busy, max(0.0, end - busy), traffic, dict(b.level_bytes), memory, spans, in_flight,
-                     plan, sched, hardware, tuple(notes), tuple(b.calls), dict(b.copied))
+        notes.append(
+            f"context parallel over {plan.cp_size} ranks: {len(workload.attention)} attention calls ({', '.join(kinds) or 'none profiled'}); "
+            "an all-gather of keys and values blocks, ring hops overlap the attention's blocks"
+        )
+    traffic = {
+        "step": _traffic(c for c in b.calls if c.phase != "optimizer"),
+        "optimizer": _traffic(c for c in b.calls if c.phase == "optimizer"),
+    }
+    return SimResult(
+        end,
+        end - schedule_end,
+        busy,
+        max(0.0, end - busy),
+        traffic,
+        dict(b.level_bytes),
+        memory,
+        spans,
+        in_flight,
+        plan,
+        sched,
+        hardware,
+        tuple(notes),
+        tuple(b.calls),
+        dict(b.copied),
+    )
 
 
 def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, accumulate, rank) -> SimResult:
     """A step of ``micro_batches`` from steps of 2 and 3 (see ``simulate(exact=...)``)."""
-    r2, r3 = (simulate(plan, sched, workload, optimizer, hardware, micro_batches=k, accumulate=accumulate, rank=rank, exact=True)
-              for k in (2, 3))
+    r2, r3 = (
+        simulate(
+            plan, sched, workload, optimizer, hardware, micro_batches=k, accumulate=accumulate, rank=rank, exact=True
+        )
+        for k in (2, 3)
+    )
     k = micro_batches - 3
 
     def ext(a: float, b: float) -> float:
         return b + k * (b - a)
 
     # Bytes need no extension: the whole step's list is at hand.
-    step = step_collectives(plan, schedule=sched, micro_batches=micro_batches, accumulate=accumulate, tokens=workload.tokens,
-                            attention=workload.attention)
+    step = step_collectives(
+        plan,
+        schedule=sched,
+        micro_batches=micro_batches,
+        accumulate=accumulate,
+        tokens=workload.tokens,
+        attention=workload.attention,
+    )
     opt = tuple(c for c in r3.calls if c.phase == "optimizer")
     traffic = {"step": _traffic(step), "optimizer": r3.traffic["optimizer"]}
     calls = step + opt
@@ -671,8 +773,11 @@ def _extrapolated(plan, sched, workload, optimizer, hardware, micro_batches, acc
         calls=calls,
         level_bytes={lv: ext(r2.level_bytes[lv], v) for lv, v in r3.level_bytes.items()},
         host_copies={k: ext(r2.host_copies[k], v) for k, v in r3.host_copies.items()},
-        notes=r3.notes + (f"{micro_batches} micro-batches: times and bytes extended from simulations of 2 and 3 "
-                          "(each further micro-batch repeats the same ops); the spans show 3",),
+        notes=r3.notes
+        + (
+            f"{micro_batches} micro-batches: times and bytes extended from simulations of 2 and 3 "
+            "(each further micro-batch repeats the same ops); the spans show 3",
+        ),
     )
 
 
@@ -695,8 +800,10 @@ def over_memory(reserved: int, hardware: Hardware, where: str = "") -> str | Non
     if reserved <= hardware.memory:
         return None
     gib = 2**30
-    return (f"memory{where}: {reserved / gib:,.1f} GiB reserved is above the {hardware.memory / gib:,.1f} GiB of {hardware.name}: "
-            "the step does not fit as planned (at the limit the caching allocator frees and retries, which this time leaves out)")
+    return (
+        f"memory{where}: {reserved / gib:,.1f} GiB reserved is above the {hardware.memory / gib:,.1f} GiB of {hardware.name}: "
+        "the step does not fit as planned (at the limit the caching allocator frees and retries, which this time leaves out)"
+    )
 
 
 def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
@@ -711,5 +818,9 @@ def _static_memory(plan: Plan, opt_cost) -> dict[str, int]:
     off = static_memory(types.SimpleNamespace(units=tuple(offloaded)))  # type: ignore[arg-type]  # it reads the units alone
     frac = off["params"] / m["params"] if m["params"] else 0.0
     host_state = int(round(state * frac))
-    return {"params": m["params"] - off["params"], "grads": m["grads"] - off["grads"], "optimizer_state": state - host_state,
-            "host": off["params"] + off["grads"] + host_state}
+    return {
+        "params": m["params"] - off["params"],
+        "grads": m["grads"] - off["grads"],
+        "optimizer_state": state - host_state,
+        "host": off["params"] + off["grads"] + host_state,
+    }

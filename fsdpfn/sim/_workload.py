@@ -102,7 +102,12 @@ class Work:
             measured = other.measured
         elif not other:
             measured = self.measured
-        return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items())), self.bytes + other.bytes, self.ops + other.ops, measured)
+        return Work(
+            tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items())),
+            self.bytes + other.bytes,
+            self.ops + other.ops,
+            measured,
+        )
 
     def minus(self, other: "Work") -> "Work":
         """This work without ``other`` (a part of it: the same operators, counted once each)."""
@@ -117,13 +122,21 @@ class Work:
             measured = max(0.0, self.measured - other.measured)
         else:  # the part's own time was not measured: take its share of the FLOPs (matmuls dominate timed stretches)
             measured = self.measured * (1.0 - other.flops / self.flops) if self.flops else self.measured
-        return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items()) if c), max(0.0, self.bytes - other.bytes),
-                    max(0, self.ops - other.ops), measured)
+        return Work(
+            tuple((d, f, b, c) for (d, f, b), c in sorted(counts.items()) if c),
+            max(0.0, self.bytes - other.bytes),
+            max(0, self.ops - other.ops),
+            measured,
+        )
 
     def times(self, k: int) -> "Work":
         """``k`` copies of this work."""
-        return Work(tuple((d, f, b, c * k) for d, f, b, c in self.matmuls), self.bytes * k, self.ops * k,
-                    None if self.measured is None else self.measured * k)
+        return Work(
+            tuple((d, f, b, c * k) for d, f, b, c in self.matmuls),
+            self.bytes * k,
+            self.ops * k,
+            None if self.measured is None else self.measured * k,
+        )
 
     def __bool__(self) -> bool:
         return bool(self.matmuls or self.bytes or self.ops or self.measured)
@@ -215,12 +228,18 @@ class Workload:
         """``(forward, backward)`` work of a (non-root) unit."""
         return self.at(Op(OpKind.FORWARD, unit)), self.at(Op(OpKind.BACKWARD, unit))
 
-    def with_activation_checkpointing(self, units: Sequence[str] | None = None, input_bytes: Mapping[str, int] | None = None) -> "Workload":
+    def with_activation_checkpointing(
+        self, units: Sequence[str] | None = None, input_bytes: Mapping[str, int] | None = None
+    ) -> "Workload":
         """The workload with full activation checkpointing of ``units`` (default: every non-root
         unit): each unit's forward runs again at the start of its backward, and its forward keeps
         only its inputs (as profiled; ``input_bytes[unit]`` overrides). Same as
         :meth:`with_remat` with ``"full"``."""
-        names = [e.unit for e, _ in self.work if e.kind is OpKind.FORWARD and e.unit != ROOT] if units is None else list(units)
+        names = (
+            [e.unit for e, _ in self.work if e.kind is OpKind.FORWARD and e.unit != ROOT]
+            if units is None
+            else list(units)
+        )
         wl = self.with_remat({u: "full" for u in names})
         if input_bytes:
             acts = dict(wl.activations)
@@ -263,7 +282,9 @@ class Workload:
             elif (u, policy) in kept:
                 saved_bytes, saved_work = kept[(u, policy)]
             else:
-                raise ValueError(f"with_remat: policy {policy!r} of unit {u!r} was not profiled; profile with a plan that uses it")
+                raise ValueError(
+                    f"with_remat: policy {policy!r} of unit {u!r} was not profiled; profile with a plan that uses it"
+                )
             fwd = table.get(Op(OpKind.FORWARD, u), EMPTY)
             table[Op(OpKind.BACKWARD, u)] = fwd.minus(saved_work) + table.get(Op(OpKind.BACKWARD, u), EMPTY)
             acts[u] = inputs[u] + saved_bytes
@@ -272,8 +293,14 @@ class Workload:
             b, f = Op(OpKind.BACKWARD, u), Op(OpKind.FORWARD, u)
             transient[b] = max(transient.get(f, 0), max(0, base.activation(u) - saved_bytes) + transient.get(b, 0))
         work = tuple((e, table[e]) for e, _ in base.work)
-        return dataclasses.replace(base, work=work, activations=tuple(acts.items()), remat=tuple(sorted(policies.items())),
-                                   transient=tuple(transient.items()), base=base)
+        return dataclasses.replace(
+            base,
+            work=work,
+            activations=tuple(acts.items()),
+            remat=tuple(sorted(policies.items())),
+            transient=tuple(transient.items()),
+            base=base,
+        )
 
     def recompute(self, unit: str) -> Work:
         """The work a rematerialised ``unit`` reruns in backward (nothing without remat)."""
@@ -282,8 +309,10 @@ class Workload:
         return self.at(Op(OpKind.BACKWARD, unit)).minus(self.base.at(Op(OpKind.BACKWARD, unit)))
 
     def __str__(self) -> str:
-        lines = [f"Workload: {self.flops / 1e9:,.2f} GFLOP per rank per micro-batch, {self.tokens:,} tokens",
-                 "after event                     GFLOP    other MB      ops  activations MB"]
+        lines = [
+            f"Workload: {self.flops / 1e9:,.2f} GFLOP per rank per micro-batch, {self.tokens:,} tokens",
+            "after event                     GFLOP    other MB      ops  activations MB",
+        ]
         acts = dict(self.activations)
         for e, w in self.work:
             act = acts.get(e.unit, 0) if e.kind is OpKind.FORWARD else 0
@@ -429,8 +458,12 @@ def _new_acc() -> dict:
 
 
 def _to_work(acc: dict, timed: bool = False) -> Work:
-    return Work(tuple((d, f, b, c) for (d, f, b), c in sorted(acc["matmuls"].items())), acc["bytes"], acc["ops"],
-                acc["seconds"] if timed else None)
+    return Work(
+        tuple((d, f, b, c) for (d, f, b), c in sorted(acc["matmuls"].items())),
+        acc["bytes"],
+        acc["ops"],
+        acc["seconds"] if timed else None,
+    )
 
 
 def count_work(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Work]:
@@ -468,7 +501,7 @@ class _Events:
         self.backward = False
 
     def unit_of(self, parents) -> str:
-        names = {p[len(self.prefix):] for p in parents if p.startswith(self.prefix)}
+        names = {p[len(self.prefix) :] for p in parents if p.startswith(self.prefix)}
         for u in self.units:  # the deepest unit among the running modules
             if u in names:
                 return u
@@ -477,8 +510,10 @@ class _Events:
     def _emit(self, kind: OpKind, unit: str) -> None:
         op = Op(kind, unit)
         if op in self.acc:
-            raise ValueError(f"profile: unit {unit or '<root>'!r} ran its {'backward' if self.backward else 'forward'} twice in one step "
-                             "(a module called twice, or shared weights); the runtime runs each unit once per step too")
+            raise ValueError(
+                f"profile: unit {unit or '<root>'!r} ran its {'backward' if self.backward else 'forward'} twice in one step "
+                "(a module called twice, or shared weights); the runtime runs each unit once per step too"
+            )
         self.order.append(op)
         self.acc[op] = _new_acc()
         self.event = op
@@ -497,7 +532,9 @@ class _Events:
             # Inside a nested unit's backward, autograd runs Functions outside any module (the
             # token exchange of experts): still that unit's work, not the root's.
             return
-        done, start = (OpKind.BACKWARD_DONE, OpKind.BACKWARD) if self.backward else (OpKind.FORWARD_DONE, OpKind.FORWARD)
+        done, start = (
+            (OpKind.BACKWARD_DONE, OpKind.BACKWARD) if self.backward else (OpKind.FORWARD_DONE, OpKind.FORWARD)
+        )
         # Units nest (a block's unit wraps its experts' unit): leave those not containing ``unit``,
         # enter those between the innermost one left and ``unit``.
         while self.stack and not (unit == self.stack[-1] or unit.startswith(self.stack[-1] + ".")):
@@ -576,13 +613,14 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
             # (4x the bytes of a bf16 input) and counts a dozen memory-bound operators.
             shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
-            eps = kwargs.get("eps", args[3] if len(args) > 3 else None)
             return _FusedRMSNorm.apply(args[0], weight, len(shape))
         if func is torch.nn.functional.scaled_dot_product_attention and args:
             q, k, v = args[:3]
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
             if k.dim() == 4 and self.unit_of is not None:
-                self.calls.append(AttentionCall(self.unit_of(), int(k.shape[1] * k.shape[3]), bool(causal), self.strategy, k.dtype))
+                self.calls.append(
+                    AttentionCall(self.unit_of(), int(k.shape[1] * k.shape[3]), bool(causal), self.strategy, k.dtype)
+                )
         if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -595,7 +633,9 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
                     k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
                 if self.cp > 1:
                     k, v = self._over_cp(k, v, own)
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, 0.0, causal, scale=kwargs.get("scale")
+                )[0]
         return func(*args, **kwargs)
 
     def _over_cp(self, k, v, own):
@@ -698,8 +738,18 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool, selective=None, cp: int = 1,
-                  cp_strategy: str = "allgather"):
+def _profile_once(
+    model,
+    params,
+    units,
+    inputs,
+    loss_fn,
+    cast: bool,
+    timed: bool,
+    selective=None,
+    cp: int = 1,
+    cp_strategy: str = "allgather",
+):
     """One forward, loss and backward under the counter: ``(event order, accumulators, saved
     activation bytes per unit, input bytes per unit, {(unit, policy): (kept bytes, kept Work)},
     transient bytes per event, attention calls)``."""
@@ -746,6 +796,7 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
     before = {t.untyped_storage()._cdata for t in _tensors(list(inputs))} | param_storages
     live = None if timed else _Live(events, before)
     with ModuleTracker() as tracker:
+
         def pack(t: torch.Tensor):
             key = t.untyped_storage()._cdata
             if key not in param_storages and key not in seen and key not in fused.unsaved:
@@ -755,7 +806,10 @@ def _profile_once(model, params, units, inputs, loss_fn, cast: bool, timed: bool
             return t
 
         fused = _FusedAttentionOnMeta(cp, cp_strategy, lambda: events.unit_of(tracker.parents), pack)
-        with fused, _Counter(lambda: events.sink(tracker), timed=timed, allocated=None if live is None else live.allocated):
+        with (
+            fused,
+            _Counter(lambda: events.sink(tracker), timed=timed, allocated=None if live is None else live.allocated),
+        ):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, params, inputs) if cast else model(*inputs)
                 events.end_forward()
@@ -850,20 +904,35 @@ def profile(
         modules = dict(model.named_modules())
         for name, style in plan.tp:
             if style == "colwise_gather":
-                hooks.append(modules[name].register_forward_hook(lambda m, args, out, _t=plan.tp_size: torch.cat([out] * _t, -1)))
-    selective: dict[str, set] = collections.defaultdict(set)  # the plan's selective policies, profiled besides save_dots
+                hooks.append(
+                    modules[name].register_forward_hook(lambda m, args, out, _t=plan.tp_size: torch.cat([out] * _t, -1))
+                )
+    selective: dict[str, set] = collections.defaultdict(
+        set
+    )  # the plan's selective policies, profiled besides save_dots
     for u in plan.units:
         if u.remat not in ("none", "full"):
             selective[u.name].add(u.remat)
         selective[u.name].update(p for p in remat_policies if p not in ("none", "full"))
     try:
         order, acc, saved, unit_inputs, kept, transient, attention = _profile_once(
-            model, params, units, inputs, loss_fn, cast, timed=False, selective=selective, cp=plan.cp_size, cp_strategy=cp_strategy)
+            model,
+            params,
+            units,
+            inputs,
+            loss_fn,
+            cast,
+            timed=False,
+            selective=selective,
+            cp=plan.cp_size,
+            cp_strategy=cp_strategy,
+        )
         measured: dict[Op, float] = {}
         if timed:
             for i in range(repeats + 1):
-                t_order, t_acc, *_ = _profile_once(model, params, units, inputs, loss_fn, cast, timed=True, cp=plan.cp_size,
-                                                   cp_strategy=cp_strategy)
+                t_order, t_acc, *_ = _profile_once(
+                    model, params, units, inputs, loss_fn, cast, timed=True, cp=plan.cp_size, cp_strategy=cp_strategy
+                )
                 if t_order != order:
                     raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
                 if i:  # the first run warms up
@@ -875,6 +944,13 @@ def profile(
     tokens = next((t.numel() for t in _tensors(list(inputs)) if not t.is_floating_point()), 0)
     work = tuple((op, dataclasses.replace(_to_work(acc[op]), measured=measured.get(op))) for op in order)
     acts = tuple((u, saved.get(u, 0)) for u in units)
-    base = Workload(work, acts, tokens, tuple(unit_inputs.items()), tuple((u, p, b, w) for (u, p), (b, w) in sorted(kept.items())),
-                    transient=tuple((op, transient.get(op, 0)) for op in order), attention=attention)
+    base = Workload(
+        work,
+        acts,
+        tokens,
+        tuple(unit_inputs.items()),
+        tuple((u, p, b, w) for (u, p), (b, w) in sorted(kept.items())),
+        transient=tuple((op, transient.get(op, 0)) for op in order),
+        attention=attention,
+    )
     return base.with_remat(plan) if any(u.remat != "none" for u in plan.units) else base

@@ -34,8 +34,16 @@ from typing import Any, Callable, cast
 import torch.multiprocessing as mp
 
 from fsdpfn import comm
-from fsdpfn.launch import (RankError, check_picklable, load_task, process_stopped, raise_rank_errors, shutdown, start_rank,
-                           stopped_after_error)
+from fsdpfn.launch import (
+    RankError,
+    check_picklable,
+    load_task,
+    process_stopped,
+    raise_rank_errors,
+    shutdown,
+    start_rank,
+    stopped_after_error,
+)
 
 __all__ = ["RankError", "run_on_ranks", "shutdown_pools", "mesh", "take_started_processes"]
 
@@ -276,8 +284,14 @@ def run_on_ranks(
             if not all(p.is_alive() for p in pool.procs):
                 dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
                 for r in dead:
-                    answers.setdefault(r, ("error", f"rank {r} died (exit code {pool.procs[r].exitcode}); its error, if "
-                                                    "any, is in its output (stderr) above"))
+                    answers.setdefault(
+                        r,
+                        (
+                            "error",
+                            f"rank {r} died (exit code {pool.procs[r].exitcode}); its error, if "
+                            "any, is in its output (stderr) above",
+                        ),
+                    )
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
             if any(a[0] == "error" for a in answers.values()):
                 # A stopped rank (SIGSTOP, a debugger) answers nothing, however long we wait.
@@ -297,8 +311,11 @@ def run_on_ranks(
     missing = [r for r in range(world_size) if r not in answers]
     if missing and not any(a[0] == "error" for a in answers.values()):
         for r, stack in _stacks_of(pool, missing).items():
-            answers[r] = ("error", f"rank {r} did not finish within {timeout:.0f} s (hang?); it was stopped. "
-                                   f"Its threads were at:\n{stack}")
+            answers[r] = (
+                "error",
+                f"rank {r} did not finish within {timeout:.0f} s (hang?); it was stopped. "
+                f"Its threads were at:\n{stack}",
+            )
     if missing or not healthy:
         _kill_pool(world_size)  # the next call starts a fresh pool
     name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))

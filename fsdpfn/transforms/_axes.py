@@ -6,20 +6,36 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from fsdpfn._plan.axes import Role
-from fsdpfn._plan.placements import mesh_dims, rows_over, split_roles, unit_row_roles
+from fsdpfn._plan.placements import mesh_dims, split_roles, unit_row_roles
 from fsdpfn._plan.stage_mesh import copy_stage_mark
 from fsdpfn._plan import Plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["axis_index", "cp_group", "cp_rank", "dp_rank", "ep_group", "ep_rank", "replicate_group", "shard_group", "shard_rank", "tp_group", "tp_rank",
-           "unit_group", "unit_mesh", "unit_rank"]
+__all__ = [
+    "axis_index",
+    "cp_group",
+    "cp_rank",
+    "dp_rank",
+    "ep_group",
+    "ep_rank",
+    "replicate_group",
+    "shard_group",
+    "shard_rank",
+    "tp_group",
+    "tp_rank",
+    "unit_group",
+    "unit_mesh",
+    "unit_rank",
+]
 
 
 def _mesh(plan: Plan):
     if plan.mesh is None:
-        raise ValueError("this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) or Plan.from_json(s, mesh)")
+        raise ValueError(
+            "this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) or Plan.from_json(s, mesh)"
+        )
     return plan.mesh
 
 

@@ -153,7 +153,9 @@ def check_values_agree(plan: Plan, names, table: torch.Tensor, *, fix: str) -> N
         if not bool(close.all()):
             column = int((~close.all(dim=0)).nonzero()[0])
             differ = [ranks[i] for i in range(len(ranks)) if not bool(close[i, column])]
-            raise ValueError(f"parameter {names[column % len(names)]!r} differs between rank {ranks[0]} and ranks {differ}; {fix}")
+            raise ValueError(
+                f"parameter {names[column % len(names)]!r} differs between rank {ranks[0]} and ranks {differ}; {fix}"
+            )
 
 
 _AGREED: set[tuple[str, str, int]] = set()
@@ -187,6 +189,8 @@ def check_on_every_rank(plan: Plan, site: str, group, check: Callable[[], None])
     found = exchange_problems(f"{site!r} of plan {plan.fingerprint}", str(problem) if problem else None, group)
     if found:
         lines = "\n".join(f"  rank {r}: {text}" for r, text in sorted(found.items()))
-        raise ValueError(f"rank(s) {sorted(found)} refused the input of {site!r} (every rank stops here, before the "
-                         f"collective):\n{lines}") from (problem if problem is not None else None)
+        raise ValueError(
+            f"rank(s) {sorted(found)} refused the input of {site!r} (every rank stops here, before the "
+            f"collective):\n{lines}"
+        ) from (problem if problem is not None else None)
     _AGREED.add(key)

@@ -46,8 +46,15 @@ from fsdpfn._plan.schedule import reshards_after_forward
 from fsdpfn.transforms import _unit_comm
 from fsdpfn.transforms._dtensor import from_local
 
-__all__ = ["CompileUnsupportedError", "CompiledStep", "check_compilable", "compile", "recording_backend", "reduce_traced",
-           "unshard_traced"]
+__all__ = [
+    "CompileUnsupportedError",
+    "CompiledStep",
+    "check_compilable",
+    "compile",
+    "recording_backend",
+    "reduce_traced",
+    "unshard_traced",
+]
 
 
 class CompileUnsupportedError(RuntimeError):
@@ -67,7 +74,8 @@ def check_compilable(plan: Plan) -> None:
     if te:
         raise CompileUnsupportedError(
             f"units {te[:3]} hand FP8 weights to Transformer Engine (backend='te'), whose tensors do not trace; "
-            "use backend='torch' under torch.compile, compile each unit's forward (Runtime.compile_units), or run eagerly")
+            "use backend='torch' under torch.compile, compile each unit's forward (Runtime.compile_units), or run eagerly"
+        )
     remat = [(u.name, u.remat) for u in plan.units if u.remat != "none"]
     if remat:
         listed = ", ".join(f"{n!r} (remat={r!r})" for n, r in remat[:3]) + (" ..." if len(remat) > 3 else "")
@@ -77,7 +85,8 @@ def check_compilable(plan: Plan) -> None:
             f"units {listed} rematerialise, which the compiled step does not: their recompute wraps the module's forward "
             "in an autograd Function dynamo cannot trace. Compile a plan without remat (the default remat=None), or keep "
             "remat and run the step eagerly: the pure loop (torch.func.grad over fsdpfn.unshard) or "
-            "fsdpfn.runtime.Runtime, which rematerialises these units itself")
+            "fsdpfn.runtime.Runtime, which rematerialises these units itself"
+        )
 
 
 def check_traced_axes(plan: Plan) -> None:
@@ -85,11 +94,16 @@ def check_traced_axes(plan: Plan) -> None:
     gather and reduce over axes flattened with ``shard`` (ep x shard, shard x cp), which the traced
     collectives do not size yet (the trace would fail inside dynamo, unnamed)."""
     if plan.cp_size > 1 or plan.axes.dim(Role.EP) is not None:
-        axis = f"context parallelism (cp={plan.cp_size})" if plan.cp_size > 1 else f"expert parallelism (ep={plan.ep_size})"
+        axis = (
+            f"context parallelism (cp={plan.cp_size})"
+            if plan.cp_size > 1
+            else f"expert parallelism (ep={plan.ep_size})"
+        )
         raise CompileUnsupportedError(
             f"{axis} does not run under torch.compile yet (mesh {plan.axes.describe()}): its units gather and reduce over "
             "mesh axes flattened with the shard axis, which the traced collectives do not handle. Run the step eagerly: "
-            "the pure loop (torch.func.grad over fsdpfn.unshard) or fsdpfn.runtime.Runtime")
+            "the pure loop (torch.func.grad over fsdpfn.unshard) or fsdpfn.runtime.Runtime"
+        )
 
 
 def _refuse_functorch(where: str) -> None:
@@ -103,7 +117,8 @@ def _refuse_functorch(where: str) -> None:
             f"fsdpfn: {where} inside torch.func.grad/vjp under torch.compile: torch drops the backward of the "
             "gather (the gradients would come back unreduced). Compile the loss and differentiate with "
             "loss.backward() or torch.autograd.grad, e.g. step = fsdpfn.compile(loss_fn) gives "
-            "(grads, loss) like torch.func.grad_and_value; or call torch.func.grad without torch.compile.")
+            "(grads, loss) like torch.func.grad_and_value; or call torch.func.grad without torch.compile."
+        )
 
 
 def _refusal(error: BaseException | None) -> CompileUnsupportedError | None:
@@ -162,7 +177,9 @@ def unshard_traced(params, plan: Plan, grad_op: str = "mean", grad_scale=None, r
     check_compilable(plan)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
-        locals_ = [params[p.name].to_local() if isinstance(params[p.name], DTensor) else params[p.name] for p in unit.params]
+        locals_ = [
+            params[p.name].to_local() if isinstance(params[p.name], DTensor) else params[p.name] for p in unit.params
+        ]
         info = (plan, unit, grad_op, grad_scale)
         again = reshards_after_forward(plan, unit.name, True) if reshard is None else unit.name in reshard
         if again and torch.is_grad_enabled():
@@ -191,8 +208,17 @@ class CompiledStep:
     :func:`compile`). ``collectives`` lists what one call runs, read from the compiled forward and
     backward graphs when they were compiled."""
 
-    def __init__(self, loss_fn, has_aux: bool, fullgraph: bool, overlap: bool, options: dict, compiler: str = "inductor",
-                 bucket: bool = False, verify: bool = True):
+    def __init__(
+        self,
+        loss_fn,
+        has_aux: bool,
+        fullgraph: bool,
+        overlap: bool,
+        options: dict,
+        compiler: str = "inductor",
+        bucket: bool = False,
+        verify: bool = True,
+    ):
         self._graphs: dict[str, list] = {}
         self._verify = verify  # until the first step has been checked
         backend = recording_backend(compiler, self._graphs, overlap, bucket)
@@ -207,7 +233,7 @@ class CompiledStep:
         Under ``zero3`` no unit's full parameters are among them (see [Note: reshard-after-forward
         under torch.compile]). Empty before the first call."""
         outs = self._graphs.get("outputs", [])
-        return outs[self._n_outputs:]
+        return outs[self._n_outputs :]
 
     @property
     def collectives(self) -> list:
@@ -233,8 +259,10 @@ class CompiledStep:
             loss, aux = out if self.has_aux else (out, None)
             self._n_outputs = 1 + sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(aux, none_is_leaf=True))  # type: ignore[arg-type]  # optree's PyTree type leaves out None
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(f"fsdpfn.compile: loss_fn must return a scalar tensor{' (and aux)' if self.has_aux else ''}, "
-                                 f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+                raise ValueError(
+                    f"fsdpfn.compile: loss_fn must return a scalar tensor{' (and aux)' if self.has_aux else ''}, "
+                    f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}"
+                )
             names = list(leaves)
             got = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
         C.count_compiled(self.collectives)
@@ -248,8 +276,11 @@ def _output_bytes(gm) -> list[tuple]:
     (the caller holds them anyway)."""
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0]]
-    return [(tuple(v.shape), v.numel() * v.element_size() if a.op != "placeholder" else 0)
-            for a, v in zip(out.args[0], vals) if isinstance(v, torch.Tensor)]
+    return [
+        (tuple(v.shape), v.numel() * v.element_size() if a.op != "placeholder" else 0)
+        for a, v in zip(out.args[0], vals)
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket: bool = False):
@@ -268,13 +299,17 @@ def recording_backend(compiler: str, graphs: dict, overlap: bool = False, bucket
                 if kind == "forward":
                     graphs["outputs"] = _output_bytes(gm)
                 return gm
+
             return fn
 
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         # inductor's partitioner, so that what the forward saves (and recomputes) is what inductor's would
-        return aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"),
-                            partition_fn=min_cut_rematerialization_partition)
+        return aot_autograd(
+            fw_compiler=record("forward"),
+            bw_compiler=record("backward"),
+            partition_fn=min_cut_rematerialization_partition,
+        )
     with warnings.catch_warnings():  # importing inductor loads torch modules that warn of their own deprecations
         warnings.simplefilter("ignore", DeprecationWarning)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -313,8 +348,17 @@ OVERLAP_PASSES = {
 }
 
 
-def compile(loss_fn, *, has_aux: bool = False, fullgraph: bool = True, overlap: bool = False, bucket: bool = False,
-            backend: str = "inductor", verify: bool = True, **options) -> CompiledStep:
+def compile(
+    loss_fn,
+    *,
+    has_aux: bool = False,
+    fullgraph: bool = True,
+    overlap: bool = False,
+    bucket: bool = False,
+    backend: str = "inductor",
+    verify: bool = True,
+    **options,
+) -> CompiledStep:
     """``torch.func.grad_and_value(loss_fn)``, compiled: one graph for the forward and one for the
     backward, with every unit's all-gather and reduce-scatter inside them where inductor
     schedules them (see [Note: unshard under torch.compile]).

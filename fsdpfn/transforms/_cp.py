@@ -60,8 +60,17 @@ from fsdpfn import comm as C
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import cp_group, cp_rank
 
-__all__ = ["STRATEGIES", "ring_merge", "context_parallel", "context_parallel_attention", "context_parallel_positions",
-           "context_parallel_shard", "context_parallel_unshard", "note_gather", "check_reduce"]
+__all__ = [
+    "STRATEGIES",
+    "ring_merge",
+    "context_parallel",
+    "context_parallel_attention",
+    "context_parallel_positions",
+    "context_parallel_shard",
+    "context_parallel_unshard",
+    "note_gather",
+    "check_reduce",
+]
 
 STRATEGIES = ("allgather", "ring")
 
@@ -95,7 +104,9 @@ def _axis(plan_or_group, strategy: str | None = None) -> _Axis:
     if isinstance(plan_or_group, Plan):
         plan = plan_or_group
         if plan.cp_size > 1 and plan.mesh is None:
-            raise ValueError("this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) before running attention over cp")
+            raise ValueError(
+                "this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) before running attention over cp"
+            )
         return _Axis(cp_group(plan), plan.cp_size, cp_rank(plan), strategy)
     return _Axis(plan_or_group, C.group_size(plan_or_group), C.group_rank(plan_or_group), strategy)
 
@@ -132,7 +143,8 @@ def _chunk(seq: int, size: int, what: str) -> int:
         raise ValueError(
             f"{what}: a sequence of {seq} tokens does not split into 2 x cp = {2 * size} equal chunks (each cp rank holds a "
             f"head and a tail chunk, for causal balance); pad the sequences to a multiple of {2 * size} tokens, or use "
-            "a cp degree that divides half the sequence length")
+            "a cp degree that divides half the sequence length"
+        )
     return seq // (2 * size)
 
 
@@ -155,7 +167,9 @@ def context_parallel_positions(local_len: int, plan_or_group=None, *, device=Non
     if a.size == 1:
         return torch.arange(local_len, device=device)
     if local_len % 2:
-        raise ValueError(f"context_parallel_positions: local_len={local_len} is odd; a cp rank holds two equal chunks of each sequence")
+        raise ValueError(
+            f"context_parallel_positions: local_len={local_len} is odd; a cp rank holds two equal chunks of each sequence"
+        )
     return _positions(local_len, a.size, a.rank, device)
 
 
@@ -189,8 +203,16 @@ def context_parallel_shard(tensors: T, plan_or_group=None, *, seq_dim: int = 1) 
         from fsdpfn.transforms._guards import fingerprint
 
         _ambient.LAST_CUT[0] = [fingerprint(t) for t in items]
-    out = [_cut(t, seq_dim, a.size, a.rank, f"context_parallel_shard(tensor {i} of shape {tuple(t.shape)}, seq_dim={seq_dim})")
-           for i, t in enumerate(items)]
+    out = [
+        _cut(
+            t,
+            seq_dim,
+            a.size,
+            a.rank,
+            f"context_parallel_shard(tensor {i} of shape {tuple(t.shape)}, seq_dim={seq_dim})",
+        )
+        for i, t in enumerate(items)
+    ]
     return (type(tensors)(out) if isinstance(tensors, (tuple, list)) else out) if many else out[0]  # type: ignore[return-value]
 
 
@@ -214,8 +236,10 @@ def context_parallel_unshard(x: torch.Tensor, plan_or_group=None, *, seq_dim: in
         return x
     dim = seq_dim % x.dim()
     if x.shape[dim] % 2:
-        raise ValueError(f"context_parallel_unshard: dim {dim} of shape {tuple(x.shape)} holds {x.shape[dim]} tokens, an odd "
-                         "number; a cp rank's part is two equal chunks")
+        raise ValueError(
+            f"context_parallel_unshard: dim {dim} of shape {tuple(x.shape)} holds {x.shape[dim]} tokens, an odd "
+            "number; a cp rank's part is two equal chunks"
+        )
     full = C.cp_all_gather(x, a.group, dim=dim, tag="cp_unshard")
     return full.index_select(dim, _order(x.shape[dim], a.size, x.device))
 
@@ -241,7 +265,9 @@ def _block(q, k, v, mask, scale):
     return torch.matmul(torch.softmax(scores, dim=-1), v.to(acc)), lse
 
 
-def ring_merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_merge(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges two partial attentions over disjoint key sets (online softmax): each ``out`` is
     normalised by its own denominator ``exp(lse)``; the merged one by their sum.
 
@@ -349,7 +375,14 @@ def _backward_calls(g, q, k, v, out, lse, calls, scale, dq, dk, dv) -> None:
     fused = _fused(q)
     for q_lo, q_hi, k_lo, k_hi, diag in calls:
         rows, keys = slice(q_lo, q_hi), slice(k_lo, k_hi)
-        qb, kb, vb, gb, ob, lb = q[:, :, rows], k[:, :, keys], v[:, :, keys], g[:, :, rows], out[:, :, rows], lse[:, :, rows]
+        qb, kb, vb, gb, ob, lb = (
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            g[:, :, rows],
+            out[:, :, rows],
+            lse[:, :, rows],
+        )
         if fused:
             gq, gk, gv = _flash_bwd(gb, qb, kb, vb, ob, lb, 0.0, diag, scale=scale)
         else:
@@ -428,7 +461,9 @@ class _CPAttention(torch.autograd.Function):
                 for s in range(a.size):
                     nxt = _Hop(kv, a.group, "cp_ring_kv") if s < a.size - 1 else None
                     src = (a.rank - s) % a.size
-                    _forward_calls(q, kv[0], kv[1], _calls(mine, _chunks(a.size, src), c, causal, kv.shape[3]), scale, out, lse)
+                    _forward_calls(
+                        q, kv[0], kv[1], _calls(mine, _chunks(a.size, src), c, causal, kv.shape[3]), scale, out, lse
+                    )
                     if nxt is not None:
                         kv = nxt.wait()
             return out.to(q.dtype), lse
@@ -463,7 +498,9 @@ class _CPAttention(torch.autograd.Function):
                 C.reduce_scatter(mine_grad, front.view(-1), a.group, tag="cp_gather_kv").wait()
                 dkv = mine_grad.view(front.shape[0] // a.size, *front.shape[1:]).movedim(0, 3)
             else:
-                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's own share, and at the end the others'
+                dkv = torch.zeros(
+                    kv.shape, dtype=acc, device=q.device
+                )  # this rank's own share, and at the end the others'
                 travelling = None  # the Pending accumulator of another rank's block, on its way home
                 for s in range(a.size):
                     nxt = _Hop(kv, a.group, "cp_ring_kv") if s < a.size - 1 else None
@@ -472,7 +509,11 @@ class _CPAttention(torch.autograd.Function):
                     if s == 0:
                         _backward_calls(g, q, kv[0], kv[1], out, lse, calls, scale, dq, dkv[0], dkv[1])
                     else:
-                        part = travelling.wait() if travelling is not None else torch.zeros(kv.shape, dtype=acc, device=q.device)
+                        part = (
+                            travelling.wait()
+                            if travelling is not None
+                            else torch.zeros(kv.shape, dtype=acc, device=q.device)
+                        )
                         _backward_calls(g, q, kv[0], kv[1], out, lse, calls, scale, dq, part[0], part[1])
                         travelling = _Hop(part, a.group, "cp_ring_dkv")
                     if nxt is not None:
@@ -482,8 +523,16 @@ class _CPAttention(torch.autograd.Function):
             return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_or_group=None, *,
-                               causal: bool = True, strategy: str | None = None, scale: float | None = None) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan_or_group=None,
+    *,
+    causal: bool = True,
+    strategy: str | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention of this rank's queries to the keys and values of the whole
     sequence, which is split over the cp axis of ``plan_or_group`` (a :class:`fsdpfn.Plan`, a
     process group, or ``None``: the active :func:`context_parallel` block's, else one process).
@@ -518,20 +567,29 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "context_parallel_attention(q, k, v, plan_or_group): the fourth argument is the plan or process group whose cp "
             f"axis splits the sequence, got a tensor of shape {tuple(plan_or_group.shape)} (F.scaled_dot_product_attention's "
             "attn_mask?). Masks are not taken: pass causal=True for a causal mask, and leave plan_or_group out inside "
-            "`with fsdpfn.context_parallel(plan):`")
+            "`with fsdpfn.context_parallel(plan):`"
+        )
     a = _axis(plan_or_group, strategy)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"context_parallel_attention takes (batch, heads, seq, head_dim) tensors, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"context_parallel_attention takes (batch, heads, seq, head_dim) tensors, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"context_parallel_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: "
-                         "k and v must have q's batch, seq and head_dim, and q's heads must divide by their heads")
+        raise ValueError(
+            f"context_parallel_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: "
+            "k and v must have q's batch, seq and head_dim, and q's heads must divide by their heads"
+        )
     if a.size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
     if q.shape[2] % 2:
-        raise ValueError(f"context_parallel_attention: this rank holds {q.shape[2]} tokens of each sequence (q {tuple(q.shape)}), "
-                         f"an odd number; over cp={a.size} each rank holds two equal chunks. Split the batch with "
-                         "fsdpfn.context_parallel_shard, whose sequence length must divide by 2 x cp")
+        raise ValueError(
+            f"context_parallel_attention: this rank holds {q.shape[2]} tokens of each sequence (q {tuple(q.shape)}), "
+            f"an odd number; over cp={a.size} each rank holds two equal chunks. Split the batch with "
+            "fsdpfn.context_parallel_shard, whose sequence length must divide by 2 x cp"
+        )
     _CALLS[0] += 1
     return _CPAttention.apply(q, k, v, a, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)[0]
 
@@ -560,5 +618,6 @@ def check_reduce(plan: Plan) -> None:
             "rank's own tokens and the gradients would be wrong. Make the model's attention call "
             "fsdpfn.context_parallel_attention(q, k, v, causal=...) in place of F.scaled_dot_product_attention, and run the "
             "step inside `with fsdpfn.context_parallel(plan):` (docs/tour/context-parallel.md). A model without attention "
-            "gains nothing from cp: fold the cp ranks into the data-parallel axis")
+            "gains nothing from cp: fold the cp ranks into the data-parallel axis"
+        )
     _VERIFIED.add(plan.fingerprint)

@@ -35,7 +35,9 @@ def _refuse_pipelined(plan: Plan, what: str) -> None:
         )
 
 
-def check_params(tree: Mapping[str, Any], plan: Plan, what: str = "params", allow_none: bool = False, tp_local: bool = False) -> None:
+def check_params(
+    tree: Mapping[str, Any], plan: Plan, what: str = "params", allow_none: bool = False, tp_local: bool = False
+) -> None:
     """Raises ``ValueError`` unless ``tree`` is a dict holding exactly the plan's parameters, each
     a tensor of the plan's global shape (``None`` allowed with ``allow_none``): the one check of
     "these parameters belong to this plan", used by the transforms, the runtime and checkpoints.

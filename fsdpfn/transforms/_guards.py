@@ -62,8 +62,20 @@ from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import cp_rank, dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
 
-__all__ = ["Captured", "capturing", "note_capture", "CHECKED_STEPS", "TP_ATTR", "check_batch", "install_batch_check", "install_split_watch", "note_step", "note_unshard",
-           "watch_output", "cut_watch"]
+__all__ = [
+    "Captured",
+    "capturing",
+    "note_capture",
+    "CHECKED_STEPS",
+    "TP_ATTR",
+    "check_batch",
+    "install_batch_check",
+    "install_split_watch",
+    "note_step",
+    "note_unshard",
+    "watch_output",
+    "cut_watch",
+]
 
 TP_ATTR = "_fsdpfn_tp"
 _BATCH_ATTR = "_fsdpfn_batch"
@@ -163,13 +175,17 @@ def _check_hooks(module: nn.Module, plan: Plan, name: str) -> None:
     installed = getattr(module, TP_ATTR, None)
     if installed is not None and installed[0] == plan.fingerprint and installed[1] is plan.mesh:
         return
-    why = ("carries the tensor-parallel hooks of another plan" if installed is not None else
-           "carries no tensor-parallel hooks: it is another instance than the one the plan's hooks were installed on, "
-           "or its parameters were sharded from a dict")
+    why = (
+        "carries the tensor-parallel hooks of another plan"
+        if installed is not None
+        else "carries no tensor-parallel hooks: it is another instance than the one the plan's hooks were installed on, "
+        "or its parameters were sharded from a dict"
+    )
     raise ValueError(
         f"module {name!r} ({type(module).__name__}) is running this rank's tensor-parallel part of its weight, but it {why}; "
         "without its all-reduce every tp rank computes a different, wrong result. Call fsdpfn.apply_tp(model, plan) on "
-        "the model you run (fsdpfn.shard(model, plan), init_shards and load_safetensors do it when given the model)")
+        "the model you run (fsdpfn.shard(model, plan), init_shards and load_safetensors do it when given the model)"
+    )
 
 
 def install_batch_check(model: nn.Module, plan: Plan) -> None:
@@ -198,7 +214,8 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
                 f"a forward of the cp plan (cp={plan.cp_size}: each rank holds 1/{plan.cp_size} of every sequence) runs outside "
                 "`with fsdpfn.context_parallel(plan):`, so its attention would see only this rank's tokens (a validation "
                 "loss too). Run every sharded forward of the plan inside the block, with the batch split by "
-                "fsdpfn.context_parallel_shard")
+                "fsdpfn.context_parallel_shard"
+            )
         if step is None or not left[0] or C.compiling():
             return None
         left[0] -= 1
@@ -251,7 +268,11 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole
     # cp ranks hold different parts of the same sequences: peers are the ranks at one (dp, cp)
     # index, unless the inputs are the whole sequences (a pipeline cuts them itself).
     cp = 0 if whole else cp_rank(plan)
-    cut = [_describe(f) for f in _ambient.LAST_CUT[0]] if plan.cp_size > 1 and not whole and _ambient.LAST_CUT[0] else None
+    cut = (
+        [_describe(f) for f in _ambient.LAST_CUT[0]]
+        if plan.cp_size > 1 and not whole and _ambient.LAST_CUT[0]
+        else None
+    )
     if plan.cp_size > 1 and not whole:
         _ambient.LAST_CUT[0] = None  # each cut is checked once: never a later step's stale one
     mine = [[dp_rank(plan), cp], _describe(x), bool(torch.is_grad_enabled()) and reduce == "mean", cut]
@@ -263,12 +284,15 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole
         seen = [table[r][1] for r in ranks]
         if any(s != seen[0] for s in seen):
             inputs = ", ".join(f"rank {r}: {_show(table[r][1])}" for r in ranks)
-            where = f"data-parallel index {dp}" + (f", context-parallel index {cp}" if plan.cp_size > 1 and not whole else "")
+            where = f"data-parallel index {dp}" + (
+                f", context-parallel index {cp}" if plan.cp_size > 1 and not whole else ""
+            )
             peers = "peers of one data-parallel index" if whole else "tensor-parallel peers"
             raise ValueError(
                 f"ranks {ranks} are {peers} ({where}) but were given different inputs ({inputs}); "
                 "the tp all-reduces would add up parts of different examples. Index the batch by "
-                "fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), not by the global rank")
+                "fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), not by the global rank"
+            )
     # [Note: cp peers cut the same sequences]
     # Each cp rank keeps its part of every sequence of its data-parallel slice, so what the cp
     # peers of one data-parallel index were given differs by design, and nothing computed later
@@ -285,7 +309,8 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole
                 f"ranks {ranks} are context-parallel peers (data-parallel index {dp}): each keeps its part of the same "
                 f"sequences, but fsdpfn.context_parallel_shard was given different batches ({given}), so their parts belong "
                 "to different sequences. Index the batch by fsdpfn.transforms.dp_rank(plan) (one slice of plan.dp_size), "
-                "not by the global rank, then cut it with context_parallel_shard on every cp rank")
+                "not by the global rank, then cut it with context_parallel_shard on every cp rank"
+            )
     rows = {r: (table[r][1][0][0] if table[r][1] and table[r][1][0] else None) for r in table}
     if all(table[r][2] for r in table) and len({rows[r] for r in table}) > 1:
         listed = ", ".join(f"rank {r}: {rows[r]}" for r in sorted(table))
@@ -294,7 +319,8 @@ def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole
             "gradient is the mean over ranks of each rank's mean, which weighs the rows of the smaller batches more than "
             "one process would. Give every rank the same number of rows (e.g. drop the last partial batch: "
             "DataLoader(..., drop_last=True)), or reduce with fsdpfn.unshard(..., grad_op='sum', grad_scale=1 / global rows) "
-            "and a summed loss")
+            "and a summed loss"
+        )
 
 
 def _show(d) -> str:
@@ -307,8 +333,14 @@ _SPLIT_WATCH_ATTR = "_fsdpfn_split_watch"
 # id(output) -> (weakref to it, the colwise module's name): outputs of this checked forward.
 _OUTPUTS: dict[int, tuple[Any, str]] = {}
 _MODE: list[TorchFunctionMode] = []  # the watch while a checked forward runs
-_CUTS = {torch.Tensor.chunk: "chunk", torch.chunk: "chunk", torch.Tensor.split: "split", torch.split: "split",
-         torch.Tensor.tensor_split: "tensor_split", torch.tensor_split: "tensor_split"}
+_CUTS = {
+    torch.Tensor.chunk: "chunk",
+    torch.chunk: "chunk",
+    torch.Tensor.split: "split",
+    torch.split: "split",
+    torch.Tensor.tensor_split: "tensor_split",
+    torch.tensor_split: "tensor_split",
+}
 
 
 def _parts(how: str, t: torch.Tensor, what: Any, dim: int) -> int:
@@ -326,8 +358,12 @@ class _CutWatch(TorchFunctionMode):
             t = args[0]
             if entry is not None and entry[0]() is t and t.dim():
                 dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-                what = kwargs.get("chunks", kwargs.get("split_size_or_sections", kwargs.get("indices_or_sections",
-                                                                                             args[1] if len(args) > 1 else 1)))
+                what = kwargs.get(
+                    "chunks",
+                    kwargs.get(
+                        "split_size_or_sections", kwargs.get("indices_or_sections", args[1] if len(args) > 1 else 1)
+                    ),
+                )
                 parts = _parts(how, t, what, dim % t.dim())
                 if dim % t.dim() == t.dim() - 1 and parts > 1:
                     _refuse_fused(entry[1], how, parts)
@@ -342,7 +378,8 @@ def _refuse_fused(name: str, how: str, parts: int) -> None:
         f"head-major layout), but the model cuts that output into {parts} parts along its last dimension ({how}): the "
         "layout of a fused projection whose parts lie side by side (q | k | v, gate | up). Split plainly, each rank gets "
         "whole parts instead of its slice of every part, and trains wrong with no error. Split it "
-        f"tp={{{_pattern(name)!r}: 'colwise_fused:{parts}'}} (see docs/tour/tensor-parallel.md)")
+        f"tp={{{_pattern(name)!r}: 'colwise_fused:{parts}'}} (see docs/tour/tensor-parallel.md)"
+    )
 
 
 def watch_output(name: str):

@@ -98,8 +98,10 @@ def _owners(model: nn.Module, names) -> dict[str, tuple[nn.Module, str]]:
         except AttributeError:
             module = None
         if module is None or not isinstance(module._parameters.get(local), torch.Tensor):
-            raise ValueError(f"parameter {path!r} of the plan is not a parameter of {type(model).__name__}; "
-                             "was the plan built for another model?")
+            raise ValueError(
+                f"parameter {path!r} of the plan is not a parameter of {type(model).__name__}; "
+                "was the plan built for another model?"
+            )
         out[path] = (module, local)
     return out
 
@@ -128,7 +130,11 @@ def _check_model(model: nn.Module, plan: Plan | None, names, init, param_init) -
 
 def _describe(seed: int, init, param_init) -> str:
     fn = init or param_init
-    how = "reset_parameters" if fn is None else f"{'init' if init else 'param_init'}={getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    how = (
+        "reset_parameters"
+        if fn is None
+        else f"{'init' if init else 'param_init'}={getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    )
     return f"seed={seed}, {how}"
 
 
@@ -164,7 +170,9 @@ def _seed(device: torch.device, seed: int) -> None:
             torch.cuda.manual_seed(seed)
 
 
-def _materialise(path: str, module: nn.Module, local: str, device: torch.device, seed: int, init, param_init) -> torch.Tensor:
+def _materialise(
+    path: str, module: nn.Module, local: str, device: torch.device, seed: int, init, param_init
+) -> torch.Tensor:
     """The values of one parameter, created and initialised alone (see [Note: seed per parameter path])."""
     old = cast(nn.Parameter, module._parameters[local])  # as in _check_model
     value = torch.empty(old.shape, dtype=old.dtype, device=device)
@@ -179,11 +187,15 @@ def _materialise(path: str, module: nn.Module, local: str, device: torch.device,
             else:
                 module.reset_parameters()  # type: ignore[operator]  # _check_model saw it is callable
         if module._parameters[local] is not live:
-            raise ValueError(f"the initialiser replaced parameter {path!r} instead of filling it in place; "
-                             "write into it (torch.nn.init.*_, tensor.copy_(...), tensor.normal_(...))")
+            raise ValueError(
+                f"the initialiser replaced parameter {path!r} instead of filling it in place; "
+                "write into it (torch.nn.init.*_, tensor.copy_(...), tensor.normal_(...))"
+            )
     except Exception as e:
         try:  # the same exception type, with the parameter named
-            named = type(e)(f"initialising {path!r} (alone: the model's other parameters are on the meta device) failed: {e}")
+            named = type(e)(
+                f"initialising {path!r} (alone: the model's other parameters are on the meta device) failed: {e}"
+            )
         except Exception:
             raise e from None
         raise named from e
@@ -198,12 +210,16 @@ def _meta_view(model: nn.Module) -> nn.Module:
     params = list(model.parameters())
     if all(p.is_meta for p in params):
         return model
-    memo: dict[int, torch.Tensor] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params}
+    memo: dict[int, torch.Tensor] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params
+    }
     memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
     return copy.deepcopy(model, memo)
 
 
-def _values(model: nn.Module, names, seed: int, init, param_init, device, before=None) -> Iterator[tuple[str, torch.Tensor]]:
+def _values(
+    model: nn.Module, names, seed: int, init, param_init, device, before=None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(path, full value)`` of each parameter in ``names``, one at a time (arguments checked);
     ``before(path)`` runs before each is created."""
     view = _meta_view(model)
@@ -314,9 +330,15 @@ def init_shards(
             out[path] = from_local(plan, path, local, requires_grad)
     if check:
         table = torch.stack(pairs) if pairs else torch.zeros(0, 2, dtype=torch.float64)
-        check_values_agree(plan, names, table.T.reshape(-1).to(device), fix=(
-            "the initialiser gave different values on different ranks: it must draw only from the global generators "
-            "fsdpfn seeds (torch.manual_seed per parameter path), never from the rank or an unseeded torch.Generator"))
+        check_values_agree(
+            plan,
+            names,
+            table.T.reshape(-1).to(device),
+            fix=(
+                "the initialiser gave different values on different ranks: it must draw only from the global generators "
+                "fsdpfn seeds (torch.manual_seed per parameter path), never from the rank or an unseeded torch.Generator"
+            ),
+        )
     # The model carries the tp hooks and remat wrappers of its latest plan, as after fsdpfn.shard.
     apply_tp(model, plan)
     apply_remat(model, plan)

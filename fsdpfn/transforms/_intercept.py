@@ -12,7 +12,9 @@ __all__ = ["intercept"]
 
 
 @contextlib.contextmanager
-def intercept(modules: Mapping[str, nn.Module], calls: Callable[[str, nn.Module, Callable, tuple, dict], Any]) -> Iterator[None]:
+def intercept(
+    modules: Mapping[str, nn.Module], calls: Callable[[str, nn.Module, Callable, tuple, dict], Any]
+) -> Iterator[None]:
     """Routes each named module's calls through ``calls(name, module, original_forward, args, kwargs)``."""
     installed = []
     for name, module in modules.items():
@@ -39,4 +41,3 @@ def intercept(modules: Mapping[str, nn.Module], calls: Callable[[str, nn.Module,
             del module.forward
             if previous is not None:
                 module.forward = previous
-

@@ -79,7 +79,11 @@ def _wrap(module: nn.Module, original, policy: str, unit: str):
         out_tree: list[Any] = []
 
         def run(*tensors):
-            ps, fx, ox = tensors[: len(params)], tensors[len(params) : len(params) + len(floats)], tensors[len(params) + len(floats) :]
+            ps, fx, ox = (
+                tensors[: len(params)],
+                tensors[len(params) : len(params) + len(floats)],
+                tensors[len(params) + len(floats) :],
+            )
             filled = list(leaves)
             for i, t in zip(floats + others, (*fx, *ox)):
                 filled[i] = t
@@ -97,7 +101,9 @@ def _wrap(module: nn.Module, original, policy: str, unit: str):
         with torch._C._DisableFuncTorch():
             run.rng = torch.get_rng_state()  # type: ignore[attr-defined]  # state kept on the function
         run.policy, run.unit, run.kept = policy, unit, None  # type: ignore[attr-defined]  # likewise
-        flat = _Remat.apply(run, len(params) + len(floats), *params, *(leaves[i] for i in floats), *(leaves[i] for i in others))
+        flat = _Remat.apply(
+            run, len(params) + len(floats), *params, *(leaves[i] for i in floats), *(leaves[i] for i in others)
+        )
         return optree.tree_unflatten(out_tree[0], list(flat))
 
     return forward

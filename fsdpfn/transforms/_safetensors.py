@@ -84,10 +84,14 @@ def _weight_map(path) -> dict[str, list[str]] | str:
             if len(found) == 1:
                 return _weight_map(os.path.join(path, found[0]))
             if len(found) > 1:
-                raise ValueError(f"{path} holds several {suffix} files {found[:_SHOWN]} and no {INDEX_NAME}; pass the file to load")
+                raise ValueError(
+                    f"{path} holds several {suffix} files {found[:_SHOWN]} and no {INDEX_NAME}; pass the file to load"
+                )
         raise ValueError(f"{path} holds no safetensors checkpoint (no {INDEX_NAME}, no *.safetensors file)")
     if not os.path.exists(path):
-        raise ValueError(f"no safetensors checkpoint at {path!r}: pass a .safetensors file, an index .json, or a directory holding one")
+        raise ValueError(
+            f"no safetensors checkpoint at {path!r}: pass a .safetensors file, an index .json, or a directory holding one"
+        )
     if not path.endswith(".json"):
         return path
     try:
@@ -95,7 +99,9 @@ def _weight_map(path) -> dict[str, list[str]] | str:
             weight_map = json.load(f)["weight_map"]
         assert isinstance(weight_map, dict)
     except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise ValueError(f"{path} is not a safetensors index: expected JSON with a 'weight_map' {{tensor: file}} ({e})") from None
+        raise ValueError(
+            f"{path} is not a safetensors index: expected JSON with a 'weight_map' {{tensor: file}} ({e})"
+        ) from None
     root = os.path.dirname(path)
     files: dict[str, list[str]] = {}
     for key, file in weight_map.items():
@@ -136,12 +142,16 @@ def _renamer(rename: Rename, entries: Mapping[str, _Entry]) -> Callable[[str], s
     if isinstance(rename, Mapping):
         unknown = sorted(k for k in rename if k not in entries)
         if unknown:
-            raise ValueError(f"rename names {unknown[:_SHOWN]}, which the checkpoint does not hold (rename maps checkpoint "
-                             "names to model names)")
+            raise ValueError(
+                f"rename names {unknown[:_SHOWN]}, which the checkpoint does not hold (rename maps checkpoint "
+                "names to model names)"
+            )
         return lambda key: rename.get(key, key)
     if callable(rename):
         return rename
-    raise ValueError(f"rename must be a dict {{checkpoint name: model name or None}} or a function, got {type(rename).__name__}")
+    raise ValueError(
+        f"rename must be a dict {{checkpoint name: model name or None}} or a function, got {type(rename).__name__}"
+    )
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:
@@ -153,15 +163,19 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _sources(model: nn.Module, plan: Plan, entries: Mapping[str, _Entry], rename: Rename, where: str) -> dict[str, list[tuple[str, _Entry]]]:
+def _sources(
+    model: nn.Module, plan: Plan, entries: Mapping[str, _Entry], rename: Rename, where: str
+) -> dict[str, list[tuple[str, _Entry]]]:
     """``{plan name: [(model name, entry), ...]}``, the first entry the one to read; the others
     are other names of the same tied parameter, compared with it. Raises one ``ValueError``
     naming every missing, unexpected, wrong-shape or doubly-mapped tensor."""
     aliases = _aliases(model)
     foreign = [n for n in plan.param_names if aliases.get(n) != n]
     if foreign:
-        raise ValueError(f"parameters {foreign[:_SHOWN]} of the plan are not parameters of {type(model).__name__}; "
-                         "build the plan from this model")
+        raise ValueError(
+            f"parameters {foreign[:_SHOWN]} of the plan are not parameters of {type(model).__name__}; "
+            "build the plan from this model"
+        )
     to_model = _renamer(rename, entries)
     found: dict[str, list[tuple[str, _Entry]]] = {}
     unexpected, twice = [], []
@@ -171,31 +185,46 @@ def _sources(model: nn.Module, plan: Plan, entries: Mapping[str, _Entry], rename
         if name is None:
             continue
         if not isinstance(name, str):
-            raise ValueError(f"rename({key!r}) returned {name!r}; return the model's name (str) or None to skip the tensor")
+            raise ValueError(
+                f"rename({key!r}) returned {name!r}; return the model's name (str) or None to skip the tensor"
+            )
         if name in claimed:
             twice.append(f"{claimed[name]!r} and {key!r} both map to {name!r}")
             continue
         claimed[name] = key
         if name not in aliases:
-            unexpected.append(f"{key!r} (checkpoint shape {entry.shape})" + (f" renamed {name!r}" if name != key else ""))
+            unexpected.append(
+                f"{key!r} (checkpoint shape {entry.shape})" + (f" renamed {name!r}" if name != key else "")
+            )
             continue
         found.setdefault(aliases[name], []).append((name, entry))
     missing = [f"{n!r} (model shape {plan.param(n).shape})" for n in plan.param_names if n not in found]
     wrong = [
-        f"{name!r}: checkpoint shape {entry.shape}" + (f" (key {entry.key!r})" if entry.key != name else "")
+        f"{name!r}: checkpoint shape {entry.shape}"
+        + (f" (key {entry.key!r})" if entry.key != name else "")
         + f", model shape {plan.param(n).shape}"
-        for n, got in found.items() for name, entry in got if entry.shape != plan.param(n).shape
+        for n, got in found.items()
+        for name, entry in got
+        if entry.shape != plan.param(n).shape
     ]
-    problems = [(what, items) for what, items in (
-        ("missing from the checkpoint", missing),
-        ("in the checkpoint but not in the model", unexpected),
-        ("wrong shape", wrong),
-        ("mapped twice", twice),
-    ) if items]
+    problems = [
+        (what, items)
+        for what, items in (
+            ("missing from the checkpoint", missing),
+            ("in the checkpoint but not in the model", unexpected),
+            ("wrong shape", wrong),
+            ("mapped twice", twice),
+        )
+        if items
+    ]
     if problems:
-        lines = [f"  {what} ({len(items)}): {', '.join(items[:_SHOWN])}{' ...' if len(items) > _SHOWN else ''}" for what, items in problems]
+        lines = [
+            f"  {what} ({len(items)}): {', '.join(items[:_SHOWN])}{' ...' if len(items) > _SHOWN else ''}"
+            for what, items in problems
+        ]
         raise ValueError(
-            f"the safetensors checkpoint {where} does not fit the model:\n" + "\n".join(lines)
+            f"the safetensors checkpoint {where} does not fit the model:\n"
+            + "\n".join(lines)
             + "\nMap checkpoint names to the model's with rename={checkpoint name: model name, or None to skip it} "
             "or rename=lambda name: ..."
         )
@@ -205,7 +234,11 @@ def _sources(model: nn.Module, plan: Plan, entries: Mapping[str, _Entry], rename
 
 
 def _digest(sources: Mapping[str, list[tuple[str, _Entry]]]) -> str:
-    rows = [(n, name, e.key, os.path.basename(e.file), list(e.shape), e.dtype) for n, got in sources.items() for name, e in got]
+    rows = [
+        (n, name, e.key, os.path.basename(e.file), list(e.shape), e.dtype)
+        for n, got in sources.items()
+        for name, e in got
+    ]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
@@ -276,15 +309,21 @@ def load_safetensors(
       True
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be the nn.Module the plan was built from (on meta is fine), got {type(model).__name__}")
+        raise ValueError(
+            f"model must be the nn.Module the plan was built from (on meta is fine), got {type(model).__name__}"
+        )
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
     sources = _sources(model, plan, _entries(path), rename, repr(os.fspath(path)))
     device = _target_device(plan, device)
     boxes = {n: local_index(plan, n) for n in plan.param_names}
     if check:
-        check_plan_agree(plan, f"checkpoint {os.path.basename(os.fspath(path))!r} digest {_digest(sources)}",
-                         what="checkpoint (names, shapes, dtypes, files)", device=device)
+        check_plan_agree(
+            plan,
+            f"checkpoint {os.path.basename(os.fspath(path))!r} digest {_digest(sources)}",
+            what="checkpoint (names, shapes, dtypes, files)",
+            device=device,
+        )
     out: dict[str, torch.Tensor] = {}
     untied: list[str] = []
     with torch.no_grad():

@@ -27,7 +27,7 @@ same reduce-scatter, in ``reduce_dtype``, into the fp32 masters.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,8 +35,17 @@ from torch.distributed.tensor import DTensor
 from fsdpfn._plan.placements import local_part
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._compiled import reduce_traced, unshard_traced
-from fsdpfn.transforms._axes import (_mesh, axis_index, dp_rank, replicate_group, shard_group, shard_rank, tp_group, tp_rank,
-                                     unit_rank)
+from fsdpfn.transforms._axes import (
+    _mesh,
+    axis_index,
+    dp_rank,
+    replicate_group,
+    shard_group,
+    shard_rank,
+    tp_group,
+    tp_rank,
+    unit_rank,
+)
 from fsdpfn.transforms._dtensor import from_local, placements
 from fsdpfn.transforms import _unit_comm
 from fsdpfn import comm as C
@@ -48,7 +57,23 @@ from fsdpfn.transforms._gather import _refuse_pipelined as _refuse_pipelined
 from fsdpfn.transforms._gather import check_params as check_params
 from fsdpfn.transforms._gather import gather_unit as gather_unit
 
-__all__ = ["shard", "unshard", "reduce", "placements", "check_params", "from_local", "gather_unit", "reduce_unit", "shard_rank", "shard_group", "replicate_group", "tp_group", "tp_rank", "tp_slice", "dp_rank"]
+__all__ = [
+    "shard",
+    "unshard",
+    "reduce",
+    "placements",
+    "check_params",
+    "from_local",
+    "gather_unit",
+    "reduce_unit",
+    "shard_rank",
+    "shard_group",
+    "replicate_group",
+    "tp_group",
+    "tp_rank",
+    "tp_slice",
+    "dp_rank",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +238,9 @@ class _UnshardUnit(torch.autograd.Function):
             return (None, *(from_local(plan, p.name, g) for p, g in zip(unit.params, shards)))
 
 
-def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "mean", grad_scale: float | None = None) -> dict[str, torch.Tensor]:
+def unshard(
+    params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "mean", grad_scale: float | None = None
+) -> dict[str, torch.Tensor]:
     """Full parameters from their shards: one all-gather per unit, cast to ``mp.param_dtype``.
 
     Differentiable under ``loss.backward()`` and under ``torch.func.grad``/``vjp``; the gradient
@@ -250,7 +277,9 @@ def unshard(params: Mapping[str, torch.Tensor], plan: Plan, *, grad_op: str = "m
     return out
 
 
-def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str = "mean", scale: float | None = None) -> dict[str, DTensor]:
+def reduce(
+    full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str = "mean", scale: float | None = None
+) -> dict[str, DTensor]:
     """Sharded gradients from every rank's full gradients: one reduce-scatter per unit.
 
     Gradients are reduced in ``mp.reduce_dtype`` and returned in the parameters' master dtype.
@@ -281,7 +310,10 @@ def reduce(full_grads: Mapping[str, torch.Tensor | None], plan: Plan, *, op: str
         for unit in plan.units:
             grads = [full_grads[p.name] for p in unit.params]
             # A DTensor gradient is gathered whole, then cut to this rank's tensor-parallel part.
-            grads = [tp_slice(plan, p.name, C.full_tensor(g)) if isinstance(g, DTensor) else g for p, g in zip(unit.params, grads)]
+            grads = [
+                tp_slice(plan, p.name, C.full_tensor(g)) if isinstance(g, DTensor) else g
+                for p, g in zip(unit.params, grads)
+            ]
             _, finish = reduce_unit(plan, unit, grads, op=op, scale=scale)
             for p, g in zip(unit.params, finish()):
                 out[p.name] = from_local(plan, p.name, g)

@@ -73,7 +73,6 @@ def _apply_ep(model: nn.Module, plan: Plan) -> None:
             delattr(mod, _EP_ATTR)
 
 
-
 def _pre_copy(group, tag):
     def hook(module, args):
         if _REFERENCE[0]:
@@ -141,7 +140,9 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         raise ValueError("apply_tp needs a plan bound to a mesh; bind one with plan.bind(mesh)")
     _apply_ep(model, plan)
     install_batch_check(model, plan)  # every plan: see [Note: checking the batch]
-    install_split_watch(model, plan)  # a plain colwise split of a fused layout: see [Note: a fused layout split plainly]
+    install_split_watch(
+        model, plan
+    )  # a plain colwise split of a fused layout: see [Note: a fused layout split plainly]
     if not plan.tp:
         return model
     group = tp_group(plan) if plan.mesh is not None else None
@@ -149,7 +150,9 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         raise ValueError("apply_tp needs a plan bound to a mesh; bind one with plan.bind(mesh)")
     for name, style in plan.tp:
         if name not in modules:
-            raise ValueError(f"the plan splits module {name!r} over tp, but {type(model).__name__} has no such module; was the plan built for another model?")
+            raise ValueError(
+                f"the plan splits module {name!r} over tp, but {type(model).__name__} has no such module; was the plan built for another model?"
+            )
         mod = modules[name]
         if getattr(mod, _ATTR, None) is not None:
             continue

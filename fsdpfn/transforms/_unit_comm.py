@@ -58,7 +58,11 @@ class EagerWire(Wire):
         self.async_op = async_op
 
     def group(self, plan, unit, role):
-        return {Role.SHARD: unit_group, Role.REPLICATE: lambda p, u: replicate_group(p), Role.TP: lambda p, u: tp_group(p)}[role](plan, unit)
+        return {
+            Role.SHARD: unit_group,
+            Role.REPLICATE: lambda p, u: replicate_group(p),
+            Role.TP: lambda p, u: tp_group(p),
+        }[role](plan, unit)
 
     def rank(self, plan, unit, role):
         return unit_rank(plan, unit) if role is Role.SHARD else _axis_rank(plan, role)
@@ -121,7 +125,9 @@ def gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], wire: Wire) -> t
         device = next((t.device for t in locals_), torch.device("cpu"))
         pending = C.Pending(torch.empty(0, dtype=codec.wire_dtype, device=device))
     # A Partial parameter (a rowwise bias) is zeros on every position of its axis but 0.
-    index = {role: wire.rank(plan, unit, role) for role in dict.fromkeys(e.axis for p in unit.params for e in p.placements)}
+    index = {
+        role: wire.rank(plan, unit, role) for role in dict.fromkeys(e.axis for p in unit.params for e in p.placements)
+    }
     partial = [i for i, p in enumerate(unit.params) if uses_zeros(p, index)]
 
     def finish(gathered: torch.Tensor, out: list[torch.Tensor] | None = None) -> list:
@@ -134,8 +140,9 @@ def gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], wire: Wire) -> t
     return pending, finish
 
 
-def reduce(plan: Plan, unit: Unit, grads: list[torch.Tensor | None], op: str, scale: float | None,
-           wire: Wire) -> tuple[C.Pending, Callable[[], list[torch.Tensor]]]:
+def reduce(
+    plan: Plan, unit: Unit, grads: list[torch.Tensor | None], op: str, scale: float | None, wire: Wire
+) -> tuple[C.Pending, Callable[[], list[torch.Tensor]]]:
     """Starts the reduction of ``unit``'s full gradients: the codec packs them, one
     reduce-scatter sums them (an all-reduce for a ``replicate`` unit), an all-reduce over the
     replicate axis follows under HSDP; then the mean over the data-parallel ranks (or ``op`` and
@@ -161,7 +168,8 @@ def reduce(plan: Plan, unit: Unit, grads: list[torch.Tensor | None], op: str, sc
         raise NotImplementedError(
             f"unit {unit.label!r} uses strategy 'replicate', whose all-reduce sums in its wire dtype, but its reduce codec "
             f"{type(codec).__name__} sends {codec.wire_dtype} and accumulates in {codec.accum_dtype}; give the unit a sharded "
-            "strategy or a codec whose wire and accumulation dtypes agree")
+            "strategy or a codec whose wire and accumulation dtypes agree"
+        )
 
     def finish() -> list[torch.Tensor]:
         reduced = first.wait()

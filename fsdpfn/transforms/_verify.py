@@ -68,7 +68,15 @@ from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._intercept import intercept as _intercept
 from fsdpfn.transforms._tp import reference_mode
 
-__all__ = ["Comparison", "VerificationError", "VerifyReport", "verify", "verify_stage", "verify_stage_loss", "verify_step"]
+__all__ = [
+    "Comparison",
+    "VerificationError",
+    "VerifyReport",
+    "verify",
+    "verify_stage",
+    "verify_stage_loss",
+    "verify_step",
+]
 
 _U32 = 2.0**-24  # float32 unit roundoff
 
@@ -226,7 +234,7 @@ def _members(plan: Plan, outer: Unit) -> list[Unit]:
 
 
 def _run(module: nn.Module, weights: Mapping[str, torch.Tensor], prefix: str, args, kwargs):
-    named = {n[len(prefix) + 1:] if prefix else n: t for n, t in weights.items()}
+    named = {n[len(prefix) + 1 :] if prefix else n: t for n, t in weights.items()}
     setattr(module, "_fsdpfn_in_remat", True)  # a pure-loop remat wrapper passes straight through
     try:
         return torch.func.functional_call(module, named, tuple(args), kwargs, strict=False)
@@ -279,7 +287,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = float(b.norm())
     diff = float((a - b).norm())
     if not math.isfinite(diff):
-        return math.inf if torch.isfinite(a).all() != torch.isfinite(b).all() or not torch.equal(a.isnan(), b.isnan()) else 0.0
+        return (
+            math.inf
+            if torch.isfinite(a).all() != torch.isfinite(b).all() or not torch.equal(a.isnan(), b.isnan())
+            else 0.0
+        )
     return diff / scale if scale > 0 else diff
 
 
@@ -299,8 +311,14 @@ def _bound(weights: Mapping[str, torch.Tensor], tokens: int) -> float:
 
 
 class _Checker:
-    def __init__(self, plan: Plan, model: nn.Module, params: Mapping[str, torch.Tensor], seed: int,
-                 stage: tuple[nn.Module, Mapping[str, str]] | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        model: nn.Module,
+        params: Mapping[str, torch.Tensor],
+        seed: int,
+        stage: tuple[nn.Module, Mapping[str, str]] | None = None,
+    ):
         self.plan, self.model, self.params, self.seed = plan, model, params, seed
         # A pipeline stage: its module runs the forward (its parameters named as the module
         # names them), and only the stage's ranks take part; the units are still the model's
@@ -310,7 +328,9 @@ class _Checker:
         modules = dict(model.named_modules())
         for u in plan.units:
             if u.name not in modules:
-                raise ValueError(f"unit {u.label!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?")
+                raise ValueError(
+                    f"unit {u.label!r} of the plan is not a module of {type(model).__name__}; was the plan built for another model?"
+                )
         self.outer = _outer_units(plan, modules)
         self.modules = {u.name: modules[u.name] for u in self.outer}
         self.modes = _Modes(model)
@@ -336,25 +356,37 @@ class _Checker:
         hints = []
         axes = [a.split("=")[0] for a in axes]
         if "tp" in axes:
-            tp = [f"{n} ({s})" for n, s in self.plan.tp if any(n == m or n.startswith(m + ".") for m in names if m)] or [
-                f"{n} ({s})" for n, s in self.plan.tp]
+            tp = [
+                f"{n} ({s})" for n, s in self.plan.tp if any(n == m or n.startswith(m + ".") for m in names if m)
+            ] or [f"{n} ({s})" for n, s in self.plan.tp]
             hints.append(
                 f"tp: the unit runs tensor-parallel layers {tp[:6]}; a split the model's code does not compute as planned: a fused "
                 "projection whose parts lie side by side (q | k | v, gate | up) cut after a plain 'colwise' split needs "
                 "'colwise_fused:k' (and a head-major one plain 'colwise'), and a split layer called around its module "
-                "(F.linear(x, m.weight), m.forward(x)) skips its collective: call the module itself")
+                "(F.linear(x, m.weight), m.forward(x)) skips its collective: call the module itself"
+            )
         if "ep" in axes:
             hints.append(
                 "ep: expert weights are split over the ep axis; every packed expert weight of a layer must be listed (all of "
-                "w1, w2, ... in experts=[...]) and the layer must dispatch with the ep group it is given")
+                "w1, w2, ... in experts=[...]) and the layer must dispatch with the ep group it is given"
+            )
         if "cp" in axes:
             hints.append(
                 "cp: each rank holds part of every sequence; every attention of the model must call "
                 "fsdpfn.context_parallel_attention (not F.scaled_dot_product_attention), and the forward must run inside "
-                "`with fsdpfn.context_parallel(plan):`")
+                "`with fsdpfn.context_parallel(plan):`"
+            )
         return ("; likely cause, by axis: " + " | ".join(hints)) if hints else ""
 
-    def compare(self, unit: str, what: str, sharded: torch.Tensor, reference: torch.Tensor, bound: float, axes_units: Sequence[str]) -> None:
+    def compare(
+        self,
+        unit: str,
+        what: str,
+        sharded: torch.Tensor,
+        reference: torch.Tensor,
+        bound: float,
+        axes_units: Sequence[str],
+    ) -> None:
         if self.problem is not None:
             return
         if sharded.shape != reference.shape:
@@ -371,7 +403,8 @@ class _Checker:
             self.problem = (
                 f"unit {unit_label(unit)!r}: {what} differs from the same computation unsharded (whole weights, every expert, "
                 f"the whole sequence): relative error {err:.3g} > bound {bound:.3g}; {detail}. "
-                f"Axes this unit is split over: {', '.join(axes) or 'none'}" + self._hint(axes, axes_units))
+                f"Axes this unit is split over: {', '.join(axes) or 'none'}" + self._hint(axes, axes_units)
+            )
 
     # ---- the agreement: every rank stops at the same place ----------------------------------
 
@@ -382,7 +415,9 @@ class _Checker:
             others = "" if len(found) == 1 else f" (also on ranks {sorted(set(found) - {first})})"
             raise VerificationError(
                 f"fsdpfn.verify: the sharded step does not compute what one process computes. On rank {first}{others}: "
-                f"{found[first]}. (Pass verify=False to skip this check.)", self.first)
+                f"{found[first]}. (Pass verify=False to skip this check.)",
+                self.first,
+            )
 
     def call(self, root: Mapping[str, torch.Tensor], args, kwargs):
         """The model's (or the stage's) forward with ``root``'s weights."""
@@ -424,7 +459,9 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
 
 
-def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any) -> VerifyReport:
+def verify(
+    model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any
+) -> VerifyReport:
     """Checks that ``plan`` computes, on ``model`` and this batch, what one process computes:
     every unit's forward and vector-Jacobian product, sharded as the step runs it, against the
     same module code on the whole weights, every expert and the whole sequence (see
@@ -463,11 +500,21 @@ def verify(model: nn.Module, plan: Plan, params: Mapping[str, torch.Tensor], *ar
     with temporarily_clear_interpreter_stack(), torch._C._DisableFuncTorch(), C.uncounted():
         leaves, spec = flatten((list(args), kwargs), none_is_leaf=True)
         plain_args, kwargs = unflatten(spec, [_plain(x) if isinstance(x, torch.Tensor) else x for x in leaves])
-        return _verify(_Checker(plan, model, {n: _plain(t) for n, t in params.items()}, seed), tuple(plain_args), kwargs)
+        return _verify(
+            _Checker(plan, model, {n: _plain(t) for n, t in params.items()}, seed), tuple(plain_args), kwargs
+        )
 
 
-def verify_stage(model: nn.Module, module: nn.Module, names: Mapping[str, str], plan: Plan,
-                 params: Mapping[str, torch.Tensor], x: torch.Tensor, *, seed: int = 0) -> tuple[VerifyReport, Any]:
+def verify_stage(
+    model: nn.Module,
+    module: nn.Module,
+    names: Mapping[str, str],
+    plan: Plan,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    *,
+    seed: int = 0,
+) -> tuple[VerifyReport, Any]:
     """:func:`verify` of one pipeline stage: ``module`` (sharing ``model``'s submodules, its
     parameters named ``names[plan name]``) on its input ``x``, over the stage's plan
     (``plan.stage_plan(s)``) and its ranks only. Returns the report and the stage's output as the
@@ -489,8 +536,9 @@ class _Passthrough(nn.Module):
         return x
 
 
-def verify_stage_loss(plan: Plan, loss_fn: Callable[[Any, Any], Any], output: torch.Tensor, target: Any,
-                      report: VerifyReport, group) -> None:
+def verify_stage_loss(
+    plan: Plan, loss_fn: Callable[[Any, Any], Any], output: torch.Tensor, target: Any, report: VerifyReport, group
+) -> None:
     """The loss check ([Note: the loss check] in ``fsdpfn/transforms/_verify_loss.py``) of a
     pipeline's ``loss_fn(output, target)`` on the last stage's first micro-batch, over the last
     stage's ranks (``group``, the process group of ``plan``'s mesh): the mean over the ranks
@@ -515,7 +563,7 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
 
     from fsdpfn.transforms._guards import check_batch
 
-    plan, model = ck.plan, ck.model
+    plan = ck.plan
     _STEPS.pop(plan.fingerprint, None)  # the check's forwards are not the step the batch check looks at
     if ck.group is None:  # a pipeline checked the whole plan's batch before its first step
         # Peers given different batches would differ below too; the batch check names it better.
@@ -524,7 +572,11 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     leaves, _ = flatten((list(args), kwargs), none_is_leaf=True)
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 1), None)
     seq = _Seq(plan, first.shape[1] if first is not None else None)
-    checked = {u.name for u in ck.outer if plan.cp_size > 1 or any(_split(plan, p.name) for m in _members(plan, u) for p in m.params)}
+    checked = {
+        u.name
+        for u in ck.outer
+        if plan.cp_size > 1 or any(_split(plan, p.name) for m in _members(plan, u) for p in m.params)
+    }
     root_split = root is not None and any(_split(plan, p.name) for p in root.params)
     nothing = not checked and not root_split  # the same arithmetic on both sides: nothing can differ
     if nothing and not ck.keep_output:
@@ -549,7 +601,6 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     try:
         with torch.no_grad(), ck.modes.sharded(), _intercept(ck.modules, sharded_call):
             out_sharded = ck.call(root_local, args, kwargs)
-        problem = None
     except Exception as e:  # a model that fails under the plan: named on every rank
         ck.problem = f"the model's sharded forward raised {_raised(e)}"
     ck.settle("sharded forward")
@@ -568,8 +619,10 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     def reference_call(name, module, orig, a, kw):
         rec = next(calls, None)
         if rec is None or rec[0] != name:
-            ck.problem = (f"the model called unit {unit_label(name)!r} where its sharded forward called "
-                          f"{unit_label(rec[0]) if rec else 'no more units'!r}: its control flow depends on the axis")
+            ck.problem = (
+                f"the model called unit {unit_label(name)!r} where its sharded forward called "
+                f"{unit_label(rec[0]) if rec else 'no more units'!r}: its control flow depends on the axis"
+            )
             ck.settle(f"unit order {name}")
         assert rec is not None  # settle raised otherwise
         _, ins, in_spec, outs, out_spec = rec
@@ -578,11 +631,15 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
         here = f"{name}#{call}"
         # The reference's own input (root code between units, unsharded) against the sharded one.
         ref_in, _ = _floats((list(a), kw))
-        tokens = max([x.numel() // max(x.shape[-1], 1) for x in ins if isinstance(x, torch.Tensor) and x.dim() > 1] or [1])
+        tokens = max(
+            [x.numel() // max(x.shape[-1], 1) for x in ins if isinstance(x, torch.Tensor) and x.dim() > 1] or [1]
+        )
         root_bound = _bound(root_global, tokens * seq.size)
         for k, (r, s) in enumerate(zip(ref_in, ins)):
             if isinstance(s, torch.Tensor) and s.is_floating_point():
-                ck.compare(ROOT, f"input {k} of unit {unit_label(name)!r} (call {call})", s, seq.part(r, s), root_bound, [ROOT])
+                ck.compare(
+                    ROOT, f"input {k} of unit {unit_label(name)!r} (call {call})", s, seq.part(r, s), root_bound, [ROOT]
+                )
         ck.settle(f"{here} input")
         if name not in checked:  # the same arithmetic on both sides: its sharded output stands
             result = unflatten(out_spec, [seq.whole(o) for o in outs])
@@ -594,7 +651,9 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
         bound = _bound(weights_global, tokens * seq.size)
         problem = None
         try:
-            result = _check_unit(ck, name, call, module, ins, in_spec, outs, weights_local, weights_global, bound, members, seq)
+            result = _check_unit(
+                ck, name, call, module, ins, in_spec, outs, weights_local, weights_global, bound, members, seq
+            )
         except VerificationError:
             raise
         except Exception as e:
@@ -607,8 +666,9 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
         return result
 
     try:
-        whole_args, whole_kwargs = unflatten(flatten((list(args), kwargs), none_is_leaf=True)[1],
-                                             [seq.whole(x) for x in leaves])
+        whole_args, whole_kwargs = unflatten(
+            flatten((list(args), kwargs), none_is_leaf=True)[1], [seq.whole(x) for x in leaves]
+        )
         with torch.no_grad(), ck.modes.unsharded(), _intercept(ck.modules, reference_call):
             out_ref = ck.call(root_global, whole_args, whole_kwargs)
     except VerificationError:
@@ -630,7 +690,9 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     return ck.report
 
 
-def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_local, weights_global, bound, members, seq: _Seq):
+def _check_unit(
+    ck: _Checker, name, call, module, ins, in_spec, outs, weights_local, weights_global, bound, members, seq: _Seq
+):
     """Unit ``name`` on the sharded input: the sharded forward again (with autograd) and the
     reference on the whole weights and sequences; outputs, input cotangents, parameter gradients."""
     plan = ck.plan
@@ -682,12 +744,16 @@ def _check_unit(ck: _Checker, name, call, module, ins, in_spec, outs, weights_lo
             # sums every ep rank's tokens routed to it, one process's gradient over their batches.
             r = r.contiguous()
             C.all_reduce(r, _group(plan, Role.EP), tag="verify")
-        ck.compare(name, f"gradient of {p!r} (call {call})", s, local_part(spec, r, axis_index(plan, spec)), bound, members)
+        ck.compare(
+            name, f"gradient of {p!r} (call {call})", s, local_part(spec, r, axis_index(plan, spec)), bound, members
+        )
     # The reference goes on from here with its own (whole-sequence) outputs.
     return unflatten(want_spec, [w.detach() if isinstance(w, torch.Tensor) else w for w in want])
 
 
-def verify_step(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any) -> VerifyReport | None:
+def verify_step(
+    loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], *args: Any, seed: int = 0, **kwargs: Any
+) -> VerifyReport | None:
     """:func:`verify` for the step ``loss_fn(params, *args, **kwargs)`` takes, and the step's loss
     against the loss function on the whole batch. The loss function runs (without autograd) up
     to its model's forward, which is where the model, the plan, the shards and the batch are
@@ -754,4 +820,6 @@ def _loss_check(loss_fn, params, args, kwargs, cap, report: VerifyReport, group=
         first = min(found)
         raise VerificationError(
             f"fsdpfn.verify: the sharded step does not train what one process trains. On rank {first}: {found[first]}. "
-            "(Pass verify=False to skip this check.)", problem[0][1] if problem else None)
+            "(Pass verify=False to skip this check.)",
+            problem[0][1] if problem else None,
+        )

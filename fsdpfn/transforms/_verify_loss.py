@@ -88,9 +88,16 @@ def _world_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     return out.to(torch.bool) if t.dtype == torch.bool else out
 
 
-def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, cap,
-               compare: Callable[[str, torch.Tensor, torch.Tensor, float], None], note: Callable[[str], None],
-               group=None) -> None:
+def check_loss(
+    loss_fn: Callable[..., Any],
+    params: Mapping[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    cap,
+    compare: Callable[[str, torch.Tensor, torch.Tensor, float], None],
+    note: Callable[[str], None],
+    group=None,
+) -> None:
     """[Note: the loss check] for ``loss_fn(params, *args, **kwargs)``, whose model, plan and
     gradient reduction ``cap`` (a :func:`fsdpfn.transforms._guards.capturing` record) found.
     ``compare(what, step, one_process, bound)`` records each comparison; ``note(why)`` says why
@@ -100,7 +107,9 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     from fsdpfn.transforms._intercept import intercept as _intercept
 
     plan, model = cap.plan, cap.model
-    first = next((a for a in flatten((list(cap.args), cap.kwargs))[0] if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
+    first = next(
+        (a for a in flatten((list(cap.args), cap.kwargs))[0] if isinstance(a, torch.Tensor) and a.dim() >= 1), None
+    )
     if first is None:
         return note("the model's inputs have no batch tensor")
     batch = _Batch(plan, first.shape[0], first.shape[1] if first.dim() >= 2 else None)
@@ -116,7 +125,10 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
         with torch.no_grad():
             out = orig(*a, **kw)
         leaves, spec = flatten(out, none_is_leaf=True)
-        leaves = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in leaves]
+        leaves = [
+            x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in leaves
+        ]
         calls.append((leaves, spec))
         return unflatten(spec, leaves)
 
@@ -137,16 +149,22 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
 
     # Every rank learns every rank's position, loss, tensors' shapes and any reason to stop.
     arg_leaves, arg_spec = flatten((list(args), kwargs), none_is_leaf=True)
-    mine = {"pos": [dp_rank(plan), cp_rank(plan)], "loss": float(loss.detach()) if loss is not None else None, "problem": problem,
-            "rows": batch.rows,
-            "size": sum(o.numel() for o in outs if isinstance(o, torch.Tensor))}
+    mine = {
+        "pos": [dp_rank(plan), cp_rank(plan)],
+        "loss": float(loss.detach()) if loss is not None else None,
+        "problem": problem,
+        "rows": batch.rows,
+        "size": sum(o.numel() for o in outs if isinstance(o, torch.Tensor)),
+    }
     table = cast("dict[int, dict[str, Any]]", C.exchange_values(f"verify loss {plan.fingerprint}", mine, group))
     stopped = sorted({v["problem"] for v in table.values() if v["problem"]})
     if stopped:
         return note(f"loss check skipped: {stopped[0]}")
     if sum(v["size"] for v in table.values()) * len(table) > _LIMIT:
-        return note("loss check skipped: the whole batch's model outputs would take more than "
-                    f"{_LIMIT * 4 >> 20} MiB on every rank")
+        return note(
+            "loss check skipped: the whole batch's model outputs would take more than "
+            f"{_LIMIT * 4 >> 20} MiB on every rank"
+        )
     order = sorted(table)  # global ranks, as all_gather_rows stacks them
     by_dp: dict[int, int] = {}
     by_pos: dict[tuple, int] = {}
@@ -181,7 +199,7 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
         if not batch.rowed(like):
             return t
         start = sum(dp_rows[: sorted(by_dp).index(dp_rank(plan))])
-        t = t[start: start + like.shape[0]]
+        t = t[start : start + like.shape[0]]
         if batch.seqd(like):
             from fsdpfn.transforms._cp import context_parallel_shard
 
@@ -189,8 +207,12 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
         return t
 
     # ---- 2. the loss function on the whole batch ---------------------------------------------------
-    whole_outs = [(whole(o) if batch.rowed(o) else combined(o)).detach().requires_grad_(True)
-                  if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs]
+    whole_outs = [
+        (whole(o) if batch.rowed(o) else combined(o)).detach().requires_grad_(True)
+        if isinstance(o, torch.Tensor) and o.requires_grad
+        else o
+        for o in outs
+    ]
     whole_args = unflatten(arg_spec, [whole(a) if isinstance(a, torch.Tensor) else a for a in arg_leaves])
 
     def replaced(name, module, orig, a, kw):
@@ -201,8 +223,10 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
             guard.inert = True
             ref = _scalar(loss_fn(detached, *whole_args[0], **whole_args[1]))
     except Exception as e:  # noqa: BLE001 - e.g. targets the loss function closes over: rows of this rank only
-        return note(f"loss check skipped: the loss function did not run on the whole batch ({type(e).__name__}: "
-                    f"{str(e)[:200]}); are all its batch tensors among its arguments?")
+        return note(
+            f"loss check skipped: the loss function did not run on the whole batch ({type(e).__name__}: "
+            f"{str(e)[:200]}); are all its batch tensors among its arguments?"
+        )
     if ref is None:
         return note("loss check skipped: the loss function returned no scalar loss on the whole batch")
     wrt = [o for o in whole_outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -228,8 +252,11 @@ def check_loss(loss_fn: Callable[..., Any], params: Mapping[str, torch.Tensor], 
 
 def describe_mismatch(plan: Plan, grad_op: str, what: str, step: float, one: float, err: float, bound: float) -> str:
     """The text of a failed loss comparison: both objectives, and the usual cause with its fix."""
-    how = (f"the mean over the {plan.grad_ranks} ranks that read different data of each rank's loss" if grad_op == "mean"
-           else "the sum over the ranks that read different data of each rank's loss")
+    how = (
+        f"the mean over the {plan.grad_ranks} ranks that read different data of each rank's loss"
+        if grad_op == "mean"
+        else "the sum over the ranks that read different data of each rank's loss"
+    )
     values = f" ({how}: {step:.6g}; the loss function on the whole batch: {one:.6g})" if math.isfinite(step) else ""
     return (
         f"{what} the step trains differs from the loss function on the whole batch (every rank's rows and tokens "
@@ -237,4 +264,5 @@ def describe_mismatch(plan: Plan, grad_op: str, what: str, step: float, one: flo
         "one process. Usually the loss is a mean over this rank's counted tokens (cross_entropy with ignore_index, a "
         "masked mean) while ranks count different numbers of tokens: sum the loss and divide by the global count, "
         "fsdpfn.unshard(params, plan, grad_op='sum', grad_scale=1 / global_count) with reduction='sum' (see 'How fsdpfn "
-        "checks your model' in the docs)")
+        "checks your model' in the docs)"
+    )
