@@ -16,9 +16,11 @@ from typing import Any, Iterator
 
 __all__ = ["CP_STACK", "LAST_CUT", "restored", "snapshot"]
 
+# Process state: the cp axes active in this process, innermost last, as torch's own modes are a
+# process's: a `with fsdpfn.context_parallel(...)` block pushes one for the code under it.
 CP_STACK: list[Any] = []
 
-# What the last call of fsdpfn.context_parallel_shard cut (each tensor's shape and two sums, as
+# Process state: what the last call of fsdpfn.context_parallel_shard cut (each tensor's shape and two sums, as
 # tensors: read only when a batch check runs, so no device sync otherwise), for the first steps'
 # batch check (see [Note: cp peers cut the same sequences]).
 LAST_CUT: list[Any] = [None]

@@ -254,6 +254,8 @@ def _copy_rows(dst: torch.Tensor, flat: torch.Tensor, size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 Factory = Callable[..., "GatherCodec | ReduceCodec | None"]
+# Process state: the codec registry (register_codec), one per process as torch's operator
+# registry is: a plan looks its codecs up by name.
 _GATHER: dict[str, Factory] = {}
 _REDUCE: dict[str, Factory] = {}
 

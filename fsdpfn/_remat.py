@@ -93,6 +93,7 @@ DOT_OPS = frozenset(
     if op
 )
 
+# Process state: the remat policy registry (register_remat_policy), looked up by name.
 _REGISTRY: dict[str, Callable] = {}
 
 
@@ -174,6 +175,8 @@ def selector(policy: str) -> tuple[Callable | None, frozenset[str]]:
     )
 
 
+# Process state: the saving forwards now running, innermost last (a stack, as torch's dispatch
+# modes are): checkpoint_name tags its tensor for each.
 _ACTIVE: list["SaveMode"] = []
 
 
@@ -229,7 +232,7 @@ _EMPTY = frozenset(
         aten.new_empty_strided.default,
     )
 )
-_WEIGHTS: dict = {}  # (numel, device) -> the fingerprint weights, a few shapes per model
+_WEIGHTS: dict = {}  # Process state: a cache, (numel, device) -> the fingerprint weights, a few shapes per model
 
 
 def _weights(n: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -251,7 +254,7 @@ def _canonical(func) -> str:
     return func.overloadpacket.__name__.rstrip("_")
 
 
-_PURE_VIEW: dict = {}  # op -> bool: reading the schema costs more than the check itself
+_PURE_VIEW: dict = {}  # Process state: a cache, op -> bool: reading the schema costs more than the check
 
 
 def _is_pure_view(func) -> bool:

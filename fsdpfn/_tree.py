@@ -23,6 +23,7 @@ import optree
 __all__ = ["NAMESPACE", "flatten", "unflatten"]
 
 NAMESPACE = "fsdpfn"
+# Process state: the types registered in optree's namespace, whose registry is the process's.
 _REGISTERED: set[type] = set()
 
 

@@ -407,7 +407,7 @@ def raise_rank_errors(answers: dict[int, tuple[str, Any]], world_size: int, what
 
 
 _GLOO_THREAD = "pt_gloo_runloop"  # the name torch gives gloo's worker threads (Linux shows it)
-_had_group = [False]
+_had_group = [False]  # Process state: whether this process ever joined a process group
 
 
 def _gloo_threads() -> int | None:

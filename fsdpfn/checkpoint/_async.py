@@ -55,9 +55,12 @@ from fsdpfn.checkpoint._tree import flatten_state
 __all__ = ["async_save"]
 
 
+# Process state: process groups are the process's; one gloo group for the checkpoint commits
+# per default process group, created once.
 _groups: dict[int, Any] = {}  # id(default process group) -> the checkpoint commits' own gloo group
 
 
+# Process state: one stager per process (it owns the staging buffers), made at the first save.
 _stagers: list[DefaultStager] = []
 
 

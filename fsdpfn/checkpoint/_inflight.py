@@ -44,6 +44,7 @@ class AsyncCheckpoint(concurrent.futures.Future):
             self.seen = self.seen or self.done()
 
 
+# Process state: a process writes one checkpoint at a time; the next save waits for this one.
 _pending: list[AsyncCheckpoint] = []  # the save in flight (or finished and not yet waited for)
 
 

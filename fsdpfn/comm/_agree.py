@@ -22,7 +22,7 @@ from fsdpfn.comm import _record
 
 __all__ = ["exchange_problems", "exchange_values"]
 
-# (label, group) -> rounds run, for the current job only: a job that ended on one rank in the
+# Process state: (label, group) -> rounds run, for the current job only: a job that ended on one rank in the
 # middle of its checks (a pool task that raised) must not shift the next job's round numbers.
 _ROUNDS: dict[tuple[str, int], int] = {}
 _ROUNDS_JOB: list[str] = [""]

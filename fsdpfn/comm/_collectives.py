@@ -195,7 +195,7 @@ _SLICE = 1.0  # seconds between looks for a peer's announced failure
 # exception", exit code -6) after its job is done: 1 run in about 10 of a 4-rank torchrun job
 # whose last call is a barrier. So the most recent finished gloo work stays referenced here: the
 # worker thread's reference is never the last, and the work is freed on this thread, when the
-# next collective finishes or at exit.
+# next collective finishes or at exit. Process state: the gloo work is the process's.
 _last_gloo_work: list = []
 
 
@@ -293,7 +293,7 @@ def all_gather(
 
 
 _IMPLS = ("auto", "native", "all_to_all")
-_rs_impl: list[str] = ["auto"]
+_rs_impl: list[str] = ["auto"]  # Process state: set_reduce_scatter_impl's choice, for every collective
 
 
 def _check_impl(impl: str) -> str:

@@ -44,6 +44,8 @@ DEFAULT_TIMEOUT = 600.0
 # collective timeout.
 RENDEZVOUS_TIMEOUT = 300.0
 TIMEOUT_ENV = "FSDPFN_TIMEOUT"
+# Process state: the one timeout of every collective of the process (set_timeout), and each
+# thread's timeout_scope stack.
 _timeout: list[float] = []  # set_timeout's value, for every thread
 _scopes = threading.local()  # .stack: this thread's timeout_scope values
 
@@ -166,6 +168,8 @@ def mesh_subgroup(mesh, dims: tuple[int, ...]):
     return mine
 
 
+# Process state: process groups are the process's, created once (every rank creates them in
+# the same order).
 _RANK_GROUPS: dict[tuple, Any] = {}  # (world group, ranks) -> the group of those ranks
 
 

@@ -132,6 +132,7 @@ class CollectiveCounter:
         return self._sum("nbytes", 0)
 
 
+# Process state: each thread's stack of active collective counters (count_collectives).
 _local = threading.local()
 
 
@@ -207,6 +208,7 @@ _HISTORY = 32
 ANSWER_WAIT_S = 2.5
 # A look at the alarm while waiting in a collective gives up after this long (an unresponsive store).
 _POLL_S = 0.5
+# Process state: the flight recorder, a process's as NCCL's is: the last records, per group.
 _ring: collections.deque = collections.deque(maxlen=_HISTORY)
 _seq: dict[int, int] = {}  # group id -> sequence number of its last collective
 _last: dict[int, FlightRecord] = {}  # group id -> its last record
@@ -238,6 +240,7 @@ def _me() -> dict:
 # The hot path: a ring buffer, the last record per group, the host-readable file
 # ---------------------------------------------------------------------------------------------
 
+# Process state: the groups' numbers in the flight records, given in the order groups appear.
 _GROUP_IDS: dict[tuple[int, ...], int] = {}
 _GROUP_INFO: dict[Any, tuple[tuple[int, ...], int]] = {}
 

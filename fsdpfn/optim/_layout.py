@@ -211,6 +211,7 @@ class WorkGroup(NamedTuple):
     coords: tuple[dict[int, int], ...]  # per member, in group order: its mesh coordinates
 
 
+# Process state: the work groups of a mesh, created once per process (they hold process groups).
 _GROUPS: dict[tuple, tuple[Any, WorkGroup]] = {}
 
 

@@ -297,6 +297,7 @@ class PipelineRecord:
         return sum(1 for b in self.buckets if b.in_flight)
 
 
+# Process state: each thread's stack of active pipeline records (record_pipeline).
 _local = threading.local()
 
 
@@ -543,6 +544,7 @@ def _kept_ns(sched: OwnerSchedule, rank: int, locals_, results, ns, dtype, devic
     return count, flops
 
 
+# Process state: a cache of owner schedules (at most 64), a pure function of their key.
 _SCHEDULES: dict[tuple, OwnerSchedule] = {}
 
 

@@ -397,6 +397,7 @@ def _charge(acc: dict, cost: tuple) -> None:
 # block's results stand for the others. Cached only where that holds: every tensor argument on
 # meta, every other argument a plain value, every output on meta and aliasing no input and no
 # other output, no mutation. Each hit returns fresh tensors of the same metadata, as the kernel would.
+# Process state: a cache of pure results.
 _META_CACHE: dict = {}
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 

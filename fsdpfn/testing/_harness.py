@@ -62,6 +62,7 @@ class _Pool:
     next_id: int = 0
 
 
+# Process state: the session's worker pools, one per world size, kept for the process's life.
 _POOLS: dict[int, _Pool] = {}
 
 # [Note: the processes a task starts]
@@ -70,7 +71,7 @@ _POOLS: dict[int, _Pool] = {}
 # compile workers inside the rank that compiles. Each worker records the commands (the
 # ``subprocess.Popen`` audit event) its current task started and sends them back with its result;
 # the caller's process keeps them until the suite takes them (:func:`take_started_processes`).
-# One list per process because a process runs one task at a time.
+# Process state: one list per process, because a process runs one task at a time.
 _STARTED: list[str] = []
 _STARTED_BY_RANKS: list[tuple[int, str]] = []  # in the caller: (rank, command), until taken
 
@@ -323,6 +324,7 @@ def run_on_ranks(
     return [answers[r][1] for r in range(world_size)]
 
 
+# Process state: meshes hold process groups, the process's; each is created once.
 _MESHES: dict[tuple, Any] = {}
 
 

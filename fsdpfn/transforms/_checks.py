@@ -158,6 +158,8 @@ def check_values_agree(plan: Plan, names, table: torch.Tensor, *, fix: str) -> N
             )
 
 
+# Process state: the (plan, site, group) whose first check this process agreed on with its
+# peers. The pure path's step is a function call with no object of its own to carry it.
 _AGREED: set[tuple[str, str, int]] = set()
 
 

@@ -246,6 +246,9 @@ def context_parallel_unshard(x: torch.Tensor, plan_or_group=None, *, seq_dim: in
 
 # ---- attention ----------------------------------------------------------------------------------
 
+# Process state: cp attention calls so far, and per cp plan the count at its first gather and
+# whether a step of it was seen calling cp attention. Keyed by plan: the pure path's step is a
+# function call with no object of its own to carry them.
 _CALLS = [0]
 _MARKS: dict[str, int] = {}
 _VERIFIED: set[str] = set()

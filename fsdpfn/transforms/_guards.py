@@ -81,11 +81,13 @@ TP_ATTR = "_fsdpfn_tp"
 _BATCH_ATTR = "_fsdpfn_batch"
 CHECKED_STEPS = 2
 
-# id(tensor) -> (weakref to it, plan, module name): the tp-split weights of each plan's last unshard.
+# Process state: keyed by plan (the pure path's step is a function call with no object of its own
+# to carry it): id(tensor) -> (weakref to it, plan, module name), the tp-split weights of each
+# plan's last unshard; and the one forward pre-hook, process-wide as torch's global hooks are.
 _SPLIT: dict[int, tuple[Any, Plan, str]] = {}
 _BY_PLAN: dict[str, list[int]] = {}
 _GLOBAL_HOOK: list = []
-# plan fingerprint -> how the step reduces ("mean", or "custom" for grad_op/grad_scale), set by
+# Process state: plan fingerprint -> how the step reduces ("mean", or "custom" for grad_op/grad_scale), set by
 # the step's unshard and consumed by the root hook: only sharded steps are checked.
 _STEPS: dict[str, str] = {}
 
@@ -106,7 +108,7 @@ class _Capture:
         self.inert = False
 
 
-# The capture a loss function's first call runs under (fsdpfn.verify_step): eager unshard notes the
+# Process state: the capture a loss function's first call runs under (fsdpfn.verify_step): eager unshard notes the
 # plan and shards, the model's root pre-hook the model and batch, and stops the forward. A list,
 # not a ContextVar: the root hook is traced under torch.compile, which cannot trace ContextVar.get.
 _CAPTURE: list[_Capture | None] = [None]
@@ -330,7 +332,8 @@ def _show(d) -> str:
 # ---- [Note: a fused layout split plainly] ------------------------------------------------------
 
 _SPLIT_WATCH_ATTR = "_fsdpfn_split_watch"
-# id(output) -> (weakref to it, the colwise module's name): outputs of this checked forward.
+# Process state: while a checked forward runs, id(output) -> (weakref to it, the colwise
+# module's name), its outputs; and the watch itself.
 _OUTPUTS: dict[int, tuple[Any, str]] = {}
 _MODE: list[TorchFunctionMode] = []  # the watch while a checked forward runs
 _CUTS = {

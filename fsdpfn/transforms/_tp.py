@@ -39,7 +39,7 @@ __all__ = ["apply_tp", "reference_mode"]
 
 _ATTR = TP_ATTR
 _EP_ATTR = "_fsdpfn_ep"
-# [True] while the differential check runs a unit unsharded: the hooks pass their input through.
+# Process state: [True] while the differential check runs a unit unsharded: the hooks pass their input through.
 # A list, not a ContextVar: the hooks run under torch.compile too, which reads a global but
 # cannot trace ContextVar.get. The check runs on the thread of the step it checks.
 _REFERENCE = [False]
