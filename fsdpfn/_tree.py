@@ -49,8 +49,9 @@ def _register(cls: type) -> None:
     _REGISTERED.add(cls)
     optree.register_pytree_node(
         cls,
-        lambda m: (list(m.values()), tuple(m.keys()), tuple(m.keys())),
-        _rebuild(cls),  # type: ignore[attr-defined]  # cls is a Mapping subclass; optree's stub types m as a Collection
+        # cls is a Mapping subclass; optree's stub types m as a Collection
+        lambda m: (list(m.values()), tuple(m.keys()), tuple(m.keys())),  # type: ignore[attr-defined]
+        _rebuild(cls),
         namespace=NAMESPACE,
     )
 

@@ -93,8 +93,8 @@ def fused_split(x: torch.Tensor) -> tuple[int, int, int] | None:
             cutting = [
                 j
                 for j, q in enumerate(x.placements)
-                if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim
-            ]  # type: ignore[attr-defined]  # a Shard, which has .dim
+                if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim  # type: ignore[attr-defined]  # a Shard: .dim
+            ]
             if cutting == [i]:
                 return i, p.dim, int(p.split_factor)
     return None

@@ -144,8 +144,10 @@ def full_tensor(x: torch.Tensor, *, tag: str = "") -> torch.Tensor:
             local = rows[:n].movedim(0, d)
     for i, p in enumerate(x.placements):
         if isinstance(p, _StridedShard) and [
-            q for q in x.placements if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim
-        ] == [p]:  # type: ignore[attr-defined]  # a Shard, which has .dim
+            q
+            for q in x.placements
+            if (isinstance(q, _StridedShard) or q.is_shard()) and q.dim == p.dim  # type: ignore[attr-defined]  # a Shard: .dim
+        ] == [p]:
             local = _unfuse(local, p.dim, int(p.split_factor), mesh.size(i), mesh.get_group(i), tag)
     for i, p in enumerate(x.placements):
         if p.is_partial():

@@ -57,7 +57,7 @@ from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn.optim._blocks import WHOLE, BlockSpec, block_shape
 from fsdpfn.optim._checks import check_choice, check_int
 from fsdpfn.optim._newton_schulz import DEFAULT_GRAM_RESTARTS, check_settings, newton_schulz, newton_schulz_flops
-from fsdpfn.optim._layout import Box, holdings, split_dims, work_group
+from fsdpfn.optim._layout import Box, holdings, split_dims, whole_holdings, work_group  # noqa: F401 - gather_pads's example uses whole_holdings
 from fsdpfn.optim._owner import assign_owners, local_blocks_ns, owner_schedule, run_owner
 from fsdpfn.optim._tree import like
 from fsdpfn import comm as C
@@ -278,9 +278,20 @@ def orthogonalize(
         if layout in ("gather", "duplicated"):
             results = _gather(xs, held, sp, wg, ns, key[1])
         else:
+            # mypy misses a NamedTuple's __call__ (ns) below
             results = run_owner(
-                locs, [tuple(x.shape) for x in xs], sp, wg.group, wg.size, wg.rank, ns, ns.flops, key[1], buckets, held
-            )  # type: ignore[arg-type]  # mypy misses a NamedTuple's __call__
+                locs,
+                [tuple(x.shape) for x in xs],
+                sp,
+                wg.group,
+                wg.size,
+                wg.rank,
+                ns,  # type: ignore[arg-type]
+                ns.flops,
+                key[1],
+                buckets,
+                held,
+            )
         for i, r in zip(idx, results):
             out[i] = like(leaves[i], r)
     return out
