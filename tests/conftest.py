@@ -9,7 +9,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
-from fsdpfn.testing._harness import take_started_processes
+from fsdpfn.testing import take_started_processes
 
 # Each example may cross process boundaries (a gloo round trip): no per-example deadline.
 settings.register_profile(
