@@ -461,3 +461,26 @@ def test_moe_with_capacity_under_the_runtimes_backward(run_on_ranks):
     assert sum(dropped for _, dropped in results) > 0, results
     for errors, _ in results:
         assert max(errors.values()) < 1e-6, errors
+
+
+def _remat_around_a_unit(rank, world):
+    """Runtimes over plans that rematerialise a block holding its experts' unit."""
+    ep = testing.mesh((2, 1), ("ep", "edp"))
+    cases = {
+        "all": lambda: fsdpfn.runtime.Runtime(_model(), fsdpfn.plan(_model(), ep, remat="full")),
+        "one": lambda: fsdpfn.runtime.Runtime(_model(), fsdpfn.plan(_model(), ep, remat={"blocks.1": "save_dots"})),
+    }
+    return refusals(cases)
+
+
+def test_the_runtime_names_a_rematerialised_unit_that_holds_another_before_any_collective(run_on_ranks):
+    """The runtime recomputes a unit's forward in its backward, outside the forward that routes
+    an expert unit through the schedule, so a block holding its experts' unit would call the
+    experts on weights it does not hold (it raised in ``loss.backward()``). Refused at build on
+    every rank, naming both units and the ways out; the pure loop rematerialises such a block."""
+    for out in run_on_ranks(_remat_around_a_unit, 2):
+        assert out["collectives"] == 0, out
+        for case, block in (("all", "blocks.0"), ("one", "blocks.1")):
+            assert out[case].startswith("ValueError:"), out
+            assert f"'{block}'" in out[case] and f"'{block}.moe.experts'" in out[case], out
+            assert "remat" in out[case], out

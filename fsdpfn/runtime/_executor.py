@@ -62,6 +62,30 @@ class StepRecord:
     copies: list = dataclasses.field(default_factory=list)
 
 
+def _check_no_remat_around_units(plan: Plan) -> None:
+    """[Note: remat around another unit]
+    The runtime recomputes a rematerialised unit's forward in that unit's backward, after the
+    forward that routes the units nested in it (an expert unit inside its block) through the
+    schedule has returned. The recompute would call the nested unit plainly, on parameters this
+    rank does not hold (an ep rank's experts are a slice), and its gather is not in the
+    backward's op list at that point. So a plan that rematerialises a unit holding another one is
+    refused when a runtime is built, on every rank alike, before any collective; the pure loop
+    (``fsdpfn.unshard`` under ``fsdpfn.transforms.apply_remat``) recomputes such a block whole."""
+    names = [u.name for u in plan.units]
+    for unit in plan.units:
+        if unit.name == ROOT or unit.remat == "none":
+            continue
+        inner = [n for n in names if n.startswith(unit.name + ".")]
+        if inner:
+            raise ValueError(
+                f"unit {unit_label(unit.name)!r} has remat={unit.remat!r} and holds unit {unit_label(inner[0])!r}: the "
+                "runtime recomputes a unit's forward outside the forward that runs its nested units through the "
+                f"schedule, so it cannot rematerialise {unit_label(unit.name)!r}. Leave it out of remat= (e.g. "
+                f"remat={{'other.*': {unit.remat!r}}}), or train this plan with the pure loop (fsdpfn.unshard), "
+                "which recomputes the block whole"
+            )
+
+
 class Executor:
     """Runs a :class:`Schedule`'s ops as the model reaches its events. One per runtime.
 
@@ -72,6 +96,7 @@ class Executor:
     """
 
     def __init__(self, plan: Plan, sched: Schedule, comm=None, accumulate: str = "reduce"):
+        _check_no_remat_around_units(plan)
         self.plan = plan
         self.sched = sched
         self.micro_batch_ops = {last: micro_batch_ops(plan, sched, last, accumulate) for last in (True, False)}
