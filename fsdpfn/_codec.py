@@ -55,8 +55,8 @@ class GatherCodec(abc.ABC):
       wire_dtype: dtype of the all-gather buffer.
       numel: elements of ``wire_dtype`` each rank contributes (0: no all-gather).
       amax_params: parameters whose scale needs their whole tensor's amax before packing: the
-        caller all-reduces (max) :meth:`local_amax` over the unit's group, and over tp as well
-        when :attr:`amax_over_tp` says so, then passes it to :meth:`encode` and :meth:`decode`.
+        caller all-reduces (max) :meth:`local_amax` over the axes
+        :attr:`amax_roles` lists, then passes it to :meth:`encode` and :meth:`decode`.
     """
 
     unit: Any = None
@@ -70,15 +70,19 @@ class GatherCodec(abc.ABC):
         return self.numel * self.wire_dtype.itemsize
 
     @property
-    def amax_over_tp(self) -> bool:
-        """Whether a tensor of :attr:`amax_params` is split over tp too, so its amax is
-        all-reduced over the tp group as well."""
+    def amax_roles(self) -> tuple:
+        """The mesh axes (:class:`fsdpfn.Role` s) the amax of :attr:`amax_params` is
+        all-reduced (max) over, in order: ``()`` without them; else the unit's own group
+        (``shard``), then tp when one of them is split over tp too (a whole tensor's amax)."""
         # Imported here: the plan's values import this module, and a codec is asked only once a plan exists.
         from fsdpfn._plan.axes import Role
         from fsdpfn._plan.placements import split_roles
 
+        if not self.amax_params:
+            return ()
         unit = self.unit
-        return unit is not None and any(Role.TP in split_roles(p) for p in unit.params if p.name in self.amax_params)
+        over_tp = unit is not None and any(Role.TP in split_roles(p) for p in unit.params if p.name in self.amax_params)
+        return (Role.SHARD, Role.TP) if over_tp else (Role.SHARD,)
 
     def local_amax(self, locals_: list[torch.Tensor]) -> torch.Tensor | None:
         """This rank's float32 amax of each of :attr:`amax_params`, or ``None`` (no extra

@@ -198,6 +198,7 @@ AXES = [
     Case((2, 2), ("replicate", "shard"), strategy="zero2", prefetch=2),
     Case((2, 2), ("dp", "tp"), tp=True),
     Case((2, 2), ("dp", "tp"), tp=True, prefetch=0, edit="keep_gathered"),
+    Case((2, 2), ("dp", "tp"), tp=True, remat="full"),
     Case((2, 2), ("ep", "edp"), model="moe", prefetch=0),
     Case((2, 2), ("ep", "edp"), model="moe", prefetch=2),
 ]

@@ -86,8 +86,9 @@ from typing import Any, Iterable, cast
 
 import torch
 
-from fsdpfn._plan.attention import AttentionCall, attention_entries
+from fsdpfn._plan.attention import AttentionCall
 from fsdpfn._plan.axes import Role
+from fsdpfn._plan.exchanges import step_exchanges
 from fsdpfn._plan.placements import unit_row_roles
 from fsdpfn._plan.values import PlanValues, Unit, unit_label
 from fsdpfn._plan.schedule import Op, OpKind
@@ -137,6 +138,11 @@ class Collective:
       op: the index of the schedule op that issues it (the gather, reduce or wait_reduce op, or
         the unit's forward/backward event for tensor-parallel ones); ``-1`` when listed without
         a schedule.
+      activation: an axis's activation exchange (its bytes need ``tokens``), not a gather or
+        reduce of parameters.
+      overlap: how an activation exchange runs against its unit's compute: ``""`` blocking,
+        ``"blocks"`` a hop the attention's next block waits for, ``"beside"`` a hop nothing
+        waits for (see [Note: activation exchanges] in ``fsdpfn/_plan/exchanges.py``).
 
     Example:
       >>> c = Collective("all_gather", "blocks.0", "blocks.0", Role.SHARD, "shard", 4, 4096, torch.float32, "forward", "gather")
@@ -156,17 +162,14 @@ class Collective:
     purpose: str
     micro_batch: int = 0
     op: int = -1
+    activation: bool = False
+    overlap: str = ""
 
     @property
     def wire_bytes(self) -> float:
         """Bytes one rank sends: ``(g-1)/g`` of the buffer, twice that for an all-reduce
         (:func:`fsdpfn._wire.wire_bytes`, as the counter records it)."""
         return wire_bytes(self.kind, self.group_size, self.nbytes)
-
-    @property
-    def activation(self) -> bool:
-        """A tensor-, expert- or context-parallel activation collective (its bytes need ``tokens``)."""
-        return self.purpose.startswith(("tp_", "ep_", "cp_"))
 
     def describe(self) -> str:
         """One line: phase, kind, tag, axis, size, bytes, dtype."""
@@ -223,7 +226,16 @@ def micro_batch_ops(plan: PlanValues, sched: Any, last: bool, accumulate: str = 
     return tuple(out)
 
 
-def _axis(plan: PlanValues, role: Role) -> tuple[str | None, int]:
+def _group(plan: PlanValues, unit: Unit, role: Role) -> tuple[str | None, int]:
+    """``(axis name, ranks)`` a collective of ``unit`` over ``role`` runs on. A unit's own
+    gathers and reduces (``role`` shard) run over the axes its rows are cut over
+    (:func:`unit_row_roles`), flattened into one group named after them, in mesh order, when
+    there are several (dense units beside ep or cp); every other role is its axis."""
+    rows = unit_row_roles(unit, plan.axes) if role is Role.SHARD else ()
+    if len(rows) > 1:
+        return "_".join(plan.axes.names[cast(int, plan.axes.dim(r))] for r in rows), math.prod(
+            plan.axes.size(r) for r in rows
+        )
     d = plan.axes.dim(role)
     return (None, 1) if d is None else (plan.axes.names[d], plan.axes.shape[d])
 
@@ -232,10 +244,8 @@ def _unit_gather(plan: PlanValues, unit: Unit) -> list[tuple]:
     """``(kind, role, nbytes, dtype, purpose)`` of one gather of ``unit``, sized by its codec."""
     codec = plan.gather_codec(unit)
     out = []
-    if codec.amax_params:
-        out.append(("all_reduce", Role.SHARD, 4 * len(codec.amax_params), torch.float32, "amax"))
-        if codec.amax_over_tp:
-            out.append(("all_reduce", Role.TP, 4 * len(codec.amax_params), torch.float32, "amax"))
+    for role in codec.amax_roles:
+        out.append(("all_reduce", role, 4 * len(codec.amax_params), torch.float32, "amax"))
     if codec.numel:
         out.append(("all_gather", Role.SHARD, unit.shard_size * codec.nbytes, codec.wire_dtype, "gather"))
     return out
@@ -256,98 +266,6 @@ def _unit_reduce(plan: PlanValues, unit: Unit) -> tuple[list[tuple], list[tuple]
     )
     second = [("all_reduce", Role.REPLICATE, n * accum.itemsize, accum, "replicate_reduce")] if plan.hsdp else []
     return [first], second
-
-
-def _tp_modules(plan: PlanValues) -> dict[str, list[tuple[str, str, int, int, torch.dtype]]]:
-    """``{unit: [(module, style, in_features, out_features, activation dtype), ...]}`` in model order."""
-    out: dict[str, list] = {}
-    names = set(plan.param_names)
-    for module, style in plan.tp:
-        weight = f"{module}.weight"
-        if weight not in names:
-            raise ValueError(
-                f"tensor-parallel module {module!r} has no parameter {weight!r} in the plan (a weight tied to another "
-                "module's?), so its activation sizes are unknown; leave it out of tp= to cost this plan"
-            )
-        unit = plan.unit_of(weight)
-        out_f, in_f = plan.param(weight).shape[:2]
-        out.setdefault(unit.name, []).append((module, style, int(in_f), int(out_f), plan.gather_dtype(unit)))
-    return out
-
-
-def _unit_tp(plan: PlanValues, modules, phase: str, tokens: int) -> list[tuple]:
-    """``(kind, role, nbytes, dtype, purpose, tag)`` of one unit's tensor-parallel modules in ``phase``."""
-    t = plan.tp_size
-    out = []
-    order = modules if phase == "forward" else list(reversed(modules))
-    for module, style, in_f, out_f, dtype in order:
-        item = dtype.itemsize
-        if phase == "forward":
-            if style == "rowwise":
-                out.append(("all_reduce", Role.TP, tokens * out_f * item, dtype, "tp_reduce", module))
-            elif style == "colwise_gather":
-                # tp ranks' out_f / t columns each, gathered: the full output's bytes.
-                out.append(("all_gather", Role.TP, tokens * (out_f // t) * t * item, dtype, "tp_gather", module))
-        elif style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k
-            out.append(("all_reduce", Role.TP, tokens * in_f * item, dtype, "tp_copy", module))
-    return out
-
-
-def _unit_ep(plan: PlanValues, unit: Unit, event: str, tokens: int) -> list[tuple]:
-    """``(kind, role, nbytes, dtype, purpose, tag)`` of one expert layer's token exchange at
-    ``event`` of its expert unit: the counts and the dispatch come just before the experts run
-    (``forward``), the combine just after (``forward_done``); backward transposes them."""
-    if plan.ep_size == 1:
-        return []
-    first = unit.params[0]
-    dtype = plan.gather_dtype(unit)
-    rows = tokens * unit.top_k * first.shape[-1] * dtype.itemsize
-    return {
-        "forward": [
-            ("all_to_all", Role.EP, 8 * first.shape[0], torch.int64, "ep_counts", "ep_counts"),
-            ("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch"),
-        ],
-        "forward_done": [("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")],
-        "backward": [("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")],
-        "backward_done": [("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch")],
-    }[event]
-
-
-def _cp_calls(plan: PlanValues, attention: Iterable[AttentionCall]) -> dict[str, list[AttentionCall]]:
-    """``{unit: [attention calls]}``, checked against the plan's units."""
-    out: dict[str, list[AttentionCall]] = {}
-    names = {u.name for u in plan.units}
-    for a in attention:
-        if not isinstance(a, AttentionCall):
-            raise ValueError(
-                f"attention= takes fsdpfn.AttentionCall values (fsdpfn.sim.profile(...).attention), got {a!r}"
-            )
-        if a.unit not in names:
-            raise ValueError(
-                f"attention call of unit {a.unit!r}: the plan has no such unit (units: "
-                f"{', '.join(unit_label(n) for n in sorted(names))})"
-            )
-        out.setdefault(a.unit, []).append(a)
-    return out
-
-
-def _unit_cp(plan: PlanValues, unit: Unit, calls, phase: str, tokens: int) -> list[tuple]:
-    """``(kind, role, nbytes, dtype, purpose, tag)`` of one unit's attention calls over cp in ``phase``."""
-    if plan.cp_size == 1 or not calls:
-        return []
-    if unit.remat not in ("none", "full"):
-        raise NotImplementedError(
-            f"unit {unit_label(unit.name)!r} recomputes with the selective policy {unit.remat!r}; whether its attention's "
-            "exchange over cp runs again in backward depends on what the policy keeps, which the op list does not model yet: "
-            "cost it with remat='none' or 'full'"
-        )
-    order = calls if phase == "forward" else list(reversed(calls))
-    dtype = plan.gather_dtype(unit)
-    return [
-        e
-        for a in order
-        for e in attention_entries(a, plan.cp_size, phase, tokens, dtype, recompute=unit.remat == "full")
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,27 +331,20 @@ def step_ops(
     """
     _check_step_args(micro_batches, accumulate, tokens)
     units = {u.name: u for u in plan.units}
-    tp = _tp_modules(plan) if plan.tp else {}
-    cp = _cp_calls(plan, attention)
-    axes = {role: _axis(plan, role) for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP, Role.CP)}
+    exchanges = step_exchanges(plan, attention)
     ntok = 0 if tokens is None else tokens
     backward_events = (OpKind.BACKWARD, OpKind.BACKWARD_DONE, OpKind.END)
 
     def listed(entries, unit: str, phase: str, m: int, i: int) -> tuple[Collective, ...]:
         out = []
-        for kind, role, nbytes, dtype, purpose, *tag in entries:
-            name, size = axes[role]
-            rows = unit_row_roles(units[unit], plan.axes) if role is Role.SHARD else ()
-            if (
-                len(rows) > 1
-            ):  # a unit whose rows run over several axes (dense beside ep or cp): them flattened, in mesh order
-                name = "_".join(plan.axes.names[cast(int, plan.axes.dim(r))] for r in rows)
-                size = math.prod(plan.axes.size(r) for r in rows)
+        for kind, role, nbytes, dtype, purpose, *rest in entries:
+            name, size = _group(plan, units[unit], role)
+            tag, activation, overlap = rest if rest else (unit, False, "")
             out.append(
                 Collective(
                     kind,
                     unit,
-                    tag[0] if tag else unit,
+                    tag,
                     role,
                     name,
                     size,
@@ -443,9 +354,19 @@ def step_ops(
                     purpose,
                     m,
                     i if indexed else -1,
+                    activation,
+                    overlap,
                 )
             )
         return tuple(out)
+
+    def exchanged(unit: Unit, event: OpKind, phase: str, m: int, i: int) -> tuple[tuple, tuple]:
+        """``(at the event, while the unit computes)``: the event's activation exchanges."""
+        entries = exchanges(unit, event, ntok)
+        rows = [(e.kind, e.role, e.nbytes, e.dtype, e.purpose, e.tag, True, e.overlap) for e in entries]
+        now = [r for r, e in zip(rows, entries) if e.at_event]
+        later = [r for r, e in zip(rows, entries) if not e.at_event]
+        return listed(now, unit.name, phase, m, i), listed(later, unit.name, phase, m, i)
 
     out: list[StepOp] = []
     for m in range(micro_batches):
@@ -458,14 +379,8 @@ def step_ops(
             now: tuple[Collective, ...] = ()
             later: tuple[Collective, ...] = ()
             reduces = False
-            if kind in (OpKind.FORWARD, OpKind.BACKWARD) and (name in tp or name in cp):
-                tp_now = _unit_tp(plan, tp[name], kind.value, ntok) if name in tp else []
-                cp_now = _unit_cp(plan, units[name], cp.get(name, ()), kind.value, ntok)
-                later = listed(tp_now + cp_now if kind is OpKind.FORWARD else cp_now + tp_now, name, phase, m, i)
-            elif unit is not None and unit.experts and kind in (OpKind.FORWARD, OpKind.BACKWARD):
-                now = listed(_unit_ep(plan, unit, kind.value, ntok), name, phase, m, i)  # before the experts' gather
-            elif unit is not None and unit.experts and kind in (OpKind.FORWARD_DONE, OpKind.BACKWARD_DONE):
-                later = listed(_unit_ep(plan, unit, kind.value, ntok), name, phase, m, i)
+            if unit is not None and op.is_event:
+                now, later = exchanged(unit, kind, phase, m, i)
             elif unit is not None and kind is OpKind.GATHER:
                 now = listed(_unit_gather(plan, unit), name, phase, m, i)
             elif unit is not None and kind in (OpKind.REDUCE, OpKind.WAIT_REDUCE, OpKind.COPY_OUT):

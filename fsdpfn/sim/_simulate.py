@@ -255,16 +255,16 @@ def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
         strides[i] = strides[i + 1] * shape[i + 1]
     base = sum(c * st for c, st in zip(coords, strides))
     groups = {}
-    for role in (Role.SHARD, Role.REPLICATE, Role.TP, Role.EP, Role.CP):
+    for role in Role:
         d = plan.axes.dim(role)
         groups[role.value] = [rank] if d is None else [base + (q - coords[d]) * strides[d] for q in range(shape[d])]
-    if plan.axes.dim(Role.EP) is not None or plan.axes.dim(Role.CP) is not None:
-        # dense units beside ep or cp: those axes and the shard axis flattened
-        dense = {rank}
-        for role in (Role.EP, Role.CP):
-            if plan.axes.dim(role) is not None:
-                dense = {e - rank + s for e in groups[role.value] for s in dense}
-        groups["dense"] = sorted({s - rank + q for s in dense for q in groups["shard"]})
+    # A dense unit's rows: the data-parallel axes no parameter is split over, flattened (the
+    # shard axis alone, or it with ep or cp beside it), the rule the op list names them by.
+    dense = {rank}
+    for role in rows_over((), plan.axes):
+        dense = {r - rank + q for r in dense for q in groups[role.value]}
+    if len(rows_over((), plan.axes)) > 1:
+        groups["dense"] = sorted(dense)
     return groups
 
 
@@ -481,33 +481,33 @@ class _Builder:
     def work(self, s: StepOp) -> None:
         """The work after event ``s`` (and the actions following it): its compute, in the op's
         phase, then the activation collectives issued while it computes (``with_compute``),
-        blocking on the ``tp`` stream (they sit between its matmuls), or on the ``cp`` stream: an
-        all-gather of keys and values blocks; ring hops overlap the attention (:meth:`ring`)."""
+        each on its axis's stream: blocking (they sit between its matmuls), unless its
+        ``overlap`` says it is a hop the attention's blocks run beside (:meth:`ring`)."""
         self.op, self.micro_batch = s.index, s.micro_batch
         # After a unit's *_done event (and 'end') the root's own code runs.
         owner = s.op.unit if s.op.kind in (OpKind.FORWARD, OpKind.BACKWARD) else ROOT
-        hops = [c for c in s.with_compute if c.purpose in ("cp_ring", "cp_ring_grad")]
+        hops = [c for c in s.with_compute if c.overlap]
         if hops:
             self.ring(self.wl.at(s.op), hops, s.phase, owner)
         else:
             self.compute(self.wl.at(s.op), s.phase, owner)
         self.momentary(self.wl.transient_at(s.op))
         for c in s.with_compute:
-            if c.purpose not in ("cp_ring", "cp_ring_grad"):
-                self.blocking(c, "cp" if c.role is Role.CP else "tp")
+            if not c.overlap:
+                self.blocking(c, c.role.value)
 
     def ring(self, work: Work, hops: list[Collective], phase: str, owner: str) -> None:
         """A unit's work whose attention passes key/value blocks around the cp ring: the rest of
-        its work first, then the attention in one equal block per key/value block (``cp_ring``
-        hops + 1), block ``k + 1`` after the ``k``-th key/value hop; the hops (and, in backward,
-        the dK/dV accumulator's, ``cp_ring_grad``, between them) run back to back on the ``cp``
-        stream from the start of the attention, each one's block already received (double
+        its work first, then the attention in one equal block per key/value block (hops with
+        ``overlap="blocks"``, + 1), block ``k + 1`` after the ``k``-th of them; the hops (and,
+        in backward, the dK/dV accumulator's, ``overlap="beside"``, between them) run back to
+        back on their axis's stream from the start of the attention, each one's block already received (double
         buffering, as ring attention kernels overlap them), so a hop shorter than a block is
         hidden."""
         attention = Work(tuple(m for m in work.matmuls if m[0].startswith("attention")))
         self.compute(work.minus(attention) if attention else work, phase, owner)
-        landed = [self.collective(c, "cp") for c in hops]
-        kv = [t for t, c in zip(landed, hops) if c.purpose == "cp_ring"] or landed
+        landed = [self.collective(c, c.role.value) for c in hops]
+        kv = [t for t, c in zip(landed, hops) if c.overlap == "blocks"] or landed
         piece = attention.unmeasured().seconds(self.hw) / (len(kv) + 1)
         for k in range(len(kv) + 1):
             deps = (kv[k - 1],) if k else ()
@@ -538,7 +538,7 @@ class _Builder:
             if s.op.is_event:
                 self.event(s.op)
                 for c in s.collectives:
-                    self.blocking(c, "tp")
+                    self.blocking(c, c.role.value)
                 pending = s
             else:
                 actions[s.op.kind](s)
@@ -698,22 +698,18 @@ def simulate(
         notes.append(
             "HSDP: the replicate-axis all-reduce runs blocking inside wait_reduce (as fsdpfn.transforms issues it)"
         )
-    if plan.tp:
+    exchanged = sorted({c.role.value for c in b.calls if c.activation})
+    if exchanged:
         notes.append(
-            "tensor parallel: activation collectives of "
+            f"activation exchanges over {', '.join(exchanged)}: sized by "
             + (
                 f"{workload.tokens:,} tokens per micro-batch"
                 if workload.tokens
                 else "0 tokens (the workload has none: profile it with integer token inputs)"
             )
-            + ", blocking after each unit's compute; "
-            "compute is the workload's as profiled (fsdpfn.sim.profile runs each rank's tp-local layers)"
-        )
-    if plan.cp_size > 1:
-        kinds = sorted({a.strategy for a in workload.attention})
-        notes.append(
-            f"context parallel over {plan.cp_size} ranks: {len(workload.attention)} attention calls ({', '.join(kinds) or 'none profiled'}); "
-            "an all-gather of keys and values blocks, ring hops overlap the attention's blocks"
+            + f" and {len(workload.attention)} profiled attention calls; each blocks after its unit's compute, "
+            "but ring hops, which overlap the attention's blocks. Compute is the workload's as profiled "
+            "(fsdpfn.sim.profile runs each rank's local layers)"
         )
     traffic = {
         "step": _traffic(c for c in b.calls if c.phase != "optimizer"),

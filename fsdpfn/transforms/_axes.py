@@ -39,24 +39,24 @@ def _mesh(plan: Plan):
     return plan.mesh
 
 
-def _group(plan: Plan, role: Role):
+def _axis_group(plan: Plan, role: Role):
     d = plan.axes.dim(role)
     return None if d is None else _mesh(plan).get_group(d)
 
 
 def shard_group(plan: Plan):
     """The process group of the plan's data-parallel shard axis."""
-    return _group(plan, Role.SHARD)
+    return _axis_group(plan, Role.SHARD)
 
 
 def replicate_group(plan: Plan):
     """The process group of the plan's data-parallel replicate axis (``None`` without one)."""
-    return _group(plan, Role.REPLICATE)
+    return _axis_group(plan, Role.REPLICATE)
 
 
 def tp_group(plan: Plan):
     """The process group of the plan's tensor-parallel axis (``None`` without one)."""
-    return _group(plan, Role.TP)
+    return _axis_group(plan, Role.TP)
 
 
 def _axis_rank(plan: Plan, role: Role) -> int:
@@ -76,7 +76,7 @@ def ep_group(plan: Plan):
       >>> fsdpfn.transforms.ep_group(plan) is None  # a plan without an ep axis
       True
     """
-    return _group(plan, Role.EP)
+    return _axis_group(plan, Role.EP)
 
 
 def ep_rank(plan: Plan) -> int:
@@ -98,7 +98,7 @@ def cp_group(plan: Plan):
       >>> fsdpfn.transforms.cp_group(plan) is None  # a plan without a cp axis
       True
     """
-    return _group(plan, Role.CP)
+    return _axis_group(plan, Role.CP)
 
 
 def cp_rank(plan: Plan) -> int:

@@ -18,7 +18,7 @@ from fsdpfn._codec import cached
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import uses_zeros
 from fsdpfn._plan import Plan, Unit
-from fsdpfn.transforms._axes import _axis_rank, replicate_group, tp_group, unit_group, unit_rank
+from fsdpfn.transforms._axes import _axis_group, _axis_rank, unit_group, unit_rank
 from fsdpfn.transforms._cp import check_reduce, note_gather
 
 __all__ = ["EagerWire", "TracedWire", "Wire", "check_op", "gather", "reduce"]
@@ -58,11 +58,7 @@ class EagerWire(Wire):
         self.async_op = async_op
 
     def group(self, plan, unit, role):
-        return {
-            Role.SHARD: unit_group,
-            Role.REPLICATE: lambda p, u: replicate_group(p),
-            Role.TP: lambda p, u: tp_group(p),
-        }[role](plan, unit)
+        return unit_group(plan, unit) if role is Role.SHARD else _axis_group(plan, role)
 
     def rank(self, plan, unit, role):
         return unit_rank(plan, unit) if role is Role.SHARD else _axis_rank(plan, role)
@@ -116,9 +112,8 @@ def gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], wire: Wire) -> t
     note_gather(plan)
     amax = codec.local_amax(locals_)
     if amax is not None:
-        amax = wire.all_reduce(amax, wire.group(plan, unit, Role.SHARD), "max", unit.name).wait()
-        if codec.amax_over_tp:
-            amax = wire.all_reduce(amax, wire.group(plan, unit, Role.TP), "max", unit.name).wait()
+        for role in codec.amax_roles:
+            amax = wire.all_reduce(amax, wire.group(plan, unit, role), "max", unit.name).wait()
     if codec.numel:
         pending = wire.all_gather(codec.encode(locals_, amax), w, wire.group(plan, unit, Role.SHARD), unit.name)
     else:

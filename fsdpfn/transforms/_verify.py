@@ -62,7 +62,7 @@ from fsdpfn._plan import ROOT, Plan, Unit, unit_label
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import local_part, split_roles, uses_zeros
 from fsdpfn._tree import flatten, unflatten
-from fsdpfn.transforms._axes import _group, axis_index, cp_group, dp_rank
+from fsdpfn.transforms._axes import _axis_group, axis_index, cp_group, dp_rank
 from fsdpfn.transforms._gather import check_params, gather_unit
 from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._intercept import intercept as _intercept
@@ -172,7 +172,7 @@ def _global(plan: Plan, name: str, part: torch.Tensor) -> torch.Tensor:
         return part
     stack, keys = part.unsqueeze(0), cast("list[dict[Role, int]]", [{}])
     for e in placed:
-        rows = C.all_gather_rows(stack.contiguous(), _group(plan, e.axis), tag="verify")
+        rows = C.all_gather_rows(stack.contiguous(), _axis_group(plan, e.axis), tag="verify")
         keys = [{**k, e.axis: r} for r in range(e.size) for k in keys]
         stack = rows.reshape(-1, *part.shape)
     out = torch.zeros(spec.shape, dtype=part.dtype, device=part.device)
@@ -743,7 +743,7 @@ def _check_unit(
             # ep ranks are data-parallel too: an expert's weight gradient on the rank holding it
             # sums every ep rank's tokens routed to it, one process's gradient over their batches.
             r = r.contiguous()
-            C.all_reduce(r, _group(plan, Role.EP), tag="verify")
+            C.all_reduce(r, _axis_group(plan, Role.EP), tag="verify")
         ck.compare(
             name, f"gradient of {p!r} (call {call})", s, local_part(spec, r, axis_index(plan, spec)), bound, members
         )
