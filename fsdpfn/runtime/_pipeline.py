@@ -54,6 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import Plan
+from fsdpfn._plan.attention import CP_STRATEGIES
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, forward_only, pipeline_schedule, validate_pipeline
 from fsdpfn._plan.schedule import Op
@@ -170,7 +171,7 @@ class PipelineRuntime:
       prefetch: the FSDP prefetch inside each stage's gathers (``pipeline_schedule``'s).
       device: where collectives run (``"cpu"``: gloo).
       cp_strategy: with a ``cp`` axis beside ``pp``: the context-parallel attention's strategy
-        (``"allgather"`` or ``"ring"``, as :func:`fsdpfn.context_parallel`). Each cp rank then
+        (one of :func:`fsdpfn.context_parallel`'s strategies). Each cp rank then
         takes its part of every sequence of the batch (:func:`fsdpfn.context_parallel_shard`,
         inputs and targets alike), and the stages run inside ``fsdpfn.context_parallel``: the
         loss is the mean over this rank's tokens, the gradients averaged over dp x cp.
@@ -222,8 +223,8 @@ class PipelineRuntime:
             )
         if plan.mesh is None:
             raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a PipelineRuntime")
-        if cp_strategy not in ("allgather", "ring"):
-            raise ValueError(f"cp_strategy must be 'allgather' or 'ring', got {cp_strategy!r}")
+        if cp_strategy not in CP_STRATEGIES:
+            raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
         if not callable(loss_fn):
             raise ValueError("loss_fn must be a callable loss_fn(output, target) -> the micro-batch's mean loss")
         if isinstance(schedule, str):

@@ -57,6 +57,7 @@ import torch
 
 from fsdpfn._plan import ROOT, MixedPrecision, Plan
 from fsdpfn._plan import plan as build_plan
+from fsdpfn._plan.attention import CP_STRATEGIES
 from fsdpfn._remat import check_policy
 from fsdpfn._plan.pipeline import PIPELINE_SCHEDULES, PipelineSchedule, pipeline_schedule
 from fsdpfn._plan.schedule import Schedule, schedule as make_schedule
@@ -373,8 +374,8 @@ def search(
         the mesh ``("dp", "cp") = (W/C, C)`` and its HSDP shapes, at ``C`` times the
         micro-batches of ``S/C`` tokens a sequence (the same global batch).
         ``SearchResult.cp`` says which won. Not with a tp or ep degree above 1.
-      cp_strategy: how attention reaches the other cp ranks' keys (``"allgather"`` or
-        ``"ring"``, as :func:`fsdpfn.context_parallel`).
+      cp_strategy: how attention reaches the other cp ranks' keys (one of
+        :func:`fsdpfn.context_parallel`'s strategies).
       pp: pipeline degrees to try (each must divide ``world`` with the tp degree); a degree
         ``P`` searches the mesh ``("pp", "dp") = (P, W/P)`` (beside a tp axis: ``(P, W/(P T), T)``)
         with the model's top-level modules and each block of a module list as units (see
@@ -828,8 +829,8 @@ def _check_cp(model: torch.nn.Module, world, cp: Sequence[int], strategy: str, t
     cps = tuple(dict.fromkeys((cp,) if isinstance(cp, int) else cp))
     if not cps or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cps):
         raise ValueError(f"search: cp must be context-parallel degrees >= 1, e.g. (1, 2, 4), got {cp!r}")
-    if strategy not in ("allgather", "ring"):
-        raise ValueError(f"search: cp_strategy must be 'allgather' or 'ring', got {strategy!r}")
+    if strategy not in CP_STRATEGIES:
+        raise ValueError(f"search: cp_strategy must be one of {CP_STRATEGIES}, got {strategy!r}")
     if cps == (1,):
         return cps
     if not isinstance(world, int):

@@ -877,7 +877,7 @@ def profile(
       remat_policies: selective activation-checkpointing policies to profile for every unit
         besides ``"save_dots"`` and the plan's own, so :meth:`Workload.with_remat` can cost them.
       cp_strategy: under a plan with a cp axis, how attention reaches the other ranks' keys
-        (``"allgather"`` or ``"ring"``, as :func:`fsdpfn.context_parallel`): recorded in the
+        (one of :func:`fsdpfn.context_parallel`'s strategies): recorded in the
         workload's attention calls, and on meta what a call keeps for backward (see [Note: one
         cp rank's attention]). ``inputs`` are then one cp rank's part of each sequence.
 

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from fsdpfn import _ambient
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
+from fsdpfn._plan.attention import CP_STRATEGIES
 from fsdpfn.transforms._axes import cp_group, cp_rank
 
 __all__ = [
@@ -72,7 +73,7 @@ __all__ = [
     "check_reduce",
 ]
 
-STRATEGIES = ("allgather", "ring")
+STRATEGIES = CP_STRATEGIES  # the one list, which the op list and the simulator read too
 
 T = TypeVar("T", torch.Tensor, Sequence[torch.Tensor])
 
