@@ -101,6 +101,8 @@ def _cp_train(rank, world, mesh_shape, names, configs, steps=STEPS):
 
 
 ALL = [(s, c, style) for s in ("allgather", "ring") for c in (True, False) for style in ("pure", "eager")]
+# Heads over cp: 4 heads over cp 4, and 2 tp-local heads over cp 2 beside tp (composed with tp).
+ULYSSES = [("ulysses", c, style) for c in (True, False) for style in ("pure", "eager")]
 
 
 @pytest.mark.parametrize(
@@ -114,10 +116,12 @@ ALL = [(s, c, style) for s in ("allgather", "ring") for c in (True, False) for s
     ids=["dp2-cp2", "cp2-tp2", "cp4", "hsdp2-cp2"],
 )
 def test_adamw_steps_match_one_process(run_on_ranks, mesh_shape, names):
-    """Both strategies, causal and not, the pure loop and the runtime: see [Note: the tolerance
-    of the cp parity tests]."""
-    for worst in run_on_ranks(_cp_train, 4, mesh_shape, names, ALL):
-        assert max(worst) < 1e-6, dict(zip(ALL, worst))
+    """Every strategy, causal and not, the pure loop and the runtime: see [Note: the tolerance
+    of the cp parity tests]. Ulysses on the meshes whose heads it splits furthest (cp 4) and
+    beside tp (a tp rank's heads split again over cp)."""
+    configs = ALL + (ULYSSES if names[-1] == "tp" or mesh_shape == (1, 4) else [])
+    for worst in run_on_ranks(_cp_train, 4, mesh_shape, names, configs):
+        assert max(worst) < 1e-6, dict(zip(configs, worst))
 
 
 # ---- attention and its gradients against one process -------------------------------------------
@@ -129,6 +133,8 @@ def _attention_grads(rank, world, strategy, causal, func, seq):
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(7)
     b, h, hkv, d = 2, 4, 2, 8  # grouped-query: 2 query heads per key/value head
+    if strategy == "ulysses":  # both head counts split over the 4 ranks
+        h, hkv = 8, 4
     q, k, v, go = (torch.randn(b, n, seq, d, dtype=torch.float64, generator=gen) for n in (h, hkv, hkv, h))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=True)
@@ -153,7 +159,7 @@ def _attention_grads(rank, world, strategy, causal, func, seq):
     return errs
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+@pytest.mark.parametrize("strategy", ["allgather", "ring", "ulysses"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("func", [True, False], ids=["func.grad", "backward"])
 def test_attention_and_qkv_gradients_match_one_process(run_on_ranks, strategy, causal, func):
@@ -195,7 +201,7 @@ def test_ring_merge_gradcheck_float64():
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["flash", "fallback"])
-@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+@pytest.mark.parametrize("strategy", ["allgather", "ring", "ulysses"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_fused_attention_function_gradcheck_float64(monkeypatch, fused, strategy, causal):
     """The fused Function ([Note: fused attention over cp]) on a one-rank axis still cuts the
@@ -210,8 +216,10 @@ def test_fused_attention_function_gradcheck_float64(monkeypatch, fused, strategy
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, n, 16, 4, dtype=torch.float64, generator=gen, requires_grad=True) for n in (4, 2, 2))
 
+    function = _cp._UlyssesAttention if strategy == "ulysses" else _cp._CPAttention
+
     def attend(q, k, v):
-        return _cp._CPAttention.apply(q, k, v, axis, causal, 0.5)[0]
+        return function.apply(q, k, v, axis, causal, 0.5)[0]
 
     # fast_mode: the Jacobian checked along random directions (u^T J v, one finite difference
     # per input), not element by element: 1000 kernel calls fewer, the same derivation tested.
@@ -229,7 +237,7 @@ def _saved_bytes(rank, world, seq, strategy, causal, cps):
     world split into groups of cp ranks; and the gradient of the saved call against SDPA's."""
     import torch.distributed as dist
 
-    b, h, hkv, d = 1, 4, 2, 16
+    b, h, hkv, d = 1, *_heads(strategy), 16
     gen = torch.Generator().manual_seed(5)
     q, k, v, go = (torch.randn(b, n, seq, d, generator=gen) for n in (h, hkv, hkv, h))
     out = {}
@@ -250,7 +258,13 @@ def _saved_bytes(rank, world, seq, strategy, causal, cps):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def _heads(strategy: str) -> tuple[int, int]:
+    """Query and key/value heads of the saved-bytes test: grouped-query, and for Ulysses both
+    divisible by cp 4."""
+    return (8, 4) if strategy == "ulysses" else (4, 2)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring", "ulysses"])
 def test_attention_saves_o_of_local_tokens_and_falls_with_cp(run_on_ranks, strategy):
     """At S = 2048 tokens a causal attention call saves, per rank, its own q, k, v, output and
     log-sum-exp and nothing else: ``(2 h + 2 h_kv) x (S / cp) x d`` float32 elements and
@@ -258,7 +272,8 @@ def test_attention_saves_o_of_local_tokens_and_falls_with_cp(run_on_ranks, strat
     = 1 SDPA's own flash kernel saves the same). Before the fused Function, at cp = 2, the
     all-gather strategy saved 9.0 MiB (its (S / cp) x S causal mask and the gathered K/V) and
     the ring 67.8 MiB (its (S / cp)^2 probabilities per block), against the bound's 0.77 MiB."""
-    seq, b, h, hkv, d, cps = 2048, 1, 4, 2, 16, (1, 2, 4)
+    seq, b, d, cps = 2048, 1, 16, (1, 2, 4)
+    h, hkv = _heads(strategy)
     for saved in run_on_ranks(_saved_bytes, 4, seq, strategy, True, cps):
         for cp in cps:
             n = seq // cp
@@ -574,3 +589,30 @@ def test_remat_recomputes_attention_over_cp_after_the_block_ended(run_on_ranks, 
         assert all(torch.equal(got[n], plain[n]) for n in plain), [
             n for n in plain if not torch.equal(got[n], plain[n])
         ]
+
+
+def _ulysses_heads_refused(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    out = {}
+    with fsdpfn.count_collectives() as counter:
+        for name, (h, hkv) in {"q_heads": (6, 2), "kv_heads": (4, 2)}.items():
+            q = torch.randn(1, h, 8, 4)
+            k = v = torch.randn(1, hkv, 8, 4)
+            try:
+                fsdpfn.context_parallel_attention(q, k, v, group, strategy="ulysses")
+                out[name] = "no error"
+            except ValueError as e:
+                out[name] = str(e)
+    out["collectives"] = sum(counter.counts().values())
+    return out
+
+
+def test_ulysses_names_heads_that_do_not_split_over_cp_on_every_rank_before_any_collective(run_on_ranks):
+    """Ulysses hands each cp rank a group of heads: 6 query heads or 2 key/value heads over 4
+    ranks do not split, and every rank says so, naming the heads, cp and the other strategies."""
+    for out in run_on_ranks(_ulysses_heads_refused, 4):
+        assert out["collectives"] == 0, out
+        assert "6 query heads" in out["q_heads"] and "cp=4" in out["q_heads"], out
+        assert "2 key/value heads" in out["kv_heads"] and "'ring'" in out["kv_heads"], out

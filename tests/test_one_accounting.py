@@ -237,6 +237,8 @@ CP_CASES = [  # (mesh, names, strategy, remat, prefetch)
     ((2, 2), ("dp", "cp"), "allgather", None, 1),
     ((1, 4), ("dp", "cp"), "ring", None, 0),
     ((2, 2), ("dp", "cp"), "ring", "full", 2),
+    ((1, 4), ("dp", "cp"), "ulysses", None, 1),
+    ((2, 2), ("dp", "cp"), "ulysses", "full", 0),
 ]
 
 
@@ -301,23 +303,31 @@ def test_attention_over_cp_is_on_the_list_the_cost_and_the_simulation(run_on_ran
             assert r["equal"], (rank, r["case"], r["lengths"], r["first_diff"])
             cp, strategy, remat = r["case"][0][1], r["case"][2], r["case"][3]
             # all-gather: gather, gather again in backward, reduce-scatter; ring: K/V hops forward,
-            # K/V hops again and the dK/dV accumulator's in backward, a remat unit's recomputed hops
-            per_call = 3 if strategy == "allgather" else 3 * (cp - 1) + (cp - 1 if remat == "full" else 0)
+            # K/V hops again and the dK/dV accumulator's in backward, a remat unit's recomputed hops;
+            # ulysses: q/k/v and output all-to-alls each way, a remat unit's two again
+            per_call = {
+                "allgather": 3,
+                "ring": 3 * (cp - 1) + (cp - 1 if remat == "full" else 0),
+                "ulysses": 4 + (2 if remat == "full" else 0),
+            }[strategy]
             assert r["cp_calls"] == CFG.depth * per_call, (rank, r["case"], r["cp_calls"])
     for case in CP_CASES:
         shape, names, strategy, remat, _ = case
         model, plan, sched = _cp_build(case, dict(zip(names, shape)))
         wl = _cp_profile(model, plan, strategy)
         assert wl.attention == tuple(
-            fsdpfn.AttentionCall(f"blocks.{i}", CFG.width, True, strategy, torch.float32) for i in range(CFG.depth)
+            fsdpfn.AttentionCall(f"blocks.{i}", CFG.width, True, strategy, torch.float32, q_width=CFG.width)
+            for i in range(CFG.depth)
         )
         tokens = PER_RANK * CFG.seq_len // plan.cp_size
         assert wl.tokens == tokens
         listed = fsdpfn.step_collectives(plan, schedule=sched, tokens=tokens, attention=wl.attention)
         cost = plan.cost(schedule=sched, tokens=tokens, attention=wl.attention)
         assert list(cost.calls) == list(listed)
-        # every call holds the whole sequence's keys and values while it runs: 2 (K, V) x seq x width x 4 bytes a row
-        assert cost.memory["attention_kv"] == CFG.depth * PER_RANK * 2 * CFG.seq_len * CFG.width * 4
+        # every call holds the whole sequence's keys and values while it runs: 2 (K, V) x seq x width x 4 bytes a
+        # row; under ulysses those of its 1 / cp of the heads
+        held = CFG.depth * PER_RANK * 2 * CFG.seq_len * CFG.width * 4
+        assert cost.memory["attention_kv"] == (held // plan.cp_size if strategy == "ulysses" else held)
         r = sim.simulate(plan, sched, wl, None, HW)
         assert {k: (t.calls, t.nbytes, round(t.wire_bytes, 6)) for k, t in r.traffic["step"].items()} == _sums(
             listed

@@ -23,6 +23,10 @@ strategy         forward                                backward
                  stacked K/V                            interleaved with ``cp - 1`` hops of a dK/dV
                                                         accumulator in float32 or wider (tag
                                                         ``cp_ring_dkv``, purpose ``cp_ring_grad``)
+``"ulysses"``    all-to-all of the stacked Q/K/V,       all-to-all of the output's gradient, then
+                 ``N (q_width + 2 kv_width)`` elements  of dQ/dK/dV: the same two buffers
+                 (tag ``cp_a2a_qkv``), then of the
+                 output, ``N q_width`` (``cp_a2a_out``)
 ===============  =====================================  ==========================================
 
 Every hop happens under causal masking too: with head-tail balancing no rank's query block is
@@ -30,9 +34,11 @@ hidden from any key block, so none is skipped. A unit recomputed in backward (``
 issues its forward's collectives again there, before the backward's.
 
 Memory: each call keeps only its rank's own queries, keys, values, output and log-sum-exp for
-its backward (the fused Function of ``fsdpfn/transforms/_cp.py``, [Note: fused attention over
+its backward (the fused Functions of ``fsdpfn/transforms/_cp.py``, [Note: fused attention over
 cp]); the keys and values of the whole sequence, ``2 cp N kv_width e`` bytes, are transient: the
 all-gather holds them at once in forward and again in backward, the ring two blocks at a time.
+Ulysses holds the whole sequence of ``1 / cp`` of the heads: ``2 N kv_width e`` bytes of keys
+and values (:func:`held_kv_bytes`).
 """
 
 from __future__ import annotations
@@ -41,11 +47,10 @@ import dataclasses
 
 import torch
 
-from fsdpfn._plan.axes import Role
 
-__all__ = ["AttentionCall", "CP_STRATEGIES", "attention_entries", "kv_bytes"]
+__all__ = ["AttentionCall", "CP_STRATEGIES", "held_kv_bytes", "kv_bytes"]
 
-CP_STRATEGIES = ("allgather", "ring")
+CP_STRATEGIES = ("allgather", "ring", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +62,11 @@ class AttentionCall:
       unit: the unit whose forward calls it.
       kv_width: elements of one token's keys (``kv_heads x head_dim``); the values are as wide.
       causal: a causal mask (the collectives are the same; kept for the compute).
-      strategy: ``"allgather"`` or ``"ring"``, as :func:`fsdpfn.context_parallel` is given.
+      strategy: ``"allgather"``, ``"ring"`` or ``"ulysses"``, as :func:`fsdpfn.context_parallel`
+        is given.
       dtype: the keys' dtype (``None``: the unit's gather dtype, what its activations run in).
+      q_width: elements of one token's queries (``heads x head_dim``; ``None``: ``kv_width``,
+        as without grouped-query heads). Ulysses exchanges the queries too.
 
     Example:
       >>> a = AttentionCall("layers.0", kv_width=8 * 128, strategy="ring")
@@ -71,6 +79,7 @@ class AttentionCall:
     causal: bool = True
     strategy: str = "allgather"
     dtype: torch.dtype | None = None
+    q_width: int | None = None
 
     def __post_init__(self):
         if self.strategy not in CP_STRATEGIES:
@@ -78,6 +87,12 @@ class AttentionCall:
         if not isinstance(self.kv_width, int) or isinstance(self.kv_width, bool) or self.kv_width < 1:
             raise ValueError(
                 f"AttentionCall({self.unit!r}): kv_width must be an int >= 1 (kv_heads x head_dim), got {self.kv_width!r}"
+            )
+        if self.q_width is not None and (
+            not isinstance(self.q_width, int) or isinstance(self.q_width, bool) or self.q_width < 1
+        ):
+            raise ValueError(
+                f"AttentionCall({self.unit!r}): q_width must be None or an int >= 1 (heads x head_dim), got {self.q_width!r}"
             )
 
 
@@ -92,33 +107,16 @@ def kv_bytes(a: AttentionCall, tokens: int, dtype: torch.dtype) -> int:
     return 2 * tokens * a.kv_width * (a.dtype or dtype).itemsize
 
 
-def attention_entries(
-    a: AttentionCall, cp: int, phase: str, tokens: int, dtype: torch.dtype, recompute: bool = False
-) -> list[tuple]:
-    """``(kind, role, nbytes, dtype, purpose, tag)`` of one attention call in ``phase``
-    (``"forward"`` or ``"backward"``), over ``cp`` ranks; ``recompute``: the unit's forward runs
-    again in its backward (see [Note: what attention over cp issues]). Tags are those
-    ``fsdpfn.transforms`` gives the collectives, so a record of a real step compares.
+def held_kv_bytes(a: AttentionCall, cp: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one call over ``cp`` ranks holds at once while it runs (see the
+    module's Memory paragraph): the whole sequence's, ``cp`` times a rank's own, or under
+    Ulysses those of its ``1 / cp`` of the heads, as many as its own.
 
     Example:
-      >>> [e[5] for e in attention_entries(AttentionCall("b", 4, strategy="ring"), 3, "backward", 8, torch.float32)]
-      ['cp_ring_kv', 'cp_ring_kv', 'cp_ring_dkv', 'cp_ring_dkv']
+      >>> held_kv_bytes(AttentionCall("blocks.0", 16), 4, tokens=10, dtype=torch.float32)
+      5120
+      >>> held_kv_bytes(AttentionCall("blocks.0", 16, strategy="ulysses"), 4, tokens=10, dtype=torch.float32)
+      1280
     """
-    if cp == 1:
-        return []
-    dt = a.dtype or dtype
-    n = kv_bytes(a, tokens, dt)
-    if a.strategy == "allgather":
-        fwd = [("all_gather", Role.CP, cp * n, dt, "cp_gather", "cp_gather_kv")]
-        bwd = fwd + [("reduce_scatter", Role.CP, cp * n, dt, "cp_scatter", "cp_gather_kv")]
-    else:
-        kv = ("send_recv", Role.CP, n, dt, "cp_ring", "cp_ring_kv")
-        acc = torch.promote_types(dt, torch.float32)
-        dkv = ("send_recv", Role.CP, kv_bytes(a, tokens, acc), acc, "cp_ring_grad", "cp_ring_dkv")
-        fwd = [kv] * (cp - 1)
-        # In the order the backward starts them: K/V hop s + 1 before block s, the accumulator
-        # of block s after it.
-        bwd = [kv] + [kv, dkv] * (cp - 2) + [dkv]
-    if phase == "forward":
-        return fwd
-    return (fwd if recompute else []) + bwd
+    own = kv_bytes(a, tokens, dtype)
+    return own if a.strategy == "ulysses" else cp * own

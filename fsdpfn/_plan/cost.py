@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdpfn._plan.attention import AttentionCall, kv_bytes
+from fsdpfn._plan.attention import AttentionCall, held_kv_bytes
 from fsdpfn._plan.values import PlanValues, _human
 from fsdpfn._plan.schedule import Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
@@ -145,6 +145,6 @@ def plan_cost(
     if plan.cp_size > 1 and attention:
         units = {u.name: u for u in plan.units}
         mem["attention_kv"] = sum(
-            plan.cp_size * kv_bytes(a, tokens or 0, plan.gather_dtype(units[a.unit])) for a in attention
+            held_kv_bytes(a, plan.cp_size, tokens or 0, plan.gather_dtype(units[a.unit])) for a in attention
         )
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem, calls, tokens)

@@ -210,6 +210,11 @@ def attention_entries(a: AttentionCall, cp: int, phase: str, tokens: int, dtype:
         gather = Exchange("all_gather", Role.CP, cp * n, dt, "cp_gather", "cp_gather_kv")
         fwd = [gather]
         bwd = [gather, Exchange("reduce_scatter", Role.CP, cp * n, dt, "cp_scatter", "cp_gather_kv")]
+    elif a.strategy == "ulysses":
+        q = tokens * (a.q_width or a.kv_width) * dt.itemsize
+        qkv = Exchange("all_to_all", Role.CP, q + n, dt, "cp_heads", "cp_a2a_qkv")
+        out = Exchange("all_to_all", Role.CP, q, dt, "cp_heads", "cp_a2a_out")
+        fwd, bwd = [qkv, out], [out, qkv]
     else:
         kv = Exchange("send_recv", Role.CP, n, dt, "cp_ring", "cp_ring_kv", overlap="blocks")
         acc = torch.promote_types(dt, torch.float32)

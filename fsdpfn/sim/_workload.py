@@ -619,8 +619,11 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
             q, k, v = args[:3]
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
             if k.dim() == 4 and self.unit_of is not None:
+                width = int(k.shape[1] * k.shape[3])
                 self.calls.append(
-                    AttentionCall(self.unit_of(), int(k.shape[1] * k.shape[3]), bool(causal), self.strategy, k.dtype)
+                    AttentionCall(
+                        self.unit_of(), width, bool(causal), self.strategy, k.dtype, int(q.shape[1] * q.shape[3])
+                    )
                 )
         if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
             q, k, v = args[:3]

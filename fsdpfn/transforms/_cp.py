@@ -5,7 +5,7 @@ Every example's sequence of ``S`` tokens is cut into ``2 cp`` chunks; rank ``r``
 axis holds chunks ``r`` and ``2 cp - 1 - r`` (a head and a tail, see [Note: head-tail
 balancing]). Everything outside attention is per token, so the model runs unchanged on a
 rank's ``S / cp`` tokens; attention is the one place a token needs the others, and
-:func:`context_parallel_attention` brings them in, one of two ways:
+:func:`context_parallel_attention` brings them in, one of three ways:
 
 - ``"allgather"``: every rank's keys and values are all-gathered and put back in sequence
   order; each local chunk attends to the chunks before it in full and to itself under a causal
@@ -16,8 +16,12 @@ rank's ``S / cp`` tokens; attention is the one place a token needs the others, a
   partial results by their log-sum-exp (online softmax), so it never holds more than two blocks.
   Chunk pairs a causal mask hides entirely are skipped. Backward sends the blocks around again
   with an accumulator of their dK and dV.
+- ``"ulysses"``: one all-to-all trades the sequence for the heads: each rank receives the whole
+  sequence of ``1 / cp`` of the heads, attends over it as one process would, and a second
+  all-to-all returns its own tokens of every head (see [Note: attention over cp by heads]). The
+  heads must divide by cp.
 
-Both are one autograd Function that saves only the rank's own q, k, v, output and log-sum-exp
+Each is one autograd Function that saves only the rank's own q, k, v, output and log-sum-exp
 (see [Note: fused attention over cp]).
 
 [Note: head-tail balancing]
@@ -527,6 +531,93 @@ class _CPAttention(torch.autograd.Function):
             return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+# ---- [Note: attention over cp by heads] ---------------------------------------------------------
+# "ulysses" (DeepSpeed-Ulysses): instead of bringing the other ranks' keys to this rank's
+# queries, one all-to-all trades sequence for heads. Each rank sends its tokens of head group j
+# (heads j h/cp .. (j + 1) h/cp of q, k and v, stacked into one buffer) to rank j, and receives
+# every rank's tokens of its own head group: the whole sequence, h/cp heads, put back in sequence
+# order (the head-tail chunks of [Note: head-tail balancing]). Attention is then one plain call
+# per rank, no merge: its rows are one process's rows for those heads. A second all-to-all
+# returns each rank's tokens of every head. Backward is the transpose: the output's gradient
+# travels like the forward's output, backwards; dq, dk, dv like q, k, v, backwards.
+#
+# Bytes: two all-to-alls a call each way, of N (h + 2 h_kv) d and N h d elements (N a rank's
+# tokens), whatever cp is, against the all-gather's cp x 2 N h_kv d; so it pays where cp is large
+# and heads many. Its limit is the heads: q's and k's heads must both divide by cp (with tp, the
+# heads a tp rank holds). Like the other strategies it is one autograd Function that saves the
+# rank's share only: q, k, v, the output and its log-sum-exp of its heads over the whole
+# sequence, as many elements as its own tokens of every head.
+
+
+def _to_heads(xs: list[torch.Tensor], a: _Axis, tag: str) -> list[torch.Tensor]:
+    """This rank's tokens of every head, ``(b, h_i, n, d)`` each, to the whole sequence of its
+    head group, ``(b, h_i / cp, cp n, d)`` in sequence order: one all-to-all for all of ``xs``."""
+    b, _, n, d = xs[0].shape
+    send = torch.cat([x.unflatten(1, (a.size, x.shape[1] // a.size)) for x in xs], dim=2)
+    send = send.movedim(1, 0).contiguous()  # (destination, b, heads of every x, n, d)
+    recv = torch.empty_like(send)
+    C.all_to_all(recv.view(-1), send.view(-1), a.group, tag=tag).wait()
+    full = recv.permute(1, 2, 0, 3, 4).reshape(b, send.shape[2], a.size * n, d)  # sources' tokens, rank order
+    full = full.index_select(2, _order(n, a.size, full.device))
+    return list(full.split([x.shape[1] // a.size for x in xs], dim=1))
+
+
+def _to_tokens(xs: list[torch.Tensor], a: _Axis, tag: str) -> list[torch.Tensor]:
+    """:func:`_to_heads`'s inverse: the whole sequence of this rank's head group back to its own
+    tokens of every head."""
+    full = torch.cat(xs, dim=1)
+    b, heads, seq, d = full.shape
+    n = seq // a.size
+    ranked = torch.empty_like(full).index_copy_(2, _order(n, a.size, full.device), full)
+    send = ranked.unflatten(2, (a.size, n)).movedim(2, 0).contiguous()  # (destination, b, heads, n, d)
+    recv = torch.empty_like(send)
+    C.all_to_all(recv.view(-1), send.view(-1), a.group, tag=tag).wait()
+    out, lo = [], 0
+    for x in xs:  # recv: (head group, b, heads, n, d)
+        h = x.shape[1]
+        out.append(recv[:, :, lo : lo + h].movedim(0, 1).reshape(b, a.size * h, n, d))
+        lo += h
+    return out
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """[Note: attention over cp by heads]. Returns ``(out, saved...)``; only ``out`` is
+    differentiable."""
+
+    @staticmethod
+    def forward(q, k, v, a, causal, scale):
+        with torch._C._DisableFuncTorch():
+            qh, kh, vh = _to_heads([q, k, v], a, "cp_a2a_qkv")
+            acc = torch.promote_types(q.dtype, torch.float32)
+            b, h, seq, d = qh.shape
+            out = torch.zeros(b, seq, h, d, dtype=acc, device=q.device).transpose(1, 2)
+            lse = torch.full(qh.shape[:3], -math.inf, dtype=acc, device=q.device)
+            _forward_calls(qh, kh, vh, [(0, seq, 0, seq, causal)], scale, out, lse)
+            oh = out.to(q.dtype)
+            (local,) = _to_tokens([oh], a, "cp_a2a_out")
+            return local, qh, kh, vh, oh, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, _, ctx.axis, ctx.causal, ctx.scale = inputs
+        _, *saved = output
+        ctx.mark_non_differentiable(*saved)
+        ctx.save_for_backward(*saved)
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        qh, kh, vh, oh, lse = ctx.saved_tensors
+        a, causal, scale = ctx.axis, ctx.causal, ctx.scale
+        with torch._C._DisableFuncTorch():
+            (gh,) = _to_heads([g.contiguous()], a, "cp_a2a_out")
+            acc = torch.promote_types(qh.dtype, torch.float32)
+            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (qh, kh, vh))
+            seq = qh.shape[2]
+            _backward_calls(gh, qh, kh, vh, oh, lse, [(0, seq, 0, seq, causal)], scale, dq, dk, dv)
+            dq, dk, dv = _to_tokens([dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)], a, "cp_a2a_qkv")
+            return dq, dk, dv, None, None, None
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -550,11 +641,13 @@ def context_parallel_attention(
         (grouped-query attention).
       plan_or_group: whose cp axis.
       causal: each token attends to the tokens at or before its position in the full sequence.
-      strategy: ``"allgather"`` (gather every rank's keys and values, then one attention) or
-        ``"ring"`` (pass them around the cp ranks, one block at a time, overlapping the hops);
-        ``None``: the :func:`context_parallel` block's, else ``"allgather"``. The user guide's
-        "Context parallelism" page (``docs/tour/context-parallel.md``) compares the two and shows
-        how to make your own attention cp-aware.
+      strategy: ``"allgather"`` (gather every rank's keys and values, then one attention),
+        ``"ring"`` (pass them around the cp ranks, one block at a time, overlapping the hops) or
+        ``"ulysses"`` (trade the sequence for the heads with an all-to-all: each rank attends over
+        the whole sequence for ``1 / cp`` of the heads; ``heads`` and ``kv_heads`` must divide
+        by cp); ``None``: the :func:`context_parallel` block's, else ``"allgather"``. The user
+        guide's "Context parallelism" page (``docs/tour/context-parallel.md``) compares them and
+        shows how to make your own attention cp-aware.
       scale: the softmax scale (``1 / sqrt(head_dim)`` when ``None``).
 
     Raises:
@@ -594,8 +687,18 @@ def context_parallel_attention(
             f"an odd number; over cp={a.size} each rank holds two equal chunks. Split the batch with "
             "fsdpfn.context_parallel_shard, whose sequence length must divide by 2 x cp"
         )
+    if a.strategy == "ulysses":
+        for what, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
+            if heads % a.size:
+                raise ValueError(
+                    f"context_parallel_attention(strategy='ulysses'): {heads} {what} heads (q {tuple(q.shape)}, k "
+                    f"{tuple(k.shape)}) do not split over cp={a.size}; Ulysses hands each cp rank 1/{a.size} of the heads "
+                    "(with tp, of a tp rank's heads). Use strategy='ring' or 'allgather', or a cp degree that divides "
+                    "both head counts"
+                )
     _CALLS[0] += 1
-    return _CPAttention.apply(q, k, v, a, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)[0]
+    function = _UlyssesAttention if a.strategy == "ulysses" else _CPAttention
+    return function.apply(q, k, v, a, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)[0]
 
 
 # ---- [Note: detecting attention that is not cp-aware] ---------------------------------------------
