@@ -47,8 +47,10 @@ import dataclasses
 
 import torch
 
+from fsdpfn._plan.axes import Role
 
-__all__ = ["AttentionCall", "CP_STRATEGIES", "held_kv_bytes", "kv_bytes"]
+
+__all__ = ["AttentionCall", "CP_STRATEGIES", "attention_memory", "held_kv_bytes", "kv_bytes"]
 
 CP_STRATEGIES = ("allgather", "ring", "ulysses")
 
@@ -120,3 +122,19 @@ def held_kv_bytes(a: AttentionCall, cp: int, tokens: int, dtype: torch.dtype) ->
     """
     own = kv_bytes(a, tokens, dtype)
     return own if a.strategy == "ulysses" else cp * own
+
+
+def attention_memory(plan, attention, tokens: int) -> dict[str, int]:
+    """``{"attention_kv": bytes}`` for :meth:`fsdpfn.Plan.cost`'s memory: what the step's
+    attention calls over the plan's cp axis hold at once, summed (:func:`held_kv_bytes`, in each
+    unit's gather dtype); ``{}`` without a cp axis or calls.
+
+    Example:
+      >>> attention_memory(fsdpfn.plan(model, {"dp": 1, "cp": 2}), [AttentionCall("blocks.0", 32)], tokens=8)
+      {'attention_kv': 4096}
+    """
+    cp = plan.axes.size(Role.CP)
+    if cp == 1 or not attention:
+        return {}
+    units = {u.name: u for u in plan.units}
+    return {"attention_kv": sum(held_kv_bytes(a, cp, tokens, plan.gather_dtype(units[a.unit])) for a in attention)}

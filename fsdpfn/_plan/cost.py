@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdpfn._plan.attention import AttentionCall, held_kv_bytes
+from fsdpfn._plan.attention import AttentionCall, attention_memory
 from fsdpfn._plan.values import PlanValues, _human
 from fsdpfn._plan.schedule import Schedule, validate
 from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` is an argument below
@@ -142,9 +142,5 @@ def plan_cost(
     sched = schedule if schedule is not None else default_schedule(plan, prefetch, reshard_after_forward)
     ops = step_ops(plan, sched, micro_batches=micro_batches, accumulate=accumulate)
     mem = {**static_memory(plan), "unsharded_peak": unsharded_peak(plan, ops)}
-    if plan.cp_size > 1 and attention:
-        units = {u.name: u for u in plan.units}
-        mem["attention_kv"] = sum(
-            held_kv_bytes(a, plan.cp_size, tokens or 0, plan.gather_dtype(units[a.unit])) for a in attention
-        )
+    mem.update(attention_memory(plan, attention, tokens or 0))
     return PlanCost({k: v for k, v in kinds.items() if v.calls}, mem, calls, tokens)
