@@ -134,7 +134,7 @@ def _moe(rank, world):
             "1f1b",
             2,
             loss_fn=_ce,
-            cp_strategy="ulysses",
+            cp_strategy="zigzag",
         )
     return True
 

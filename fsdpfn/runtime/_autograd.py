@@ -112,7 +112,7 @@ class RootGather(torch.autograd.Function):
         ex, step = ctx.info
         with torch._C._DisableFuncTorch():
             ex.check_step(step, "the root's backward")
-            ex.full_grads[ROOT] = [_unwrap(g) for g in grads]
+            ex.set_grads(ROOT, [_unwrap(g) for g in grads])
             return (None,) + (None,) * len(grads)
 
 
@@ -302,7 +302,7 @@ class UnitFn(torch.autograd.Function):
                 got = [None] * len(wrt)
             if call.compiled is not None and pairs:
                 count_compiled(call.compiled.get("backward", []))
-            ex.full_grads[name] = list(got[: len(params)])
+            ex.set_grads(name, list(got[: len(params)]))
             x_grads = iter(got[len(params) :])
             out_x = [next(x_grads) if x.requires_grad else None for x in xs]
             ex.event(OpKind.BACKWARD_DONE, name)

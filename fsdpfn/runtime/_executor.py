@@ -163,6 +163,35 @@ class Executor:
             self.full_grads.clear()
             self.cursor = len(self.ops)
 
+    def reset_grads(self) -> None:
+        """Drops every gradient this runtime holds for the step: the micro-batch's full ones,
+        those kept summed across micro-batches, and the reduced ones (an evaluation step, or a
+        new pipelined step on an executor that outlives it)."""
+        self.results, self.full_grads, self.local_acc = {}, {}, {}
+
+    def run(self, op: Op) -> None:
+        """Runs one action op of the schedule's vocabulary (``gather``, ``wait``, ``free``,
+        ``reduce``, ``wait_reduce``, ``copy_in``, ``copy_out``, ``accumulate``) now. :meth:`event`
+        runs a schedule's actions this way as the model reaches its events; the pipeline runtime
+        runs its ranks' op lists through it."""
+        if op.is_event:
+            raise RuntimeScheduleError(f"run() takes action ops; '{op}' is an event the model reaches (event())")
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            self.actions[op.kind](op.unit)
+
+    def set_grads(self, name: str, grads: list) -> None:
+        """Unit ``name``'s full gradients of this micro-batch (its backward's), which the next
+        ``accumulate`` or ``reduce`` op of the unit takes."""
+        self.full_grads[name] = grads
+
+    def add_grads(self, name: str, grads: list) -> None:
+        """As :meth:`set_grads`, but gradients of an earlier micro-batch still waiting are first
+        summed into the unit's kept sum (an ``accumulate`` op run now): a pipeline's stage takes
+        every micro-batch's before its one reduce."""
+        if name in self.full_grads:
+            self.run(Op(OpKind.ACCUMULATE, name))
+        self.set_grads(name, grads)
+
     def check_step(self, step: int, what: str) -> None:
         """Raises unless ``step`` is the step in progress (a stale graph is differentiated)."""
         if step != self.step or self.cursor >= len(self.ops):

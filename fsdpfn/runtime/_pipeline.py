@@ -404,7 +404,7 @@ class PipelineRuntime:
         self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
-            ex.results, ex.full_grads, ex.local_acc = {}, {}, {}
+            ex.reset_grads()
         self._acts: dict[tuple[int, int], torch.Tensor] = {}  # a stage's input, before its forward
         self._grads: dict[tuple[int, int], torch.Tensor] = {}  # a stage's output gradient, before its backward
         self._outbox: dict[tuple[int, int], torch.Tensor] = {}  # computed, to be sent
@@ -527,9 +527,7 @@ class PipelineRuntime:
         for op in ps.ranks[self.pp_rank]:
             t0 = clock()
             if isinstance(op, Op):
-                ex = self._ex[self._stage_of_unit[op.unit]]
-                with torch.no_grad():
-                    ex.actions[op.kind](op.unit)
+                self._ex[self._stage_of_unit[op.unit]].run(op)
             else:
                 run[op.kind](op)
             self.last_ops.append(str(op))
@@ -548,7 +546,7 @@ class PipelineRuntime:
         loss = torch.zeros((), dtype=torch.float32)
         if not train:
             for ex in self._ex.values():
-                ex.results, ex.full_grads, ex.local_acc = {}, {}, {}
+                ex.reset_grads()
         if ps.rank_of(last) == self.pp_rank:
             loss = torch.stack([self._losses[k].float() for k in range(m)]).sum() / m
         loss = broadcast(loss.reshape(1), src=self._global[ps.rank_of(last)], group=self.group, tag="pp_loss").reshape(
@@ -598,7 +596,7 @@ class PipelineRuntime:
         ex = self._ex[s]
         if not self._train:  # evaluate: no graph, nothing saved for a backward
             x = self._xs[k] if s == 0 else self._acts.pop((s, k))
-            params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full[u.name])}
+            params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full_params(u.name))}
             out = self._stage_output(
                 s,
                 torch.func.functional_call(
@@ -615,7 +613,7 @@ class PipelineRuntime:
         leaves = {
             p.name: t.detach().requires_grad_()
             for u in self.stage_plans[s].units
-            for p, t in zip(u.params, ex.full[u.name])
+            for p, t in zip(u.params, ex.full_params(u.name))
         }
         if s == 0:
             x = self._xs[k]
@@ -736,10 +734,7 @@ class PipelineRuntime:
     def _add_param_grads(self, s: int, by_name: dict) -> None:
         ex = self._ex[s]
         for u in self.stage_plans[s].units:
-            if u.name in ex.full_grads:  # an earlier micro-batch's: summed locally, in the reduce dtype
-                with torch.no_grad():
-                    ex._accumulate(u.name)
-            ex.full_grads[u.name] = [by_name[p.name] for p in u.params]
+            ex.add_grads(u.name, [by_name[p.name] for p in u.params])  # summed locally, in the reduce dtype
 
     def _input_grad(self, s: int, k: int, x: torch.Tensor, g: torch.Tensor | None) -> None:
         """Hands the gradient of stage ``s``'s input to stage ``s - 1`` (zeros where it does not reach it)."""
