@@ -45,6 +45,7 @@ from fsdpfn._plan.steps import step_collectives as step_collectives
 from fsdpfn.comm import count_collectives as count_collectives
 from fsdpfn.transforms import CompileUnsupportedError as CompileUnsupportedError
 from fsdpfn.transforms import apply_tp as apply_tp
+from fsdpfn.transforms import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from fsdpfn.transforms import compile as compile
 from fsdpfn.transforms import context_parallel as context_parallel
 from fsdpfn.transforms import context_parallel_attention as context_parallel_attention
@@ -104,6 +105,7 @@ __all__ = [
     "Strategy",
     "Unit",
     "apply_tp",
+    "vocab_parallel_cross_entropy",
     "checkpoint",
     "comm",
     "compile",

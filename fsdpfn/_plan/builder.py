@@ -218,18 +218,40 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
         if name not in styles or styles[name][0] == "replicate":
             continue
         style = styles[name][0]
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+        if isinstance(mod, nn.EmbeddingBag) or (isinstance(mod, nn.Embedding) and style != "vocab"):
             raise NotImplementedError(
-                f"tp[{styles[name][1]!r}] = {style!r} matches the embedding {name!r}: tensor-parallel embeddings are not "
-                "supported yet. Leave embeddings out of tp= (they stay replicated over the tp axis)."
+                f"tp[{styles[name][1]!r}] = {style!r} matches the embedding {name!r} ({type(mod).__name__}): an nn.Embedding "
+                "splits over its vocabulary with the style 'vocab' (each tp rank looks up its slice of the ids, the outputs "
+                "are all-reduced); other styles and nn.EmbeddingBag are not supported. Use 'vocab', or leave it out of tp= "
+                "(it stays replicated over the tp axis)."
             )
-        if not isinstance(mod, nn.Linear):
+        if isinstance(mod, nn.Embedding):
+            _check_vocab_embedding(name, mod)
+        elif style == "vocab":
+            raise ValueError(
+                f"tp[{styles[name][1]!r}] = 'vocab' matches {name!r}, a {type(mod).__name__}: 'vocab' splits an nn.Embedding "
+                "by its rows. The output Linear over the vocabulary is 'colwise_loss' (its logits stay split for "
+                "fsdpfn.vocab_parallel_cross_entropy)"
+            )
+        elif not isinstance(mod, nn.Linear):
             raise ValueError(
                 f"tp[{styles[name][1]!r}] = {style!r} matches {name!r}, a {type(mod).__name__}; colwise and rowwise split "
                 f"nn.Linear modules. Match the Linear layers inside it (e.g. '{name}.*')."
             )
         out[name] = style
     return out
+
+
+def _check_vocab_embedding(name: str, mod: nn.Embedding) -> None:
+    """An Embedding split by rows looks ids up in a slice: options that read a global row or
+    rewrite the weight in place do not carry over."""
+    for option, off in (("padding_idx", None), ("max_norm", None), ("sparse", False)):
+        if getattr(mod, option) != off:
+            raise NotImplementedError(
+                f"tp splits the embedding {name!r} over its vocabulary ('vocab'), but it has {option}="
+                f"{getattr(mod, option)!r}, which a tp rank holding a slice of the rows cannot honour. Build it with "
+                f"{option}={off!r}, or leave it out of tp="
+            )
 
 
 def _tp_placement(style: str | None, leaf: str) -> Placement:
@@ -370,6 +392,17 @@ def plan(
             "add one, e.g. init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))"
         )
     tp_size, ep_size = mesh_axes.tp_size, mesh_axes.ep_size
+    modules_by_name = dict(model.named_modules())
+    for name, style in tp_styles.items():
+        if style in ("vocab", "colwise_loss"):
+            mod = modules_by_name[name]
+            rows = mod.num_embeddings if isinstance(mod, nn.Embedding) else mod.out_features
+            if rows % tp_size:
+                raise ValueError(
+                    f"tp splits {name!r} over its vocabulary of {rows} ({style!r}), which does not divide over tp={tp_size}: "
+                    f"each tp rank holds an equal slice of the rows. Pad the vocabulary to a multiple of {tp_size} "
+                    "(as Megatron pads it), or leave the module out of tp="
+                )
     expert_of, top_k = _expert_params(model, experts, ep_size) if Role.EP in mesh_axes.roles else ({}, {})
 
     unit_names = _select_units(model, units)

@@ -41,7 +41,7 @@ import torch
 from fsdpfn._plan.attention import AttentionCall, kv_bytes
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import OpKind
-from fsdpfn._plan.values import PlanValues, Unit, unit_label
+from fsdpfn._plan.values import ROOT, PlanValues, Unit, unit_label
 
 __all__ = ["AXES", "Exchange", "Exchanges", "attention_entries", "step_exchanges"]
 
@@ -99,7 +99,10 @@ def tensor_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
     unit's gather dtype (``in_features``/``out_features`` the Linear's global sizes):
     ``colwise`` all-reduces its input's gradient in backward (``N x in_features``);
     ``colwise_gather`` also all-gathers its output in forward (``N x out_features``);
-    ``rowwise`` all-reduces its output in forward (``N x out_features``).
+    ``rowwise`` all-reduces its output in forward (``N x out_features``); a ``vocab`` Embedding
+    all-reduces its output in forward (``N x width``); a ``colwise_loss`` head is colwise, and
+    the loss over its split logits all-reduces each token's max, then its two sums (``N`` and
+    ``2 N`` float32), after the root's forward.
 
     Example:
       >>> tp_plan = fsdpfn.plan(model, {"dp": 1, "tp": 2}, tp=fsdpfn.models.GPT_TP_PLAN)
@@ -122,14 +125,29 @@ def tensor_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
         out_f, in_f = plan.param(weight).shape[:2]
         modules.setdefault(unit.name, []).append((module, style, int(in_f), int(out_f), plan.gather_dtype(unit)))
     t = plan.axes.size(Role.TP)
+    # The loss over split logits sums in float32 or wider, whatever the head computes in.
+    split_loss = [
+        torch.promote_types(dtype, torch.float32)
+        for ms in modules.values()
+        for _, s, *_, dtype in ms
+        if s == "colwise_loss"
+    ]
 
     def exchanges(unit: Unit, event: OpKind, tokens: int) -> list[Exchange]:
         out = []
+        if event is OpKind.FORWARD_DONE and unit.name == ROOT and split_loss:
+            acc = split_loss[0]
+            out.append(Exchange("all_reduce", Role.TP, tokens * acc.itemsize, acc, "tp_loss", "vocab_max"))
+            out.append(Exchange("all_reduce", Role.TP, 2 * tokens * acc.itemsize, acc, "tp_loss", "vocab_sum"))
         if event is OpKind.FORWARD:
-            for module, style, _, out_f, dtype in modules.get(unit.name, ()):
+            for module, style, in_f, out_f, dtype in modules.get(unit.name, ()):
                 if style == "rowwise":
                     out.append(
                         Exchange("all_reduce", Role.TP, tokens * out_f * dtype.itemsize, dtype, "tp_reduce", module)
+                    )
+                elif style == "vocab":  # an Embedding's (vocab, width) weight: its rows looked up, width out
+                    out.append(
+                        Exchange("all_reduce", Role.TP, tokens * in_f * dtype.itemsize, dtype, "tp_reduce", module)
                     )
                 elif style == "colwise_gather":
                     # tp ranks' out_f / t columns each, gathered: the full output's bytes.
@@ -137,7 +155,7 @@ def tensor_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
                     out.append(Exchange("all_gather", Role.TP, nbytes, dtype, "tp_gather", module))
         elif event is OpKind.BACKWARD:
             for module, style, in_f, _, dtype in reversed(modules.get(unit.name, ())):
-                if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k
+                if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k, colwise_loss
                     out.append(
                         Exchange("all_reduce", Role.TP, tokens * in_f * dtype.itemsize, dtype, "tp_copy", module)
                     )

@@ -17,7 +17,8 @@ For each module ``P`` whose Linear children tp splits (in model order):
    stays split, so a ``rowwise`` layer must take it and all-reduce; a ``rowwise`` layer's input
    must come split from a colwise one. The partner is a sibling (Megatron's and HF's attention and
    MLP blocks), or, failing that, a layer in a sibling module (BERT's ``attention.self.query``
-   and ``attention.output.dense``). ``colwise_gather`` needs none: its output is whole again. A
+   and ``attention.output.dense``). ``colwise_gather`` needs none: its output is whole again;
+   nor does ``colwise_loss``, whose logits go split to the vocabulary-parallel loss. A
    layer marked ``"replicate"`` beside them must not read a split output: one whose input width
    only a colwise sibling makes (and no rowwise sibling takes) is refused.
 3. *Whole heads per rank.* Head counts the module states (``heads``, ``num_heads``,
@@ -157,7 +158,7 @@ def _check_replicated_readers(
 
 def _check_partner(name: str, styles: Mapping[str, str], modules: Mapping[str, nn.Module], parent: str) -> None:
     style = styles[name]
-    if style == "colwise_gather":
+    if style in ("colwise_gather", "colwise_loss"):  # whole again, or split for the loss: no partner
         return
     wants_rowwise = _leaves_split(style)
     fits = (lambda s: s == _SPLIT_INPUT) if wants_rowwise else _leaves_split

@@ -180,8 +180,11 @@ STRATEGIES = tuple(s.value for s in Strategy)
 TP_STYLES = ("replicate", "shard0", "shard1", "partial")
 # Tensor-parallel styles of a module (Plan.tp): a Linear split by output features (its output
 # stays split over tp, or is all-gathered back with colwise_gather), or by input features (its
-# input arrives split, its output is all-reduced).
-TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise")
+# input arrives split, its output is all-reduced); an Embedding split by its rows, the
+# vocabulary ("vocab": each rank looks up the ids in its slice, the outputs are all-reduced); the
+# output Linear split by output features whose logits stay split for the loss ("colwise_loss":
+# fsdpfn.vocab_parallel_cross_entropy takes them, see [Note: the loss over a split vocabulary]).
+TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab", "colwise_loss")
 # A colwise Linear whose output is k projections side by side (q|k|v-major ``qkv(x).chunk(3, -1)``,
 # HF GPT-2's layout; a fused gate|up ``chunk(2, -1)``) is split "colwise_fused:k": each tp rank
 # takes its slice of every part, so its local output still chunks into k local parts (see

@@ -48,6 +48,7 @@ from fsdpfn.transforms._axes import unit_mesh as unit_mesh
 from fsdpfn.transforms._axes import unit_rank as unit_rank
 from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
+from fsdpfn.transforms._tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from fsdpfn.transforms._verify import Comparison as Comparison
 from fsdpfn.transforms._verify import VerificationError as VerificationError
 from fsdpfn.transforms._verify import VerifyReport as VerifyReport
@@ -79,6 +80,7 @@ __all__ = [
     "cp_rank",
     "apply_remat",
     "apply_tp",
+    "vocab_parallel_cross_entropy",
     "CollectiveCall",
     "CompiledStep",
     "CompileUnsupportedError",

@@ -12,7 +12,23 @@ style                before the layer               after the layer
 ``colwise_gather``   ``tp_copy``                    ``tp_gather_last`` (all-gather)
 ``colwise_fused:k``  ``tp_copy`` (bwd: all-reduce)  nothing: each of its k parts stays split
 ``rowwise``          nothing: the input is split    ``tp_reduce`` (all-reduce)
+``vocab``            ids outside the rank's rows    rows of those ids zeroed, ``tp_reduce``
+(an Embedding)       looked up as row 0
+``colwise_loss``     ``tp_copy`` (bwd: all-reduce)  nothing: the logits stay split over the
+                                                    vocabulary, for
+                                                    :func:`vocab_parallel_cross_entropy`
 ===================  =============================  ========================================
+
+[Note: the loss over a split vocabulary]
+At a vocabulary of 128k tokens the logits are the step's largest activation, and the output
+Linear its largest matmul. Split ``colwise_loss``, each tp rank computes ``V / tp`` of the
+logits and keeps them split; :func:`vocab_parallel_cross_entropy` computes the cross-entropy
+from the parts (Megatron's ``vocab_parallel_cross_entropy``, torchtitan's ``loss_parallel``):
+the all-reduced max of every row (for stability), then one all-reduce of two numbers a token,
+the sum of ``exp(logit - max)`` over the rank's columns and the target's shifted logit (0 on the
+ranks that do not hold it). The loss of a token is ``log(sum) - target``. Its backward needs no
+collective: each rank's columns of ``softmax - one_hot``. A rank holds ``N x V / tp`` logits and
+their softmax, never the whole row.
 
 Hooks run inside ``torch.func.functional_call`` and under ``torch.func.grad`` (the collectives
 are :mod:`fsdpfn.comm`'s differentiable Functions), so the pure loop stays
@@ -28,14 +44,17 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
-from fsdpfn.transforms._axes import ep_group, tp_group
+from fsdpfn._plan.axes import Role
+from fsdpfn.transforms._axes import ep_group, tp_group, tp_rank
 from fsdpfn.transforms._guards import TP_ATTR, install_batch_check, install_split_watch, watch_output
 
-__all__ = ["apply_tp", "reference_mode"]
+__all__ = ["apply_tp", "reference_mode", "vocab_parallel_cross_entropy"]
 
 _ATTR = TP_ATTR
 _EP_ATTR = "_fsdpfn_ep"
@@ -89,6 +108,114 @@ def _post_gather(group, tag):
         return C.tp_gather_last(output, group, tag=tag)
 
     return hook
+
+
+def _vocab_lookup(group, rank, tag):
+    """An Embedding split by its rows: ids outside this rank's slice look up row 0 and their
+    rows are zeroed, so the all-reduce over tp sums each id's one true row."""
+    inside: list[torch.Tensor] = []  # the pre-hook's mask, for the hook after the layer
+
+    def before(module, args):
+        if _REFERENCE[0]:
+            return None
+        ids = args[0]
+        rows = module.weight.shape[0]
+        local = ids - rank * rows
+        mask = (local >= 0) & (local < rows)
+        inside.append(mask)
+        return (torch.where(mask, local, torch.zeros_like(local)), *args[1:])
+
+    def after(module, args, output):
+        if _REFERENCE[0]:
+            return None
+        mask = inside.pop()
+        return C.tp_reduce(output * mask.unsqueeze(-1).to(output.dtype), group, tag=tag)
+
+    return before, after
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """[Note: the loss over a split vocabulary]: per-token losses from ``(N, V / tp)`` logits."""
+
+    @staticmethod
+    def forward(logits, targets, group, rank, ignore_index):
+        with torch._C._DisableFuncTorch():
+            x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the softmax's sums: float32 or wider
+            rows = x.shape[-1]
+            peak = x.max(-1).values
+            C.all_reduce(peak, group, op="max", tag="vocab_max").wait()
+            shifted = x - peak.unsqueeze(-1)
+            exp = shifted.exp()
+            local = targets - rank * rows
+            mine = (local >= 0) & (local < rows) & (targets != ignore_index)
+            at = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)
+            picked = torch.where(mine, shifted.gather(-1, at).squeeze(-1), torch.zeros_like(peak))
+            sums = torch.stack([exp.sum(-1), picked], dim=-1)
+            C.all_reduce(sums, group, tag="vocab_sum").wait()
+            loss = torch.where(targets != ignore_index, sums[:, 0].log() - sums[:, 1], torch.zeros_like(peak))
+            return loss, exp.div_(sums[:, :1]), at.squeeze(-1), mine
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, targets = inputs[:2]
+        _, softmax, at, mine = output
+        ctx.mark_non_differentiable(softmax, at, mine)
+        ctx.save_for_backward(softmax, at, mine, targets)
+        ctx.dtype, ctx.ignore_index = logits.dtype, inputs[4]
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        softmax, at, mine, targets = ctx.saved_tensors
+        with torch._C._DisableFuncTorch():
+            grad = softmax.clone()
+            grad.scatter_add_(-1, at.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+            grad.mul_((g * (targets != ctx.ignore_index)).unsqueeze(-1))
+            return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, plan: Plan, *, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``F.cross_entropy`` of logits split over the vocabulary across ``plan``'s tp axis (the
+    output of a ``"colwise_loss"`` Linear), without ever gathering a whole row: see [Note: the
+    loss over a split vocabulary]. Differentiable under ``loss.backward()`` and
+    ``torch.func.grad``; with tp = 1, ``F.cross_entropy`` itself.
+
+    Args:
+      logits: ``(..., V / tp)``, this rank's columns of the logits.
+      targets: ``(...)``, class indices into the whole vocabulary (the same on every tp rank).
+      plan: the plan whose tp axis splits the vocabulary.
+      ignore_index: targets with this value count for nothing (as ``F.cross_entropy``).
+      reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
+
+    Example:
+      >>> logits = torch.randn(2, 8, 64)  # one process: the whole vocabulary
+      >>> loss = fsdpfn.vocab_parallel_cross_entropy(logits, y, plan)
+      >>> torch.allclose(loss, F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1)))
+      True
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not fit: "
+            "the logits are the targets' shape plus this rank's slice of the vocabulary"
+        )
+    size = plan.axes.size(Role.TP)
+    if size == 1:
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index, reduction=reduction
+        ).reshape(targets.shape if reduction == "none" else ())
+    if plan.mesh is None:
+        raise ValueError("vocab_parallel_cross_entropy needs a plan bound to a mesh; bind one with plan.bind(mesh)")
+    flat = targets.reshape(-1)
+    per_token = _VocabParallelCE.apply(
+        logits.reshape(-1, logits.shape[-1]), flat, tp_group(plan), tp_rank(plan), ignore_index
+    )[0]
+    if reduction == "none":
+        return per_token.reshape(targets.shape)
+    total = per_token.sum()
+    return total if reduction == "sum" else total / (flat != ignore_index).sum().clamp(min=1)
 
 
 def _post_reduce(group, tag):
@@ -157,7 +284,10 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         if getattr(mod, _ATTR, None) is not None:
             continue
         handles = []
-        if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k
+        if style == "vocab":
+            before, after = _vocab_lookup(group, tp_rank(plan), name)
+            handles += [mod.register_forward_pre_hook(before), mod.register_forward_hook(after)]
+        if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k, colwise_loss
             handles.append(mod.register_forward_pre_hook(_pre_copy(group, name)))
         if style == "colwise":
             handles.append(mod.register_forward_hook(watch_output(name)))

@@ -62,7 +62,7 @@ from fsdpfn._plan import ROOT, Plan, Unit, unit_label
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import local_part, split_roles, uses_zeros
 from fsdpfn._tree import flatten, unflatten
-from fsdpfn.transforms._axes import _axis_group, axis_index, cp_group, dp_rank
+from fsdpfn.transforms._axes import _axis_group, _axis_rank, axis_index, cp_group, dp_rank
 from fsdpfn.transforms._gather import check_params, gather_unit
 from fsdpfn.transforms._guards import Captured, capturing
 from fsdpfn.transforms._intercept import intercept as _intercept
@@ -275,6 +275,19 @@ class _Seq:
         if d is None or not isinstance(x, torch.Tensor):
             return x
         return context_parallel_shard(x, self.group, seq_dim=d)
+
+
+def _vocab_part(plan: Plan, ref, sharded):
+    """The reference's columns of this tp rank when the model's output is logits split over the
+    vocabulary (a ``colwise_loss`` head, see [Note: the loss over a split vocabulary]): the
+    sharded side keeps them split, by design."""
+    t = plan.axes.size(Role.TP)
+    if not any(style == "colwise_loss" for _, style in plan.tp) or not isinstance(ref, torch.Tensor):
+        return ref
+    if ref.shape[:-1] != sharded.shape[:-1] or ref.shape[-1] != t * sharded.shape[-1]:
+        return ref
+    rows = sharded.shape[-1]
+    return ref.narrow(-1, _axis_rank(plan, Role.TP) * rows, rows)
 
 
 def _floats(tree):
@@ -685,7 +698,9 @@ def _verify(ck: _Checker, args, kwargs) -> VerifyReport:
     if root_split or checked:
         for k, (s, r) in enumerate(zip(sharded_outs, ref_outs)):
             if isinstance(s, torch.Tensor) and s.is_floating_point() and (seq.size == 1 or seq._has(s)):
-                ck.compare(ROOT, f"model output {k}", s, seq.part(r, s), bound, [ROOT, *checked])
+                ck.compare(
+                    ROOT, f"model output {k}", s, _vocab_part(ck.plan, seq.part(r, s), s), bound, [ROOT, *checked]
+                )
     ck.settle("outputs")
     return ck.report
 
