@@ -218,7 +218,8 @@ def test_the_split_vocabulary_is_on_the_op_list_the_cost_and_the_simulation(run_
     assert [(c.nbytes, c.phase) for c in loss] == [(tokens * 4, "forward"), (2 * tokens * 4, "forward")]
     cost = plan.cost(tokens=tokens)
     assert list(cost.calls) == list(listed)
-    wl = fsdpfn.sim.profile(model, plan, torch.zeros(PER_RANK, CFG.seq_len, dtype=torch.long))
+    ids = torch.randint(0, CFG.vocab_size, (PER_RANK, CFG.seq_len), generator=torch.Generator().manual_seed(0))
+    wl = fsdpfn.sim.profile(model, plan, ids)  # ids of the whole vocabulary: each rank looks up its rows
     sched = fsdpfn.runtime.schedule(plan)
     r = fsdpfn.sim.simulate(plan, sched, wl, None, fsdpfn.sim.H100_SXM)
     with_wl = fsdpfn.step_collectives(plan, schedule=sched, tokens=wl.tokens)

@@ -911,6 +911,10 @@ def profile(
                 hooks.append(
                     modules[name].register_forward_hook(lambda m, args, out, _t=plan.tp_size: torch.cat([out] * _t, -1))
                 )
+            elif style == "vocab":  # ids of the whole vocabulary into the rank's rows: the lookup's cost, not its rows
+                hooks.append(
+                    modules[name].register_forward_pre_hook(lambda m, args: (args[0] % m.weight.shape[0], *args[1:]))
+                )
     selective: dict[str, set] = collections.defaultdict(
         set
     )  # the plan's selective policies, profiled besides save_dots
