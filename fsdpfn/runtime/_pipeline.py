@@ -398,9 +398,9 @@ class PipelineRuntime:
             reduce = "mean" if train else "custom"
             check_batch(self.plan, (inputs,), reduce=reduce, whole=True)  # the whole plan: one label on every pp rank
             check_batch(self.plan, (targets,), reduce=reduce, whole=True)
-        cp = cp_plan.cp_size > 1
-        if cp:  # this cp rank's part of every sequence (the whole step then runs inside its cp axis)
-            inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
+        # This cp rank's part of every sequence (the whole step then runs inside its cp axis;
+        # without one, the whole sequences and a block that changes nothing).
+        inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
         self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
@@ -430,8 +430,7 @@ class PipelineRuntime:
         self._kept_log: list[tuple[int, int, int]] = []
         begin = clock()
         try:
-            ambient = context_parallel(cp_plan, strategy=self._cp_strategy) if cp else contextlib.nullcontext()
-            with ambient:
+            with context_parallel(cp_plan, strategy=self._cp_strategy):
                 if self._verify and train:
                     with uncounted():  # the check's transfers are not the step's
                         self._verify_stages(ps, params)
