@@ -327,8 +327,9 @@ def simulate_pipeline(
         m["activations"] = times.peak_activations[r]
         m["peak"] = sum(m.values())
         memory.append(m)
-    # A micro-batch's tokens reach every tp rank of its pipeline; cp ranks each hold a part.
-    tokens = workload.tokens * schedule_.micro_batches * plan.dp_size * plan.cp_size
+    # A micro-batch's tokens reach every tp rank of its pipeline; the ranks gradients average
+    # over (dp, and cp, whose ranks each hold a part) hold distinct ones.
+    tokens = workload.tokens * schedule_.micro_batches * plan.grad_ranks
     notes: tuple[str, ...] = (
         "tp/cp collectives block after their unit's compute; FSDP gathers before a rank's first op and reduces after "
         "its last (parameters stay unsharded through the step)",
