@@ -142,6 +142,8 @@ HOW: list[tuple[str, str, str]] = [
     (r"^python benchmarks/cp\.py\b", "run", "--seqs 256,512 --project-cps 1"),
     # The census of one block: the breaks are the runtime's, the same at any depth (a third less tracing).
     (r"^python benchmarks/compile_probe\.py\b", "run", "--depth 1"),
+    # One small vocabulary, whole and split: the same code as the page's three.
+    (r"^python benchmarks/vocab\.py\b", "run", "--vocabs 512 --seq 32"),
     # The bubbles (instant), the schedules measured on 2 gloo ranks (fewer steps, a smaller GPT)
     # and the 405B projection (a profile on meta, seconds); in a process of its own, as it starts ranks.
     (r"^python benchmarks/pp\.py\b", "run", "--measure-steps 2 --measure-width 32 --measure-seq 16"),
