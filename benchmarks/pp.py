@@ -140,6 +140,7 @@ def measured(
     )
     print("|---|---|---|---|---|---|---|---|---|")
     worst_memory = 0.0
+    backward: dict[str, list] = {}  # 1F1B's backward and zero bubble's halves, per stage
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
         ranks = run_on_ranks(_measure, 2, name, micro, per_micro, steps, measure_cfg, timeout=600)
         v = 2 if name == "interleaved_1f1b" else 1
@@ -158,13 +159,15 @@ def measured(
         med = {k: sorted(x)[len(x) // 2] for k, x in times.items()}
         n = 2 * v
         f = [med[("stage_forward", s)] for s in range(n)]
-        kw = {}
+        kw: dict = {}
         if name == "zero_bubble":
             bi = [med[("stage_backward_input", s)] for s in range(n)]
             bw = [med[("stage_backward_weight", s)] for s in range(n)]
             kw = dict(backward=[a + b for a, b in zip(bi, bw)], backward_input=bi, backward_weight=bw)
+            backward[name] = list(zip(bi, bw))
         else:
             kw = dict(backward=[med[("stage_backward", s)] for s in range(n)])
+            backward[name] = kw["backward"]
         model = fsdpfn.pipeline_times(ps, forward=f, activations=[acts[s] for s in range(n)], **kw)
         closed = fsdpfn.pipeline_times(ps, forward=1.0 / v, backward=2.0 / v, backward_input=1.0, backward_weight=1.0)
         for r, (profiles, _) in enumerate(ranks):
@@ -180,6 +183,16 @@ def measured(
                 f"{want / 2**20:.2f} | {peak == want} |"
             )
     print(f"\nlargest |measured - op lists| peak activations: {worst_memory:.1%}")
+    if "1f1b" in backward and "zero_bubble" in backward:
+        # The weight half starts where the input half left the weights' paths, so the two halves
+        # together are one backward (stage 0's input is the tokens: its weight half is the whole one).
+        print(
+            "zero bubble's halves (input + weight) / 1F1B's backward, per stage: "
+            + ", ".join(
+                f"stage {s}: ({bi * 1e3:.1f} + {bw * 1e3:.1f}) / {b * 1e3:.1f} ms = {(bi + bw) / b:.2f}"
+                for s, ((bi, bw), b) in enumerate(zip(backward["zero_bubble"], backward["1f1b"]))
+            )
+        )
     return [worst_memory]
 
 

@@ -145,6 +145,11 @@ def _parity(rank, world, shape, names, configs):
                     la == lb and all(torch.equal(pa[n], pb[n]) for n in pa)
                     for (la, pa), (lb, pb) in zip(traces["1f1b"], trace)
                 )
+            if schedule == "zero_bubble":
+                # Every weight half of a stage past the first started from the input half's exits
+                # (stage 0's input is the tokens: its weight half is its whole backward).
+                total, split = pipe.weight_halves
+                assert total > 0 and split == (0 if 0 in pipe.stages_here else total), (pipe.stages_here, total, split)
             out.append((schedule, num_stages, worst_p, worst_l, sorted(pipe.stages_here), same))
     return out
 

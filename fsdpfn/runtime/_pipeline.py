@@ -62,6 +62,7 @@ from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send, ranks_group, uncounted
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
+from fsdpfn.runtime._split_backward import WeightHalf, backward_input
 from fsdpfn.transforms import (
     CHECKED_STEPS,
     VerifyReport,
@@ -262,6 +263,9 @@ class PipelineRuntime:
         self._ex = {s: Executor(sp, default_schedule(sp, prefetch), comm) for s, sp in self.stage_plans.items()}
         self._stage_of_unit = {u.name: s for s, sp in self.stage_plans.items() for u in sp.units}
         self.last_ops: list[str] = []
+        # Weight halves of this rank so far, and how many ran without walking their stage's graph
+        # again ([Note: the weight half without a second walk]); the rest fell back to it.
+        self.weight_halves = [0, 0]
         self._prefetch = prefetch
         self._forward_only: PipelineSchedule | None = None  # built on the first evaluate
         self._profile = profile
@@ -413,7 +417,7 @@ class PipelineRuntime:
         self._sends: dict[PipeOp, list] = {}  # transfers in flight, by their send op
         self.last_ops = []
         self._train = train
-        self._seeds: dict[tuple[int, int], torch.Tensor | None] = {}  # an input half's seed, for its weight half
+        self._halves: dict[tuple[int, int], WeightHalf] = {}  # an input half's leftovers, for its weight half
         run = {
             PipeKind.STAGE_FORWARD: self._forward,
             PipeKind.STAGE_BACKWARD: self._backward,
@@ -443,7 +447,7 @@ class PipelineRuntime:
                 ex.abandon()
             raise
         finally:
-            self._sends, self._saved, self._acts, self._grads, self._outbox, self._seeds = {}, {}, {}, {}, {}, {}
+            self._sends, self._saved, self._acts, self._grads, self._outbox, self._halves = {}, {}, {}, {}, {}, {}
         if train:
             self._verify = False
         return self._finish(ps, timeline, train)
@@ -709,26 +713,25 @@ class PipelineRuntime:
             self._input_grad(s, k, x, got[-1] if through else None)
 
     def _backward_input(self, op: PipeOp) -> None:
+        """The input's gradient now; what the weights need later (see [Note: the weight half
+        without a second walk] in ``fsdpfn/runtime/_split_backward.py``)."""
         s, k = op.stage, op.micro
-        x, out, _ = self._saved[(s, k)]  # kept for the weight half
+        x, out, leaves = self._saved[(s, k)]  # kept for the weight half
         seed = None if s == self.schedule.num_stages - 1 else self._grads.pop((s, k))
-        self._seeds[(s, k)] = seed
-        if x is None:
-            return  # stage 0's input is the tokens: no gradient to compute
-        g = None
-        if x.requires_grad:
-            g = torch.autograd.grad(out, [x], grad_outputs=seed, retain_graph=True, allow_unused=True)[0]
+        if x is None:  # stage 0's input is the tokens: no gradient to compute, the weight half is the backward
+            self._halves[(s, k)] = WeightHalf(fallback=(out, seed), split=False)
+            return
+        g, self._halves[(s, k)] = backward_input(out, x, list(leaves.values()), seed)
         self._input_grad(s, k, x, g)
 
     def _backward_weight(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
-        _, out, leaves = self._saved.pop((s, k))
+        _, _, leaves = self._saved.pop((s, k))
         self._kept.pop((s, k), None)
-        names = list(leaves)
-        got = torch.autograd.grad(
-            out, [leaves[n] for n in names], grad_outputs=self._seeds.pop((s, k)), allow_unused=True
-        )
-        self._add_param_grads(s, dict(zip(names, got)))
+        half = self._halves.pop((s, k))
+        self.weight_halves[0] += 1
+        self.weight_halves[1] += half.split
+        self._add_param_grads(s, dict(zip(leaves, half.run(list(leaves.values())))))
 
     def _add_param_grads(self, s: int, by_name: dict) -> None:
         ex = self._ex[s]
