@@ -102,6 +102,7 @@ def _train(rank, world, shape, names, schedule, cp_strategy):
         pytest.param((2, 2, 1), ("pp", "replicate", "shard"), "allgather", id="pp2xhsdp2"),
         pytest.param((2, 1, 2), ("pp", "dp", "cp"), "allgather", id="pp2xcp2-allgather"),
         pytest.param((2, 1, 2), ("pp", "dp", "cp"), "ring", id="pp2xcp2-ring"),
+        pytest.param((2, 1, 2), ("pp", "dp", "cp"), "ulysses", id="pp2xcp2-ulysses"),
     ],
 )
 def test_pipeline_beside_hsdp_and_cp_trains_as_one_process(run_on_ranks, shape, names, cp_strategy, schedule):
