@@ -94,5 +94,5 @@ def test_search_names_bad_cp_degrees_before_profiling():
     plain = fsdpfn.plan(model, {"dp": 2, "cp": 2})
     with pytest.raises(ValueError, match="attention call of unit 'blocks.9': the plan has no such unit"):
         plain.cost(tokens=SEQ // 2, attention=[fsdpfn.AttentionCall("blocks.9", CFG.width)])
-    with pytest.raises(ValueError, match="strategy 'ulysses' is not one of"):
-        fsdpfn.AttentionCall("blocks.0", CFG.width, strategy="ulysses")
+    with pytest.raises(ValueError, match="strategy 'zigzag' is not one of"):
+        fsdpfn.AttentionCall("blocks.0", CFG.width, strategy="zigzag")
