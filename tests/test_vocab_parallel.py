@@ -24,7 +24,7 @@ from fsdpfn import testing
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import Runtime
 
-from _parity import one_process
+from test_tp import _batch, _reference as tp_reference
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, width=16, depth=2, heads=4, bias=False)
 VOCAB_TP = {**GPT_TP_PLAN, "embed": "vocab", "head": "colwise_loss"}
@@ -41,9 +41,10 @@ def _rel(a, b):
 
 def _loss_against_one_process(rank, world, reduction, func):
     mesh = testing.mesh((1, world), ("dp", "tp"))
-    plan = fsdpfn.plan(torch.nn.Linear(4, 4), mesh)  # any plan over this mesh: the loss reads its tp axis
-    gen = torch.Generator().manual_seed(3)
     vocab = 24 * world
+    # A head of `vocab` outputs split 'colwise_loss': the loss reads the plan's tp axis and that width.
+    plan = fsdpfn.plan(torch.nn.Sequential(torch.nn.Linear(4, vocab)), mesh, tp={"0": "colwise_loss"})
+    gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 5, vocab, dtype=torch.float64, generator=gen) * 4
     targets = torch.randint(0, vocab, (3, 5), generator=gen)
     targets[0, :2] = -100  # ignored
@@ -97,27 +98,8 @@ def test_the_loss_with_one_tp_rank_is_cross_entropy():
 # ---- a GPT with its vocabulary split, trained ------------------------------------------------------
 
 
-def _batch(dp, step):
-    gen = torch.Generator().manual_seed(2000 + step)
-    tokens = torch.randint(0, CFG.vocab_size, (dp * PER_RANK, CFG.seq_len + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-@one_process
 def _reference(dp, steps, cfg=CFG):
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = fsdpfn.optim.adamw(1e-3, weight_decay=0.01)
-    state = opt.init(params)
-    out = []
-    for step in range(steps):
-        x, y = _batch(dp, step)
-        ce = lambda ps: F.cross_entropy(torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten())  # noqa: E731
-        updates, state = opt.update(torch.func.grad(ce)(params), state, params)
-        params = fsdpfn.optim.apply_updates(params, updates)
-        out.append(params)
-    return out
+    return tp_reference(cfg, dp, steps, "adamw")  # tests/test_tp.py's one-process AdamW loop
 
 
 def _train(rank, world, shape, styles, cfg=CFG):
@@ -136,7 +118,7 @@ def _train(rank, world, shape, styles, cfg=CFG):
         rt = Runtime(model, plan) if style == "runtime" else None
         worst = 0.0
         for step in range(STEPS):
-            x, y = _batch(plan.dp_size, step)
+            x, y = _batch(plan.dp_size, step, cfg)
             x, y = x[mine], y[mine]
             if rt is None:
                 grads = torch.func.grad(
@@ -241,3 +223,53 @@ def test_a_split_vocabulary_is_refused_where_it_cannot_hold():
     padded.embed = torch.nn.Embedding(CFG.vocab_size, CFG.width, padding_idx=0)
     with pytest.raises(NotImplementedError, match="padding_idx=0"):
         fsdpfn.plan(padded, {"dp": 1, "tp": 2}, tp={"embed": "vocab"})
+
+
+# ---- logits split for a loss that never came --------------------------------------------------------
+
+
+def _wrong_losses(rank, world):
+    mesh = testing.mesh((1, 2), ("dp", "tp"))
+    out = {}
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, CFG.vocab_size // 2, (2, CFG.seq_len), generator=torch.Generator().manual_seed(2))
+    for name, tp in (("whole_rows", VOCAB_TP), ("mid_layer", {**GPT_TP_PLAN, "blocks.*.qkv": "colwise_loss"})):
+        for style in ("pure", "runtime"):
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            plan = fsdpfn.plan(model, mesh, tp=tp)
+            params = fsdpfn.shard(model, plan, requires_grad=style == "runtime")
+            try:
+                if style == "pure":  # targets all in rank 0's half: F.cross_entropy itself would not fail
+                    loss = lambda ps: F.cross_entropy(  # noqa: E731
+                        torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)).flatten(0, 1), y.flatten()
+                    )
+                    torch.func.grad(loss)(params)
+                else:
+                    rt = Runtime(model, plan)
+                    with rt.bind(params):
+                        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+                out[(name, style)] = "no error"
+            except ValueError as e:
+                out[(name, style)] = str(e)
+    plain = fsdpfn.plan(GPT(CFG), mesh, tp=GPT_TP_PLAN)
+    mid = fsdpfn.plan(GPT(CFG), mesh, tp={**GPT_TP_PLAN, "blocks.*.qkv": "colwise_loss"})
+    for name, plan in (("no_split_head", plain), ("whole_logits", mid)):
+        try:
+            fsdpfn.vocab_parallel_cross_entropy(torch.randn(2, CFG.seq_len, CFG.vocab_size), y, plan)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_split_logits_given_to_another_loss_are_named_on_every_rank(run_on_ranks):
+    """``F.cross_entropy`` on a ``colwise_loss`` head's columns (targets all in one rank's
+    slice, so it would run) trained wrong without a word; ``colwise_loss`` on a layer inside the
+    model, likewise. The first step's reduce now raises on every rank, in the pure loop and the
+    runtime; and the loss refuses logits that are not a ``colwise_loss`` layer's columns."""
+    for out in run_on_ranks(_wrong_losses, 2):
+        for key in [("whole_rows", "pure"), ("whole_rows", "runtime"), ("mid_layer", "pure"), ("mid_layer", "runtime")]:
+            assert "never called fsdpfn.vocab_parallel_cross_entropy" in out[key], (key, out[key])
+        assert "splits no output layer 'colwise_loss'" in out["no_split_head"], out
+        assert "have 32 columns" in out["whole_logits"] and "'blocks.0.qkv'" in out["whole_logits"], out

@@ -30,6 +30,15 @@ ranks that do not hold it). The loss of a token is ``log(sum) - target``. Its ba
 collective: each rank's columns of ``softmax - one_hot``. A rank holds ``N x V / tp`` logits and
 their softmax, never the whole row.
 
+[Note: logits split for a loss that never came]
+Split ``colwise_loss``, the model returns each rank's columns of the logits. A loss that takes
+them as whole rows (``F.cross_entropy``) runs without complaint whenever the targets fall in a
+rank's slice, and trains wrong. So every tp > 1 call of :func:`vocab_parallel_cross_entropy` is
+counted, the first gather of such a plan's step notes the count, and its first reduce raises on
+every rank (before its collective: every rank runs the same loss code) if the count did not
+move, as attention over cp is checked. Checked once per plan: the first step. The loss itself
+checks that it is given a ``colwise_loss`` layer's columns (``out_features / tp`` of them).
+
 Hooks run inside ``torch.func.functional_call`` and under ``torch.func.grad`` (the collectives
 are :mod:`fsdpfn.comm`'s differentiable Functions), so the pure loop stays
 ``functional_call(model, fsdpfn.unshard(params, plan), (x,))``.
@@ -54,7 +63,7 @@ from fsdpfn._plan.axes import Role
 from fsdpfn.transforms._axes import ep_group, tp_group, tp_rank
 from fsdpfn.transforms._guards import TP_ATTR, install_batch_check, install_split_watch, watch_output
 
-__all__ = ["apply_tp", "reference_mode", "vocab_parallel_cross_entropy"]
+__all__ = ["apply_tp", "check_loss_reduce", "note_loss_gather", "reference_mode", "vocab_parallel_cross_entropy"]
 
 _ATTR = TP_ATTR
 _EP_ATTR = "_fsdpfn_ep"
@@ -134,6 +143,44 @@ def _vocab_lookup(group, rank, tag):
     return before, after
 
 
+# Process state: vocab_parallel_cross_entropy calls so far, and per plan with a colwise_loss layer
+# the count at its first gather and whether a step of it was seen calling the loss. Keyed by plan:
+# the pure path's step is a function call with no object of its own to carry them.
+_LOSS_CALLS = [0]
+_LOSS_MARKS: dict[str, int] = {}
+_LOSS_VERIFIED: set[str] = set()
+
+
+def _loss_layers(plan: Plan) -> list[str]:
+    return [m for m, style in plan.tp if style == "colwise_loss"] if plan.axes.size(Role.TP) > 1 else []
+
+
+def note_loss_gather(plan: Plan) -> None:
+    """Called at each unit gather: the first of a split-logits plan's unchecked step notes the
+    count ([Note: logits split for a loss that never came])."""
+    if plan.fingerprint not in _LOSS_VERIFIED and _loss_layers(plan):
+        _LOSS_MARKS.setdefault(plan.fingerprint, _LOSS_CALLS[0])
+
+
+def check_loss_reduce(plan: Plan) -> None:
+    """Called at each unit reduce, before its collective: raises if the step since the plan's
+    first gather never called :func:`vocab_parallel_cross_entropy`."""
+    if plan.fingerprint in _LOSS_VERIFIED:
+        return
+    mark = _LOSS_MARKS.pop(plan.fingerprint, None)
+    if mark is None:
+        return
+    if _LOSS_CALLS[0] == mark:
+        layers = _loss_layers(plan)
+        raise ValueError(
+            f"tp splits {layers[0]!r} 'colwise_loss', so the model returns each tp rank's columns of the logits, but "
+            "this step's loss never called fsdpfn.vocab_parallel_cross_entropy: a loss that reads them as whole rows "
+            "(F.cross_entropy) trains wrong. Compute the loss with fsdpfn.vocab_parallel_cross_entropy(logits, "
+            f"targets, plan), or split {layers[0]!r} 'colwise_gather' to get whole logits back"
+        )
+    _LOSS_VERIFIED.add(plan.fingerprint)
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """[Note: the loss over a split vocabulary]: per-token losses from ``(N, V / tp)`` logits."""
 
@@ -208,6 +255,23 @@ def vocab_parallel_cross_entropy(
         ).reshape(targets.shape if reduction == "none" else ())
     if plan.mesh is None:
         raise ValueError("vocab_parallel_cross_entropy needs a plan bound to a mesh; bind one with plan.bind(mesh)")
+    layers = _loss_layers(plan)
+    if not layers:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: the plan splits no output layer 'colwise_loss' over its tp axis (tp={size}), "
+            "so its logits are whole on every rank: use F.cross_entropy, or split the output Linear with "
+            "tp={'<head>': 'colwise_loss'}"
+        )
+    names = set(plan.param_names)
+    widths = {m: plan.param(f"{m}.weight").shape[0] for m in layers if f"{m}.weight" in names}
+    if widths and logits.shape[-1] * size not in widths.values():
+        m, rows = next(iter(widths.items()))
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} have {logits.shape[-1]} columns, but the plan's "
+            f"'colwise_loss' layer {m!r} splits its {rows} outputs over tp={size}: {rows // size} a rank. Pass that "
+            "layer's output, as the model returns it"
+        )
+    _LOSS_CALLS[0] += 1
     flat = targets.reshape(-1)
     per_token = _VocabParallelCE.apply(
         logits.reshape(-1, logits.shape[-1]), flat, tp_group(plan), tp_rank(plan), ignore_index

@@ -20,6 +20,7 @@ from fsdpfn._plan.placements import uses_zeros
 from fsdpfn._plan import Plan, Unit
 from fsdpfn.transforms._axes import _axis_group, _axis_rank, unit_group, unit_rank
 from fsdpfn.transforms._cp import check_reduce, note_gather
+from fsdpfn.transforms._tp import check_loss_reduce, note_loss_gather
 
 __all__ = ["EagerWire", "TracedWire", "Wire", "check_op", "gather", "reduce"]
 
@@ -110,6 +111,7 @@ def gather(plan: Plan, unit: Unit, locals_: list[torch.Tensor], wire: Wire) -> t
     codec = plan.gather_codec(unit)
     w = unit.shard_size
     note_gather(plan)
+    note_loss_gather(plan)
     amax = codec.local_amax(locals_)
     if amax is not None:
         for role in codec.amax_roles:
@@ -150,6 +152,7 @@ def reduce(
     axes = cached(plan, "axes")
     w = unit.shard_size
     check_reduce(plan)
+    check_loss_reduce(plan)
     group = wire.group(plan, unit, Role.SHARD)
     factor = (1.0 / axes.grad_ranks if op == "mean" else 1.0) * (1.0 if scale is None else float(scale))
     buf = codec.encode(grads, w)
