@@ -77,7 +77,9 @@ from fsdpfn.comm._traceable import count_compiled as count_compiled
 from fsdpfn.comm._traceable import graph_collectives as graph_collectives
 from fsdpfn.comm._traceable import traced_all_gather as traced_all_gather
 from fsdpfn.comm._traceable import traced_all_reduce as traced_all_reduce
+from fsdpfn.comm._traceable import traced_all_to_all as traced_all_to_all
 from fsdpfn.comm._traceable import traced_reduce_scatter as traced_reduce_scatter
+from fsdpfn.comm._traceable import traced_shift as traced_shift
 from fsdpfn.comm._tp import tp_gather_last as tp_gather_last
 from fsdpfn.comm._tp import tp_reduce as tp_reduce
 from fsdpfn.comm._tp import tp_split_last as tp_split_last
@@ -141,7 +143,9 @@ __all__ = [
     "tp_copy",
     "traced_all_gather",
     "traced_all_reduce",
+    "traced_all_to_all",
     "traced_reduce_scatter",
+    "traced_shift",
     "tp_gather_last",
     "tp_reduce",
     "tp_split_last",

@@ -35,7 +35,9 @@ __all__ = [
     "graph_collectives",
     "traced_all_gather",
     "traced_all_reduce",
+    "traced_all_to_all",
     "traced_reduce_scatter",
+    "traced_shift",
 ]
 
 
@@ -85,6 +87,43 @@ def _size(group) -> int:
     return group.size()
 
 
+def _rank(group) -> int:
+    if isinstance(group, tuple):  # (DeviceMesh, dim)
+        return group[0].get_local_rank(group[1])
+    return group.rank()
+
+
+def traced_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Flat ``x`` cut into as many equal parts as ranks, part ``j`` sent to rank ``j``; returns
+    the parts received, by source rank (functional all-to-all).
+
+    Example:
+      >>> fsdpfn.comm.traced_all_to_all(torch.arange(3.0), None)
+      tensor([0., 1., 2.])
+    """
+    if group is None:
+        return x.clone()
+    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+
+
+def traced_shift(x: torch.Tensor, group, shift: int = 1) -> torch.Tensor:
+    """One ring hop, :func:`fsdpfn.comm.send_recv` traced: rank ``r`` sends flat ``x`` to rank
+    ``(r + shift) % W`` and returns what rank ``(r - shift) % W`` sent (equal sizes on every
+    rank). An all-to-all with one non-empty part each way, as the eager hop is; the graph's
+    reader lists it as the ``send_recv`` it is.
+
+    Example:
+      >>> fsdpfn.comm.traced_shift(torch.arange(3.0), None)
+      tensor([0., 1., 2.])
+    """
+    if group is None:
+        return x.clone()
+    w, r, n = _size(group), _rank(group), x.numel()
+    send = [n if q == (r + shift) % w else 0 for q in range(w)]
+    recv = [n if q == (r - shift) % w else 0 for q in range(w)]
+    return funcol.wait_tensor(funcol.all_to_all_single(x, recv, send, group))
+
+
 def traced_all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """``x`` reduced over ranks (``op``: ``"sum"``, ``"max"`` or ``"min"``), out of place.
 
@@ -126,7 +165,9 @@ def graph_collectives(gm) -> list:
         if getattr(node.target, "namespace", None) != "_c10d_functional" or name not in _OPS:
             continue
         kind = _OPS[name]
-        if kind == "all_to_all" and _summed_over_ranks(node):
+        if kind == "all_to_all" and _one_peer(node):
+            kind = "send_recv"
+        elif kind == "all_to_all" and _summed_over_ranks(node):
             kind = "reduce_scatter"
         src, out = node.args[0].meta.get("val"), node.meta.get("val")
         if src is None or out is None:
@@ -146,6 +187,20 @@ def graph_collectives(gm) -> list:
 # use, through its wait and shape-only views, is a sum over the leading (source-rank) dim is a
 # reduce-scatter.
 _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "unflatten", "alias"})
+
+
+def _one_peer(node) -> bool:
+    """An all-to-all that sends to one rank and receives from one (its split sizes each hold
+    one non-zero entry, as :func:`traced_shift` writes them): a ring hop, which eager records
+    as ``send_recv``. A split given as a traced value (not a constant) is not read as one."""
+    out_splits, in_splits = node.args[1], node.args[2]
+
+    def single(splits) -> bool:
+        return isinstance(splits, (list, tuple)) and all(isinstance(s, int) for s in splits) and (
+            sum(s != 0 for s in splits) == 1
+        )
+
+    return len(node.args) > 3 and single(out_splits) and single(in_splits) and len(in_splits) > 1
 
 
 def _summed_over_ranks(node) -> bool:

@@ -45,6 +45,7 @@ from fsdpfn.transforms._axes import ep_group as ep_group
 from fsdpfn.transforms._axes import ep_rank as ep_rank
 from fsdpfn.transforms._axes import unit_group as unit_group
 from fsdpfn.transforms._axes import unit_mesh as unit_mesh
+from fsdpfn.transforms._axes import unit_mesh_dim as unit_mesh_dim
 from fsdpfn.transforms._axes import unit_rank as unit_rank
 from fsdpfn.transforms._remat import apply_remat as apply_remat
 from fsdpfn.transforms._tp import apply_tp as apply_tp
@@ -115,6 +116,7 @@ __all__ = [
     "ep_rank",
     "unit_group",
     "unit_mesh",
+    "unit_mesh_dim",
     "unit_rank",
     "unshard",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
+import torch
+
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import mesh_dims, split_roles, unit_row_roles
 from fsdpfn._plan.stage_mesh import copy_stage_mark
@@ -27,6 +29,7 @@ __all__ = [
     "tp_rank",
     "unit_group",
     "unit_mesh",
+    "unit_mesh_dim",
     "unit_rank",
 ]
 
@@ -138,13 +141,27 @@ def _rows_mesh(plan: Plan, rows):
     ``cp``, ``shard`` x ``cp``; :func:`fsdpfn._plan.placements.row_roles`) lives on: those axes
     flattened into one dim, every other axis (replicate, ep, tp) a dim of its own, in mesh order
     (:func:`fsdpfn._plan.placements.mesh_dims`). Made once per mesh and ``rows`` (its groups are
-    created collectively, at the same point of every rank's program)."""
+    created collectively, at the same point of every rank's program).
+
+    Each plan also keeps the ones it asked for (in its ``__dict__``, like a cached property):
+    while dynamo traces a compiled step, a ``DeviceMesh`` is an opaque object whose own
+    attributes cannot be read, and the groups cannot be created; the plan's are read instead.
+    ``fsdpfn.shard`` placed the parameters on them, so a plan that sharded them has them all."""
+    own = plan.__dict__.get(_ROWS)
+    rows = tuple(rows)
+    if own is not None and rows in own:
+        return own[rows]
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"fsdpfn: the mesh of the parameters sharded over {' x '.join(r.value for r in rows)} flattened was not made "
+            "before this step was compiled; call fsdpfn.shard(model, plan) (or fsdpfn.transforms.unit_mesh) with this "
+            "plan first, outside torch.compile"
+        )
     mesh = _mesh(plan)
     meshes = getattr(mesh, _ROWS, None)
     if meshes is None:
         meshes = {}
         setattr(mesh, _ROWS, meshes)
-    rows = tuple(rows)
     cached = meshes.get(rows)
     if cached is None:
         axes = plan.axes
@@ -157,6 +174,7 @@ def _rows_mesh(plan: Plan, rows):
         cached = parts[0] if len(parts) == 1 else type(mesh)._concatenate(parts)
         copy_stage_mark(mesh, cached)  # a stage's rows mesh is still that stage's
         meshes[rows] = cached
+    plan.__dict__.setdefault(_ROWS, {})[rows] = cached
     return cached
 
 
@@ -174,6 +192,22 @@ def unit_mesh(plan: Plan, unit) -> DeviceMesh:
     if len(rows) == 1:  # its rows are cut over the shard axis alone
         return _mesh(plan)
     return _rows_mesh(plan, rows)
+
+
+def unit_mesh_dim(plan: Plan, unit) -> tuple[DeviceMesh, int]:
+    """``(mesh, dim)`` whose group is :func:`unit_group`: the form the functional collectives of
+    a compiled step take (dynamo traces a mesh and a dim; see [Note: collectives under
+    torch.compile]).
+
+    Example:
+      >>> mesh, dim = fsdpfn.transforms.unit_mesh_dim(plan, plan.units[0])
+      >>> mesh.get_group(dim) is fsdpfn.transforms.unit_group(plan, plan.units[0])
+      True
+    """
+    rows = unit_row_roles(unit, plan.axes)
+    if len(rows) == 1:  # its rows are cut over the shard axis alone
+        return _mesh(plan), cast(int, plan.axes.dim(Role.SHARD))
+    return _rows_mesh(plan, rows), _rows_dim(plan, rows)
 
 
 def unit_group(plan: Plan, unit):

@@ -93,12 +93,8 @@ def check_traced_axes(plan: Plan) -> None:
     """Raises :class:`CompileUnsupportedError` for a mesh with an ``ep`` or ``cp`` axis: their units
     gather and reduce over axes flattened with ``shard`` (ep x shard, shard x cp), which the traced
     collectives do not size yet (the trace would fail inside dynamo, unnamed)."""
-    if plan.cp_size > 1 or plan.axes.dim(Role.EP) is not None:
-        axis = (
-            f"context parallelism (cp={plan.cp_size})"
-            if plan.cp_size > 1
-            else f"expert parallelism (ep={plan.ep_size})"
-        )
+    if plan.axes.dim(Role.EP) is not None:
+        axis = f"expert parallelism (ep={plan.ep_size})"
         raise CompileUnsupportedError(
             f"{axis} does not run under torch.compile yet (mesh {plan.axes.describe()}): its units gather and reduce over "
             "mesh axes flattened with the shard axis, which the traced collectives do not handle. Run the step eagerly: "

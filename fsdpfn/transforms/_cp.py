@@ -422,16 +422,70 @@ def _chunks(size: int, rank: int) -> list[int]:
     return [rank, 2 * size - 1 - rank]
 
 
+# [Note: attention over cp under torch.compile]
+# The attention Functions below are written once. Their exchanges go through the four helpers
+# that follow: eagerly, fsdpfn.comm's counted, flight-recorded collectives (a ring hop started
+# asynchronously, to overlap the block before it) under torch._C._DisableFuncTorch (the recipe of
+# [Note: TP collectives under torch.func]); while dynamo traces, the functional collectives of
+# [Note: collectives under torch.compile], which it records as graph nodes, so that a compiled
+# step holds the same exchanges, of the same bytes, and computes the same numbers. A traced hop
+# is waited at once: the graph's scheduler decides what overlaps it.
+
+
+def _escape():
+    return contextlib.nullcontext() if C.compiling() else torch._C._DisableFuncTorch()
+
+
+def _all_gather(flat: torch.Tensor, a: _Axis, tag: str) -> torch.Tensor:
+    if C.compiling():
+        return C.traced_all_gather(flat, a.group)
+    out = torch.empty(a.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    C.all_gather(out, flat, a.group, tag=tag).wait()
+    return out
+
+
+def _reduce_scatter(flat: torch.Tensor, a: _Axis, tag: str) -> torch.Tensor:
+    if C.compiling():
+        return C.traced_reduce_scatter(flat, a.group)
+    out = torch.empty(flat.numel() // a.size, dtype=flat.dtype, device=flat.device)
+    C.reduce_scatter(out, flat, a.group, tag=tag).wait()
+    return out
+
+
+def _all_to_all(flat: torch.Tensor, a: _Axis, tag: str) -> torch.Tensor:
+    if C.compiling():
+        return C.traced_all_to_all(flat, a.group)
+    out = torch.empty_like(flat)
+    C.all_to_all(out, flat, a.group, tag=tag).wait()
+    return out
+
+
+def _after(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x`` itself eagerly; while dynamo traces, ``x`` made to depend on the backward's
+    incoming gradient ``g`` (joined with none of its elements). The backward exchanges the saved
+    K/V again; traced, that exchange depends on forward values only, so the compiler's
+    partitioner would run it in the forward graph (a collective is never recomputed) and keep
+    every rank's keys (the gathered or travelled blocks, O(S)) for the backward, instead of this
+    rank's own share (O(S / cp)) as eager keeps. Depending on ``g``, it runs in the backward."""
+    if not C.compiling():
+        return x
+    return torch.cat([x.reshape(-1), g.reshape(-1)[:0].to(x.dtype)]).view(x.shape)
+
+
 class _Hop:
     """One ring hop of ``x`` to the next rank, started on creation; ``wait()`` returns what the
     previous rank sent, shaped as ``x``."""
 
     def __init__(self, x: torch.Tensor, group, tag: str):
+        if C.compiling():
+            self.buf, self.pending = C.traced_shift(x.contiguous().view(-1), group).view(x.shape), None
+            return
         self.buf = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.pending = C.send_recv(self.buf.view(-1), x.contiguous().view(-1), group, shift=1, async_op=True, tag=tag)
 
     def wait(self) -> torch.Tensor:
-        self.pending.wait()
+        if self.pending is not None:
+            self.pending.wait()
         return self.buf
 
 
@@ -439,8 +493,7 @@ def _gathered(kv: torch.Tensor, a: _Axis) -> torch.Tensor:
     """Every rank's stacked K/V, in sequence order."""
     local = kv.shape[3]
     front = kv.movedim(3, 0).contiguous()
-    out = torch.empty(a.size * front.numel(), dtype=kv.dtype, device=kv.device)
-    C.all_gather(out, front.view(-1), a.group, tag="cp_gather_kv").wait()
+    out = _all_gather(front.view(-1), a, "cp_gather_kv")
     full = out.view(a.size * local, *front.shape[1:]).movedim(0, 3)
     return full.index_select(3, _order(local, a.size, kv.device))
 
@@ -450,7 +503,7 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, a, causal, scale):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             acc = torch.promote_types(q.dtype, torch.float32)
             # (batch, seq, heads, dim) in memory, as the flash kernel writes its output: the usual
             # out.transpose(1, 2).reshape(batch, seq, width) is then a view, not a copy that the
@@ -487,13 +540,13 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, g, _g_lse):
         q, k, v, out, lse = ctx.saved_tensors
         a, causal, scale = ctx.axis, ctx.causal, ctx.scale
-        with torch._C._DisableFuncTorch():
+        with _escape():
             g = g.contiguous()
             acc = torch.promote_types(q.dtype, torch.float32)
             dq = torch.zeros(q.shape, dtype=acc, device=q.device)
             c = q.shape[2] // 2
             mine = _chunks(a.size, a.rank)
-            kv = torch.stack([k, v])
+            kv = _after(torch.stack([k, v]), g)
             if a.strategy == "allgather":
                 full = _gathered(kv, a)
                 dfull = torch.zeros(full.shape, dtype=acc, device=q.device)
@@ -502,8 +555,7 @@ class _CPAttention(torch.autograd.Function):
                 # Back to the all-gather's rank order, then its transpose: the reduce-scatter.
                 ranked = torch.empty_like(dfull).index_copy_(3, _order(q.shape[2], a.size, q.device), dfull)
                 front = ranked.to(k.dtype).movedim(3, 0).contiguous()
-                mine_grad = torch.empty(front.numel() // a.size, dtype=k.dtype, device=k.device)
-                C.reduce_scatter(mine_grad, front.view(-1), a.group, tag="cp_gather_kv").wait()
+                mine_grad = _reduce_scatter(front.view(-1), a, "cp_gather_kv")
                 dkv = mine_grad.view(front.shape[0] // a.size, *front.shape[1:]).movedim(0, 3)
             else:
                 dkv = torch.zeros(
@@ -555,8 +607,7 @@ def _to_heads(xs: list[torch.Tensor], a: _Axis, tag: str) -> list[torch.Tensor]:
     b, _, n, d = xs[0].shape
     send = torch.cat([x.unflatten(1, (a.size, x.shape[1] // a.size)) for x in xs], dim=2)
     send = send.movedim(1, 0).contiguous()  # (destination, b, heads of every x, n, d)
-    recv = torch.empty_like(send)
-    C.all_to_all(recv.view(-1), send.view(-1), a.group, tag=tag).wait()
+    recv = _all_to_all(send.view(-1), a, tag).view(send.shape)
     full = recv.permute(1, 2, 0, 3, 4).reshape(b, send.shape[2], a.size * n, d)  # sources' tokens, rank order
     full = full.index_select(2, _order(n, a.size, full.device))
     return list(full.split([x.shape[1] // a.size for x in xs], dim=1))
@@ -570,8 +621,7 @@ def _to_tokens(xs: list[torch.Tensor], a: _Axis, tag: str) -> list[torch.Tensor]
     n = seq // a.size
     ranked = torch.empty_like(full).index_copy_(2, _order(n, a.size, full.device), full)
     send = ranked.unflatten(2, (a.size, n)).movedim(2, 0).contiguous()  # (destination, b, heads, n, d)
-    recv = torch.empty_like(send)
-    C.all_to_all(recv.view(-1), send.view(-1), a.group, tag=tag).wait()
+    recv = _all_to_all(send.view(-1), a, tag).view(send.shape)
     out, lo = [], 0
     for x in xs:  # recv: (head group, b, heads, n, d)
         h = x.shape[1]
@@ -586,7 +636,7 @@ class _UlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, a, causal, scale):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             qh, kh, vh = _to_heads([q, k, v], a, "cp_a2a_qkv")
             acc = torch.promote_types(q.dtype, torch.float32)
             b, h, seq, d = qh.shape
@@ -608,7 +658,7 @@ class _UlyssesAttention(torch.autograd.Function):
     def backward(ctx, g, *_):
         qh, kh, vh, oh, lse = ctx.saved_tensors
         a, causal, scale = ctx.axis, ctx.causal, ctx.scale
-        with torch._C._DisableFuncTorch():
+        with _escape():
             (gh,) = _to_heads([g.contiguous()], a, "cp_a2a_out")
             acc = torch.promote_types(qh.dtype, torch.float32)
             dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (qh, kh, vh))
@@ -696,7 +746,8 @@ def context_parallel_attention(
                     "(with tp, of a tp rank's heads). Use strategy='ring' or 'allgather', or a cp degree that divides "
                     "both head counts"
                 )
-    _CALLS[0] += 1
+    if not C.compiling():  # the compiled step's first, eager, verified step counts them
+        _CALLS[0] += 1
     function = _UlyssesAttention if a.strategy == "ulysses" else _CPAttention
     return function.apply(q, k, v, a, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)[0]
 
@@ -706,14 +757,16 @@ def context_parallel_attention(
 
 def note_gather(plan: Plan) -> None:
     """Called at each unit gather: the first of a cp plan's unverified step notes the count."""
-    if plan.cp_size > 1 and plan.fingerprint not in _VERIFIED:
+    # compiling() first: dynamo would guard the graph on the sets it reads. A compiled step's
+    # first step runs eagerly (fsdpfn.compile's verify), and is checked there.
+    if not C.compiling() and plan.cp_size > 1 and plan.fingerprint not in _VERIFIED:
         _MARKS.setdefault(plan.fingerprint, _CALLS[0])
 
 
 def check_reduce(plan: Plan) -> None:
     """Called at each unit reduce, before its collective: raises if the step since the plan's
     first gather never called :func:`context_parallel_attention` over cp."""
-    if plan.cp_size == 1 or plan.fingerprint in _VERIFIED:
+    if C.compiling() or plan.cp_size == 1 or plan.fingerprint in _VERIFIED:
         return
     mark = _MARKS.pop(plan.fingerprint, None)
     if mark is None:

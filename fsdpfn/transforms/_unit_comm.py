@@ -18,7 +18,7 @@ from fsdpfn._codec import cached
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import uses_zeros
 from fsdpfn._plan import Plan, Unit
-from fsdpfn.transforms._axes import _axis_group, _axis_rank, unit_group, unit_rank
+from fsdpfn.transforms._axes import _axis_group, _axis_rank, unit_group, unit_mesh_dim, unit_rank
 from fsdpfn.transforms._cp import check_reduce, note_gather
 from fsdpfn.transforms._tp import check_loss_reduce, note_loss_gather
 
@@ -81,10 +81,15 @@ class TracedWire(Wire):
     ``(mesh, dim)`` groups dynamo can trace."""
 
     def group(self, plan, unit, role):
+        if role is Role.SHARD and cached(plan, "axes").dim(role) is not None:
+            return unit_mesh_dim(plan, unit)  # the unit's own group: with ep or cp, flattened with shard
         d = cached(plan, "axes").dim(role)
         return None if d is None else (plan.mesh, d)
 
     def rank(self, plan, unit, role):
+        if role is Role.SHARD and cached(plan, "axes").dim(role) is not None:
+            mesh, d = unit_mesh_dim(plan, unit)
+            return mesh.get_local_rank(d)
         d = cached(plan, "axes").dim(role)
         return 0 if d is None else plan.mesh.get_local_rank(d)
 
