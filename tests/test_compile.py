@@ -636,7 +636,8 @@ def _cp_step_vs_eager(rank, world, mesh_shape, names, strategies):
     from fsdpfn.models import GPT_TP_PLAN
 
     out = []
-    for strategy in strategies:
+    for case in strategies:
+        strategy, _, unshard = case.partition("+")  # "ring+unshard": the loss reads the whole sequence
         _fresh_compile()
         torch.manual_seed(0)
         model = GPT(CP_CFG)
@@ -646,6 +647,8 @@ def _cp_step_vs_eager(rank, world, mesh_shape, names, strategies):
         def loss_fn(params, x, y):
             with fsdpfn.context_parallel(plan, strategy=strategy):
                 logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+                if unshard:  # every rank's logits, in sequence order (a gather over cp, its backward a reduce-scatter)
+                    logits, y = fsdpfn.context_parallel_unshard(logits), fsdpfn.context_parallel_unshard(y)
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
         step = fsdpfn.compile(loss_fn, backend="aot_eager")
@@ -670,7 +673,7 @@ def _cp_step_vs_eager(rank, world, mesh_shape, names, strategies):
         same &= all(_bitwise(compiled[n].to_local(), eager[n].to_local()) for n in eager)
         param_err = max(_rel(compiled[n].to_local(), eager[n].to_local()) for n in eager)
         saved = sorted(b for _, b in step.saved_for_backward)
-        out.append((strategy, _graphs(), same, grad_err, param_err, calls, saved))
+        out.append((case, _graphs(), same, grad_err, param_err, calls, saved))
     return out
 
 
@@ -678,7 +681,7 @@ def _cp_step_vs_eager(rank, world, mesh_shape, names, strategies):
 @pytest.mark.parametrize(
     "mesh_shape,names,strategies",
     [
-        ((1, 2), ("dp", "cp"), ("allgather", "ring", "ulysses")),
+        ((1, 2), ("dp", "cp"), ("allgather", "ring", "ulysses", "ring+unshard")),
         ((1, 4), ("dp", "cp"), ("allgather", "ring")),
         ((1, 2, 2), ("dp", "cp", "tp"), ("allgather", "ulysses")),
     ],
@@ -689,7 +692,8 @@ def test_context_parallel_steps_compile_to_one_graph(run_on_ranks, mesh_shape, n
     no recompile); the units' gathers and reduces over shard x cp flattened, and attention's
     exchanges (the K/V all-gather and its reduce-scatter, the ring's hops, Ulysses' all-to-alls),
     are in it as the eager step runs them, kind, group, bytes and dtype (the ring's hops counted
-    as send_recv), plus the zero3 units' second gather.
+    as send_recv), plus the zero3 units' second gather. "ring+unshard": the loss reads every
+    rank's logits through fsdpfn.context_parallel_unshard, traced too.
 
     Numbers: over 2 ranks a reduce-scatter's sum is one commutative addition, so loss, gradients
     and 5 SGD steps are bitwise eager's. Over cp 4 the units reduce over 4 ranks, and eager sums
@@ -717,5 +721,5 @@ def test_context_parallel_steps_compile_to_one_graph(run_on_ranks, mesh_shape, n
                 assert grad_err <= _tol(world) and param_err <= STEPS * _tol(world), (strategy, grad_err, param_err)
             assert compiled == eager, strategy
             assert max(saved) < cp * local_kv, (strategy, saved, local_kv)
-            if tp == 1 and strategy != "ulysses":
+            if tp == 1 and strategy in ("allgather", "ring"):
                 assert saved.count(local_kv) == 1, (strategy, saved, local_kv)

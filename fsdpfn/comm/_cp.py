@@ -20,32 +20,50 @@ travels back the same way.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from fsdpfn.comm import _groups
+from fsdpfn.comm import _groups, _traceable
 from fsdpfn.comm._collectives import all_gather, reduce_scatter, send_recv
 
 __all__ = ["cp_all_gather", "cp_ring_shift"]
 
 
+# While dynamo traces, the same Functions run the functional collectives ([Note: collectives
+# under torch.compile]) and need no functorch escape: one body for eager and compiled steps.
+
+
+def _escape():
+    return contextlib.nullcontext() if _traceable.compiling() else torch._C._DisableFuncTorch()
+
+
 def _gather(x: torch.Tensor, dim: int, group, tag: str) -> torch.Tensor:
     w = _groups.group_size(group)
     front = x.movedim(dim, 0).contiguous()
-    out = torch.empty(w * front.numel(), dtype=x.dtype, device=x.device)
-    all_gather(out, front.view(-1), group, tag=tag).wait()
+    if _traceable.compiling():
+        out = _traceable.traced_all_gather(front.view(-1), group)
+    else:
+        out = torch.empty(w * front.numel(), dtype=x.dtype, device=x.device)
+        all_gather(out, front.view(-1), group, tag=tag).wait()
     return out.view(w * front.shape[0], *front.shape[1:]).movedim(0, dim)
 
 
 def _scatter(g: torch.Tensor, dim: int, group, tag: str) -> torch.Tensor:
     w = _groups.group_size(group)
     front = g.movedim(dim, 0).contiguous()
-    out = torch.empty(front.numel() // w, dtype=g.dtype, device=g.device)
-    reduce_scatter(out, front.view(-1), group, tag=tag).wait()
+    if _traceable.compiling():
+        out = _traceable.traced_reduce_scatter(front.view(-1), group)
+    else:
+        out = torch.empty(front.numel() // w, dtype=g.dtype, device=g.device)
+        reduce_scatter(out, front.view(-1), group, tag=tag).wait()
     return out.view(front.shape[0] // w, *front.shape[1:]).movedim(0, dim)
 
 
 def _shift(x: torch.Tensor, shift: int, group, tag: str) -> torch.Tensor:
     flat = x.contiguous().view(-1)
+    if _traceable.compiling():
+        return _traceable.traced_shift(flat, group, shift).view(x.shape)
     out = torch.empty_like(flat)
     send_recv(out, flat, group, shift=shift, tag=tag).wait()
     return out.view(x.shape)
@@ -54,7 +72,7 @@ def _shift(x: torch.Tensor, shift: int, group, tag: str) -> torch.Tensor:
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, group, tag):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             return _gather(x, dim, group, tag)
 
     @staticmethod
@@ -63,14 +81,14 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             return _scatter(g, ctx.dim, ctx.group, ctx.tag), None, None, None
 
 
 class _Shift(torch.autograd.Function):
     @staticmethod
     def forward(x, shift, group, tag):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             return _shift(x, shift, group, tag)
 
     @staticmethod
@@ -79,7 +97,7 @@ class _Shift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             return _shift(g, -ctx.shift, ctx.group, ctx.tag), None, None, None
 
 

@@ -196,8 +196,10 @@ def _one_peer(node) -> bool:
     out_splits, in_splits = node.args[1], node.args[2]
 
     def single(splits) -> bool:
-        return isinstance(splits, (list, tuple)) and all(isinstance(s, int) for s in splits) and (
-            sum(s != 0 for s in splits) == 1
+        return (
+            isinstance(splits, (list, tuple))
+            and all(isinstance(s, int) for s in splits)
+            and (sum(s != 0 for s in splits) == 1)
         )
 
     return len(node.args) > 3 and single(out_splits) and single(in_splits) and len(in_splits) > 1

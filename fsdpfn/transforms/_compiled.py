@@ -59,7 +59,8 @@ __all__ = [
 
 class CompileUnsupportedError(RuntimeError):
     """A compiled region asked for something fsdpfn cannot compile correctly (``torch.func.grad``
-    under ``torch.compile``, tensor parallelism); the message says what works instead."""
+    under ``torch.compile``, a remat policy, expert parallelism); the message says what works
+    instead."""
 
 
 CompileUnsupportedError.__module__ = "fsdpfn"
@@ -90,15 +91,18 @@ def check_compilable(plan: Plan) -> None:
 
 
 def check_traced_axes(plan: Plan) -> None:
-    """Raises :class:`CompileUnsupportedError` for a mesh with an ``ep`` or ``cp`` axis: their units
-    gather and reduce over axes flattened with ``shard`` (ep x shard, shard x cp), which the traced
-    collectives do not size yet (the trace would fail inside dynamo, unnamed)."""
+    """Raises :class:`CompileUnsupportedError` for a mesh with an ``ep`` axis. Its units gather
+    and reduce over ``ep`` x ``shard`` like any unit over flattened axes, and those trace; what
+    does not is the token exchange of an expert layer: how many tokens each expert receives is
+    data (the router's choice), read to the host for the all-to-all's split sizes, and dynamo
+    stops there (a guard on a data-dependent value). Refused before anything is traced, by name,
+    rather than as dynamo's error from inside the layer."""
     if plan.axes.dim(Role.EP) is not None:
-        axis = f"expert parallelism (ep={plan.ep_size})"
         raise CompileUnsupportedError(
-            f"{axis} does not run under torch.compile yet (mesh {plan.axes.describe()}): its units gather and reduce over "
-            "mesh axes flattened with the shard axis, which the traced collectives do not handle. Run the step eagerly: "
-            "the pure loop (torch.func.grad over fsdpfn.unshard) or fsdpfn.runtime.Runtime"
+            f"expert parallelism (ep={plan.ep_size}) does not run under torch.compile yet (mesh {plan.axes.describe()}): "
+            "the all-to-alls that send tokens to their experts take split sizes the router decides at run time "
+            "(data-dependent sizes, which the compiled graph cannot hold). Run the step eagerly: the pure loop "
+            "(torch.func.grad over fsdpfn.unshard) or fsdpfn.runtime.Runtime"
         )
 
 
