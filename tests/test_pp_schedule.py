@@ -336,12 +336,13 @@ def test_an_earlier_send_is_a_valid_edit():
         ),
         (
             lambda ops: [Op("reduce", "embed")] + list(ops),
-            r"rank 0 op #0 \(reduce embed\): before its stage's last backward \(0 of 4",
+            r"rank 0 op #0 \(reduce embed\): 'reduce embed' before its gradients are complete; they are complete "
+            r"after its stage's last backward \(0 of 4",
         ),
-        (lambda ops: [op for op in ops if op != Op("free", "pos")], r"rank 0 leaves unit 'pos' unsharded"),
+        (lambda ops: [op for op in ops if op != Op("free", "pos")], r"rank 0: unit 'pos' is still unsharded"),
         (
             lambda ops: [op for op in ops if op.kind is not OpKind.WAIT_REDUCE or op.unit != "embed"],
-            r"rank 0 never reduces unit 'embed'",
+            r"rank 0: 'wait_reduce embed' is missing",
         ),
         (
             lambda ops: [Op("gather", "head")] + list(ops),
@@ -350,7 +351,7 @@ def test_an_earlier_send_is_a_valid_edit():
         (lambda ops: [Op("forward", "embed")] + list(ops), r"per-unit events have no place"),
         (
             lambda ops: [op for op in ops if op != PipeOp("stage_backward", 0, 3)],
-            r"\(reduce blocks.1\): before its stage's last backward \(3 of 4 micro-batches done\)",
+            r"\(reduce blocks.1\): .* after its stage's last backward \(3 of 4 micro-batches done\)",
         ),
         (
             lambda ops: [PipeOp("stage_forward", 1, 0)] + list(ops),
@@ -428,3 +429,33 @@ def test_a_pipelined_plan_has_no_single_step_schedule(model):
     with pytest.raises(ValueError, match=r"its step is a pipeline schedule, fsdpfn.pipeline_schedule\(plan"):
         plan.cost()
     assert plan.stage_plan(0).cost().collectives  # a stage costs as any plan
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda ops: [op for op in ops if op != Op("copy_in", "embed")],
+            r"rank 0 op #\d+ \(gather embed\): unit 'embed' is offloaded: its shards are in host memory; "
+            r"add 'copy_in embed'",
+        ),
+        (
+            lambda ops: [op for op in ops if op != Op("copy_out", "embed")],
+            r"rank 0: 'copy_out embed' is missing after 'wait_reduce embed'",
+        ),
+        (
+            lambda ops: [Op("copy_in", "pos")] + list(ops),
+            r"rank 0 op #0 \(copy_in pos\): unit 'pos' is not offloaded",
+        ),
+        (lambda ops: [op for op in ops if op != Op("free", "pos")], r"rank 0: unit 'pos' is still unsharded"),
+    ],
+)
+def test_a_pipeline_is_checked_by_the_single_stage_rules_of_its_units(model, edit, message):
+    """The rules of a unit's actions (gather, wait, free, reduce, the offloaded unit's copies in
+    and out) are one table, which the single-stage and the pipelined validators both read: an
+    offloaded unit's copies are checked on a pipeline as on one stage."""
+    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS, offload={"embed": True})
+    ps = pipeline_schedule(plan, "1f1b", 4)
+    validate_pipeline(ps, plan)
+    with pytest.raises(ScheduleError, match=message):
+        validate_pipeline(_edit(ps, 0, edit(ps.ranks[0])), plan)

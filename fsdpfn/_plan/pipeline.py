@@ -55,7 +55,17 @@ import re
 from collections.abc import Sequence
 from typing import Union, cast
 
-from fsdpfn._plan.schedule import GradState, Op, OpKind, ScheduleError, UnitState, unit_ops
+from fsdpfn._plan.schedule import (
+    UNIT_FINAL_RULES,
+    UNIT_RULES,
+    GradState,
+    Op,
+    OpKind,
+    ScheduleError,
+    UnitState,
+    Walk,
+    unit_ops,
+)
 from fsdpfn._plan.stages import Stages
 from fsdpfn._plan.values import ROOT, ROOT_LABEL, PlanValues, unit_label
 
@@ -588,7 +598,31 @@ def _fail(r: int, i: int, op: AnyOp, msg: str) -> ScheduleError:
     return ScheduleError(f"invalid pipeline schedule: rank {r} op #{i} ({op}): {msg}")
 
 
-def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
+class _RankWalk(Walk):
+    """One rank's list under the unit rules of the single-stage validator ([Note: one table of
+    unit rules] in ``schedule.py``), its errors naming the rank. A unit's gradients are complete
+    after its stage's last backward: ``backs`` counts the stages' backwards so far."""
+
+    def __init__(self, r: int, units: tuple[str, ...], ops: tuple, stage_of, m: int):
+        super().__init__(units, ops)
+        self.r, self.stage_of, self.m = r, stage_of, m
+        self.backs: dict[int, int] = {}
+
+    def fail(self, msg: str) -> None:
+        raise _fail(self.r, self.at, self.ops[self.at], msg)
+
+    def final(self, msg: str) -> ScheduleError:
+        return ScheduleError(f"invalid pipeline schedule: rank {self.r}: {msg}")
+
+    def complete_hint(self, unit: str) -> str:
+        done = self.backs.get(self.stage_of(unit), 0)
+        return (
+            f"they are complete after its stage's last backward ({done} of {self.m} micro-batches done): "
+            "move it after that"
+        )
+
+
+def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None, offloaded: frozenset[str] = frozenset()) -> None:
     """One rank's list alone: stages on this rank, each compute once and after its inputs, sends
     after what they send, FSDP units gathered while their stage computes and reduced after."""
     F, B = PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD
@@ -596,10 +630,11 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
     S, m = ps.num_stages, ps.micro_batches
     done: dict[PipeOp, int] = {}
     units = [u for names in stages.units for u in names] if stages is not None else []
-    params = dict.fromkeys(units, UnitState.SHARDED)
-    grads = dict.fromkeys(units, GradState.PENDING)
-    backs = {s: 0 for s in _stages_on(ps, r)}
     ops = ps.ranks[r]
+    mine = tuple(u for u in units if stages is not None and ps.rank_of(stages.stage_of(u)) == r)
+    walk = _RankWalk(r, mine, ops, stages.stage_of if stages is not None else None, m)
+    walk.offloaded = offloaded & frozenset(mine)
+    params, grads, backs = walk.params, walk.grads, walk.backs
     input_halves = {
         op for op in ops if isinstance(op, PipeOp) and op.kind is BI
     }  # to name the op a send_grad waits for
@@ -617,7 +652,7 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
                 raise _fail(
                     r, i, op, "FSDP actions need a schedule made for a plan (plan fingerprint '-' has no units)"
                 )
-            if op.unit not in params:
+            if op.unit not in units:
                 raise _fail(
                     r,
                     i,
@@ -632,7 +667,10 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
                     op,
                     f"unit {unit_label(op.unit)!r} is in stage {s}, on rank {ps.rank_of(s)}; move the op there",
                 )
-            _fsdp_step(r, i, op, params, grads, backs[s], m)
+            walk.at = i
+            for rule in UNIT_RULES:
+                rule(walk, op)
+            walk.advance(op)
             continue
         s, mb = op.stage, op.micro
         if s >= S or mb >= m:
@@ -721,7 +759,7 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
                         f"'gather {unit_label(u)}' and 'wait {unit_label(u)}' before it",
                     )
         if op.kind.computes_weight_grad:
-            backs[s] += 1
+            backs[s] = backs.get(s, 0) + 1
             if backs[s] == m:
                 for u in stages.units[s] if stages is not None else ():
                     grads[u] = GradState.COMPLETE
@@ -740,57 +778,14 @@ def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None) -> None:
                     f"invalid pipeline schedule: rank {r} never runs '{missing}'; each stage runs forward and "
                     "backward once per micro-batch (a backward whole, or its input and weight halves)"
                 )
-    for u in units:
-        if ps.rank_of(stages.stage_of(u)) != r:  # type: ignore[union-attr]
-            continue
-        if grads[u] is not GradState.REDUCED:
-            raise ScheduleError(
-                f"invalid pipeline schedule: rank {r} never reduces unit {unit_label(u)!r} (or never waits for it); "
-                f"put 'reduce {unit_label(u)}' and 'wait_reduce {unit_label(u)}' after its stage's last backward"
-            )
-        if params[u] is not UnitState.SHARDED:
-            raise ScheduleError(
-                f"invalid pipeline schedule: rank {r} leaves unit {unit_label(u)!r} unsharded; add 'free {unit_label(u)}'"
-            )
+    walk.at = len(ops) - 1
+    for final_rule in UNIT_FINAL_RULES:
+        final_rule(walk)
 
 
 def _stages_on(ps: PipelineSchedule, r: int) -> tuple[int, ...]:
     """The stages rank ``r`` runs."""
     return tuple(range(r, ps.num_stages, ps.pp_size))
-
-
-def _fsdp_step(r: int, i: int, op: Op, params: dict, grads: dict, backs: int, m: int) -> None:
-    u, label = op.unit, unit_label(op.unit)
-    kind = op.kind
-    if kind is OpKind.GATHER and params[u] is not UnitState.SHARDED:
-        raise _fail(r, i, op, f"unit {label!r} is gathered twice without a 'free' in between")
-    if kind is OpKind.WAIT and params[u] is not UnitState.GATHERING:
-        raise _fail(r, i, op, f"without a 'gather {label}' before it")
-    if kind is OpKind.FREE and params[u] is not UnitState.GATHERED:
-        raise _fail(r, i, op, "the unit is not gathered and waited for")
-    if kind is OpKind.REDUCE:
-        if grads[u] is GradState.PENDING:
-            raise _fail(
-                r,
-                i,
-                op,
-                f"before its stage's last backward ({backs} of {m} micro-batches done); its gradients are "
-                "complete only after every micro-batch's backward",
-            )
-        if grads[u] is not GradState.COMPLETE:
-            raise _fail(r, i, op, f"unit {label!r} is reduced twice")
-    if kind is OpKind.WAIT_REDUCE and grads[u] is not GradState.REDUCING:
-        raise _fail(r, i, op, f"without a 'reduce {label}' before it")
-    if kind in (OpKind.GATHER, OpKind.WAIT, OpKind.FREE):
-        params[u] = {
-            OpKind.GATHER: UnitState.GATHERING,
-            OpKind.WAIT: UnitState.GATHERED,
-            OpKind.FREE: UnitState.SHARDED,
-        }[kind]
-    if kind is OpKind.REDUCE:
-        grads[u] = GradState.REDUCING
-    if kind is OpKind.WAIT_REDUCE:
-        grads[u] = GradState.REDUCED
 
 
 def _check_pairs(ps: PipelineSchedule) -> dict[tuple[int, int], int]:
@@ -896,8 +891,9 @@ def pipeline_times(
                 f"{None if plan.stages is None else (plan.stages.pp_size, plan.stages.num_stages)}; regenerate it"
             )
     stages = plan.stages if plan is not None else None
+    offloaded = frozenset(u.name for u in plan.units if u.offload) if plan is not None else frozenset()
     for r in range(ps.pp_size):
-        _check_rank(ps, r, stages)
+        _check_rank(ps, r, stages, offloaded)
     match = _check_pairs(ps)
     S, p = ps.num_stages, ps.pp_size
     whole = _per("backward", backward, S, "stage")

@@ -68,7 +68,10 @@ __all__ = [
     "OpKind",
     "Schedule",
     "ScheduleError",
+    "UNIT_FINAL_RULES",
+    "UNIT_RULES",
     "UnitState",
+    "Walk",
     "reshards_after_forward",
     "schedule",
     "unit_ops",
@@ -468,7 +471,7 @@ def validate(sched: Schedule, plan: PlanValues) -> None:
     for ops, ending in ((sched.ops, True), (sched.accumulating, False)):
         if ops is None:
             continue
-        walk = _Walk(sched, tuple(u.name for u in plan.units), ops, ending)
+        walk = Walk(tuple(u.name for u in plan.units), ops, ending)
         walk.offloaded = frozenset(u.name for u in plan.units if u.offload)
         for i, op in enumerate(ops):
             walk.at = i
@@ -496,13 +499,17 @@ _EVENT_AFTER = {
 }
 
 
-class _Walk:
-    """The validator's view of one micro-batch's ``ops`` (``ending``: the micro-batch that ends
-    the step, ``Schedule.ops``; else ``Schedule.accumulating``) just before op number ``at``."""
+class Walk:
+    """A validator's view of a list of ops just before op number ``at``: each unit's parameter
+    and gradient state, what is in use, staged and copied out. The rules read it and
+    :meth:`advance` moves it past an op. The single-stage validator walks one micro-batch's
+    ``ops`` (``ending``: the micro-batch that ends the step, ``Schedule.ops``; else
+    ``Schedule.accumulating``); the pipelined one walks each rank's list with a subclass that
+    names the rank in its errors (see [Note: one table of unit rules])."""
 
-    def __init__(self, sched: Schedule, units: tuple[str, ...], ops: tuple[Op, ...] | None = None, ending: bool = True):
-        self.sched, self.units, self.at = sched, units, 0
-        self.ops = sched.ops if ops is None else ops
+    def __init__(self, units: tuple[str, ...], ops: tuple, ending: bool = True):
+        self.units, self.at = units, 0
+        self.ops = ops
         self.ending = ending
         self.params = dict.fromkeys(units, UnitState.SHARDED)
         self.grads = dict.fromkeys(units, GradState.PENDING)
@@ -519,6 +526,10 @@ class _Walk:
     def final(self, msg: str) -> ScheduleError:
         where = "" if self.ending else " (in the micro-batches that do not end the step)"
         return ScheduleError(f"invalid schedule{where}: {msg}")
+
+    def complete_hint(self, unit: str) -> str:
+        """Where ``unit``'s gradients become complete, for an error that reduces them early."""
+        return f"move it after '{'end' if unit == ROOT else f'backward_done {unit_label(unit)}'}'"
 
     def advance(self, op: Op) -> None:
         kind, unit = op.kind, op.unit
@@ -555,19 +566,19 @@ def _made_for_plan(sched: Schedule, plan: PlanValues) -> None:
         )
 
 
-def _unit_in_plan(w: _Walk, op: Op) -> None:
+def _unit_in_plan(w: Walk, op: Op) -> None:
     """Every op names a unit of the plan."""
     if op.kind is not OpKind.END and op.unit not in w.units:
         w.fail(f"unit {_quoted(op.unit)} is not in the plan; units: {', '.join(map(unit_label, w.units))}")
 
 
-def _no_event_after_end(w: _Walk, op: Op) -> None:
+def _no_event_after_end(w: Walk, op: Op) -> None:
     """No event follows 'end'."""
     if op.is_event and Op(OpKind.END) in w.seen:
         w.fail("no event may follow 'end'")
 
 
-def _used_units_are_gathered(w: _Walk, op: Op) -> None:
+def _used_units_are_gathered(w: Walk, op: Op) -> None:
     """A unit is gathered and waited for at every event while it is in use."""
     if not op.is_event:
         return
@@ -580,44 +591,44 @@ def _used_units_are_gathered(w: _Walk, op: Op) -> None:
             )
 
 
-def _event_happens_once(w: _Walk, op: Op) -> None:
+def _event_happens_once(w: Walk, op: Op) -> None:
     """Each event happens once per step."""
     if op in w.seen:
         w.fail(f"'{op}' appears twice (first at op #{w.seen[op]}); each event happens once per step")
 
 
-def _events_in_order(w: _Walk, op: Op) -> None:
+def _events_in_order(w: Walk, op: Op) -> None:
     """A unit's events come in order: forward, forward_done, backward, backward_done."""
     before = _EVENT_AFTER.get(op.kind)
     if before is not None and Op(before, op.unit) not in w.seen:
         w.fail(f"'{op}' before '{Op(before, op.unit)}'")
 
 
-def _root_has_no_backward_done(w: _Walk, op: Op) -> None:
+def _root_has_no_backward_done(w: Walk, op: Op) -> None:
     """The root's gradients are complete at 'end', not at a 'backward_done'."""
     if op.kind is OpKind.BACKWARD_DONE and op.unit == ROOT:
         w.fail("the root has no 'backward_done' event: its gradients are complete at 'end'")
 
 
-def _gathered_once(w: _Walk, op: Op) -> None:
+def _gathered_once(w: Walk, op: Op) -> None:
     """A unit is freed before it is gathered again."""
     if op.kind is OpKind.GATHER and w.params[op.unit] is not UnitState.SHARDED:
         w.fail(f"unit {_quoted(op.unit)} is gathered twice without a 'free' in between")
 
 
-def _waited_after_gather(w: _Walk, op: Op) -> None:
+def _waited_after_gather(w: Walk, op: Op) -> None:
     """A 'wait' follows its unit's 'gather'."""
     if op.kind is OpKind.WAIT and w.params[op.unit] is not UnitState.GATHERING:
         w.fail(f"'{op}' without a 'gather {unit_label(op.unit)}' before it")
 
 
-def _freed_when_gathered(w: _Walk, op: Op) -> None:
+def _freed_when_gathered(w: Walk, op: Op) -> None:
     """Only a gathered and waited-for unit is freed."""
     if op.kind is OpKind.FREE and w.params[op.unit] is not UnitState.GATHERED:
         w.fail(f"'{op}' but the unit is not gathered and waited for")
 
 
-def _not_freed_in_use(w: _Walk, op: Op) -> None:
+def _not_freed_in_use(w: Walk, op: Op) -> None:
     """A unit is not freed while in use."""
     if op.kind is OpKind.FREE and op.unit in w.in_use:
         w.fail(
@@ -625,19 +636,18 @@ def _not_freed_in_use(w: _Walk, op: Op) -> None:
         )
 
 
-def _reduced_once_complete(w: _Walk, op: Op) -> None:
+def _reduced_once_complete(w: Walk, op: Op) -> None:
     """A unit is reduced (or accumulated) once, after its gradients are complete."""
     if op.kind not in (OpKind.REDUCE, OpKind.ACCUMULATE):
         return
     state = w.grads[op.unit]
     if state is GradState.PENDING:
-        complete = "end" if op.unit == ROOT else f"backward_done {unit_label(op.unit)}"
-        w.fail(f"'{op}' before its gradients are complete; move it after '{complete}'")
+        w.fail(f"'{op}' before its gradients are complete; {w.complete_hint(op.unit)}")
     if state is not GradState.COMPLETE:
         w.fail(f"unit {_quoted(op.unit)} is reduced or accumulated twice")
 
 
-def _accumulated_only_before_the_end(w: _Walk, op: Op) -> None:
+def _accumulated_only_before_the_end(w: Walk, op: Op) -> None:
     """The micro-batch that ends the step reduces every unit: 'accumulate' only in the others."""
     if op.kind is OpKind.ACCUMULATE and w.ending:
         w.fail(
@@ -646,13 +656,13 @@ def _accumulated_only_before_the_end(w: _Walk, op: Op) -> None:
         )
 
 
-def _reduce_waited_after_reduce(w: _Walk, op: Op) -> None:
+def _reduce_waited_after_reduce(w: Walk, op: Op) -> None:
     """A 'wait_reduce' follows its unit's 'reduce'."""
     if op.kind is OpKind.WAIT_REDUCE and w.grads[op.unit] is not GradState.REDUCING:
         w.fail(f"'{op}' without a 'reduce {unit_label(op.unit)}' before it")
 
 
-def _copies_only_offloaded(w: _Walk, op: Op) -> None:
+def _copies_only_offloaded(w: Walk, op: Op) -> None:
     """Only offloaded units are copied in and out."""
     if op.kind in (OpKind.COPY_IN, OpKind.COPY_OUT) and op.unit not in w.offloaded:
         w.fail(
@@ -661,7 +671,7 @@ def _copies_only_offloaded(w: _Walk, op: Op) -> None:
         )
 
 
-def _offloaded_copied_in_before_gather(w: _Walk, op: Op) -> None:
+def _offloaded_copied_in_before_gather(w: Walk, op: Op) -> None:
     """An offloaded unit's shards are copied in before each of its gathers, once."""
     if op.kind is OpKind.GATHER and op.unit in w.offloaded and op.unit not in w.staged:
         w.fail(
@@ -671,7 +681,7 @@ def _offloaded_copied_in_before_gather(w: _Walk, op: Op) -> None:
         w.fail(f"'{op}' twice before its gather; each gather consumes one copy")
 
 
-def _copied_out_after_reduce(w: _Walk, op: Op) -> None:
+def _copied_out_after_reduce(w: Walk, op: Op) -> None:
     """An offloaded unit's gradients are copied out once their reduce is waited for."""
     if op.kind is OpKind.COPY_OUT and (w.grads[op.unit] is not GradState.REDUCED or op.unit in w.copied_out):
         w.fail(
@@ -679,7 +689,7 @@ def _copied_out_after_reduce(w: _Walk, op: Op) -> None:
         )
 
 
-def _every_offloaded_unit_copied_out(w: _Walk) -> None:
+def _every_offloaded_unit_copied_out(w: Walk) -> None:
     """Every offloaded unit's gradients reach host memory, and no copy is left unused."""
     accumulated = {u for u, state in w.grads.items() if state is GradState.ACCUMULATED}  # nothing reduced to copy out
     for unit in sorted(w.offloaded - w.copied_out - accumulated):
@@ -691,7 +701,7 @@ def _every_offloaded_unit_copied_out(w: _Walk) -> None:
         raise w.final(f"'copy_in {unit_label(unit)}' is never consumed by a gather; remove it")
 
 
-def _every_event_present(w: _Walk) -> None:
+def _every_event_present(w: Walk) -> None:
     """Every unit has all its events, and the step has 'end'."""
     for unit in w.units:
         wanted = [OpKind.FORWARD, OpKind.FORWARD_DONE, OpKind.BACKWARD] + (
@@ -706,7 +716,7 @@ def _every_event_present(w: _Walk) -> None:
         raise w.final("the 'end' event is missing; put it after the last 'backward_done'")
 
 
-def _every_reduce_waited(w: _Walk) -> None:
+def _every_reduce_waited(w: Walk) -> None:
     """Every unit's gradients are reduced and waited for (or, before the end, accumulated)."""
     for unit, state in w.grads.items():
         label = unit_label(unit)
@@ -719,13 +729,31 @@ def _every_reduce_waited(w: _Walk) -> None:
             raise w.final(f"'wait_reduce {label}' is missing after op #{len(w.ops) - 1}")
 
 
-def _every_unit_freed(w: _Walk) -> None:
+def _every_unit_freed(w: Walk) -> None:
     """Every unit is freed by the end."""
     for unit, state in w.params.items():
         if state is not UnitState.SHARDED:
             raise w.final(f"unit {_quoted(unit)} is still unsharded at the end; add 'free {unit_label(unit)}'")
 
 
+# [Note: one table of unit rules]
+# What a unit's own actions need (gathered once, waited after its gather, freed when gathered,
+# reduced once complete and waited for, an offloaded unit's copies in and out) does not depend on
+# what runs the unit: UNIT_RULES (each op) and UNIT_FINAL_RULES (after the last) are read by
+# this module's validator and by the pipelined one (fsdpfn/_plan/pipeline.py), which walks each
+# rank's list with the same Walk. The other rules here are about per-unit events, which a
+# pipeline's stage ops replace (it checks those itself).
+UNIT_RULES = (
+    _gathered_once,
+    _waited_after_gather,
+    _freed_when_gathered,
+    _reduced_once_complete,
+    _reduce_waited_after_reduce,
+    _copies_only_offloaded,
+    _offloaded_copied_in_before_gather,
+    _copied_out_after_reduce,
+)
+UNIT_FINAL_RULES = (_every_reduce_waited, _every_unit_freed, _every_offloaded_unit_copied_out)
 _OP_RULES = (
     _unit_in_plan,
     _no_event_after_end,
@@ -733,15 +761,8 @@ _OP_RULES = (
     _event_happens_once,
     _root_has_no_backward_done,
     _events_in_order,
-    _gathered_once,
-    _waited_after_gather,
-    _freed_when_gathered,
+    *UNIT_RULES,
     _not_freed_in_use,
-    _reduced_once_complete,
     _accumulated_only_before_the_end,
-    _reduce_waited_after_reduce,
-    _copies_only_offloaded,
-    _offloaded_copied_in_before_gather,
-    _copied_out_after_reduce,
 )
-_FINAL_RULES = (_every_event_present, _every_reduce_waited, _every_unit_freed, _every_offloaded_unit_copied_out)
+_FINAL_RULES = (_every_event_present, *UNIT_FINAL_RULES)
