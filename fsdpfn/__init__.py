@@ -30,7 +30,6 @@ from fsdpfn._plan import PipeOp as PipeOp
 from fsdpfn._plan import PIPELINE_SCHEDULES as PIPELINE_SCHEDULES
 from fsdpfn._plan import PipelineSchedule as PipelineSchedule
 from fsdpfn._plan import pipeline_schedule as pipeline_schedule
-from fsdpfn._plan import pipeline_times as pipeline_times
 from fsdpfn._plan import validate_pipeline as validate_pipeline
 from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
@@ -71,6 +70,7 @@ from fsdpfn import ft as ft
 from fsdpfn import optim as optim
 from fsdpfn import runtime as runtime
 from fsdpfn import sim as sim
+from fsdpfn.sim import pipeline_times as pipeline_times
 from fsdpfn import testing as testing
 
 __version__ = "0.1.0"

@@ -155,7 +155,8 @@ def test_stages_value_checks_itself():
 
 import dataclasses  # noqa: E402
 
-from fsdpfn._plan.pipeline import PipelineSchedule, PipeOp, pipeline_schedule, pipeline_times, validate_pipeline  # noqa: E402
+from fsdpfn._plan.pipeline import PipelineSchedule, PipeOp, pipeline_schedule, validate_pipeline  # noqa: E402
+from fsdpfn.sim import pipeline_times  # noqa: E402
 from fsdpfn._plan.schedule import Op, OpKind, ScheduleError  # noqa: E402
 
 

@@ -12,9 +12,9 @@ from fsdpfn._plan.pipeline import (
     PipelineSchedule,
     PipeOp,
     pipeline_schedule,
-    pipeline_times,
     validate_pipeline,
 )
+from fsdpfn.sim import pipeline_times
 from fsdpfn._plan.schedule import Op, OpKind, ScheduleError
 from fsdpfn._plan.stages import Stages
 from fsdpfn.models import GPT, GPTConfig

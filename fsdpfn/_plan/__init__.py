@@ -11,7 +11,8 @@ or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
     serialise    JSON -> plan, every format an fsdpfn wrote
     steps        step_collectives / step_ops: the schedule's ops expanded into collectives
     pipeline     pipeline_schedule(): every pp rank's op list (stage ops, send/recv, FSDP's actions per
-                 stage from schedule.unit_ops); validate_pipeline, pipeline_times
+                 stage from schedule.unit_ops); validate_pipeline and run_order (the order every
+                 rank's ops run in together, which fsdpfn.sim's pipeline_times prices)
     schedule     schedule(): the one op list of a training step
     wire         wire_bytes: what one rank sends for one collective (the one formula)
     attention    AttentionCall: attention's key/value exchange over cp, as the op list costs it
@@ -30,10 +31,9 @@ from fsdpfn._plan.pipeline import (
     PIPELINE_SCHEDULES,
     PipeKind,
     PipelineSchedule,
-    PipelineTimes,
     PipeOp,
     pipeline_schedule,
-    pipeline_times,
+    run_order,
     validate_pipeline,
 )
 from fsdpfn._plan.plan_type import Plan
@@ -60,9 +60,8 @@ __all__ = [
     "PipeKind",
     "PipeOp",
     "PipelineSchedule",
-    "PipelineTimes",
     "pipeline_schedule",
-    "pipeline_times",
+    "run_order",
     "validate_pipeline",
     "ByteSlot",
     "Float8Layout",

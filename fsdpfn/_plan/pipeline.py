@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Sequence
 from typing import Union, cast
 
 from fsdpfn._plan.schedule import (
@@ -74,10 +73,9 @@ __all__ = [
     "PipeKind",
     "PipeOp",
     "PipelineSchedule",
-    "PipelineTimes",
     "forward_only",
     "pipeline_schedule",
-    "pipeline_times",
+    "run_order",
     "validate_pipeline",
 ]
 
@@ -482,7 +480,7 @@ def pipeline_schedule(
     Returns:
       a :class:`PipelineSchedule`; :func:`validate_pipeline` accepts it. With forward time
       ``f`` and backward ``b`` per stage, GPipe and 1F1B idle a fraction ``(p - 1) / (m + p - 1)``
-      of the step (:func:`pipeline_times`), interleaved 1F1B ``(p - 1) / (v m + p - 1)``; zero
+      of the step (:func:`fsdpfn.pipeline_times`), interleaved 1F1B ``(p - 1) / (v m + p - 1)``; zero
       bubble, with each backward half as long as the forward, ``(p - 1) / (3 m + p - 1)``
       (``m >= p``): a third of 1F1B's idle time.
 
@@ -494,7 +492,7 @@ def pipeline_schedule(
       >>> ps = pipeline_schedule(Stages(tuple((f"u{s}",) for s in range(4)), 2), "interleaved_1f1b", 4)
       >>> [str(op) for op in ps.ranks[0][:4]]
       ['stage_forward s0 m0', 'send_act s0 m0', 'stage_forward s0 m1', 'send_act s0 m1']
-      >>> round(pipeline_times(ps, forward=0.5, backward=1.0).bubble, 4)  # (p - 1) / (v m + p - 1)
+      >>> round(fsdpfn.pipeline_times(ps, forward=0.5, backward=1.0).bubble, 4)  # (p - 1) / (v m + p - 1)
       0.1111
     """
     plan = plan_or_stages if isinstance(plan_or_stages, PlanValues) else None
@@ -568,30 +566,6 @@ def forward_only(plan: PlanValues, micro_batches: int, *, prefetch: int = 1) -> 
 
 
 # ---- the validator ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineTimes:
-    """When each rank finishes and how long it computes, with every rank's ops run together.
-
-    Attributes:
-      finish: each rank's last op's end.
-      busy: each rank's compute time.
-      makespan: the step's length (the latest finish).
-      bubble: the fraction of ``pp x makespan`` no rank computes.
-      in_flight: each rank's peak count of (stage, micro-batch) forwards whose backward (a split
-        one's weight half) has not run: the activations it keeps at once (GPipe: ``v m``;
-        1F1B: ``p - r`` on rank r; zero bubble: ``p`` on every rank).
-      peak_activations: with ``activations`` given, each rank's most activation bytes kept at
-        once (stages may keep different amounts: the count alone does not give it).
-    """
-
-    finish: tuple[float, ...]
-    busy: tuple[float, ...]
-    makespan: float
-    bubble: float
-    in_flight: tuple[int, ...] = ()
-    peak_activations: tuple[int, ...] = ()
 
 
 def _fail(r: int, i: int, op: AnyOp, msg: str) -> ScheduleError:
@@ -829,55 +803,20 @@ def _check_pairs(ps: PipelineSchedule) -> dict[tuple[int, int], int]:
     return match
 
 
-def pipeline_times(
-    ps: PipelineSchedule,
-    forward: "float | Sequence[float]" = 1.0,
-    backward: "float | Sequence[float]" = 2.0,
-    *,
-    transfer: "float | Sequence[float]" = 0.0,
-    start: "float | Sequence[float]" = 0.0,
-    after: "float | Sequence[float]" = 0.0,
-    activations: "Sequence[int] | None" = None,
-    plan: PlanValues | None = None,
-    backward_input: "float | Sequence[float] | None" = None,
-    backward_weight: "float | Sequence[float] | None" = None,
-    accumulate: "float | Sequence[float]" = 0.0,
-) -> PipelineTimes:
-    """Validates ``ps`` (see :func:`validate_pipeline`) and runs every rank's list together:
-    a recv waits for its send, a send does not wait, FSDP's ops take no time of their own.
+def run_order(ps: PipelineSchedule, plan: PlanValues | None = None) -> tuple[tuple[int, int, int | None], ...]:
+    """Validates ``ps`` and returns an order in which every rank's ops can run together: one
+    ``(rank, op index, send index)`` per op, each rank's ops in their order, a recv after the
+    send it takes (``send index``: that send's index in the peer's list; ``None`` for every
+    other op). The walk the timing engine prices (:func:`fsdpfn.pipeline_times`); its checks
+    are :func:`validate_pipeline`'s.
 
-    Args:
-      ps: the schedule.
-      forward, backward: seconds of one micro-batch's stage forward and backward: one number
-        for every stage, or one per stage.
-      backward_input, backward_weight: seconds of a split backward's halves
-        (``stage_backward_input``, ``stage_backward_weight``), alike; ``None``: half of
-        ``backward`` each (then a split backward costs what a whole one does).
-      transfer: seconds from a send to its data's arrival across the boundary after stage ``s``
-        (an activation forward, its gradient back): one number, or one per boundary
-        (``num_stages - 1``).
-      start: seconds each rank spends before its first op (its stages' gathers), one number or
-        one per rank; ``after``: after its last op (its stages' reduces).
-      activations: bytes one micro-batch's forward of each stage keeps until its backward;
-        gives ``PipelineTimes.peak_activations``.
-      plan: the plan it was made for (its fingerprint and stages are checked).
-      accumulate: seconds to add one micro-batch's parameter gradients of a stage to those kept
-        from its earlier micro-batches (one number, or one per stage), after each backward (or
-        weight half) of the stage but its first: the step's gradients are reduced once, after
-        the last micro-batch, so ``m`` micro-batches add ``m - 1`` times.
+    Raises:
+      ScheduleError: as :func:`validate_pipeline`.
 
     Example:
-      >>> ps = pipeline_schedule(Stages((("a",), ("b",)), 2), "1f1b", 4)
-      >>> t = pipeline_times(ps)  # f = 1, b = 2: (m + p - 1)(f + b) = 15
-      >>> t.makespan, round(t.bubble, 4)  # (p - 1) / (m + p - 1) = 1 / 5
-      (15.0, 0.2)
-      >>> pipeline_times(ps, transfer=0.5).makespan  # 4 hops lie on the critical path
-      17.0
-      >>> zb = pipeline_schedule(Stages((("a",), ("b",)), 2), "zero_bubble", 4)
-      >>> pipeline_times(zb, 1.0, 2.0).makespan  # halves b = w = 1: 3m + p - 1 = 13
-      13.0
-      >>> pipeline_times(ps, accumulate=0.25).busy  # each rank: m (f + b) + (m - 1) * 0.25
-      (12.75, 12.75)
+      >>> ps = pipeline_schedule(Stages((("a",), ("b",)), 2), "gpipe", 1)
+      >>> [(r, ps.ranks[r][i]) for r, i, _ in run_order(ps)][:3]
+      [(0, PipeOp(kind=<PipeKind.STAGE_FORWARD: 'stage_forward'>, stage=0, micro=0)), (0, PipeOp(kind=<PipeKind.SEND_ACT: 'send_act'>, stage=0, micro=0)), (1, PipeOp(kind=<PipeKind.RECV_ACT: 'recv_act'>, stage=1, micro=0))]
     """
     if plan is not None:
         if ps.plan_fingerprint != plan.fingerprint:
@@ -895,50 +834,22 @@ def pipeline_times(
     for r in range(ps.pp_size):
         _check_rank(ps, r, stages, offloaded)
     match = _check_pairs(ps)
-    S, p = ps.num_stages, ps.pp_size
-    whole = _per("backward", backward, S, "stage")
-    cost = {
-        PipeKind.STAGE_FORWARD: _per("forward", forward, S, "stage"),
-        PipeKind.STAGE_BACKWARD: whole,
-        PipeKind.STAGE_BACKWARD_INPUT: (
-            tuple(b / 2 for b in whole)
-            if backward_input is None
-            else _per("backward_input", backward_input, S, "stage")
-        ),
-        PipeKind.STAGE_BACKWARD_WEIGHT: (
-            tuple(b / 2 for b in whole)
-            if backward_weight is None
-            else _per("backward_weight", backward_weight, S, "stage")
-        ),
-    }
-    hop = _per("transfer", transfer, max(S - 1, 0), "boundary between stages")
-    add = _per("accumulate", accumulate, S, "stage")
-    grads_kept: set[int] = set()  # stages whose parameter gradients of an earlier micro-batch are kept
-    pc = [0] * p
-    clock = list(_per("start", start, p, "pp rank"))
-    busy = [0.0] * p
-    sent_at: dict[tuple[int, int], float] = {}  # (rank, op index) of a send -> when it was sent
+    pc = [0] * ps.pp_size
+    sent: set[tuple[int, int]] = set()
+    order: list[tuple[int, int, int | None]] = []
     moved = True
     while moved:
         moved = False
         for r, ops in enumerate(ps.ranks):
             while pc[r] < len(ops):
-                op = ops[pc[r]]
+                op, takes = ops[pc[r]], None
                 if isinstance(op, PipeOp) and op.kind.is_recv:
-                    key = (ps.peer(op), match[(r, pc[r])])
-                    if key not in sent_at:
+                    takes = match[(r, pc[r])]
+                    if (ps.peer(op), takes) not in sent:
                         break  # its send has not run yet: wait, let the other ranks move
-                    boundary = min(op.stage, op.peer_stage)  # the activation of s -> s + 1, or its gradient back
-                    clock[r] = max(clock[r], sent_at[key] + hop[boundary])
                 if isinstance(op, PipeOp) and op.kind.is_send:
-                    sent_at[(r, pc[r])] = clock[r]
-                if isinstance(op, PipeOp) and op.kind.is_compute:
-                    took = cost[op.kind][op.stage]
-                    if op.kind in (PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_WEIGHT):
-                        took += add[op.stage] if op.stage in grads_kept else 0.0
-                        grads_kept.add(op.stage)
-                    clock[r] += took
-                    busy[r] += took
+                    sent.add((r, pc[r]))
+                order.append((r, pc[r], takes))
                 pc[r] += 1
                 moved = True
     stuck = [r for r in range(ps.pp_size) if pc[r] < len(ps.ranks[r])]
@@ -952,53 +863,7 @@ def pipeline_times(
             f"invalid pipeline schedule: deadlock, every rank left waits for another: {waits}. Move a send "
             "earlier (before the recv its rank blocks in) or a recv later"
         )
-    finish = [c + a for c, a in zip(clock, _per("after", after, p, "pp rank"))]
-    makespan = max(finish)
-    acts = _per("activations", activations, S, "stage") if activations is not None else None
-    return PipelineTimes(
-        tuple(finish),
-        tuple(busy),
-        makespan,
-        1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
-        tuple(_peak_in_flight(ops) for ops in ps.ranks),
-        tuple(_peak_bytes(ops, acts) for ops in ps.ranks) if acts is not None else (),
-    )
-
-
-def _per(name: str, value, n: int, what: str) -> tuple[float, ...]:
-    """``value`` for each of ``n`` (stages, boundaries or ranks): one number for all, or one each."""
-    if isinstance(value, (int, float)):
-        if not value >= 0:
-            raise ValueError(f"pipeline_times: {name} must be >= 0, got {value!r}")
-        return (float(value),) * n
-    values = tuple(float(v) for v in value)
-    if len(values) != n or not all(v >= 0 for v in values):
-        raise ValueError(f"pipeline_times: {name} needs one number >= 0 per {what} ({n}), got {list(values)}")
-    return values
-
-
-def _peak_bytes(ops: tuple[AnyOp, ...], acts: tuple[float, ...]) -> int:
-    """The most activation bytes one rank keeps at once: each stage forward's until its backward
-    (a split one's weight half: it needs the stage's inputs, so they live until then)."""
-    live = peak = 0.0
-    for op in ops:
-        if isinstance(op, PipeOp) and op.kind is PipeKind.STAGE_FORWARD:
-            live += acts[op.stage]
-        elif isinstance(op, PipeOp) and op.kind.computes_weight_grad:
-            live -= acts[op.stage]
-        peak = max(peak, live)
-    return int(peak)
-
-
-def _peak_in_flight(ops: tuple[AnyOp, ...]) -> int:
-    live = peak = 0
-    for op in ops:
-        if isinstance(op, PipeOp) and op.kind is PipeKind.STAGE_FORWARD:
-            live += 1
-        elif isinstance(op, PipeOp) and op.kind.computes_weight_grad:
-            live -= 1
-        peak = max(peak, live)
-    return peak
+    return tuple(order)
 
 
 def validate_pipeline(ps: PipelineSchedule, plan: PlanValues | None = None) -> None:
@@ -1024,4 +889,4 @@ def validate_pipeline(ps: PipelineSchedule, plan: PlanValues | None = None) -> N
       Traceback (most recent call last):
       fsdpfn._plan.schedule.ScheduleError: invalid pipeline schedule: rank 1 op #4 (send_grad s1 m0): sends what 'stage_backward s1 m0' computes before it runs; move the send after it
     """
-    pipeline_times(ps, plan=plan)
+    run_order(ps, plan)

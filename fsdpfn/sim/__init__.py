@@ -45,6 +45,8 @@ from fsdpfn.sim._search import finer_units as finer_units
 from fsdpfn.sim._search import pipeline_units as pipeline_units
 from fsdpfn.sim._search import search as search
 from fsdpfn.sim._pipeline import PipelineSimResult as PipelineSimResult
+from fsdpfn.sim._pipeline_times import PipelineTimes as PipelineTimes
+from fsdpfn.sim._pipeline_times import pipeline_times as pipeline_times
 from fsdpfn.sim._pipeline import simulate_pipeline as simulate_pipeline
 from fsdpfn.sim._simulate import SimResult as SimResult
 from fsdpfn.sim._simulate import Span as Span
@@ -71,6 +73,7 @@ __all__ = [
     "OptimizerCost",
     "PRESETS",
     "PipelineSimResult",
+    "PipelineTimes",
     "SearchResult",
     "SimResult",
     "Span",
@@ -88,6 +91,7 @@ __all__ = [
     "measure",
     "measure_timings",
     "owner_loads",
+    "pipeline_times",
     "pipeline_units",
     "profile",
     "run_tasks",

@@ -50,8 +50,9 @@ from fsdpfn._plan import ROOT, Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import Op, OpKind, schedule
 from fsdpfn._plan.steps import step_collectives
-from fsdpfn._plan.pipeline import PipelineSchedule, PipelineTimes, pipeline_times
+from fsdpfn._plan.pipeline import PipelineSchedule
 from fsdpfn.sim._hardware import Hardware
+from fsdpfn.sim._pipeline_times import PipelineTimes, pipeline_times
 from fsdpfn.sim._simulate import _mesh_groups, accumulate_work, kept_grad_bytes, over_memory, simulate
 from fsdpfn.sim._workload import EMPTY, Workload
 
