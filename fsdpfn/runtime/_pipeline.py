@@ -145,6 +145,32 @@ class PipelineProfile:
         return out
 
 
+@dataclasses.dataclass
+class _StepState:
+    """What one training or evaluation step of a :class:`PipelineRuntime` holds, as one value: a
+    fresh one each call, released (its tensors dropped) when the call ends, so nothing of one
+    step reaches the next. Keyed by ``(stage, micro-batch)``."""
+
+    xs: tuple  # the micro-batches' inputs (this cp rank's part of each sequence)
+    ys: tuple  # and their targets
+    train: bool  # False: evaluate (no graph, nothing saved for a backward)
+    acts: dict = dataclasses.field(default_factory=dict)  # a stage's input, before its forward
+    grads: dict = dataclasses.field(default_factory=dict)  # a stage's output gradient, before its backward
+    outbox: dict = dataclasses.field(default_factory=dict)  # computed, to be sent
+    saved: dict = dataclasses.field(default_factory=dict)  # forward graphs awaiting their backward
+    losses: dict = dataclasses.field(default_factory=dict)  # micro-batch -> its loss (the last stage)
+    sends: dict = dataclasses.field(default_factory=dict)  # transfers in flight, by their send op
+    halves: dict = dataclasses.field(default_factory=dict)  # an input half's leftovers, for its weight half
+    kept: dict = dataclasses.field(default_factory=dict)  # activation bytes of each forward awaiting its backward
+    peak_kept: int = 0
+    kept_log: list = dataclasses.field(default_factory=list)  # (stage, micro-batch, bytes) as each forward ends
+
+    def release(self) -> None:
+        """Drops the step's tensors (what a failed step left in flight too)."""
+        for held in (self.sends, self.saved, self.acts, self.grads, self.outbox, self.halves):
+            held.clear()
+
+
 class PipelineRuntime:
     """Trains a pipelined plan: each pp rank runs its stages' micro-batches in the order of a
     pipeline schedule (GPipe, 1F1B, interleaved 1F1B, zero bubble, or a hand-edited one), with its stages'
@@ -271,7 +297,7 @@ class PipelineRuntime:
         self._profile = profile
         self._cp_strategy = cp_strategy
         self.last_profile: PipelineProfile | None = None
-        self._train = True
+        self._step = _StepState((), (), True)  # the step running now (none yet)
         self._verify = bool(verify)  # until the first training step has checked every stage here
         # The loss check's process group over the last stage's ranks, made here by every rank in
         # the same order, as torch's groups must be (see fsdpfn.comm.ranks_group).
@@ -405,19 +431,11 @@ class PipelineRuntime:
         # This cp rank's part of every sequence (the whole step then runs inside its cp axis;
         # without one, the whole sequences and a block that changes nothing).
         inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
-        self._xs, self._ys = inputs.chunk(m), targets.chunk(m)
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
             ex.reset_grads()
-        self._acts: dict[tuple[int, int], torch.Tensor] = {}  # a stage's input, before its forward
-        self._grads: dict[tuple[int, int], torch.Tensor] = {}  # a stage's output gradient, before its backward
-        self._outbox: dict[tuple[int, int], torch.Tensor] = {}  # computed, to be sent
-        self._saved: dict[tuple[int, int], tuple] = {}  # forward graphs awaiting their backward
-        self._losses: dict[int, torch.Tensor] = {}
-        self._sends: dict[PipeOp, list] = {}  # transfers in flight, by their send op
+        self._step = _StepState(inputs.chunk(m), targets.chunk(m), train)
         self.last_ops = []
-        self._train = train
-        self._halves: dict[tuple[int, int], WeightHalf] = {}  # an input half's leftovers, for its weight half
         run = {
             PipeKind.STAGE_FORWARD: self._forward,
             PipeKind.STAGE_BACKWARD: self._backward,
@@ -429,9 +447,6 @@ class PipelineRuntime:
             PipeKind.RECV_GRAD: self._recv_grad,
         }
         clock, timeline = time.perf_counter, cast(list[tuple[str, float, float]], [])
-        self._kept: dict[tuple[int, int], int] = {}  # activation bytes of each forward awaiting its backward
-        self._peak_kept = 0
-        self._kept_log: list[tuple[int, int, int]] = []
         begin = clock()
         try:
             with context_parallel(cp_plan, strategy=self._cp_strategy):
@@ -439,7 +454,7 @@ class PipelineRuntime:
                     with uncounted():  # the check's transfers are not the step's
                         self._verify_stages(ps, params)
                 self._walk(ps, run, clock, begin, timeline)
-            for pendings in self._sends.values():  # what was sent must stay alive until it left
+            for pendings in self._step.sends.values():  # what was sent must stay alive until it left
                 for pending in pendings:
                     pending.wait()
         except BaseException:
@@ -447,7 +462,7 @@ class PipelineRuntime:
                 ex.abandon()
             raise
         finally:
-            self._sends, self._saved, self._acts, self._grads, self._outbox, self._halves = {}, {}, {}, {}, {}, {}
+            self._step.release()
         if train:
             self._verify = False
         return self._finish(ps, timeline, train)
@@ -476,7 +491,7 @@ class PipelineRuntime:
             if here:
                 try:
                     if s == 0:
-                        x = self._xs[0]
+                        x = self._step.xs[0]
                     elif ps.rank_of(s - 1) == self.pp_rank:
                         x = held
                     else:
@@ -503,9 +518,11 @@ class PipelineRuntime:
                         raise ValueError(self._in_place(s))
                     out = self._stage_output(s, out).detach().contiguous()
                     if s == ps.num_stages - 1:
-                        self._check_loss(self.loss_fn(out, self._ys[0]))
+                        self._check_loss(self.loss_fn(out, self._step.ys[0]))
                         # The loss over the last stage's ranks (see [Note: the loss check]).
-                        verify_stage_loss(sp, self.loss_fn, out, self._ys[0], self.verified[s], self._last_stage_group)
+                        verify_stage_loss(
+                            sp, self.loss_fn, out, self._step.ys[0], self.verified[s], self._last_stage_group
+                        )
                 except (VerificationError, ValueError) as e:
                     error, problem = e, f"{'V' if isinstance(e, VerificationError) else 'E'}{e}"
             found = C.exchange_problems(f"pipeline verify stage {s}", problem, world)
@@ -543,7 +560,7 @@ class PipelineRuntime:
         m = ps.micro_batches
         if self._profile:
             self.last_profile = PipelineProfile(
-                self.pp_rank, ps.name, tuple(timeline), tuple(self._kept_log), self._peak_kept
+                self.pp_rank, ps.name, tuple(timeline), tuple(self._step.kept_log), self._step.peak_kept
             )
         last = ps.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32)
@@ -551,7 +568,7 @@ class PipelineRuntime:
             for ex in self._ex.values():
                 ex.reset_grads()
         if ps.rank_of(last) == self.pp_rank:
-            loss = torch.stack([self._losses[k].float() for k in range(m)]).sum() / m
+            loss = torch.stack([self._step.losses[k].float() for k in range(m)]).sum() / m
         loss = broadcast(loss.reshape(1), src=self._global[ps.rank_of(last)], group=self.group, tag="pp_loss").reshape(
             ()
         )
@@ -597,8 +614,8 @@ class PipelineRuntime:
         s, k = op.stage, op.micro
         last = s == self.schedule.num_stages - 1
         ex = self._ex[s]
-        if not self._train:  # evaluate: no graph, nothing saved for a backward
-            x = self._xs[k] if s == 0 else self._acts.pop((s, k))
+        if not self._step.train:  # evaluate: no graph, nothing saved for a backward
+            x = self._step.xs[k] if s == 0 else self._step.acts.pop((s, k))
             params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full_params(u.name))}
             out = self._stage_output(
                 s,
@@ -607,9 +624,9 @@ class PipelineRuntime:
                 ),
             )
             if last:
-                loss = self.loss_fn(out, self._ys[k])
+                loss = self.loss_fn(out, self._step.ys[k])
                 self._check_loss(loss)
-                self._losses[k] = loss.detach()
+                self._step.losses[k] = loss.detach()
             else:
                 self._pass_on(s, k, out)
             return
@@ -619,9 +636,9 @@ class PipelineRuntime:
             for p, t in zip(u.params, ex.full_params(u.name))
         }
         if s == 0:
-            x = self._xs[k]
+            x = self._step.xs[k]
         else:
-            x = self._acts.pop((s, k)).detach()
+            x = self._step.acts.pop((s, k)).detach()
             x.requires_grad_(x.is_floating_point())
         saved: dict[int, int] = {}
         with torch.enable_grad(), self._counting(saved, leaves.values()):
@@ -635,14 +652,14 @@ class PipelineRuntime:
                 raise
             out = self._stage_output(s, out)
             if last:
-                loss = self.loss_fn(out, self._ys[k])
+                loss = self.loss_fn(out, self._step.ys[k])
                 self._check_loss(loss)
-                self._losses[k] = loss.detach()
+                self._step.losses[k] = loss.detach()
                 out = loss / self.schedule.micro_batches  # see [Note: the pipeline executor]
-        self._saved[(s, k)] = (x if s > 0 else None, out, leaves)
-        self._kept[(s, k)] = sum(saved.values())
-        self._kept_log.append((s, k, self._kept[(s, k)]))
-        self._peak_kept = max(self._peak_kept, sum(self._kept.values()))
+        self._step.saved[(s, k)] = (x if s > 0 else None, out, leaves)
+        self._step.kept[(s, k)] = sum(saved.values())
+        self._step.kept_log.append((s, k, self._step.kept[(s, k)]))
+        self._step.peak_kept = max(self._step.peak_kept, sum(self._step.kept.values()))
         if not last:
             self._pass_on(s, k, out.detach())
 
@@ -680,9 +697,9 @@ class PipelineRuntime:
     def _pass_on(self, s: int, k: int, out: torch.Tensor) -> None:
         """Stage ``s``'s output of micro-batch ``k``: to stage ``s + 1`` here, or to be sent."""
         if self.schedule.rank_of(s + 1) == self.pp_rank:
-            self._acts[(s + 1, k)] = out
+            self._step.acts[(s + 1, k)] = out
         else:
-            self._outbox[(s, k)] = out
+            self._step.outbox[(s, k)] = out
 
     def _counting(self, saved: dict[int, int], params):
         """With ``profile``: a saved-tensor hook adding to ``saved`` the bytes of each storage the
@@ -701,12 +718,12 @@ class PipelineRuntime:
 
     def _backward(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
-        x, out, leaves = self._saved.pop((s, k))
-        self._kept.pop((s, k), None)
+        x, out, leaves = self._step.saved.pop((s, k))
+        self._step.kept.pop((s, k), None)
         names = list(leaves)
         through = x is not None and x.requires_grad
         inputs = [leaves[n] for n in names] + ([x] if through else [])
-        seed = None if s == self.schedule.num_stages - 1 else self._grads.pop((s, k))
+        seed = None if s == self.schedule.num_stages - 1 else self._step.grads.pop((s, k))
         got = torch.autograd.grad(out, inputs, grad_outputs=seed, allow_unused=True)
         self._add_param_grads(s, dict(zip(names, got)))
         if x is not None:
@@ -716,19 +733,19 @@ class PipelineRuntime:
         """The input's gradient now; what the weights need later (see [Note: the weight half
         without a second walk] in ``fsdpfn/runtime/_split_backward.py``)."""
         s, k = op.stage, op.micro
-        x, out, leaves = self._saved[(s, k)]  # kept for the weight half
-        seed = None if s == self.schedule.num_stages - 1 else self._grads.pop((s, k))
+        x, out, leaves = self._step.saved[(s, k)]  # kept for the weight half
+        seed = None if s == self.schedule.num_stages - 1 else self._step.grads.pop((s, k))
         if x is None:  # stage 0's input is the tokens: no gradient to compute, the weight half is the backward
-            self._halves[(s, k)] = WeightHalf(fallback=(out, seed), split=False)
+            self._step.halves[(s, k)] = WeightHalf(fallback=(out, seed), split=False)
             return
-        g, self._halves[(s, k)] = backward_input(out, x, list(leaves.values()), seed)
+        g, self._step.halves[(s, k)] = backward_input(out, x, list(leaves.values()), seed)
         self._input_grad(s, k, x, g)
 
     def _backward_weight(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
-        _, _, leaves = self._saved.pop((s, k))
-        self._kept.pop((s, k), None)
-        half = self._halves.pop((s, k))
+        _, _, leaves = self._step.saved.pop((s, k))
+        self._step.kept.pop((s, k), None)
+        half = self._step.halves.pop((s, k))
         self.weight_halves[0] += 1
         self.weight_halves[1] += half.split
         self._add_param_grads(s, dict(zip(leaves, half.run(list(leaves.values())))))
@@ -742,18 +759,18 @@ class PipelineRuntime:
         """Hands the gradient of stage ``s``'s input to stage ``s - 1`` (zeros where it does not reach it)."""
         g = g if g is not None else torch.zeros_like(x)
         if self.schedule.rank_of(s - 1) == self.pp_rank:
-            self._grads[(s - 1, k)] = g
+            self._step.grads[(s - 1, k)] = g
         else:
-            self._outbox[(s, k)] = g
+            self._step.outbox[(s, k)] = g
 
     def _send(self, op: PipeOp) -> None:
         # A sent tensor stays referenced until its transfer is known to be over: an activation's
         # when its gradient comes back (see _recv_grad), the rest at the end of the step. Not
         # sooner: gloo reports a send finished only inside its wait, and a wait before the peer
         # received it could block (a send that waits, which the validator does not model).
-        t = self._outbox.pop((op.stage, op.micro)).contiguous()
+        t = self._step.outbox.pop((op.stage, op.micro)).contiguous()
         peer = self.schedule.peer(op)
-        sends = self._sends.setdefault(op, [])
+        sends = self._step.sends.setdefault(op, [])
         if op.kind is PipeKind.SEND_ACT:
             sends.append(pp_send(_header(t), peer, self.group, tag=f"{op.kind.value}_header"))
         sends.append(pp_send(t, peer, self.group, tag=str(op)))
@@ -766,14 +783,14 @@ class PipelineRuntime:
             .tolist()
         )
         buf = torch.empty(h[2 : 2 + h[0]], dtype=_DTYPES[h[1]])
-        self._acts[(op.stage, op.micro)] = pp_recv(buf, peer, self.group, tag=str(op)).wait()
+        self._step.acts[(op.stage, op.micro)] = pp_recv(buf, peer, self.group, tag=str(op)).wait()
 
     def _recv_grad(self, op: PipeOp) -> None:
-        out = self._saved[(op.stage, op.micro)][1]
+        out = self._step.saved[(op.stage, op.micro)][1]
         buf = torch.empty(out.shape, dtype=out.dtype)
-        self._grads[(op.stage, op.micro)] = pp_recv(buf, self.schedule.peer(op), self.group, tag=str(op)).wait()
+        self._step.grads[(op.stage, op.micro)] = pp_recv(buf, self.schedule.peer(op), self.group, tag=str(op)).wait()
         # The peer computed this gradient from the activation this rank sent it, so that send is
         # over: its wait returns at once and the activation is released (1F1B then keeps only
         # the micro-batches in flight, as its memory bound says, not every sent activation).
-        for pending in self._sends.pop(PipeOp(PipeKind.SEND_ACT, op.stage, op.micro), ()):
+        for pending in self._step.sends.pop(PipeOp(PipeKind.SEND_ACT, op.stage, op.micro), ()):
             pending.wait()
