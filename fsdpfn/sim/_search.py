@@ -108,6 +108,36 @@ class Candidate:
         return f"mesh {'x'.join(map(str, self.mesh_shape))}{tp}, units {self.units}, prefetch {self.prefetch}, {strat}{acc}{remat}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One candidate mesh, as a value: the data-parallel shape (``(W,)`` or ``(replicate,
+    shard)``; beside ``ep``, ``(edp,)`` or ``(replicate, edp)``) and the degree of each
+    model-parallel axis beside it (1: no such axis), with a pipeline's schedule. The search
+    enumerates these and prices each with one function (``price`` in :func:`search`)."""
+
+    dp: tuple[int, ...]
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    pp: int = 1
+    pipeline: str = ""  # the pipeline schedule's name when pp > 1
+
+    def mesh(self):
+        """What ``fsdpfn.plan`` takes for this mesh."""
+        if self.pp > 1:
+            return {"pp": self.pp, **_mesh_arg_dict(self.dp, self.tp)}
+        return _mesh_arg(self.dp, self.tp, self.ep, self.cp)
+
+    @property
+    def stages(self) -> int:
+        return _stage_count(self.pp, self.pipeline)
+
+    @property
+    def default(self) -> bool:
+        """The default plan's mesh: every rank on one data-parallel axis."""
+        return len(self.dp) == 1 and (self.tp, self.ep, self.cp, self.pp) == (1, 1, 1, 1)
+
+
 def _fold(assignment: tuple[tuple[str, str], ...]) -> str:
     """``blocks.0: zero2, blocks.1: zero2`` -> ``blocks.*: zero2``; runs of indices otherwise."""
     groups: dict[tuple[str, str], list[int]] = {}
@@ -419,7 +449,7 @@ def search(
         )
     if isinstance(world, int):
         world_size = world
-        shapes = []  # (tp, ep, cp, pp degree, pipeline schedule, data-parallel shape without them)
+        layouts: list[_Layout] = []
         for q in pps:
             for t in tps:
                 if world % (q * t):
@@ -435,9 +465,11 @@ def search(
                             dp_shapes = [
                                 tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d
                             ] or _mesh_shapes(world // d)
-                        shapes += [(t, e, c, q, name, s) for name in (pipes if q > 1 else ("",)) for s in dp_shapes]
+                        layouts += [
+                            _Layout(s, t, e, c, q, name) for name in (pipes if q > 1 else ("",)) for s in dp_shapes
+                        ]
     else:
-        shapes = [(1, 1, 1, 1, "", tuple(world))]
+        layouts = [_Layout(tuple(world))]
         world_size = math.prod(world)
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
@@ -453,79 +485,55 @@ def search(
     def fits(peak: int) -> bool:
         return peak <= budget and reserved_of(peak) <= hardware.memory
 
-    def evaluate(u_opt, label, wl, shape, assignment, p, acc, rm=None, t=1, e=1, c=1, q=1, pipe=""):
+    def price(u_opt, label, wl, layout: _Layout, assignment, p, acc, rm=None):
+        """``(Candidate, plan, schedule, result)`` of one configuration on ``layout``, simulated
+        once (pipelined or not, one plan builder and one simulator call each)."""
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
-        key = (label, shape, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())), t, e, c, q, pipe)
-        if key not in seen:
-            strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-            if q > 1:
-                plan = build_plan(
-                    model,
-                    {"pp": q, **_mesh_arg_dict(shape, t)},
-                    units=u_opt,
-                    strategy=strategy,
-                    mp=mp,
-                    remat=rm or None,
-                    tp=tp_plan if t > 1 else None,
-                    stages=_stage_count(q, pipe),
-                )
-                psched = pipeline_schedule(plan, pipe, micro_batches * q, prefetch=p)
-                pres = simulate_pipeline(plan, psched, wl.with_remat(plan) if rm else wl, optimizer, hardware)
-                peak = max(m["peak"] for m in pres.memory)
-                cand = Candidate(
-                    tuple(plan.mesh_shape),
-                    label,
-                    key[2],
-                    p,
-                    pres.step_time,
-                    peak,
-                    fits(peak),
-                    acc,
-                    key[5],
-                    t,
-                    e,
-                    c,
-                    q,
-                    pipe,
-                    reserved_of(peak),
-                )
-                seen[key] = (cand, plan, psched, pres)
-                return seen[key]
-            plan = build_plan(
-                model,
-                _mesh_arg(shape, t, e, c),
-                units=u_opt,
-                strategy=strategy,
-                mp=mp,
-                remat=rm or None,
-                tp=tp_plan if t > 1 else None,
+        key = (label, layout, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())))
+        if key in seen:
+            return seen[key]
+        strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
+        plan = build_plan(
+            model,
+            layout.mesh(),
+            units=u_opt,
+            strategy=strategy,
+            mp=mp,
+            remat=rm or None,
+            tp=tp_plan if layout.tp > 1 else None,
+            stages=layout.stages if layout.pp > 1 else None,
+        )
+        work = wl.with_remat(plan) if rm else wl
+        if layout.pp > 1:
+            sched: Schedule | PipelineSchedule = pipeline_schedule(
+                plan, layout.pipeline, micro_batches * layout.pp, prefetch=p
             )
+            res: SimResult | PipelineSimResult = simulate_pipeline(plan, sched, work, optimizer, hardware)
+            peak = max(m["peak"] for m in res.memory)
+        else:
             sched = make_schedule(plan, prefetch=p)
             res = simulate(
-                plan,
-                sched,
-                wl.with_remat(plan) if rm else wl,
-                optimizer,
-                hardware,
-                micro_batches=micro_batches * c,
-                accumulate=acc,
+                plan, sched, work, optimizer, hardware, micro_batches=micro_batches * layout.cp, accumulate=acc
             )
-            cand = Candidate(
-                tuple(plan.mesh_shape),
-                label,
-                key[2],
-                p,
-                res.step_time,
-                res.memory["peak"],
-                fits(res.memory["peak"]),
-                acc,
-                key[5],
-                t,
-                e,
-                c,
-                reserved=res.memory["reserved"],
-            )
-            seen[key] = (cand, plan, sched, res)
+            peak = res.memory["peak"]
+        cand = Candidate(
+            tuple(plan.mesh_shape),
+            label,
+            key[2],
+            p,
+            res.step_time,
+            peak,
+            fits(peak),
+            acc,
+            key[5],
+            layout.tp,
+            layout.ep,
+            layout.cp,
+            layout.pp,
+            layout.pipeline,
+            reserved_of(peak),
+        )
+        seen[key] = (cand, plan, sched, res)
         return seen[key]
 
     def score(entry):  # fitting beats not fitting; then time (fitting) or memory (not yet)
@@ -540,10 +548,13 @@ def search(
     pipe_units = pipeline_units(model) if max(pps) > 1 else None
     for u_opt in unit_options:
         label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
-        for t, e, c, q, pipe, shape in shapes:
-            if q > 1 and u_opt is not unit_options[0]:  # pipelined candidates have units of their own: searched once
+        for layout in layouts:
+            t, e, c = layout.tp, layout.ep, layout.cp
+            if (
+                layout.pp > 1 and u_opt is not unit_options[0]
+            ):  # pipelined candidates have units of their own: searched once
                 continue
-            uo, lab = (pipe_units, "pipeline") if q > 1 else (u_opt, label)
+            uo, lab = (pipe_units, "pipeline") if layout.pp > 1 else (u_opt, label)
             # The workload depends on the units and the tp degree (tp-local layers), not the rest;
             # an ep plan's units (expert units of their own) name its workload, the same for every
             # degree: each rank routes its own batch, and dropless its experts see as many pairs.
@@ -566,31 +577,16 @@ def search(
             classes = _classes(base)
             start_p = 1 if 1 in prefetch else prefetch[0]
             state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = evaluate(
-                uo, lab, wl, shape, _assignment(state, classes), start_p, default_acc, t=t, e=e, c=c, q=q, pipe=pipe
-            )
-            if uo is None and shape == (world_size,) and t == 1 and e == 1 and c == 1 and q == 1 and start_p == 1:
+            current = price(uo, lab, wl, layout, _assignment(state, classes), start_p, default_acc)
+            if uo is None and layout.default and start_p == 1:
                 default = current
             # A pipeline reduces once per step, after its stages' last backward: accumulate is not a choice there.
-            accs = accumulates if q == 1 else (default_acc,)
+            accs = accumulates if layout.pp == 1 else (default_acc,)
             while True:
                 best_state, best = None, current
                 for nxt in _moves(state, classes, strategies, prefetch, splits, accs, remats):
-                    entry = evaluate(
-                        uo,
-                        lab,
-                        wl,
-                        shape,
-                        _assignment(nxt, classes),
-                        nxt[2],
-                        nxt[3],
-                        {u: r for cls, r in zip(classes, nxt[4]) for u in cls},
-                        t,
-                        e,
-                        c,
-                        q,
-                        pipe,
-                    )
+                    remat_of = {u: r for cls, r in zip(classes, nxt[4]) for u in cls}
+                    entry = price(uo, lab, wl, layout, _assignment(nxt, classes), nxt[2], nxt[3], remat_of)
                     if better(entry, best):
                         best_state, best = nxt, entry
                 if best_state is None:
@@ -602,8 +598,8 @@ def search(
         key = tuple(u.name for u in plan.units)
         if key not in cache:
             cache[key] = profile(model, plan, *inputs, loss_fn=loss_fn)
-        default = evaluate(
-            None, "default", cache[key], (world_size,), {u.name: "zero3" for u in plan.units}, 1, default_acc
+        default = price(
+            None, "default", cache[key], _Layout((world_size,)), {u.name: "zero3" for u in plan.units}, 1, default_acc
         )
     fitting = [c for c in candidates if c[0].fits]
     if not fitting:
