@@ -30,7 +30,7 @@ from fsdpfn.runtime._memory import MemoryTracker
 from fsdpfn._plan.schedule import Op, OpKind, Schedule
 from fsdpfn.transforms import from_local, gather_unit, reduce_unit
 
-__all__ = ["Executor", "RuntimeScheduleError", "StepRecord"]
+__all__ = ["Executor", "RuntimeScheduleError", "StepRecord", "StepState"]
 
 
 class RuntimeScheduleError(RuntimeError):
@@ -60,6 +60,25 @@ class StepRecord:
     recompute_flops: dict = dataclasses.field(default_factory=dict)
     kept_bytes: dict = dataclasses.field(default_factory=dict)
     copies: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class StepState:
+    """What the executor holds for the step (one micro-batch's op list) in progress, as one
+    value: a fresh one each :meth:`Executor.begin`, so nothing of one step reaches the next.
+    The gradients kept across micro-batches (``full_grads``, ``local_acc``) and the buffers in
+    flight (gathers, reduces) are the executor's own: they outlive a micro-batch by design."""
+
+    number: int  # the step's number, which a stale graph's backward is checked against
+    ops: tuple  # its op list (the micro-batch's: Executor.micro_batch_ops)
+    cursor: int = 0  # the next op
+    results: dict = dataclasses.field(default_factory=dict)  # unit -> its reduced gradient shards
+    record: StepRecord = dataclasses.field(default_factory=StepRecord)
+
+    @property
+    def over(self) -> bool:
+        """Every op has run (or the step was abandoned)."""
+        return self.cursor >= len(self.ops)
 
 
 def _check_no_remat_around_units(plan: Plan) -> None:
@@ -100,7 +119,6 @@ class Executor:
         self.plan = plan
         self.sched = sched
         self.micro_batch_ops = {last: micro_batch_ops(plan, sched, last, accumulate) for last in (True, False)}
-        self.ops = self.micro_batch_ops[True]  # the ops of the micro-batch running now
         self.comm = comm or CpuComm()
         self.accumulate = accumulate
         self.units: dict[str, Unit] = {u.name: u for u in plan.units}
@@ -111,11 +129,9 @@ class Executor:
         self.reduces: dict[str, Handle] = {}
         self.full_grads: dict[str, list] = {}
         self.local_acc: dict[str, list] = {}
-        self.results: dict[str, list[torch.Tensor]] = {}
         self.staged: dict[str, list[torch.Tensor]] = {}  # offloaded units' shards copied to the device
-        self.cursor = len(self.ops)
-        self.step = 0
-        self.record = StepRecord()
+        ops = self.micro_batch_ops[True]
+        self.now = StepState(0, ops, cursor=len(ops))  # no step open yet
         self.inside: str | None = None  # the unit whose own code runs now (it calls its modules plainly)
         self.actions = {
             OpKind.GATHER: self._gather,
@@ -132,14 +148,16 @@ class Executor:
 
     def begin(self, *, sync: bool) -> int:
         """Starts a step (abandoning one still open) and returns its number."""
-        if self.cursor < len(self.ops):
+        if not self.now.over:
             self.abandon()
-        self.step += 1
-        self.cursor = 0
-        self.ops = self.micro_batch_ops[sync]  # sync: the micro-batch that ends the step, every unit reduces
-        self.results = {}
-        self.record = StepRecord()
-        return self.step
+        # sync: the micro-batch that ends the step, every unit reduces
+        self.now = StepState(self.now.number + 1, self.micro_batch_ops[sync])
+        return self.now.number
+
+    @property
+    def record(self) -> StepRecord:
+        """What the step in progress (or the last one) did: see :class:`StepRecord`."""
+        return self.now.record
 
     def set_locals(self, shards) -> None:
         """This step's local shards, in plan order (plain DTensors: called below functorch)."""
@@ -161,13 +179,13 @@ class Executor:
             self.staged.clear()
             self.memory.offloaded.clear()
             self.full_grads.clear()
-            self.cursor = len(self.ops)
+            self.now.cursor = len(self.now.ops)
 
     def reset_grads(self) -> None:
         """Drops every gradient this runtime holds for the step: the micro-batch's full ones,
         those kept summed across micro-batches, and the reduced ones (an evaluation step, or a
         new pipelined step on an executor that outlives it)."""
-        self.results, self.full_grads, self.local_acc = {}, {}, {}
+        self.now.results, self.full_grads, self.local_acc = {}, {}, {}
 
     def run(self, op: Op) -> None:
         """Runs one action op of the schedule's vocabulary (``gather``, ``wait``, ``free``,
@@ -194,10 +212,10 @@ class Executor:
 
     def check_step(self, step: int, what: str) -> None:
         """Raises unless ``step`` is the step in progress (a stale graph is differentiated)."""
-        if step != self.step or self.cursor >= len(self.ops):
+        if step != self.now.number or self.now.over:
             raise RuntimeScheduleError(
-                f"{what} belongs to step {step}, but the runtime is at step {self.step}"
-                f"{' (finished)' if self.cursor >= len(self.ops) else ''}: differentiate each step's loss "
+                f"{what} belongs to step {step}, but the runtime is at step {self.now.number}"
+                f"{' (finished)' if self.now.over else ''}: differentiate each step's loss "
                 "once, before the next forward (no retain_graph=True double backward through the runtime)"
             )
 
@@ -208,10 +226,11 @@ class Executor:
         run the actions up to the following event."""
         if unit == ROOT and kind is not OpKind.END and ROOT not in self.units:
             return  # the root owns no parameters: the plan has no root unit, its schedule no root events
-        ops = self.ops
+        now = self.now
+        ops = now.ops
         got = Op(kind, unit)
-        if self.cursor >= len(ops) or ops[self.cursor] != got:
-            expected = ops[self.cursor] if self.cursor < len(ops) else "nothing (the step is over)"
+        if now.over or ops[now.cursor] != got:
+            expected = ops[now.cursor] if not now.over else "nothing (the step is over)"
             skipped = isinstance(expected, Op) and expected.kind in (OpKind.BACKWARD, OpKind.BACKWARD_DONE)
             if kind in (OpKind.BACKWARD, OpKind.END) and skipped:
                 why = (
@@ -225,18 +244,18 @@ class Executor:
                     "order, or edit the schedule to match the model."
                 )
             raise RuntimeScheduleError(
-                f"the model reached '{got}' but the schedule expects '{expected}' (op #{self.cursor}). {why}"
+                f"the model reached '{got}' but the schedule expects '{expected}' (op #{now.cursor}). {why}"
             )
-        self.record.events.append((self.cursor, str(got)))
-        self.cursor += 1
+        now.record.events.append((now.cursor, str(got)))
+        now.cursor += 1
         # Below functorch: buffers allocated here must be plain tensors whose storage we own.
         with torch._C._DisableFuncTorch(), torch.no_grad():
-            while self.cursor < len(ops) and not ops[self.cursor].is_event:
-                op = ops[self.cursor]
+            while not now.over and not ops[now.cursor].is_event:
+                op = ops[now.cursor]
                 self.actions[op.kind](op.unit)
-                self.cursor += 1
+                now.cursor += 1
         if kind in (OpKind.FORWARD, OpKind.BACKWARD):
-            self.record.in_flight.append((str(got), tuple(self.gathers), tuple(self.reduces)))
+            now.record.in_flight.append((str(got), tuple(self.gathers), tuple(self.reduces)))
         if kind is OpKind.END and (self.memory.live or self.gathers or self.reduces):
             labels = [list(map(unit_label, d)) for d in (self.memory.live, self.gathers, self.reduces)]
             raise RuntimeScheduleError(
@@ -293,7 +312,7 @@ class Executor:
         ]
         nbytes = sum(t.numel() * t.element_size() for t in host)
         self.memory.offloaded[name] = nbytes
-        self.record.copies.append(("copy_in", name, nbytes))
+        self.now.record.copies.append(("copy_in", name, nbytes))
 
     def _free(self, name: str) -> None:
         for t in self.full.get(name, ()):
@@ -332,19 +351,19 @@ class Executor:
     def _wait_reduce(self, name: str) -> None:
         handle = self.reduces.pop(name)
         self.comm.wait(handle)
-        self.results[name] = handle.finish()
+        self.now.results[name] = handle.finish()
         if self.units[name].offload:
-            self.memory.offloaded[name] = sum(t.numel() * t.element_size() for t in self.results[name])
+            self.memory.offloaded[name] = sum(t.numel() * t.element_size() for t in self.now.results[name])
 
     def _copy_out(self, name: str) -> None:
-        grads = self.results.get(name)
+        grads = self.now.results.get(name)
         if grads is None:  # accumulating locally: no reduced gradients this micro-batch
             return
         pin = any(t.is_cuda for t in grads)
         # Blocking device-to-host copies: the gradients are read by the optimizer right after the step.
-        self.results[name] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in grads]
+        self.now.results[name] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in grads]
         self.memory.offloaded.pop(name, None)
-        self.record.copies.append(("copy_out", name, sum(t.numel() * t.element_size() for t in grads)))
+        self.now.record.copies.append(("copy_out", name, sum(t.numel() * t.element_size() for t in grads)))
 
     # ---- what the Functions ask for ------------------------------------------------------
 
@@ -356,7 +375,7 @@ class Executor:
         accumulating locally)."""
         out: list[DTensor | None] = []
         for unit in self.plan.units:
-            shards = self.results.get(unit.name)
+            shards = self.now.results.get(unit.name)
             for i, p in enumerate(unit.params):
                 out.append(None if shards is None else from_local(self.plan, p.name, shards[i]))
         return out
