@@ -723,3 +723,49 @@ def test_context_parallel_steps_compile_to_one_graph(run_on_ranks, mesh_shape, n
             assert max(saved) < cp * local_kv, (strategy, saved, local_kv)
             if tp == 1 and strategy in ("allgather", "ring"):
                 assert saved.count(local_kv) == 1, (strategy, saved, local_kv)
+
+
+def _cp_units_vs_eager(rank, world, strategies):
+    """Per strategy: the runtime with every block's forward compiled (rt.compile_units,
+    aot_eager) against the eager runtime, one loss.backward() step on dp 1 x cp 2: the units
+    compiled, the loss and gradients bitwise, and the collectives counted (the compiled blocks'
+    attention exchanges listed when compiled, counted per call)."""
+    from fsdpfn.runtime import Runtime
+
+    cfg = dataclasses.replace(CP_CFG, depth=2)  # two blocks: one compiled graph, called twice
+    out = []
+    for strategy in strategies:
+        runs = []
+        for compiled in (False, True):
+            _fresh_compile()
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            plan = fsdpfn.plan(model, testing.mesh((1, 2), ("dp", "cp")))
+            params = fsdpfn.shard(model, plan, requires_grad=True)
+            rt = Runtime(model, plan)
+            units = rt.compile_units(backend="aot_eager") if compiled else []
+            tokens = torch.randint(
+                0, cfg.vocab_size, (PER_RANK, cfg.seq_len + 1), generator=torch.Generator().manual_seed(3)
+            )
+            x, y = fsdpfn.context_parallel_shard((tokens[:, :-1], tokens[:, 1:]), plan)
+            with fsdpfn.context_parallel(plan, strategy=strategy), fsdpfn.count_collectives() as counter:
+                with rt.bind(params):
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                    loss.backward()
+            grads = {n: g.to_local() for n, g in rt.grads(params).items()}
+            key = lambda c: (c.kind, c.group_size, c.nbytes, c.dtype)  # noqa: E731
+            runs.append((units, loss.detach(), grads, sorted(map(key, counter.calls), key=str)))
+        (_, l_e, g_e, c_e), (units, l_c, g_c, c_c) = runs
+        same = _bitwise(l_c, l_e) and all(_bitwise(g_c[n], g_e[n]) for n in g_e)
+        out.append((strategy, units, same, c_c == c_e))
+    return out
+
+
+@COMPILE
+def test_per_unit_compile_under_context_parallelism(run_on_ranks):
+    """rt.compile_units() on a cp plan compiles both blocks (their attention over cp traced into
+    the block's graph), each strategy bitwise the eager runtime, its collectives counted alike."""
+    for rank_result in run_on_ranks(_cp_units_vs_eager, 2, ("allgather", "ring", "ulysses"), timeout=COMPILE_TIMEOUT):
+        for strategy, units, same, counted in rank_result:
+            assert units == ["blocks.0", "blocks.1"], (strategy, units)
+            assert same and counted, (strategy, same, counted)
