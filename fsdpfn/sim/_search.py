@@ -504,18 +504,18 @@ def search(
             stages=layout.stages if layout.pp > 1 else None,
         )
         work = wl.with_remat(plan) if rm else wl
+        sched: Schedule | PipelineSchedule
+        res: SimResult | PipelineSimResult
         if layout.pp > 1:
-            sched: Schedule | PipelineSchedule = pipeline_schedule(
-                plan, layout.pipeline, micro_batches * layout.pp, prefetch=p
-            )
-            res: SimResult | PipelineSimResult = simulate_pipeline(plan, sched, work, optimizer, hardware)
-            peak = max(m["peak"] for m in res.memory)
+            psched = pipeline_schedule(plan, layout.pipeline, micro_batches * layout.pp, prefetch=p)
+            pres = simulate_pipeline(plan, psched, work, optimizer, hardware)
+            sched, res, peak = psched, pres, max(m["peak"] for m in pres.memory)
         else:
-            sched = make_schedule(plan, prefetch=p)
-            res = simulate(
-                plan, sched, work, optimizer, hardware, micro_batches=micro_batches * layout.cp, accumulate=acc
+            ssched = make_schedule(plan, prefetch=p)
+            sres = simulate(
+                plan, ssched, work, optimizer, hardware, micro_batches=micro_batches * layout.cp, accumulate=acc
             )
-            peak = res.memory["peak"]
+            sched, res, peak = ssched, sres, sres.memory["peak"]
         cand = Candidate(
             tuple(plan.mesh_shape),
             label,
