@@ -54,5 +54,7 @@ def cp_adamw_worst(
             params = fsdpfn.optim.apply_updates(params, updates)
         if style == "eager":
             params = {n: p.detach().requires_grad_() for n, p in params.items()}
-        worst = max(worst, max(_rel(params[n].full_tensor(), ref[step][n]) for n in params))
+        # fsdpfn's counted gather, not DTensor.full_tensor(): a rank once died (SIGSEGV) inside
+        # DTensor's eager functional-collective redistribute over gloo on the 4-rank HSDP x cp mesh.
+        worst = max(worst, max(_rel(fsdpfn.comm.full_tensor(params[n]), ref[step][n]) for n in params))
     return worst
