@@ -262,10 +262,19 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     dp = fsdpfn.transforms.dp_rank(plan)
+    first, same, _, _, calls, _ = _steps_vs_eager(loss_fn, plan, params, lambda i: _batch(dp, i))
+    return first, _graphs(), same, calls
+
+
+def _steps_vs_eager(loss_fn, plan, params, batch):
+    """STEPS SGD steps of fsdpfn.compile(loss_fn) (aot_eager) beside the eager pure loop, on
+    ``batch(step)``: ``(graphs after the first step, bitwise equal throughout, the first step's
+    worst relative gradient difference, the last parameters' worst, (compiled collectives,
+    eager's plus the zero3 units' second gather))`` of the first step."""
     step = fsdpfn.compile(loss_fn, backend="aot_eager")
-    eager, compiled, same, calls = dict(params), dict(params), True, None
+    eager, compiled, same, calls, first, grad_err = dict(params), dict(params), True, None, None, 0.0
     for i in range(STEPS):
-        x, y = _batch(dp, i)
+        x, y = batch(i)
         with fsdpfn.count_collectives() as c_e:
             g_e, l_e = torch.func.grad_and_value(loss_fn)(eager, x, y)
         with fsdpfn.count_collectives() as c_c:
@@ -273,6 +282,7 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
         same &= _bitwise(l_c, l_e) and all(_bitwise(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
         if i == 0:
             first = _graphs()
+            grad_err = max(_rel(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
             # The compiled step gathers zero3 units again in its backward graph (the eager pure
             # loop keeps what it gathered): eager's collectives plus one more unshard of them.
             with torch.no_grad(), fsdpfn.count_collectives() as again:
@@ -283,7 +293,8 @@ def _whole_step_vs_eager(rank, world, plan_kw, mesh_shape, names, cfg):
         eager = {n: (p - LR * g_e[n]).detach() for n, p in eager.items()}
         compiled = {n: (p - LR * g_c[n]).detach() for n, p in compiled.items()}
     same &= all(_bitwise(compiled[n].to_local(), eager[n].to_local()) for n in eager)
-    return first, _graphs(), same, calls
+    param_err = max(_rel(compiled[n].to_local(), eager[n].to_local()) for n in eager)
+    return first, same, grad_err, param_err, calls, step
 
 
 @COMPILE
@@ -651,27 +662,12 @@ def _cp_step_vs_eager(rank, world, mesh_shape, names, strategies):
                     logits, y = fsdpfn.context_parallel_unshard(logits), fsdpfn.context_parallel_unshard(y)
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-        step = fsdpfn.compile(loss_fn, backend="aot_eager")
-        eager, compiled, same, calls, grad_err = dict(params), dict(params), True, None, 0.0
-        for i in range(STEPS):
+        def batch(i):
             gen = torch.Generator().manual_seed(1000 + 10 * i + fsdpfn.transforms.dp_rank(plan))
             tokens = torch.randint(0, CP_CFG.vocab_size, (PER_RANK, CP_CFG.seq_len + 1), generator=gen)
-            x, y = fsdpfn.context_parallel_shard((tokens[:, :-1], tokens[:, 1:]), plan)
-            with fsdpfn.count_collectives() as c_e:
-                g_e, l_e = torch.func.grad_and_value(loss_fn)(eager, x, y)
-            with fsdpfn.count_collectives() as c_c:
-                g_c, l_c = step(compiled, x, y)
-            same &= _bitwise(l_c, l_e) and all(_bitwise(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
-            if i == 0:
-                grad_err = max(_rel(g_c[n].to_local(), g_e[n].to_local()) for n in g_e)
-                with torch.no_grad(), fsdpfn.count_collectives() as again:  # zero3: gathered again in backward
-                    fsdpfn.unshard(eager, plan)
-                key = lambda c: (c.kind, c.group_size, c.nbytes, c.dtype)  # noqa: E731
-                calls = (sorted(map(key, c_c.calls), key=str), sorted(map(key, c_e.calls + again.calls), key=str))
-            eager = {n: (p - LR * g_e[n]).detach() for n, p in eager.items()}
-            compiled = {n: (p - LR * g_c[n]).detach() for n, p in compiled.items()}
-        same &= all(_bitwise(compiled[n].to_local(), eager[n].to_local()) for n in eager)
-        param_err = max(_rel(compiled[n].to_local(), eager[n].to_local()) for n in eager)
+            return fsdpfn.context_parallel_shard((tokens[:, :-1], tokens[:, 1:]), plan)
+
+        _, same, grad_err, param_err, calls, step = _steps_vs_eager(loss_fn, plan, params, batch)
         saved = sorted(b for _, b in step.saved_for_backward)
         out.append((case, _graphs(), same, grad_err, param_err, calls, saved))
     return out
