@@ -253,7 +253,7 @@ def test_checkpoint_ep2_cp2_to_ep2_cp1_and_to_plain_dp_bitwise(run_on_ranks, tmp
             assert (torch.equal(v, other) and v.dtype == other.dtype) if isinstance(v, torch.Tensor) else v == other, p
 
 
-def _compiled_refusal(rank, world, names):
+def _compiled_refusal(rank, world, names, verify=True):
     import warnings
 
     import fsdpfn
@@ -275,7 +275,7 @@ def _compiled_refusal(rank, world, names):
         return (out[0] if isinstance(out, tuple) else out).float().mean()
 
     try:
-        fsdpfn.compile(loss_fn, backend="aot_eager")(params, fsdpfn.context_parallel_shard(x, plan))
+        fsdpfn.compile(loss_fn, backend="aot_eager", verify=verify)(params, fsdpfn.context_parallel_shard(x, plan))
     except Exception as e:  # noqa: BLE001 - which error it is is the test
         return f"{type(e).__name__}: {e}"
     return "compiled"
@@ -291,3 +291,13 @@ def test_compiling_an_ep_step_is_refused_by_name(run_on_ranks):
         assert "expert parallelism (ep=2)" in message and "split sizes" in message and "Runtime" in message, message[
             :1500
         ]
+
+
+def test_a_cp_step_compiled_before_any_checked_step_is_refused(run_on_ranks):
+    """A compiled graph cannot count attention's calls, so the check that attention is cp-aware
+    (which catches plain SDPA on a cp mesh, a silently wrong gradient) runs on an eager step:
+    fsdpfn.compile's verify step. With verify=False and no eager step of the plan yet, the
+    compile is refused by name, on every rank, rather than trusted unchecked."""
+    for message in run_on_ranks(_compiled_refusal, 2, ("dp", "cp"), False, timeout=600):
+        assert message.startswith("CompileUnsupportedError"), message[:1500]
+        assert "context-parallel axis (cp=2)" in message and "verify=True" in message, message[:1500]

@@ -43,7 +43,7 @@ from fsdpfn import comm as C
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import reshards_after_forward
-from fsdpfn.transforms import _unit_comm
+from fsdpfn.transforms import _cp, _unit_comm
 from fsdpfn.transforms._dtensor import from_local
 
 __all__ = [
@@ -71,6 +71,13 @@ def check_compilable(plan: Plan) -> None:
     check_traced_axes(plan)
     if plan.mesh is None:
         raise ValueError("this plan has no mesh; bind one with plan.bind(mesh) before compiling")
+    if not _cp.checked(plan):  # see [Note: detecting attention that is not cp-aware]
+        raise CompileUnsupportedError(
+            f"this plan has a context-parallel axis (cp={plan.cp_size}) and no step of it has run eagerly yet: the check "
+            "that the model's attention is cp-aware (calls fsdpfn.context_parallel_attention) counts calls at run time, "
+            "which a compiled graph cannot. Keep fsdpfn.compile(..., verify=True) (the default: its first step runs "
+            "eagerly and is checked), or run one eager step of the plan before the compiled ones"
+        )
     te = [u.name for u in plan.units if u.fp8 and plan.mp.fp8 is not None and plan.mp.fp8.backend == "te"]
     if te:
         raise CompileUnsupportedError(

@@ -75,6 +75,7 @@ __all__ = [
     "context_parallel_unshard",
     "note_gather",
     "check_reduce",
+    "checked",
 ]
 
 STRATEGIES = CP_STRATEGIES  # the one list, which the op list and the simulator read too
@@ -761,6 +762,13 @@ def note_gather(plan: Plan) -> None:
     # first step runs eagerly (fsdpfn.compile's verify), and is checked there.
     if not C.compiling() and plan.cp_size > 1 and plan.fingerprint not in _VERIFIED:
         _MARKS.setdefault(plan.fingerprint, _CALLS[0])
+
+
+def checked(plan: Plan) -> bool:
+    """Whether a step of ``plan`` was seen calling :func:`context_parallel_attention` (always,
+    without a cp axis). A compiled step cannot count the calls, so it compiles a cp plan only
+    once an eager step has passed the check (``fsdpfn.compile``'s verify step does)."""
+    return plan.cp_size == 1 or plan.fingerprint in _VERIFIED
 
 
 def check_reduce(plan: Plan) -> None:
