@@ -16,8 +16,6 @@ from fsdpfn._plan.values import (
     ROOT,
     ROOT_LABEL,
     STRATEGIES,
-    TP_FUSED_PREFIX,
-    TP_MODULE_STYLES,
     MixedPrecision,
     ParamSpec,
     Strategy,
@@ -25,13 +23,13 @@ from fsdpfn._plan.values import (
     _did_you_mean,
     _dtype_name,
     _FP8_INPUT_DTYPES,
-    tp_style_stride,
     unit_label,
 )
 from fsdpfn._patterns import first_match
 from fsdpfn._plan.plan_type import Plan
 from fsdpfn._plan.stages import split_stages
 from fsdpfn._plan.tp_layout import check_tp_layout
+from fsdpfn._plan.tp_styles import TP_FUSED_PREFIX, TP_STYLE_TABLE, style_names, style_row, tp_style
 from fsdpfn.fp8 import check_te
 
 __all__ = ["plan"]
@@ -200,12 +198,12 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
             f"tp must be a dict {{module name pattern: style}}, e.g. {{'blocks.*.fc': 'colwise'}}, got {type(tp).__name__}"
         )
     modules = dict(model.named_modules())
-    choices = TP_MODULE_STYLES + ("replicate",)
+    choices = style_names() + ("replicate",)
     for pattern, style in tp.items():
         if not isinstance(pattern, str):
             raise ValueError(f"tp keys are module name patterns (str), got {pattern!r}")
         style = str(style)
-        if style not in choices and tp_style_stride(style) is None:
+        if style != "replicate" and tp_style(style) is None:
             raise ValueError(
                 f"tp[{pattern!r}] = {style!r}: unknown style; choose one of {', '.join(choices)}, or {TP_FUSED_PREFIX}k for a "
                 "Linear whose output is k parts side by side (q, k, v = qkv(x).chunk(3, -1): 'colwise_fused:3')"
@@ -218,20 +216,22 @@ def _tp_styles(model: nn.Module, tp: TPArg) -> dict[str, str]:
         if name not in styles or styles[name][0] == "replicate":
             continue
         style = styles[name][0]
-        if isinstance(mod, nn.EmbeddingBag) or (isinstance(mod, nn.Embedding) and style != "vocab"):
+        row = style_row(style)
+        embeds = [s.name for s in TP_STYLE_TABLE if s.module is nn.Embedding]
+        if isinstance(mod, nn.EmbeddingBag) or (isinstance(mod, nn.Embedding) and row.module is not nn.Embedding):
             raise NotImplementedError(
                 f"tp[{styles[name][1]!r}] = {style!r} matches the embedding {name!r} ({type(mod).__name__}): an nn.Embedding "
-                "splits over its vocabulary with the style 'vocab' (each tp rank looks up its slice of the ids, the outputs "
-                "are all-reduced); other styles and nn.EmbeddingBag are not supported. Use 'vocab', or leave it out of tp= "
-                "(it stays replicated over the tp axis)."
+                f"splits over its vocabulary with the style {embeds[0]!r} (each tp rank looks up its slice of the ids, the "
+                "outputs are all-reduced); other styles and nn.EmbeddingBag are not supported. Use "
+                f"{embeds[0]!r}, or leave it out of tp= (it stays replicated over the tp axis)."
             )
         if isinstance(mod, nn.Embedding):
             _check_vocab_embedding(name, mod)
-        elif style == "vocab":
+        elif row.module is nn.Embedding:
             raise ValueError(
-                f"tp[{styles[name][1]!r}] = 'vocab' matches {name!r}, a {type(mod).__name__}: 'vocab' splits an nn.Embedding "
-                "by its rows. The output Linear over the vocabulary is 'colwise_loss' (its logits stay split for "
-                "fsdpfn.vocab_parallel_cross_entropy)"
+                f"tp[{styles[name][1]!r}] = {style!r} matches {name!r}, a {type(mod).__name__}: {style!r} splits an "
+                "nn.Embedding by its rows. The output Linear over the vocabulary is 'colwise_loss' (its logits stay split "
+                "for fsdpfn.vocab_parallel_cross_entropy)"
             )
         elif not isinstance(mod, nn.Linear):
             raise ValueError(
@@ -256,7 +256,8 @@ def _check_vocab_embedding(name: str, mod: nn.Embedding) -> None:
 
 def _tp_placement(style: str | None, leaf: str) -> Placement:
     """The tp placement of parameter ``leaf`` of a module split ``style`` (style validated)."""
-    return module_placement(None if style is None else tp_style_stride(style), style == "rowwise", leaf)
+    row = None if style is None else tp_style(style)
+    return module_placement(None if row is None else row.parts, row is not None and row.split_dim == 1, leaf)
 
 
 def plan(
@@ -394,7 +395,7 @@ def plan(
     tp_size, ep_size = mesh_axes.tp_size, mesh_axes.ep_size
     modules_by_name = dict(model.named_modules())
     for name, style in tp_styles.items():
-        if style in ("vocab", "colwise_loss"):
+        if style_row(style).vocabulary:
             mod = modules_by_name[name]
             rows = mod.num_embeddings if isinstance(mod, nn.Embedding) else mod.out_features
             if rows % tp_size:

@@ -41,6 +41,7 @@ import torch
 from fsdpfn._plan.attention import AttentionCall, kv_bytes
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import OpKind
+from fsdpfn._plan.tp_styles import TpStyle, style_row
 from fsdpfn._plan.values import ROOT, PlanValues, Unit, unit_label
 
 __all__ = ["AXES", "Exchange", "Exchanges", "attention_entries", "step_exchanges"]
@@ -112,7 +113,7 @@ def tensor_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
     """
     if not plan.tp:
         return None
-    modules: dict[str, list[tuple[str, str, int, int, torch.dtype]]] = {}
+    modules: dict[str, list[tuple[str, TpStyle, int, int, torch.dtype]]] = {}
     names = set(plan.param_names)
     for module, style in plan.tp:
         weight = f"{module}.weight"
@@ -122,15 +123,17 @@ def tensor_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
                 "module's?), so its activation sizes are unknown; leave it out of tp= to cost this plan"
             )
         unit = plan.unit_of(weight)
-        out_f, in_f = plan.param(weight).shape[:2]
-        modules.setdefault(unit.name, []).append((module, style, int(in_f), int(out_f), plan.gather_dtype(unit)))
+        row, shape = style_row(style), plan.param(weight).shape
+        modules.setdefault(unit.name, []).append(
+            (module, row, row.in_width(shape), row.out_width(shape), plan.gather_dtype(unit))
+        )
     t = plan.axes.size(Role.TP)
     # The loss over split logits sums in float32 or wider, whatever the head computes in.
     split_loss = [
         torch.promote_types(dtype, torch.float32)
         for ms in modules.values()
-        for _, s, *_, dtype in ms
-        if s == "colwise_loss"
+        for _, row, *_, dtype in ms
+        if row.gives == "logits"
     ]
 
     def exchanges(unit: Unit, event: OpKind, tokens: int) -> list[Exchange]:
@@ -140,24 +143,20 @@ def tensor_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
             out.append(Exchange("all_reduce", Role.TP, tokens * acc.itemsize, acc, "tp_loss", "vocab_max"))
             out.append(Exchange("all_reduce", Role.TP, 2 * tokens * acc.itemsize, acc, "tp_loss", "vocab_sum"))
         if event is OpKind.FORWARD:
-            for module, style, in_f, out_f, dtype in modules.get(unit.name, ()):
-                if style == "rowwise":
+            for module, row, _, out_w, dtype in modules.get(unit.name, ()):
+                if row.forward == "all_reduce":  # partial sums of the whole output
                     out.append(
-                        Exchange("all_reduce", Role.TP, tokens * out_f * dtype.itemsize, dtype, "tp_reduce", module)
+                        Exchange("all_reduce", Role.TP, tokens * out_w * dtype.itemsize, dtype, "tp_reduce", module)
                     )
-                elif style == "vocab":  # an Embedding's (vocab, width) weight: its rows looked up, width out
-                    out.append(
-                        Exchange("all_reduce", Role.TP, tokens * in_f * dtype.itemsize, dtype, "tp_reduce", module)
-                    )
-                elif style == "colwise_gather":
-                    # tp ranks' out_f / t columns each, gathered: the full output's bytes.
-                    nbytes = tokens * (out_f // t) * t * dtype.itemsize
+                elif row.forward == "all_gather":
+                    # tp ranks' out_w / t columns each, gathered: the full output's bytes.
+                    nbytes = tokens * (out_w // t) * t * dtype.itemsize
                     out.append(Exchange("all_gather", Role.TP, nbytes, dtype, "tp_gather", module))
         elif event is OpKind.BACKWARD:
-            for module, style, in_f, _, dtype in reversed(modules.get(unit.name, ())):
-                if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k, colwise_loss
+            for module, row, in_w, _, dtype in reversed(modules.get(unit.name, ())):
+                if row.backward == "all_reduce":  # partial sums of the whole input's gradient
                     out.append(
-                        Exchange("all_reduce", Role.TP, tokens * in_f * dtype.itemsize, dtype, "tp_copy", module)
+                        Exchange("all_reduce", Role.TP, tokens * in_w * dtype.itemsize, dtype, "tp_copy", module)
                     )
         return out
 

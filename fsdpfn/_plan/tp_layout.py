@@ -34,6 +34,8 @@ from typing import Mapping
 
 from torch import nn
 
+from fsdpfn._plan.tp_styles import style_row
+
 __all__ = ["check_tp_layout", "HEAD_ATTRS"]
 
 # Attributes under which attention modules state their head counts (fsdpfn's GPT and Llama,
@@ -49,7 +51,6 @@ HEAD_ATTRS = (
     "num_attention_heads",
     "num_key_value_heads",
 )
-_SPLIT_INPUT = "rowwise"
 
 
 def _label(name: str) -> str:
@@ -62,8 +63,12 @@ def _pattern(name: str) -> str:
 
 
 def _leaves_split(style: str) -> bool:
-    """The layer's output stays split over tp (colwise and colwise_fused, not colwise_gather)."""
-    return style.startswith("colwise") and style != "colwise_gather"
+    """The layer's output stays split over tp (for a partner, or for the loss)."""
+    return style_row(style).leaves_split
+
+
+def _takes_split(style: str) -> bool:
+    return style_row(style).takes == "split"
 
 
 def _head_counts(mod: nn.Module) -> dict[str, int]:
@@ -122,7 +127,7 @@ def check_tp_layout(model: nn.Module, tp: Mapping[str, str], styles: Mapping[str
         _check_replicated_readers(
             parent, [n for n in linears if n in marked and n not in styles], split, styles, children
         )
-        if any(styles[n] != "colwise_gather" for n in split):
+        if any(style_row(styles[n]).splits_activations for n in split):
             for attr, count in _head_counts(mod).items():
                 if count % tp_size:
                     raise ValueError(
@@ -144,7 +149,7 @@ def _check_replicated_readers(
     for n in replicated:
         width = children[n].in_features
         feeders = [s for s in split if _leaves_split(styles[s]) and children[s].out_features == width]
-        takers = [s for s in split if styles[s] == _SPLIT_INPUT and children[s].in_features == width]
+        takers = [s for s in split if _takes_split(styles[s]) and children[s].in_features == width]
         if feeders and not takers:
             feeder = feeders[0]
             raise ValueError(
@@ -158,10 +163,12 @@ def _check_replicated_readers(
 
 def _check_partner(name: str, styles: Mapping[str, str], modules: Mapping[str, nn.Module], parent: str) -> None:
     style = styles[name]
-    if style in ("colwise_gather", "colwise_loss"):  # whole again, or split for the loss: no partner
+    row = style_row(style)
+    if row.needs_partner is None:  # whole again, or split for the loss: no partner
         return
-    wants_rowwise = _leaves_split(style)
-    fits = (lambda s: s == _SPLIT_INPUT) if wants_rowwise else _leaves_split
+    # A partner takes this layer's split output, or makes its split input.
+    wants_rowwise = row.gives == "split"
+    fits = _takes_split if wants_rowwise else _leaves_split
     siblings = [n for n in styles if n != name and n.rpartition(".")[0] == parent]
     grand = parent.rpartition(".")[0] if parent else None
     cousins = (
@@ -179,7 +186,7 @@ def _check_partner(name: str, styles: Mapping[str, str], modules: Mapping[str, n
             "to gather its output back"
         )
     raise ValueError(
-        f"tp splits {name!r} 'rowwise', so its input must arrive split over tp, but no layer beside it is 'colwise' to split "
+        f"tp splits {name!r} {style!r}, so its input must arrive split over tp, but no layer beside it is 'colwise' to split "
         "it (each rank would multiply the whole input by its part of the weight). Add its colwise partner (the layer feeding "
         "it), or leave it out of tp="
     )

@@ -87,6 +87,7 @@ from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.encode import _dtype_name, plan_fingerprint, plan_to_dict
 from fsdpfn._plan.placements import AxisPlacement
 from fsdpfn._plan.stage_mesh import mark_stage_mesh
+from fsdpfn._plan.tp_styles import TP_FUSED_PREFIX, style_names, tp_style
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
@@ -178,18 +179,8 @@ STRATEGIES = tuple(s.value for s in Strategy)
 # and used as a partial sum (a rowwise Linear's bias: added on tp position 0 only, so the
 # all-reduce after the matmul adds it once).
 TP_STYLES = ("replicate", "shard0", "shard1", "partial")
-# Tensor-parallel styles of a module (Plan.tp): a Linear split by output features (its output
-# stays split over tp, or is all-gathered back with colwise_gather), or by input features (its
-# input arrives split, its output is all-reduced); an Embedding split by its rows, the
-# vocabulary ("vocab": each rank looks up the ids in its slice, the outputs are all-reduced); the
-# output Linear split by output features whose logits stay split for the loss ("colwise_loss":
-# fsdpfn.vocab_parallel_cross_entropy takes them, see [Note: the loss over a split vocabulary]).
-TP_MODULE_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab", "colwise_loss")
-# A colwise Linear whose output is k projections side by side (q|k|v-major ``qkv(x).chunk(3, -1)``,
-# HF GPT-2's layout; a fused gate|up ``chunk(2, -1)``) is split "colwise_fused:k": each tp rank
-# takes its slice of every part, so its local output still chunks into k local parts (see
-# [Note: fused colwise]).
-TP_FUSED_PREFIX = "colwise_fused:"
+# Tensor-parallel styles of a module (Plan.tp): the rows of fsdpfn/_plan/tp_styles.py.
+TP_MODULE_STYLES = style_names()
 
 
 def tp_style_stride(style: str) -> int | None:
@@ -201,13 +192,8 @@ def tp_style_stride(style: str) -> int | None:
       >>> tp_style_stride("colwise"), tp_style_stride("colwise_fused:3"), tp_style_stride("colwise_fused:x")
       (1, 3, None)
     """
-    if style in TP_MODULE_STYLES:
-        return 1
-    if isinstance(style, str) and style.startswith(TP_FUSED_PREFIX):
-        k = style[len(TP_FUSED_PREFIX) :]
-        if k.isdigit() and k == str(int(k)) and int(k) >= 2:
-            return int(k)
-    return None
+    row = tp_style(style)
+    return None if row is None else row.parts
 
 
 # Activation checkpointing of a unit (Unit.remat): keep its activations, keep only its inputs and

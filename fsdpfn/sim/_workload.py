@@ -46,9 +46,9 @@ from torch.utils.module_tracker import ModuleTracker
 from fsdpfn._plan import Plan
 from fsdpfn._plan.attention import CP_STRATEGIES, AttentionCall
 from fsdpfn._flops import op_flops, rate_key, tensors_of
-from fsdpfn._plan.axes import Role
 from fsdpfn._remat import SaveMode
 from fsdpfn._plan.schedule import Op, OpKind
+from fsdpfn._plan.tp_styles import one_tp_rank
 
 __all__ = ["Work", "Workload", "count_work", "profile"]
 
@@ -838,16 +838,6 @@ def _profile_once(
     return events.order, events.acc, saved, unit_inputs, kept, transient, tuple(fused.calls)
 
 
-def _tp_local(p: torch.Tensor, spec) -> torch.Tensor:
-    """The first tp rank's part of parameter ``p`` (every tp rank's has the same shape): its
-    placements cut over tp alone (experts stay whole: the profile runs every expert)."""
-    tp = [e for e in spec.placements if e.axis is Role.TP and e.placement.is_split and e.size > 1]
-    if not tp:
-        return p
-    part = tp[0].placement.part(p.detach(), tp[0].size, 0).contiguous()
-    return part.requires_grad_(p.requires_grad)
-
-
 def profile(
     model: torch.nn.Module,
     plan: Plan,
@@ -901,20 +891,10 @@ def profile(
     if dtype is not None:
         params = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
     cast = dtype is not None
-    hooks = []
-    if plan.tp:  # each rank runs its tp-local part of the split layers (see [Note: tensor parallel])
-        params = {n: _tp_local(p, plan.param(n)) for n, p in params.items()}
-        cast = True
-        modules = dict(model.named_modules())
-        for name, style in plan.tp:
-            if style == "colwise_gather":
-                hooks.append(
-                    modules[name].register_forward_hook(lambda m, args, out, _t=plan.tp_size: torch.cat([out] * _t, -1))
-                )
-            elif style == "vocab":  # ids of the whole vocabulary into the rank's rows: the lookup's cost, not its rows
-                hooks.append(
-                    modules[name].register_forward_pre_hook(lambda m, args: (args[0] % m.weight.shape[0], *args[1:]))
-                )
+    # Each rank runs its tp-local part of the split layers (see [Note: tensor parallel]).
+    parts, hooks = one_tp_rank(model, plan, params)
+    cast = cast or parts is not params
+    params = parts
     selective: dict[str, set] = collections.defaultdict(
         set
     )  # the plan's selective policies, profiled besides save_dots

@@ -58,6 +58,7 @@ from fsdpfn import _ambient
 from fsdpfn import comm as C
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import split_roles
+from fsdpfn._plan.tp_styles import tp_style
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._axes import cp_rank, dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
@@ -418,7 +419,10 @@ def install_split_watch(model: nn.Module, plan: Plan) -> None:
         for handle in installed[2]:
             handle.remove()
         delattr(model, _SPLIT_WATCH_ATTR)
-    if not any(style == "colwise" for _, style in plan.tp):
+    # Only a plain colwise split (one part, its output left split) can cut a fused layout wrong.
+    if not any(
+        (row := tp_style(style)) is not None and row.gives == "split" and row.parts == 1 for _, style in plan.tp
+    ):
         return
     left = [CHECKED_STEPS]
 

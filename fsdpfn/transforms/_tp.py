@@ -60,6 +60,7 @@ from torch import nn
 from fsdpfn import comm as C
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
+from fsdpfn._plan.tp_styles import style_row
 from fsdpfn.transforms._axes import ep_group, tp_group, tp_rank
 from fsdpfn.transforms._guards import TP_ATTR, install_batch_check, install_split_watch, watch_output
 
@@ -152,7 +153,9 @@ _LOSS_VERIFIED: set[str] = set()
 
 
 def _loss_layers(plan: Plan) -> list[str]:
-    return [m for m, style in plan.tp if style == "colwise_loss"] if plan.axes.size(Role.TP) > 1 else []
+    if plan.axes.size(Role.TP) == 1:
+        return []
+    return [m for m, style in plan.tp if style_row(style).gives == "logits"]
 
 
 def note_loss_gather(plan: Plan) -> None:
@@ -347,17 +350,20 @@ def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
         mod = modules[name]
         if getattr(mod, _ATTR, None) is not None:
             continue
+        # The style's row says what the layer exchanges ([Note: a tp style's row]): the hooks
+        # below are those exchanges, the same ones the op list prices.
+        row = style_row(style)
         handles = []
-        if style == "vocab":
+        if row.lookup:  # the ids' rows in this rank's slice; the all-reduce sums each id's one row
             before, after = _vocab_lookup(group, tp_rank(plan), name)
             handles += [mod.register_forward_pre_hook(before), mod.register_forward_hook(after)]
-        if style.startswith("colwise"):  # colwise, colwise_gather, colwise_fused:k, colwise_loss
+        if row.backward == "all_reduce":
             handles.append(mod.register_forward_pre_hook(_pre_copy(group, name)))
-        if style == "colwise":
+        if row.gives == "split" and row.parts == 1:  # [Note: a fused layout split plainly]
             handles.append(mod.register_forward_hook(watch_output(name)))
-        if style == "colwise_gather":
+        if row.forward == "all_gather":
             handles.append(mod.register_forward_hook(_post_gather(group, name)))
-        if style == "rowwise":
+        if row.forward == "all_reduce" and not row.lookup:
             handles.append(mod.register_forward_hook(_post_reduce(group, name)))
         setattr(mod, _ATTR, (plan.fingerprint, plan.mesh, handles))
     return model

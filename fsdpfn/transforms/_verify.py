@@ -61,6 +61,7 @@ from fsdpfn import comm as C
 from fsdpfn._plan import ROOT, Plan, Unit, unit_label
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import local_part, split_roles, uses_zeros
+from fsdpfn._plan.tp_styles import tp_style
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.transforms._axes import _axis_group, _axis_rank, axis_index, cp_group, dp_rank
 from fsdpfn.transforms._gather import check_params, gather_unit
@@ -282,7 +283,8 @@ def _vocab_part(plan: Plan, ref, sharded):
     vocabulary (a ``colwise_loss`` head, see [Note: the loss over a split vocabulary]): the
     sharded side keeps them split, by design."""
     t = plan.axes.size(Role.TP)
-    if not any(style == "colwise_loss" for _, style in plan.tp) or not isinstance(ref, torch.Tensor):
+    split_logits = any((row := tp_style(style)) is not None and row.gives == "logits" for _, style in plan.tp)
+    if not split_logits or not isinstance(ref, torch.Tensor):
         return ref
     if ref.shape[:-1] != sharded.shape[:-1] or ref.shape[-1] != t * sharded.shape[-1]:
         return ref
