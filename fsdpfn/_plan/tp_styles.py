@@ -34,15 +34,12 @@ it is an Embedding's or ``gives`` ``"logits"``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdpfn._plan.axes import Role
-
-if TYPE_CHECKING:
-    from fsdpfn._plan.values import PlanValues
 
 __all__ = ["TpStyle", "TP_STYLE_TABLE", "TP_FUSED_PREFIX", "tp_style", "style_row", "style_names", "one_tp_rank"]
 
@@ -224,7 +221,8 @@ def style_row(name: str) -> TpStyle:
     return row
 
 
-def one_tp_rank(model: nn.Module, plan: PlanValues, params: dict[str, torch.Tensor]) -> tuple[dict, list]:
+# plan: a PlanValues (fsdpfn/_plan/values.py reads this table, so it is not imported here).
+def one_tp_rank(model: nn.Module, plan: Any, params: dict[str, torch.Tensor]) -> tuple[dict, list]:
     """What a one-process run of ``model`` (``torch.func.functional_call`` with the returned
     parameters) needs to compute what one tp rank of ``plan`` computes: each parameter split
     over tp cut to the first rank's part (every rank's has the same shape; expert weights stay
