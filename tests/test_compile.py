@@ -765,3 +765,80 @@ def test_per_unit_compile_under_context_parallelism(run_on_ranks):
         for strategy, units, same, counted in rank_result:
             assert units == ["blocks.0", "blocks.1"], (strategy, units)
             assert same and counted, (strategy, same, counted)
+
+
+# ---- expert parallelism under compile -------------------------------------------------------
+
+# Padded MoE layers (GShard's dispatch): every size of the step follows from the batch's shape.
+# Width 24: no activation of an expert (ep x capacity = 16 rows, of width 24 or 96) has the
+# shape of an expert's weight (96 x 24), so the test can tell what the compiled step keeps.
+EP_CFG = GPTConfig(
+    vocab_size=29, seq_len=8, width=24, depth=2, heads=2, bias=False, experts=4, top_k=2, capacity_factor=1.0
+)
+
+
+def _ep_step_vs_eager(rank, world, mesh_shape, names, capacity_factor):
+    """fsdpfn.compile (aot_eager) of the pure loop on an expert-parallel plan whose MoE layers
+    pad each expert's rows to capacity, against eager, as :func:`_whole_step_vs_eager` compares
+    them, plus the tokens the layers dropped on the first step (the padding path's own count)."""
+    _fresh_compile()
+    cfg = dataclasses.replace(EP_CFG, capacity_factor=capacity_factor, pad_to_capacity=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names))
+    params = fsdpfn.shard(model, plan)
+
+    def loss_fn(params, x, y):
+        logits, aux = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten()) + aux
+
+    def batch(i):
+        gen = torch.Generator().manual_seed(1000 + 10 * i + fsdpfn.transforms.dp_rank(plan))
+        tokens = torch.randint(0, cfg.vocab_size, (PER_RANK, cfg.seq_len + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    _, same, grad_err, param_err, calls, step = _steps_vs_eager(loss_fn, plan, params, batch)
+    dropped = [m.dropped for m in model.modules() if isinstance(m, fsdpfn.models.MoE)]
+    return _graphs(), same, grad_err, param_err, calls, dropped, [s for s, nbytes in step.saved_for_backward if nbytes]
+
+
+@COMPILE
+@pytest.mark.parametrize(
+    "mesh_shape,names,capacity_factor",
+    [((2, 1), ("ep", "edp"), 1.0), ((2, 1), ("ep", "edp"), 0.5), ((2, 2), ("ep", "edp"), 1.0)],
+    ids=["ep2", "ep2-dropping", "ep2-edp2"],
+)
+def test_expert_parallel_steps_with_padded_experts_compile_to_one_graph(
+    run_on_ranks, mesh_shape, names, capacity_factor
+):
+    """An ep plan whose MoE layers pad each expert's rows to capacity
+    (``MoEConfig(pad_to_capacity=True)``) compiles: one graph over 5 steps, with the dispatch
+    and combine all-to-alls in it as eager runs them (kind, group, bytes, dtype), no counts
+    exchanged, plus the zero3 units' second gather (over groups of more than one rank). Loss, gradients and 5 SGD steps are
+    bitwise eager's: every reduce sums 2 ranks (one commutative addition) on ep2; on ep2 x edp2
+    the dense units reduce over 4 ranks, eager in rank order and the functional collective in
+    gloo's, so within :func:`_tol`. "dropping": capacity 0.5 drops pairs, and the compiled step
+    drops the same ones (its numbers are eager's). Memory: the compiled forward keeps no gathered
+    expert weight for the backward, which gathers them again (zero3)."""
+    world = math.prod(mesh_shape)
+    hidden, width = 4 * EP_CFG.width, EP_CFG.width
+    for (graphs, breaks, reasons), same, grad_err, param_err, (compiled, eager), dropped, saved in run_on_ranks(
+        _ep_step_vs_eager, world, mesh_shape, names, capacity_factor, timeout=COMPILE_TIMEOUT
+    ):
+        # zero3: the backward gathers the experts again; no expert weight (one expert's, or a
+        # rank's packed ones) is kept from the forward (the local shards it was given cost nothing).
+        assert not [s for s in saved if tuple(s[-2:]) in ((hidden, width), (width, hidden))], saved
+        assert (graphs, breaks) == (1, 0), reasons
+        if world == 2:
+            assert same
+        else:
+            assert grad_err <= _tol(world) and param_err <= STEPS * _tol(world), (grad_err, param_err)
+        # The expert units gather over edp; on edp 1 that "gather" moves no byte, and the compiled
+        # backward keeps the weights rather than gathering them again: only real groups compared.
+        assert [c for c in compiled if c[1] > 1] == [c for c in eager if c[1] > 1]
+        assert sum(c[0] == "all_to_all" for c in eager) == 4 * EP_CFG.depth, eager  # dispatch, combine, both ways
+        assert all(c[3] != torch.int64 for c in eager)  # padded: no counts travel
+        # A layer's PER_RANK x seq_len tokens make top_k pairs each; experts x capacity slots hold them.
+        pairs = PER_RANK * EP_CFG.seq_len * EP_CFG.top_k
+        slots = EP_CFG.experts * math.ceil(capacity_factor * pairs / EP_CFG.experts)
+        assert len(dropped) == EP_CFG.depth and all(d >= pairs - slots for d in dropped), (dropped, pairs, slots)

@@ -281,16 +281,22 @@ def _compiled_refusal(rank, world, names, verify=True):
     return "compiled"
 
 
-def test_compiling_an_ep_step_is_refused_by_name(run_on_ranks):
-    """The experts' all-to-alls take split sizes the router decides at run time, which a compiled
-    graph cannot hold: the compile is refused naming the axis, the reason and the eager
-    alternatives, not a data-dependent-guard error from inside dynamo. (cp compiles: see
+def test_compiling_an_ep_step_with_routed_experts_is_refused_by_name(run_on_ranks):
+    """Routed (not padded) expert layers' all-to-alls take split sizes the router decides at
+    run time, which a compiled graph cannot hold: the compile is refused naming the axis, the
+    layers, the reason, the padded layers that compile and the eager alternatives, not a
+    data-dependent-guard error from inside dynamo. (Padded layers and cp compile: see
     tests/test_compile.py.)"""
     for message in run_on_ranks(_compiled_refusal, 2, ("ep", "edp"), timeout=600):
         assert message.startswith("CompileUnsupportedError"), message[:1500]
-        assert "expert parallelism (ep=2)" in message and "split sizes" in message and "Runtime" in message, message[
-            :1500
-        ]
+        for part in (
+            "expert parallelism (ep=2",
+            "blocks.0.moe.experts",
+            "split sizes",
+            "pad_to_capacity=True",
+            "Runtime",
+        ):
+            assert part in message, (part, message[:1500])
 
 
 def test_a_cp_step_compiled_before_any_checked_step_is_refused(run_on_ranks):

@@ -39,9 +39,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _ep(rank, world, style, capacity_factor=None):
+def _ep(rank, world, style, capacity_factor=None, pad=False):
     group = testing.mesh((world,)).get_group(0)
-    cfg = dataclasses.replace(CFG, capacity_factor=capacity_factor)
+    cfg = dataclasses.replace(CFG, capacity_factor=capacity_factor, pad_to_capacity=pad)
     torch.manual_seed(0)
     full = MoE(cfg)
     ref = {n: p.detach().clone() for n, p in full.named_parameters()}
@@ -92,10 +92,12 @@ def test_expert_parallel_moe_equals_one_process(run_on_ranks, world, style):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
-def test_expert_parallel_moe_with_capacity_equals_one_process_per_rank_batch(run_on_ranks, world, capacity_factor):
+@pytest.mark.parametrize("pad", [False, True], ids=["routed", "padded"])
+def test_expert_parallel_moe_with_capacity_equals_one_process_per_rank_batch(run_on_ranks, world, capacity_factor, pad):
     # Each rank counts capacity on its own 24 tokens (ceil(f * 24 * 2 / 4): 6 or 12 pairs per
     # expert); the reference calls the layer once per rank's tokens, so it drops the same pairs.
-    results = run_on_ranks(_ep, world, "func", capacity_factor)
+    # pad: every expert's rows padded to capacity on both sides.
+    results = run_on_ranks(_ep, world, "func", capacity_factor, pad)
     assert sum(r.pop("dropped") for r in results) > 0, results
     for r in results:
         assert max(r.values()) < 1e-6, r
@@ -200,6 +202,41 @@ def test_bad_capacity_factor_is_named(factor, error, named):
 
     with pytest.raises(error, match=re.escape(named)):
         GPT(GPTConfig(vocab_size=16, width=8, depth=1, heads=2, experts=2, capacity_factor=factor))
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25, 4.0])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_padding_to_capacity_computes_the_routed_layer(factor, top_k):
+    """Padded (GShard's dispatch: every expert's capacity of rows, zero rows where none was
+    routed) and routed (each expert's kept rows only), one layer gives the same outputs, drops
+    and gradients. The products are the same; a padded expert's matmul has more rows, which a
+    GEMM may block differently, so each output element is the same dot product of K <= hidden
+    = 12 terms possibly summed in another order: within K x 2^-24 of the magnitudes' sum, and
+    a relative norm bound of 2 x 12 x 2^-24 ~ 1.4e-6 is asked (measured: 0, bitwise)."""
+    cfg = dataclasses.replace(CFG, top_k=top_k, capacity_factor=factor)
+    torch.manual_seed(0)
+    routed, padded = MoE(cfg), MoE(dataclasses.replace(cfg, pad_to_capacity=True))
+    padded.load_state_dict(routed.state_dict())
+    x = torch.randn(TOKENS, CFG.width, requires_grad=True)
+    got, want = [], []
+    for moe, out in ((routed, want), (padded, got)):
+        y, aux = moe(x)
+        out += [y, aux, *torch.autograd.grad(_loss((y, aux)), [x, *moe.parameters()])]
+    bound = 2 * CFG.hidden * 2.0**-24
+    assert padded.dropped == routed.dropped, (padded.dropped, routed.dropped)
+    if factor in (0.5, 4.0):  # half the slots drop pairs; capacity for every pair drops none
+        assert (routed.dropped > 0) == (factor == 0.5), routed.dropped
+    assert max(_rel(g, w) for g, w in zip(got, want)) <= bound
+
+
+def test_padding_to_capacity_needs_a_capacity():
+    with pytest.raises(
+        ValueError,
+        match=r"MoEConfig: pad_to_capacity=True pads each expert's rows to its capacity, so it needs a capacity_factor",
+    ):
+        MoEConfig(pad_to_capacity=True)
+    with pytest.raises(TypeError, match=r"MoEConfig: pad_to_capacity must be a bool, got 1"):
+        MoEConfig(capacity_factor=1.0, pad_to_capacity=1)
 
 
 def test_capacity_reads_the_factor_as_written():

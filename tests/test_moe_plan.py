@@ -63,9 +63,9 @@ class Net(nn.Module):
         return (h**2).mean() + aux
 
 
-def _model(capacity_factor=None):
+def _model(capacity_factor=None, pad=False):
     torch.manual_seed(0)
-    return Net(cfg=dataclasses.replace(CFG, capacity_factor=capacity_factor))
+    return Net(cfg=dataclasses.replace(CFG, capacity_factor=capacity_factor, pad_to_capacity=pad))
 
 
 def _tokens(rank, step):
@@ -94,9 +94,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3", capacity_factor=None):
+def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3", capacity_factor=None, pad=False):
     mesh = testing.mesh(mesh_shape, names)
-    model = _model(capacity_factor)
+    model = _model(capacity_factor, pad)
     plan = fsdpfn.plan(model, mesh, strategy=strategy)
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = fsdpfn.shard(model, plan, requires_grad=style == "backward")
@@ -104,7 +104,7 @@ def _train(rank, world, mesh_shape, names, kind, style, strategy="zero3", capaci
     state, ref_state = opt.init(params), ref_opt.init(ref)
     me = fsdpfn.transforms.dp_rank(plan)
     rt = fsdpfn.runtime.Runtime(model, plan) if style == "backward" else None
-    ref_model = _model(capacity_factor)  # a second copy, never pointed at the ep group
+    ref_model = _model(capacity_factor, pad)  # a second copy, never pointed at the ep group
     norms, dropped = [], 0
     for step in range(STEPS):
         x = _tokens(me, step)
@@ -213,6 +213,10 @@ def test_plan_json_round_trips_experts():
     same = fsdpfn.Plan.from_json(plan.to_json())
     assert same == plan and same.fingerprint == plan.fingerprint
     assert same.unit("blocks.1.moe.experts").strategy == "zero2"
+    padded = fsdpfn.plan(_model(1.25, True), {"ep": 2, "edp": 2})
+    again = fsdpfn.Plan.from_json(padded.to_json())
+    assert again == padded and again.unit("blocks.0.moe.experts").padded_capacity == 1.25
+    assert padded.fingerprint != fsdpfn.plan(_model(1.25), {"ep": 2, "edp": 2}).fingerprint
 
 
 def _bad_ep(rank, world):
@@ -313,12 +317,12 @@ def test_checkpoints_reshard_across_ep_degrees_bitwise(run_on_ranks, tmp_path):
 # ---- the step's collectives ------------------------------------------------------------------
 
 
-def _counted_step(rank, world, mesh_shape=(2, 2), names=("ep", "edp")):
+def _counted_step(rank, world, mesh_shape=(2, 2), names=("ep", "edp"), capacity_factor=None, pad=False):
     """One Runtime step on (ep, edp) = (2, 2) or another ep mesh, every collective counted,
     beside the list."""
     from fsdpfn import step_collectives
 
-    model = _model()
+    model = _model(capacity_factor, pad)
     plan = fsdpfn.plan(model, testing.mesh(mesh_shape, names))
     params = fsdpfn.shard(model, plan, requires_grad=True)
     rt = fsdpfn.runtime.Runtime(model, plan, prefetch=0)
@@ -329,8 +333,9 @@ def _counted_step(rank, world, mesh_shape=(2, 2), names=("ep", "edp")):
         loss.backward()
 
     def key(phase, kind, size, nbytes, dtype, tag):
-        # The row exchanges move what the routing sends (max of in and out): compared by call only.
-        return (phase, kind, size, None if tag.startswith("moe_") else nbytes, str(dtype), tag)
+        # The row exchanges move what the routing sends (max of in and out): compared by call
+        # only, unless padded (every expert's capacity, whatever the routing): byte for byte.
+        return (phase, kind, size, None if tag.startswith("moe_") and not pad else nbytes, str(dtype), tag)
 
     counted = [
         key(p, c.kind, c.group_size, c.nbytes, c.dtype, c.tag)
@@ -354,6 +359,19 @@ def test_step_collectives_list_the_expert_all_to_alls(run_on_ranks):
     # Per MoE layer: counts, dispatch and combine forward, both transposed backward.
     assert cost.collectives["all_to_all"].calls == 2 * 5
     assert cost.by(lambda c: c.tag)["moe_dispatch"].nbytes == 2 * 2 * TOKENS * CFG.top_k * CFG.width * 4
+
+
+def test_step_collectives_list_the_padded_expert_all_to_alls_byte_for_byte(run_on_ranks):
+    """Padded to capacity, a layer's dispatch and combine carry every expert's capacity of rows
+    whatever the router chose, and no counts: the op list says so, bytes and all."""
+    for same, lists, _, _ in run_on_ranks(_counted_step, 4, (2, 2), ("ep", "edp"), 1.25, True):
+        assert same, lists
+    plan = fsdpfn.plan(_model(1.25, True), {"ep": 2, "edp": 2})
+    assert plan.unit("blocks.0.moe.experts").padded_capacity == 1.25
+    cost = plan.cost(tokens=TOKENS)
+    assert cost.collectives["all_to_all"].calls == 2 * 4  # dispatch and combine, both ways; no counts
+    capacity = CFG.experts * -(-5 * TOKENS * CFG.top_k // (4 * CFG.experts))  # 1.25 = 5/4
+    assert cost.by(lambda c: c.tag)["moe_dispatch"].nbytes == 2 * 2 * capacity * CFG.width * 4
 
 
 def test_step_collectives_list_the_replicate_all_reduces_beside_experts(run_on_ranks):
@@ -439,25 +457,31 @@ def test_the_simulator_times_the_expert_all_to_alls():
 # reasoning are those of the dropless tests: 1e-6.
 
 CAPACITY = [
-    pytest.param(2, (2, 1), ("ep", "edp"), "adamw", id="ep2-2ranks-adamw"),
-    pytest.param(4, (2, 2), ("ep", "edp"), "adamw", id="ep2xedp2-adamw"),
-    pytest.param(4, (2, 2), ("ep", "edp"), "muon", id="ep2xedp2-muon"),
-    pytest.param(4, (4, 1), ("ep", "edp"), "adamw", id="ep4-adamw"),
+    pytest.param(2, (2, 1), ("ep", "edp"), "adamw", False, id="ep2-2ranks-adamw"),
+    pytest.param(4, (2, 2), ("ep", "edp"), "adamw", False, id="ep2xedp2-adamw"),
+    pytest.param(4, (2, 2), ("ep", "edp"), "muon", False, id="ep2xedp2-muon"),
+    pytest.param(4, (4, 1), ("ep", "edp"), "adamw", False, id="ep4-adamw"),
+    pytest.param(4, (2, 2), ("ep", "edp"), "adamw", True, id="ep2xedp2-adamw-padded"),
+    pytest.param(4, (4, 1), ("ep", "edp"), "adamw", True, id="ep4-adamw-padded"),
 ]
 
 
-@pytest.mark.parametrize("world,mesh_shape,names,kind", CAPACITY)
-def test_moe_with_capacity_trains_like_one_process_calling_it_per_rank(run_on_ranks, world, mesh_shape, names, kind):
+@pytest.mark.parametrize("world,mesh_shape,names,kind,pad", CAPACITY)
+def test_moe_with_capacity_trains_like_one_process_calling_it_per_rank(
+    run_on_ranks, world, mesh_shape, names, kind, pad
+):
     # Factor 1.0: capacity ceil(16 * 2 / 4) = 8 pairs per expert and call, the mean load, so any
     # imbalance drops pairs (checked: the ranks drop some; an unused capacity would test nothing).
-    results = run_on_ranks(_train, world, mesh_shape, names, kind, "func", "zero3", 1.0)
+    # pad: each expert's rows padded to capacity (the reference pads too, over its one rank).
+    results = run_on_ranks(_train, world, mesh_shape, names, kind, "func", "zero3", 1.0, pad)
     assert sum(dropped for _, dropped in results) > 0, results
     for errors, _ in results:
         assert max(errors.values()) < 1e-6, errors
 
 
-def test_moe_with_capacity_under_the_runtimes_backward(run_on_ranks):
-    results = run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), "adamw", "backward", "zero3", 1.0)
+@pytest.mark.parametrize("pad", [False, True], ids=["routed", "padded"])
+def test_moe_with_capacity_under_the_runtimes_backward(run_on_ranks, pad):
+    results = run_on_ranks(_train, 4, (2, 2), ("ep", "edp"), "adamw", "backward", "zero3", 1.0, pad)
     assert sum(dropped for _, dropped in results) > 0, results
     for errors, _ in results:
         assert max(errors.values()) < 1e-6, errors

@@ -405,6 +405,12 @@ def plan(
                     "(as Megatron pads it), or leave the module out of tp="
                 )
     expert_of, top_k = _expert_params(model, experts, ep_size) if Role.EP in mesh_axes.roles else ({}, {})
+    # A layer that pads each expert's rows to its capacity says so on its expert module.
+    padded = {
+        m: float(c)
+        for m in top_k
+        if (c := getattr(dict(model.named_modules())[m], "padded_capacity", None)) is not None
+    }
 
     unit_names = _select_units(model, units)
     # Each module with expert weights is their unit (see [Note: expert units]); its other
@@ -465,6 +471,7 @@ def plan(
             offloads[u],
             u in expert_units,
             top_k.get(u, 0),
+            padded.get(u),
         )
         for u in unit_names
         if owned[u]

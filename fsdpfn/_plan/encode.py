@@ -92,6 +92,7 @@ def plan_to_dict(plan: Any) -> dict:
                 **({"offload": True} if u.offload else {}),
                 **({"experts": True} if u.experts else {}),
                 **({"top_k": u.top_k} if u.top_k else {}),
+                **({"padded_capacity": u.padded_capacity} if u.padded_capacity is not None else {}),
             }
             for u in plan.units
         ],

@@ -34,6 +34,7 @@ same stream between those hops and nothing waits for it (the ring's dK/dV accumu
 from __future__ import annotations
 
 import dataclasses
+import fractions
 from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
@@ -190,12 +191,19 @@ def expert_parallel(plan: PlanValues, attention: Iterable[AttentionCall]) -> Exc
             return []
         first = unit.params[0]
         dtype = plan.gather_dtype(unit)
-        rows = tokens * unit.top_k * first.shape[-1] * dtype.itemsize
-        dispatch = Exchange("all_to_all", Role.EP, rows, dtype, "ep_dispatch", "moe_dispatch")
-        combine = Exchange("all_to_all", Role.EP, rows, dtype, "ep_combine", "moe_combine")
-        counts = Exchange("all_to_all", Role.EP, 8 * first.shape[0], torch.int64, "ep_counts", "ep_counts")
+        experts = first.shape[0]
+        if unit.padded_capacity is None:
+            rows = tokens * unit.top_k
+        else:  # every expert's slots, filled or not (MoEConfig.capacity's exact ceiling)
+            num, den = fractions.Fraction(repr(float(unit.padded_capacity))).as_integer_ratio()
+            rows = experts * -(-num * tokens * unit.top_k // (den * experts))
+        nbytes = rows * first.shape[-1] * dtype.itemsize
+        dispatch = Exchange("all_to_all", Role.EP, nbytes, dtype, "ep_dispatch", "moe_dispatch")
+        combine = Exchange("all_to_all", Role.EP, nbytes, dtype, "ep_combine", "moe_combine")
+        # Padded, the sizes are known everywhere: no counts travel.
+        counts = [Exchange("all_to_all", Role.EP, 8 * experts, torch.int64, "ep_counts", "ep_counts")]
         by_event = {
-            OpKind.FORWARD: [counts, dispatch],
+            OpKind.FORWARD: [*counts[: unit.padded_capacity is None], dispatch],
             OpKind.FORWARD_DONE: [combine],
             OpKind.BACKWARD: [combine],
             OpKind.BACKWARD_DONE: [dispatch],

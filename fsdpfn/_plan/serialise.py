@@ -56,6 +56,7 @@ def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
             bool(u.get("offload", False)),
             bool(u.get("experts", False)),
             int(u.get("top_k", 0)),
+            u.get("padded_capacity"),
         )
         for u, specs in zip(d["units"], params)
     )

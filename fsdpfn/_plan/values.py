@@ -470,6 +470,10 @@ class Unit:
         ``ep`` x ``shard`` (see [Note: expert units]).
       top_k: for an expert unit, the experts each token visits (its layer's router's top-k):
         what the expert all-to-alls move (:func:`fsdpfn.step_collectives`); 0 if unknown.
+      padded_capacity: for an expert unit whose layer pads each expert's rows to its capacity
+        (``fsdpfn.models.MoEConfig(pad_to_capacity=True)``), the capacity factor ``f``: its
+        all-to-alls carry ``experts x ceil(f N top_k / experts)`` rows of a call on ``N`` tokens,
+        whatever the router chooses, and no counts. ``None``: the rows as routed.
     """
 
     name: str
@@ -481,6 +485,7 @@ class Unit:
     offload: bool = False
     experts: bool = False
     top_k: int = 0
+    padded_capacity: float | None = None
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -498,6 +503,14 @@ class Unit:
         if not isinstance(self.top_k, int) or self.top_k < 0 or (self.top_k and not self.experts):
             raise ValueError(
                 f"unit {self.label!r}: top_k must be an int >= 0, and 0 unless the unit holds experts; got {self.top_k!r}"
+            )
+        c = self.padded_capacity
+        if c is not None and (
+            isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0 or not self.top_k
+        ):
+            raise ValueError(
+                f"unit {self.label!r}: padded_capacity must be None or a capacity factor > 0 of an expert unit with a "
+                f"top_k; got {c!r} (top_k={self.top_k})"
             )
         # Expert weights are the ones split over ep: their rows and gradients run over other axes.
         mixed = [p.name for p in self.params if (Role.EP in P.split_roles(p)) != self.experts]

@@ -13,10 +13,13 @@ exchanges them (one small all-to-all) before the rows move.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fsdpfn.comm import _groups
 from fsdpfn.comm._collectives import all_to_all
+from fsdpfn.comm._traceable import compiling, traced_all_to_all
 
 __all__ = ["ep_all_to_all", "ep_counts"]
 
@@ -44,6 +47,9 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, tag: str
     row = x.shape[1:]
     n = int(torch.Size(row).numel())
     flat = x.contiguous().view(-1)
+    if compiling():  # the counts are the caller's ints: constants of the graph (a padded dispatch's)
+        out = traced_all_to_all(flat, group, [c * n for c in recv], [c * n for c in send])
+        return out.view(sum(recv), *row)
     out = torch.empty(sum(recv) * n, dtype=x.dtype, device=x.device)
     all_to_all(
         out, flat, group, output_splits=[c * n for c in recv], input_splits=[c * n for c in send], tag=tag
@@ -51,10 +57,14 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, tag: str
     return out.view(sum(recv), *row)
 
 
+def _escape():
+    return contextlib.nullcontext() if compiling() else torch._C._DisableFuncTorch()
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x, send, recv, group, tag):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             return _exchange(x, send, recv, group, tag)
 
     @staticmethod
@@ -63,7 +73,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with torch._C._DisableFuncTorch():
+        with _escape():
             return _exchange(g, ctx.recv, ctx.send, ctx.group, ctx.tag), None, None, None, None
 
 

@@ -93,9 +93,10 @@ def _rank(group) -> int:
     return group.rank()
 
 
-def traced_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """Flat ``x`` cut into as many equal parts as ranks, part ``j`` sent to rank ``j``; returns
-    the parts received, by source rank (functional all-to-all).
+def traced_all_to_all(x: torch.Tensor, group, output_splits=None, input_splits=None) -> torch.Tensor:
+    """Flat ``x`` cut into as many equal parts as ranks (or ``input_splits`` elements each),
+    part ``j`` sent to rank ``j``; returns the parts received, by source rank (``output_splits``
+    elements each), as a functional all-to-all.
 
     Example:
       >>> fsdpfn.comm.traced_all_to_all(torch.arange(3.0), None)
@@ -103,7 +104,7 @@ def traced_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """
     if group is None:
         return x.clone()
-    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+    return funcol.wait_tensor(funcol.all_to_all_single(x, output_splits, input_splits, group))
 
 
 def traced_shift(x: torch.Tensor, group, shift: int = 1) -> torch.Tensor:

@@ -66,12 +66,14 @@ class GPTConfig:
     # (fsdpfn.models.MoE, each expert as wide as the dense MLP) when i % moe_every == 0: every
     # block with 1, blocks 0, 2, 4, ... with 2 (Megatron's moe_layer_freq). The model then returns
     # (logits, aux), aux the MoE layers' load-balancing losses (aux_weight each), to add to the
-    # loss. capacity_factor: MoEConfig's (None: no token dropping).
+    # loss. capacity_factor, pad_to_capacity: MoEConfig's (None: no token dropping; padding
+    # each expert's rows to its capacity, which fsdpfn.compile needs under expert parallelism).
     experts: int = 0
     top_k: int = 2
     moe_every: int = 1
     aux_weight: float = 0.01
     capacity_factor: float | None = None
+    pad_to_capacity: bool = False
 
 
 def _moe(cfg: GPTConfig) -> nn.Module:
@@ -89,6 +91,7 @@ def _moe(cfg: GPTConfig) -> nn.Module:
             top_k=cfg.top_k,
             aux_weight=cfg.aux_weight,
             capacity_factor=cfg.capacity_factor,
+            pad_to_capacity=cfg.pad_to_capacity,
         )
     )
 

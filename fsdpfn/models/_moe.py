@@ -21,12 +21,26 @@ The pairs an expert keeps are the first ones in token order (a token's row index
 Megatron's ``moe_token_drop_policy="position"``, GShard's and Switch's order. A dropped pair is
 never sent; its combine weight is 0 (the others keep their weights, not renormalised), so a
 token whose every choice is dropped leaves the layer as zeros and passes through the block's
-residual alone. No padding (Megatron's ``moe_pad_expert_input_to_capacity``): an expert gets its
-kept rows only, so capacity bounds the rows an expert receives from each rank, ``ep`` times
-capacity in all. The load-balancing loss counts the router's choices before dropping.
+residual alone. By default an expert gets its kept rows only, so capacity bounds the rows an
+expert receives from each rank, ``ep`` times capacity in all; ``pad_to_capacity`` pads them
+([Note: padded dispatch]). The load-balancing loss counts the router's choices before dropping.
 Because capacity is counted per call, a step on ``ep x edp`` ranks equals one process that calls
 the layer once per rank's batch (not once on the concatenated batch, which would count capacity
 over every rank's tokens together).
+
+[Note: padded dispatch]
+With ``pad_to_capacity`` (GShard's and Switch's dispatch, Megatron-LM's
+``moe_pad_expert_input_to_capacity``) each expert has ``capacity`` slots per call: a kept pair
+goes to slot ``expert x capacity + its place among its expert's pairs`` (token order, as
+above), a dropped pair to one spare slot past the end, which is discarded. The slots, ``[ep
+ranks, local experts, capacity, width]``, travel by one all-to-all of equal parts, each expert
+runs on its ``ep x capacity`` rows (zero rows where no pair came), and the outputs come back by
+the transposed all-to-all; each pair reads its slot's row (the spare one reads zeros). Every
+size is a function of the call's token count, none of the router's choices: no counts travel,
+and a compiled step holds the exchange as it holds a gather. The rows an expert computes are
+those of the routed layer plus zero rows, so outputs, drops and gradients are the routed
+layer's; the padding costs ``experts x capacity`` rows on the wire per call and the experts'
+FLOPs on them.
 """
 
 from __future__ import annotations
@@ -60,10 +74,18 @@ class MoEConfig:
         experts)`` (token, choice) pairs per call, the first ones in token order, and the
         overflowing pairs are dropped ([Note: expert capacity]). The factor counts as written
         in decimal (``1.1`` is 11/10, so 20 tokens, top-1, 2 experts give 11, not 12).
+      pad_to_capacity: each expert's rows padded with zero rows to its capacity, as GShard and
+        Switch do (Megatron-LM's ``moe_pad_expert_input_to_capacity``): every size of the step
+        then follows from the batch's shape, not from the router's choices, which
+        :func:`fsdpfn.compile` needs to make one graph of an expert-parallel step ([Note:
+        padded dispatch]). The padding costs wire bytes and expert FLOPs; the results are
+        those of the unpadded layer. Needs ``capacity_factor``.
 
     Raises:
-      TypeError: ``capacity_factor`` is neither ``None`` nor a number.
-      ValueError: ``capacity_factor`` is not finite or not ``> 0``.
+      TypeError: ``capacity_factor`` is neither ``None`` nor a number; ``pad_to_capacity`` is
+        not a bool.
+      ValueError: ``capacity_factor`` is not finite or not ``> 0``; ``pad_to_capacity`` without
+        a ``capacity_factor``.
 
     Example:
       >>> fsdpfn.models.MoEConfig(experts=8, top_k=2, capacity_factor=1.25).capacity(64)  # ceil(1.25 * 64 * 2 / 8)
@@ -76,9 +98,19 @@ class MoEConfig:
     top_k: int = 2
     aux_weight: float = 0.01
     capacity_factor: float | None = None
+    pad_to_capacity: bool = False
+    # capacity_factor as the exact ratio of two ints (see capacity()).
+    _ratio: tuple[int, int] = dataclasses.field(init=False, repr=False, compare=False, default=(0, 1))
 
     def __post_init__(self):
         c = self.capacity_factor
+        if not isinstance(self.pad_to_capacity, bool):
+            raise TypeError(f"MoEConfig: pad_to_capacity must be a bool, got {self.pad_to_capacity!r}")
+        if self.pad_to_capacity and c is None:
+            raise ValueError(
+                "MoEConfig: pad_to_capacity=True pads each expert's rows to its capacity, so it needs a capacity_factor "
+                "(e.g. capacity_factor=1.25); without one an expert's rows are unbounded"
+            )
         if c is None:
             return
         if isinstance(c, bool) or not isinstance(c, numbers.Real):
@@ -90,16 +122,18 @@ class MoEConfig:
                 f"MoEConfig: capacity_factor={c!r} must be a finite number > 0 (each expert then takes at most "
                 "ceil(capacity_factor * tokens * top_k / experts) tokens per call, e.g. 1.25), or None for no dropping"
             )
+        # Exact arithmetic on the factor as written: 1.1 * 20 * 1 / 2 is 11.000000000000002 in
+        # floats (capacity 12), but 11 with 1.1 read as 11/10. Kept as ints, which a compiled
+        # step reads as constants.
+        object.__setattr__(self, "_ratio", fractions.Fraction(repr(float(c))).as_integer_ratio())
 
     def capacity(self, tokens: int) -> int | None:
         """Most (token, choice) pairs one expert takes from a call on ``tokens`` rows; ``None``
         without a ``capacity_factor``."""
         if self.capacity_factor is None:
             return None
-        # Exact arithmetic on the factor as written: 1.1 * 20 * 1 / 2 is 11.000000000000002 in
-        # floats (capacity 12), but 11 with 1.1 read as 11/10.
-        factor = fractions.Fraction(repr(float(self.capacity_factor)))
-        return math.ceil(factor * tokens * self.top_k / self.experts)
+        num, den = self._ratio
+        return -(-num * tokens * self.top_k // (den * self.experts))  # the ceiling, in ints
 
 
 class Experts(nn.Module):
@@ -119,10 +153,21 @@ class Experts(nn.Module):
     # The packed expert weights (dim 0: the expert index), which a plan splits over ``ep``.
     expert_params = ("w1", "w2")
 
-    def __init__(self, experts: int, width: int, hidden: int, total: int | None = None, top_k: int = 0):
+    def __init__(
+        self,
+        experts: int,
+        width: int,
+        hidden: int,
+        total: int | None = None,
+        top_k: int = 0,
+        padded_capacity: float | None = None,
+    ):
         super().__init__()
         self.num_experts = experts if total is None else total  # over every ep rank
         self.top_k = top_k  # experts per token, for the cost of the token exchange (0: unknown)
+        # The capacity factor its layer pads each expert's rows to (None: rows as routed), which
+        # sets what the token exchange carries.
+        self.padded_capacity = padded_capacity
         self.w1 = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
         self.w2 = nn.Parameter(torch.randn(experts, width, hidden) * hidden**-0.5)
 
@@ -132,9 +177,14 @@ class Experts(nn.Module):
             self.w1.normal_(0.0, self.w1.shape[-1] ** -0.5)
             self.w2.normal_(0.0, self.w2.shape[-1] ** -0.5)
 
-    def forward(self, inbox: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+    def forward(self, inbox: torch.Tensor, counts: list[list[int]] | None = None) -> torch.Tensor:
         """Rows ``inbox`` grouped by source, then by expert: ``counts[s][e]`` rows of source ``s``
-        for local expert ``e``. Returns each row's expert output, in the same order."""
+        for local expert ``e``. Returns each row's expert output, in the same order.
+        ``counts=None``: ``inbox`` is ``[sources, E, capacity, width]``, each source's rows for
+        each local expert padded to capacity, and the output has its layout (see
+        :meth:`padded`)."""
+        if counts is None:
+            return self.padded(inbox)
         local = self.w1.shape[0]
         if any(len(row) != local for row in counts):
             held = len(counts[0])
@@ -165,6 +215,23 @@ class Experts(nn.Module):
                 outs[s * local + e] = h[off : off + c]
                 off += c
         return torch.cat(outs) if outs else inbox
+
+    def padded(self, inbox: torch.Tensor) -> torch.Tensor:
+        """Rows ``inbox`` ``[sources, E, capacity, width]``: each source's rows for each local
+        expert, padded to capacity. Returns every row's expert output, in the same layout (a
+        padding row's output is discarded by the caller)."""
+        s, local, cap, d = inbox.shape
+        if local != self.w1.shape[0]:
+            raise ValueError(
+                f"Experts.padded: rows for {local} experts per source, but {self.w1.shape[0]} experts' weights here; "
+                "call the layer with this rank's experts (what fsdpfn.unshard gives)"
+            )
+        rows = inbox.transpose(0, 1).reshape(local, s * cap, d)
+        # One F.linear per expert, on the weights themselves: a batched matmul would read them
+        # through a transposed view, which a compiled step keeps for its backward instead of
+        # gathering a zero3 unit's weights again.
+        h = torch.stack([F.linear(F.gelu(F.linear(rows[e], self.w1[e])), self.w2[e]) for e in range(local)])
+        return h.view(local, s, cap, d).transpose(0, 1)
 
 
 class MoE(nn.Module):
@@ -211,7 +278,10 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
         # (token, choice) pairs the last forward dropped for capacity (0 without capacity_factor).
         self.dropped = 0
-        self.experts = Experts(self.local, cfg.width, cfg.hidden, total=cfg.experts, top_k=cfg.top_k)
+        pad = cfg.capacity_factor if cfg.pad_to_capacity else None
+        self.experts = Experts(
+            self.local, cfg.width, cfg.hidden, total=cfg.experts, top_k=cfg.top_k, padded_capacity=pad
+        )
 
     def set_ep_group(self, ep_group) -> None:
         """Dispatch tokens over ``ep_group`` from now on; the weights this layer is called with
@@ -248,8 +318,12 @@ class MoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         flat = experts.reshape(-1)
         with torch.no_grad():
-            f = torch.bincount(flat, minlength=cfg.experts).to(probs.dtype) / max(1, flat.numel())
+            # One-hot sums, not bincount: its output's size would depend on the largest id.
+            chosen = F.one_hot(flat, cfg.experts).sum(0)
+            f = chosen.to(probs.dtype) / max(1, flat.numel())
         aux = cfg.aux_weight * cfg.experts * (f * probs.mean(0)).sum()
+        if cfg.pad_to_capacity:
+            return self._padded(x, flat, weights, probs), aux
         # Dispatch: (token, choice) pairs sorted by expert, stable (ties keep token order).
         order = torch.sort(flat, stable=True).indices
         load = torch.bincount(flat, minlength=cfg.experts)
@@ -274,3 +348,42 @@ class MoE(nn.Module):
         y = torch.zeros(n * cfg.top_k, cfg.width, dtype=back.dtype, device=back.device).index_copy(0, order, back)
         y = (y.view(n, cfg.top_k, cfg.width) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
         return y, aux
+
+    def _padded(self, x, flat, weights, probs) -> torch.Tensor:
+        """The layer with each expert's rows padded to its capacity ([Note: padded dispatch])."""
+        cfg, n, d = self.cfg, x.shape[0], x.shape[1]
+        cap = cfg.capacity(n)
+        assert cap is not None  # MoEConfig refuses pad_to_capacity without a capacity_factor
+        slots = cfg.experts * cap
+        with torch.no_grad():
+            # A pair's place among its expert's pairs in token order (pairs are token-major).
+            onehot = F.one_hot(flat, cfg.experts)
+            place = (onehot.cumsum(0) - onehot).gather(1, flat.unsqueeze(1)).squeeze(1)
+            kept = place < cap
+            self._dropped = (~kept).sum()
+            # Kept pairs fill their expert's slots; dropped ones the one spare slot at the end.
+            slot = torch.where(kept, flat * cap + place, torch.full_like(flat, slots))
+        rows = x.repeat_interleave(cfg.top_k, dim=0)
+        box = x.new_zeros(slots + 1, d).index_put((slot,), rows)[:slots]
+        # [experts, cap, d] is [ep ranks, local experts, cap, d]: one equal part per rank.
+        inbox = box
+        if self.ep > 1:
+            part = [self.local * cap] * self.ep
+            inbox = C.ep_all_to_all(box, part, part, self.ep_group, tag="moe_dispatch")
+        # Through the module's call (not .padded): a runtime hands a unit its weights there.
+        outbox = self.experts(inbox.view(self.ep, self.local, cap, d))
+        back = outbox.reshape(slots, d)
+        if self.ep > 1:
+            back = C.ep_all_to_all(back, part, part, self.ep_group, tag="moe_combine")
+        back = torch.cat([back, back.new_zeros(1, d)])  # the spare slot: a dropped pair's 0
+        y = back[slot] * weights.reshape(-1, 1).to(back.dtype)
+        return y.view(n, cfg.top_k, d).sum(1)
+
+    @property
+    def dropped(self) -> int:
+        """(token, choice) pairs the last call dropped for capacity (0 without ``capacity_factor``)."""
+        return int(self._dropped)
+
+    @dropped.setter
+    def dropped(self, value) -> None:
+        self._dropped = value

@@ -98,18 +98,24 @@ def check_compilable(plan: Plan) -> None:
 
 
 def check_traced_axes(plan: Plan) -> None:
-    """Raises :class:`CompileUnsupportedError` for a mesh with an ``ep`` axis. Its units gather
-    and reduce over ``ep`` x ``shard`` like any unit over flattened axes, and those trace; what
-    does not is the token exchange of an expert layer: how many tokens each expert receives is
-    data (the router's choice), read to the host for the all-to-all's split sizes, and dynamo
-    stops there (a guard on a data-dependent value). Refused before anything is traced, by name,
-    rather than as dynamo's error from inside the layer."""
-    if plan.axes.dim(Role.EP) is not None:
+    """Raises :class:`CompileUnsupportedError` for a mesh with an ``ep`` axis whose expert
+    layers route their rows as chosen. Expert units gather and reduce over ``ep`` x ``shard``
+    like any unit over flattened axes, and those trace; what does not is such a layer's token
+    exchange: how many rows each expert receives is data (the router's choice), read to the host
+    for the all-to-all's split sizes, and dynamo stops there (a guard on a data-dependent value),
+    while the compiled graph's collectives must have sizes known when it is compiled. A layer
+    that pads each expert's rows to its capacity (``padded_capacity``, GShard's and Switch's
+    dispatch) exchanges sizes that follow from the batch's shape alone, and compiles. Refused
+    before anything is traced, by name, rather than as dynamo's error from inside the layer."""
+    routed = [u.label for u in plan.units if u.experts and u.padded_capacity is None]
+    if plan.axes.dim(Role.EP) is not None and routed:
         raise CompileUnsupportedError(
-            f"expert parallelism (ep={plan.ep_size}) does not run under torch.compile yet (mesh {plan.axes.describe()}): "
-            "the all-to-alls that send tokens to their experts take split sizes the router decides at run time "
-            "(data-dependent sizes, which the compiled graph cannot hold). Run the step eagerly: the pure loop "
-            "(torch.func.grad over fsdpfn.unshard) or fsdpfn.runtime.Runtime"
+            f"expert parallelism (ep={plan.ep_size}, mesh {plan.axes.describe()}) compiles only with padded expert layers: "
+            f"the layers of {routed[:3]} send each expert the rows its router chose, so the all-to-alls' split sizes are "
+            "decided at run time (data-dependent sizes, which a compiled graph cannot hold). Build the MoE layers with "
+            "fsdpfn.models.MoEConfig(capacity_factor=..., pad_to_capacity=True) (each expert's rows padded to its "
+            "capacity: fixed sizes), or run the step eagerly: the pure loop (torch.func.grad over fsdpfn.unshard) or "
+            "fsdpfn.runtime.Runtime"
         )
 
 
