@@ -23,6 +23,7 @@ plan sharded over shard x cp as one over shard alone.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -62,6 +63,26 @@ def _param_dict(p: Any) -> dict:
     return d
 
 
+# Unit fields every unit writes; shard_size is derived from the params and the mesh.
+UNIT_WRITTEN = ("name", "strategy", "params")
+UNIT_DERIVED = ("shard_size",)
+
+
+def _unit_dict(u: Any) -> dict:
+    """A unit as plain data: its name, strategy and params, then each other field in field
+    order, only where it is not its default (so a plan that uses none of them reads as an
+    older fsdpfn wrote it). A new field of ``Unit`` is written, and read back by
+    ``plan_from_dict``, with nothing added here."""
+    d: dict[str, Any] = {"name": u.name, "strategy": u.strategy.value, "params": [_param_dict(p) for p in u.params]}
+    for f in dataclasses.fields(u):
+        if f.name in UNIT_WRITTEN + UNIT_DERIVED:
+            continue
+        value = getattr(u, f.name)
+        if value != f.default:
+            d[f.name] = list(value) if isinstance(value, tuple) else value
+    return d
+
+
 def plan_to_dict(plan: Any) -> dict:
     """``plan`` as plain data, in the oldest format that holds it (see [Note: plan formats]).
 
@@ -82,20 +103,7 @@ def plan_to_dict(plan: Any) -> dict:
             "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None,
         },
         "mp": {"param_dtype": _dtype_name(plan.mp.param_dtype), "reduce_dtype": _dtype_name(plan.mp.reduce_dtype)},
-        "units": [
-            {
-                "name": u.name,
-                "strategy": u.strategy.value,
-                "params": [_param_dict(p) for p in u.params],
-                **({"fp8": list(u.fp8)} if u.fp8 else {}),
-                **({"remat": u.remat} if u.remat != "none" else {}),
-                **({"offload": True} if u.offload else {}),
-                **({"experts": True} if u.experts else {}),
-                **({"top_k": u.top_k} if u.top_k else {}),
-                **({"padded_capacity": u.padded_capacity} if u.padded_capacity is not None else {}),
-            }
-            for u in plan.units
-        ],
+        "units": [_unit_dict(u) for u in plan.units],
     }
     if plan.mp.fp8 is not None:
         d["format"] = FORMAT_FP8

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
-from typing import TypeVar, cast
+import dataclasses
+from typing import Any, TypeVar, cast
 
 import torch
 
 from fsdpfn._plan import placements as P
 from fsdpfn._plan.axes import MeshAxes
-from fsdpfn._plan.encode import FORMAT_AXES, FORMAT_PP, FORMATS
+from fsdpfn._plan.encode import FORMAT_AXES, FORMAT_PP, FORMATS, UNIT_DERIVED, UNIT_WRITTEN
 from fsdpfn._plan.stages import Stages
 from fsdpfn._plan.values import MixedPrecision, ParamSpec, PlanValues, Unit, _dtype_from
 from fsdpfn.fp8 import Float8GatherPolicy
@@ -45,18 +46,16 @@ def plan_from_dict(d: dict, cls: type[PlanT], mesh=None) -> PlanT:
     roles = tuple(d["mesh"]["roles"]) if fmt >= FORMAT_AXES and d["mesh"].get("roles") else None
     axes = MeshAxes.from_names(shape, names, None if roles is None else dict(zip(names or ("shard",), roles)))
     params = [tuple(_param_from(p, axes) for p in u["params"]) for u in d["units"]]
+    optional = {f.name for f in dataclasses.fields(Unit)} - set(UNIT_WRITTEN + UNIT_DERIVED)
     units = tuple(
         Unit(
             u["name"],
             u["strategy"],
             specs,
             P.rows_size(specs, axes),
-            tuple(u.get("fp8", ())),
-            u.get("remat", "none"),
-            bool(u.get("offload", False)),
-            bool(u.get("experts", False)),
-            int(u.get("top_k", 0)),
-            u.get("padded_capacity"),
+            **cast(
+                "dict[str, Any]", {k: tuple(v) if isinstance(v, list) else v for k, v in u.items() if k in optional}
+            ),
         )
         for u, specs in zip(d["units"], params)
     )
