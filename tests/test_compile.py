@@ -3,6 +3,7 @@ is one graph with no break (and no recompile over its steps), holds the expected
 and gives the eager gradients and, after 5 SGD steps, the eager parameters;
 torch.compile(torch.func.grad(...)) never returns a silently wrong gradient."""
 
+import collections
 import dataclasses
 import math
 import os
@@ -842,3 +843,92 @@ def test_expert_parallel_steps_with_padded_experts_compile_to_one_graph(
         pairs = PER_RANK * EP_CFG.seq_len * EP_CFG.top_k
         slots = EP_CFG.experts * math.ceil(capacity_factor * pairs / EP_CFG.experts)
         assert len(dropped) == EP_CFG.depth and all(d >= pairs - slots for d in dropped), (dropped, pairs, slots)
+
+
+# ---- pipeline stages under compile ------------------------------------------------------------
+
+PP_UNITS = ["embed", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+PP_CFG = dataclasses.replace(STEP_CFG, depth=4)
+
+
+def _pp_stages_vs_eager(rank, world, mesh_shape, names, schedule, stages):
+    """3 SGD steps of a PipelineRuntime with every stage here compiled (aot_eager) beside the
+    eager one: ``(graphs, compiled stages, losses and parameters bitwise equal, every step's
+    collectives alike (kind, group, bytes, dtype, tag), zero_bubble's refusal)``."""
+    from fsdpfn.models import GPT_TP_PLAN
+    from fsdpfn.runtime import PipelineRuntime
+
+    def ce(out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    runs = []
+    for compiled in (False, True):
+        _fresh_compile()
+        torch.manual_seed(0)
+        model = GPT(PP_CFG)
+        plan = fsdpfn.plan(
+            model,
+            testing.mesh(mesh_shape, names),
+            units=PP_UNITS,
+            stages=stages,
+            tp=GPT_TP_PLAN if "tp" in names else None,
+        )
+        pipe = PipelineRuntime(model, plan, schedule, micro_batches=4, loss_fn=ce)
+        chosen = pipe.compile_stages(backend="aot_eager") if compiled else []
+        params = pipe.shard(model)
+        losses, calls = [], []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + fsdpfn.transforms.dp_rank(plan))
+            tokens = torch.randint(0, PP_CFG.vocab_size, (8, PP_CFG.seq_len + 1), generator=gen)
+            with fsdpfn.count_collectives() as counter:
+                grads, loss = pipe.step(params, tokens[:, :-1], tokens[:, 1:])
+            losses.append(loss)
+            # sorted: a compiled graph's collectives are counted when it returns, eager's as they run
+            calls.append(sorted([(c.kind, c.group_size, c.nbytes, c.dtype) for c in counter.calls], key=str))
+            params = {n: (p - LR * grads[n]).detach() for n, p in params.items()}
+        runs.append((chosen, _graphs(), losses, {n: p.to_local() for n, p in params.items()}, calls))
+    (_, _, l_e, p_e, c_e), (chosen, graphs, l_c, p_c, c_c) = runs
+    same = all(_bitwise(a, b) for a, b in zip(l_c, l_e)) and all(_bitwise(p_c[n], p_e[n]) for n in p_e)
+    refusal = None
+    if stages == mesh_shape[0]:  # zero_bubble runs one stage per rank
+        try:
+            PipelineRuntime(model, plan, "zero_bubble", micro_batches=4, loss_fn=ce).compile_stages(backend="aot_eager")
+            refusal = "compiled"
+        except fsdpfn.CompileUnsupportedError as e:
+            refusal = str(e)
+    diff = next(((i, a, b) for i, (a, b) in enumerate(zip(c_c, c_e)) if a != b), None)
+    if diff is not None:  # the step, and what one side counted that the other did not
+        i, a, b = diff
+        diff = (i, collections.Counter(a) - collections.Counter(b), collections.Counter(b) - collections.Counter(a))
+    return graphs, chosen, same, diff, refusal
+
+
+@COMPILE
+@pytest.mark.parametrize(
+    "mesh_shape,names,schedule,stages",
+    [
+        ((2, 1), ("pp", "dp"), "1f1b", 2),
+        ((2, 1), ("pp", "dp"), "interleaved_1f1b", 4),
+        ((2, 1, 2), ("pp", "dp", "tp"), "gpipe", 2),
+    ],
+    ids=["pp2-1f1b", "pp2-interleaved", "pp2-tp2-gpipe"],
+)
+def test_pipeline_stages_compile_with_eager_numbers(run_on_ranks, mesh_shape, names, schedule, stages):
+    """``PipelineRuntime.compile_stages``: each stage's forward (and its backward) is one graph,
+    compiled once over 3 steps of 4 micro-batches (no recompile), while the pipeline's gathers,
+    transfers and reduces stay the runtime's. Losses and 3 SGD steps are bitwise the eager
+    pipeline's (aot_eager runs the same operators in the same order), and every step counts the
+    same collectives: with tp the stages' activation all-reduces are traced into their graphs
+    and counted per call. zero_bubble, whose backward halves follow autograd's graph of a
+    stage, is refused by name."""
+    world = math.prod(mesh_shape)
+    for graphs, chosen, same, diff, refusal in run_on_ranks(
+        _pp_stages_vs_eager, world, mesh_shape, names, schedule, stages, timeout=COMPILE_TIMEOUT
+    ):
+        per_rank = stages // mesh_shape[0]
+        assert len(chosen) == per_rank
+        assert graphs[:2] == (per_rank, 0), graphs
+        assert same
+        assert diff is None, diff
+        if refusal is not None:
+            assert "zero_bubble" in refusal and "input half and a weight half" in refusal, refusal

@@ -59,18 +59,20 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, forward_only, pipeline_schedule, validate_pipeline
 from fsdpfn._plan.schedule import Op
 from fsdpfn._plan.schedule import schedule as default_schedule
-from fsdpfn.comm import broadcast, group_ranks, pp_recv, pp_send, ranks_group, uncounted
+from fsdpfn.comm import broadcast, count_compiled, group_ranks, pp_recv, pp_send, ranks_group, uncounted
 from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.runtime._split_backward import WeightHalf, backward_input
 from fsdpfn.transforms import (
     CHECKED_STEPS,
+    CompileUnsupportedError,
     VerifyReport,
     apply_tp,
     check_batch,
     check_params,
     context_parallel,
     context_parallel_shard,
+    recording_backend,
     verify_stage,
     verify_stage_loss,
 )
@@ -80,6 +82,12 @@ __all__ = ["PipelineProfile", "PipelineRuntime"]
 # An activation's header: ndim, dtype code, then the dims (padded with -1).
 _HEADER = 10
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+def _call_stage(module: nn.Module, params: dict, x):
+    """A stage's forward on the given parameters (what :meth:`PipelineRuntime.compile_stages`
+    compiles)."""
+    return torch.func.functional_call(module, params, (x,))
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
@@ -304,6 +312,83 @@ class PipelineRuntime:
         last = plan.mesh.mesh.select(cast(int, plan.axes.dim(Role.PP)), ps.rank_of(ps.num_stages - 1))
         self._last_stage_group = ranks_group(last.flatten().tolist()) if self._verify else None
         self.verified: dict[int, VerifyReport] = {}  # stage -> its first step's check
+        self._compiled: dict[int, tuple] = {}  # stage -> (compiled forward, its graphs' collectives)
+
+    def compile_stages(self, stages=None, *, backend: str = "inductor", fullgraph: bool = True, **options) -> list[int]:
+        """Compiles each stage's forward on this rank with ``torch.compile`` and keeps the
+        pipeline around them: the gathers, frees, reduces, point-to-point transfers and the op
+        lists' order stay the runtime's, eager, exactly as without compile; only a stage's own
+        code (its layers, on the gathered parameters) is compiled, forward and backward, as
+        :meth:`fsdpfn.runtime.Runtime.compile_units` does for units. Collectives inside a stage
+        (tensor-parallel activations) are traced, listed when compiled and counted on every call.
+
+        Args:
+          stages: the stage indices to compile (default: every stage on this rank).
+          backend: ``"inductor"`` (generated kernels) or ``"aot_eager"`` (the traced graphs run
+            op by op: compiles in seconds, for checking).
+          fullgraph: refuse graph breaks inside a stage (the default).
+          **options: passed to ``torch.compile``.
+
+        Raises:
+          fsdpfn.CompileUnsupportedError: the schedule splits each backward in an input half and
+            a weight half (``"zero_bubble"``): the split follows autograd's graph of the stage,
+            of which a compiled stage is one node.
+          ValueError: a stage that does not run on this rank, or a second call.
+
+        Returns:
+          the compiled stages.
+
+        Example:
+          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          ...                       "blocks.1", "norm", "head"], stages=2)
+          >>> ce = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+          >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "gpipe", micro_batches=2, loss_fn=ce)
+          >>> pipe.compile_stages(backend="aot_eager")
+          [0, 1]
+        """
+        if self._compiled:
+            raise ValueError(
+                "compile_stages was already called on this PipelineRuntime; build a new one to compile others"
+            )
+        split = {PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT}
+        if any(isinstance(op, PipeOp) and op.kind in split for ops in self.schedule.ranks for op in ops):
+            raise CompileUnsupportedError(
+                f"compile_stages: the {self.schedule.name!r} schedule splits each stage's backward into an input half and "
+                "a weight half along autograd's graph of the stage, and a compiled stage is one node of that graph. Use "
+                "the '1f1b', 'interleaved_1f1b' or 'gpipe' schedule with compiled stages, or run zero_bubble eagerly"
+            )
+        chosen = sorted(self.stages_here) if stages is None else [stages] if isinstance(stages, int) else list(stages)
+        for s in chosen:
+            if s not in self.stages_here:
+                raise ValueError(
+                    f"compile_stages: stage {s!r} does not run on this rank (pp rank {self.pp_rank} runs stages "
+                    f"{list(self.stages_here)})"
+                )
+        for s in chosen:
+            graphs: dict[str, list] = {}
+            fn = torch.compile(_call_stage, backend=recording_backend(backend, graphs), fullgraph=fullgraph, **options)
+            self._compiled[s] = (fn, graphs)
+        return chosen
+
+    @property
+    def compiled_stages(self) -> list[int]:
+        """The stages whose forward :meth:`compile_stages` compiled."""
+        return sorted(self._compiled)
+
+    def _run_stage(self, s: int, params: dict, x):
+        """Stage ``s``'s module on ``params`` (by its own names), compiled or not; a compiled
+        forward's collectives are counted per call (its backward's after each backward)."""
+        compiled = self._compiled.get(s)
+        if compiled is None:
+            return _call_stage(self.modules[s], params, x)
+        fn, graphs = compiled
+        out = fn(self.modules[s], params, x)
+        count_compiled(graphs.get("forward", []))  # an evaluation's graph lists the same forward exchanges
+        return out
+
+    def _count_backward(self, s: int) -> None:
+        if s in self._compiled:
+            count_compiled(self._compiled[s][1].get("backward", []))
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -617,12 +702,7 @@ class PipelineRuntime:
         if not self._step.train:  # evaluate: no graph, nothing saved for a backward
             x = self._step.xs[k] if s == 0 else self._step.acts.pop((s, k))
             params = {p.name: t for u in self.stage_plans[s].units for p, t in zip(u.params, ex.full_params(u.name))}
-            out = self._stage_output(
-                s,
-                torch.func.functional_call(
-                    self.modules[s], {local: params[name] for local, name in self._names[s]}, (x,)
-                ),
-            )
+            out = self._stage_output(s, self._run_stage(s, {local: params[name] for local, name in self._names[s]}, x))
             if last:
                 loss = self.loss_fn(out, self._step.ys[k])
                 self._check_loss(loss)
@@ -643,9 +723,7 @@ class PipelineRuntime:
         saved: dict[int, int] = {}
         with torch.enable_grad(), self._counting(saved, leaves.values()):
             try:
-                out = torch.func.functional_call(
-                    self.modules[s], {local: leaves[name] for local, name in self._names[s]}, (x,)
-                )
+                out = self._run_stage(s, {local: leaves[name] for local, name in self._names[s]}, x)
             except RuntimeError as e:
                 if "in-place operation" in str(e) and s > 0:
                     raise ValueError(self._in_place(s)) from e
@@ -725,6 +803,7 @@ class PipelineRuntime:
         inputs = [leaves[n] for n in names] + ([x] if through else [])
         seed = None if s == self.schedule.num_stages - 1 else self._step.grads.pop((s, k))
         got = torch.autograd.grad(out, inputs, grad_outputs=seed, allow_unused=True)
+        self._count_backward(s)
         self._add_param_grads(s, dict(zip(names, got)))
         if x is not None:
             self._input_grad(s, k, x, got[-1] if through else None)
