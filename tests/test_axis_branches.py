@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 AXIS_FREE = (
     "fsdpfn/_plan/steps.py",
+    "fsdpfn/_plan/schedule.py",
     "fsdpfn/_plan/cost.py",
     "fsdpfn/runtime/_executor.py",
     "fsdpfn/runtime/_runtime.py",

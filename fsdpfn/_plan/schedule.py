@@ -339,12 +339,13 @@ def unit_ops(
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     units = [u.name for u in plan.units if names is None or u.name in names]
     root_present = ROOT in units
-    # An expert unit (the expert weights of one MoE layer, beside an ep axis) runs inside the
-    # unit that encloses its layer: its ops nest between that unit's events.
+    # A unit whose module lies inside another unit's (an expert unit in its block, a block's
+    # MLP made a unit of its own, as FSDP2 users wrap both) runs inside that unit's forward and
+    # backward: its ops nest between the enclosing unit's events, at any depth.
     inner: dict[str, list[str]] = {}
     for u in plan.units:
         host = max((h for h in units if h and h != u.name and u.name.startswith(h + ".")), key=len, default=None)
-        if u.experts and host is not None:
+        if host is not None and u.name in units:
             inner.setdefault(host, []).append(u.name)
     nested = {c for cs in inner.values() for c in cs}
     blocks = [u for u in units if u != ROOT and u not in nested]
@@ -367,6 +368,26 @@ def unit_ops(
         for name in order[start : start + prefetch]:
             gather(name)
 
+    def forward_inside(name: str) -> None:
+        for child in inner.get(name, ()):
+            ops.append(Op(OpKind.FORWARD, child))
+            gather(child)
+            ops.append(Op(OpKind.WAIT, child))
+            forward_inside(child)
+            ops.append(Op(OpKind.FORWARD_DONE, child))
+            free_after_forward(child)
+
+    def backward_inside(name: str) -> None:
+        for child in reversed(inner.get(name, ())):
+            ops.append(Op(OpKind.BACKWARD, child))
+            gather(child)
+            if child not in live:
+                ops.append(Op(OpKind.WAIT, child))
+            backward_inside(child)
+            ops.extend(
+                Op(kind, child) for kind in (OpKind.BACKWARD_DONE, OpKind.FREE, OpKind.REDUCE, OpKind.WAIT_REDUCE)
+            )
+
     # Forward.
     if root_present:
         ops.append(Op(OpKind.FORWARD, ROOT))
@@ -378,11 +399,7 @@ def unit_ops(
         gather(name)
         prefetch_from(blocks, i + 1)
         ops.append(Op(OpKind.WAIT, name))
-        for child in inner.get(name, ()):
-            ops.append(Op(OpKind.FORWARD, child))
-            gather(child)
-            ops += [Op(OpKind.WAIT, child), Op(OpKind.FORWARD_DONE, child)]
-            free_after_forward(child)
+        forward_inside(name)
         ops.append(Op(OpKind.FORWARD_DONE, name))
         free_after_forward(name)
     if root_present:
@@ -404,17 +421,7 @@ def unit_ops(
         prefetch_from(back, i + 1)
         if name not in live:
             ops.append(Op(OpKind.WAIT, name))
-        for child in reversed(inner.get(name, ())):
-            ops.append(Op(OpKind.BACKWARD, child))
-            gather(child)
-            if child not in live:
-                ops.append(Op(OpKind.WAIT, child))
-            ops += [
-                Op(OpKind.BACKWARD_DONE, child),
-                Op(OpKind.FREE, child),
-                Op(OpKind.REDUCE, child),
-                Op(OpKind.WAIT_REDUCE, child),
-            ]
+        backward_inside(name)
         ops.append(Op(OpKind.BACKWARD_DONE, name))
         ops.append(Op(OpKind.FREE, name))
         ops.append(Op(OpKind.REDUCE, name))
