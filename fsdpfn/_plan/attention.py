@@ -50,7 +50,7 @@ import torch
 from fsdpfn._plan.axes import Role
 
 
-__all__ = ["AttentionCall", "CP_STRATEGIES", "attention_memory", "held_kv_bytes", "kv_bytes"]
+__all__ = ["AttentionCall", "CP_STRATEGIES", "attention_memory", "held_kv_bytes", "kv_bytes", "sequence_parts"]
 
 CP_STRATEGIES = ("allgather", "ring", "ulysses")
 
@@ -122,6 +122,18 @@ def held_kv_bytes(a: AttentionCall, cp: int, tokens: int, dtype: torch.dtype) ->
     """
     own = kv_bytes(a, tokens, dtype)
     return own if a.strategy == "ulysses" else cp * own
+
+
+def sequence_parts(plan) -> int:
+    """How many ranks' parts of each sequence one rank's attention joins: the cp degree (1
+    without a cp axis). A one-rank profile of the step (``fsdpfn.sim.profile``) runs attention
+    against that many parts' keys.
+
+    Example:
+      >>> sequence_parts(fsdpfn.plan(model, {"dp": 1, "cp": 2})), sequence_parts(plan)
+      (2, 1)
+    """
+    return plan.axes.size(Role.CP)
 
 
 def attention_memory(plan, attention, tokens: int) -> dict[str, int]:

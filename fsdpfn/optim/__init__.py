@@ -30,6 +30,7 @@ from fsdpfn.optim._clip import clip_by_global_norm as clip_by_global_norm
 from fsdpfn.optim._clip import global_norm as global_norm
 from fsdpfn.optim._distributed_ns import LAYOUTS as LAYOUTS
 from fsdpfn.optim._distributed_ns import blockwise_spec as blockwise_spec
+from fsdpfn.optim._distributed_ns import blockwise_spec_on_mesh as blockwise_spec_on_mesh
 from fsdpfn.optim._distributed_ns import gather_pads as gather_pads
 from fsdpfn.optim._distributed_ns import orthogonalize as orthogonalize
 from fsdpfn.optim._layout import Box as Box
@@ -83,6 +84,7 @@ __all__ = [
     "apply_updates",
     "block_shape",
     "blockwise_spec",
+    "blockwise_spec_on_mesh",
     "bucket_splits",
     "bucket_totals",
     "chain",

@@ -66,6 +66,7 @@ __all__ = [
     "LAYOUTS",
     "assign_owners",
     "blockwise_spec",
+    "blockwise_spec_on_mesh",
     "check_buckets",
     "gather_pads",
     "ns_block_spec",
@@ -138,10 +139,27 @@ def _blockwise_spec(x: torch.Tensor, name: str, spec: BlockSpec) -> BlockSpec:
             f"layout='blockwise' orthogonalises each tensor-parallel piece of Muon leaf {name!r} alone, so it must know which "
             f"mesh dim is tensor parallel, and the mesh's dim names do not say ({e}); name that dim 'tp'"
         ) from None
+    return blockwise_spec_on_mesh(tuple(x.shape), x.placements, tuple(mesh.shape), axes, spec, name)
+
+
+def blockwise_spec_on_mesh(
+    shape: tuple[int, ...], placements, sizes: tuple[int, ...], axes: MeshAxes, spec: BlockSpec = WHOLE, name: str = ""
+) -> BlockSpec:
+    """:func:`blockwise_spec` for a leaf of global ``shape`` with ``placements`` on a mesh of
+    ``sizes`` whose dims have the roles of ``axes``: the pieces are those of its
+    tensor-parallel dim (none: ``spec`` as it is). What ``layout="blockwise"`` orthogonalises,
+    for a DTensor and for a plan alike (``fsdpfn.sim`` prices it from the plan).
+
+    Example:
+      >>> from fsdpfn._plan.axes import MeshAxes
+      >>> axes = MeshAxes.from_shape({"dp": 2, "tp": 2})
+      >>> blockwise_spec_on_mesh((12, 4), (Shard(0), Shard(0)), (2, 2), axes)
+      (2, 1)
+    """
     d = axes.dim(Role.TP)
     if d is None:
         return spec
-    return blockwise_spec(tuple(x.shape), x.placements[d], mesh.size(d), spec, name)
+    return blockwise_spec(tuple(shape), placements[d], sizes[d], spec, name)
 
 
 def blockwise_spec(

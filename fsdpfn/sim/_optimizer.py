@@ -392,9 +392,8 @@ class Muon:
             shape = tuple(plan.param(n).shape)
             spec = self._spec_fn(n, torch.empty(shape, device="meta"))  # type: ignore[attr-defined]  # set in __post_init__
             optim.block_shape(n, shape, spec)  # blocks that do not divide the leaf: named, as the optimizer names them
-            if self.layout == "blockwise" and key == "mesh" and axes.dim(Role.TP) is not None:
-                d = cast(int, axes.dim(Role.TP))
-                spec = optim.blockwise_spec(shape, place[d], sizes[d], spec, n)
+            if self.layout == "blockwise" and key == "mesh":
+                spec = optim.blockwise_spec_on_mesh(shape, place, sizes, axes, spec, n)
             dtype = self.ns_dtype or plan.param(n).dtype
             dims = optim.split_mesh_dims(place, sizes)
             if not dims:

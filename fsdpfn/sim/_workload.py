@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from fsdpfn._plan import Plan
-from fsdpfn._plan.attention import CP_STRATEGIES, AttentionCall
+from fsdpfn._plan.attention import CP_STRATEGIES, AttentionCall, sequence_parts
 from fsdpfn._flops import op_flops, rate_key, tensors_of
 from fsdpfn._remat import SaveMode
 from fsdpfn._plan.schedule import Op, OpKind
@@ -912,14 +912,22 @@ def profile(
             cast,
             timed=False,
             selective=selective,
-            cp=plan.cp_size,
+            cp=sequence_parts(plan),
             cp_strategy=cp_strategy,
         )
         measured: dict[Op, float] = {}
         if timed:
             for i in range(repeats + 1):
                 t_order, t_acc, *_ = _profile_once(
-                    model, params, units, inputs, loss_fn, cast, timed=True, cp=plan.cp_size, cp_strategy=cp_strategy
+                    model,
+                    params,
+                    units,
+                    inputs,
+                    loss_fn,
+                    cast,
+                    timed=True,
+                    cp=sequence_parts(plan),
+                    cp_strategy=cp_strategy,
                 )
                 if t_order != order:
                     raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
