@@ -67,6 +67,7 @@ from fsdpfn.transforms import (
     CHECKED_STEPS,
     CompileUnsupportedError,
     VerifyReport,
+    apply_remat,
     apply_tp,
     check_batch,
     check_params,
@@ -293,6 +294,9 @@ class PipelineRuntime:
         self.modules = {s: self._stage_module(stages, s) for s in self.stages_here}
         self._names = {s: self._param_names(s) for s in self.stages_here}
         apply_tp(model, plan)  # the tensor-parallel activation collectives of every stage's modules
+        # Stages run the model's own unit modules: a unit the plan rematerialises keeps only its
+        # inputs and recomputes (and checks the replay) in its stage's backward, as in the pure loop.
+        apply_remat(model, plan)
         comm = comm_for(device)
         self._ex = {s: Executor(sp, default_schedule(sp, prefetch), comm) for s, sp in self.stage_plans.items()}
         self._stage_of_unit = {u.name: s for s, sp in self.stage_plans.items() for u in sp.units}
