@@ -87,7 +87,7 @@ from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.encode import _dtype_name, plan_fingerprint, plan_to_dict
 from fsdpfn._plan.placements import AxisPlacement
 from fsdpfn._plan.stage_mesh import mark_stage_mesh
-from fsdpfn._plan.tp_styles import TP_FUSED_PREFIX, style_names, tp_style
+from fsdpfn._plan.tp_styles import TP_FUSED_PREFIX, style_names, style_row, tp_style
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
 from fsdpfn._remat import check_policy
@@ -102,7 +102,6 @@ __all__ = [
     "STRATEGIES",
     "TP_STYLES",
     "TP_MODULE_STYLES",
-    "tp_style_stride",
     "REMAT_POLICIES",
     "ROOT",
     "ROOT_LABEL",
@@ -181,19 +180,6 @@ STRATEGIES = tuple(s.value for s in Strategy)
 TP_STYLES = ("replicate", "shard0", "shard1", "partial")
 # Tensor-parallel styles of a module (Plan.tp): the rows of fsdpfn/_plan/tp_styles.py.
 TP_MODULE_STYLES = style_names()
-
-
-def tp_style_stride(style: str) -> int | None:
-    """How many fused parts a tp module style splits separately: 1 for ``"colwise"``,
-    ``"colwise_gather"`` and ``"rowwise"``, ``k`` for ``"colwise_fused:k"`` (``k >= 2``), ``None``
-    for anything else (an unknown style).
-
-    Example:
-      >>> tp_style_stride("colwise"), tp_style_stride("colwise_fused:3"), tp_style_stride("colwise_fused:x")
-      (1, 3, None)
-    """
-    row = tp_style(style)
-    return None if row is None else row.parts
 
 
 # Activation checkpointing of a unit (Unit.remat): keep its activations, keep only its inputs and
@@ -642,7 +628,7 @@ class PlanValues:
         object.__setattr__(self, "tp", tuple((str(m), str(style)) for m, style in self.tp))
         axes = self.axes  # validates the mesh: names, roles, one axis per role
         for module, style in self.tp:
-            if tp_style_stride(style) is None:
+            if tp_style(style) is None:
                 raise ValueError(
                     f"tensor-parallel module {module!r}: unknown style {style!r}; choose one of {', '.join(TP_MODULE_STYLES)} "
                     f"or {TP_FUSED_PREFIX}k"
@@ -651,7 +637,7 @@ class PlanValues:
         for module, style in self.tp:
             weight = specs.get(f"{module}.weight")
             parts = None if weight is None else P.placement_of(weight, Role.TP).parts
-            if parts is not None and parts != tp_style_stride(style):
+            if parts is not None and parts != style_row(style).parts:
                 raise ValueError(
                     f"tensor-parallel module {module!r} is split {style!r}, but its weight has tp_stride {parts}; "
                     "the plan was edited by hand or written by another fsdpfn. Build it again with fsdpfn.plan(..., tp=...)"

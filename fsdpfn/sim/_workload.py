@@ -902,33 +902,15 @@ def profile(
         if u.remat not in ("none", "full"):
             selective[u.name].add(u.remat)
         selective[u.name].update(p for p in remat_policies if p not in ("none", "full"))
+    run = functools.partial(
+        _profile_once, model, params, units, inputs, loss_fn, cast, cp=sequence_parts(plan), cp_strategy=cp_strategy
+    )
     try:
-        order, acc, saved, unit_inputs, kept, transient, attention = _profile_once(
-            model,
-            params,
-            units,
-            inputs,
-            loss_fn,
-            cast,
-            timed=False,
-            selective=selective,
-            cp=sequence_parts(plan),
-            cp_strategy=cp_strategy,
-        )
+        order, acc, saved, unit_inputs, kept, transient, attention = run(timed=False, selective=selective)
         measured: dict[Op, float] = {}
         if timed:
             for i in range(repeats + 1):
-                t_order, t_acc, *_ = _profile_once(
-                    model,
-                    params,
-                    units,
-                    inputs,
-                    loss_fn,
-                    cast,
-                    timed=True,
-                    cp=sequence_parts(plan),
-                    cp_strategy=cp_strategy,
-                )
+                t_order, t_acc, *_ = run(timed=True)
                 if t_order != order:
                     raise ValueError("profile(timed=True): the model ran its units in another order on a repeat")
                 if i:  # the first run warms up
