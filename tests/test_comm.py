@@ -460,3 +460,32 @@ def _groups_of_some_ranks(rank, world):
 
 def test_groups_of_some_ranks_are_made_by_every_rank_in_order(run_on_ranks):
     assert run_on_ranks(_groups_of_some_ranks, 4, timeout=60) == [0.0, 1.0, 5.0, 5.0]
+
+
+def _recv_from_a_failing_peer(rank, world, when):
+    """Rank 1 raises instead of sending (``when="before"``), or after a first message it sent
+    (``"after"``); rank 0 waits in a point-to-point receive from it. Rank 1's process lives on (a
+    persistent worker, a user's loop that catches and logs), so its connection stays open."""
+    comm.barrier(tag="warm-up")
+    if rank == 1:
+        if when == "after":
+            comm.pp_send(torch.ones(3), peer=0).wait()
+        raise ValueError("bad batch on rank 1")
+    if when == "after":
+        assert torch.equal(comm.pp_recv(torch.empty(3), peer=1).wait(), torch.ones(3))
+    comm.pp_recv(torch.empty(3), peer=1, tag="stage 1 grads").wait()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_point_to_point_wait_ends_when_its_peer_announces_a_failure(run_on_ranks, when):
+    """A rank waiting for a message from a peer that raised (and announced it) fails within about
+    a second naming the peer's error, as a collective does: not at the process group's timeout
+    (the pool's is 180 s; the caller waits 5 s for the others once one rank failed, so a wait
+    that missed the announcement reports rank 0 as not finished)."""
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_recv_from_a_failing_peer, 2, when)
+    errors = info.value.errors
+    assert "ValueError: bad batch on rank 1" in errors[1], errors[1]
+    assert "CollectiveError" in errors[0] and "failed on rank 0" in errors[0], errors[0]
+    assert "'stage 1 grads'" in errors[0], errors[0]
+    assert "Rank 1 raised: ValueError: bad batch on rank 1" in errors[0], errors[0]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import fsdpfn
 from fsdpfn import testing
+from fsdpfn.launch import RankError
 from fsdpfn.models import GPT, GPT_TP_PLAN, GPTConfig
 from fsdpfn.runtime import PipelineRuntime
 
@@ -454,9 +455,39 @@ def test_a_pipelined_unit_whose_recompute_diverges_is_named(run_on_ranks):
     """The replay check runs on the pipeline path too: a block whose recompute computes other
     values (it scales its output by a call counter, which has moved on by the recompute)
     raises ``RematReplayError`` naming it, not a wrong gradient. Both stages on one rank
-    (pp 1, two virtual stages): on two ranks the error is raised on the stage's rank in its
-    backward, and its peer, waiting for that gradient, learns of it when the failing process
-    exits (the point-to-point connection closes), which the test's persistent ranks do not."""
+    (pp 1, two virtual stages); on two ranks see
+    :func:`test_a_stage_that_raises_mid_step_ends_its_peer_naming_the_error`."""
     for plain, refused in run_on_ranks(_remat_step, 1, "gpipe", True, 1):
         assert isinstance(plain, tuple)  # without remat nothing is recomputed
         assert "blocks.2" in refused and "recompute" in refused, refused
+
+
+def _remat_fails_on_one_rank(rank, world):
+    """As :func:`_remat_step`'s branchy case on two ranks, without catching: stage 1 (rank 1)
+    raises in its backward while rank 0 waits for the gradient it would send."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    block = model.blocks[2]
+
+    def forward(self, x, _orig=type(block).forward):
+        self.calls = getattr(self, "calls", 0) + 1
+        return _orig(self, x) * (1.0 + 0.5 * self.calls)
+
+    block.__class__ = type("Branchy", (type(block),), {"forward": forward})
+    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS, stages=2, remat={"blocks.*": "full"})
+    pipe = PipelineRuntime(model, plan, "1f1b", micro_batches=4, loss_fn=_ce)
+    params = pipe.shard(model)
+    x, y = _batch(4, 0)
+    return pipe.step(params, x, y)
+
+
+def test_a_stage_that_raises_mid_step_ends_its_peer_naming_the_error(run_on_ranks):
+    """The stage that raises (here a replay error in its backward) announces it, and the peer
+    waiting for its gradient fails within about a second naming that error, even though the
+    failing process lives on (the test's persistent ranks; a loop that catches and logs)."""
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_remat_fails_on_one_rank, 2)
+    errors = info.value.errors
+    assert "RematReplayError" in errors[1] and "blocks.2" in errors[1], errors[1]
+    assert "CollectiveError" in errors[0] and "failed on rank 0" in errors[0], errors[0]
+    assert "Rank 1 raised: RematReplayError" in errors[0], errors[0]

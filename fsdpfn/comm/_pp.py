@@ -34,14 +34,16 @@ its wait is bounded by the process group's timeout (see ``_p2p``).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 import torch.distributed as dist
 
 from fsdpfn.comm import _groups
 from fsdpfn.comm._agree import exchange_problems
-from fsdpfn.comm._collectives import Pending, _failure, _wire_view, send_recv
-from fsdpfn.comm._record import record
+from fsdpfn.comm._collectives import _SLICE, Pending, _failure, _wire_view, send_recv
+from fsdpfn.comm._record import peer_failures, record
 
 __all__ = ["pp_recv", "pp_send", "pp_send_recv"]
 
@@ -124,18 +126,47 @@ def _p2p(ranks: tuple[int, ...], tensor: torch.Tensor, launch, tag: str) -> Pend
         raise _failure(rec, "send_recv", tag, e) from e
 
     def finish() -> torch.Tensor:
-        # One wait, bounded by the process group's own timeout (the collective timeout when the
-        # group was made), not the collectives' one-second slices: on gloo, a point-to-point
-        # wait that times out closes the connection to the peer ("Application timeout caused
-        # pair closure"), so a slice expiring while the peer is still computing would break the
-        # pair. A peer that dies closes it too, so the wait still ends at once.
+        _wait_point_to_point(work, rec, tag)
+        return tensor
+
+    return Pending(tensor, None, finish, rec, "send_recv", tag)
+
+
+def _wait_point_to_point(work, rec, tag: str) -> None:
+    """Waits for one transfer, bounded by the process group's timeout, and fails within about a
+    second once the peer announced a failure (see [Note: a point-to-point wait])."""
+    if _groups.backend() != "gloo":  # NCCL: the process group's own timeout, as for collectives
         try:
             work.wait()
         except RuntimeError as e:
             raise _failure(rec, "send_recv", tag, e) from e
-        return tensor
+        return
+    # [Note: a point-to-point wait]
+    # A collective waits in one-second slices and looks for a peer's announced failure between
+    # them. A gloo point-to-point wait cannot be sliced: one that times out closes the connection
+    # to the peer ("Application timeout caused pair closure"), so a slice expiring while the
+    # peer still computes would break the pair. So the one wait, bounded by the group's timeout,
+    # runs on a thread of its own while this one looks for announcements once a second. A peer
+    # whose process dies closes the pair and ends the wait at once; one that raised and lives on
+    # (a persistent test worker, a loop that catches and logs) is seen through its announcement.
+    # On a failure the waiting thread is left blocked: the pair is abandoned with the groups,
+    # which a failed collective marks unhealthy (see fsdpfn.comm.healthy), as the caller must.
+    done, errors = threading.Event(), []
 
-    return Pending(tensor, None, finish, rec, "send_recv", tag)
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            errors.append(e)
+        done.set()
+
+    threading.Thread(target=wait, daemon=True, name="fsdpfn-p2p-wait").start()
+    while not done.wait(_SLICE):
+        failed = peer_failures(_groups.store(), rec.ranks, _groups.rank())
+        if failed:
+            raise _failure(rec, "send_recv", tag, "a peer failed while this rank waited", failed)
+    if errors:
+        raise _failure(rec, "send_recv", tag, errors[0]) from errors[0]
 
 
 def pp_send(tensor: torch.Tensor, peer: int, group=None, *, tag: str = "pp_send") -> Pending:
