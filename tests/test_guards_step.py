@@ -14,6 +14,8 @@ batch mixed two batches' activations, and 3 + 2 rows gave a gradient 20% off one
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,13 +131,31 @@ def _tp_batch(rank, world, index_by, runtime):
     x, y = _batch(4)
     i = rank if index_by == "global_rank" else fsdpfn.transforms.dp_rank(plan)
     x, y = x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]
+    if runtime == "compiled":
+        return _error(lambda: _compiled_step(model, plan, params, x, y, verify=False))
     if runtime:
         rt = Runtime(model, plan)
         return _error(lambda: rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params))
     return _error(lambda: _grad_step(model, plan, params, x, y))
 
 
-@pytest.mark.parametrize("runtime", [False, True], ids=["pure", "runtime"])
+def _compiled_step(model, plan, params, x, y, verify):
+    """Two steps of ``fsdpfn.compile`` (aot_eager: the graphs as traced, no code generation),
+    with dynamo's own warnings silenced (they are torch's, not ours)."""
+
+    def loss_fn(ps, x, y):
+        return _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
+
+    torch._dynamo.reset()
+    step = fsdpfn.compile(loss_fn, backend="aot_eager", verify=verify)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            out = step(params, x, y)
+    return out
+
+
+@pytest.mark.parametrize("runtime", [False, True, "compiled"], ids=["pure", "runtime", "compiled"])
 def test_tp_peers_with_different_batches_raise(run_on_ranks, runtime):
     for err in run_on_ranks(_tp_batch, 2, "global_rank", runtime):
         assert err is not None, "tp peers trained on different batches without a word"
@@ -144,6 +164,7 @@ def test_tp_peers_with_different_batches_raise(run_on_ranks, runtime):
 
 def test_tp_peers_indexed_by_dp_rank_pass(run_on_ranks):
     assert run_on_ranks(_tp_batch, 2, "dp_rank", False) == [None, None]
+    assert run_on_ranks(_tp_batch, 2, "dp_rank", "compiled") == [None, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +185,8 @@ def _dp_rows(rank, world, rows, mode):
     if mode == "runtime":
         rt = Runtime(model, plan)
         return _error(lambda: rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params))
+    if mode.startswith("compiled"):
+        return _error(lambda: _compiled_step(model, plan, params, x, y, verify=mode == "compiled-verified"))
     if mode == "sum":  # the documented way to weigh unequal batches: sum, scaled by the global rows
         tokens = sum(rows) * CFG.seq_len
 
@@ -180,8 +203,11 @@ def _dp_rows(rank, world, rows, mode):
     return _error(lambda: _grad_step(model, plan, params, x, y))
 
 
-@pytest.mark.parametrize("mode", ["pure", "runtime"])
+@pytest.mark.parametrize("mode", ["pure", "runtime", "compiled", "compiled-verified"])
 def test_unequal_dp_batches_raise(run_on_ranks, mode):
+    """Every step machine runs the batch check on its first steps: the compiled step too, with
+    ``verify=False`` (it trained 4 + 2 rows silently) and with it (where the loss check caught
+    it first, naming the loss, not the batch sizes)."""
     for err in run_on_ranks(_dp_rows, 2, (3, 2), mode):
         assert err is not None, "3 + 2 rows trained silently (the mean of means is 20% off)"
         assert "rank 0: 3, rank 1: 2" in err and "drop_last=True" in err

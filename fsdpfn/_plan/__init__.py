@@ -10,6 +10,7 @@ or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
     cost         plan.cost(): sums of the step's collectives and static memory
     serialise    JSON -> plan, every format an fsdpfn wrote
     steps        step_collectives / step_ops: the schedule's ops expanded into collectives
+    interpret    StepInterpreter: run(op), reset_step(), and the one table of op-kind handlers
     pipeline     pipeline_schedule(): every pp rank's op list (stage ops, send/recv, FSDP's actions per
                  stage from schedule.unit_ops); validate_pipeline and run_order (the order every
                  rank's ops run in together, which fsdpfn.sim's pipeline_times prices)

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn._plan import ROOT, Plan, Unit, unit_label
+from fsdpfn._plan.interpret import FSDP_ACTIONS, bind_handlers
 from fsdpfn._plan.steps import micro_batch_ops
 from fsdpfn.runtime._comm import CpuComm, Handle
 from fsdpfn.runtime._memory import MemoryTracker
@@ -133,16 +134,7 @@ class Executor:
         ops = self.micro_batch_ops[True]
         self.now = StepState(0, ops, cursor=len(ops))  # no step open yet
         self.inside: str | None = None  # the unit whose own code runs now (it calls its modules plainly)
-        self.actions = {
-            OpKind.GATHER: self._gather,
-            OpKind.WAIT: self._wait,
-            OpKind.FREE: self._free,
-            OpKind.REDUCE: self._reduce,
-            OpKind.WAIT_REDUCE: self._wait_reduce,
-            OpKind.COPY_IN: self._copy_in,
-            OpKind.COPY_OUT: self._copy_out,
-            OpKind.ACCUMULATE: self._accumulate,
-        }
+        self.handlers = bind_handlers(self, FSDP_ACTIONS)  # see [Note: one interpreter protocol]
 
     # ---- step lifecycle ------------------------------------------------------------------
 
@@ -175,7 +167,7 @@ class Executor:
             self.gathers.clear()
             self.reduces.clear()
             for name in list(self.memory.live):
-                self._free(name)
+                self._free(Op(OpKind.FREE, name))
             self.staged.clear()
             self.memory.offloaded.clear()
             self.full_grads.clear()
@@ -183,9 +175,15 @@ class Executor:
 
     def reset_grads(self) -> None:
         """Drops every gradient this runtime holds for the step: the micro-batch's full ones,
-        those kept summed across micro-batches, and the reduced ones (an evaluation step, or a
-        new pipelined step on an executor that outlives it)."""
+        those kept summed across micro-batches, and the reduced ones (an evaluation step)."""
         self.now.results, self.full_grads, self.local_acc = {}, {}, {}
+
+    def reset_step(self) -> None:
+        """Starts a step whose ops are given one by one (:meth:`run`, as the pipeline runtime
+        gives a stage's): whatever a step left in flight is waited for and dropped, with every
+        gradient held (see [Note: one interpreter protocol] in ``fsdpfn/_plan/interpret.py``)."""
+        self.abandon()
+        self.reset_grads()
 
     def run(self, op: Op) -> None:
         """Runs one action op of the schedule's vocabulary (``gather``, ``wait``, ``free``,
@@ -195,7 +193,7 @@ class Executor:
         if op.is_event:
             raise RuntimeScheduleError(f"run() takes action ops; '{op}' is an event the model reaches (event())")
         with torch._C._DisableFuncTorch(), torch.no_grad():
-            self.actions[op.kind](op.unit)
+            self.handlers[op.kind](op)
 
     def set_grads(self, name: str, grads: list) -> None:
         """Unit ``name``'s full gradients of this micro-batch (its backward's), which the next
@@ -252,7 +250,7 @@ class Executor:
         with torch._C._DisableFuncTorch(), torch.no_grad():
             while not now.over and not ops[now.cursor].is_event:
                 op = ops[now.cursor]
-                self.actions[op.kind](op.unit)
+                self.handlers[op.kind](op)
                 now.cursor += 1
         if kind in (OpKind.FORWARD, OpKind.BACKWARD):
             now.record.in_flight.append((str(got), tuple(self.gathers), tuple(self.reduces)))
@@ -269,7 +267,8 @@ class Executor:
 
     # ---- actions (see [Note: schedule ops and events]) ------------------------------------
 
-    def _gather(self, name: str) -> None:
+    def _gather(self, op: Op) -> None:
+        name = op.unit
         unit = self.units[name]
         dtype = self.plan.gather_dtype(unit)
         locals_ = self.staged[name] if unit.offload else self.locals[name]
@@ -285,7 +284,8 @@ class Executor:
         start = functools.partial(gather_unit, self.plan, unit, locals_, async_op=True)
         self.gathers[name] = self.comm.start("all_gather", start)
 
-    def _wait(self, name: str) -> None:
+    def _wait(self, op: Op) -> None:
+        name = op.unit
         handle = self.gathers.pop(name)
         gathered = self.comm.wait(handle)
         full = self.full[name]
@@ -297,7 +297,8 @@ class Executor:
             del self.staged[name]
             self.memory.offloaded.pop(name, None)
 
-    def _copy_in(self, name: str) -> None:
+    def _copy_in(self, op: Op) -> None:
+        name = op.unit
         host = self.locals[name]
         device = self.comm.compute_device()
         for t in host:
@@ -314,7 +315,8 @@ class Executor:
         self.memory.offloaded[name] = nbytes
         self.now.record.copies.append(("copy_in", name, nbytes))
 
-    def _free(self, name: str) -> None:
+    def _free(self, op: Op) -> None:
+        name = op.unit
         for t in self.full.get(name, ()):
             t.untyped_storage().resize_(0)
         self.memory.release(name)
@@ -334,13 +336,15 @@ class Executor:
             grads = [a if g is None else (g.to(rdtype) if a is None else a + g) for a, g in zip(acc, grads)]
         return grads, acc is not None
 
-    def _accumulate(self, name: str) -> None:
+    def _accumulate(self, op: Op) -> None:
+        name = op.unit
         # Full gradients summed here until a micro-batch reduces them.
         grads, summed = self._summed(name)
         rdtype = self.plan.reduce_dtype(self.units[name])
         self.local_acc[name] = [None if g is None else g if summed else g.to(rdtype, copy=True) for g in grads]
 
-    def _reduce(self, name: str) -> None:
+    def _reduce(self, op: Op) -> None:
+        name = op.unit
         unit = self.units[name]
         grads, _ = self._summed(name)
         plan = self.plan
@@ -348,14 +352,16 @@ class Executor:
             "reduce_scatter", lambda: reduce_unit(plan, unit, list(grads), async_op=True)
         )
 
-    def _wait_reduce(self, name: str) -> None:
+    def _wait_reduce(self, op: Op) -> None:
+        name = op.unit
         handle = self.reduces.pop(name)
         self.comm.wait(handle)
         self.now.results[name] = handle.finish()
         if self.units[name].offload:
             self.memory.offloaded[name] = sum(t.numel() * t.element_size() for t in self.now.results[name])
 
-    def _copy_out(self, name: str) -> None:
+    def _copy_out(self, op: Op) -> None:
+        name = op.unit
         grads = self.now.results.get(name)
         if grads is None:  # accumulating locally: no reduced gradients this micro-batch
             return

@@ -56,7 +56,16 @@ from torch.distributed.tensor import DTensor
 from fsdpfn._plan import Plan
 from fsdpfn._plan.attention import CP_STRATEGIES
 from fsdpfn._plan.axes import Role
-from fsdpfn._plan.pipeline import PipeKind, PipelineSchedule, PipeOp, forward_only, pipeline_schedule, validate_pipeline
+from fsdpfn._plan.interpret import PIPELINE_ACTIONS, bind_handlers
+from fsdpfn._plan.pipeline import (
+    AnyOp,
+    PipeKind,
+    PipelineSchedule,
+    PipeOp,
+    forward_only,
+    pipeline_schedule,
+    validate_pipeline,
+)
 from fsdpfn._plan.schedule import Op
 from fsdpfn._plan.schedule import schedule as default_schedule
 from fsdpfn.comm import broadcast, count_compiled, group_ranks, pp_recv, pp_send, ranks_group, uncounted
@@ -64,8 +73,8 @@ from fsdpfn.runtime._comm import comm_for
 from fsdpfn.runtime._executor import Executor
 from fsdpfn.runtime._split_backward import WeightHalf, backward_input
 from fsdpfn.transforms import (
-    CHECKED_STEPS,
     CompileUnsupportedError,
+    StepChecks,
     VerifyReport,
     apply_remat,
     apply_tp,
@@ -283,7 +292,6 @@ class PipelineRuntime:
         # here, naming the op, instead of leaving ranks blocked in recvs.
         validate_pipeline(ps, plan)
         self.model, self.plan, self.schedule, self.loss_fn = model, plan, ps, loss_fn
-        self._batch_checks = CHECKED_STEPS
         pp_name = plan.axes.names[plan.axes.dim(Role.PP)]  # type: ignore[index]
         self.pp_rank = plan.mesh.get_local_rank(pp_name)
         self.group = plan.mesh.get_group(pp_name)
@@ -310,11 +318,12 @@ class PipelineRuntime:
         self._cp_strategy = cp_strategy
         self.last_profile: PipelineProfile | None = None
         self._step = _StepState((), (), True)  # the step running now (none yet)
-        self._verify = bool(verify)  # until the first training step has checked every stage here
+        self._handlers = bind_handlers(self, PIPELINE_ACTIONS)  # see [Note: one interpreter protocol]
+        self.checks = StepChecks(verify=verify)  # see [Note: the checks of a step]
         # The loss check's process group over the last stage's ranks, made here by every rank in
         # the same order, as torch's groups must be (see fsdpfn.comm.ranks_group).
         last = plan.mesh.mesh.select(cast(int, plan.axes.dim(Role.PP)), ps.rank_of(ps.num_stages - 1))
-        self._last_stage_group = ranks_group(last.flatten().tolist()) if self._verify else None
+        self._last_stage_group = ranks_group(last.flatten().tolist()) if self.checks.verify_left else None
         self.verified: dict[int, VerifyReport] = {}  # stage -> its first step's check
         self._compiled: dict[int, tuple] = {}  # stage -> (compiled forward, its graphs' collectives)
 
@@ -509,8 +518,7 @@ class PipelineRuntime:
                 )
             check_params({n: params[n] for n in sp.param_names}, sp, f"PipelineRuntime.{what}(params)")
         cp_plan = next(iter(self.stage_plans.values()))
-        if self._batch_checks:  # see [Note: checking the batch] in fsdpfn/transforms/_guards.py
-            self._batch_checks -= 1
+        if self.checks.batch_due():  # see [Note: checking the batch] in fsdpfn/transforms/_guards.py
             # Every pp rank is given the batch: stage 0 reads its inputs, the last stage its
             # targets; the peers of one data-parallel index must read the same ones, and the
             # data-parallel ranks batches of one size (the reduce averages per-rank means).
@@ -520,29 +528,18 @@ class PipelineRuntime:
         # This cp rank's part of every sequence (the whole step then runs inside its cp axis;
         # without one, the whole sequences and a block that changes nothing).
         inputs, targets = context_parallel_shard((inputs, targets), cp_plan)
+        self.reset_step()
         for s, ex in self._ex.items():
             ex.set_locals(params[p.name] for u in self.stage_plans[s].units for p in u.params)
-            ex.reset_grads()
         self._step = _StepState(inputs.chunk(m), targets.chunk(m), train)
-        self.last_ops = []
-        run = {
-            PipeKind.STAGE_FORWARD: self._forward,
-            PipeKind.STAGE_BACKWARD: self._backward,
-            PipeKind.STAGE_BACKWARD_INPUT: self._backward_input,
-            PipeKind.STAGE_BACKWARD_WEIGHT: self._backward_weight,
-            PipeKind.SEND_ACT: self._send,
-            PipeKind.SEND_GRAD: self._send,
-            PipeKind.RECV_ACT: self._recv_act,
-            PipeKind.RECV_GRAD: self._recv_grad,
-        }
         clock, timeline = time.perf_counter, cast(list[tuple[str, float, float]], [])
         begin = clock()
         try:
             with context_parallel(cp_plan, strategy=self._cp_strategy):
-                if self._verify and train:
+                if train and self.checks.verify_due():
                     with uncounted():  # the check's transfers are not the step's
                         self._verify_stages(ps, params)
-                self._walk(ps, run, clock, begin, timeline)
+                self._walk(ps, clock, begin, timeline)
             for pendings in self._step.sends.values():  # what was sent must stay alive until it left
                 for pending in pendings:
                     pending.wait()
@@ -552,8 +549,6 @@ class PipelineRuntime:
             raise
         finally:
             self._step.release()
-        if train:
-            self._verify = False
         return self._finish(ps, timeline, train)
 
     def _verify_stages(self, ps: PipelineSchedule, params) -> None:
@@ -570,7 +565,6 @@ class PipelineRuntime:
         from fsdpfn import comm as C
         from fsdpfn.transforms import VerificationError
 
-        self._verify = False
         world = tuple(int(r) for r in self.plan.mesh.mesh.flatten().tolist())
         held: Any = None  # the previous stage's output, when it ran here too
         sends: list = []
@@ -631,14 +625,31 @@ class PipelineRuntime:
         for pending in sends:
             pending.wait()
 
-    def _walk(self, ps: PipelineSchedule, run, clock, begin: float, timeline: list) -> None:
+    def reset_step(self) -> None:
+        """Starts a step: drops what the last one held (its activations, transfers in flight,
+        gradients) on this rank and on each stage's executor (see [Note: one interpreter
+        protocol] in ``fsdpfn/_plan/interpret.py``). :meth:`step` and :meth:`evaluate` call it;
+        call it before running a step's ops yourself with :meth:`run`."""
+        self._step.release()
+        self._step = _StepState((), (), True)
+        for ex in self._ex.values():
+            ex.reset_step()
+        self.last_ops = []
+
+    def run(self, op: AnyOp) -> None:
+        """Runs one op of this rank's list now: a stage op (``stage_forward``, ``send_act``, ...)
+        here, an FSDP action (``gather``, ``reduce``, ...) on its stage's executor. :meth:`step`
+        runs the schedule's list for this rank through it, in order."""
+        if isinstance(op, Op):
+            self._ex[self._stage_of_unit[op.unit]].run(op)
+        else:
+            self._handlers[op.kind](op)
+
+    def _walk(self, ps: PipelineSchedule, clock, begin: float, timeline: list) -> None:
         """This rank's ops, in order."""
         for op in ps.ranks[self.pp_rank]:
             t0 = clock()
-            if isinstance(op, Op):
-                self._ex[self._stage_of_unit[op.unit]].run(op)
-            else:
-                run[op.kind](op)
+            self.run(op)
             self.last_ops.append(str(op))
             timeline.append((str(op), t0 - begin, clock() - begin))
 
@@ -699,7 +710,7 @@ class PipelineRuntime:
             self._forward_only = forward_only(self.plan, self.schedule.micro_batches, prefetch=self._prefetch)
         return self._forward_only
 
-    def _forward(self, op: PipeOp) -> None:
+    def _stage_forward(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
         last = s == self.schedule.num_stages - 1
         ex = self._ex[s]
@@ -798,7 +809,7 @@ class PipelineRuntime:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def _backward(self, op: PipeOp) -> None:
+    def _stage_backward(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
         x, out, leaves = self._step.saved.pop((s, k))
         self._step.kept.pop((s, k), None)
@@ -812,7 +823,7 @@ class PipelineRuntime:
         if x is not None:
             self._input_grad(s, k, x, got[-1] if through else None)
 
-    def _backward_input(self, op: PipeOp) -> None:
+    def _stage_backward_input(self, op: PipeOp) -> None:
         """The input's gradient now; what the weights need later (see [Note: the weight half
         without a second walk] in ``fsdpfn/runtime/_split_backward.py``)."""
         s, k = op.stage, op.micro
@@ -824,7 +835,7 @@ class PipelineRuntime:
         g, self._step.halves[(s, k)] = backward_input(out, x, list(leaves.values()), seed)
         self._input_grad(s, k, x, g)
 
-    def _backward_weight(self, op: PipeOp) -> None:
+    def _stage_backward_weight(self, op: PipeOp) -> None:
         s, k = op.stage, op.micro
         _, _, leaves = self._step.saved.pop((s, k))
         self._step.kept.pop((s, k), None)

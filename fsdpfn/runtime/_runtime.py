@@ -20,6 +20,7 @@ from fsdpfn.comm import compiling, count_compiled
 from fsdpfn.transforms import (
     CompileUnsupportedError,
     note_step,
+    StepChecks,
     apply_tp,
     check_params,
     recording_backend,
@@ -121,7 +122,7 @@ class Runtime:
         self._local_only = False
         self._in_apply = False
         self._compiled: dict[str, tuple[Callable, dict[str, list]]] = {}
-        self._verify = bool(verify)  # until the first step has been checked
+        self.checks = StepChecks(verify=verify)  # its batch checks are the model's root hook's
         self._verified: VerifyReport | None = None
 
     # ---- inspection ----------------------------------------------------------------------
@@ -174,8 +175,7 @@ class Runtime:
         if compiling():  # see [Note: the runtime under torch.compile]
             return self._apply_traced(params, *args, **kwargs)
         check_params(params, self.plan, "Runtime.apply(params)")
-        if self._verify:
-            self._verify = False
+        if self.checks.verify_due():
             self._verified = verify(self.model, self.plan, params, *args, **kwargs)
         ex = self._ex
         grad = torch.is_grad_enabled()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, cast
 
+from fsdpfn._plan.interpret import PIPELINE_ACTIONS, bind_handlers
 from fsdpfn._plan.pipeline import AnyOp, PipeKind, PipelineSchedule, PipeOp, run_order
 from fsdpfn._plan.values import PlanValues
 
@@ -107,28 +108,17 @@ def pipeline_times(
             else _per("backward_weight", backward_weight, S, "stage")
         ),
     }
-    hop = _per("transfer", transfer, max(S - 1, 0), "boundary between stages")
-    add = _per("accumulate", accumulate, S, "stage")
-    grads_kept: set[int] = set()  # stages whose parameter gradients of an earlier micro-batch are kept
-    clock = list(_per("start", start, p, "pp rank"))
-    busy = [0.0] * p
-    sent_at: dict[tuple[int, int], float] = {}  # (rank, op index) of a send -> when it was sent
+    clocks = _Clocks(
+        ps,
+        cost,
+        hop=_per("transfer", transfer, max(S - 1, 0), "boundary between stages"),
+        accumulate=_per("accumulate", accumulate, S, "stage"),
+        start=_per("start", start, p, "pp rank"),
+    )
     for r, i, takes in order:
-        op = ps.ranks[r][i]
-        if not isinstance(op, PipeOp):
-            continue  # FSDP's ops take no time of their own
-        if op.kind.is_recv:
-            boundary = min(op.stage, op.peer_stage)  # the activation of s -> s + 1, or its gradient back
-            clock[r] = max(clock[r], sent_at[(ps.peer(op), cast(int, takes))] + hop[boundary])
-        if op.kind.is_send:
-            sent_at[(r, i)] = clock[r]
-        if op.kind.is_compute:
-            took = cost[op.kind][op.stage]
-            if op.kind in (PipeKind.STAGE_BACKWARD, PipeKind.STAGE_BACKWARD_WEIGHT):
-                took += add[op.stage] if op.stage in grads_kept else 0.0
-                grads_kept.add(op.stage)
-            clock[r] += took
-            busy[r] += took
+        clocks.at = (r, i, takes)
+        clocks.run(ps.ranks[r][i])
+    clock, busy = clocks.clock, clocks.busy
     finish = [c + a for c, a in zip(clock, _per("after", after, p, "pp rank"))]
     makespan = max(finish)
     acts = _per("activations", activations, S, "stage") if activations is not None else None
@@ -140,6 +130,51 @@ def pipeline_times(
         tuple(_peak_in_flight(ops) for ops in ps.ranks),
         tuple(_peak_bytes(ops, acts) for ops in ps.ranks) if acts is not None else (),
     )
+
+
+class _Clocks:
+    """The timing engine as an interpreter of the pipeline's ops (see [Note: one interpreter
+    protocol] in ``fsdpfn/_plan/interpret.py``): a clock per pp rank, moved by the op that
+    rank runs (``at``: its rank, its index in the rank's list, and for a recv the index of the
+    send it takes). FSDP's ops take no time of their own."""
+
+    def __init__(self, ps: PipelineSchedule, cost: dict, *, hop: tuple, accumulate: tuple, start: tuple):
+        self.ps, self.cost, self.hop, self.add, self.start = ps, cost, hop, accumulate, start
+        self.handlers = bind_handlers(self, PIPELINE_ACTIONS)
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        self.clock = list(self.start)
+        self.busy = [0.0] * self.ps.pp_size
+        self.sent_at: dict[tuple[int, int], float] = {}  # (rank, op index) of a send -> when it was sent
+        self.grads_kept: set[int] = set()  # stages whose parameter gradients of an earlier micro-batch are kept
+        self.at: tuple[int, int, int | None] = (0, 0, None)
+
+    def run(self, op: AnyOp) -> None:
+        if isinstance(op, PipeOp):
+            self.handlers[op.kind](op)
+
+    def _compute(self, op: PipeOp) -> None:
+        r = self.at[0]
+        took = self.cost[op.kind][op.stage]
+        if op.kind.computes_weight_grad:  # adds to the gradients an earlier micro-batch left
+            took += self.add[op.stage] if op.stage in self.grads_kept else 0.0
+            self.grads_kept.add(op.stage)
+        self.clock[r] += took
+        self.busy[r] += took
+
+    _stage_forward = _stage_backward = _stage_backward_input = _stage_backward_weight = _compute
+
+    def _send(self, op: PipeOp) -> None:
+        r, i, _ = self.at
+        self.sent_at[(r, i)] = self.clock[r]
+
+    def _recv(self, op: PipeOp) -> None:
+        r, _, takes = self.at
+        boundary = min(op.stage, op.peer_stage)  # the activation of s -> s + 1, or its gradient back
+        self.clock[r] = max(self.clock[r], self.sent_at[(self.ps.peer(op), cast(int, takes))] + self.hop[boundary])
+
+    _recv_act = _recv_grad = _recv
 
 
 def _per(name: str, value, n: int, what: str) -> tuple[float, ...]:

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, cast
 
 from fsdpfn._plan import Plan
 from fsdpfn._plan.axes import Role
+from fsdpfn._plan.interpret import FSDP_ACTIONS, bind_handlers
 from fsdpfn._plan.placements import rows_over, unit_row_roles
 from fsdpfn._plan.schedule import Op, OpKind, Schedule, schedule as default_schedule, validate
 from fsdpfn._plan.steps import (
@@ -274,6 +275,16 @@ class _Builder:
     def __init__(self, plan: Plan, wl: Workload, hw: Hardware, rank: int):
         self.plan, self.wl, self.hw = plan, wl, hw
         self.units = {u.name: u for u in plan.units}
+        self.rank = rank
+        self.groups = _mesh_groups(plan, rank)
+        self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
+        total = sum(u.local_numel for u in plan.units) or 1
+        self.host_fraction = sum(u.local_numel for u in plan.units if u.offload) / total
+        self.handlers = bind_handlers(self, FSDP_ACTIONS)  # see [Note: one interpreter protocol]
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        """Starts a step: no tasks, nothing held, nothing in flight."""
         self.tasks: list[Task] = []
         self.op, self.micro_batch = -1, 0  # what the tasks made now belong to
         self.last_compute: int | None = None
@@ -283,14 +294,9 @@ class _Builder:
         self.copied = {"copy_in": 0, "copy_out": 0}
         self.calls: list[Collective] = []
         self.level_bytes = {"intra": 0.0, "inter": 0.0}
-        self.rank = rank
-        self.groups = _mesh_groups(plan, rank)
-        self.level = {g: ("inter" if hw.spans_nodes(ranks) else "intra") for g, ranks in self.groups.items()}
         # memory, in op order
         self.live = {"unsharded": 0, "buffers": 0, "activations": 0, "grads": 0}
-        total = sum(u.local_numel for u in plan.units) or 1
         self.streamed, self.streamed_bytes = False, (0, 0)
-        self.host_fraction = sum(u.local_numel for u in plan.units if u.offload) / total
         self.peak = {"total": 0, "activations": 0}
         self.held: dict[tuple[str, str], int] = {}
 
@@ -377,7 +383,7 @@ class _Builder:
 
     # ---- ops ---------------------------------------------------------------------------
 
-    def gather(self, s: StepOp) -> None:
+    def _gather(self, s: StepOp) -> None:
         name = s.op.unit
         unit, plan = self.units[name], self.plan
         w = plan.shard_size
@@ -390,7 +396,7 @@ class _Builder:
             self.hold("buffers", "gather " + name, c.nbytes + segment)
             self.gathers[name] = self.collective(c, "all_gather")
 
-    def wait(self, s: StepOp) -> None:
+    def _wait(self, s: StepOp) -> None:
         name = s.op.unit
         unit = self.units[name]
         item = self.plan.gather_dtype(unit).itemsize
@@ -400,13 +406,13 @@ class _Builder:
         self.drop("buffers", "gather " + name)
         self.drop("buffers", "staged " + name)  # an offloaded unit's device copy of its shards
 
-    def copy_in(self, s: StepOp) -> None:
+    def _copy_in(self, s: StepOp) -> None:
         name = s.op.unit
         nbytes = _shard_bytes(self.units[name])
         self.hold("buffers", "staged " + name, nbytes)
         self.copies[name] = self.copy("copy_in", name, nbytes)
 
-    def copy_out(self, s: StepOp) -> None:
+    def _copy_out(self, s: StepOp) -> None:
         name = s.op.unit
         unit = self.units[name]
         nbytes = _shard_bytes(unit, self.plan.reduce_dtype(unit).itemsize)
@@ -415,7 +421,7 @@ class _Builder:
         self.compute(EMPTY, "wait", name, after=done)  # the runtime's device-to-host copy is blocking
         self.drop("buffers", "grad out " + name)
 
-    def free(self, s: StepOp) -> None:
+    def _free(self, s: StepOp) -> None:
         pass  # unsharded bytes: step() sets them from the op list's walk
 
     def unsharded(self, nbytes: int) -> None:
@@ -423,7 +429,7 @@ class _Builder:
         self.live["unsharded"] = nbytes
         self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
 
-    def accumulate(self, s: StepOp) -> None:
+    def _accumulate(self, s: StepOp) -> None:
         """Summed into a kept full gradient, nothing sent."""
         name = s.op.unit
         unit = self.units[name]
@@ -433,7 +439,7 @@ class _Builder:
             self.held[("acc", name)] = 0
             self.hold("grads", "acc " + name, kept_grad_bytes(self.plan, unit))
 
-    def reduce(self, s: StepOp) -> None:
+    def _reduce(self, s: StepOp) -> None:
         name = s.op.unit
         unit, plan = self.units[name], self.plan
         r_item = plan.reduce_dtype(unit).itemsize
@@ -452,7 +458,7 @@ class _Builder:
         for c in self.listed(s, "reduce"):
             self.reduces[name] = self.collective(c, "reduce_scatter")
 
-    def wait_reduce(self, s: StepOp) -> None:
+    def _wait_reduce(self, s: StepOp) -> None:
         name = s.op.unit
         unit, plan = self.units[name], self.plan
         r_item = plan.reduce_dtype(unit).itemsize
@@ -518,16 +524,6 @@ class _Builder:
         """Walks the step's ops (every micro-batch's), each with the collectives it issues, in
         the op list's order: an event's own collectives (an expert layer's token exchange) when
         it is reached, before the actions after it (the experts' gather), as the runtime issues them."""
-        actions = {
-            OpKind.GATHER: self.gather,
-            OpKind.WAIT: self.wait,
-            OpKind.FREE: self.free,
-            OpKind.REDUCE: self.reduce,
-            OpKind.WAIT_REDUCE: self.wait_reduce,
-            OpKind.COPY_IN: self.copy_in,
-            OpKind.COPY_OUT: self.copy_out,
-            OpKind.ACCUMULATE: self.accumulate,
-        }
         pending: StepOp | None = None
         for s, unsharded in zip(ops, unsharded_bytes(self.plan, ops)):
             if pending is not None and (s.op.is_event or s.micro_batch != pending.micro_batch):
@@ -541,10 +537,14 @@ class _Builder:
                     self.blocking(c, c.role.value)
                 pending = s
             else:
-                actions[s.op.kind](s)
+                self.run(s)
         if pending is not None:
             self.work(pending)
         self.micro_batch += 1
+
+    def run(self, s: StepOp) -> None:
+        """Prices one action op (its collectives as tasks on their streams, its memory)."""
+        self.handlers[s.op.kind](s)
 
     def optimizer(self, cost) -> None:
         self.op = -1

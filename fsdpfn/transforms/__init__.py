@@ -58,7 +58,9 @@ from fsdpfn.transforms._verify import verify_stage as verify_stage
 from fsdpfn.transforms._verify import verify_stage_loss as verify_stage_loss
 from fsdpfn.transforms._verify import verify_step as verify_step
 from fsdpfn.transforms._guards import CHECKED_STEPS as CHECKED_STEPS
+from fsdpfn.transforms._guards import StepChecks as StepChecks
 from fsdpfn.transforms._guards import check_batch as check_batch
+from fsdpfn.transforms._guards import check_step_batch as check_step_batch
 from fsdpfn.transforms._guards import note_step as note_step
 from fsdpfn.transforms._guards import cut_watch as cut_watch
 
@@ -87,7 +89,9 @@ __all__ = [
     "CompileUnsupportedError",
     "CollectiveCounter",
     "count_collectives",
+    "StepChecks",
     "check_batch",
+    "check_step_batch",
     "check_params",
     "note_step",
     "cut_watch",

@@ -45,6 +45,7 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import reshards_after_forward
 from fsdpfn.transforms import _cp, _unit_comm
 from fsdpfn.transforms._dtensor import from_local
+from fsdpfn.transforms._guards import StepChecks, check_step_batch
 
 __all__ = [
     "CompileUnsupportedError",
@@ -233,7 +234,7 @@ class CompiledStep:
         verify: bool = True,
     ):
         self._graphs: dict[str, list] = {}
-        self._verify = verify  # until the first step has been checked
+        self.checks = StepChecks(verify=verify)  # see [Note: the checks of a step]
         backend = recording_backend(compiler, self._graphs, overlap, bucket)
         self.loss_fn, self.has_aux = loss_fn, has_aux
         self._n_outputs = 1
@@ -255,10 +256,11 @@ class CompiledStep:
         return self._graphs.get("forward", []) + self._graphs.get("backward", [])
 
     def __call__(self, params, *args, **kwargs):
-        if self._verify:
+        if self.checks.batch_due():  # the root hook cannot: it runs traced
+            check_step_batch(self.loss_fn, params, args, kwargs)
+        if self.checks.verify_due():
             from fsdpfn.transforms._verify import verify_step
 
-            self._verify = False
             verify_step(self.loss_fn, params, *args, **kwargs)
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         with torch.enable_grad():

@@ -68,8 +68,10 @@ __all__ = [
     "capturing",
     "note_capture",
     "CHECKED_STEPS",
+    "StepChecks",
     "TP_ATTR",
     "check_batch",
+    "check_step_batch",
     "install_batch_check",
     "install_split_watch",
     "note_step",
@@ -133,6 +135,66 @@ def note_capture(plan: Plan, params, grad_op: str = "mean", grad_scale: float | 
     cap = _CAPTURE[0]
     if cap is not None and not cap.inert:
         cap.plan, cap.params, cap.grad_op, cap.grad_scale = plan, params, grad_op, grad_scale
+
+
+class StepChecks:
+    """[Note: the checks of a step]
+    What every step machine checks as a step starts, as one value it holds: the model's root
+    hook (the pure loop's and :class:`fsdpfn.runtime.Runtime`'s step is the model's forward),
+    :class:`fsdpfn.runtime.PipelineRuntime` and :func:`fsdpfn.compile`'s step each make one, so
+    a new step machine gets the same checks by holding one:
+
+    - the batch, on the first :data:`CHECKED_STEPS` steps (:meth:`batch_due`): peers that must
+      read the same inputs read them, data-parallel ranks read batches of one size
+      (:func:`check_batch`; see [Note: checking the batch]);
+    - the plan against the same code unsharded, on the first training step (:meth:`verify_due`,
+      built with ``verify=True``: :func:`fsdpfn.verify`).
+
+    The replay check of a rematerialised unit runs inside its recompute, which every step
+    machine installs with the plan's remat policy (:func:`fsdpfn.transforms.apply_remat`).
+
+    Example:
+      >>> checks = StepChecks(verify=True)
+      >>> [checks.verify_due() for _ in range(2)], [checks.batch_due() for _ in range(3)]
+      ([True, False], [True, True, False])
+    """
+
+    def __init__(self, *, verify: bool = True, batches: int = CHECKED_STEPS):
+        self.verify_left = bool(verify)
+        self.batches_left = int(batches)
+
+    def batch_due(self) -> bool:
+        """Whether this step checks its batch (the first ``batches`` calls say so)."""
+        if self.batches_left <= 0:
+            return False
+        self.batches_left -= 1
+        return True
+
+    def verify_due(self) -> bool:
+        """Whether this step is checked against the unsharded code (the first call says so)."""
+        due, self.verify_left = self.verify_left, False
+        return due
+
+
+def check_step_batch(loss_fn, params, args=(), kwargs=None) -> None:
+    """:func:`check_batch` for the step ``loss_fn(params, *args, **kwargs)`` takes, where the
+    model's forward is not where the step's checks can run (a compiled step): the loss function
+    runs without autograd up to its model's forward, where the plan, its gradient reduction and
+    the model's inputs are found (as :func:`fsdpfn.verify_step` finds them), and the batch is
+    checked as the model's root hook checks an eager step's. Its gathers are not counted. A loss
+    function that reaches no model carrying a plan's hooks has nothing to check."""
+    with capturing() as cap, C.uncounted(), torch.no_grad():
+        try:
+            loss_fn(params, *args, **(kwargs or {}))
+        except Captured:
+            pass
+    if cap.plan is not None:
+        _STEPS.pop(cap.plan.fingerprint, None)  # noted by the capture's unshard: not a step of the model's
+    if cap.model is None or cap.plan is None:
+        return
+    reduce = "mean" if cap.grad_op == "mean" and cap.grad_scale is None else "custom"
+    with _ambient.restored(cap.cp), torch.enable_grad():  # the step computes gradients
+        check_batch(cap.plan, cap.args, cap.kwargs, reduce=reduce)
 
 
 def note_step(plan: Plan, reduce: str = "mean") -> None:
@@ -202,7 +264,7 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
     if plan.mesh is None:
         return
     _STEPS.pop(plan.fingerprint, None)  # a step noted before this model had its hook is not its step
-    left = [CHECKED_STEPS]
+    checks = StepChecks(verify=False)  # the model's steps: see [Note: the checks of a step]
 
     def hook(module, args, kwargs):
         cap = None if C.compiling() else _CAPTURE[0]  # compiling() first: dynamo guards on what it reads
@@ -219,9 +281,8 @@ def install_batch_check(model: nn.Module, plan: Plan) -> None:
                 "loss too). Run every sharded forward of the plan inside the block, with the batch split by "
                 "fsdpfn.context_parallel_shard"
             )
-        if step is None or not left[0] or C.compiling():
+        if step is None or C.compiling() or not checks.batch_due():
             return None
-        left[0] -= 1
         check_batch(plan, args, kwargs, reduce=step)
         return None
 
