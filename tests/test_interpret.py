@@ -51,11 +51,11 @@ def test_every_action_kind_has_one_handler_and_no_event_has_one():
     assert set(FSDP_ACTIONS) == {k for k in OpKind if not k.is_event}
 
 
-def _pipeline(schedule="gpipe", cls=PipelineRuntime, **kw):
+def _pipeline(schedule="gpipe", cls=PipelineRuntime, micro_batches=2, **kw):
     """Two stages on one pp rank."""
     model = _model()
     plan = fsdpfn.plan(model, testing.mesh((1, 1), ("pp", "dp")), units=UNITS, stages=2)
-    return model, cls(model, plan, schedule, micro_batches=2, loss_fn=kw.pop("loss_fn", _ce), **kw)
+    return model, cls(model, plan, schedule, micro_batches=micro_batches, loss_fn=kw.pop("loss_fn", _ce), **kw)
 
 
 def _bound(rank, world):
@@ -175,25 +175,26 @@ class _Boom(Exception):
 
 
 def _after_a_failed_step(rank, world):
-    """A pipelined step that fails in its second micro-batch's loss (the first one's gradients are
-    summed by then), then a step: its gradients and loss against a fresh runtime's, bitwise."""
+    """A pipelined step that fails in its third micro-batch's loss (the first two have run their
+    backward by then: one's gradients kept summed, the other's waiting to be added), then a step:
+    its gradients and loss against a fresh runtime's, bitwise."""
     calls = [0]
 
     def flaky(logits, y):
         calls[0] += 1
-        if calls[0] == 2:
-            raise _Boom("the loss of micro-batch 1")
+        if calls[0] == 3:
+            raise _Boom("the loss of micro-batch 2")
         return _ce(logits, y)
 
-    x, y = _batch(4, 1)
-    model, pipe = _pipeline("interleaved_1f1b", loss_fn=flaky, verify=False)
+    x, y = _batch(6, 1)
+    model, pipe = _pipeline("interleaved_1f1b", loss_fn=flaky, verify=False, micro_batches=3)
     params = pipe.shard(model)
     try:
         pipe.step(params, x, y)
     except _Boom:
         pass
     grads, loss = pipe.step(params, x, y)
-    model, fresh = _pipeline("interleaved_1f1b", verify=False)
+    model, fresh = _pipeline("interleaved_1f1b", verify=False, micro_batches=3)
     ref, ref_loss = fresh.step(fresh.shard(model), x, y)
     return torch.equal(loss, ref_loss) and all(torch.equal(grads[n].to_local(), ref[n].to_local()) for n in ref)
 
