@@ -628,8 +628,8 @@ class PipelineRuntime:
     def reset_step(self) -> None:
         """Starts a step: drops what the last one held (its activations, transfers in flight,
         gradients) on this rank and on each stage's executor (see [Note: one interpreter
-        protocol] in ``fsdpfn/_plan/interpret.py``). :meth:`step` and :meth:`evaluate` call it;
-        call it before running a step's ops yourself with :meth:`run`."""
+        protocol] in ``fsdpfn/_plan/interpret.py``). :meth:`step` and :meth:`evaluate` call it
+        before they give the batch to the stages."""
         self._step.release()
         self._step = _StepState((), (), True)
         for ex in self._ex.values():

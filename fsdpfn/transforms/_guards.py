@@ -182,7 +182,15 @@ def check_step_batch(loss_fn, params, args=(), kwargs=None) -> None:
     runs without autograd up to its model's forward, where the plan, its gradient reduction and
     the model's inputs are found (as :func:`fsdpfn.verify_step` finds them), and the batch is
     checked as the model's root hook checks an eager step's. Its gathers are not counted. A loss
-    function that reaches no model carrying a plan's hooks has nothing to check."""
+    function that reaches no model carrying a plan's hooks has nothing to check.
+    :func:`fsdpfn.compile` calls it on its first :data:`CHECKED_STEPS` steps.
+
+    Example:
+      >>> def loss_fn(params, x, y):
+      ...     logits = torch.func.functional_call(model, fsdpfn.unshard(params, plan), (x,))
+      ...     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+      >>> fsdpfn.transforms.check_step_batch(loss_fn, params, (x, y))  # every rank passes
+    """
     with capturing() as cap, C.uncounted(), torch.no_grad():
         try:
             loss_fn(params, *args, **(kwargs or {}))
