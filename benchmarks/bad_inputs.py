@@ -518,6 +518,25 @@ def compile_remat_plan(rank, world):
     return _compiled("fsdpfn_remat")
 
 
+def compile_unequal_batches(rank, world):
+    """11 under ``fsdpfn.compile(..., verify=False)``: the model's root hook runs traced there."""
+    import warnings
+
+    warnings.simplefilter("ignore")  # dynamo's own warnings
+    torch._dynamo.reset()
+    model = _gpt()
+    plan = fsdpfn.plan(model, testing.mesh((2,)))
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(5)
+    mine = slice(0, 3) if rank == 0 else slice(3, 5)
+
+    def loss_fn(ps, x, y):
+        return _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
+
+    grads, _ = fsdpfn.compile(loss_fn, backend="aot_eager", verify=False)(params, x[mine], y[mine])
+    return _rel(grads, _ref_grads(_gpt(), x, y))
+
+
 def compile_func_grad(rank, world):
     return _compiled("func_grad")
 
@@ -980,6 +999,14 @@ CASES: list[Case] = [
         "'blocks.0'",
         "fsdpfn.runtime.Runtime",
         f"{_R}::test_fsdpfn_compile_refuses_a_remat_plan_by_name",
+    ),
+    Case(
+        "compile_unequal_batches",
+        "U. fsdpfn.compile(loss_fn, verify=False) on per-rank batches of 3 and 2 rows",
+        compile_unequal_batches,
+        "rank 0: 3, rank 1: 2",
+        "drop_last=True",
+        f"{_S}::test_unequal_dp_batches_raise",
     ),
     Case(
         "compile_func_grad",

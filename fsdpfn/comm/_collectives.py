@@ -119,6 +119,8 @@ def _failure(
     rec: FlightRecord | None, kind: str, tag: str, cause: BaseException | str, failed: dict[int, str] | None = None
 ) -> CollectiveError:
     me = _groups.rank()
+    if failed is None:  # a peer that raised, announced it and exited closes its connections: say what it raised
+        failed = peer_failures(_groups.store(), rec.ranks if rec else (), me) or None
     lines, behind, stuck = peer_report(_groups.store(), rec, me)
     what = rec.describe() if rec else f"{kind}" + (f" of {tag!r}" if tag else "")
     size = f", {rec.nbytes / 2**20:.2f} MiB over ranks {list(rec.ranks)}" if rec else ""
