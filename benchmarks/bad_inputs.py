@@ -518,8 +518,9 @@ def compile_remat_plan(rank, world):
     return _compiled("fsdpfn_remat")
 
 
-def compile_unequal_batches(rank, world):
-    """11 under ``fsdpfn.compile(..., verify=False)``: the model's root hook runs traced there."""
+def compile_unequal_batches(rank, world, runtime=False):
+    """11 under ``fsdpfn.compile(..., verify=False)``: the model's root hook runs traced there;
+    ``runtime``: the model run by ``Runtime(..., verify=False).apply``."""
     import warnings
 
     warnings.simplefilter("ignore")  # dynamo's own warnings
@@ -530,11 +531,19 @@ def compile_unequal_batches(rank, world):
     x, y = _batch(5)
     mine = slice(0, 3) if rank == 0 else slice(3, 5)
 
+    rt = Runtime(model, plan, verify=False)
+
     def loss_fn(ps, x, y):
+        if runtime:
+            return _ce(rt.apply(ps, x), y)
         return _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
 
     grads, _ = fsdpfn.compile(loss_fn, backend="aot_eager", verify=False)(params, x[mine], y[mine])
     return _rel(grads, _ref_grads(_gpt(), x, y))
+
+
+def compile_runtime_unequal_batches(rank, world):
+    return compile_unequal_batches(rank, world, runtime=True)
 
 
 def compile_func_grad(rank, world):
@@ -1004,6 +1013,14 @@ CASES: list[Case] = [
         "compile_unequal_batches",
         "U. fsdpfn.compile(loss_fn, verify=False) on per-rank batches of 3 and 2 rows",
         compile_unequal_batches,
+        "rank 0: 3, rank 1: 2",
+        "drop_last=True",
+        f"{_S}::test_unequal_dp_batches_raise",
+    ),
+    Case(
+        "compile_runtime_unequal_batches",
+        "U. fsdpfn.compile on Runtime(verify=False).apply, per-rank batches of 3 and 2 rows",
+        compile_runtime_unequal_batches,
         "rank 0: 3, rank 1: 2",
         "drop_last=True",
         f"{_S}::test_unequal_dp_batches_raise",

@@ -139,11 +139,14 @@ def _tp_batch(rank, world, index_by, runtime):
     return _error(lambda: _grad_step(model, plan, params, x, y))
 
 
-def _compiled_step(model, plan, params, x, y, verify):
+def _compiled_step(model, plan, params, x, y, verify, runtime=None):
     """Two steps of ``fsdpfn.compile`` (aot_eager: the graphs as traced, no code generation),
-    with dynamo's own warnings silenced (they are torch's, not ours)."""
+    with dynamo's own warnings silenced (they are torch's, not ours); the model run by
+    ``runtime.apply`` when one is given."""
 
     def loss_fn(ps, x, y):
+        if runtime is not None:
+            return _ce(runtime.apply(ps, x), y)
         return _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y)
 
     torch._dynamo.reset()
@@ -185,6 +188,9 @@ def _dp_rows(rank, world, rows, mode):
     if mode == "runtime":
         rt = Runtime(model, plan)
         return _error(lambda: rt.value_and_grad(lambda ps: _ce(rt.apply(ps, x), y))(params))
+    if mode == "compiled-runtime":  # the runtime's apply under fsdpfn.compile, no check asked for
+        rt = Runtime(model, plan, verify=False)
+        return _error(lambda: _compiled_step(rt, plan, params, x, y, verify=False, runtime=rt))
     if mode.startswith("compiled"):
         return _error(lambda: _compiled_step(model, plan, params, x, y, verify=mode == "compiled-verified"))
     if mode == "sum":  # the documented way to weigh unequal batches: sum, scaled by the global rows
@@ -203,11 +209,12 @@ def _dp_rows(rank, world, rows, mode):
     return _error(lambda: _grad_step(model, plan, params, x, y))
 
 
-@pytest.mark.parametrize("mode", ["pure", "runtime", "compiled", "compiled-verified"])
+@pytest.mark.parametrize("mode", ["pure", "runtime", "compiled", "compiled-verified", "compiled-runtime"])
 def test_unequal_dp_batches_raise(run_on_ranks, mode):
     """Every step machine runs the batch check on its first steps: the compiled step too, with
-    ``verify=False`` (it trained 4 + 2 rows silently) and with it (where the loss check caught
-    it first, naming the loss, not the batch sizes)."""
+    ``verify=False`` (it trained 3 + 2 rows silently, also with the model run by a runtime's
+    ``apply``) and with it (where the loss check caught it first, naming the loss, not the batch
+    sizes)."""
     for err in run_on_ranks(_dp_rows, 2, (3, 2), mode):
         assert err is not None, "3 + 2 rows trained silently (the mean of means is 20% off)"
         assert "rank 0: 3, rank 1: 2" in err and "drop_last=True" in err

@@ -19,6 +19,7 @@ from fsdpfn._plan.schedule import schedule as default_schedule  # ``schedule`` i
 from fsdpfn.comm import compiling, count_compiled
 from fsdpfn.transforms import (
     CompileUnsupportedError,
+    note_capture,
     note_step,
     StepChecks,
     apply_tp,
@@ -189,6 +190,9 @@ class Runtime:
         if root is not None:
             fulls = RootGather.apply((ex, step), *(by_name[p.name] for p in root.params))
             root_full = {p.name: t for p, t in zip(root.params, fulls)}
+        # A capture (a compiled step's first steps: its checks) finds the plan and shards here, as
+        # in fsdpfn.unshard, and stops at the model's root hook.
+        note_capture(self.plan, params)
         note_step(self.plan)  # the model's root hook checks the batch (see [Note: checking the batch])
         with self._routed(by_name, step, grad):
             out = torch.func.functional_call(self.model, root_full, args, kwargs, strict=False)

@@ -61,6 +61,7 @@ from fsdpfn.transforms._guards import CHECKED_STEPS as CHECKED_STEPS
 from fsdpfn.transforms._guards import StepChecks as StepChecks
 from fsdpfn.transforms._guards import check_batch as check_batch
 from fsdpfn.transforms._guards import check_step_batch as check_step_batch
+from fsdpfn.transforms._guards import note_capture as note_capture
 from fsdpfn.transforms._guards import note_step as note_step
 from fsdpfn.transforms._guards import cut_watch as cut_watch
 
@@ -93,6 +94,7 @@ __all__ = [
     "check_batch",
     "check_step_batch",
     "check_params",
+    "note_capture",
     "note_step",
     "cut_watch",
     "compile",
