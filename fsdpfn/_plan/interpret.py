@@ -19,8 +19,9 @@ vocabulary it takes (:data:`FSDP_ACTIONS`, :data:`PIPELINE_ACTIONS`, or both) an
 its vocabulary is refused there, naming the kind and the method it needs, not when the first
 such op comes. A new op kind is one row here and one method per interpreter of its vocabulary.
 
-The checks of a step (that ranks agree on their batches, that a recompute replays its forward)
-are :class:`fsdpfn.transforms.StepChecks`, which the runtimes run when a step starts (see there).
+The checks a step runs as it starts (its batch on the first steps, the differential check on
+the first) are one value, :class:`fsdpfn.transforms.StepChecks`, that every step machine holds
+(see [Note: the checks of a step] there); the replay check runs inside each recompute.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 from fsdpfn._plan.pipeline import PipeKind
 from fsdpfn._plan.schedule import OpKind
 
-__all__ = ["FSDP_ACTIONS", "HANDLERS", "PIPELINE_ACTIONS", "StepInterpreter", "bind_handlers", "kind_of"]
+__all__ = ["FSDP_ACTIONS", "HANDLERS", "PIPELINE_ACTIONS", "StepInterpreter", "bind_handlers"]
 
 # The method that interprets each action op kind, on every interpreter of its vocabulary.
 HANDLERS: Mapping[Any, str] = {
@@ -65,19 +66,6 @@ class StepInterpreter(Protocol):
 
     def run(self, op: Any) -> None:
         """Interprets one action op of this interpreter's vocabulary now."""
-
-
-def kind_of(op: Any) -> Any:
-    """The op kind of ``op``: an ``Op``'s or ``PipeOp``'s ``kind``, or that of the op a
-    ``StepOp`` wraps.
-
-    Example:
-      >>> from fsdpfn._plan.schedule import Op
-      >>> kind_of(Op("gather", "blocks.0"))
-      <OpKind.GATHER: 'gather'>
-    """
-    inner = getattr(op, "op", None)
-    return inner.kind if inner is not None else op.kind
 
 
 def bind_handlers(interpreter: object, vocabulary: Iterable[Any]) -> dict[Any, Callable[[Any], None]]:
