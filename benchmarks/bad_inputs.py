@@ -704,7 +704,7 @@ def _pp_step(stage_fn=None, loss_fn=None, rows=None) -> float:
     world = torch.distributed.get_world_size()
     torch.manual_seed(0)
     model = GPT(tv.PP_CFG)
-    plan = fsdpfn.plan(model, testing.mesh((2, world // 2), ("pp", "dp")), units=tv.PP_UNITS)
+    plan = fsdpfn.pipeline_plan(model, testing.mesh((2, world // 2), ("pp", "dp")), units=tv.PP_UNITS)
     stages = None
     if stage_fn is not None:
 

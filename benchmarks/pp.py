@@ -98,7 +98,7 @@ def _measure(rank, world, name, micro, per_micro, steps, measure_cfg=MEASURE_CFG
     torch.manual_seed(0)
     cfg = GPTConfig(**measure_cfg)
     model = GPT(cfg)
-    plan = fsdpfn.plan(
+    plan = fsdpfn.pipeline_plan(
         model, testing.mesh((2, 1), ("pp", "dp")), units=MEASURE_UNITS, stages=4 if name == "interleaved_1f1b" else 2
     )
     ce = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
@@ -216,7 +216,7 @@ def project() -> None:
     t0 = time.time()
     wl = None
     for name, stages in (("1f1b", 8), ("interleaved_1f1b", 16)):
-        plan = fsdpfn.plan(
+        plan = fsdpfn.pipeline_plan(
             model, {"pp": 8, "dp": 8, "tp": 8}, units=units, stages=stages, tp=LLAMA_TP, mp=mp, remat="full"
         )
         if wl is None:  # the same units and tp split: one profile serves both splits into stages

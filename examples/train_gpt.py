@@ -1018,18 +1018,18 @@ def setup(rank: int, world: int, args) -> tuple[Job, dict]:
         mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    pipelined = {}
-    if args.pp > 1:  # stages are runs of whole units: the embedding and the head get units of their own
-        units = ["embed", "pos", *(f"blocks.{i}" for i in range(args.depth)), "norm", "head"]
-        pipelined = dict(units=units, stages=2 * args.pp if args.schedule == "interleaved_1f1b" else None)
-    plan = fsdpfn.plan(
-        model,
-        mesh,
+    common = dict(
         strategy=args.strategy,
         mp=fsdpfn.MixedPrecision(fp8="mxfp8") if args.fp8 else None,
         tp=GPT_TP_PLAN if args.tp > 1 else None,
-        **pipelined,
     )
+    plan: fsdpfn.Plan | fsdpfn.PipelinedPlan
+    if args.pp > 1:  # stages are runs of whole units: the embedding and the head get units of their own
+        units = ["embed", "pos", *(f"blocks.{i}" for i in range(args.depth)), "norm", "head"]
+        stages = 2 * args.pp if args.schedule == "interleaved_1f1b" else None
+        plan = fsdpfn.pipeline_plan(model, mesh, units=units, stages=stages, **common)
+    else:
+        plan = fsdpfn.plan(model, mesh, **common)
     opt = make_optimizer(args)
     pipe = None
     if args.pp > 1:  # this rank's stages only, each sharded over its data-parallel ranks

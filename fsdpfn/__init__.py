@@ -24,6 +24,7 @@ from fsdpfn._plan.axes import MeshAxes as MeshAxes
 from fsdpfn._plan.axes import Role as Role
 from fsdpfn._plan import MixedPrecision as MixedPrecision
 from fsdpfn._plan import ParamSpec as ParamSpec
+from fsdpfn._plan import PipelinedPlan as PipelinedPlan
 from fsdpfn._plan import Plan as Plan
 from fsdpfn._plan import Stages as Stages
 from fsdpfn._plan import PipeOp as PipeOp
@@ -33,6 +34,7 @@ from fsdpfn._plan import pipeline_schedule as pipeline_schedule
 from fsdpfn._plan import validate_pipeline as validate_pipeline
 from fsdpfn._plan import Strategy as Strategy
 from fsdpfn._plan import Unit as Unit
+from fsdpfn._plan import pipeline_plan as pipeline_plan
 from fsdpfn._plan import plan as plan
 from fsdpfn._remat import RematReplayError as RematReplayError
 from fsdpfn._remat import checkpoint_name as checkpoint_name
@@ -92,6 +94,7 @@ __all__ = [
     "MeshAxes",
     "MixedPrecision",
     "ParamSpec",
+    "PipelinedPlan",
     "Plan",
     "PlanCost",
     "Role",
@@ -121,6 +124,7 @@ __all__ = [
     "init_shards",
     "load_safetensors",
     "optim",
+    "pipeline_plan",
     "plan",
     "reduce",
     "runtime",

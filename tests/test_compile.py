@@ -866,7 +866,7 @@ def _pp_stages_vs_eager(rank, world, mesh_shape, names, schedule, stages):
         _fresh_compile()
         torch.manual_seed(0)
         model = GPT(PP_CFG)
-        plan = fsdpfn.plan(
+        plan = fsdpfn.pipeline_plan(
             model,
             testing.mesh(mesh_shape, names),
             units=PP_UNITS,

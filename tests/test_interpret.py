@@ -54,7 +54,7 @@ def test_every_action_kind_has_one_handler_and_no_event_has_one():
 def _pipeline(schedule="gpipe", cls=PipelineRuntime, micro_batches=2, **kw):
     """Two stages on one pp rank."""
     model = _model()
-    plan = fsdpfn.plan(model, testing.mesh((1, 1), ("pp", "dp")), units=UNITS, stages=2)
+    plan = fsdpfn.pipeline_plan(model, testing.mesh((1, 1), ("pp", "dp")), units=UNITS, stages=2)
     return model, cls(model, plan, schedule, micro_batches=micro_batches, loss_fn=kw.pop("loss_fn", _ce), **kw)
 
 

@@ -74,7 +74,7 @@ def _reference(dp):
 def _train(rank, world, shape, names, schedule, cp_strategy):
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(model, testing.mesh(shape, names), units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, testing.mesh(shape, names), units=UNITS)
     pipe = PipelineRuntime(model, plan, schedule, MICRO, loss_fn=_ce, cp_strategy=cp_strategy)
     dp, dp_rank = plan.dp_size, fsdpfn.transforms.dp_rank(plan)
     params = pipe.shard(model)
@@ -123,7 +123,7 @@ def test_pipeline_beside_hsdp_and_cp_trains_as_one_process(run_on_ranks, shape, 
 def _moe(rank, world):
     cfg = GPTConfig(vocab_size=29, seq_len=8, width=16, depth=2, heads=4, experts=2)
     model = GPT(cfg)
-    plan = fsdpfn.plan(
+    plan = fsdpfn.pipeline_plan(
         model, testing.mesh((2, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
     )
     with pytest.raises(NotImplementedError, match="MoE blocks return"):
@@ -131,7 +131,7 @@ def _moe(rank, world):
     with pytest.raises(ValueError, match="cp_strategy must be one of"):
         PipelineRuntime(
             GPT(CFG),
-            fsdpfn.plan(GPT(CFG), testing.mesh((2, 1), ("pp", "dp")), units=UNITS),
+            fsdpfn.pipeline_plan(GPT(CFG), testing.mesh((2, 1), ("pp", "dp")), units=UNITS),
             "1f1b",
             2,
             loss_fn=_ce,

@@ -47,11 +47,12 @@ def _reference():
 
 def _layout(model, shape):
     """This rank's plan and its parameters: the stage plan of its stage on a pp mesh, else the plan."""
-    names = ("pp", "dp") if len(shape) == 2 else ("dp",)
-    plan = fsdpfn.plan(model, testing.mesh(shape, names), units=UNITS)
-    if plan.stages is not None:
-        (stage,) = plan.stages.stages_of(plan.mesh.get_local_rank("pp"))
-        plan = plan.stage_plan(stage)
+    if len(shape) == 2:
+        pp = fsdpfn.pipeline_plan(model, testing.mesh(shape, ("pp", "dp")), units=UNITS)
+        (stage,) = pp.stages.stages_of(pp.mesh.get_local_rank("pp"))
+        plan = pp.stage_plan(stage)
+    else:
+        plan = fsdpfn.plan(model, testing.mesh(shape, ("dp",)), units=UNITS)
     own = {n: p for n, p in model.named_parameters() if n in plan.param_names}
     return plan, fsdpfn.shard(own, plan)
 

@@ -46,7 +46,7 @@ def _ce(logits, y):
 def _pipe(shape, names, stages):
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(
+    plan = fsdpfn.pipeline_plan(
         model, testing.mesh(shape, names), units=UNITS, stages=stages, tp=GPT_TP_PLAN if "tp" in names else None
     )
     pipe = PipelineRuntime(model, plan, "1f1b" if stages == 2 else "interleaved_1f1b", 4, loss_fn=_ce)
@@ -114,7 +114,7 @@ def test_export_full_of_a_pipeline_writes_the_whole_model(run_on_ranks, shape, n
 def _profiled(rank, world, name):
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(
+    plan = fsdpfn.pipeline_plan(
         model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS, stages=4 if name == "interleaved_1f1b" else 2
     )
     pipe = PipelineRuntime(model, plan, name, 4, loss_fn=_ce, profile=True)

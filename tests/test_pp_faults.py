@@ -59,7 +59,7 @@ def _ce(logits, y):
 def _job(rank, world, root, fault):
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(model, testing.mesh((world, 1), ("pp", "dp")), units=UNITS, stages=world)
+    plan = fsdpfn.pipeline_plan(model, testing.mesh((world, 1), ("pp", "dp")), units=UNITS, stages=world)
     pipe = PipelineRuntime(model, plan, "1f1b", micro_batches=2, loss_fn=_ce)
     (stage,) = plan.stages.stages_of(pipe.pp_rank)
     stage_plan = plan.stage_plan(stage)

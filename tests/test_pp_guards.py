@@ -15,7 +15,7 @@ UNITS = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
 def _refusals(rank, world):
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS)
     stage = plan.stage_plan(rank)
     params = fsdpfn.shard(model, stage)  # the whole model: the stage takes its own
     own = fsdpfn.shard({n: p for n, p in model.named_parameters() if n in stage.param_names}, stage)
@@ -32,6 +32,8 @@ def _refusals(rank, world):
         "reduce": lambda: fsdpfn.reduce({n: None for n in plan.param_names}, plan),
         "init_shards": lambda: fsdpfn.init_shards(meta, plan, seed=0),
         "Runtime": lambda: fsdpfn.runtime.Runtime(model, plan),
+        "load_safetensors": lambda: fsdpfn.load_safetensors(model, plan, "no-such-file.safetensors"),
+        "verify": lambda: fsdpfn.verify(model, plan, params, torch.zeros(2, 4, dtype=torch.long)),
     }
     with fsdpfn.count_collectives() as calls_made:
         for name, call in calls.items():
@@ -49,5 +51,5 @@ def test_whole_pipelined_plans_are_refused_with_the_way_to_the_stages(run_on_ran
         assert collectives == 0  # refused before any collective
         for name, msg in said.items():
             assert msg is not None, f"{name} accepted a whole pipelined plan"
-            assert "pipeline stages" in msg and "PipelineRuntime" in msg, (name, msg)
+            assert "pipeline stages" in msg and "PipelinedPlan" in msg and "PipelineRuntime" in msg, (name, msg)
         assert "plan.stage_plan(stage)" in said["shard"]

@@ -46,7 +46,7 @@ def _grads(model, seed):
 
 def _stage_layout(model, shape, names, num_stages):
     """This rank's stage plans and its stages' shards of the model's parameters."""
-    plan = fsdpfn.plan(
+    plan = fsdpfn.pipeline_plan(
         model, testing.mesh(shape, names), units=UNITS, stages=num_stages, tp=GPT_TP_PLAN if "tp" in names else None
     )
     here = plan.stages.stages_of(plan.mesh.get_local_rank("pp"))

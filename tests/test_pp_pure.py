@@ -59,7 +59,7 @@ def _gpipe(rank, world):
     torch.manual_seed(0)
     model = GPT(CFG)
     mesh = testing.mesh((2, 1), ("pp", "dp"))
-    plan = fsdpfn.plan(model, mesh, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, mesh, units=UNITS)
     stage = plan.stage_plan(rank)  # one stage per rank: stage r on pp rank r
     params = fsdpfn.shard({n: p for n, p in model.named_parameters() if n in stage.param_names}, stage)
     group = mesh.get_group("pp")
@@ -100,7 +100,7 @@ def _empty_buffer(rank, world):
     torch.manual_seed(0)
     model = GPT(CFG)
     mesh = testing.mesh((2, 1), ("pp", "dp"))
-    plan = fsdpfn.plan(model, mesh, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, mesh, units=UNITS)
     stage = plan.stage_plan(rank)
     params = fsdpfn.shard({n: p for n, p in model.named_parameters() if n in stage.param_names}, stage)
     group = mesh.get_group("pp")

@@ -97,7 +97,7 @@ def _reference(dp, steps):
 def _setup(mesh, names, schedule, num_stages):
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan = fsdpfn.plan(model, mesh, units=UNITS, stages=num_stages, tp=GPT_TP_PLAN if "tp" in names else None)
+    plan = fsdpfn.pipeline_plan(model, mesh, units=UNITS, stages=num_stages, tp=GPT_TP_PLAN if "tp" in names else None)
     return model, plan
 
 
@@ -293,7 +293,7 @@ def _bad_inputs(rank, world):
             except ValueError as e:
                 errors.append(str(e))
         try:
-            fsdpfn.plan(model, mesh, units=UNITS, stages=3)
+            fsdpfn.pipeline_plan(model, mesh, units=UNITS, stages=3)
         except ValueError as e:
             errors.append(str(e))
         model4, plan4 = _setup(mesh, ("pp", "dp"), "interleaved_1f1b", 4)
@@ -380,7 +380,7 @@ def _user_stages(rank, world):
         for user in (False, True):
             torch.manual_seed(0)
             model = GPT(CFG)
-            plan = fsdpfn.plan(model, mesh, units=UNITS, stages=SPLIT)
+            plan = fsdpfn.pipeline_plan(model, mesh, units=UNITS, stages=SPLIT)
             stages = {0: _First(model)} if rank == 0 else {1: _Last(model)}
             pipe = PipelineRuntime(model, plan, "1f1b", MICRO, loss_fn=_ce, stages=stages if user else None)
             params = pipe.shard(model)
@@ -424,7 +424,7 @@ def _remat_step(rank, world, schedule, branchy=False, pp=2):
                 return _orig(self, x) * (1.0 + 0.5 * self.calls)
 
             block.__class__ = type("Branchy", (type(block),), {"forward": forward})
-        plan = fsdpfn.plan(model, testing.mesh((pp, 1), ("pp", "dp")), units=UNITS, stages=2, remat=remat)
+        plan = fsdpfn.pipeline_plan(model, testing.mesh((pp, 1), ("pp", "dp")), units=UNITS, stages=2, remat=remat)
         pipe = PipelineRuntime(model, plan, schedule, micro_batches=4, loss_fn=_ce, profile=True)
         params = pipe.shard(model)
         x, y = _batch(4, 0)
@@ -474,7 +474,9 @@ def _remat_fails_on_one_rank(rank, world):
         return _orig(self, x) * (1.0 + 0.5 * self.calls)
 
     block.__class__ = type("Branchy", (type(block),), {"forward": forward})
-    plan = fsdpfn.plan(model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS, stages=2, remat={"blocks.*": "full"})
+    plan = fsdpfn.pipeline_plan(
+        model, testing.mesh((2, 1), ("pp", "dp")), units=UNITS, stages=2, remat={"blocks.*": "full"}
+    )
     pipe = PipelineRuntime(model, plan, "1f1b", micro_batches=4, loss_fn=_ce)
     params = pipe.shard(model)
     x, y = _batch(4, 0)

@@ -1,5 +1,6 @@
 """Pipeline parallelism as plan data: the pp role, stages, and pipeline schedules as op lists."""
 
+import dataclasses
 import json
 
 import pytest
@@ -38,7 +39,7 @@ def test_one_dimensional_pp_mesh_is_refused_with_the_fix():
 
 
 def test_balanced_split_by_parameter_count(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=UNITS)
     assert plan.stages.units == (("embed", "pos", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "norm", "head"))
     assert plan.stages.rank_of(1) == 1 and plan.pp_size == 2
 
@@ -56,24 +57,24 @@ def test_balanced_split_minimises_the_heaviest_stage():
 
 def test_balanced_split_by_profile_costs(model):
     costs = {u: 1.0 for u in UNITS} | {"head": 10.0}
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=UNITS, stage_costs=costs)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=UNITS, stage_costs=costs)
     assert plan.stages.units[1] == ("head",)
 
 
 def test_split_by_module_names_and_virtual_stages(model):
     split = [["embed", "pos", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "norm", "head"]]
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=UNITS, stages=split)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=UNITS, stages=split)
     assert plan.stages.units[0] == ("embed", "pos", "blocks.0") and plan.stages.virtual == 2
     assert plan.stages.stage_of("head") == 3 and plan.stages.rank_of(3) == 1
 
 
 def test_stages_round_trip_through_json_with_a_format_bump(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS, stages=4)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS, stages=4)
     d = json.loads(plan.to_json())
     assert d["format"] == FORMAT_PP and d["stages"]["pp_size"] == 2
-    back = fsdpfn.Plan.from_json(plan.to_json())
+    back = fsdpfn.PipelinedPlan.from_json(plan.to_json())
     assert back == plan and back.stages == plan.stages and back.fingerprint == plan.fingerprint
-    assert "pipeline stages" in str(plan)
+    assert "pipeline stages" in str(plan) and str(plan).startswith("PipelinedPlan ")
 
 
 def test_old_plans_still_load_unchanged(model):
@@ -136,12 +137,43 @@ def test_old_plans_still_load_unchanged(model):
 )
 def test_bad_splits_name_the_module_or_stage(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        fsdpfn.plan(model, {"pp": 2, "dp": 1}, **kwargs)
+        fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, **kwargs)
 
 
 def test_stages_without_a_pp_axis_are_refused(model):
-    with pytest.raises(ValueError, match="has no 'pp' axis"):
-        fsdpfn.plan(model, (2,), units=UNITS, stages=2)
+    with pytest.raises(ValueError, match="has no 'pp' axis.*fsdpfn.plan"):
+        fsdpfn.pipeline_plan(model, (2,), units=UNITS, stages=2)
+    with pytest.raises(TypeError, match="stages"):
+        fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=UNITS, stages=2)  # type: ignore[call-arg]
+
+
+def test_a_pipelined_plan_is_its_own_type(model):
+    """A pipelined plan is a ``PipelinedPlan``, never a ``Plan``: the builders, the JSON readers
+    and the constructors each refuse the other kind by name; its stages' plans are ``Plan``s."""
+    for mesh in ({"pp": 2, "dp": 1}, {"dp": 2, "pp": 2}, {"pp": 2, "dp": 2, "tp": 1}):
+        with pytest.raises(ValueError, match=r"has a pipeline axis.*fsdpfn.pipeline_plan\(model, mesh"):
+            fsdpfn.plan(model, mesh, units=UNITS)
+    pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    assert isinstance(pp, fsdpfn.PipelinedPlan) and not isinstance(pp, fsdpfn.Plan)
+    stages = [pp.stage_plan(s) for s in range(pp.stages.num_stages)]
+    assert all(type(s) is fsdpfn.Plan and s.stages is None for s in stages)
+    with pytest.raises(ValueError, match=r"is a fsdpfn.PipelinedPlan, not a fsdpfn.Plan.*PipelinedPlan.from_json"):
+        fsdpfn.Plan.from_json(pp.to_json())
+    with pytest.raises(ValueError, match=r"a PipelinedPlan needs stages.*fsdpfn.Plan.from_json"):
+        fsdpfn.PipelinedPlan.from_json(stages[0].to_json())
+    with pytest.raises(ValueError, match=r"a PipelinedPlan needs stages"):
+        fsdpfn.PipelinedPlan.from_json(fsdpfn.plan(model, (2,)).to_json())
+    fields = {f.name: getattr(pp, f.name) for f in dataclasses.fields(pp)}
+    with pytest.raises(ValueError, match=r"is a fsdpfn.PipelinedPlan, not a fsdpfn.Plan"):
+        fsdpfn.Plan(**fields)  # the values of one kind under the other's class
+    assert (
+        fsdpfn.PipelinedPlan(**fields) == pp
+        and fsdpfn.Plan(
+            **(fields | {"stages": None, "mesh_shape": (2,), "mesh_dim_names": ("dp",), "mesh_roles": None})
+        )
+        != pp
+    )
+    assert fsdpfn.PipelinedPlan.from_json(pp.to_json()).bind(None) == pp
 
 
 def test_stages_value_checks_itself():
@@ -153,7 +185,6 @@ def test_stages_value_checks_itself():
 
 # ---- pipeline schedules ---------------------------------------------------------------------------
 
-import dataclasses  # noqa: E402
 
 from fsdpfn._plan.pipeline import PipelineSchedule, PipeOp, pipeline_schedule, validate_pipeline  # noqa: E402
 from fsdpfn.sim import pipeline_times  # noqa: E402
@@ -208,7 +239,7 @@ def test_activations_kept_at_once(p, m):
 
 @pytest.mark.parametrize("name, stages", [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 4), ("gpipe", 4)])
 def test_plan_schedules_carry_fsdp_actions_and_round_trip(model, name, stages):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS, stages=stages)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS, stages=stages)
     ps = pipeline_schedule(plan, name, 4)
     validate_pipeline(ps, plan)
     assert PipelineSchedule.from_str(str(ps)) == ps
@@ -361,7 +392,7 @@ def test_an_earlier_send_is_a_valid_edit():
     ],
 )
 def test_plan_schedule_edits_are_refused_naming_the_op(model, edit, message):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS)
     ps = pipeline_schedule(plan, "1f1b", 4)
     with pytest.raises(ScheduleError, match=message):
         validate_pipeline(_edit(ps, 0, edit(ps.ranks[0])), plan)
@@ -376,8 +407,8 @@ def test_a_missing_backward_is_refused():
 
 
 def test_schedule_for_another_plan_is_refused(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
-    other = fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    other = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=UNITS)
     with pytest.raises(ScheduleError, match="made for plan"):
         validate_pipeline(pipeline_schedule(plan, "gpipe", 2), other)
 
@@ -411,7 +442,7 @@ def test_parse_errors_name_the_line():
 
 
 def test_stage_plan_holds_its_units_on_the_mesh_without_pp(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2, "tp": 1}, units=UNITS, stages=4)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2, "tp": 1}, units=UNITS, stages=4)
     s2 = plan.stage_plan(2)
     assert [u.name for u in s2.units] == list(plan.stages.units[2])
     assert s2.axes.roles == (Role.SHARD, Role.TP) and s2.stages is None and s2.pp_stage == (2, 2)
@@ -421,14 +452,14 @@ def test_stage_plan_holds_its_units_on_the_mesh_without_pp(model):
     assert s2.fingerprint != plan.stage_plan(1).fingerprint
     with pytest.raises(ValueError, match=r"stage 4 is not a stage of the plan; its stages are 0..3"):
         plan.stage_plan(4)
-    with pytest.raises(ValueError, match="the plan has no pipeline stages"):
-        fsdpfn.plan(model, (2,)).stage_plan(0)
+    assert not hasattr(fsdpfn.plan(model, (2,)), "stage_plan")  # a Plan is one stage
 
 
 def test_a_pipelined_plan_has_no_single_step_schedule(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS)
     with pytest.raises(ValueError, match=r"its step is a pipeline schedule, fsdpfn.pipeline_schedule\(plan"):
-        plan.cost()
+        fsdpfn.runtime.schedule(plan)
+    assert not hasattr(plan, "cost")  # its step is priced by fsdpfn.sim.simulate_pipeline
     assert plan.stage_plan(0).cost().collectives  # a stage costs as any plan
 
 
@@ -455,7 +486,7 @@ def test_a_pipeline_is_checked_by_the_single_stage_rules_of_its_units(model, edi
     """The rules of a unit's actions (gather, wait, free, reduce, the offloaded unit's copies in
     and out) are one table, which the single-stage and the pipelined validators both read: an
     offloaded unit's copies are checked on a pipeline as on one stage."""
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS, offload={"embed": True})
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS, offload={"embed": True})
     ps = pipeline_schedule(plan, "1f1b", 4)
     validate_pipeline(ps, plan)
     with pytest.raises(ScheduleError, match=message):

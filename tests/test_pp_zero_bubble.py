@@ -128,7 +128,7 @@ def test_halves_default_to_half_the_backward_and_whole_backwards_are_unchanged()
 
 
 def test_plan_schedule_reduces_after_the_last_weight_half_and_round_trips(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS)
     ps = pipeline_schedule(plan, "zero_bubble", 4)
     validate_pipeline(ps, plan)
     assert PipelineSchedule.from_str(str(ps)) == ps
@@ -248,7 +248,7 @@ def test_mixing_whole_and_split_backwards_across_micro_batches_is_valid():
 
 
 def test_reduce_before_the_last_weight_half_is_refused(model):
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=UNITS)
     ps = pipeline_schedule(plan, "zero_bubble", 4)
     r1 = [op for op in ps.ranks[1] if op != PipeOp(BW, 1, 3)]
     r1.append(PipeOp(BW, 1, 3))

@@ -79,7 +79,7 @@ def meta_gpt():
 
 
 def _run(model, x, mesh, name="1f1b", m=8, stages=None, tp=None):
-    plan = fsdpfn.plan(model, mesh, units=UNITS, stages=stages, tp=tp)
+    plan = fsdpfn.pipeline_plan(model, mesh, units=UNITS, stages=stages, tp=tp)
     wl = sim.profile(model, plan, x)
     ps = fsdpfn.pipeline_schedule(plan, name, m)
     return plan, wl, ps, sim.simulate_pipeline(plan, ps, wl, sim.AdamW(), sim.H100_SXM)
@@ -168,7 +168,7 @@ def test_bad_arguments_are_named(meta_gpt):
         sim.simulate_pipeline(flat, ps, wl, None, sim.H100_SXM)
     with pytest.raises(TypeError, match="needs a fsdpfn.PipelineSchedule"):
         sim.simulate_pipeline(plan, fsdpfn.runtime.schedule(flat), wl, None, sim.H100_SXM)
-    other = fsdpfn.plan(
+    other = fsdpfn.pipeline_plan(
         model,
         {"pp": 2, "dp": 4},
         units=UNITS,
@@ -177,7 +177,7 @@ def test_bad_arguments_are_named(meta_gpt):
     with pytest.raises(ScheduleError, match="was made for plan"):
         sim.simulate_pipeline(other, ps, wl, None, sim.H100_SXM)
     coarse = sim.profile(
-        model, fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks", "norm", "head"]), x
+        model, fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks", "norm", "head"]), x
     )
     with pytest.raises(
         ValueError, match=r"no work for units \['blocks.0'"
@@ -217,7 +217,7 @@ def test_search_considers_pp_degrees_and_schedules(meta_gpt):
     best = min((c for c in res.candidates if c.pp == 2), key=lambda c: c.step_time)
     stages = 4 if best.pipeline == "interleaved_1f1b" else 2
     dp = {"dp": 4} if len(best.mesh_shape) == 2 else dict(zip(("replicate", "shard"), best.mesh_shape[1:]))
-    plan = fsdpfn.plan(
+    plan = fsdpfn.pipeline_plan(
         model, {"pp": 2, **dp}, units=UNITS, stages=stages, strategy={"*": "zero3", **dict(best.strategy)}
     )
     wl = sim.profile(model, plan, x)
@@ -321,7 +321,7 @@ def test_each_micro_batch_after_the_first_adds_its_gradients_as_the_one_stage_si
     # Overlap 1: the one-stage timeline's compute spans are their own seconds, with no slow-down
     # beside a collective (which the pipelined model leaves out).
     m, hw = 8, dataclasses.replace(sim.H100_SXM, overlap=1.0)
-    plan = fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=UNITS)
+    plan = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 4}, units=UNITS)
     ps = fsdpfn.pipeline_schedule(plan, name, m)
     r = sim.simulate_pipeline(plan, ps, sim.profile(model, plan, x), sim.AdamW(), hw)
     flat = fsdpfn.plan(model, {"dp": 4}, units=UNITS)  # the same units, sharded over the same 4 ranks

@@ -326,7 +326,7 @@ def _pp_case(rank, world, mistake):
     torch.manual_seed(0)
     model = GPT(PP_CFG)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    plan = fsdpfn.plan(model, mesh, units=PP_UNITS)
+    plan = fsdpfn.pipeline_plan(model, mesh, units=PP_UNITS)
 
     def ce(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -504,7 +504,7 @@ def _pp_tp_case(rank, world, qkv0, qkv1, inner="tp"):
         "blocks.*.fc": "colwise",
         "blocks.*.out": "rowwise",
     }
-    plan = fsdpfn.plan(model, mesh, units=PP_UNITS, **({"tp": tp} if inner == "tp" else {}))
+    plan = fsdpfn.pipeline_plan(model, mesh, units=PP_UNITS, **({"tp": tp} if inner == "tp" else {}))
 
     def ce(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -584,7 +584,7 @@ def _pp_loss_case(rank, world, ignored):
     torch.manual_seed(0)
     model = GPT(PP_CFG)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    plan = fsdpfn.plan(model, mesh, units=PP_UNITS)
+    plan = fsdpfn.pipeline_plan(model, mesh, units=PP_UNITS)
 
     def ce(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)

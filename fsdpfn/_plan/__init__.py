@@ -3,10 +3,10 @@
 No module here talks to a rank or imports ``fsdpfn.transforms``, ``fsdpfn.runtime``, ``fsdpfn.optim``
 or ``fsdpfn.sim``; those read plans. Inside the package, imports point down:
 
-    builder      fsdpfn.plan(): reads a model and a mesh, returns a validated Plan
+    builder      fsdpfn.plan(), pipeline_plan(): read a model and a mesh, return a validated plan
     stages       Stages, split_stages: pipeline stages as runs of units
     tp_layout    the tensor-parallel layout checks on the model (fused and GQA projections)
-    plan_type    Plan: the values plus cost() and from_json()
+    plan_type    Plan, PipelinedPlan: the values plus cost(), from_json(), stage_plan()
     cost         plan.cost(): sums of the step's collectives and static memory
     serialise    JSON -> plan, every format an fsdpfn wrote
     steps        step_collectives / step_ops: the schedule's ops expanded into collectives
@@ -27,7 +27,7 @@ figure from its module (``from fsdpfn._plan.steps import step_collectives``).
 """
 
 from fsdpfn._plan.axes import MeshAxes, Role
-from fsdpfn._plan.builder import plan
+from fsdpfn._plan.builder import pipeline_plan, plan
 from fsdpfn._plan.pipeline import (
     PIPELINE_SCHEDULES,
     PipeKind,
@@ -37,7 +37,7 @@ from fsdpfn._plan.pipeline import (
     run_order,
     validate_pipeline,
 )
-from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.plan_type import PipelinedPlan, Plan
 from fsdpfn._plan.stages import Stages, split_stages
 from fsdpfn._plan.values import (
     HSDP_DIM_NAMES,
@@ -70,6 +70,7 @@ __all__ = [
     "MeshAxes",
     "MixedPrecision",
     "ParamSpec",
+    "PipelinedPlan",
     "Plan",
     "ROOT",
     "ROOT_LABEL",
@@ -81,6 +82,7 @@ __all__ = [
     "TP_MODULE_STYLES",
     "TP_STYLES",
     "Unit",
+    "pipeline_plan",
     "plan",
     "split_stages",
     "unit_label",

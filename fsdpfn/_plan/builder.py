@@ -26,13 +26,13 @@ from fsdpfn._plan.values import (
     unit_label,
 )
 from fsdpfn._patterns import first_match
-from fsdpfn._plan.plan_type import Plan
+from fsdpfn._plan.plan_type import PipelinedPlan, Plan
 from fsdpfn._plan.stages import split_stages
 from fsdpfn._plan.tp_layout import check_tp_layout
 from fsdpfn._plan.tp_styles import TP_FUSED_PREFIX, TP_STYLE_TABLE, style_names, style_row, tp_style
 from fsdpfn.fp8 import check_te
 
-__all__ = ["plan"]
+__all__ = ["pipeline_plan", "plan"]
 
 
 UnitsArg = Union[None, Sequence[str], Callable[[str, nn.Module], bool]]
@@ -272,8 +272,6 @@ def plan(
     remat: StrategyArg | None = None,
     offload: bool | Mapping[str, bool] | None = None,
     experts: Sequence[str] | Mapping[str, int] | None = None,
-    stages: int | Sequence[Sequence[str]] | None = None,
-    stage_costs: Mapping[str, float] | None = None,
 ) -> Plan:
     """Builds a validated :class:`Plan` for ``model`` on ``mesh``.
 
@@ -332,16 +330,6 @@ def plan(
         ``nn.Linear`` weight), and its module, or one around it, must dispatch tokens over
         ``ep``: have a ``set_ep_group`` method, as :class:`fsdpfn.models.MoE` does (see
         docs/tour/experts.md). Ignored on meshes without ``ep``.
-      stages: on a mesh with a ``pp`` axis (pipeline parallelism, e.g. ``("pp", "dp")``), how the
-        units are cut into pipeline stages (:class:`fsdpfn.Stages`; stage ``s`` runs on pp rank
-        ``s % pp``). ``None``: one stage per pp rank, balanced by parameter count; an int: that
-        many stages, a multiple of ``pp`` (``stages / pp`` virtual stages per rank, for
-        interleaved 1F1B); a list with one list of module-name prefixes per stage
-        (``[["embed", "pos", "blocks.0"], ["blocks.1", "norm", "head"]]``). A stage holds whole
-        units, so the root unit must be empty or fall in one stage (list the modules at the
-        model's two ends as units).
-      stage_costs: ``{unit name: cost}`` to balance by instead of parameter counts (e.g. a
-        profile's per-unit seconds, :func:`fsdpfn.sim.profile`).
 
     Returns:
       the plan.
@@ -377,12 +365,85 @@ def plan(
       >>> p2.param("blocks.0.qkv.weight").placements, p2.param("blocks.0.qkv.weight").local_shape
       ((AxisPlacement('tp', 2, Shard(0)),), (48, 32))
     """
+    return Plan(*_plan_fields(model, mesh, units, strategy, mp, tp, axes, remat, offload, experts, None, None, "plan"))
+
+
+def pipeline_plan(
+    model: nn.Module,
+    mesh,
+    units: UnitsArg = None,
+    strategy: StrategyArg = "zero3",
+    mp: MixedPrecision | None = None,
+    *,
+    stages: int | Sequence[Sequence[str]] | None = None,
+    stage_costs: Mapping[str, float] | None = None,
+    tp: TPArg = None,
+    axes: Mapping[str, Any] | None = None,
+    remat: StrategyArg | None = None,
+    offload: bool | Mapping[str, bool] | None = None,
+    experts: Sequence[str] | Mapping[str, int] | None = None,
+) -> PipelinedPlan:
+    """Builds a validated :class:`PipelinedPlan` for ``model`` on ``mesh``, a mesh with a
+    ``pp`` axis (pipeline parallelism, e.g. ``("pp", "dp")``): the units of :func:`plan`, cut
+    into pipeline stages.
+
+    Args:
+      model, mesh, units, strategy, mp, tp, axes, remat, offload, experts: as :func:`plan`'s;
+        the mesh has a ``pp`` axis, and every other axis works within a stage as in a plan
+        without pp.
+      stages: how the units are cut into pipeline stages (:class:`fsdpfn.Stages`; stage ``s``
+        runs on pp rank ``s % pp``). ``None``: one stage per pp rank, balanced by parameter
+        count; an int: that many stages, a multiple of ``pp`` (``stages / pp`` virtual stages
+        per rank, for interleaved 1F1B); a list with one list of module-name prefixes per stage
+        (``[["embed", "pos", "blocks.0"], ["blocks.1", "norm", "head"]]``). A stage holds whole
+        units, so the root unit must be empty or fall in one stage (list the modules at the
+        model's two ends as units).
+      stage_costs: ``{unit name: cost}`` to balance by instead of parameter counts (e.g. a
+        profile's per-unit seconds, :func:`fsdpfn.sim.profile`).
+
+    Returns:
+      the plan; :meth:`PipelinedPlan.stage_plan` gives each stage's :class:`Plan`, and
+      :class:`fsdpfn.runtime.PipelineRuntime` runs it.
+
+    Raises:
+      ValueError: a mesh without a ``pp`` axis, a split that is not whole units, a number of
+        stages that is not a multiple of ``pp``, and what :func:`plan` raises.
+
+    Example:
+      >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+      >>> pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=units)
+      >>> print(pp.stages)
+      stage 0 (pp rank 0): embed, pos, blocks.0; stage 1 (pp rank 1): blocks.1, norm, head
+      >>> pp.stage_plan(1).axes.describe()
+      'dp=2 (shard)'
+    """
+    return PipelinedPlan(
+        *_plan_fields(
+            model, mesh, units, strategy, mp, tp, axes, remat, offload, experts, stages, stage_costs, "pipeline_plan"
+        )
+    )
+
+
+def _plan_fields(model, mesh, units, strategy, mp, tp, axes, remat, offload, experts, stages, stage_costs, what):
+    """The fields of the plan ``what`` (``"plan"`` or ``"pipeline_plan"``) builds: each refuses
+    a mesh of the other kind here, before the model is read."""
     if not isinstance(model, nn.Module):
-        raise ValueError(f"plan() takes the nn.Module to shard, got {type(model).__name__}")
+        raise ValueError(f"{what}() takes the nn.Module to shard, got {type(model).__name__}")
     mp = MixedPrecision() if mp is None else mp
     if not isinstance(mp, MixedPrecision):
         raise ValueError(f"mp must be fsdpfn.MixedPrecision(...), got {type(mp).__name__}")
     mesh_axes, names, mesh = _axes_of(mesh, axes)
+    if what == "plan" and Role.PP in mesh_axes.roles:
+        raise ValueError(
+            f"the mesh {mesh_axes.describe()} has a pipeline axis: each pp rank runs its own stages, so the plan is "
+            "a fsdpfn.PipelinedPlan; build it with fsdpfn.pipeline_plan(model, mesh, units=..., stages=...)"
+        )
+    if what == "pipeline_plan" and Role.PP not in mesh_axes.roles:
+        raise ValueError(
+            f"pipeline_plan() cuts a model into pipeline stages, but the mesh {mesh_axes.describe()} has no 'pp' "
+            "axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp')), or build a "
+            "plan without stages with fsdpfn.plan(model, mesh, ...)"
+        )
     _check_not_parallelised(model)
     if mesh_axes.cp_size > 1:
         _check_has_attention(model, mesh_axes)
@@ -479,7 +540,7 @@ def plan(
     if tp_styles:
         check_tp_layout(model, tp or {}, tp_styles, tp_size)
     roles = None if mesh_axes.legacy and axes is None else tuple(r.value for r in mesh_axes.roles)
-    return Plan(
+    return (
         built,
         mesh_axes.shape,
         names,
@@ -493,11 +554,6 @@ def plan(
 
 def _stages_of(units, axes: MeshAxes, stages, stage_costs):
     if Role.PP not in axes.roles:
-        if stages is not None or stage_costs is not None:
-            raise ValueError(
-                f"stages= / stage_costs= split the model into pipeline stages, but the mesh {axes.describe()} has no "
-                "'pp' axis; add one, e.g. init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))"
-            )
         return None
     if stage_costs is not None and not (stages is None or isinstance(stages, int)):
         raise ValueError(

@@ -505,7 +505,7 @@ def pipeline_schedule(
         )
         raise ValueError(
             f"pipeline_schedule needs a pipelined plan or fsdpfn.Stages, got {what}; build the plan on a mesh with "
-            "a pp axis, e.g. fsdpfn.plan(model, {'pp': 2, 'dp': 1}, units=[...])"
+            "a pp axis, e.g. fsdpfn.pipeline_plan(model, {'pp': 2, 'dp': 1}, units=[...])"
         )
     if name not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}")
@@ -541,7 +541,7 @@ def forward_only(plan: PlanValues, micro_batches: int, *, prefetch: int = 1) -> 
     every micro-batch for a backward, is for training lists.
 
     Example:
-      >>> ps = forward_only(fsdpfn.plan(model, {"pp": 2, "dp": 1}, units=["embed", "pos", "blocks.0", "blocks.1",
+      >>> ps = forward_only(fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=["embed", "pos", "blocks.0", "blocks.1",
       ...                   "norm", "head"]), 2)
       >>> [str(op) for op in ps.ranks[1]][-5:]
       ['recv_act s1 m1', 'stage_forward s1 m1', 'free blocks.1', 'free norm', 'free head']

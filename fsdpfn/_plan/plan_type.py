@@ -1,5 +1,5 @@
-"""The public :class:`fsdpfn.Plan`: a plan's values with the two methods that read other plan
-modules.
+"""The public plans: :class:`fsdpfn.Plan` (one stage) and :class:`fsdpfn.PipelinedPlan` (cut
+into pipeline stages), a plan's values with the methods that read other plan modules.
 
 [Note: the plan's class and its values]
 ``Plan.cost()`` runs the cost model, which expands the step's schedule into collectives, and
@@ -8,19 +8,47 @@ So the values (``values.PlanValues``: fields, checks, layouts, dtypes, codecs, t
 the fingerprint) sit at the bottom of the package, the cost model and the reader above them, and
 this class on top, where it imports both. Every module's imports point down, and no registry
 or import side effect connects a method to its implementation. Code inside the plan package
-annotates with ``PlanValues``; everything outside it sees ``Plan``.
+annotates with ``PlanValues``; everything outside it sees ``Plan`` or ``PipelinedPlan``.
+
+[Note: a pipelined plan is its own type]
+A pipelined plan holds every stage's units, while each pp rank runs its own stages only. So a
+transform over the whole plan (``shard``, ``unshard``, ``Runtime``, ``init_shards``, a
+checkpoint load) would hold and step every stage on every rank: a model that trains without
+its pipeline. Its own class, which is not a ``Plan``, lets a type checker catch that hand-over,
+and every entry point refuses it by one ``isinstance`` test (``transforms._gather.
+check_plan_kind``) that names the way in: ``PipelineRuntime``, or ``stage_plan(stage)``, a
+``Plan``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from fsdpfn._plan.cost import PlanCost, plan_cost
 from fsdpfn._plan.serialise import plan_from_dict
+from fsdpfn._plan.axes import Role
+from fsdpfn._plan.stage_mesh import mark_stage_mesh
 from fsdpfn._plan.values import PlanValues
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "PipelinedPlan"]
+
+
+def _kind_check(plan: PlanValues) -> None:
+    """Refuses values of the other kind: stages on a ``Plan``, none on a ``PipelinedPlan``."""
+    if isinstance(plan, Plan) and plan.stages is not None:
+        raise ValueError(
+            f"a plan cut into {plan.stages.num_stages} pipeline stages is a fsdpfn.PipelinedPlan, not a fsdpfn.Plan: "
+            "build it with fsdpfn.pipeline_plan(model, mesh, ...), or read its JSON with fsdpfn.PipelinedPlan.from_json"
+        )
+    if isinstance(plan, PipelinedPlan):
+        if plan.stages is None:
+            raise ValueError(
+                f"a PipelinedPlan needs stages, and the plan (mesh {plan.axes.describe()}) has none: a plan without "
+                "pipeline stages is a fsdpfn.Plan (fsdpfn.plan(model, mesh, ...), fsdpfn.Plan.from_json)"
+            )
+        if plan.pp_stage is not None:
+            raise ValueError("a PipelinedPlan holds every stage; one stage's plan (pp_stage) is a fsdpfn.Plan")
 
 
 class Plan(PlanValues):
@@ -43,7 +71,15 @@ class Plan(PlanValues):
       tp: ``((module name, style), ...)``: the modules whose matmuls are split over the tp
         axis, with ``"colwise"``, ``"colwise_gather"``, ``"colwise_fused:k"`` or ``"rowwise"``, in
         model order.
+      pp_stage: ``(stage, pp size)`` on one stage's plan (:meth:`PipelinedPlan.stage_plan`),
+        else ``None``.
+
+    A plan cut into pipeline stages is a :class:`PipelinedPlan`, not a ``Plan``.
     """
+
+    def __post_init__(self):
+        super().__post_init__()
+        _kind_check(self)
 
     @classmethod
     def from_json(cls, s: str, mesh=None) -> "Plan":
@@ -56,6 +92,10 @@ class Plan(PlanValues):
           (True, True)
         """
         return plan_from_dict(json.loads(s), cls, mesh)
+
+    def bind(self, mesh) -> "Plan":
+        """The same plan bound to a live ``DeviceMesh`` (e.g. after :meth:`from_json`)."""
+        return cast(Plan, super().bind(mesh))
 
     def cost(
         self,
@@ -116,4 +156,92 @@ class Plan(PlanValues):
             accumulate=accumulate,
             schedule=schedule,
             attention=attention,
+        )
+
+
+class PipelinedPlan(PlanValues):
+    """A plan cut into pipeline stages: the units of a model on a mesh with a ``pp`` axis, and
+    :class:`fsdpfn.Stages`, which unit runs in which stage on which pp rank. Immutable.
+
+    Build one with :func:`fsdpfn.pipeline_plan`. It is not a :class:`Plan`: each pp rank holds
+    and runs its own stages only, so the transforms that take a whole plan (``shard``,
+    ``unshard``, ``Runtime``, ``init_shards``, ...) refuse it. Run it with
+    :class:`fsdpfn.runtime.PipelineRuntime`, or take one stage's plan, a ``Plan``, with
+    :meth:`stage_plan`. It prints, saves to JSON and fingerprints as a ``Plan`` does; its step
+    is a :func:`fsdpfn.pipeline_schedule`, which :func:`fsdpfn.sim.simulate_pipeline` prices.
+
+    Attributes:
+      stages: the :class:`fsdpfn.Stages`.
+      units, mesh_shape, mesh_dim_names, mp, mesh, mesh_roles, tp: as a :class:`Plan`'s, over
+        the whole mesh, pp axis included.
+
+    Example:
+      >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+      >>> pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=units)
+      >>> isinstance(pp, fsdpfn.Plan), pp.stages.num_stages, [u.name for u in pp.stage_plan(0).units]
+      (False, 2, ['embed', 'pos', 'blocks.0'])
+    """
+
+    def __post_init__(self):
+        super().__post_init__()
+        _kind_check(self)
+
+    @classmethod
+    def from_json(cls, s: str, mesh=None) -> "PipelinedPlan":
+        """Rebuilds a pipelined plan saved with :meth:`to_json`, optionally bound to ``mesh``.
+
+        Example:
+          >>> pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
+          >>> same = fsdpfn.PipelinedPlan.from_json(pp.to_json())
+          >>> same == pp, same.stages == pp.stages
+          (True, True)
+        """
+        return plan_from_dict(json.loads(s), cls, mesh)
+
+    def bind(self, mesh) -> "PipelinedPlan":
+        """The same plan bound to a live ``DeviceMesh`` (e.g. after :meth:`from_json`)."""
+        return cast(PipelinedPlan, super().bind(mesh))
+
+    def stage_plan(self, stage: int) -> Plan:
+        """The plan of one pipeline stage: its units on the mesh without the ``pp`` axis, where
+        every other axis works as in a plan without pp (``fsdpfn.shard``, ``unshard`` and
+        ``reduce`` take it as they are). Bound to this rank's part of the mesh when this rank
+        runs ``stage``, else unbound (a shape, for printing and costing).
+
+        Example:
+          >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+          >>> p = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 2}, units=units)
+          >>> s1 = p.stage_plan(1)
+          >>> [u.name for u in s1.units], s1.axes.describe(), s1.pp_stage
+          (['blocks.1', 'norm', 'head'], 'dp=2 (shard)', (1, 2))
+        """
+        if not isinstance(stage, int) or not 0 <= stage < self.stages.num_stages:
+            raise ValueError(
+                f"stage {stage!r} is not a stage of the plan; its stages are 0..{self.stages.num_stages - 1}"
+            )
+        axes = self.axes
+        pp_dim = axes.dim(Role.PP)
+        keep = [d for d in range(len(axes.shape)) if d != pp_dim]
+        names = tuple(axes.names[d] for d in keep)
+        mesh = None
+        if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(
+            stage
+        ):
+            mesh = self.mesh[names if len(names) > 1 else names[0]]
+            mark_stage_mesh(
+                mesh, self.mesh, axes.names[cast(int, pp_dim)]
+            )  # [Note: a stage's parameters are part of one model]
+        units = tuple(u for u in self.units if u.name in self.stages.units[stage])
+        held = {p.name for u in units for p in u.params}
+        tp = tuple((m, style) for m, style in self.tp if any(n.startswith(m + ".") for n in held))
+        return Plan(
+            units,
+            tuple(axes.shape[d] for d in keep),
+            names,
+            self.mp,
+            mesh,
+            tuple(axes.roles[d].value for d in keep),
+            tp,
+            None,
+            (stage, self.stages.pp_size),
         )

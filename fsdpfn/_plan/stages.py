@@ -133,7 +133,7 @@ def _split_by_names(units: Sequence[tuple[str, Sequence[str]]], split: Sequence[
         if len(homes) > 1:
             where = ", ".join(f"{p!r} in stage {s}" for s, p in sorted(homes.items()))
             fix = (
-                "make the modules at each end units of their own, e.g. fsdpfn.plan(..., units=[...]), so the root is empty "
+                "make the modules at each end units of their own, e.g. fsdpfn.pipeline_plan(..., units=[...]), so the root is empty "
                 "(see [Note: the root unit in a pipeline])"
                 if unit == ROOT
                 else f"a stage holds whole units: put all of {unit_label(unit)!r} in one stage, or split it into smaller units"
@@ -157,7 +157,7 @@ def _split_balanced(
     if n < count:
         raise ValueError(
             f"{count} stages need at least {count} units, the plan has {n} ({', '.join(map(unit_label, names))}); "
-            "use fewer stages or more units (fsdpfn.plan(..., units=[...]))"
+            "use fewer stages or more units (fsdpfn.pipeline_plan(..., units=[...]))"
         )
     prefix = [0.0]
     for u in names:
@@ -222,7 +222,7 @@ def split_stages(
             raise ValueError(
                 f"a balanced split cuts the units in order, but the root unit holds {root[:3]}"
                 f"{'...' if len(root) > 3 else ''}, which have no place in that order; make their modules units "
-                "of their own (fsdpfn.plan(..., units=[...])) or split by name with stages=[[...], ...] "
+                "of their own (fsdpfn.pipeline_plan(..., units=[...])) or split by name with stages=[[...], ...] "
                 "(see [Note: the root unit in a pipeline])"
             )
         weights = dict(costs) if costs is not None else dict(numels or {})

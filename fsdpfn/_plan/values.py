@@ -77,7 +77,7 @@ import enum
 import functools
 import json
 import math
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 import torch
 import torch.distributed
@@ -86,7 +86,6 @@ from fsdpfn._plan import placements as P
 from fsdpfn._plan.axes import MeshAxes, Role
 from fsdpfn._plan.encode import _dtype_name, plan_fingerprint, plan_to_dict
 from fsdpfn._plan.placements import AxisPlacement
-from fsdpfn._plan.stage_mesh import mark_stage_mesh
 from fsdpfn._plan.tp_styles import TP_FUSED_PREFIX, style_names, style_row, tp_style
 from fsdpfn._rows import chunk_bounds, chunk_size
 from fsdpfn._codec import GatherCodec, ReduceCodec, cached, codec_factories
@@ -598,9 +597,10 @@ class Unit:
 
 @dataclasses.dataclass(frozen=True)
 class PlanValues:
-    """The values of a :class:`fsdpfn.Plan` and what they derive: layouts, dtypes, codecs, JSON,
-    fingerprint, printout. ``fsdpfn.Plan`` adds the two methods that read other plan modules,
-    ``from_json`` and ``cost`` (see [Note: the plan's class and its values] in ``plan_type.py``)."""
+    """The values of a :class:`fsdpfn.Plan` or :class:`fsdpfn.PipelinedPlan` and what they
+    derive: layouts, dtypes, codecs, JSON, fingerprint, printout. The two public classes add the
+    methods that read other plan modules (see [Note: the plan's class and its values] in
+    ``plan_type.py``)."""
 
     units: tuple[Unit, ...]
     mesh_shape: tuple[int, ...]
@@ -609,8 +609,8 @@ class PlanValues:
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
     mesh_roles: tuple[str, ...] | None = None
     tp: tuple[tuple[str, str], ...] = ()
-    # A pipelined plan's fsdpfn.Stages (a mesh with a pp axis); typed Any because stages.py sits
-    # above this module (it reads unit names), and the check below needs only its fields.
+    # A PipelinedPlan's fsdpfn.Stages (None on a Plan); typed Any because stages.py sits above
+    # this module (it reads unit names), and the check below needs only its fields.
     stages: Any = None
     # (stage, pp size) of a stage's plan (PlanValues.stage_plan): its mesh is one pp rank's part.
     pp_stage: tuple[int, int] | None = None
@@ -727,7 +727,7 @@ class PlanValues:
         if Role.PP in axes.roles and self.stages is None:
             raise ValueError(
                 f"the mesh {axes.describe()} has a pipeline axis, but the plan has no stages; build it with "
-                "fsdpfn.plan(model, mesh, ...), which splits the units into stages (stages=... to choose how)"
+                "fsdpfn.pipeline_plan(model, mesh, ...), which splits the units into stages (stages=... to choose how)"
             )
         if self.stages is None:
             return
@@ -751,54 +751,6 @@ class PlanValues:
                 f"{'; ' if missing and extra else ''}{'not units of the plan: ' + str(extra) if extra else ''}; "
                 "every unit belongs to exactly one stage"
             )
-
-    def stage_plan(self, stage: int) -> "PlanValues":
-        """The plan of one pipeline stage: its units on the mesh without the ``pp`` axis, where
-        every other axis works as in a plan without pp (``fsdpfn.shard``, ``unshard`` and
-        ``reduce`` take it as they are). Bound to this rank's part of the mesh when this rank
-        runs ``stage``, else unbound (a shape, for printing and costing).
-
-        Example:
-          >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
-          >>> p = fsdpfn.plan(model, {"pp": 2, "dp": 2}, units=units)
-          >>> s1 = p.stage_plan(1)
-          >>> [u.name for u in s1.units], s1.axes.describe(), s1.pp_stage
-          (['blocks.1', 'norm', 'head'], 'dp=2 (shard)', (1, 2))
-        """
-        if self.stages is None:
-            raise ValueError(
-                f"the plan has no pipeline stages (mesh {self.axes.describe()}); build it on a mesh with a 'pp' axis"
-            )
-        if not isinstance(stage, int) or not 0 <= stage < self.stages.num_stages:
-            raise ValueError(
-                f"stage {stage!r} is not a stage of the plan; its stages are 0..{self.stages.num_stages - 1}"
-            )
-        axes = self.axes
-        pp_dim = axes.dim(Role.PP)
-        keep = [d for d in range(len(axes.shape)) if d != pp_dim]
-        names = tuple(axes.names[d] for d in keep)
-        mesh = None
-        if self.mesh is not None and self.mesh.get_local_rank(axes.names[cast(int, pp_dim)]) == self.stages.rank_of(
-            stage
-        ):
-            mesh = self.mesh[names if len(names) > 1 else names[0]]
-            mark_stage_mesh(
-                mesh, self.mesh, axes.names[cast(int, pp_dim)]
-            )  # [Note: a stage's parameters are part of one model]
-        units = tuple(u for u in self.units if u.name in self.stages.units[stage])
-        held = {p.name for u in units for p in u.params}
-        tp = tuple((m, style) for m, style in self.tp if any(n.startswith(m + ".") for n in held))
-        return type(self)(
-            units,
-            tuple(axes.shape[d] for d in keep),
-            names,
-            self.mp,
-            mesh,
-            tuple(axes.roles[d].value for d in keep),
-            tp,
-            None,
-            (stage, self.stages.pp_size),
-        )
 
     # ---- mesh ----------------------------------------------------------------------------
 
@@ -975,7 +927,7 @@ class PlanValues:
             mp += f", fp8={fp8.recipe.name}" + ("" if fp8.backend == "torch" else f" ({fp8.backend})")
         if self.mp.codec is not None:
             mp += f", codec={self.mp.codec}"
-        head = f"Plan {self.fingerprint}: mesh {mesh}, {mp}"
+        head = f"{'PipelinedPlan' if self.stages is not None else 'Plan'} {self.fingerprint}: mesh {mesh}, {mp}"
         if self.stages is not None:
             head += f"\n{self.stages.num_stages} pipeline stages: {self.stages}"
         rows = [

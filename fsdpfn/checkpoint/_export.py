@@ -8,6 +8,7 @@ from typing import Mapping
 import torch
 
 from fsdpfn import comm
+from fsdpfn._plan import PipelinedPlan
 from fsdpfn._plan.axes import Role
 from fsdpfn.transforms import check_params
 from fsdpfn.checkpoint._agree import agree, decide, timeout_scope
@@ -80,7 +81,7 @@ def export_full(
             problem = e
         agree(problem, "fsdpfn.checkpoint.export_full")
         with torch.no_grad():
-            if plan is not None and plan.stages is not None:
+            if isinstance(plan, PipelinedPlan):
                 full = _gather_stages(params, plan)
             else:
                 full = {n: _full(x) for n, x in params.items()}  # same order on every rank
@@ -96,7 +97,7 @@ def _check_names(params, plan, model) -> dict[str, str | None] | None:
     """``{state_dict key: parameter name or None}`` (``None`` without a model), after checking
     that ``params`` has the plan's and the model's parameters."""
     here = plan.param_names if plan is not None else list(params)
-    if plan is not None and plan.stages is not None:
+    if isinstance(plan, PipelinedPlan):
         stage_plans = _stage_plans(plan)
         for sp in stage_plans:
             check_params({n: params.get(n) for n in sp.param_names}, sp, "export_full(params)")
@@ -117,7 +118,7 @@ def _check_names(params, plan, model) -> dict[str, str | None] | None:
     if absent:
         key, name = absent[0]
         raise ValueError(
-            f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in {'the plan' if plan is not None and plan.stages is not None else 'params'} "
+            f"export_full: model parameter {name!r} (state_dict key {key!r}) is not in {'the plan' if isinstance(plan, PipelinedPlan) else 'params'} "
             f"({len(absent)} missing); pass every parameter of the model"
         )
     return keys

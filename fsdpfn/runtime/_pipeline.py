@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 from fsdpfn._plan.attention import CP_STRATEGIES
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.interpret import PIPELINE_ACTIONS, bind_handlers
@@ -235,7 +235,7 @@ class PipelineRuntime:
     build the mesh ``(2, 1)`` and run the same lines on every rank):
       >>> pp_mesh = fsdpfn.testing.mesh((1, 1), ("pp", "dp"))
       >>> units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]  # the ends as units of their own
-      >>> pp_plan = fsdpfn.plan(model, pp_mesh, units=units, stages=2)
+      >>> pp_plan = fsdpfn.pipeline_plan(model, pp_mesh, units=units, stages=2)
       >>> ce = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
       >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "gpipe", micro_batches=2, loss_fn=ce)
       >>> pp_params = pipe.shard(model)                   # this rank's stages' parameters
@@ -247,7 +247,7 @@ class PipelineRuntime:
     def __init__(
         self,
         model: nn.Module,
-        plan: Plan,
+        plan: PipelinedPlan,
         schedule: str | PipelineSchedule = "1f1b",
         micro_batches: int | None = 8,
         *,
@@ -259,12 +259,15 @@ class PipelineRuntime:
         profile: bool = False,
         verify: bool = True,
     ):
-        if not isinstance(plan, Plan):
-            raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
-        if plan.stages is None:
+        if not isinstance(plan, PipelinedPlan):
             raise ValueError(
-                f"PipelineRuntime needs a pipelined plan, but the plan's mesh ({plan.axes.describe()}) has no 'pp' "
-                "axis; for one stage use fsdpfn.runtime.Runtime"
+                "PipelineRuntime needs a fsdpfn.PipelinedPlan (fsdpfn.pipeline_plan(model, mesh) on a mesh with a 'pp' "
+                f"axis), got {type(plan).__name__}"
+                + (
+                    f" (mesh {plan.axes.describe()}); for one stage use fsdpfn.runtime.Runtime"
+                    if isinstance(plan, Plan)
+                    else ""
+                )
             )
         if plan.mesh is None:
             raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a PipelineRuntime")
@@ -298,7 +301,7 @@ class PipelineRuntime:
         self._global = group_ranks(self.group)
         st = plan.stages
         self.stages_here = st.stages_of(self.pp_rank)
-        self.stage_plans = {s: cast(Plan, plan.stage_plan(s)) for s in self.stages_here}
+        self.stage_plans = {s: plan.stage_plan(s) for s in self.stages_here}
         self.modules = {s: self._stage_module(stages, s) for s in self.stages_here}
         self._names = {s: self._param_names(s) for s in self.stages_here}
         apply_tp(model, plan)  # the tensor-parallel activation collectives of every stage's modules
@@ -352,7 +355,7 @@ class PipelineRuntime:
           the compiled stages.
 
         Example:
-          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          >>> pp_plan = fsdpfn.pipeline_plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
           ...                       "blocks.1", "norm", "head"], stages=2)
           >>> ce = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
           >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "gpipe", micro_batches=2, loss_fn=ce)
@@ -453,7 +456,7 @@ class PipelineRuntime:
         plan), the ``params`` :meth:`step` takes.
 
         Example:
-          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          >>> pp_plan = fsdpfn.pipeline_plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
           ...                       "blocks.1", "norm", "head"])
           >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "1f1b", 2, loss_fn=lambda out, y: out.mean())
           >>> sorted(pipe.shard(model)) == sorted(pp_plan.param_names)  # pp=1: every stage is here
@@ -692,7 +695,7 @@ class PipelineRuntime:
           the loss :meth:`step` returns for the same parameters.
 
         Example:
-          >>> pp_plan = fsdpfn.plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
+          >>> pp_plan = fsdpfn.pipeline_plan(model, fsdpfn.testing.mesh((1, 1), ("pp", "dp")), units=["embed", "pos", "blocks.0",
           ...                       "blocks.1", "norm", "head"])
           >>> ce = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
           >>> pipe = fsdpfn.runtime.PipelineRuntime(model, pp_plan, "1f1b", micro_batches=2, loss_fn=ce)

@@ -24,6 +24,7 @@ from fsdpfn.transforms import (
     StepChecks,
     apply_tp,
     check_params,
+    check_plan_kind,
     recording_backend,
     unshard_traced,
     verify,
@@ -95,8 +96,7 @@ class Runtime:
         device: str | torch.device | None = "cpu",
         verify: bool = True,
     ):
-        if not isinstance(plan, Plan):
-            raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
+        check_plan_kind(plan, "Runtime")
         if plan.mesh is None:
             raise ValueError("the plan has no mesh; bind one with plan.bind(mesh) before building a Runtime")
         if accumulate not in ACCUMULATE:

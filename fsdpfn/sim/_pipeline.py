@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
-from fsdpfn._plan import ROOT, Plan
+from fsdpfn._plan import ROOT, PipelinedPlan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import Op, OpKind, schedule
 from fsdpfn._plan.steps import step_collectives
@@ -87,7 +87,7 @@ class PipelineSimResult:
       notes: what the model assumed.
 
     Example:
-      >>> pp = fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
+      >>> pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
       >>> wl = fsdpfn.sim.profile(model, pp, x)
       >>> r = fsdpfn.sim.simulate_pipeline(pp, fsdpfn.pipeline_schedule(pp, "1f1b", 8), wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
       >>> 0 < r.times.bubble < 1, r.step_time > r.times.makespan   # the optimizer runs after the schedule
@@ -185,7 +185,7 @@ def _rank_at(shape: tuple[int, ...], coords: list[int]) -> int:
 
 
 def simulate_pipeline(
-    plan: Plan,
+    plan: PipelinedPlan,
     schedule_: PipelineSchedule,
     workload: Workload,
     optimizer: Any = None,
@@ -207,7 +207,7 @@ def simulate_pipeline(
         pp rank at those coordinates is priced).
 
     Example:
-      >>> pp = fsdpfn.plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
+      >>> pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 4}, units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
       >>> wl = fsdpfn.sim.profile(model, pp, x)
       >>> r = fsdpfn.sim.simulate_pipeline(pp, fsdpfn.pipeline_schedule(pp, "gpipe", 4), wl, fsdpfn.sim.AdamW(), fsdpfn.sim.H100_SXM)
       >>> print(r)   # per stage forward/backward and hop; per rank finish, FSDP time, memory  # doctest: +ELLIPSIS
@@ -215,7 +215,7 @@ def simulate_pipeline(
       >>> r.memory[1]["activations"] == 4 * sum(b for u, b in wl.activations if u in pp.stages.units[1])   # GPipe: m in flight
       True
     """
-    if not isinstance(plan, Plan) or plan.stages is None:
+    if not isinstance(plan, PipelinedPlan):
         raise ValueError(
             "simulate_pipeline needs a pipelined plan (a mesh with a 'pp' axis and stages); "
             "for a plan without pp use fsdpfn.sim.simulate"
@@ -256,7 +256,7 @@ def simulate_pipeline(
     opt_s: list[float] = []
     gather_s, reduce_s = [0.0] * S, [0.0] * S
     for s in range(S):
-        sp = cast(Plan, plan.stage_plan(s))  # a Plan's stage plan is a Plan (stage_plan builds type(self))
+        sp = plan.stage_plan(s)
         ws = _stage_workload(workload, s, owner, last)
         groups = _mesh_groups(plan, global_rank(stages.rank_of(s)))
 

@@ -55,7 +55,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from fsdpfn._plan import ROOT, MixedPrecision, Plan
+from fsdpfn._plan import ROOT, MixedPrecision, PipelinedPlan, Plan
+from fsdpfn._plan import pipeline_plan as build_pipeline_plan
 from fsdpfn._plan import plan as build_plan
 from fsdpfn._plan.attention import CP_STRATEGIES
 from fsdpfn._remat import check_policy
@@ -123,7 +124,7 @@ class _Layout:
     pipeline: str = ""  # the pipeline schedule's name when pp > 1
 
     def mesh(self):
-        """What ``fsdpfn.plan`` takes for this mesh."""
+        """What ``fsdpfn.plan`` (``fsdpfn.pipeline_plan`` with a pp axis) takes for this mesh."""
         if self.pp > 1:
             return {"pp": self.pp, **_mesh_arg_dict(self.dp, self.tp)}
         return _mesh_arg(self.dp, self.tp, self.ep, self.cp)
@@ -172,7 +173,8 @@ class SearchResult:
 
     Attributes:
       plan, schedule, result: the winning plan, its schedule and its :class:`SimResult` (a
-        pipelined pick: its :class:`fsdpfn.PipelineSchedule` and :class:`PipelineSimResult`).
+        pipelined pick: a :class:`fsdpfn.PipelinedPlan`, its :class:`fsdpfn.PipelineSchedule` and
+        :class:`PipelineSimResult`).
       accumulate: the pick's gradient accumulation (``fsdpfn.runtime.Runtime(accumulate=...)``).
       candidate: the pick as a :class:`Candidate` (``candidate.describe()`` says what it is).
         Among candidates within ``rel_tol`` of the fastest, the pick is the default if it is
@@ -185,7 +187,7 @@ class SearchResult:
         within ``budget`` and its reserved bytes within this.
     """
 
-    plan: Plan
+    plan: Plan | PipelinedPlan
     schedule: Schedule | PipelineSchedule
     result: SimResult | PipelineSimResult
     default: SimResult
@@ -493,20 +495,16 @@ def search(
         if key in seen:
             return seen[key]
         strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
-        plan = build_plan(
-            model,
-            layout.mesh(),
-            units=u_opt,
-            strategy=strategy,
-            mp=mp,
-            remat=rm or None,
-            tp=tp_plan if layout.tp > 1 else None,
-            stages=layout.stages if layout.pp > 1 else None,
-        )
+        plan: Plan | PipelinedPlan
+        common = dict(units=u_opt, strategy=strategy, mp=mp, remat=rm or None, tp=tp_plan if layout.tp > 1 else None)
+        if layout.pp > 1:
+            plan = build_pipeline_plan(model, layout.mesh(), stages=layout.stages, **common)
+        else:
+            plan = build_plan(model, layout.mesh(), **common)
         work = wl.with_remat(plan) if rm else wl
         sched: Schedule | PipelineSchedule
         res: SimResult | PipelineSimResult
-        if layout.pp > 1:
+        if isinstance(plan, PipelinedPlan):
             psched = pipeline_schedule(plan, layout.pipeline, micro_batches * layout.pp, prefetch=p)
             pres = simulate_pipeline(plan, psched, work, optimizer, hardware)
             sched, res, peak = psched, pres, max(m["peak"] for m in pres.memory)
@@ -704,7 +702,7 @@ def _check_pp(
                 f"search: pp={q} with {', '.join(names)} needs {most} stages, but {type(model).__name__} has "
                 f"{len(units)} pipeline units ({units[:4]}...); choose a smaller pp degree"
             )
-        build_plan(
+        build_pipeline_plan(
             model, {"pp": q, "dp": world // q}, units=units, mp=mp, stages=q
         )  # whatever else the plan refuses: named here
     return pps, names

@@ -55,7 +55,7 @@ import dataclasses
 import types
 from typing import Any, NamedTuple, cast
 
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.interpret import FSDP_ACTIONS, bind_handlers
 from fsdpfn._plan.placements import rows_over, unit_row_roles
@@ -242,7 +242,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _mesh_groups(plan: Plan, rank: int) -> dict[str, list[int]]:
+def _mesh_groups(plan: Plan | PipelinedPlan, rank: int) -> dict[str, list[int]]:
     """``{role: global ranks}`` of ``rank``'s group along each mesh axis (ranks laid out
     row-major over the mesh's dims, as ``init_device_mesh`` lays them out)."""
     shape = plan.mesh_shape

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 from fsdpfn._plan.attention import CP_STRATEGIES, AttentionCall, sequence_parts
 from fsdpfn._flops import op_flops, rate_key, tensors_of
 from fsdpfn._remat import SaveMode
@@ -264,7 +264,7 @@ class Workload:
           True
         """
         base = self.base or self
-        if isinstance(policies, Plan):
+        if isinstance(policies, (Plan, PipelinedPlan)):
             policies = {u.name: u.remat for u in policies.units}
         policies = {u: p for u, p in policies.items() if p != "none"}
         if ROOT in policies:

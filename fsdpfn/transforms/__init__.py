@@ -19,6 +19,7 @@ from fsdpfn.transforms._compiled import compile as compile
 from fsdpfn.transforms._compiled import recording_backend as recording_backend
 from fsdpfn.transforms._compiled import unshard_traced as unshard_traced
 from fsdpfn.transforms._sharding import check_params as check_params
+from fsdpfn.transforms._sharding import check_plan_kind as check_plan_kind
 from fsdpfn.transforms._sharding import dp_rank as dp_rank
 from fsdpfn.transforms._sharding import from_local as from_local
 from fsdpfn.transforms._sharding import gather_unit as gather_unit
@@ -94,6 +95,7 @@ __all__ = [
     "check_batch",
     "check_step_batch",
     "check_params",
+    "check_plan_kind",
     "note_capture",
     "note_step",
     "cut_watch",

@@ -10,7 +10,7 @@ import torch
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import mesh_dims, split_roles, unit_row_roles
 from fsdpfn._plan.stage_mesh import copy_stage_mark
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-def _mesh(plan: Plan):
+def _mesh(plan: Plan | PipelinedPlan):
     if plan.mesh is None:
         raise ValueError(
             "this plan has no mesh (loaded from JSON?); bind one with plan.bind(mesh) or Plan.from_json(s, mesh)"
@@ -42,7 +42,7 @@ def _mesh(plan: Plan):
     return plan.mesh
 
 
-def _axis_group(plan: Plan, role: Role):
+def _axis_group(plan: Plan | PipelinedPlan, role: Role):
     d = plan.axes.dim(role)
     return None if d is None else _mesh(plan).get_group(d)
 
@@ -57,12 +57,12 @@ def replicate_group(plan: Plan):
     return _axis_group(plan, Role.REPLICATE)
 
 
-def tp_group(plan: Plan):
+def tp_group(plan: Plan | PipelinedPlan):
     """The process group of the plan's tensor-parallel axis (``None`` without one)."""
     return _axis_group(plan, Role.TP)
 
 
-def _axis_rank(plan: Plan, role: Role) -> int:
+def _axis_rank(plan: Plan | PipelinedPlan, role: Role) -> int:
     d = plan.axes.dim(role)
     return 0 if d is None else _mesh(plan).get_local_rank(d)
 
@@ -72,7 +72,7 @@ def shard_rank(plan: Plan) -> int:
     return _axis_rank(plan, Role.SHARD)
 
 
-def ep_group(plan: Plan):
+def ep_group(plan: Plan | PipelinedPlan):
     """The process group of the plan's expert-parallel axis (``None`` without one).
 
     Example:
@@ -104,7 +104,7 @@ def cp_group(plan: Plan):
     return _axis_group(plan, Role.CP)
 
 
-def cp_rank(plan: Plan) -> int:
+def cp_rank(plan: Plan | PipelinedPlan) -> int:
     """This process's index on the context-parallel axis (0 without one): which head and tail
     chunks of each sequence it holds (:func:`fsdpfn.context_parallel_shard`).
 
@@ -240,7 +240,7 @@ def unit_rank(plan: Plan, unit) -> int:
     return _rows_mesh(plan, rows).get_local_rank(_rows_dim(plan, rows))
 
 
-def dp_rank(plan: Plan) -> int:
+def dp_rank(plan: Plan | PipelinedPlan) -> int:
     """This process's index among the data-parallel ranks, in ``[0, plan.dp_size)``: which slice
     of the global batch it reads. The replicate position, then the ``ep`` and shard positions
     row-major in mesh order (``replicate_rank * shard_size + shard_rank`` without ``ep``). Ranks
@@ -259,6 +259,6 @@ def dp_rank(plan: Plan) -> int:
     return index
 
 
-def tp_rank(plan: Plan) -> int:
+def tp_rank(plan: Plan | PipelinedPlan) -> int:
     """This process's index on the tensor-parallel axis (0 without one)."""
     return _axis_rank(plan, Role.TP)

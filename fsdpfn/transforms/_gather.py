@@ -9,12 +9,12 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdpfn._plan import Plan, Unit
+from fsdpfn._plan import PipelinedPlan, Plan, Unit
 from fsdpfn.transforms import _unit_comm
 from fsdpfn.transforms._axes import unit_group, unit_rank
 from fsdpfn.transforms._checks import check_on_every_rank
 
-__all__ = ["check_params", "gather_unit"]
+__all__ = ["check_params", "check_plan_kind", "gather_unit"]
 
 
 def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...]:
@@ -23,16 +23,20 @@ def _local_shape(plan: Plan, unit: Unit, name: str, rank: int) -> tuple[int, ...
     return (stop - start, *shape[1:]) if shape else ()
 
 
-def _refuse_pipelined(plan: Plan, what: str) -> None:
-    """Raises ``ValueError`` for a whole pipelined plan: each pp rank holds its own stages'
-    parameters only, so a transform over every parameter of the plan would hold (and step) every
-    stage on every rank, a model that trains without its pipeline."""
-    if plan.stages is not None:
+def check_plan_kind(plan: Any, what: str) -> None:
+    """Raises ``ValueError`` unless ``plan`` is a :class:`fsdpfn.Plan`, naming the way in for a
+    :class:`fsdpfn.PipelinedPlan`: each pp rank holds its own stages' parameters only, so a
+    transform over every parameter of the plan would hold (and step) every stage on every rank,
+    a model that trains without its pipeline ([Note: a pipelined plan is its own type])."""
+    if isinstance(plan, PipelinedPlan):
         raise ValueError(
-            f"{what}: the plan is cut into {plan.stages.num_stages} pipeline stages, and each pp rank holds its own stages' "
-            "parameters only. Use fsdpfn.runtime.PipelineRuntime(model, plan, schedule, micro_batches).shard(model), or pass "
-            "plan.stage_plan(stage) for each stage this rank runs (plan.stages.stages_of(its pp rank))"
+            f"{what}: the plan is cut into {plan.stages.num_stages} pipeline stages (a fsdpfn.PipelinedPlan), and each pp "
+            "rank holds its own stages' parameters only. Use fsdpfn.runtime.PipelineRuntime(model, plan, schedule, "
+            "micro_batches).shard(model), or pass plan.stage_plan(stage) for each stage this rank runs "
+            "(plan.stages.stages_of(its pp rank))"
         )
+    if not isinstance(plan, Plan):
+        raise ValueError(f"{what}: plan must be an fsdpfn.Plan (fsdpfn.plan(model, mesh)), got {type(plan).__name__}")
 
 
 def check_params(
@@ -49,7 +53,7 @@ def check_params(
       ...
       ValueError: params does not match the plan (missing [...]...
     """
-    _refuse_pipelined(plan, what)
+    check_plan_kind(plan, what)
     if not isinstance(tree, Mapping):
         raise ValueError(f"{what} must be a dict {{parameter name: tensor}}, got {type(tree).__name__}")
     expected = set(plan.param_names)

@@ -59,7 +59,7 @@ from fsdpfn import comm as C
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.placements import split_roles
 from fsdpfn._plan.tp_styles import tp_style
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 from fsdpfn.transforms._axes import cp_rank, dp_rank
 from fsdpfn.transforms._checks import check_on_every_rank
 
@@ -261,7 +261,7 @@ def _check_hooks(module: nn.Module, plan: Plan, name: str) -> None:
     )
 
 
-def install_batch_check(model: nn.Module, plan: Plan) -> None:
+def install_batch_check(model: nn.Module, plan: Plan | PipelinedPlan) -> None:
     """Installs (or replaces) the root forward pre-hook of [Note: checking the batch] on ``model``."""
     installed = getattr(model, _BATCH_ATTR, None)
     if installed is not None:
@@ -324,7 +324,7 @@ def _describe(x) -> list | None:
     return [shape, *(float(v) for v in sums.tolist())]
 
 
-def check_batch(plan: Plan, args=(), kwargs=None, *, reduce: str = "mean", whole: bool = False) -> None:
+def check_batch(plan: Plan | PipelinedPlan, args=(), kwargs=None, *, reduce: str = "mean", whole: bool = False) -> None:
     """Raises ``ValueError`` on every rank if tensor-parallel peers were given different inputs,
     or (in a step that computes gradients and averages them) data-parallel ranks were given
     batches with different numbers of rows (see [Note: checking the batch]), or the cp peers of
@@ -478,7 +478,7 @@ def _leave_watch() -> None:
         _MODE.pop().__exit__(None, None, None)
 
 
-def install_split_watch(model: nn.Module, plan: Plan) -> None:
+def install_split_watch(model: nn.Module, plan: Plan | PipelinedPlan) -> None:
     """Installs (or removes) the root hooks of [Note: a fused layout split plainly] on ``model``:
     only a plan with a plain ``colwise`` layer needs them."""
     installed = getattr(model, _SPLIT_WATCH_ATTR, None)

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from fsdpfn._plan import Plan
 from fsdpfn.transforms._checks import check_plan_agree, check_values_agree, checksums
 from fsdpfn.transforms._local import local_index, local_shape
-from fsdpfn.transforms._sharding import from_local, _refuse_pipelined
+from fsdpfn.transforms._sharding import check_plan_kind, from_local
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
 
@@ -298,7 +298,7 @@ def init_shards(
       >>> torch.equal(fsdpfn.comm.full_tensor(shards["blocks.0.fc.weight"]), twin["blocks.0.fc.weight"])
       True
     """
-    _refuse_pipelined(plan, "init_shards")
+    check_plan_kind(plan, "init_shards")
     names = plan.param_names
     device = _target_device(plan, device)
     _check_init_args(seed, init, param_init)

@@ -22,7 +22,7 @@ import optree
 import torch
 from torch import nn
 
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 from fsdpfn._remat import ReplayMode, SaveMode
 
 __all__ = ["apply_remat"]
@@ -109,7 +109,7 @@ def _wrap(module: nn.Module, original, policy: str, unit: str):
     return forward
 
 
-def apply_remat(model: nn.Module, plan: Plan) -> nn.Module:
+def apply_remat(model: nn.Module, plan: Plan | PipelinedPlan) -> nn.Module:
     """Wraps the forward of every unit whose plan gives a ``remat`` policy other than ``"none"``
     so that, in the pure loop, it keeps only its inputs (and what the policy keeps) and
     recomputes in backward (see [Note: remat under torch.func]). Idempotent; another plan replaces the wrappers. :func:`fsdpfn.shard` calls it.

@@ -36,7 +36,7 @@ from fsdpfn._plan import Plan
 from fsdpfn.transforms._checks import _groups, check_plan_agree
 from fsdpfn.transforms._init import _target_device
 from fsdpfn.transforms._local import local_index
-from fsdpfn.transforms._sharding import from_local
+from fsdpfn.transforms._sharding import check_plan_kind, from_local
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
 
@@ -312,8 +312,7 @@ def load_safetensors(
         raise ValueError(
             f"model must be the nn.Module the plan was built from (on meta is fine), got {type(model).__name__}"
         )
-    if not isinstance(plan, Plan):
-        raise ValueError(f"plan must be an fsdpfn.Plan, got {type(plan).__name__}")
+    check_plan_kind(plan, "load_safetensors")
     sources = _sources(model, plan, _entries(path), rename, repr(os.fspath(path)))
     device = _target_device(plan, device)
     boxes = {n: local_index(plan, n) for n in plan.param_names}

@@ -53,7 +53,7 @@ from fsdpfn.transforms._checks import check_ranks_agree
 from fsdpfn.transforms._remat import apply_remat
 from fsdpfn.transforms._tp import apply_tp
 from fsdpfn.transforms._guards import note_capture, note_unshard
-from fsdpfn.transforms._gather import _refuse_pipelined as _refuse_pipelined
+from fsdpfn.transforms._gather import check_plan_kind as check_plan_kind
 from fsdpfn.transforms._gather import check_params as check_params
 from fsdpfn.transforms._gather import gather_unit as gather_unit
 

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdpfn import comm as C
-from fsdpfn._plan import Plan
+from fsdpfn._plan import PipelinedPlan, Plan
 from fsdpfn._plan.axes import Role
 from fsdpfn._plan.tp_styles import style_row
 from fsdpfn.transforms._axes import ep_group, tp_group, tp_rank
@@ -86,7 +86,7 @@ def reference_mode(on: bool = True) -> Iterator[None]:
         _REFERENCE[0] = saved
 
 
-def _apply_ep(model: nn.Module, plan: Plan) -> None:
+def _apply_ep(model: nn.Module, plan: Plan | PipelinedPlan) -> None:
     """Points the model's expert modules (those with ``set_ep_group``, e.g.
     :class:`fsdpfn.models.MoE`) at the plan's ``ep`` group, so their forward dispatches tokens to
     the ranks holding their experts; a plan without ``ep`` undoes what an earlier plan set."""
@@ -294,7 +294,7 @@ def _post_reduce(group, tag):
     return hook
 
 
-def apply_tp(model: nn.Module, plan: Plan) -> nn.Module:
+def apply_tp(model: nn.Module, plan: Plan | PipelinedPlan) -> nn.Module:
     """Installs the plan's tensor-parallel activation collectives on ``model`` (in place) and
     returns it. Idempotent: calling it again with the same plan changes nothing, with another
     plan replaces the hooks. A plan without ``tp`` removes any installed hooks.
