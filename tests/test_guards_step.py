@@ -250,3 +250,50 @@ def _counted_steps(rank, world):
 def test_checked_steps_issue_the_same_collectives_as_later_steps(run_on_ranks):
     for counts in run_on_ranks(_counted_steps, 2):
         assert counts[0] and all(c == counts[-1] for c in counts), counts
+
+
+def _captures_per_step(rank, world):
+    """How many times each of a verified compiled step's first three calls runs the loss
+    function up to the model's forward to capture it (each run gathers the model, uncounted).
+    The loss check's own runs of the loss function, under an inert capture, are not counted."""
+    import contextlib
+
+    from fsdpfn.transforms import _guards
+
+    model, plan = _setup((2,), ("dp",), tp=False)
+    params = fsdpfn.shard(model, plan)
+    x, y = _batch(4)
+    x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+    caps = []
+    original = _guards.capturing
+
+    @contextlib.contextmanager
+    def counted():
+        with original() as cap:
+            caps.append(cap)
+            yield cap
+
+    _guards.capturing = counted
+    try:
+        torch._dynamo.reset()
+        step = fsdpfn.compile(
+            lambda ps, x, y: _ce(torch.func.functional_call(model, fsdpfn.unshard(ps, plan), (x,)), y),
+            backend="aot_eager",
+            verify=True,
+        )
+        per_step = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                before = len(caps)
+                step(params, x, y)
+                per_step.append(sum(not cap.inert for cap in caps[before:]))
+    finally:
+        _guards.capturing = original
+    return per_step
+
+
+def test_the_first_verified_compiled_step_captures_once_for_both_checks(run_on_ranks):
+    """Step 1 checks its batch and verifies the plan, step 2 checks its batch, step 3 checks
+    nothing: one capture (one uncounted gather of the model) serves step 1's two checks."""
+    assert run_on_ranks(_captures_per_step, 2) == [[1, 1, 0], [1, 1, 0]]

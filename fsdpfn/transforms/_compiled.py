@@ -45,7 +45,7 @@ from fsdpfn._plan.axes import Role
 from fsdpfn._plan.schedule import reshards_after_forward
 from fsdpfn.transforms import _cp, _unit_comm
 from fsdpfn.transforms._dtensor import from_local
-from fsdpfn.transforms._guards import StepChecks, check_step_batch
+from fsdpfn.transforms._guards import StepChecks, capture_step, check_captured_batch
 
 __all__ = [
     "CompileUnsupportedError",
@@ -256,12 +256,15 @@ class CompiledStep:
         return self._graphs.get("forward", []) + self._graphs.get("backward", [])
 
     def __call__(self, params, *args, **kwargs):
-        if self.checks.batch_due():  # the root hook cannot: it runs traced
-            check_step_batch(self.loss_fn, params, args, kwargs)
-        if self.checks.verify_due():
-            from fsdpfn.transforms._verify import verify_step
+        batch, whole = self.checks.batch_due(), self.checks.verify_due()
+        if batch or whole:  # the root hook cannot: it runs traced. One capture serves both checks.
+            cap = capture_step(self.loss_fn, params, args, kwargs)
+            if batch:
+                check_captured_batch(cap)
+            if whole:
+                from fsdpfn.transforms._verify import verify_captured
 
-            verify_step(self.loss_fn, params, *args, **kwargs)
+                verify_captured(self.loss_fn, params, args, kwargs, cap)
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         with torch.enable_grad():
             try:

@@ -191,6 +191,15 @@ def check_step_batch(loss_fn, params, args=(), kwargs=None) -> None:
       ...     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
       >>> fsdpfn.transforms.check_step_batch(loss_fn, params, (x, y))  # every rank passes
     """
+    check_captured_batch(capture_step(loss_fn, params, args, kwargs))
+
+
+def capture_step(loss_fn, params, args=(), kwargs=None) -> _Capture:
+    """Runs ``loss_fn(params, *args, **kwargs)`` without autograd and uncounted, up to its
+    model's forward, and returns what it found there: the plan, the shards and the gradient
+    reduction (noted by eager :func:`fsdpfn.unshard`), the model and its inputs (noted by the
+    model's root hook). Both :func:`check_step_batch` and :func:`fsdpfn.verify_step` start with
+    it; a compiled step whose first call runs both captures once."""
     with capturing() as cap, C.uncounted(), torch.no_grad():
         try:
             loss_fn(params, *args, **(kwargs or {}))
@@ -198,6 +207,12 @@ def check_step_batch(loss_fn, params, args=(), kwargs=None) -> None:
             pass
     if cap.plan is not None:
         _STEPS.pop(cap.plan.fingerprint, None)  # noted by the capture's unshard: not a step of the model's
+    return cap
+
+
+def check_captured_batch(cap: _Capture) -> None:
+    """:func:`check_batch` on a :func:`capture_step`'s batch (nothing when it found no model
+    carrying a plan's hooks)."""
     if cap.model is None or cap.plan is None:
         return
     reduce = "mean" if cap.grad_op == "mean" and cap.grad_scale is None else "custom"

@@ -65,7 +65,7 @@ from fsdpfn._plan.tp_styles import tp_style
 from fsdpfn._tree import flatten, unflatten
 from fsdpfn.transforms._axes import _axis_group, _axis_rank, axis_index, cp_group, dp_rank
 from fsdpfn.transforms._gather import check_params, gather_unit
-from fsdpfn.transforms._guards import Captured, capturing
+from fsdpfn.transforms._guards import capture_step
 from fsdpfn.transforms._intercept import intercept as _intercept
 from fsdpfn.transforms._tp import reference_mode
 
@@ -794,11 +794,11 @@ def verify_step(
       >>> fsdpfn.verify_step(loss_fn, params, x, y).ok
       True
     """
-    with capturing() as cap, C.uncounted(), torch.no_grad():
-        try:
-            loss_fn(params, *args, **kwargs)
-        except Captured:
-            pass
+    return verify_captured(loss_fn, params, args, kwargs, capture_step(loss_fn, params, args, kwargs), seed=seed)
+
+
+def verify_captured(loss_fn, params, args, kwargs, cap, *, seed: int = 0) -> VerifyReport | None:
+    """:func:`verify_step`'s checks on what :func:`capture_step` found for that step."""
     if cap.model is None or cap.plan is None:
         return None
     with _ambient.restored(cap.cp):  # the loss function's own context_parallel block, if any
