@@ -616,17 +616,45 @@ class PlanValues:
     pp_stage: tuple[int, int] | None = None
 
     def __post_init__(self):
-        if self.pp_stage is not None:
-            object.__setattr__(self, "pp_stage", (int(self.pp_stage[0]), int(self.pp_stage[1])))
+        self._normalise()
         if self.mesh is not None:
             _check_mesh_covers_world(self.mesh, 1 if self.pp_stage is None else self.pp_stage[1])
+        axes = self.axes  # validates the mesh: names, roles, one axis per role
+        self._check_tp(axes)
+        self._check_stages(axes)
+        if self.mp.codec is not None:
+            codec_factories(self.codec_names, "gather")  # an unregistered name is refused here, before any step
+        if Role.EP in axes.roles and not any(u.experts for u in self.units):
+            raise ValueError(
+                f"the mesh {axes.describe()} has an expert-parallel axis, but the model has no expert weights to split over "
+                "it; drop the ep axis (fold it into the data-parallel shard axis), or mark the packed expert weights with "
+                "fsdpfn.plan(..., experts=['*.w1', ...])"
+            )
+        seen: dict[str, str] = {}
+        for unit in self.units:
+            self._check_unit(unit, axes)
+            for p in unit.params:
+                if p.name in seen:
+                    raise ValueError(
+                        f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit"
+                    )
+                seen[p.name] = unit.label
+                self._check_param(p, unit, axes)
+        self._check_live_mesh()
+
+    def _normalise(self) -> None:
+        """Fields as the JSON reader and hand-built plans may give them (lists, role names) in
+        the one form equality and the fingerprint read."""
+        if self.pp_stage is not None:
+            object.__setattr__(self, "pp_stage", (int(self.pp_stage[0]), int(self.pp_stage[1])))
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         if self.mesh_dim_names is not None:
             object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))
         if self.mesh_roles is not None:
             object.__setattr__(self, "mesh_roles", tuple(str(Role(r)) for r in self.mesh_roles))
         object.__setattr__(self, "tp", tuple((str(m), str(style)) for m, style in self.tp))
-        axes = self.axes  # validates the mesh: names, roles, one axis per role
+
+    def _check_tp(self, axes: MeshAxes) -> None:
         for module, style in self.tp:
             if tp_style(style) is None:
                 raise ValueError(
@@ -646,76 +674,68 @@ class PlanValues:
             raise ValueError(
                 f"the plan splits modules over tp ({[m for m, _ in self.tp][:3]}...) but the mesh {axes.describe()} has no 'tp' axis"
             )
-        self._check_stages(axes)
-        seen: dict[str, str] = {}
-        if self.mp.codec is not None:
-            codec_factories(self.codec_names, "gather")  # an unregistered name is refused here, before any step
-        if Role.EP in axes.roles and not any(u.experts for u in self.units):
+
+    def _check_unit(self, unit: Unit, axes: MeshAxes) -> None:
+        """A unit's rows, experts, FP8 and dtypes against the mesh and the precision policy."""
+        # A unit cuts rows over the data-parallel axes that do not split its parameters.
+        rows = P.unit_row_roles(unit, axes)
+        want = math.prod(axes.size(r) for r in rows)
+        if unit.shard_size != want:
+            what = "the mesh's shard axis" if len(rows) == 1 else f"the mesh's {' x '.join(r.value for r in rows)} axes"
+            raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
+        if unit.experts and Role.EP not in axes.roles:
             raise ValueError(
-                f"the mesh {axes.describe()} has an expert-parallel axis, but the model has no expert weights to split over "
-                "it; drop the ep axis (fold it into the data-parallel shard axis), or mark the packed expert weights with "
-                "fsdpfn.plan(..., experts=['*.w1', ...])"
+                f"unit {unit.label!r} holds expert weights, but the mesh {axes.describe()} has no 'ep' axis"
             )
-        for unit in self.units:
-            # A unit cuts rows over the data-parallel axes that do not split its parameters.
-            want = math.prod(axes.size(r) for r in P.unit_row_roles(unit, axes))
-            if unit.shard_size != want:
-                what = (
-                    "the mesh's shard axis"
-                    if len(P.unit_row_roles(unit, axes)) == 1
-                    else f"the mesh's {' x '.join(r.value for r in P.unit_row_roles(unit, axes))} axes"
-                )
-                raise ValueError(f"unit {unit.label!r} has shard_size {unit.shard_size}, but {what} has {want} ranks")
-            if unit.experts and Role.EP not in axes.roles:
+        if unit.fp8 and self.mp.fp8 is None:
+            raise ValueError(
+                f"unit {unit.label!r} lists FP8 parameters but the plan's MixedPrecision has no fp8 policy; "
+                "build it with fsdpfn.plan(..., mp=MixedPrecision(..., fp8=...))"
+            )
+        if unit.fp8 and self.gather_dtype(unit) not in _FP8_INPUT_DTYPES:
+            raise ValueError(
+                f"unit {unit.label!r} gathers in {_dtype_name(self.gather_dtype(unit))}, which FP8 recipes do not quantize from; "
+                "set MixedPrecision(param_dtype=torch.bfloat16) (or float32 / float16)"
+            )
+        if unit.sharded and self.mp.param_dtype is None and len({p.dtype for p in unit.params}) > 1:
+            dtypes = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in unit.params)
+            raise ValueError(
+                f"unit {unit.label!r} mixes parameter dtypes ({dtypes}); one flat buffer needs one dtype. "
+                "Set MixedPrecision(param_dtype=...) or put the parameters in separate units."
+            )
+
+    def _check_param(self, p: ParamSpec, unit: Unit, axes: MeshAxes) -> None:
+        """A parameter's placements against the mesh, and its fused parts against its unit's
+        sharding."""
+        # Every axis a parameter is placed on must be the mesh's (tp always: its activation
+        # collectives assume every tp rank holds its part; others where they split it).
+        for role in P.PLACED_ROLES:
+            size = P.axis_size(p, role)
+            if size != axes.size(role) and (role is Role.TP or role in P.split_roles(p)):
                 raise ValueError(
-                    f"unit {unit.label!r} holds expert weights, but the mesh {axes.describe()} has no 'ep' axis"
+                    f"parameter {p.name!r} has {role.value}_size {size}, but the mesh's {role.value} axis has "
+                    f"{axes.size(role)} ranks"
                 )
-            for p in unit.params:
-                if p.name in seen:
-                    raise ValueError(
-                        f"parameter {p.name!r} is in units {seen[p.name]!r} and {unit.label!r}; a parameter belongs to one unit"
-                    )
-                seen[p.name] = unit.label
-                # Every axis a parameter is placed on must be the mesh's (tp always: its activation
-                # collectives assume every tp rank holds its part; others where they split it).
-                for role in P.PLACED_ROLES:
-                    size = P.axis_size(p, role)
-                    if size != axes.size(role) and (role is Role.TP or role in P.split_roles(p)):
-                        raise ValueError(
-                            f"parameter {p.name!r} has {role.value}_size {size}, but the mesh's {role.value} axis has "
-                            f"{axes.size(role)} ranks"
-                        )
-                uncut = [e for e in p.placements if not e.placement.cuts_rows and e.size > 1]
-                if uncut and unit.slots[p.name].sharded and unit.shard_size > 1:
-                    raise NotImplementedError(
-                        f"parameter {p.name!r} is split colwise_fused:{uncut[0].placement.parts} over {uncut[0].axis.value} and would also be sharded over the "
-                        f"{unit.shard_size} data-parallel ranks of unit {unit.label!r} ({unit.strategy.value}); fused parts cut by "
-                        "both axes are not supported yet. Give the unit the 'replicate' strategy "
-                        f"(fsdpfn.plan(..., strategy={{'*': 'zero3', {unit.label!r}: 'replicate'}})), or use a data-parallel axis of 1"
-                    )
-            if unit.fp8 and self.mp.fp8 is None:
-                raise ValueError(
-                    f"unit {unit.label!r} lists FP8 parameters but the plan's MixedPrecision has no fp8 policy; "
-                    "build it with fsdpfn.plan(..., mp=MixedPrecision(..., fp8=...))"
-                )
-            if unit.fp8 and self.gather_dtype(unit) not in _FP8_INPUT_DTYPES:
-                raise ValueError(
-                    f"unit {unit.label!r} gathers in {_dtype_name(self.gather_dtype(unit))}, which FP8 recipes do not quantize from; "
-                    "set MixedPrecision(param_dtype=torch.bfloat16) (or float32 / float16)"
-                )
-            if unit.sharded and self.mp.param_dtype is None and len({p.dtype for p in unit.params}) > 1:
-                dtypes = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in unit.params)
-                raise ValueError(
-                    f"unit {unit.label!r} mixes parameter dtypes ({dtypes}); one flat buffer needs one dtype. "
-                    "Set MixedPrecision(param_dtype=...) or put the parameters in separate units."
-                )
-        if self.mesh is not None and tuple(self.mesh.mesh.shape) != self.mesh_shape:
+        uncut = [e for e in p.placements if not e.placement.cuts_rows and e.size > 1]
+        if uncut and unit.slots[p.name].sharded and unit.shard_size > 1:
+            raise NotImplementedError(
+                f"parameter {p.name!r} is split colwise_fused:{uncut[0].placement.parts} over {uncut[0].axis.value} and would also be sharded over the "
+                f"{unit.shard_size} data-parallel ranks of unit {unit.label!r} ({unit.strategy.value}); fused parts cut by "
+                "both axes are not supported yet. Give the unit the 'replicate' strategy "
+                f"(fsdpfn.plan(..., strategy={{'*': 'zero3', {unit.label!r}: 'replicate'}})), or use a data-parallel axis of 1"
+            )
+
+    def _check_live_mesh(self) -> None:
+        """A bound mesh has the shape and dim names the plan was built for."""
+        if self.mesh is None:
+            return
+        if tuple(self.mesh.mesh.shape) != self.mesh_shape:
             raise ValueError(
                 f"mesh has shape {tuple(self.mesh.mesh.shape)}, but the plan was made for {self.mesh_shape}: a plan's units "
                 "and shards are laid out for its mesh. Build the plan again on the new mesh (fsdpfn.plan(model, mesh, ...) with "
                 "the same arguments); to move a run to it, save a checkpoint and load it into the plan built for the new mesh"
             )
-        if self.mesh is not None and self.mesh_dim_names is not None and len(self.mesh_shape) > 1:
+        if self.mesh_dim_names is not None and len(self.mesh_shape) > 1:
             live = tuple(self.mesh.mesh_dim_names or ())
             if live != self.mesh_dim_names:
                 raise ValueError(
