@@ -114,7 +114,7 @@ class _Layout:
     """One candidate mesh, as a value: the data-parallel shape (``(W,)`` or ``(replicate,
     shard)``; beside ``ep``, ``(edp,)`` or ``(replicate, edp)``) and the degree of each
     model-parallel axis beside it (1: no such axis), with a pipeline's schedule. The search
-    enumerates these and prices each with one function (``price`` in :func:`search`)."""
+    enumerates these and prices each with one function (``_Pricer.price``)."""
 
     dp: tuple[int, ...]
     tp: int = 1
@@ -128,6 +128,11 @@ class _Layout:
         if self.pp > 1:
             return {"pp": self.pp, **_mesh_arg_dict(self.dp, self.tp)}
         return _mesh_arg(self.dp, self.tp, self.ep, self.cp)
+
+    def profile_mesh(self, world: int):
+        """The mesh the workload is profiled on: every rank but the model-parallel axes' on one
+        data-parallel axis, pp folded into it (a profile is one stage-free rank's)."""
+        return _mesh_arg((world // (self.tp * self.ep * self.cp),), self.tp, self.ep, self.cp)
 
     @property
     def stages(self) -> int:
@@ -449,69 +454,171 @@ def search(
             f"search: cp={cps} with the selective remat policies {extra}: the op list does not model which of "
             "attention's exchanges over cp a selective policy recomputes yet; search cp with remat 'none' and 'full'"
         )
-    if isinstance(world, int):
-        world_size = world
-        layouts: list[_Layout] = []
-        for q in pps:
-            for t in tps:
-                if world % (q * t):
-                    continue
-                for e in eps:
-                    for c in cps:
-                        d = q * t * e * c
-                        if d == 1:
-                            dp_shapes = (
-                                [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
-                            )
-                        else:  # the given shapes of W/T (or W/E, W/C, W/(P T)) ranks, else all of them
-                            dp_shapes = [
-                                tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d
-                            ] or _mesh_shapes(world // d)
-                        layouts += [
-                            _Layout(s, t, e, c, q, name) for name in (pipes if q > 1 else ("",)) for s in dp_shapes
-                        ]
-    else:
-        layouts = [_Layout(tuple(world))]
-        world_size = math.prod(world)
+    layouts, world_size = _layouts(world, mesh_shapes, pps, tps, eps, cps, pipes)
+    pricer = _Pricer(model, mp, tp_plan, optimizer, hardware, budget, micro_batches)
+    default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
     unit_options = list(units) if units is not None else [None, finer_units(model)]
     finer = finer_units(model)
     cache = {} if workloads is None else workloads
-    seen: dict[
-        tuple, tuple
-    ] = {}  # (units, shape, assignment, prefetch, accumulate) -> (Candidate, plan, schedule, result)
-    default_acc = "reduce" if "reduce" in accumulates else accumulates[0]
+    default = None
+    pipe_units = pipeline_units(model) if max(pps) > 1 else None
+    for u_opt in unit_options:
+        label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
+        for layout in layouts:
+            if layout.pp > 1 and u_opt is not unit_options[0]:  # pipelined candidates have units of their own
+                continue
+            uo, lab = (pipe_units, "pipeline") if layout.pp > 1 else (u_opt, label)
+            base = build_plan(
+                model, layout.profile_mesh(world_size), units=uo, mp=mp, tp=tp_plan if layout.tp > 1 else None
+            )
+            wl = _workload(cache, model, base, layout, inputs, loss_fn, extra, cp_strategy)
+            classes = _classes(base)
+            start_p = 1 if 1 in prefetch else prefetch[0]
+            state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
 
-    def reserved_of(peak: int) -> int:
-        return int(peak * (1.0 + hardware.memory_reserve))  # as SimResult.memory["reserved"]
+            def price_state(st, uo=uo, lab=lab, wl=wl, layout=layout, classes=classes):
+                remat_of = {u: r for cls, r in zip(classes, st[4]) for u in cls}
+                return pricer.price(uo, lab, wl, layout, _assignment(st, classes), st[2], st[3], remat_of)
 
-    def fits(peak: int) -> bool:
-        return peak <= budget and reserved_of(peak) <= hardware.memory
+            current = price_state(state)
+            if uo is None and layout.default and start_p == 1:
+                default = current
+            # A pipeline reduces once per step, after its stages' last backward: accumulate is not a choice there.
+            accs = accumulates if layout.pp == 1 else (default_acc,)
+            _descend(
+                price_state,
+                state,
+                current,
+                lambda st: _moves(st, classes, strategies, prefetch, splits, accs, remats),
+                rel_tol,
+            )
+    candidates = list(pricer.seen.values())  # the searched space: the default below compares, not competes
+    if default is None:  # the default was outside the given space: simulate it for comparison
+        plan = build_plan(model, (world_size,), mp=mp)
+        wl = _workload(cache, model, plan, _Layout((world_size,)), inputs, loss_fn, (), cp_strategy)
+        default = pricer.price(
+            None, "default", wl, _Layout((world_size,)), {u.name: "zero3" for u in plan.units}, 1, default_acc
+        )
+    return _pick(candidates, default, rel_tol, budget, hardware)
 
-    def price(u_opt, label, wl, layout: _Layout, assignment, p, acc, rm=None):
-        """``(Candidate, plan, schedule, result)`` of one configuration on ``layout``, simulated
-        once (pipelined or not, one plan builder and one simulator call each)."""
+
+def _layouts(world, mesh_shapes, pps, tps, eps, cps, pipes) -> tuple[list[_Layout], int]:
+    """Every candidate mesh of the search, and the world size: for ``world`` ranks, each degree
+    of every axis that divides it with the given (else every) data-parallel shapes beside it;
+    for one mesh shape, that shape alone."""
+    if not isinstance(world, int):
+        return [_Layout(tuple(world))], math.prod(world)
+    layouts: list[_Layout] = []
+    for q in pps:
+        for t in tps:
+            if world % (q * t):
+                continue
+            for e in eps:
+                for c in cps:
+                    d = q * t * e * c
+                    if d == 1:
+                        dp_shapes = [tuple(m) for m in mesh_shapes] if mesh_shapes is not None else _mesh_shapes(world)
+                    else:  # the given shapes of W/T (or W/E, W/C, W/(P T)) ranks, else all of them
+                        dp_shapes = [tuple(m) for m in mesh_shapes or () if math.prod(m) == world // d] or _mesh_shapes(
+                            world // d
+                        )
+                    layouts += [_Layout(s, t, e, c, q, name) for name in (pipes if q > 1 else ("",)) for s in dp_shapes]
+    return layouts, world
+
+
+def _workload(cache: dict, model, base: Plan, layout: _Layout, inputs, loss_fn, extra, cp_strategy) -> Workload:
+    """The profile of ``base``'s units on one rank of ``layout``, from ``cache`` or measured
+    into it. It depends on the units and the tp degree (tp-local layers), not the rest; an ep
+    plan's units (expert units of their own) name its workload, the same for every degree: each
+    rank routes its own batch, and dropless its experts see as many pairs. A cp degree's is one
+    cp rank's part of each sequence. The profile does not depend on pp: its units and tp do."""
+    t, c = layout.tp, layout.cp
+    key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
+    key = key if c == 1 else (*key, ("cp", c, cp_strategy))
+    if key not in cache:
+        cache[key] = profile(
+            model,
+            base,
+            *_cp_part(_tp_batch(inputs, t), c),
+            loss_fn=loss_fn,
+            remat_policies=extra,
+            cp_strategy=cp_strategy,
+        )
+    return cache[key]
+
+
+def _descend(price_state, state, current, moves, rel_tol: float) -> None:
+    """Steepest descent from ``state``: each round prices every move (``moves(state)``) and
+    takes the best one that beats the current entry by more than ``rel_tol``, until none does."""
+    while True:
+        best_state, best = None, current
+        for nxt in moves(state):
+            entry = price_state(nxt)
+            if _better(entry, best, rel_tol):
+                best_state, best = nxt, entry
+        if best_state is None:
+            return
+        state, current = best_state, best
+
+
+def _score(entry) -> tuple[int, float]:
+    """Fitting beats not fitting; then time (fitting) or memory (not yet)."""
+    c = entry[0]
+    return (0, c.step_time) if c.fits else (1, float(c.peak))
+
+
+def _better(a, b, rel_tol: float) -> bool:
+    sa, sb = _score(a), _score(b)
+    return sa[0] < sb[0] or (sa[0] == sb[0] and sa[1] < sb[1] * (1 - rel_tol))
+
+
+class _Pricer:
+    """Prices one configuration (units, layout, strategies, prefetch, accumulation, remat):
+    builds its plan, simulates it once (pipelined or not: one plan builder and one simulator
+    call each) and keeps the ``(Candidate, plan, schedule, result)`` by configuration."""
+
+    def __init__(self, model, mp, tp_plan, optimizer, hardware: Hardware, budget: float, micro_batches: int):
+        self.model, self.mp, self.tp_plan = model, mp, tp_plan
+        self.optimizer, self.hardware, self.budget, self.micro_batches = optimizer, hardware, budget, micro_batches
+        self.seen: dict[tuple, tuple] = {}
+
+    def reserved_of(self, peak: int) -> int:
+        return int(peak * (1.0 + self.hardware.memory_reserve))  # as SimResult.memory["reserved"]
+
+    def fits(self, peak: int) -> bool:
+        return peak <= self.budget and self.reserved_of(peak) <= self.hardware.memory
+
+    def price(self, u_opt, label, wl, layout: _Layout, assignment, p, acc, rm=None):
         rm = {u: r for u, r in (rm or {}).items() if r != "none"}
         key = (label, layout, tuple(sorted(assignment.items())), p, acc, tuple(sorted(rm.items())))
-        if key in seen:
-            return seen[key]
+        if key in self.seen:
+            return self.seen[key]
         strategy = {"*": "zero3", **{(n or "<root>"): s for n, s in assignment.items()}}
         plan: Plan | PipelinedPlan
-        common = dict(units=u_opt, strategy=strategy, mp=mp, remat=rm or None, tp=tp_plan if layout.tp > 1 else None)
+        common = dict(
+            units=u_opt, strategy=strategy, mp=self.mp, remat=rm or None, tp=self.tp_plan if layout.tp > 1 else None
+        )
         if layout.pp > 1:
-            plan = build_pipeline_plan(model, layout.mesh(), stages=layout.stages, **common)
+            plan = build_pipeline_plan(self.model, layout.mesh(), stages=layout.stages, **common)
         else:
-            plan = build_plan(model, layout.mesh(), **common)
+            plan = build_plan(self.model, layout.mesh(), **common)
         work = wl.with_remat(plan) if rm else wl
         sched: Schedule | PipelineSchedule
         res: SimResult | PipelineSimResult
         if isinstance(plan, PipelinedPlan):
-            psched = pipeline_schedule(plan, layout.pipeline, micro_batches * layout.pp, prefetch=p)
-            pres = simulate_pipeline(plan, psched, work, optimizer, hardware)
+            psched = pipeline_schedule(plan, layout.pipeline, self.micro_batches * layout.pp, prefetch=p)
+            pres = simulate_pipeline(plan, psched, work, self.optimizer, self.hardware)
             sched, res, peak = psched, pres, max(m["peak"] for m in pres.memory)
         else:
             ssched = make_schedule(plan, prefetch=p)
             sres = simulate(
-                plan, ssched, work, optimizer, hardware, micro_batches=micro_batches * layout.cp, accumulate=acc
+                plan,
+                ssched,
+                work,
+                self.optimizer,
+                self.hardware,
+                micro_batches=self.micro_batches * layout.cp,
+                accumulate=acc,
             )
             sched, res, peak = ssched, sres, sres.memory["peak"]
         cand = Candidate(
@@ -521,7 +628,7 @@ def search(
             p,
             res.step_time,
             peak,
-            fits(peak),
+            self.fits(peak),
             acc,
             key[5],
             layout.tp,
@@ -529,76 +636,15 @@ def search(
             layout.cp,
             layout.pp,
             layout.pipeline,
-            reserved_of(peak),
+            self.reserved_of(peak),
         )
-        seen[key] = (cand, plan, sched, res)
-        return seen[key]
+        self.seen[key] = (cand, plan, sched, res)
+        return self.seen[key]
 
-    def score(entry):  # fitting beats not fitting; then time (fitting) or memory (not yet)
-        c = entry[0]
-        return (0, c.step_time) if c.fits else (1, float(c.peak))
 
-    def better(a, b) -> bool:
-        sa, sb = score(a), score(b)
-        return sa[0] < sb[0] or (sa[0] == sb[0] and sa[1] < sb[1] * (1 - rel_tol))
-
-    default = None
-    pipe_units = pipeline_units(model) if max(pps) > 1 else None
-    for u_opt in unit_options:
-        label = "default" if u_opt is None else ("finer" if list(u_opt) == finer else "custom")
-        for layout in layouts:
-            t, e, c = layout.tp, layout.ep, layout.cp
-            if (
-                layout.pp > 1 and u_opt is not unit_options[0]
-            ):  # pipelined candidates have units of their own: searched once
-                continue
-            uo, lab = (pipe_units, "pipeline") if layout.pp > 1 else (u_opt, label)
-            # The workload depends on the units and the tp degree (tp-local layers), not the rest;
-            # an ep plan's units (expert units of their own) name its workload, the same for every
-            # degree: each rank routes its own batch, and dropless its experts see as many pairs.
-            # A cp degree's is one cp rank's part of each sequence.
-            base = build_plan(
-                model, _mesh_arg((world_size // (t * e * c),), t, e, c), units=uo, mp=mp, tp=tp_plan if t > 1 else None
-            )  # the profile does not depend on pp: its units and tp do
-            key = tuple(u.name for u in base.units) if t == 1 else (*(u.name for u in base.units), ("tp", t))
-            key = key if c == 1 else (*key, ("cp", c, cp_strategy))
-            if key not in cache:
-                cache[key] = profile(
-                    model,
-                    base,
-                    *_cp_part(_tp_batch(inputs, t), c),
-                    loss_fn=loss_fn,
-                    remat_policies=extra,
-                    cp_strategy=cp_strategy,
-                )
-            wl: Workload = cache[key]
-            classes = _classes(base)
-            start_p = 1 if 1 in prefetch else prefetch[0]
-            state = (("zero3",) * len(classes), None, start_p, default_acc, ("none",) * len(classes))
-            current = price(uo, lab, wl, layout, _assignment(state, classes), start_p, default_acc)
-            if uo is None and layout.default and start_p == 1:
-                default = current
-            # A pipeline reduces once per step, after its stages' last backward: accumulate is not a choice there.
-            accs = accumulates if layout.pp == 1 else (default_acc,)
-            while True:
-                best_state, best = None, current
-                for nxt in _moves(state, classes, strategies, prefetch, splits, accs, remats):
-                    remat_of = {u: r for cls, r in zip(classes, nxt[4]) for u in cls}
-                    entry = price(uo, lab, wl, layout, _assignment(nxt, classes), nxt[2], nxt[3], remat_of)
-                    if better(entry, best):
-                        best_state, best = nxt, entry
-                if best_state is None:
-                    break
-                state, current = best_state, best
-    candidates = list(seen.values())
-    if default is None:  # the default was outside the given space: simulate it for comparison
-        plan = build_plan(model, (world_size,), mp=mp)
-        key = tuple(u.name for u in plan.units)
-        if key not in cache:
-            cache[key] = profile(model, plan, *inputs, loss_fn=loss_fn)
-        default = price(
-            None, "default", cache[key], _Layout((world_size,)), {u.name: "zero3" for u in plan.units}, 1, default_acc
-        )
+def _pick(candidates: list, default, rel_tol: float, budget: float, hardware: Hardware) -> SearchResult:
+    """The search's pick among every priced candidate: the fastest that fits, the default when
+    it is within ``rel_tol`` of that, else the one with the smallest peak among those."""
     fitting = [c for c in candidates if c[0].fits]
     if not fitting:
         small = min(candidates, key=lambda c: c[0].peak)
