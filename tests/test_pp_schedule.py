@@ -389,6 +389,23 @@ def test_an_earlier_send_is_a_valid_edit():
             lambda ops: [PipeOp("stage_forward", 1, 0)] + list(ops),
             r"rank 0 op #0 \(stage_forward s1 m0\): stage 1 runs on rank 1",
         ),
+        (
+            lambda ops: [PipeOp("stage_forward", 0, 9)] + list(ops),
+            r"rank 0 op #0 \(stage_forward s0 m9\): stage 0 / micro-batch 9 out of range \(stages 0..1, "
+            r"micro-batches 0..3\)",
+        ),
+        (
+            lambda ops: [PipeOp("recv_act", 0, 0)] + list(ops),
+            r"rank 0 op #0 \(recv_act s0 m0\): stage 0 has no previous stage to talk to; remove the op",
+        ),
+        (
+            lambda ops: [PipeOp("stage_backward", 0, 0)] + [op for op in ops if op != PipeOp("stage_backward", 0, 0)],
+            r"rank 0 op #0 \(stage_backward s0 m0\): runs before 'stage_forward s0 m0'; a backward follows its forward",
+        ),
+        (
+            lambda ops: [Op("gather", "blocks")] + list(ops),
+            r"rank 0 op #0 \(gather blocks\): unit 'blocks' is not in the plan's stages; units: embed, pos, blocks.0",
+        ),
     ],
 )
 def test_plan_schedule_edits_are_refused_naming_the_op(model, edit, message):
@@ -396,6 +413,23 @@ def test_plan_schedule_edits_are_refused_naming_the_op(model, edit, message):
     ps = pipeline_schedule(plan, "1f1b", 4)
     with pytest.raises(ScheduleError, match=message):
         validate_pipeline(_edit(ps, 0, edit(ps.ranks[0])), plan)
+
+
+def test_stages_on_one_rank_pass_data_in_memory_not_by_transfers():
+    ps = pipeline_schedule(_stages(1, 2), "interleaved_1f1b", 2)
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 0 op #0 \(send_act s0 m0\): stages 0 and 1 are both on rank 0: they pass data in memory",
+    ):
+        validate_pipeline(_edit(ps, 0, [PipeOp("send_act", 0, 0), *ps.ranks[0]]))
+
+
+def test_fsdp_actions_need_a_schedule_made_for_a_plan():
+    ps = pipeline_schedule(_stages(2), "gpipe", 2)
+    with pytest.raises(
+        ScheduleError, match=r"rank 0 op #0 \(gather u0\): FSDP actions need a schedule made for a plan"
+    ):
+        validate_pipeline(_edit(ps, 0, [Op("gather", "u0"), *ps.ranks[0]]))
 
 
 def test_a_missing_backward_is_refused():

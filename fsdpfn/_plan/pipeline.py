@@ -574,13 +574,21 @@ def _fail(r: int, i: int, op: AnyOp, msg: str) -> ScheduleError:
 
 class _RankWalk(Walk):
     """One rank's list under the unit rules of the single-stage validator ([Note: one table of
-    unit rules] in ``schedule.py``), its errors naming the rank. A unit's gradients are complete
-    after its stage's last backward: ``backs`` counts the stages' backwards so far."""
+    unit rules] in ``schedule.py``) and the stage rules below, its errors naming the rank. A
+    unit's gradients are complete after its stage's last backward: ``backs`` counts the stages'
+    backwards so far; ``done`` holds each stage op run so far, with its index."""
 
-    def __init__(self, r: int, units: tuple[str, ...], ops: tuple, stage_of, m: int):
-        super().__init__(units, ops)
-        self.r, self.stage_of, self.m = r, stage_of, m
+    def __init__(self, ps: PipelineSchedule, r: int, stages: Stages | None, offloaded: frozenset[str]):
+        units = [u for names in stages.units for u in names] if stages is not None else []
+        mine = tuple(u for u in units if stages is not None and ps.rank_of(stages.stage_of(u)) == r)
+        super().__init__(mine, ps.ranks[r])
+        self.ps, self.r, self.stages, self.all_units = ps, r, stages, units
+        self.m = ps.micro_batches
+        self.offloaded = offloaded & frozenset(mine)
         self.backs: dict[int, int] = {}
+        self.done: dict[PipeOp, int] = {}
+        # to name the op a send_grad waits for
+        self.input_halves = {op for op in self.ops if isinstance(op, PipeOp) and op.kind is _BI}
 
     def fail(self, msg: str) -> None:
         raise _fail(self.r, self.at, self.ops[self.at], msg)
@@ -589,171 +597,204 @@ class _RankWalk(Walk):
         return ScheduleError(f"invalid pipeline schedule: rank {self.r}: {msg}")
 
     def complete_hint(self, unit: str) -> str:
-        done = self.backs.get(self.stage_of(unit), 0)
+        done = self.backs.get(self.stages.stage_of(unit), 0) if self.stages is not None else 0
         return (
             f"they are complete after its stage's last backward ({done} of {self.m} micro-batches done): "
             "move it after that"
         )
 
-
-def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None, offloaded: frozenset[str] = frozenset()) -> None:
-    """One rank's list alone: stages on this rank, each compute once and after its inputs, sends
-    after what they send, FSDP units gathered while their stage computes and reduced after."""
-    F, B = PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD
-    BI, BW = PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT
-    S, m = ps.num_stages, ps.micro_batches
-    done: dict[PipeOp, int] = {}
-    units = [u for names in stages.units for u in names] if stages is not None else []
-    ops = ps.ranks[r]
-    mine = tuple(u for u in units if stages is not None and ps.rank_of(stages.stage_of(u)) == r)
-    walk = _RankWalk(r, mine, ops, stages.stage_of if stages is not None else None, m)
-    walk.offloaded = offloaded & frozenset(mine)
-    params, grads, backs = walk.params, walk.grads, walk.backs
-    input_halves = {
-        op for op in ops if isinstance(op, PipeOp) and op.kind is BI
-    }  # to name the op a send_grad waits for
-    for i, op in enumerate(ops):
-        if isinstance(op, Op):
-            if op.kind not in _FSDP_ACTIONS:
-                raise _fail(
-                    r,
-                    i,
-                    op,
-                    "per-unit events have no place in a pipeline list (the stage ops run them); keep only "
-                    "gather, wait, free, reduce, wait_reduce, copy_in and copy_out",
-                )
-            if stages is None:
-                raise _fail(
-                    r, i, op, "FSDP actions need a schedule made for a plan (plan fingerprint '-' has no units)"
-                )
-            if op.unit not in units:
-                raise _fail(
-                    r,
-                    i,
-                    op,
-                    f"unit {unit_label(op.unit)!r} is not in the plan's stages; units: {', '.join(map(unit_label, units))}",
-                )
-            s = stages.stage_of(op.unit)
-            if ps.rank_of(s) != r:
-                raise _fail(
-                    r,
-                    i,
-                    op,
-                    f"unit {unit_label(op.unit)!r} is in stage {s}, on rank {ps.rank_of(s)}; move the op there",
-                )
-            walk.at = i
-            for rule in UNIT_RULES:
-                rule(walk, op)
-            walk.advance(op)
-            continue
-        s, mb = op.stage, op.micro
-        if s >= S or mb >= m:
-            raise _fail(
-                r, i, op, f"stage {s} / micro-batch {mb} out of range (stages 0..{S - 1}, micro-batches 0..{m - 1})"
-            )
-        if ps.rank_of(s) != r:
-            raise _fail(
-                r,
-                i,
-                op,
-                f"stage {s} runs on rank {ps.rank_of(s)}, not rank {r}; move the op to rank {ps.rank_of(s)}'s list",
-            )
-        if op.kind.is_send or op.kind.is_recv:
-            if not 0 <= op.peer_stage < S:
-                raise _fail(
-                    r,
-                    i,
-                    op,
-                    f"stage {s} has no {'next' if op.peer_stage > s else 'previous'} stage to talk to; remove the op",
-                )
-            if ps.rank_of(op.peer_stage) == r:
-                raise _fail(
-                    r,
-                    i,
-                    op,
-                    f"stages {s} and {op.peer_stage} are both on rank {r}: they pass data in memory; remove the op",
-                )
-        if op in done:
-            raise _fail(r, i, op, f"appears twice (first at op #{done[op]}); each happens once per step")
-        if op.kind is F and s > 0:
-            need = PipeOp(F, s - 1, mb) if ps.rank_of(s - 1) == r else PipeOp(PipeKind.RECV_ACT, s, mb)
-            if need not in done:
-                raise _fail(
-                    r, i, op, f"uses the activation of micro-batch {mb} before it arrives; put '{need}' before it"
-                )
-        if op.kind in (B, BI, BW):
-            # a micro-batch's backward is whole or split in two, not both
-            other = [PipeOp(k, s, mb) for k in ((BI, BW) if op.kind is B else (B,)) if PipeOp(k, s, mb) in done]
-            if other:
-                raise _fail(
-                    r,
-                    i,
-                    op,
-                    f"'{other[0]}' already ran (op #{done[other[0]]}); a micro-batch's backward is either one "
-                    f"'stage_backward s{s} m{mb}' or one 'stage_backward_input s{s} m{mb}' and one "
-                    f"'stage_backward_weight s{s} m{mb}': remove one of them",
-                )
-        if op.kind in (B, BI):
-            if PipeOp(F, s, mb) not in done:
-                raise _fail(r, i, op, f"runs before 'stage_forward s{s} m{mb}'; a backward follows its forward")
-            if s < S - 1:
-                if ps.rank_of(s + 1) == r:
-                    need = next(
-                        (PipeOp(k, s + 1, mb) for k in (BI, B) if PipeOp(k, s + 1, mb) in done), PipeOp(B, s + 1, mb)
-                    )
-                else:
-                    need = PipeOp(PipeKind.RECV_GRAD, s, mb)
-                if need not in done:
-                    raise _fail(
-                        r, i, op, f"uses the gradient of micro-batch {mb} before it arrives; put '{need}' before it"
-                    )
-        if op.kind is BW and PipeOp(BI, s, mb) not in done:
-            raise _fail(
-                r,
-                i,
-                op,
-                f"runs before 'stage_backward_input s{s} m{mb}'; the weight half follows the input half "
-                "(it reuses the output gradient the input half was seeded with)",
-            )
-        if op.kind.is_send:
-            if op.kind is PipeKind.SEND_ACT:
-                src = PipeOp(F, s, mb)
-            else:  # whichever backward the rank runs for (s, mb) computes the input gradient
-                src = PipeOp(BI if PipeOp(BI, s, mb) in input_halves else B, s, mb)
-            if src not in done:
-                raise _fail(r, i, op, f"sends what '{src}' computes before it runs; move the send after it")
-        if op.kind.is_compute:
-            for u in stages.units[s] if stages is not None else ():
-                if params[u] is not UnitState.GATHERED:
-                    raise _fail(
-                        r,
-                        i,
-                        op,
-                        f"stage {s}'s unit {unit_label(u)!r} is not gathered and waited for; put "
-                        f"'gather {unit_label(u)}' and 'wait {unit_label(u)}' before it",
-                    )
+    def advance_stage(self, op: PipeOp) -> None:
+        """Past a stage op: a stage's units' gradients are complete after its last backward."""
         if op.kind.computes_weight_grad:
-            backs[s] = backs.get(s, 0) + 1
-            if backs[s] == m:
-                for u in stages.units[s] if stages is not None else ():
-                    grads[u] = GradState.COMPLETE
-        done[op] = i
-    for s in _stages_on(ps, r):
-        for mb in range(m):
-            missing = PipeOp(F, s, mb) if PipeOp(F, s, mb) not in done else None
-            if missing is None and PipeOp(B, s, mb) not in done:
-                split = [PipeOp(k, s, mb) for k in (BI, BW)]
-                if any(o in done for o in split):
-                    missing = next((o for o in split if o not in done), None)
+            s = op.stage
+            self.backs[s] = self.backs.get(s, 0) + 1
+            if self.backs[s] == self.m:
+                for u in self.stages.units[s] if self.stages is not None else ():
+                    self.grads[u] = GradState.COMPLETE
+        self.done[op] = self.at
+
+
+_F, _B = PipeKind.STAGE_FORWARD, PipeKind.STAGE_BACKWARD
+_BI, _BW = PipeKind.STAGE_BACKWARD_INPUT, PipeKind.STAGE_BACKWARD_WEIGHT
+
+
+# ---- where an FSDP action may stand in a pipeline list (then the shared UNIT_RULES) ----------
+
+
+def _an_fsdp_action(w: _RankWalk, op: Op) -> None:
+    if op.kind not in _FSDP_ACTIONS:
+        w.fail(
+            "per-unit events have no place in a pipeline list (the stage ops run them); keep only "
+            "gather, wait, free, reduce, wait_reduce, copy_in and copy_out"
+        )
+    if w.stages is None:
+        w.fail("FSDP actions need a schedule made for a plan (plan fingerprint '-' has no units)")
+
+
+def _unit_in_a_stage_here(w: _RankWalk, op: Op) -> None:
+    if w.stages is None:  # refused by _an_fsdp_action
+        return
+    if op.unit not in w.all_units:
+        w.fail(
+            f"unit {unit_label(op.unit)!r} is not in the plan's stages; units: {', '.join(map(unit_label, w.all_units))}"
+        )
+    s = w.stages.stage_of(op.unit)
+    if w.ps.rank_of(s) != w.r:
+        w.fail(f"unit {unit_label(op.unit)!r} is in stage {s}, on rank {w.ps.rank_of(s)}; move the op there")
+
+
+# ---- the stage rules: each stage op of one rank's list ---------------------------------------
+
+
+def _stage_here_and_in_range(w: _RankWalk, op: PipeOp) -> None:
+    s, mb, S, m = op.stage, op.micro, w.ps.num_stages, w.m
+    if s >= S or mb >= m:
+        w.fail(f"stage {s} / micro-batch {mb} out of range (stages 0..{S - 1}, micro-batches 0..{m - 1})")
+    if w.ps.rank_of(s) != w.r:
+        w.fail(
+            f"stage {s} runs on rank {w.ps.rank_of(s)}, not rank {w.r}; move the op to rank {w.ps.rank_of(s)}'s list"
+        )
+
+
+def _peer_on_another_rank(w: _RankWalk, op: PipeOp) -> None:
+    if not (op.kind.is_send or op.kind.is_recv):
+        return
+    s = op.stage
+    if not 0 <= op.peer_stage < w.ps.num_stages:
+        w.fail(f"stage {s} has no {'next' if op.peer_stage > s else 'previous'} stage to talk to; remove the op")
+    if w.ps.rank_of(op.peer_stage) == w.r:
+        w.fail(f"stages {s} and {op.peer_stage} are both on rank {w.r}: they pass data in memory; remove the op")
+
+
+def _runs_once(w: _RankWalk, op: PipeOp) -> None:
+    if op in w.done:
+        w.fail(f"appears twice (first at op #{w.done[op]}); each happens once per step")
+
+
+def _forward_after_its_input(w: _RankWalk, op: PipeOp) -> None:
+    s, mb = op.stage, op.micro
+    if op.kind is _F and s > 0:
+        need = PipeOp(_F, s - 1, mb) if w.ps.rank_of(s - 1) == w.r else PipeOp(PipeKind.RECV_ACT, s, mb)
+        if need not in w.done:
+            w.fail(f"uses the activation of micro-batch {mb} before it arrives; put '{need}' before it")
+
+
+def _backward_whole_or_halves(w: _RankWalk, op: PipeOp) -> None:
+    s, mb = op.stage, op.micro
+    if op.kind not in (_B, _BI, _BW):
+        return
+    other = [PipeOp(k, s, mb) for k in ((_BI, _BW) if op.kind is _B else (_B,)) if PipeOp(k, s, mb) in w.done]
+    if other:
+        w.fail(
+            f"'{other[0]}' already ran (op #{w.done[other[0]]}); a micro-batch's backward is either one "
+            f"'stage_backward s{s} m{mb}' or one 'stage_backward_input s{s} m{mb}' and one "
+            f"'stage_backward_weight s{s} m{mb}': remove one of them"
+        )
+
+
+def _backward_after_forward_and_gradient(w: _RankWalk, op: PipeOp) -> None:
+    s, mb = op.stage, op.micro
+    if op.kind not in (_B, _BI):
+        return
+    if PipeOp(_F, s, mb) not in w.done:
+        w.fail(f"runs before 'stage_forward s{s} m{mb}'; a backward follows its forward")
+    if s < w.ps.num_stages - 1:
+        if w.ps.rank_of(s + 1) == w.r:
+            need = next(
+                (PipeOp(k, s + 1, mb) for k in (_BI, _B) if PipeOp(k, s + 1, mb) in w.done), PipeOp(_B, s + 1, mb)
+            )
+        else:
+            need = PipeOp(PipeKind.RECV_GRAD, s, mb)
+        if need not in w.done:
+            w.fail(f"uses the gradient of micro-batch {mb} before it arrives; put '{need}' before it")
+
+
+def _weight_half_after_input_half(w: _RankWalk, op: PipeOp) -> None:
+    s, mb = op.stage, op.micro
+    if op.kind is _BW and PipeOp(_BI, s, mb) not in w.done:
+        w.fail(
+            f"runs before 'stage_backward_input s{s} m{mb}'; the weight half follows the input half "
+            "(it reuses the output gradient the input half was seeded with)"
+        )
+
+
+def _send_after_its_source(w: _RankWalk, op: PipeOp) -> None:
+    if not op.kind.is_send:
+        return
+    s, mb = op.stage, op.micro
+    if op.kind is PipeKind.SEND_ACT:
+        src = PipeOp(_F, s, mb)
+    else:  # whichever backward the rank runs for (s, mb) computes the input gradient
+        src = PipeOp(_BI if PipeOp(_BI, s, mb) in w.input_halves else _B, s, mb)
+    if src not in w.done:
+        w.fail(f"sends what '{src}' computes before it runs; move the send after it")
+
+
+def _stage_units_gathered_for_compute(w: _RankWalk, op: PipeOp) -> None:
+    if not op.kind.is_compute:
+        return
+    for u in w.stages.units[op.stage] if w.stages is not None else ():
+        if w.params[u] is not UnitState.GATHERED:
+            w.fail(
+                f"stage {op.stage}'s unit {unit_label(u)!r} is not gathered and waited for; put "
+                f"'gather {unit_label(u)}' and 'wait {unit_label(u)}' before it"
+            )
+
+
+def _every_micro_batch_runs(w: _RankWalk) -> None:
+    """Each stage of the rank runs forward and backward once per micro-batch."""
+    for s in _stages_on(w.ps, w.r):
+        for mb in range(w.m):
+            missing = PipeOp(_F, s, mb) if PipeOp(_F, s, mb) not in w.done else None
+            if missing is None and PipeOp(_B, s, mb) not in w.done:
+                split = [PipeOp(k, s, mb) for k in (_BI, _BW)]
+                if any(o in w.done for o in split):
+                    missing = next((o for o in split if o not in w.done), None)
                 else:
-                    missing = PipeOp(B, s, mb)
+                    missing = PipeOp(_B, s, mb)
             if missing is not None:
                 raise ScheduleError(
-                    f"invalid pipeline schedule: rank {r} never runs '{missing}'; each stage runs forward and "
+                    f"invalid pipeline schedule: rank {w.r} never runs '{missing}'; each stage runs forward and "
                     "backward once per micro-batch (a backward whole, or its input and weight halves)"
                 )
-    walk.at = len(ops) - 1
-    for final_rule in UNIT_FINAL_RULES:
+
+
+# [Note: the pipeline's rule tables]
+# A rank's list holds two vocabularies. Its FSDP actions stand where the rank holds their unit,
+# then follow UNIT_RULES, the single-stage validator's own table ([Note: one table of unit
+# rules]). Its stage ops follow STAGE_RULES: compute after its inputs, once, whole or in halves,
+# sends after what they send, a stage's units gathered while it computes. The walk's state
+# (each unit's, each stage op done) is one value, _RankWalk, that every rule reads.
+FSDP_ACTION_RULES = (_an_fsdp_action, _unit_in_a_stage_here, *UNIT_RULES)
+STAGE_RULES = (
+    _stage_here_and_in_range,
+    _peer_on_another_rank,
+    _runs_once,
+    _forward_after_its_input,
+    _backward_whole_or_halves,
+    _backward_after_forward_and_gradient,
+    _weight_half_after_input_half,
+    _send_after_its_source,
+    _stage_units_gathered_for_compute,
+)
+RANK_FINAL_RULES = (_every_micro_batch_runs, *UNIT_FINAL_RULES)
+
+
+def _check_rank(ps: PipelineSchedule, r: int, stages: Stages | None, offloaded: frozenset[str] = frozenset()) -> None:
+    """One rank's list alone, under the rule tables ([Note: the pipeline's rule tables])."""
+    walk = _RankWalk(ps, r, stages, offloaded)
+    for i, op in enumerate(walk.ops):
+        walk.at = i
+        if isinstance(op, Op):
+            for rule in FSDP_ACTION_RULES:
+                rule(walk, op)
+            walk.advance(op)
+        else:
+            for stage_rule in STAGE_RULES:
+                stage_rule(walk, op)
+            walk.advance_stage(op)
+    walk.at = len(walk.ops) - 1
+    for final_rule in RANK_FINAL_RULES:
         final_rule(walk)
 
 
