@@ -188,7 +188,8 @@ def save(
 def read_info(path: str | os.PathLike) -> dict:
     """The ``fsdpfn.json`` of the checkpoint at ``path`` (a root or one checkpoint directory):
     ``values`` (the non-tensor leaves, e.g. ``step``), ``tensors`` (path -> shape, dtype,
-    placements at save time), ``plan`` (``Plan.from_json(json.dumps(info["plan"]))``),
+    placements at save time), ``plan`` (``Plan.from_json(json.dumps(info["plan"]))``; a
+    pipelined plan's, whose JSON has ``"stages"``, with ``PipelinedPlan.from_json``),
     ``world_size``, ``name``, ``files`` (relative path -> bytes, sha256), ``dir``.
 
     A root resolves like :func:`fsdpfn.checkpoint.latest` (falling back past an incomplete
