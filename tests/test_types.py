@@ -24,21 +24,67 @@ needs_mypy = pytest.mark.skipif(
 )
 
 
-@needs_mypy
-def test_fsdpfn_type_checks_with_no_errors(monkeypatch):
-    # The files and options come from pyproject.toml ([tool.mypy]), as for `python -m mypy` typed
-    # at the repo root; run in this process (mypy.api), not in a fresh interpreter.
+USER_CODE = """
+import fsdpfn
+from fsdpfn.models import GPT, GPTConfig
+
+model = GPT(GPTConfig())
+units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
+pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=units)
+stage = pp.stage_plan(0)
+fsdpfn.shard(model, stage)
+fsdpfn.runtime.PipelineRuntime(model, pp, "1f1b", 2, loss_fn=lambda out, y: out.mean())
+fsdpfn.shard(model, pp)  # line 11: a whole pipelined plan
+fsdpfn.runtime.Runtime(model, pp)  # line 12
+fsdpfn.runtime.PipelineRuntime(model, stage, "1f1b", 2, loss_fn=lambda out, y: out.mean())  # line 13: a stage's
+"""
+
+
+@pytest.fixture(scope="module")
+def mypy_report(tmp_path_factory):
+    """One mypy run, in this process (mypy.api), over fsdpfn with pyproject.toml's options (as
+    ``python -m mypy`` typed at the repo root) and over a user's script (:data:`USER_CODE`):
+    ``(errors by file, the report)``."""
     from mypy import api
 
-    monkeypatch.chdir(ROOT)
+    user = tmp_path_factory.mktemp("mypy") / "a_users_script.py"
+    user.write_text(USER_CODE)
     cache = os.environ.get("MYPY_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdpfn-mypy"
     )
-    out, err, code = api.run(["--cache-dir", cache])
-    assert code == 0, (
-        f"mypy found errors (fix the code; a narrow `# type: ignore[code]` only where torch's stubs are wrong):\n{out}{err}"
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        out, err, _ = api.run(["--cache-dir", cache, "fsdpfn", str(user)])
+    finally:
+        os.chdir(here)
+    errors: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if ": error:" in line:
+            # by name: mypy's cache replays a module's errors under the path it first had
+            path = line.split(":", 1)[0]
+            errors.setdefault("user" if os.path.basename(path) == user.name else "fsdpfn", []).append(line)
+    return errors, out + err
+
+
+@needs_mypy
+def test_fsdpfn_type_checks_with_no_errors(mypy_report):
+    errors, report = mypy_report
+    assert not errors.get("fsdpfn"), (
+        f"mypy found errors (fix the code; a narrow `# type: ignore[code]` only where torch's stubs are wrong):\n{report}"
     )
-    assert "Success: no issues found" in out, out + err
+    assert "Found" in report or "Success" in report, report  # mypy ran to its summary
+
+
+@needs_mypy
+def test_a_type_checker_sees_a_pipelined_plan_handed_to_a_whole_plan_transform(mypy_report):
+    """``PipelinedPlan`` is not a ``Plan``: user code that hands one to ``shard`` or ``Runtime``
+    (or a stage's ``Plan`` to ``PipelineRuntime``) fails mypy on those lines and no other."""
+    errors, report = mypy_report
+    user = errors.get("user", [])
+    assert sorted(int(line.split(":")[1]) for line in user) == [11, 12, 13], report
+    assert all('"PipelinedPlan"' in e and 'expected "Plan"' in e for e in user[:2]), user
+    assert 'type "Plan"; expected "PipelinedPlan"' in user[2], user
 
 
 def test_the_mypy_config_keeps_its_checks():
@@ -56,39 +102,3 @@ def test_the_mypy_config_keeps_its_checks():
         assert set(override) <= {"module", "ignore_missing_imports"}, (
             f"an override may only excuse missing stubs: {override}"
         )
-
-
-USER_CODE = """
-import fsdpfn
-from fsdpfn.models import GPT, GPTConfig
-
-model = GPT(GPTConfig())
-units = ["embed", "pos", "blocks.0", "blocks.1", "norm", "head"]
-pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=units)
-stage = pp.stage_plan(0)
-fsdpfn.shard(model, stage)
-fsdpfn.runtime.PipelineRuntime(model, pp, "1f1b", 2, loss_fn=lambda out, y: out.mean())
-fsdpfn.shard(model, pp)  # line 11: a whole pipelined plan
-fsdpfn.runtime.Runtime(model, pp)  # line 12
-fsdpfn.runtime.PipelineRuntime(model, stage, "1f1b", 2, loss_fn=lambda out, y: out.mean())  # line 13: a stage's
-"""
-
-
-@needs_mypy
-def test_a_type_checker_sees_a_pipelined_plan_handed_to_a_whole_plan_transform(monkeypatch, tmp_path):
-    """``PipelinedPlan`` is not a ``Plan``: user code that hands one to ``shard`` or ``Runtime``
-    (or a stage's ``Plan`` to ``PipelineRuntime``) fails mypy on those lines and no other."""
-    from mypy import api
-
-    monkeypatch.chdir(ROOT)
-    user = tmp_path / "user_code.py"
-    user.write_text(USER_CODE)
-    cache = os.environ.get("MYPY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdpfn-mypy"
-    )
-    out, err, code = api.run(["--cache-dir", cache, "--follow-imports=silent", "--ignore-missing-imports", str(user)])
-    errors = [line for line in out.splitlines() if ": error:" in line]
-    lines = sorted(int(line.split(":")[1]) for line in errors)
-    assert lines == [11, 12, 13], out + err
-    assert all('"PipelinedPlan"' in e and 'expected "Plan"' in e for e in errors[:2]), errors
-    assert 'type "Plan"; expected "PipelinedPlan"' in errors[2], errors
