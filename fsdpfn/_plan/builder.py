@@ -281,7 +281,8 @@ def plan(
         ``shard`` (data parallel, sharded), ``replicate`` (data parallel, replicated) and
         ``tp`` (tensor parallel). 1-D: shard over it, whatever its name but ``"tp"``, ``"ep"``,
         ``"cp"`` and ``"pp"`` (refused: each needs a data-parallel axis beside it, size 1 is
-        fine, and the error builds that mesh). It must span
+        fine, and the error builds that mesh). A mesh with a ``pp`` axis is cut into pipeline
+        stages by :func:`pipeline_plan`, not here. It must span
         every process of the job (its size is the world size). 2-D named
         ``("replicate", "shard")``: HSDP. ``("dp", "tp")``: FSDP x tensor parallel;
         ``("replicate", "shard", "tp")``: HSDP x tensor parallel; ``("ep", "edp")``: expert
@@ -335,14 +336,14 @@ def plan(
       the plan.
 
     Raises:
-      ValueError: a unit naming no module, a parameter shared by two units (tied weights split
-        across units), a mesh axis without a role, a pattern matching no name (or only names an
-          earlier pattern claims), a dim that does not divide over tp, a tp layout the model
-          cannot compute (a split Linear beside whole ones, a colwise layer without a rowwise
-          partner, a head count tp does not divide), an unknown strategy, a live mesh with fewer
-          ranks than the job, a 1-D mesh named ``"ep"``, expert weights that no module
-          dispatches over ``ep`` (no ``set_ep_group``) or that are a torch layer's weight (a
-          router).
+      ValueError: a mesh with a ``pp`` axis (use :func:`pipeline_plan`), a unit naming no module,
+        a parameter shared by two units (tied weights split across units), a mesh axis without a
+        role, a pattern matching no name (or only names an earlier pattern claims), a dim that
+        does not divide over tp, a tp layout the model cannot compute (a split Linear beside whole
+        ones, a colwise layer without a rowwise partner, a head count tp does not divide), an
+        unknown strategy, a live mesh with fewer ranks than the job, a 1-D mesh named ``"ep"``,
+        expert weights that no module dispatches over ``ep`` (no ``set_ep_group``) or that are a
+        torch layer's weight (a router).
       NotImplementedError: tensor-parallel embeddings, expert parallelism beside a tp axis or
         after a replicate axis that is not the first mesh dim, a ``colwise_fused`` weight
         sharded over a data-parallel axis of more than one rank.

@@ -12,12 +12,12 @@ annotates with ``PlanValues``; everything outside it sees ``Plan`` or ``Pipeline
 
 [Note: a pipelined plan is its own type]
 A pipelined plan holds every stage's units, while each pp rank runs its own stages only. So a
-transform over the whole plan (``shard``, ``unshard``, ``Runtime``, ``init_shards``, a
-checkpoint load) would hold and step every stage on every rank: a model that trains without
-its pipeline. Its own class, which is not a ``Plan``, lets a type checker catch that hand-over,
-and every entry point refuses it by one ``isinstance`` test (``transforms._gather.
-check_plan_kind``) that names the way in: ``PipelineRuntime``, or ``stage_plan(stage)``, a
-``Plan``.
+transform over the whole plan (``shard``, ``unshard``, ``reduce``, ``init_shards``,
+``load_safetensors``, ``verify``, ``Runtime``) would hold and step every stage on every rank: a
+model that trains without its pipeline. Its own class, which is not a ``Plan``, lets a type
+checker catch that hand-over, and every entry point refuses it by one ``isinstance`` test
+(``fsdpfn.transforms.check_plan_kind``) that names the way in: ``PipelineRuntime``, or
+``stage_plan(stage)``, a ``Plan``.
 """
 
 from __future__ import annotations
