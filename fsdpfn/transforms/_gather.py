@@ -27,7 +27,16 @@ def check_plan_kind(plan: Any, what: str) -> None:
     """Raises ``ValueError`` unless ``plan`` is a :class:`fsdpfn.Plan`, naming the way in for a
     :class:`fsdpfn.PipelinedPlan`: each pp rank holds its own stages' parameters only, so a
     transform over every parameter of the plan would hold (and step) every stage on every rank,
-    a model that trains without its pipeline ([Note: a pipelined plan is its own type])."""
+    a model that trains without its pipeline ([Note: a pipelined plan is its own type]).
+
+    Example:
+      >>> fsdpfn.transforms.check_plan_kind(plan, "my_transform")  # a Plan passes
+      >>> pp = fsdpfn.pipeline_plan(model, {"pp": 2, "dp": 1}, units=["embed", "pos", "blocks.0", "blocks.1", "norm", "head"])
+      >>> fsdpfn.transforms.check_plan_kind(pp, "my_transform")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_transform: the plan is cut into 2 pipeline stages (a fsdpfn.PipelinedPlan), ...
+    """
     if isinstance(plan, PipelinedPlan):
         raise ValueError(
             f"{what}: the plan is cut into {plan.stages.num_stages} pipeline stages (a fsdpfn.PipelinedPlan), and each pp "
